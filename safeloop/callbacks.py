@@ -1,0 +1,28 @@
+"""Callback objects: the Trainer's hooks, as separate objects.
+
+A callback's hook receives the trainer first: ``on_step_end(self, trainer, losses)``.
+Only hooks a callback overrides are called.
+"""
+from __future__ import annotations
+
+HOOKS = (
+    "on_fit_start",
+    "on_step_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_step_end",
+    "on_validation_end",
+    "on_fit_end",
+)
+
+
+class Callback:
+    def on_fit_start(self, trainer) -> None: ...
+    def on_step_start(self, trainer) -> None: ...
+    def on_before_backward(self, trainer, name, loss) -> None: ...
+    def on_after_backward(self, trainer, name) -> None: ...
+    def on_before_optimizer_step(self, trainer, name, optimizer) -> None: ...
+    def on_step_end(self, trainer, losses) -> None: ...
+    def on_validation_end(self, trainer, metrics) -> None: ...
+    def on_fit_end(self, trainer) -> None: ...

@@ -1,0 +1,52 @@
+"""Device and precision resolution, checked at start-up."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .errors import ConfigError
+
+PRECISIONS = ("32", "bf16", "16")
+
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``; a clear error otherwise."""
+    spec = "auto" if spec is None else str(spec)
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"device={spec!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={spec!r} asks for CUDA, but torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}). Use device=cpu, or device=auto to take CUDA only when present")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device={spec!r}: there are {torch.cuda.device_count()} CUDA devices (0.."
+                f"{torch.cuda.device_count() - 1}); pick one of them or use device=cuda")
+    elif device.type != "cpu":
+        raise ConfigError(f"device={spec!r} is not supported: use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_precision(precision: str | int, device: torch.device) -> str:
+    precision = str(precision)
+    if precision in ("32-true", "fp32"):
+        precision = "32"
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not one of 32, bf16, 16")
+    if precision == "16" and device.type != "cuda":
+        raise ConfigError("precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 or 32")
+    return precision
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward's autocast context for ``precision`` (none for 32)."""
+    if precision == "32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -1,0 +1,111 @@
+"""The exceptions and warnings users catch.
+
+Every graph-lifecycle error carries where it happened (``step``, ``loss_name``),
+what it found (``node_name``, ``holder``) and what to do (``fixes``); its message
+is one paragraph built from those fields.
+"""
+from __future__ import annotations
+
+
+class SafeloopError(RuntimeError):
+    """Base of everything safeloop raises on purpose."""
+
+
+class ConfigError(SafeloopError, ValueError):
+    """Bad configuration or bad arguments, found at start-up. Lists every problem."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        head = "invalid configuration" if len(self.problems) > 1 else "invalid configuration:"
+        body = "\n".join(f"  - {p}" for p in self.problems) if len(self.problems) > 1 else " " + self.problems[0]
+        super().__init__(head + (":\n" if len(self.problems) > 1 else "") + body)
+
+
+class StepError(SafeloopError):
+    """A training step failed; the step was abandoned and nothing was changed."""
+
+    def __init__(self, message: str, step: int | None = None):
+        self.step = step
+        super().__init__(message)
+
+
+class GraphLifecycleError(SafeloopError):
+    """An autograd-graph mistake, seen before it could corrupt the step."""
+
+    what = "autograd graph problem"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        step: int | None = None,
+        loss_name: str | None = None,
+        node_name: str | None = None,
+        holder: str | None = None,
+        fixes: list[str] | None = None,
+        picture: str | None = None,
+    ):
+        self.detail = detail
+        self.step = step
+        self.loss_name = loss_name
+        self.node_name = node_name
+        self.holder = holder
+        self.fixes = list(fixes or [])
+        self.picture = picture
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = []
+        if self.step is not None:
+            where.append(f"step {self.step}")
+        if self.loss_name is not None:
+            where.append(f"loss '{self.loss_name}'")
+        text = f"{self.what} ({', '.join(where)}): " if where else f"{self.what}: "
+        text += self.detail.rstrip(".") + "."
+        if self.fixes:
+            text += " To fix: " + "; or ".join(f.rstrip(".") for f in self.fixes) + "."
+        if self.picture:
+            text += f" Graph picture: {self.picture}"
+        return text
+
+    def __reduce__(self):  # keep fields across pickling (torchrun, multiprocessing)
+        return (_rebuild, (type(self), self.detail, self.__dict__))
+
+
+def _rebuild(cls, detail, fields):
+    err = cls.__new__(cls)
+    err.__dict__.update(fields)
+    RuntimeError.__init__(err, err._message())
+    return err
+
+
+class GraphReuseError(GraphLifecycleError):
+    what = "graph built before the step is reused"
+
+
+class DoubleBackwardError(GraphLifecycleError):
+    what = "backward through a graph that was already consumed"
+
+
+class CarriedGraphError(GraphLifecycleError):
+    what = "graph carried over from an earlier step"
+
+
+class NoGraphError(GraphLifecycleError):
+    what = "loss has no autograd graph"
+
+
+class InplaceModificationError(GraphLifecycleError):
+    what = "a tensor saved for backward was modified in place"
+
+
+class GraphSharingWarning(UserWarning):
+    """The step's loss reaches a graph built before the step that holds no saved tensors.
+
+    It works, because nothing there is freed by backward, but it breaks as soon as an
+    operation that saves a tensor is added to that graph.
+    """
+
+
+class GraphLeakWarning(UserWarning):
+    """A step's autograd graph is still alive after the step ended."""

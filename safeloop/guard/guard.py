@@ -1,0 +1,395 @@
+"""The graph-lifecycle guard: pre-flight checks before backward, explanations after.
+
+One ``Guard`` lives in a Trainer. Per step the Trainer calls, in order:
+``begin_step`` (decides whether this step is checked and reads the node counter),
+``preflight`` (before any backward: raises or warns, and says which backwards must
+retain the graph), ``explain`` (only when a backward raised), ``end_step`` (leaks).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+import weakref
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..errors import (
+    CarriedGraphError,
+    DoubleBackwardError,
+    GraphLeakWarning,
+    GraphLifecycleError,
+    GraphReuseError,
+    GraphSharingWarning,
+    InplaceModificationError,
+    NoGraphError,
+)
+from . import explain, walk
+from .render import render
+
+log = logging.getLogger("safeloop.guard")
+
+CHECKS = ("auto", "always", "off")
+REUSE_POLICIES = ("error", "warn", "retain")
+_SENTINEL = "safeloop_sentinel"
+_TRACE_HINT = "set guard.trace=true (anomaly mode) to have the error name the line that created it"
+
+
+class _Sentinel:
+    """Put in a loss node's metadata: it dies with the node, so a live one means a leak."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Guard:
+    """Checks the autograd graph of every loss the Trainer back-propagates.
+
+    Args:
+        on_reuse: what to do when a step's loss reaches a graph built before training
+            started: ``error`` (default), ``warn`` (and retain it), ``retain`` (retain
+            it silently; the reused graph's buffers then stay in memory for the whole run).
+        check: ``always`` walks the graph every step; ``auto`` every step for the first
+            ``warmup`` steps, then on a schedule that keeps the measured cost of checks
+            under ``budget`` of the measured step time; ``off`` never walks. Errors raised
+            by backward itself are explained in every mode.
+        trace: turn on anomaly mode so that errors name the line that made the tensor
+            at fault (slow: use it to debug, not to train).
+        out_dir: where graph pictures are written on error.
+    """
+
+    def __init__(
+        self,
+        on_reuse: str = "error",
+        check: str = "auto",
+        trace: bool = False,
+        warmup: int = 10,
+        budget: float = 0.01,
+        out_dir: str | Path | None = None,
+    ):
+        self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)
+        self.warmup, self.budget = warmup, budget
+        self.out_dir = Path(out_dir) if out_dir else Path("safeloop_graphs")
+        self.fit_seq: int | None = None  # node counter when training started
+        self.start_seq: int | None = None  # node counter at the start of this (checked) step
+        self.last_seq: int | None = None  # newest loss node of the previous step
+        self.checking = False
+        self.interval = 1
+        self.spent = 0.0  # seconds spent checking in this step
+        self._cost = self._step_time = 0.0
+        self._sentinels: list[weakref.ref] = []
+        self._warned: set[str] = set()
+
+    # -- schedule ------------------------------------------------------------------
+    def context(self):
+        """Wraps the whole fit: anomaly mode when ``trace`` is on."""
+        return torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext()
+
+    def start_fit(self) -> None:
+        self.fit_seq = walk.sequence_now()
+
+    def begin_step(self, step: int) -> bool:
+        """Decide whether ``step`` is checked; read the node counter if so."""
+        if self.check == "off":
+            self.checking = False
+        elif self.check == "always" or step <= self.warmup:
+            self.checking = True
+        else:
+            self.checking = step % self.interval == 0
+        self.spent = 0.0
+        if self.checking:
+            t0 = time.perf_counter()
+            self.start_seq = walk.sequence_now()
+            self.spent += time.perf_counter() - t0
+        else:
+            self.start_seq = None
+        return self.checking
+
+    def record_step_time(self, seconds: float) -> None:
+        """Feed the measured step time; re-plans the ``auto`` schedule."""
+        if self.checking:
+            self._cost = self.spent if not self._cost else 0.8 * self._cost + 0.2 * self.spent
+        bare = seconds - self.spent
+        self._step_time = bare if not self._step_time else 0.9 * self._step_time + 0.1 * bare
+        if self._step_time > 0 and self._cost:
+            self.interval = max(1, math.ceil(self._cost / (self.budget * self._step_time)))
+
+    # -- before backward -----------------------------------------------------------
+    def preflight(
+        self, losses: Mapping[str, torch.Tensor], step: int, trainer: Any = None, batch: Any = None
+    ) -> list[bool] | None:
+        """Check every loss of the step before any backward runs.
+
+        Returns, per loss in order, whether its backward must retain the graph (because
+        a later loss shares nodes with it, or a reused graph is being retained); None
+        when this step is not checked (the caller then retains on all but the last).
+        """
+        for name, loss in losses.items():
+            if loss.grad_fn is None:
+                raise self.no_graph(name, loss, step, trainer, batch)
+        if not self.checking:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self._preflight(losses, step, trainer, batch)
+        finally:
+            self.spent += time.perf_counter() - t0
+
+    def _preflight(self, losses, step, trainer, batch) -> list[bool]:
+        seen: dict[int, Any] = {}
+        owner: dict[int, int] = {}
+        retain = [False] * len(losses)
+        for i, (name, loss) in enumerate(losses.items()):
+            root = loss.grad_fn
+            if id(root) in owner:  # the same graph returned twice
+                retain[owner[id(root)]] = True
+                continue
+            found = walk.walk(root, self.start_seq, step, seen)
+            for node in found.nodes:
+                owner.setdefault(id(node), i)
+                for nxt, _ in node.next_functions:
+                    j = owner.get(id(nxt))
+                    if j is not None and j != i:
+                        retain[j] = True
+            if found.before:
+                retain[i] |= self._before_step(found.before, name, loss, step, trainer, batch)
+            self._check_consumed(found.nodes, name, loss, step, trainer)
+            if len(self._sentinels) < len(losses):
+                sentinel = _Sentinel()
+                root.metadata[_SENTINEL] = sentinel
+                self._sentinels.append(weakref.ref(sentinel))
+        return retain
+
+    def _before_step(self, nodes, name, loss, step, trainer, batch) -> bool:
+        """Nodes made before the step: carried (earlier step) or reused (before training)."""
+        def made_before_fit(node) -> bool:
+            if self.fit_seq is not None and walk.HAS_SEQ:
+                return node._sequence_nr() < self.fit_seq
+            return walk.node_step(node) in (None, 1)  # fallback: first seen in the first step
+
+        carried = [n for n in nodes if not made_before_fit(n)]
+        if carried:
+            raise self._error(CarriedGraphError, carried[0], name, loss, step, trainer, batch,
+                "the loss reaches {node}, created during an earlier step and held by {holder}; its graph "
+                "is back-propagated again in every step, grows every step, and its buffers were freed by "
+                "the first backward",
+                ["detach the carried state at the end of each step ({holder_or} = {holder_or}.detach()) "
+                 "so each step back-propagates through its own graph only (truncated BPTT)",
+                 "or recompute it inside training_step from its inputs"])
+        saving = [n for n in nodes if walk.holds_tensors(n)]
+        if not saving:
+            key = f"share:{type(nodes[0]).__name__}"
+            if key not in self._warned:
+                self._warned.add(key)
+                holder = explain.find_holder(nodes[0], trainer, batch, scan_gc=False)
+                warnings.warn(GraphSharingWarning(
+                    f"step {step}, loss '{name}': the loss reaches {type(nodes[0]).__name__}, built before "
+                    f"training started and held by {holder or 'a tensor made outside the step'}. It saves no "
+                    "tensors, so backward works today, but the same graph is shared by every step and breaks "
+                    "as soon as an operation that saves its inputs is added. Compute it inside "
+                    "training_step, or store it detached."), stacklevel=4)
+            return False
+        node = saving[0]
+        freed = walk.is_freed(walk.unpack_error(node))
+        if self.on_reuse == "error" or freed:
+            state = ("an earlier backward already freed its saved tensors, so this backward would fail"
+                     if freed else
+                     "this step's backward will free its saved tensors, and the next step would fail with "
+                     "'Trying to backward through the graph a second time'")
+            raise self._error(GraphReuseError, node, name, loss, step, trainer, batch,
+                "the loss reaches {node}, built before the step (in __init__, at module level or before "
+                "fit) and held by {holder}; " + state,
+                ["recompute {holder_or} inside training_step, so every step builds its own graph",
+                 "if it is a constant input, store {holder_or}.detach() instead",
+                 "do not pass retain_graph=True: it would back-propagate the same stale graph every step"])
+        key = f"retain:{type(node).__name__}"
+        if key not in self._warned:
+            self._warned.add(key)
+            msg = (f"step {step}, loss '{name}': reusing a graph built before the step "
+                   f"({type(node).__name__}); guard.on_reuse={self.on_reuse} retains it: it stays in memory "
+                   "and receives gradient every step")
+            if self.on_reuse == "warn":
+                warnings.warn(GraphSharingWarning(msg), stacklevel=4)
+            log.info(msg)
+        return True
+
+    def _check_consumed(self, nodes, name, loss, step, trainer) -> None:
+        """A graph a non-retaining backward already consumed (within this step)."""
+        checked = 0
+        for node in nodes:
+            if walk.saved_attrs(node):
+                err = walk.unpack_error(node)
+                if walk.is_freed(err):
+                    raise self._error(DoubleBackwardError, node, name, loss, step, trainer, None,
+                        "its graph was already back-propagated without retain_graph (its saved tensors are "
+                        "freed): training_step, a hook or an earlier loss called backward on it",
+                        ["do not call loss.backward() in training_step: return the loss and the Trainer "
+                         "runs backward (or drive the step yourself with self.backward / self.step)",
+                         "if two losses share a graph, return them together as a dict and the Trainer "
+                         "retains the graph where needed"])
+                checked += 1
+                if checked == 2:
+                    return
+
+    # -- loss without a graph --------------------------------------------------------
+    def no_graph(self, name, loss, step, trainer=None, batch=None) -> NoGraphError:
+        params = list(trainer.model.parameters()) if trainer is not None and hasattr(trainer, "model") else []
+        if loss.is_inference():
+            why = "it was computed under torch.inference_mode()"
+            fixes = ["remove torch.inference_mode() from training_step (keep it for evaluation)"]
+        elif params and not any(p.requires_grad for p in params):
+            why = "every parameter of the model has requires_grad=False (all frozen)"
+            fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
+                     "or leave the frozen model out of training"]
+        else:
+            seen = trainer.rerun_recorded(batch) if trainer is not None and batch is not None else None
+            why, fixes = _why_detached(seen)
+        return NoGraphError(
+            f"{why}, so backward has nothing to differentiate (loss is a {loss.dtype} tensor with "
+            "requires_grad=False and no grad_fn)", step=step, loss_name=name, fixes=fixes)
+
+    # -- after a backward raised -------------------------------------------------------
+    def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
+                trainer: Any = None, batch: Any = None, stepped: list[str] | None = None):
+        """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated)."""
+        text = str(err)
+        if walk.is_freed(err):
+            start = self.start_seq or (self.last_seq + 1 if self.last_seq is not None else None)
+            found = walk.walk(loss.grad_fn, start, step) if start is not None else None
+            if found is not None and found.before:
+                self.checking = True
+                try:
+                    self._before_step(found.before, name, loss, step, trainer, batch)
+                except GraphLifecycleError as explained:
+                    return explained
+            return self._error(DoubleBackwardError, None, name, loss, step, trainer, batch,
+                "backward reached a graph whose saved tensors an earlier backward already freed (" +
+                text.split(".")[0] + ")",
+                ["do not call backward on the same loss twice, nor in training_step; return the loss",
+                 "if several losses share a graph, return them together as a dict and the Trainer retains "
+                 "the graph where needed",
+                 "compute tensors used by every step inside training_step, or store them detached"])
+        if walk.is_inplace(err):
+            tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
+            if stepped:
+                detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
+                          f"before its backward, changing parameters its graph saved ({tensor})")
+                fixes = ["recompute the loss after the optimizer step",
+                         "or step the optimizer after this backward"]
+            else:
+                detail = (f"a tensor the graph saved for backward ({tensor}) was changed in place "
+                          "after it was used")
+                fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
+                         "or .clone() the tensor before changing it",
+                         _TRACE_HINT + " (for anomaly-mode tracebacks)"]
+            return self._error(InplaceModificationError, None, name, loss, step, trainer, batch,
+                               detail, fixes)
+        if "does not require grad" in text:
+            return self.no_graph(name, loss, step, trainer, batch)
+        return None
+
+    def inplace_check(self, loss: torch.Tensor, since_seq: int) -> RuntimeError | None:
+        """Unpack the saved tensors of nodes made before ``since_seq`` (an optimizer step)."""
+        found = walk.walk(loss.grad_fn, since_seq, 0)
+        for node in found.nodes + found.before:
+            err = walk.unpack_error(node)
+            if walk.is_inplace(err):
+                return err
+        return None
+
+    # -- after the step ------------------------------------------------------------------
+    def end_step(self, step: int, trainer: Any = None) -> None:
+        """Warn if a graph of this step is still alive (``running_loss += loss``)."""
+        if not self._sentinels:
+            return
+        t0 = time.perf_counter()
+        alive = [ref() for ref in self._sentinels]
+        self._sentinels.clear()
+        for sentinel in alive:
+            if sentinel is None:
+                continue
+            holder = _leak_holder(sentinel, trainer)
+            if holder in self._warned:
+                continue
+            self._warned.add(holder)
+            warnings.warn(GraphLeakWarning(
+                f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
+                "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "
+                "loss.detach() instead of the loss tensor"), stacklevel=3)
+        self.spent += time.perf_counter() - t0
+
+    # -- messages ------------------------------------------------------------------------
+    def _error(self, cls, node, name, loss, step, trainer, batch, detail, fixes) -> GraphLifecycleError:
+        holder = explain.find_holder(node, trainer, batch) if node is not None else None
+        node_name = type(node).__name__ if node is not None else None
+        names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
+                 "holder_or": holder or "that tensor"}
+        line = explain.traceback_of(node) if node is not None else None
+        detail = detail.format(**names)
+        if line:
+            detail += f"; it was created at: {line}"
+        elif node is not None and not self.trace:
+            fixes = fixes + [_TRACE_HINT]
+        picture = None
+        try:
+            path = self.out_dir / f"step{step}_{name}.dot"
+            picture = render(loss.grad_fn, path, [node] if node is not None else ())
+        except OSError:
+            pass
+        return cls(detail, step=step, loss_name=name, node_name=node_name, holder=holder,
+                   fixes=[f.format(**names) for f in fixes], picture=picture)
+
+
+def _leak_holder(sentinel, trainer) -> str:
+    for name, tensor in explain.candidates(trainer):
+        fn = tensor.grad_fn
+        stack, seen = [fn], set()
+        while stack and len(seen) < 20_000:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.metadata.get(_SENTINEL) is sentinel:
+                return f"`{name}`"
+            stack.extend(n for n, _ in node.next_functions)
+    return "a reference kept outside the step (a list, a global, a closure)"
+
+
+class Recorder(TorchFunctionMode):
+    """Records how a training_step lost its graph: no_grad, detach, .item()."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        grads = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if grads:
+            if name in ("detach", "detach_"):
+                self.seen.add("detach")
+            elif name in ("item", "tolist", "numpy"):
+                self.seen.add("item")
+            elif not torch.is_grad_enabled():
+                self.seen.add("no_grad")
+        return func(*args, **(kwargs or {}))
+
+
+def _why_detached(seen: set[str] | None) -> tuple[str, list[str]]:
+    if seen and "no_grad" in seen:
+        return ("it was computed under torch.no_grad() (or with grad mode disabled)",
+                ["compute the loss outside torch.no_grad(); keep no_grad for evaluation only"])
+    if seen and "item" in seen:
+        return ("it was rebuilt from Python numbers (.item() / .tolist() / .numpy()), which cuts the graph",
+                ["keep the computation in tensors: use the tensor itself, not tensor.item()"])
+    if seen and "detach" in seen:
+        return ("it was built from detached tensors (.detach()), which cuts the graph",
+                ["remove .detach() on the path from the parameters to the loss "
+                 "(detach only what must not receive gradient, e.g. fake samples in a GAN's D step)"])
+    return ("it does not depend on any tensor that requires grad (computed under no_grad, from detached "
+            "or .item() values, or from inputs only)",
+            ["make sure the loss is computed from the model's output inside training_step, with grad enabled"])

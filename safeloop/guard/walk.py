@@ -1,0 +1,133 @@
+"""Walking an autograd graph from a loss, bounded to the nodes of the current step.
+
+Facts this rests on (torch >= 2.4, checked on 2.13):
+- ``node._sequence_nr()`` is a per-thread counter taken when the node is created, so
+  a node whose number is below the counter read at step start was made before the
+  step. AccumulateGrad nodes (parameters and other leaves) carry 2**64-1 and are
+  never reported. The method is private: without it, nodes are told apart by the
+  step number written into ``node.metadata`` when an earlier walk saw them.
+- Reading a ``_saved_*`` attribute unpacks the saved tensor: it raises when
+  backward already freed it, and when the tensor was modified in place since.
+  ``_raw_saved_*`` tells that a node saves a tensor without unpacking it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MARK = "safeloop_step"  # node.metadata key: the step whose walk first saw the node
+_LEAF = 2**64 - 1
+HAS_SEQ = hasattr(torch.ones(1, requires_grad=True).view(1).grad_fn, "_sequence_nr")
+_probe = torch.zeros((), requires_grad=True)
+_saved_attrs: dict[type, tuple[str, ...]] = {}
+
+
+def sequence_now() -> int:
+    """The autograd node counter of this thread now (creates and drops one node)."""
+    if not HAS_SEQ:
+        return 0
+    with torch.enable_grad():
+        return _probe.view(()).grad_fn._sequence_nr() + 1
+
+
+def saved_attrs(node) -> tuple[str, ...]:
+    """Names of the tensors-or-scalars the node's type saves for backward (cached per type)."""
+    kind = type(node)
+    names = _saved_attrs.get(kind)
+    if names is None:
+        names = tuple(n[len("_raw"):] for n in dir(node) if n.startswith("_raw_saved_"))
+        _saved_attrs[kind] = names
+    return names
+
+
+def holds_tensors(node) -> bool:
+    """Whether backward through ``node`` needs buffers that a non-retaining backward frees."""
+    return bool(saved_attrs(node)) or type(node).__name__.endswith("FunctionBackward")
+
+
+def unpack_error(node) -> RuntimeError | None:
+    """Unpack the node's saved tensors; return the error PyTorch raises, if any."""
+    for name in saved_attrs(node):
+        try:
+            getattr(node, name)
+        except RuntimeError as err:
+            return err
+    return None
+
+
+def is_freed(err: BaseException | None) -> bool:
+    return err is not None and "freed" in str(err)
+
+
+def is_inplace(err: BaseException | None) -> bool:
+    return err is not None and "modified by an inplace operation" in str(err)
+
+
+def node_step(node) -> int | None:
+    return node.metadata.get(MARK)
+
+
+@dataclass
+class Walk:
+    """What one walk of a loss's graph found."""
+
+    nodes: list = field(default_factory=list)  # this step's nodes (AccumulateGrad excluded)
+    before: list = field(default_factory=list)  # nodes made before the step, not descended into
+    leaves: int = 0
+
+
+def walk(root, start_seq: int | None, step: int, seen: dict | None = None) -> Walk:
+    """Visit the graph below ``root`` once, stopping at nodes made before the step.
+
+    ``seen`` (id -> node) is shared between the walks of one step, so that a node that
+    two losses reach is visited once; it also keeps the visited wrappers alive, which
+    keeps their ids unique for the duration of the step.
+    """
+    found = Walk()
+    if root is None:
+        return found
+    seen = {} if seen is None else seen
+    stack = [root]
+    use_seq = HAS_SEQ and start_seq is not None
+    while stack:
+        node = stack.pop()
+        key = id(node)
+        if key in seen:
+            continue
+        seen[key] = node
+        if use_seq:
+            seq = node._sequence_nr()
+            if seq == _LEAF:
+                found.leaves += 1
+                continue
+            if seq < start_seq:
+                found.before.append(node)
+                continue
+        else:
+            if not node.next_functions and hasattr(node, "variable"):
+                found.leaves += 1
+                continue
+            if MARK in node.metadata and node.metadata[MARK] < step:
+                found.before.append(node)
+                continue
+            node.metadata[MARK] = step
+        found.nodes.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return found
+
+
+def reachable(root, target, limit: int = 100_000) -> bool:
+    """Whether ``target`` (a node) is in the graph below ``root``."""
+    seen, stack = set(), [root]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is target:
+            return True
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+    return False

@@ -1,0 +1,45 @@
+"""TrainState: where training stands. Numbers and detached tensors only, never a graph."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class TrainState:
+    """Documented, checkpointed progress of a run.
+
+    Attributes:
+        step: optimizer steps completed.
+        epoch: passes over ``train_data`` started (0-based).
+        batch_in_epoch: batches consumed in the current epoch (micro-batches included).
+        losses: the last step's losses, detached (turned into floats only when logged,
+            so that CUDA runs do not sync every step).
+        skipped: steps skipped for non-finite values so far (``on_nonfinite: skip``).
+        val_history: ``(step, {metric: float})`` for every validation run.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    skipped: int = 0
+    val_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+    def floats(self) -> dict[str, float]:
+        """The last losses as Python floats (a device sync on CUDA)."""
+        return {name: float(value) for name, value in self.losses.items()}
+
+    def state_dict(self) -> dict:
+        out = asdict(self)
+        out["losses"] = self.floats()
+        return out
+
+    def load_state_dict(self, data: dict) -> None:
+        for key, value in data.items():
+            if key == "losses":
+                value = {k: torch.tensor(v) for k, v in value.items()}
+            elif key == "val_history":
+                value = [(int(s), dict(m)) for s, m in value]
+            setattr(self, key, value)

@@ -1,0 +1,486 @@
+"""The Trainer: owns forward, backward, optimizer step and zero_grad."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from . import step as steps
+from .callbacks import HOOKS, Callback
+from .devices import autocast, resolve_device, resolve_precision
+from .errors import ConfigError, GraphLifecycleError, SafeloopError, StepError
+from .guard import CHECKS, REUSE_POLICIES, Guard
+from .guard.guard import Recorder
+from .guard.walk import HAS_SEQ, sequence_now
+from .loggers import make_loggers
+from .progress import Progress
+from .state import TrainState
+
+log = logging.getLogger("safeloop")
+
+
+class Trainer:
+    """Trains ``model`` on ``train_data``; you write the math, it runs the step.
+
+    Plain use::
+
+        trainer = Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters()),
+                          max_steps=1000)
+        trainer.fit()
+
+    The default ``training_step`` unpacks ``(x, y)`` and returns ``loss_fn(model(x), y)``.
+    Subclass to write your own::
+
+        class MyTrainer(Trainer):
+            def training_step(self, batch):
+                x, y = batch
+                return F.cross_entropy(self.model(x), y)        # or {"name": loss, ...}
+
+    Every step: batch to device -> ``training_step`` (under autocast) -> guard pre-flight
+    (the loss's autograd graph is checked before any ``.grad`` changes) -> backward(s)
+    -> clip -> optimizer step(s) -> ``zero_grad(set_to_none=True)`` -> scheduler step.
+    If anything raises, the step is abandoned: its gradients are dropped, parameters and
+    optimizer state are as they were before it, and the error names the step.
+
+    Several losses (a dict) are back-propagated in order with ``retain_graph`` set only
+    where a later loss shares the graph (``multi_loss="sum"`` back-propagates their sum).
+    If ``configure_optimizers`` returns ``{name: optimizer}``, each loss key names the
+    optimizer whose parameters receive its gradient.
+
+    Hooks, in firing order (override them here or in ``callbacks``):
+    ``on_fit_start()``; per step ``on_step_start()``, per loss ``on_before_backward(name,
+    loss)``, ``on_after_backward(name)``, per optimizer ``on_before_optimizer_step(name,
+    optimizer)``, then ``on_step_end(losses)``; ``on_validation_end(metrics)`` after each
+    validation; ``on_fit_end()``.
+
+    Args:
+        model: the ``nn.Module`` to train (moved to ``device``).
+        train_data: any iterable of batches (a DataLoader); re-iterated every epoch.
+        optimizer: an ``Optimizer``, or a callable taking parameters (a Hydra ``_partial_``).
+        val_data: iterable of validation batches; validated before training, every
+            ``val_every`` steps and at the end.
+        loss_fn: used by the default ``training_step`` (default: mean squared error).
+        scheduler: callable taking an optimizer (a ``_partial_`` LR scheduler), stepped every step.
+        max_steps / max_epochs: when to stop (at least one is required).
+        grad_accum: micro-batches per optimizer step; the update equals one big batch's.
+        grad_clip: max gradient norm (None: no clipping).
+        precision: ``"32"``, ``"bf16"`` (autocast, CPU or CUDA) or ``"16"`` (CUDA, GradScaler).
+        device: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+        log_every: steps between logged (and synced) loss values.
+        multi_loss / loss_weights: ``sequential`` or ``sum``; optional weight per loss name.
+        guard: a ``Guard`` or its keyword arguments (``check``, ``on_reuse``, ``trace``).
+        callbacks: ``Callback`` objects; loggers: names (``csv``, ``tensorboard``), written under ``run_dir``.
+        progress: show a progress bar (a terminal) or log lines (otherwise).
+    """
+
+    automatic: bool = True  # False: training_step calls self.backward / self.step itself
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        train_data: Iterable | None = None,
+        optimizer: torch.optim.Optimizer | Callable | None = None,
+        *,
+        val_data: Iterable | None = None,
+        loss_fn: Callable | None = None,
+        scheduler: Callable | None = None,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        val_every: int | None = None,
+        grad_accum: int = 1,
+        grad_clip: float | None = None,
+        precision: str | int = "32",
+        device: str | torch.device = "auto",
+        log_every: int = 50,
+        multi_loss: str = "sequential",
+        loss_weights: Mapping[str, float] | None = None,
+        guard: Guard | Mapping[str, Any] | None = None,
+        callbacks: Iterable[Callback] = (),
+        loggers: Iterable[str] = ("csv",),
+        run_dir: str | Path | None = None,
+        progress: bool = True,
+    ):
+        problems = []
+        if model is not None and not isinstance(model, torch.nn.Module):
+            problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if train_data is None:
+            problems.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
+        if max_steps is None and max_epochs is None:
+            problems.append("set max_steps or max_epochs (trainer.max_steps=N)")
+        for key, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every", val_every),
+                           ("grad_accum", grad_accum), ("log_every", log_every)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                problems.append(f"{key} must be a positive integer, got {value!r}")
+        if grad_clip is not None and grad_clip <= 0:
+            problems.append(f"grad_clip must be positive or null, got {grad_clip!r}")
+        if multi_loss not in steps.MULTI_LOSS:
+            problems.append(f"multi_loss={multi_loss!r} is not one of {', '.join(steps.MULTI_LOSS)}")
+        if isinstance(guard, Mapping):
+            if guard.get("check", "auto") not in CHECKS:
+                problems.append(f"guard.check={guard['check']!r} is not one of {', '.join(CHECKS)}")
+            if guard.get("on_reuse", "error") not in REUSE_POLICIES:
+                problems.append(f"guard.on_reuse={guard['on_reuse']!r} is not one of {', '.join(REUSE_POLICIES)}")
+        try:
+            self.device = resolve_device(device)
+            self.precision = resolve_precision(precision, self.device)
+        except ConfigError as err:
+            problems.extend(err.problems)
+        if problems:
+            raise ConfigError(problems)
+
+        self.model = model
+        self.train_data, self.val_data = train_data, val_data
+        self.loss_fn = loss_fn or torch.nn.functional.mse_loss
+        self._optimizer, self._scheduler = optimizer, scheduler
+        self.max_steps, self.max_epochs, self.val_every = max_steps, max_epochs, val_every
+        self.grad_accum, self.grad_clip, self.log_every = grad_accum, grad_clip, log_every
+        self.multi_loss, self.loss_weights = multi_loss, dict(loss_weights or {})
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        if not isinstance(guard, Guard):
+            guard = Guard(**dict(guard or {}), out_dir=(self.run_dir or Path(".")) / "graphs")
+        self.guard = guard
+        self.callbacks = list(callbacks)
+        self._logger_names = loggers
+        self._progress_enabled = progress
+        self.state = TrainState()
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedulers: dict[str, Any] = {}
+        self.scaler = None
+        self._stepped: dict[str, int] = {}  # manual mode: optimizer -> node counter at its step
+        self._diagnosing = False  # re-running training_step to explain a missing graph
+
+    # -- what users override ---------------------------------------------------------------
+    def training_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """The loss of one batch (or a dict of named losses). Default: ``loss_fn(model(x), y)``."""
+        x, y = batch
+        return self.loss_fn(self.model(x), y)
+
+    def validation_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """The validation loss(es) of one batch; runs under ``torch.no_grad()`` in eval mode."""
+        return self.training_step(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
+        """Default: the configured optimizer over ``self.model.parameters()``."""
+        opt = self._optimizer
+        if opt is None:
+            raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
+                              "or override configure_optimizers()")
+        if isinstance(opt, torch.optim.Optimizer):
+            return opt
+        return opt(self.model.parameters())
+
+    def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
+        """Default: the configured scheduler (a callable taking an optimizer) for each optimizer."""
+        if self._scheduler is None:
+            return {}
+        return {name: self._scheduler(opt) for name, opt in optimizers.items()}
+
+    def on_fit_start(self) -> None: ...
+    def on_step_start(self) -> None: ...
+    def on_before_backward(self, name: str, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self, name: str) -> None: ...
+    def on_before_optimizer_step(self, name: str, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_step_end(self, losses: Mapping[str, torch.Tensor]) -> None: ...
+    def on_validation_end(self, metrics: Mapping[str, float]) -> None: ...
+    def on_fit_end(self) -> None: ...
+
+    # -- the run -----------------------------------------------------------------------------
+    def fit(self) -> TrainState:
+        """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
+        self.setup()
+        self.progress = Progress(self.max_steps, self._progress_enabled)
+        try:
+            with self.guard.context():
+                self._call("on_fit_start")
+                if self.val_data is not None and self.state.step == 0:
+                    self.validate()
+                self.guard.start_fit()
+                self._loop()
+                if self.val_data is not None and self.state.val_history[-1][0] != self.state.step:
+                    self.validate()
+                self._call("on_fit_end")
+        finally:
+            self.progress.close()
+            for logger in self.loggers:
+                logger.close()
+        return self.state
+
+    def setup(self) -> None:
+        """Place the model, build optimizers, schedulers, hooks and loggers (idempotent)."""
+        if self.model is not None:
+            self.model.to(self.device)
+        if not self.optimizers:
+            opts = self.configure_optimizers()
+            self.optimizers = dict(opts) if isinstance(opts, Mapping) else {"optimizer": opts}
+            for name, opt in self.optimizers.items():
+                if not isinstance(opt, torch.optim.Optimizer):
+                    raise ConfigError(f"configure_optimizers returned {type(opt).__name__} for {name!r}, "
+                                      "not a torch.optim.Optimizer")
+            self.schedulers = dict(self.configure_schedulers(self.optimizers))
+            if self.precision == "16":
+                self.scaler = torch.amp.GradScaler("cuda")
+        self._hooks = {name: self._bind(name) for name in HOOKS}
+        self.loggers = make_loggers(self._logger_names, self.run_dir)
+
+    def _bind(self, name: str) -> list[Callable]:
+        """Only overridden hooks are called, so that unused hooks cost nothing per step."""
+        fns = [getattr(self, name)] if getattr(type(self), name) is not getattr(Trainer, name) else []
+        for cb in self.callbacks:
+            if getattr(type(cb), name, None) is not getattr(Callback, name):
+                fns.append(lambda *a, _f=getattr(cb, name): _f(self, *a))
+        return fns
+
+    def _call(self, name: str, *args) -> None:
+        for fn in self._hooks[name]:
+            fn(*args)
+
+    def _batches(self):
+        """Batches forever (or for ``max_epochs``), keeping ``state.epoch`` and ``batch_in_epoch``."""
+        while self.max_epochs is None or self.state.epoch < self.max_epochs:
+            sampler = getattr(self.train_data, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.state.epoch)
+            empty = True
+            for i, batch in enumerate(self.train_data):
+                if i < self.state.batch_in_epoch:  # resuming mid-epoch
+                    continue
+                empty = False
+                self.state.batch_in_epoch = i + 1
+                yield batch
+            if empty and self.state.batch_in_epoch == 0:
+                raise ConfigError("train_data yielded no batches: check the dataset and batch size")
+            self.state.epoch += 1
+            self.state.batch_in_epoch = 0
+
+    def _loop(self) -> None:
+        pending: list = []
+        for batch in self._batches():
+            pending.append(batch)
+            if len(pending) < self.grad_accum:
+                continue
+            started = time.perf_counter()
+            self._train_step(pending)
+            pending = []
+            self.guard.end_step(self.state.step, self)
+            self.guard.record_step_time(time.perf_counter() - started)
+            self._after_step()
+            if self.max_steps is not None and self.state.step >= self.max_steps:
+                return
+
+    def _after_step(self) -> None:
+        step = self.state.step
+        if step % self.log_every == 0 or step == self.max_steps:
+            metrics = self.state.floats()
+            self.progress.update(step, metrics)
+            self.log_metrics(metrics)
+        if self.val_data is not None and self.val_every and step % self.val_every == 0:
+            self.validate()
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log(dict(metrics), self.state.step)
+
+    # -- one step ----------------------------------------------------------------------------
+    def _train_step(self, batches: list) -> None:
+        step = self.state.step + 1
+        self.guard.begin_step(step)
+        self._call("on_step_start")
+        self._stepped.clear()
+        try:
+            total: dict[str, torch.Tensor] = {}
+            for i, batch in enumerate(batches):
+                batch = self.to_device(batch)
+                with autocast(self.precision, self.device):
+                    output = self.training_step(batch)
+                if not self.automatic:
+                    losses = steps.named_losses(output, step, ()) if output is not None else {}
+                else:
+                    losses = steps.named_losses(output, step, self.optimizers)
+                    self._backward(losses, step, batch, first=i == 0)
+                for name, loss in losses.items():
+                    value = loss.detach()
+                    total[name] = total[name] + value if name in total else value
+                del output, losses, batch
+            if self.automatic:
+                self._optimizer_steps(total)
+        except BaseException as err:
+            self._abandon()
+            if isinstance(err, SafeloopError) or not isinstance(err, Exception):
+                raise
+            raise StepError(f"step {step} failed and was abandoned (parameters and optimizer state are "
+                            f"unchanged): {type(err).__name__}: {err}", step) from err
+        n = len(batches)
+        self.state.losses = {k: v / n for k, v in total.items()} if n > 1 else total
+        self.state.step = step
+        self._call("on_step_end", self.state.losses)
+
+    def _backward(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool) -> None:
+        retain = self.guard.preflight(losses, step, self, batch)
+        if first and self.guard.checking:
+            self._check_no_grads(step, next(iter(losses)))
+        scale = 1.0 / self.grad_accum
+        for todo in steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights):
+            self._call("on_before_backward", todo.name, todo.loss)
+            loss = todo.loss * scale if self.grad_accum > 1 else todo.loss
+            if self.scaler is not None:
+                loss = self.scaler.scale(loss)
+            self._run_backward(loss, todo.name, todo.loss, step, batch, todo.retain, todo.inputs)
+            self._call("on_after_backward", todo.name)
+        if HAS_SEQ:
+            self.guard.last_seq = max(loss.grad_fn._sequence_nr() for loss in losses.values())
+
+    def _run_backward(self, loss, name, original, step, batch, retain, inputs) -> None:
+        try:
+            loss.backward(retain_graph=retain, inputs=inputs)
+        except RuntimeError as err:
+            explained = self.guard.explain(err, name, original, step, self, batch, list(self._stepped))
+            if explained is None:
+                raise
+            raise explained from err
+
+    def _check_no_grads(self, step: int, name: str) -> None:
+        """Gradients present before the first backward mean training_step ran backward itself."""
+        from .errors import DoubleBackwardError
+
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                if any(p.grad is not None for p in group["params"]):
+                    raise DoubleBackwardError(
+                        "gradients were already present when training_step returned: training_step (or a hook) "
+                        "called backward itself, so the Trainer's backward would add them a second time",
+                        step=step, loss_name=name,
+                        fixes=["return the loss from training_step and let the Trainer call backward",
+                               "or set automatic = False on your Trainer and call self.backward(loss) / "
+                               "self.step() inside training_step"])
+
+    def _optimizer_steps(self, losses: Mapping[str, torch.Tensor]) -> None:
+        names = [n for n in self.optimizers if n in losses] if len(self.optimizers) > 1 else list(self.optimizers)
+        for name in names:
+            self._step_optimizer(name)
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def _step_optimizer(self, name: str) -> None:
+        opt = self.optimizers[name]
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        if self.grad_clip is not None:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        self._call("on_before_optimizer_step", name, opt)
+        if self.scaler is not None:
+            self.scaler.step(opt)
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)  # flush gradients as soon as they are used
+        if name in self.schedulers:
+            self.schedulers[name].step()
+
+    def _abandon(self) -> None:
+        """Drop the failed step's gradients; nothing else was changed."""
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+
+    # -- manual mode -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False) -> None:
+        """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters, through the guard."""
+        if self._diagnosing:
+            return
+        step = self.state.step + 1
+        name = optimizer or "loss"
+        losses = steps.named_losses(loss, step, ())
+        losses = {name: losses["loss"]}
+        self.guard.preflight(losses, step, self, None)
+        if self._stepped and HAS_SEQ and loss.grad_fn is not None:
+            made = loss.grad_fn._sequence_nr()
+            for opt_name, seq in self._stepped.items():
+                if made < seq:
+                    err = self.guard.inplace_check(loss, seq)
+                    if err is not None:
+                        raise self.guard.explain(err, name, loss, step, self, None, [opt_name]) from err
+        inputs = None
+        if optimizer is not None:
+            if optimizer not in self.optimizers:
+                raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
+                                f"choose from {sorted(self.optimizers)}", step)
+            inputs = [p for g in self.optimizers[optimizer].param_groups for p in g["params"] if p.requires_grad]
+        self._call("on_before_backward", name, loss)
+        self._run_backward(loss, name, loss, step, None, retain_graph, inputs)
+        self._call("on_after_backward", name)
+
+    def step(self, optimizer: str | None = None) -> None:
+        """Manual mode: clip, step and zero ``optimizer`` (default: the only one)."""
+        if self._diagnosing:
+            return
+        name = optimizer or next(iter(self.optimizers))
+        if name not in self.optimizers:
+            raise StepError(f"self.step({name!r}) names no optimizer; choose from {sorted(self.optimizers)}")
+        self._step_optimizer(name)
+        if HAS_SEQ:
+            self._stepped[name] = sequence_now()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def to_device(self, batch):
+        """Move every tensor in ``batch`` (any nesting of lists, tuples, dicts) to the device."""
+        if self.device.type == "cpu":
+            return batch  # DataLoader batches are already on the CPU: skip the walk
+        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Run ``validation_step`` over ``val_data`` in eval mode; returns and logs mean losses."""
+        was_training = self.model.training if self.model is not None else False
+        if self.model is not None:
+            self.model.eval()
+        sums: dict[str, float] = {}
+        count = 0
+        try:
+            for batch in self.val_data:
+                with autocast(self.precision, self.device):
+                    out = self.validation_step(self.to_device(batch))
+                out = {"loss": out} if isinstance(out, torch.Tensor) else dict(out)
+                for name, value in out.items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
+                count += 1
+        finally:
+            if self.model is not None:
+                self.model.train(was_training)
+        metrics = {f"val_{k}": v / max(count, 1) for k, v in sums.items()}
+        self.state.val_history.append((self.state.step, metrics))
+        self.log_metrics(metrics)
+        log.info("validation at step %d: %s", self.state.step,
+                 " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self._call("on_validation_end", metrics)
+        return metrics
+
+    def rerun_recorded(self, batch) -> set[str] | None:
+        """Re-run ``training_step`` on ``batch`` recording how the graph was lost (error path only).
+
+        RNG state and module buffers are restored afterwards, and manual backward/step are
+        skipped, so the re-run changes nothing.
+        """
+        if batch is None or self._diagnosing:
+            return None
+        rng = torch.get_rng_state()
+        buffers = {k: v.clone() for k, v in self.model.named_buffers()} if self.model is not None else {}
+        self._diagnosing = True
+        recorder = Recorder()
+        try:
+            with recorder, autocast(self.precision, self.device):
+                self.training_step(batch)
+        except Exception:
+            pass
+        finally:
+            self._diagnosing = False
+            torch.set_rng_state(rng)
+            if self.model is not None:
+                for k, v in self.model.named_buffers():
+                    v.copy_(buffers[k])
+        return recorder.seen
