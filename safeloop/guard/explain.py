@@ -7,6 +7,7 @@ runs on the error path.
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -84,9 +85,11 @@ def find_holder(node, trainer: Any = None, batch: Any = None, scan_gc: bool = Tr
     if near is not None:
         return near
     if scan_gc:
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
-                return "an unnamed tensor (found by the garbage collector)"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance on some module objects warns
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
+                    return "an unnamed tensor (found by the garbage collector)"
     return None
 
 

@@ -177,9 +177,9 @@ class Guard:
                 "the loss reaches {node}, created during an earlier step and held by {holder}; its graph "
                 "is back-propagated again in every step, grows every step, and its buffers were freed by "
                 "the first backward",
-                ["detach the carried state at the end of each step ({holder_or} = {holder_or}.detach()) "
+                ["detach the carried state at the end of each step (`{code} = {code}.detach()`) "
                  "so each step back-propagates through its own graph only (truncated BPTT)",
-                 "or recompute it inside training_step from its inputs"])
+                 "recompute it inside training_step from its inputs"], trace_hint=True)
         saving = [n for n in nodes if walk.holds_tensors(n)]
         if not saving:
             key = f"share:{type(nodes[0]).__name__}"
@@ -203,9 +203,10 @@ class Guard:
             raise self._error(GraphReuseError, node, name, loss, step, trainer, batch,
                 "the loss reaches {node}, built before the step (in __init__, at module level or before "
                 "fit) and held by {holder}; " + state,
-                ["recompute {holder_or} inside training_step, so every step builds its own graph",
-                 "if it is a constant input, store {holder_or}.detach() instead",
-                 "do not pass retain_graph=True: it would back-propagate the same stale graph every step"])
+                ["recompute `{code}` inside training_step, so every step builds its own graph",
+                 "if it is a constant input, store `{code}.detach()` instead",
+                 "do not pass retain_graph=True: it would back-propagate the same stale graph every step"],
+                trace_hint=True)
         key = f"retain:{type(node).__name__}"
         if key not in self._warned:
             self._warned.add(key)
@@ -244,7 +245,7 @@ class Guard:
         elif params and not any(p.requires_grad for p in params):
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
-                     "or leave the frozen model out of training"]
+                     "leave the frozen model out of training"]
         else:
             seen = trainer.rerun_recorded(batch) if trainer is not None and batch is not None else None
             why, fixes = _why_detached(seen)
@@ -275,19 +276,22 @@ class Guard:
                  "compute tensors used by every step inside training_step, or store them detached"])
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
+            node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
                 fixes = ["recompute the loss after the optimizer step",
-                         "or step the optimizer after this backward"]
+                         "step the optimizer after this backward"]
             else:
                 detail = (f"a tensor the graph saved for backward ({tensor}) was changed in place "
                           "after it was used")
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
-                         "or .clone() the tensor before changing it",
-                         _TRACE_HINT + " (for anomaly-mode tracebacks)"]
-            return self._error(InplaceModificationError, None, name, loss, step, trainer, batch,
-                               detail, fixes)
+                         ".clone() the tensor before changing it"]
+                if not self.trace:
+                    fixes.append(_TRACE_HINT)
+            err = self._error(InplaceModificationError, None, name, loss, step, trainer, batch, detail, fixes)
+            err.node_name = node_name
+            return err
         if "does not require grad" in text:
             return self.no_graph(name, loss, step, trainer, batch)
         return None
@@ -323,16 +327,18 @@ class Guard:
         self.spent += time.perf_counter() - t0
 
     # -- messages ------------------------------------------------------------------------
-    def _error(self, cls, node, name, loss, step, trainer, batch, detail, fixes) -> GraphLifecycleError:
+    def _error(self, cls, node, name, loss, step, trainer, batch, detail, fixes,
+               trace_hint: bool = False) -> GraphLifecycleError:
         holder = explain.find_holder(node, trainer, batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
+        code = holder.split(" ", 1)[-1] if holder else None  # "global y" -> y
         names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
-                 "holder_or": holder or "that tensor"}
+                 "code": code or "tensor"}
         line = explain.traceback_of(node) if node is not None else None
         detail = detail.format(**names)
         if line:
-            detail += f"; it was created at: {line}"
-        elif node is not None and not self.trace:
+            detail += f"; it was created at {line}"
+        elif trace_hint and not self.trace:
             fixes = fixes + [_TRACE_HINT]
         picture = None
         try:
