@@ -1,0 +1,46 @@
+"""Timing helpers shared by the benchmarks: interleaved rounds, medians, ratios.
+
+The machines are shared and noisy, so every benchmark runs its systems in one
+process, one thread, alternating round by round, and compares medians.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(systems: dict[str, Callable[[], None]], rounds: int = 15) -> dict[str, float]:
+    """Median seconds per call of each system; the order rotates every round."""
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            systems[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def row(name: str, ours: float, ref: float, target: float | None, unit_per: int = 1) -> dict:
+    """One table row: per-step microseconds of both systems and their ratio."""
+    ratio = ours / ref
+    return {
+        "benchmark": name,
+        "safeloop_us": ours / unit_per * 1e6,
+        "reference_us": ref / unit_per * 1e6,
+        "ratio": ratio,
+        "target": target,
+        "ok": None if target is None else ratio <= target,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| benchmark | safeloop µs/step | reference µs/step | ratio | target |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        target = "—" if r["target"] is None else f"≤ {r['target']:.2f}× {'✓' if r['ok'] else '✗'}"
+        lines.append(f"| {r['benchmark']} | {r['safeloop_us']:.1f} | {r['reference_us']:.1f} | "
+                     f"{r['ratio']:.3f}× | {target} |")
+    return "\n".join(lines)

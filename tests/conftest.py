@@ -1,0 +1,33 @@
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # recipes/ and benchmarks/ importable from the checkout
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(tmp_path, monkeypatch):
+    """Every test starts from the same RNG state, in its own directory, grad mode on."""
+    torch.manual_seed(0)
+    random.seed(0)
+    monkeypatch.chdir(tmp_path)
+    torch.set_grad_enabled(True)
+    yield
+    torch.set_grad_enabled(True)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
