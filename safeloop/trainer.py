@@ -19,6 +19,7 @@ from .guard.guard import Recorder
 from .guard.walk import HAS_SEQ, sequence_now
 from .loggers import make_loggers
 from .progress import Progress
+from .snapshot import Snapshot
 from .state import TrainState
 
 log = logging.getLogger("safeloop")
@@ -152,6 +153,11 @@ class Trainer:
         self.schedulers: dict[str, Any] = {}
         self.scaler = None
         self._stepped: dict[str, int] = {}  # manual mode: optimizer -> node counter at its step
+        self._step_seq = 0  # manual mode: node counter at the start of the step
+        self._undo: list[str] = []  # optimizers stepped in this step whose update a failure must undo
+        self._snapshots: dict[str, Snapshot] = {}
+        # (losses whose backward retained the graph, whether the guard walked the step) -> first step seen
+        self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = {}
         self._diagnosing = False  # re-running training_step to explain a missing graph
 
     # -- what users override ---------------------------------------------------------------
@@ -291,6 +297,9 @@ class Trainer:
         self.guard.begin_step(step)
         self._call("on_step_start")
         self._stepped.clear()
+        self._undo.clear()
+        if not self.automatic:
+            self._step_seq = self.guard.start_seq if self.guard.start_seq is not None else sequence_now()
         try:
             total: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
@@ -308,6 +317,8 @@ class Trainer:
                 del output, losses, batch
             if self.automatic:
                 self._optimizer_steps(total)
+            elif self.scaler is not None and self._stepped:
+                self.scaler.update()
         except BaseException as err:
             self._abandon()
             if isinstance(err, SafeloopError) or not isinstance(err, Exception):
@@ -324,7 +335,10 @@ class Trainer:
         if first and self.guard.checking:
             self._check_no_grads(step, next(iter(losses)))
         scale = 1.0 / self.grad_accum
-        for todo in steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights):
+        plan = steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights)
+        if len(plan) > 1:
+            self._note_retain(plan, retain is not None, step)
+        for todo in plan:
             self._call("on_before_backward", todo.name, todo.loss)
             loss = todo.loss * scale if self.grad_accum > 1 else todo.loss
             if self.scaler is not None:
@@ -333,6 +347,22 @@ class Trainer:
             self._call("on_after_backward", todo.name)
         if HAS_SEQ:
             self.guard.last_seq = max(loss.grad_fn._sequence_nr() for loss in losses.values())
+
+    def _note_retain(self, plan: list[steps.Backward], walked: bool, step: int) -> None:
+        """Log, once per pattern, which backwards kept the graph alive for a later loss."""
+        key = (tuple(todo.name for todo in plan if todo.retain), walked)
+        if key in self.retain_plans:
+            return
+        self.retain_plans[key] = step
+        kept = ", ".join(key[0]) or "none"
+        if walked:
+            freed = ", ".join(todo.name for todo in plan[:-1] if not todo.retain) or "none"
+            log.info("step %d: backward retained the graph for %s (a later loss shares nodes with it); "
+                     "freed it for %s (no later loss shares it) and for the last loss, %s",
+                     step, kept, freed, plan[-1].name)
+        else:
+            log.info("step %d (not walked by the guard): backward retained the graph for every loss but the "
+                     "last: %s", step, kept)
 
     def _run_backward(self, loss, name, original, step, batch, retain, inputs) -> None:
         try:
@@ -361,6 +391,8 @@ class Trainer:
     def _optimizer_steps(self, losses: Mapping[str, torch.Tensor]) -> None:
         names = [n for n in self.optimizers if n in losses] if len(self.optimizers) > 1 else list(self.optimizers)
         for name in names:
+            if name is not names[-1]:  # a later optimizer can still fail: keep this update undoable
+                self._keep_undoable(name)
             self._step_optimizer(name)
         if self.scaler is not None:
             self.scaler.update()
@@ -381,8 +413,21 @@ class Trainer:
         if name in self.schedulers:
             self.schedulers[name].step()
 
+    def _keep_undoable(self, name: str) -> None:
+        """Snapshot optimizer ``name`` before its first update in this step (``_abandon`` restores it)."""
+        if name in self._undo:
+            return
+        snapshot = self._snapshots.get(name)
+        if snapshot is None:
+            snapshot = self._snapshots[name] = Snapshot(self.optimizers[name], self.schedulers.get(name))
+        snapshot.take()
+        self._undo.append(name)
+
     def _abandon(self) -> None:
-        """Drop the failed step's gradients; nothing else was changed."""
+        """Drop the failed step's gradients and undo the optimizer updates it already made."""
+        for name in reversed(self._undo):
+            self._snapshots[name].restore()
+        self._undo.clear()
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         if self.model is not None:
@@ -390,41 +435,58 @@ class Trainer:
 
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False) -> None:
-        """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters, through the guard."""
+        """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters only, through the guard.
+
+        With several optimizers, ``optimizer`` is required, so that a loss never leaves gradient
+        on another optimizer's parameters. If an optimizer stepped earlier in this step and
+        ``loss``'s graph saved tensors that step changed, this raises ``InplaceModificationError``
+        before any gradient is written.
+        """
         if self._diagnosing:
             return
         step = self.state.step + 1
+        if optimizer is None and len(self.optimizers) > 1:
+            raise StepError(f"step {step}: self.backward(loss) needs optimizer=... when there are several "
+                            f"optimizers, so that the loss's gradient reaches only that optimizer's parameters; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        if optimizer is not None and optimizer not in self.optimizers:
+            raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
+                            f"choose from {sorted(self.optimizers)}", step)
         name = optimizer or "loss"
-        losses = steps.named_losses(loss, step, ())
-        losses = {name: losses["loss"]}
-        self.guard.preflight(losses, step, self, None)
-        if self._stepped and HAS_SEQ and loss.grad_fn is not None:
-            made = loss.grad_fn._sequence_nr()
-            for opt_name, seq in self._stepped.items():
-                if made < seq:
-                    err = self.guard.inplace_check(loss, seq)
-                    if err is not None:
-                        raise self.guard.explain(err, name, loss, step, self, None, [opt_name]) from err
+        loss = steps.named_losses(loss, step, ())["loss"]
+        self.guard.preflight({name: loss}, step, self, None)
+        if self._stepped and HAS_SEQ:
+            found = self.guard.inplace_check(loss, self._stepped, self._step_seq)
+            if found is not None:
+                err, stepped = found
+                raise self.guard.explain(err, name, loss, step, self, None, stepped) from err
         inputs = None
-        if optimizer is not None:
-            if optimizer not in self.optimizers:
-                raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
-                                f"choose from {sorted(self.optimizers)}", step)
+        if optimizer is not None and len(self.optimizers) > 1:
             inputs = [p for g in self.optimizers[optimizer].param_groups for p in g["params"] if p.requires_grad]
         self._call("on_before_backward", name, loss)
-        self._run_backward(loss, name, loss, step, None, retain_graph, inputs)
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        self._run_backward(scaled, name, loss, step, None, retain_graph, inputs)
         self._call("on_after_backward", name)
 
     def step(self, optimizer: str | None = None) -> None:
-        """Manual mode: clip, step and zero ``optimizer`` (default: the only one)."""
+        """Manual mode: clip, step and zero ``optimizer`` (default: the only one).
+
+        The optimizer's parameters and state are snapshotted before its first step in a step,
+        so that if anything later in the step raises, the update is undone.
+        """
         if self._diagnosing:
             return
+        step = self.state.step + 1
+        if optimizer is None and len(self.optimizers) > 1:
+            raise StepError(f"step {step}: self.step() needs the optimizer's name when there are several; "
+                            f"choose from {sorted(self.optimizers)}", step)
         name = optimizer or next(iter(self.optimizers))
         if name not in self.optimizers:
-            raise StepError(f"self.step({name!r}) names no optimizer; choose from {sorted(self.optimizers)}")
+            raise StepError(f"step {step}: self.step({name!r}) names no optimizer; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        self._keep_undoable(name)
         self._step_optimizer(name)
-        if HAS_SEQ:
-            self._stepped[name] = sequence_now()
+        self._stepped[name] = sequence_now()
 
     # -- helpers -----------------------------------------------------------------------------
     def to_device(self, batch):

@@ -280,7 +280,8 @@ class Guard:
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
-                fixes = ["recompute the loss after the optimizer step",
+                fixes = ["recompute the loss after the optimizer step (in a GAN: compute the generator loss "
+                         "from a fresh D(fake) after the discriminator step)",
                          "step the optimizer after this backward"]
             else:
                 detail = (f"a tensor the graph saved for backward ({tensor}) was changed in place "
@@ -296,14 +297,27 @@ class Guard:
             return self.no_graph(name, loss, step, trainer, batch)
         return None
 
-    def inplace_check(self, loss: torch.Tensor, since_seq: int) -> RuntimeError | None:
-        """Unpack the saved tensors of nodes made before ``since_seq`` (an optimizer step)."""
-        found = walk.walk(loss.grad_fn, since_seq, 0)
-        for node in found.nodes + found.before:
-            err = walk.unpack_error(node)
-            if walk.is_inplace(err):
-                return err
-        return None
+    def inplace_check(self, loss: torch.Tensor, stepped: Mapping[str, int],
+                      start_seq: int) -> tuple[RuntimeError, list[str]] | None:
+        """Before a manual backward: a saved tensor that an optimizer step of this step changed.
+
+        ``stepped`` maps each optimizer that already stepped in this step to the node counter
+        at its step. Only this step's nodes (counter >= ``start_seq``) made before the newest
+        of those steps can hold a stale tensor, so only their saved tensors are unpacked.
+        Returns PyTorch's error and the optimizers that stepped after that node was made.
+        """
+        newest = max(stepped.values())
+        t0 = time.perf_counter()
+        try:
+            for node in walk.walk(loss.grad_fn, start_seq, 0).nodes:
+                made = node._sequence_nr()
+                if made < newest:
+                    err = walk.unpack_error(node)
+                    if walk.is_inplace(err):
+                        return err, [name for name, seq in stepped.items() if seq > made]
+            return None
+        finally:
+            self.spent += time.perf_counter() - t0
 
     # -- after the step ------------------------------------------------------------------
     def end_step(self, step: int, trainer: Any = None) -> None:
