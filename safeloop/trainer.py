@@ -42,9 +42,9 @@ class Trainer:
                 x, y = batch
                 return F.cross_entropy(self.model(x), y)        # or {"name": loss, ...}
 
-    Every step: batch to device -> ``training_step`` (under autocast) -> guard pre-flight
-    (the loss's autograd graph is checked before any ``.grad`` changes) -> backward(s)
-    -> clip -> optimizer step(s) -> ``zero_grad(set_to_none=True)`` -> scheduler step.
+    Every step: ``zero_grad(set_to_none=True)`` -> batch to device -> ``training_step``
+    (under autocast) -> guard pre-flight (the loss's autograd graph is checked before any
+    ``.grad`` changes) -> backward(s) -> clip -> optimizer step(s) -> scheduler step.
     If anything raises, the step is abandoned: its gradients are dropped, parameters and
     optimizer state are as they were before it, and the error names the step.
 
@@ -300,6 +300,8 @@ class Trainer:
         self._undo.clear()
         if not self.automatic:
             self._step_seq = self.guard.start_seq if self.guard.start_seq is not None else sequence_now()
+        for opt in self.optimizers.values():  # gradients of the last step go just before this one's
+            opt.zero_grad(set_to_none=True)
         try:
             total: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
@@ -409,7 +411,8 @@ class Trainer:
             self.scaler.step(opt)
         else:
             opt.step()
-        opt.zero_grad(set_to_none=True)  # flush gradients as soon as they are used
+        if not self.automatic:  # the next manual backward of this step starts from zero
+            opt.zero_grad(set_to_none=True)
         if name in self.schedulers:
             self.schedulers[name].step()
 

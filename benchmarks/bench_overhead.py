@@ -1,0 +1,21 @@
+"""Trainer per-step overhead against a hand-written PyTorch loop (issue targets: tiny ≤ 1.05×, mid ≤ 1.02×)."""
+from __future__ import annotations
+
+import copy
+
+from .common import interleaved, row
+from .workloads import HandLoop, TrainerLoop, batches, mid_mlp, tiny_mlp
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    for name, make, steps, target in (("tiny MLP (2×64, batch 32)", tiny_mlp, 400, 1.05),
+                                      ("mid MLP (8×512, batch 64)", mid_mlp, 40, 1.02)):
+        model, batch, dim = make()
+        data = batches(batch, dim, steps)
+        systems = {"hand": HandLoop(copy.deepcopy(model), data), "safeloop": TrainerLoop(copy.deepcopy(model), data)}
+        for fn in systems.values():  # warm up: allocator, guard warm-up steps, first-call costs
+            fn()
+        t = interleaved(systems, rounds=5 if quick else 21)
+        rows.append(row(f"Trainer vs hand loop, {name}", t["safeloop"], t["hand"], target, steps))
+    return rows

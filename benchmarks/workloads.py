@@ -1,0 +1,72 @@
+"""The models and batches the benchmarks time: same seeds, same data for every system."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import Trainer
+from safeloop.models import MLP
+
+
+def tiny_mlp():
+    return MLP(in_dim=64, hidden=64, out_dim=64, depth=2), 32, 64
+
+
+def mid_mlp():
+    return MLP(in_dim=512, hidden=512, out_dim=512, depth=8), 64, 512
+
+
+class Encoder(nn.Module):
+    """A small transformer encoder (2 layers, d_model 128) with a regression head."""
+
+    def __init__(self, d_model: int = 128, layers: int = 2):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, batch_first=True,
+                                           dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def encoder():
+    return Encoder(), 16, (64, 128)
+
+
+def batches(batch: int, shape, count: int, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return [(torch.randn(batch, *shape, generator=gen), torch.randn(batch, *shape, generator=gen))
+            for _ in range(count)]
+
+
+class HandLoop:
+    """The hand-written PyTorch loop the Trainer is compared with."""
+
+    def __init__(self, model, data, lr: float = 1e-3):
+        self.model, self.data = model, data
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def __call__(self):
+        model, opt = self.model, self.opt
+        for x, y in self.data:
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+
+
+class TrainerLoop:
+    """Runs ``len(data)`` more steps of one long-lived Trainer per call."""
+
+    def __init__(self, model, data, lr: float = 1e-3, **kwargs):
+        self.trainer = Trainer(model=model, train_data=data, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                               max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
+        self.steps = len(data)
+        self.trainer.max_steps = 0
+
+    def __call__(self):
+        self.trainer.max_steps += self.steps
+        self.trainer.fit()

@@ -1,0 +1,193 @@
+"""The Trainer's step cycle: parity with plain PyTorch, hooks, accumulation, validation, state."""
+import re
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from safeloop import Callback, ConfigError, Trainer
+from safeloop.models import MLP
+
+
+def dataset(n=256, d=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+def loader(ds, batch=16, seed=2, shuffle=True):
+    return DataLoader(ds, batch_size=batch, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+
+
+def test_200_steps_bit_identical_to_hand_written_loop():
+    ds = dataset()
+    torch.manual_seed(3)
+    ref = MLP(8, 32, 1, depth=3)
+    ours = MLP(8, 32, 1, depth=3)
+    ours.load_state_dict(ref.state_dict())
+
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    steps, data = 0, loader(ds)
+    while steps < 200:
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ref(x), y).backward()
+            opt.step()
+            steps += 1
+            if steps == 200:
+                break
+
+    trainer = Trainer(model=ours, train_data=loader(ds), optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+                      max_steps=200, device="cpu", progress=False)
+    trainer.fit()
+    assert trainer.state.step == 200 and trainer.state.epoch == 12
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_hooks_fire_in_documented_order():
+    calls = []
+
+    class Recorder(Callback):
+        def on_step_end(self, trainer, losses):
+            calls.append("callback.on_step_end")
+
+    class Hooked(Trainer):
+        pass
+
+    for name in ["on_fit_start", "on_step_start", "on_before_backward", "on_after_backward",
+                 "on_before_optimizer_step", "on_step_end", "on_validation_end", "on_fit_end"]:
+        setattr(Hooked, name, lambda self, *a, _n=name: calls.append(_n))
+
+    ds = dataset(32)
+    Hooked(model=MLP(8, 8, 1), train_data=loader(ds), val_data=loader(ds, shuffle=False), val_every=2,
+           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), max_steps=2, device="cpu", progress=False,
+           callbacks=[Recorder()]).fit()
+    step = ["on_step_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+            "on_step_end", "callback.on_step_end"]
+    assert calls == ["on_fit_start", "on_validation_end", *step, *step, "on_validation_end", "on_fit_end"]
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    ds = dataset(32)
+    torch.manual_seed(4)
+    big, small = MLP(8, 16, 1), MLP(8, 16, 1)
+    small.load_state_dict(big.state_dict())
+    opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    x, y = ds.tensors
+    F.mse_loss(big(x), y).backward()
+    opt.step()
+
+    Trainer(model=small, train_data=loader(ds, batch=8, shuffle=False), grad_accum=4, max_steps=1,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False).fit()
+    for a, b in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_never_leak_into_the_next_step():
+    """The gradient each backward leaves is exactly that step's gradient, not a sum with earlier ones."""
+    seen = []
+
+    class Check(Trainer):
+        def on_after_backward(self, name):
+            x, y = self.current
+            params = list(self.model.parameters())
+            expected = torch.autograd.grad(F.mse_loss(self.model(x), y), params)
+            seen.append(all(torch.allclose(p.grad, g) for p, g in zip(params, expected)))
+
+        def training_step(self, batch):
+            self.current = batch
+            return super().training_step(batch)
+
+    Check(model=MLP(8, 16, 1), train_data=loader(dataset(64)), max_steps=6,
+          optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), device="cpu", progress=False).fit()
+    assert seen == [True] * 6
+
+
+def test_validation_builds_no_graph_and_restores_train_mode():
+    seen = []
+
+    class Val(Trainer):
+        def validation_step(self, batch):
+            out = super().validation_step(batch)
+            seen.append((torch.is_grad_enabled(), self.model.training, out.grad_fn))
+            return out
+
+    model = torch.nn.Sequential(MLP(8, 16, 1), torch.nn.Dropout(0.5))
+    trainer = Val(model=model, train_data=loader(dataset(64)), val_data=loader(dataset(32, seed=5)),
+                  val_every=2, max_steps=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu",
+                  progress=False)
+    trainer.fit()
+    assert seen and all(s == (False, False, None) for s in seen)
+    assert model.training
+    assert [s for s, _ in trainer.state.val_history] == [0, 2, 4]
+
+
+def test_no_step_graph_outlives_its_step_and_state_is_detached():
+    alive = []
+
+    class Watch(Trainer):
+        refs = []
+
+        def on_step_start(self):
+            alive.append(sum(r() is not None for r in self.refs))
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            token = type("Token", (), {})()
+            loss.grad_fn.metadata["token"] = token  # dies with the graph's root node
+            self.refs.append(weakref.ref(token))
+            return loss
+
+    trainer = Watch(model=MLP(8, 16, 1), train_data=loader(dataset(64)), max_steps=5,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False)
+    trainer.fit()
+    assert alive == [0] * 5
+    assert all(r() is None for r in Watch.refs)
+    assert all(v.grad_fn is None and not v.requires_grad for v in trainer.state.losses.values())
+
+
+def test_bf16_autocast_on_cpu_trains():
+    trainer = Trainer(model=MLP(8, 16, 1), train_data=loader(dataset(64)), precision="bf16", max_steps=3,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False)
+    trainer.fit()
+    assert trainer.state.step == 3 and torch.isfinite(trainer.state.losses["loss"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_steps": 0}, "max_steps must be a positive integer, got 0"),
+    ({"precision": "16", "device": "cpu"}, "precision=16 needs CUDA"),
+    ({"multi_loss": "avg"}, "multi_loss='avg' is not one of sequential, sum"),
+    ({"guard": {"check": "sometimes"}}, "guard.check='sometimes' is not one of auto, always, off"),
+    ({"train_data": None, "max_steps": None}, "train_data is required.*\n.*set max_steps or max_epochs"),
+])
+def test_bad_arguments_are_reported_together_at_construction(kwargs, message):
+    args = dict(model=MLP(), train_data=[], max_steps=1, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_requested_without_cuda_is_a_start_up_error():
+    with pytest.raises(ConfigError, match=re.escape("device='cuda' asks for CUDA, but torch.cuda.is_available() "
+                                                    "is False") + ".*Use device=cpu, or device=auto"):
+        Trainer(model=MLP(), train_data=[0], max_steps=1, device="cuda")
+
+
+def test_device_auto_takes_cuda_only_when_present():
+    trainer = Trainer(model=MLP(), train_data=[0], max_steps=1, device="auto")
+    assert trainer.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["32", "bf16", "16"])
+def test_cuda_training_moves_batches_and_trains(precision):
+    model = MLP(8, 16, 1)
+    trainer = Trainer(model=model, train_data=loader(dataset(64)), precision=precision, max_steps=5,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cuda", progress=False)
+    trainer.fit()
+    assert next(model.parameters()).device.type == "cuda"
+    assert torch.isfinite(trainer.state.losses["loss"]).item()
