@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from . import distributed
 from . import step as steps
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
@@ -42,9 +43,10 @@ class Trainer:
                 x, y = batch
                 return F.cross_entropy(self.model(x), y)        # or {"name": loss, ...}
 
-    Every step: ``zero_grad(set_to_none=True)`` -> batch to device -> ``training_step``
-    (under autocast) -> guard pre-flight (the loss's autograd graph is checked before any
-    ``.grad`` changes) -> backward(s) -> clip -> optimizer step(s) -> scheduler step.
+    Every step: batch to device -> ``training_step`` (under autocast) -> guard pre-flight
+    (the loss's autograd graph is checked before any ``.grad`` changes) -> backward(s)
+    -> clip -> optimizer step(s) -> ``zero_grad(set_to_none=True)`` -> scheduler step.
+    Between steps every gradient is None.
     If anything raises, the step is abandoned: its gradients are dropped, parameters and
     optimizer state are as they were before it, and the error names the step.
 
@@ -133,6 +135,10 @@ class Trainer:
             problems.extend(err.problems)
         if problems:
             raise ConfigError(problems)
+        # Under torchrun: join the process group; this rank trains on cuda:LOCAL_RANK or the CPU.
+        self.dist = distributed.from_env(self.device)
+        if self.dist is not None:
+            self.device = self.dist.device
 
         self.model = model
         self.train_data, self.val_data = train_data, val_data
@@ -198,8 +204,13 @@ class Trainer:
     # -- the run -----------------------------------------------------------------------------
     def fit(self) -> TrainState:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
-        self.setup()
-        self.progress = Progress(self.max_steps, self._progress_enabled)
+        try:
+            self.setup()
+        except BaseException:
+            if self.dist is not None:
+                self.dist.close()
+            raise
+        self.progress = Progress(self.max_steps, self._progress_enabled and (self.dist is None or self.dist.is_zero))
         try:
             with self.guard.context():
                 self._call("on_fit_start")
@@ -214,6 +225,8 @@ class Trainer:
             self.progress.close()
             for logger in self.loggers:
                 logger.close()
+            if self.dist is not None:
+                self.dist.close()
         return self.state
 
     def setup(self) -> None:
@@ -230,8 +243,11 @@ class Trainer:
             self.schedulers = dict(self.configure_schedulers(self.optimizers))
             if self.precision == "16":
                 self.scaler = torch.amp.GradScaler("cuda")
+        if self.dist is not None:  # rank zero's weights and run directory, sharded data, gradient hooks
+            self.dist.attach(self)
         self._hooks = {name: self._bind(name) for name in HOOKS}
-        self.loggers = make_loggers(self._logger_names, self.run_dir)
+        zero = self.dist is None or self.dist.is_zero
+        self.loggers = make_loggers(self._logger_names, self.run_dir) if zero else []
 
     def _bind(self, name: str) -> list[Callable]:
         """Only overridden hooks are called, so that unused hooks cost nothing per step."""
@@ -300,8 +316,6 @@ class Trainer:
         self._undo.clear()
         if not self.automatic:
             self._step_seq = self.guard.start_seq if self.guard.start_seq is not None else sequence_now()
-        for opt in self.optimizers.values():  # gradients of the last step go just before this one's
-            opt.zero_grad(set_to_none=True)
         try:
             total: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
@@ -312,7 +326,7 @@ class Trainer:
                     losses = steps.named_losses(output, step, ()) if output is not None else {}
                 else:
                     losses = steps.named_losses(output, step, self.optimizers)
-                    self._backward(losses, step, batch, first=i == 0)
+                    self._backward(losses, step, batch, first=i == 0, last=i == len(batches) - 1)
                 for name, loss in losses.items():
                     value = loss.detach()
                     total[name] = total[name] + value if name in total else value
@@ -332,7 +346,7 @@ class Trainer:
         self.state.step = step
         self._call("on_step_end", self.state.losses)
 
-    def _backward(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool) -> None:
+    def _backward(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool = True) -> None:
         retain = self.guard.preflight(losses, step, self, batch)
         if first and self.guard.checking:
             self._check_no_grads(step, next(iter(losses)))
@@ -340,12 +354,16 @@ class Trainer:
         plan = steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights)
         if len(plan) > 1:
             self._note_retain(plan, retain is not None, step)
-        for todo in plan:
+        for k, todo in enumerate(plan):
             self._call("on_before_backward", todo.name, todo.loss)
             loss = todo.loss * scale if self.grad_accum > 1 else todo.loss
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
+            # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
+            armed = self.dist.arm(plan, k, self.optimizers) if last and self.dist is not None else None
             self._run_backward(loss, todo.name, todo.loss, step, batch, todo.retain, todo.inputs)
+            if armed is not None:
+                self.dist.flush(armed)
             self._call("on_after_backward", todo.name)
         if HAS_SEQ:
             self.guard.last_seq = max(loss.grad_fn._sequence_nr() for loss in losses.values())
@@ -401,6 +419,8 @@ class Trainer:
 
     def _step_optimizer(self, name: str) -> None:
         opt = self.optimizers[name]
+        if self.dist is not None:  # average gradients over ranks before unscale, clip and step
+            self.dist.sync(name, self.state.step + 1)
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         if self.grad_clip is not None:
@@ -411,8 +431,7 @@ class Trainer:
             self.scaler.step(opt)
         else:
             opt.step()
-        if not self.automatic:  # the next manual backward of this step starts from zero
-            opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
         if name in self.schedulers:
             self.schedulers[name].step()
 
@@ -431,6 +450,8 @@ class Trainer:
         for name in reversed(self._undo):
             self._snapshots[name].restore()
         self._undo.clear()
+        if self.dist is not None:
+            self.dist.reset()
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         if self.model is not None:

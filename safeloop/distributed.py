@@ -1,0 +1,307 @@
+"""Data-parallel training under ``torchrun``: process group, sharding, gradient all-reduce.
+
+``torchrun --nproc-per-node=N -m safeloop ...`` (or any script that builds a Trainer)
+sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; the Trainer then runs one replica per
+process, on ``cuda:LOCAL_RANK`` (NCCL) or the CPU (gloo), each on its own shard of the
+DataLoader, and averages gradients across processes before every optimizer step.
+
+Why not ``DistributedDataParallel``: DDP all-reduces from hooks armed by the wrapper's
+``forward``, so it only syncs what goes through that call. ``self.model.g(z)`` (a GAN's
+sub-network), a second ``backward`` on the same graph (it leaves ranks with different
+gradients on torch 2.13 without an error), ``backward(inputs=...)`` routing, unused
+parameters and manual mode each need their own workaround there (``no_sync``,
+``find_unused_parameters``, one wrapper per network). Here the Trainer knows which
+backward is the last one into each optimizer's parameters, so it all-reduces once per
+optimizer per step whatever the step did, and ``self.model`` stays the module users wrote.
+Communication still overlaps the last backward: the gradients of that backward are
+bucketed (DDP's bucket sizes) and each bucket's all-reduce starts as soon as it is full.
+Every collective happens at a point all ranks reach in the same order, so a rank that
+fails simply exits: ``torchrun`` (or the closed connection) stops the others, and they
+report which step was waiting.
+
+Per-rank batch size is the DataLoader's ``batch_size``; the global batch is
+``batch_size * WORLD_SIZE``. Losses shown and logged are rank zero's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler)
+
+from .errors import SafeloopError
+
+log = logging.getLogger("safeloop")
+
+# lightning_utilities' rank_zero_only needs the rank set before use; torchrun sets RANK.
+rank_zero_only.rank = int(os.environ.get("RANK", 0))
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's defaults: a small first bucket starts communication early
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class DistributedError(SafeloopError):
+    """A collective failed: another rank stopped (its own error is in its output) or the group broke."""
+
+
+def from_env(device: torch.device) -> Distributed | None:
+    """A ``Distributed`` when this process is one of several (torchrun's env or an initialized group)."""
+    if dist.is_available() and dist.is_initialized():
+        return Distributed(device) if dist.get_world_size() > 1 else None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return Distributed(device)
+    return None
+
+
+def hydra_overrides() -> list[str]:
+    """Command-line overrides for ranks other than zero: no Hydra output directory or log file of their own.
+
+    Every rank runs ``@hydra.main``; left alone, each makes an output directory named from its
+    own clock (two directories when ranks start across a second boundary) and appends to the
+    same log file. Rank zero's run directory is sent to the others once the group is up.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    ready: int = 0  # parameters whose gradient the armed backward has written
+    flat: torch.Tensor | None = None
+    work: Any = None
+
+
+@dataclass
+class _Group:
+    """One optimizer's parameters, cut into buckets in reverse order (the order backward fills them)."""
+
+    buckets: list[_Bucket]
+    armed: bool = False  # the current backward is the last one into these parameters this step
+    launched: int = 0  # buckets are launched strictly in order, so every rank issues the same sequence
+    pending: list[int] = field(default_factory=list)
+
+
+class Distributed:
+    """This process's place in the job: rank, world size, device, and the gradient all-reduce."""
+
+    def __init__(self, device: torch.device, timeout_s: float | None = None):
+        self.owned = not dist.is_initialized()
+        if self.owned:
+            self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device("cuda", self.local_rank) if device.type == "cuda" else torch.device("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            timeout = timedelta(seconds=timeout_s or float(os.environ.get("SAFELOOP_DIST_TIMEOUT", 1800)))
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
+                                    device_id=self.device if self.device.type == "cuda" else None)
+        else:
+            self.local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            self.device = torch.device("cuda", self.local_rank) if device.type == "cuda" else torch.device("cpu")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        rank_zero_only.rank = self.rank
+        self.groups: dict[str, _Group] = {}
+        self.buffers: list[torch.Tensor] = []
+        self.step = 0  # the step being synced, for error messages
+        self._hooks: list = []
+        self._quieted: int | None = None
+        if self.rank != 0:  # progress and validation lines come from rank zero only
+            self._quieted = log.level
+            log.setLevel(logging.WARNING)
+
+    @property
+    def is_zero(self) -> bool:
+        return self.rank == 0
+
+    # -- start of fit --------------------------------------------------------------------
+    def attach(self, trainer) -> None:
+        """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks."""
+        if self.groups:
+            return
+        model = trainer.model
+        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
+        self._broadcast(tensors)
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
+        seed = trainer.train_data.generator.initial_seed() if getattr(trainer.train_data, "generator", None) \
+            else torch.initial_seed()
+        shared = [str(trainer.run_dir) if trainer.run_dir is not None else None, seed]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir, seed = shared
+        if run_dir is not None:
+            trainer.run_dir = Path(run_dir)
+            trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
+        trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
+        seen: set[int] = set()
+        for name, opt in trainer.optimizers.items():
+            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            group = self.groups[name] = _Group(_buckets(params))
+            for index, bucket in enumerate(group.buckets):
+                for p in bucket.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for same in _by_dtype(tensors):
+                flat = torch._utils._flatten_dense_tensors(same)
+                dist.broadcast(flat, src=0)
+                for t, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                    t.copy_(value)
+
+    # -- during the step -------------------------------------------------------------------
+    def arm(self, plan: list, index: int, optimizers) -> _Group | None:
+        """Before backward ``plan[index]`` of the last micro-batch: arm its optimizer's buckets if it
+        is the last backward into them this step (their all-reduce then overlaps it)."""
+        name = plan[index].optimizer or next(iter(optimizers))
+        if any((todo.optimizer or name) == name for todo in plan[index + 1:]):
+            return None
+        group = self.groups.get(name)
+        if group is not None:
+            group.armed = True
+        return group
+
+    def _ready(self, group: _Group, index: int, _param) -> None:
+        if not group.armed:
+            return
+        bucket = group.buckets[index]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            while group.launched < len(group.buckets) and \
+                    group.buckets[group.launched].ready == len(group.buckets[group.launched].params):
+                self._launch(group.buckets[group.launched])
+                group.launched += 1
+
+    def flush(self, group: _Group) -> None:
+        """After the armed backward: start the buckets it did not fill (unused parameters), in order."""
+        group.armed = False
+        while group.launched < len(group.buckets):
+            self._launch(group.buckets[group.launched])
+            group.launched += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # A parameter without a gradient sends zeros plus a 0 in the presence vector, so that it
+        # stays None (skipped by the optimizer) only when no rank produced a gradient for it.
+        parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params]
+        parts.append(torch.tensor([p.grad is not None for p in bucket.params], dtype=parts[0].dtype,
+                                  device=parts[0].device))
+        bucket.flat = torch.cat(parts)
+        try:
+            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+
+    def sync(self, name: str, step: int) -> None:
+        """Average optimizer ``name``'s gradients over all ranks (before unscale, clip and step)."""
+        group = self.groups.get(name)
+        if group is None:
+            return
+        self.step = step
+        self.flush(group)
+        try:
+            for bucket in group.buckets:
+                bucket.work.wait()
+                flat = bucket.flat.div_(self.world)
+                present = flat[-len(bucket.params):]
+                offset = 0
+                for p, seen in zip(bucket.params, present.tolist()):
+                    value = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is not None:
+                        p.grad.copy_(value)
+                    elif seen:
+                        p.grad = torch.empty_like(p).copy_(value)
+                bucket.flat = bucket.work = None
+                bucket.ready = 0
+            group.launched = 0
+            if self.buffers:  # like DDP: every rank continues with rank zero's running statistics
+                self._broadcast(self.buffers)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+
+    def reset(self) -> None:
+        """A failed step: forget half-done buckets (their all-reduce is not waited for)."""
+        for group in self.groups.values():
+            group.armed, group.launched = False, 0
+            for bucket in group.buckets:
+                bucket.ready, bucket.flat, bucket.work = 0, None, None
+
+    def _lost(self, err: Exception) -> DistributedError:
+        return DistributedError(
+            f"step {self.step}: rank {self.rank} of {self.world} could not all-reduce gradients ({err}). Another "
+            "rank most likely failed: its error is printed in its own output (torchrun prints the first "
+            "failure's rank and traceback at the end)")
+
+    # -- end of fit -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove hooks and, if the Trainer made the process group, destroy it (on success and on error)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.groups.clear()
+        if self._quieted is not None:
+            log.setLevel(self._quieted)
+            self._quieted = None
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return list(out.values())
+
+
+def _buckets(params: list[torch.Tensor]) -> list[_Bucket]:
+    """Reverse order (gradients arrive last layer first), one dtype per bucket, DDP's size caps."""
+    buckets: list[_Bucket] = []
+    current: list[torch.Tensor] = []
+    size, cap = 0, FIRST_BUCKET_BYTES
+    for p in reversed(params):
+        if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+            buckets.append(_Bucket(current))
+            current, size, cap = [], 0, BUCKET_BYTES
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+def shard(data, rank: int, world: int, seed: int):
+    """``data`` with a ``DistributedSampler``: each rank its own equal share, reshuffled every epoch.
+
+    Ranks must see the same number of batches (every step all-reduces), which the sampler
+    guarantees by padding; anything it cannot rebuild is returned as is, with a warning.
+    """
+    if not isinstance(data, DataLoader):
+        warnings.warn(f"train_data is a {type(data).__name__}, not a DataLoader: every rank trains on the batches "
+                      "it is given, so shard them yourself and give every rank the same number", stacklevel=3)
+        return data
+    if isinstance(data.sampler, DistributedSampler):
+        return data
+    custom = not isinstance(data.sampler, (SequentialSampler, RandomSampler)) or \
+        (data.batch_sampler is not None and type(data.batch_sampler) is not BatchSampler)
+    if isinstance(data.dataset, IterableDataset) or custom:
+        warnings.warn("train_data uses an IterableDataset or a custom sampler that safeloop cannot shard: every "
+                      "rank gets the same batches unless your dataset shards by torch.distributed.get_rank()",
+                      stacklevel=3)
+        return data
+    sampler = DistributedSampler(data.dataset, num_replicas=world, rank=rank,
+                                 shuffle=isinstance(data.sampler, RandomSampler), seed=seed, drop_last=data.drop_last)
+    return DataLoader(data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,
+                      collate_fn=data.collate_fn, pin_memory=data.pin_memory, drop_last=data.drop_last,
+                      timeout=data.timeout, worker_init_fn=data.worker_init_fn,
+                      multiprocessing_context=data.multiprocessing_context, generator=data.generator,
+                      prefetch_factor=data.prefetch_factor, persistent_workers=data.persistent_workers)

@@ -1,0 +1,116 @@
+"""Training cases run both under ``torchrun`` (2 ranks, gloo) and in one process, for test_distributed.
+
+``torchrun --nproc-per-node=2 tests/ddp_cases.py OUT_DIR CASE...`` runs each case on its rank's
+shard and saves every rank's parameters and first-step gradients to ``OUT_DIR/CASE_rankR.pt``;
+``result(case, world=1)`` runs the same case in one process over the same global batches.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from safeloop import Trainer
+from safeloop.models import MLP
+
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+def dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(GLOBAL_BATCH * STEPS * 2, 8, generator=gen)
+    return TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
+
+
+class Recording(Trainer):
+    """Keeps the gradients each optimizer steps with in the first step (after the all-reduce)."""
+
+    def on_before_optimizer_step(self, name, optimizer):
+        if self.state.step == 0:
+            self.first_grads = getattr(self, "first_grads", {})
+            for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+                self.first_grads[f"{name}.{i}"] = None if p.grad is None else p.grad.clone()
+
+
+class TwoLosses(Recording):
+    """Two losses through one graph: the Trainer retains it for the first backward."""
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        return {"fit": F.mse_loss(out, y), "small": 0.1 * out.pow(2).mean()}
+
+
+class GanLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = MLP(4, 16, 8, 2)
+        self.d = MLP(8, 16, 1, 2)
+
+
+class Gan(Recording):
+    """Two optimizers, sub-network calls (``self.model.g``) and a loss per optimizer."""
+
+    def configure_optimizers(self):
+        return {"d": torch.optim.Adam(self.model.d.parameters(), lr=1e-2),
+                "g": torch.optim.Adam(self.model.g.parameters(), lr=1e-2)}
+
+    def training_step(self, batch):
+        real, _ = batch
+        z = torch.tanh(2 * real[:, :4])  # noise made from the sample, so it does not depend on the shard
+        fake = self.model.g(z)
+        d_loss = F.softplus(self.model.d(fake.detach())).mean() + F.softplus(-self.model.d(real)).mean()
+        g_loss = F.softplus(-self.model.d(fake)).mean()
+        return {"d": d_loss, "g": g_loss}
+
+
+class ManualGan(Gan):
+    automatic = False
+
+    def training_step(self, batch):
+        real, _ = batch
+        z = torch.tanh(2 * real[:, :4])  # noise made from the sample, so it does not depend on the shard
+        fake = self.model.g(z)
+        d_loss = F.softplus(self.model.d(fake.detach())).mean() + F.softplus(-self.model.d(real)).mean()
+        self.backward(d_loss, "d")
+        self.step("d")
+        g_loss = F.softplus(-self.model.d(self.model.g(z))).mean()
+        self.backward(g_loss, "g")
+        self.step("g")
+        return {"d": d_loss.detach(), "g": g_loss.detach()}
+
+
+def build(case: str, world: int) -> Trainer:
+    torch.manual_seed(0)
+    accum = 2 if case == "accum" else 1
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
+    common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=(), grad_accum=accum)
+    if case in ("gan", "manual_gan"):
+        cls = Gan if case == "gan" else ManualGan
+        return cls(model=GanLike(), **common)
+    cls = TwoLosses if case == "two_losses" else Recording
+    model = MLP(8, 32, 1, 3)
+    return cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
+
+
+def result(case: str, world: int = 1) -> dict:
+    trainer = build(case, world)
+    trainer.fit()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads}
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")  # one group for every case; each Trainer joins it
+    rank = dist.get_rank()
+    for case in sys.argv[2:]:
+        torch.save(result(case, dist.get_world_size()), out / f"{case}_rank{rank}.pt")
+    dist.destroy_process_group()
