@@ -258,13 +258,13 @@ class Guard:
                 trainer: Any = None, batch: Any = None, stepped: list[str] | None = None):
         """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated)."""
         text = str(err)
+        start = self.start_seq or (self.last_seq + 1 if self.last_seq is not None else None)
+        before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         if walk.is_freed(err):
-            start = self.start_seq or (self.last_seq + 1 if self.last_seq is not None else None)
-            found = walk.walk(loss.grad_fn, start, step) if start is not None else None
-            if found is not None and found.before:
+            if before:
                 self.checking = True
                 try:
-                    self._before_step(found.before, name, loss, step, trainer, batch)
+                    self._before_step(before, name, loss, step, trainer, batch)
                 except GraphLifecycleError as explained:
                     return explained
             return self._error(DoubleBackwardError, None, name, loss, step, trainer, batch,
@@ -277,6 +277,14 @@ class Guard:
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
+            saving = [n for n in before if walk.is_inplace(walk.unpack_error(n))]
+            if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
+                return self._error(InplaceModificationError, saving[0], name, loss, step, trainer, batch,
+                    "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
+                    f"saved ({tensor}) was since changed in place (optimizer steps update parameters in place), "
+                    "so a graph kept across steps goes stale and retain_graph cannot help",
+                    ["recompute `{code}` inside training_step, so every step builds its own graph",
+                     "if it is a constant input, store `{code}.detach()` instead"])
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
