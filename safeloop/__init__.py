@@ -2,6 +2,7 @@
 from .callbacks import Callback
 from .errors import (
     CarriedGraphError,
+    CheckpointError,
     ConfigError,
     DoubleBackwardError,
     GraphLeakWarning,
@@ -10,6 +11,7 @@ from .errors import (
     GraphSharingWarning,
     InplaceModificationError,
     NoGraphError,
+    NonFiniteError,
     SafeloopError,
     StepError,
 )
@@ -19,7 +21,7 @@ from .trainer import Trainer
 
 __all__ = [
     "Callback", "Guard", "Trainer", "TrainState",
-    "SafeloopError", "ConfigError", "StepError",
+    "SafeloopError", "ConfigError", "StepError", "NonFiniteError", "CheckpointError",
     "GraphLifecycleError", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",
 ]

@@ -29,6 +29,18 @@ class StepError(SafeloopError):
         super().__init__(message)
 
 
+class NonFiniteError(StepError):
+    """A loss or gradient was NaN or Inf; the step was abandoned before the optimizer step."""
+
+
+class CheckpointError(SafeloopError):
+    """A checkpoint cannot be written, read, or used for this run; ``path`` names the file."""
+
+    def __init__(self, message: str, path=None):
+        self.path = path
+        super().__init__(message)
+
+
 class GraphLifecycleError(SafeloopError):
     """An autograd-graph mistake, seen before it could corrupt the step."""
 

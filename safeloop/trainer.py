@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import distributed
+from . import checkpoint as ckpt
+from . import distributed, nonfinite
 from . import step as steps
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
-from .errors import ConfigError, GraphLifecycleError, SafeloopError, StepError
+from .errors import ConfigError, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
 from .guard import CHECKS, REUSE_POLICIES, Guard
 from .guard.guard import Recorder
 from .guard.walk import HAS_SEQ, sequence_now
@@ -79,6 +80,14 @@ class Trainer:
         guard: a ``Guard`` or its keyword arguments (``check``, ``on_reuse``, ``trace``).
         callbacks: ``Callback`` objects; loggers: names (``csv``, ``tensorboard``), written under ``run_dir``.
         progress: show a progress bar (a terminal) or log lines (otherwise).
+        checkpoint: ``{"every": N, "keep": 3, "dir": path}``; saves every ``every`` steps (None: only
+            at the end and on SIGTERM/SIGINT, which finish the step, save and stop) into ``dir``
+            (default ``run_dir/checkpoints``; no ``dir`` and no ``run_dir``, or ``False``: no checkpoints).
+        resume: ``None``, ``"auto"`` (the newest readable checkpoint in the checkpoint directory, if
+            any: the same command starts and restarts a run), or a checkpoint file or directory.
+        on_nonfinite: ``error``, ``skip`` or ``off``: a NaN/Inf loss or gradient stops the run, or
+            skips the update (at most ``max_skipped`` steps in a row), found by one fused test per step.
+        config: the resolved run config (plain containers), stored in checkpoints.
     """
 
     automatic: bool = True  # False: training_step calls self.backward / self.step itself
@@ -107,6 +116,11 @@ class Trainer:
         loggers: Iterable[str] = ("csv",),
         run_dir: str | Path | None = None,
         progress: bool = True,
+        checkpoint: Mapping[str, Any] | bool | None = None,
+        resume: str | Path | None = None,
+        on_nonfinite: str = "error",
+        max_skipped: int = 10,
+        config: Mapping[str, Any] | None = None,
     ):
         problems = []
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -123,6 +137,27 @@ class Trainer:
             problems.append(f"grad_clip must be positive or null, got {grad_clip!r}")
         if multi_loss not in steps.MULTI_LOSS:
             problems.append(f"multi_loss={multi_loss!r} is not one of {', '.join(steps.MULTI_LOSS)}")
+        if on_nonfinite not in nonfinite.POLICIES:
+            problems.append(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(nonfinite.POLICIES)}")
+        if not isinstance(max_skipped, int) or max_skipped <= 0:
+            problems.append(f"max_skipped must be a positive integer, got {max_skipped!r}")
+        checkpoint = {} if checkpoint is None or checkpoint is True else checkpoint
+        if checkpoint is not False:
+            checkpoint = dict(checkpoint)
+            unknown = sorted(set(checkpoint) - {"every", "keep", "dir"})
+            if unknown:
+                problems.append(f"checkpoint has no setting {unknown[0]!r}: use every, keep, dir")
+            for key in ("every", "keep"):
+                value = checkpoint.get(key, 1)
+                if value is not None and (not isinstance(value, int) or value <= 0):
+                    problems.append(f"checkpoint.{key} must be a positive integer, got {value!r}")
+        where = (checkpoint or {}).get("dir") or (Path(run_dir) / "checkpoints" if run_dir is not None else None)
+        if resume is not None and (where is None or checkpoint is False) and str(resume) == "auto":
+            problems.append("resume=auto looks in the checkpoint directory, and there is none: pass run_dir=... "
+                            "or checkpoint={'dir': ...}")
+        if resume is not None and str(resume) != "auto" and not Path(resume).exists():
+            problems.append(f"resume={str(resume)!r}: no such file or directory (give a checkpoint file, a "
+                            "checkpoint directory, or auto)")
         if isinstance(guard, Mapping):
             if guard.get("check", "auto") not in CHECKS:
                 problems.append(f"guard.check={guard['check']!r} is not one of {', '.join(CHECKS)}")
@@ -154,6 +189,14 @@ class Trainer:
         self.callbacks = list(callbacks)
         self._logger_names = loggers
         self._progress_enabled = progress
+        self.checkpointer = ckpt.Checkpointer(where, checkpoint.get("every", 1000), checkpoint.get("keep", 3)) \
+            if checkpoint is not False and where is not None else None
+        self.resume = resume
+        self.on_nonfinite, self.max_skipped = on_nonfinite, max_skipped
+        self.config = dict(config) if config is not None else None
+        self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: save after this step and stop
+        self._epoch_rng: dict | None = None  # RNG states the current epoch's order was drawn from
+        self._skipped_in_row = 0
         self.state = TrainState()
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
@@ -212,13 +255,21 @@ class Trainer:
             raise
         self.progress = Progress(self.max_steps, self._progress_enabled and (self.dist is None or self.dist.is_zero))
         try:
-            with self.guard.context():
+            rng = self._resume() if self.resume is not None else None
+            with self.guard.context(), ckpt.stop_signals(self):
                 self._call("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
                     self.validate()
                 self.guard.start_fit()
+                if rng is not None:  # set last, so that nothing before the first step draws from it
+                    ckpt.set_rng_state(rng)
                 self._loop()
-                if self.val_data is not None and self.state.val_history[-1][0] != self.state.step:
+                if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
+                    self.checkpointer.save(self)
+                if self.stop_signal is not None:
+                    return self.state  # stopped early: no final validation, no on_fit_end
+                history = self.state.val_history
+                if self.val_data is not None and (not history or history[-1][0] != self.state.step):
                     self.validate()
                 self._call("on_fit_end")
         finally:
@@ -228,6 +279,27 @@ class Trainer:
             if self.dist is not None:
                 self.dist.close()
         return self.state
+
+    def _resume(self) -> dict | None:
+        """Load the checkpoint ``resume`` names; returns its RNG states, to set just before the first step."""
+        finder = self.checkpointer or ckpt.Checkpointer(Path(self.resume))
+        found = finder.find(self.resume)
+        if found is None:
+            return None
+        path, data = found
+        ckpt.restore(self, data, path)
+        if self.checkpointer is not None:
+            self.checkpointer.last = path
+        state = self.state
+        log.info("resumed from %s: step %d, epoch %d, %d batches into it", path, state.step, state.epoch,
+                 state.batch_in_epoch)
+        if self.max_steps is not None and state.step >= self.max_steps:
+            log.info("the checkpoint is at step %d and max_steps=%d: nothing to train", state.step, self.max_steps)
+        return data["rng"]
+
+    def save_checkpoint(self) -> Path | None:
+        """Save a checkpoint now (the Trainer does at every ``checkpoint.every`` steps and at the end)."""
+        return self.checkpointer.save(self) if self.checkpointer is not None else None
 
     def setup(self) -> None:
         """Place the model, build optimizers, schedulers, hooks and loggers (idempotent)."""
@@ -267,19 +339,25 @@ class Trainer:
             sampler = getattr(self.train_data, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.state.epoch)
+            start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
+            if start:  # the order the epoch had before the interruption, past the batches consumed
+                batches = ckpt.fast_forward(self.train_data, self._epoch_rng, start)
+            else:
+                self._epoch_rng = ckpt.epoch_start(self.train_data)
+                batches = self.train_data
             empty = True
-            for i, batch in enumerate(self.train_data):
-                if i < self.state.batch_in_epoch:  # resuming mid-epoch
-                    continue
+            for i, batch in enumerate(batches, start):
                 empty = False
                 self.state.batch_in_epoch = i + 1
                 yield batch
-            if empty and self.state.batch_in_epoch == 0:
+            if empty and start == 0:
                 raise ConfigError("train_data yielded no batches: check the dataset and batch size")
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
     def _loop(self) -> None:
+        if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
+            return
         pending: list = []
         for batch in self._batches():
             pending.append(batch)
@@ -291,17 +369,22 @@ class Trainer:
             self.guard.end_step(self.state.step, self)
             self.guard.record_step_time(time.perf_counter() - started)
             self._after_step()
-            if self.max_steps is not None and self.state.step >= self.max_steps:
+            if self.stop_signal is not None or (self.max_steps is not None and self.state.step >= self.max_steps):
                 return
 
     def _after_step(self) -> None:
         step = self.state.step
         if step % self.log_every == 0 or step == self.max_steps:
             metrics = self.state.floats()
+            if self.state.skipped:
+                metrics["skipped"] = self.state.skipped
             self.progress.update(step, metrics)
             self.log_metrics(metrics)
         if self.val_data is not None and self.val_every and step % self.val_every == 0:
             self.validate()
+        every = self.checkpointer.every if self.checkpointer is not None else None
+        if self.stop_signal is not None or (every and step % every == 0):
+            self.save_checkpoint()
 
     def log_metrics(self, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:
@@ -331,7 +414,7 @@ class Trainer:
                     value = loss.detach()
                     total[name] = total[name] + value if name in total else value
                 del output, losses, batch
-            if self.automatic:
+            if self.automatic and (self.on_nonfinite == "off" or self._finite(total, step)):
                 self._optimizer_steps(total)
             elif self.scaler is not None and self._stepped:
                 self.scaler.update()
@@ -407,6 +490,33 @@ class Trainer:
                         fixes=["return the loss from training_step and let the Trainer call backward",
                                "or set automatic = False on your Trainer and call self.backward(loss) / "
                                "self.step() inside training_step"])
+
+    def _finite(self, losses: Mapping[str, torch.Tensor], step: int) -> bool:
+        """One fused NaN/Inf test over the losses and gradients (one host sync). False: skip the update."""
+        # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
+        grads = nonfinite.gradients(self.optimizers.values()) if self.scaler is None else []
+        if nonfinite.all_finite(losses.values(), grads):
+            self._skipped_in_row = 0
+            return True
+        named = [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]
+        what = nonfinite.describe(losses, named)
+        if self.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"step {step}: {what}. The step was abandoned before the optimizer step (parameters and optimizer "
+                "state are unchanged). To find the cause run with debug=default (anomaly detection names the "
+                "backward operation that made the first NaN), lower the learning rate or set trainer.grad_clip; "
+                "trainer.on_nonfinite=skip skips such steps instead", step)
+        if self._skipped_in_row >= self.max_skipped:
+            raise NonFiniteError(
+                f"step {step}: {what}, and the {self._skipped_in_row} steps before it were skipped for the same "
+                f"reason (trainer.max_skipped={self.max_skipped}): training diverged, this is not a rare bad "
+                "batch. Resume from an earlier checkpoint with a lower learning rate or trainer.grad_clip", step)
+        self._skipped_in_row += 1
+        self.state.skipped += 1
+        log.warning("step %d skipped, nothing updated: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
+                    step, what, self.state.skipped, self._skipped_in_row, self.max_skipped)
+        self._abandon()
+        return False
 
     def _optimizer_steps(self, losses: Mapping[str, torch.Tensor]) -> None:
         names = [n for n in self.optimizers if n in losses] if len(self.optimizers) > 1 else list(self.optimizers)
