@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -16,12 +17,15 @@ import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate
+from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from . import distributed
 from .errors import ConfigError
 from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
+_print = rank_zero_only(print)  # one report per job under torchrun
 
 
 @dataclass
@@ -54,6 +58,8 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="trainer", name="schema", node=TrainerConfig)
     cs.store(group="guard", name="schema", node=GuardConfig)
+    # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
+    sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -98,6 +104,6 @@ def train(cfg: DictConfig) -> Trainer:
     if history:
         (s0, first), (s1, last) = history[0], history[-1]
         key = next(iter(first))
-        print(f"{key}: {first[key]:.4g} at step {s0} -> {last[key]:.4g} at step {s1}")
-    print(f"outputs: {trainer.run_dir}")
+        _print(f"{key}: {first[key]:.4g} at step {s0} -> {last[key]:.4g} at step {s1}")
+    _print(f"outputs: {trainer.run_dir}")
     return trainer

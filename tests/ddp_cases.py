@@ -46,6 +46,15 @@ class TwoLosses(Recording):
         return {"fit": F.mse_loss(out, y), "small": 0.1 * out.pow(2).mean()}
 
 
+class FailsOnRank1(Recording):
+    """Rank 1 alone returns, at step 3, a loss whose graph was built before training."""
+
+    def training_step(self, batch):
+        if self.state.step == 2 and torch.distributed.get_rank() == 1:
+            return self.stale
+        return super().training_step(batch)
+
+
 class GanLike(nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,9 +102,12 @@ def build(case: str, world: int) -> Trainer:
     if case in ("gan", "manual_gan"):
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
-    cls = TwoLosses if case == "two_losses" else Recording
+    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1}.get(case, Recording)
     model = MLP(8, 32, 1, 3)
-    return cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
+    trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
+    x, y = dataset()[:4]
+    trainer.stale = F.mse_loss(model(x), y)
+    return trainer
 
 
 def result(case: str, world: int = 1) -> dict:

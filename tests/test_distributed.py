@@ -1,0 +1,86 @@
+"""Data-parallel runs under real ``torchrun`` (2 CPU processes, gloo), and Hydra sweeps.
+
+Deselect the torchrun tests with ``pytest -m "not distributed"``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import ddp_cases
+from tests.conftest import ROOT, subprocess_env
+
+CASES = ("plain", "two_losses", "accum", "gan", "manual_gan")
+
+
+def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    # --standalone: a free port of its own, so that runs on the same machine do not collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    """Every case of tests/ddp_cases.py run once on 2 ranks; one file per case and rank."""
+    out = tmp_path_factory.mktemp("ddp")
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, cwd=out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
+    rank0, rank1 = (torch.load(ranks / f"{case}_rank{r}.pt") for r in (0, 1))
+    single = ddp_cases.result(case)
+    for p0, p1, p in zip(rank0["params"], rank1["params"], single["params"], strict=True):
+        assert torch.equal(p0, p1), "ranks hold different parameters"
+        torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
+    # the gradients every optimizer stepped with in step 1: the all-reduced mean equals one big batch's
+    assert rank0["grads"].keys() == single["grads"].keys()
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(rank0["grads"][name], grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(rank1["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(tmp_path):
+    proc = torchrun("-m", "safeloop", "trainer.max_steps=20", "trainer.log_every=10", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("outputs: ") == 1, proc.stdout
+    runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs  # rank 1 makes no Hydra directory of its own
+    rows = (runs[0] / "metrics.csv").read_text().splitlines()
+    assert any(row.startswith("20,loss,") for row in rows), rows
+    assert len([r for r in rows if r.startswith("20,loss,")]) == 1, "a rank other than zero logged"
+
+
+@pytest.mark.distributed
+def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
+    started = time.perf_counter()
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(tmp_path), "fails_on_rank1", cwd=tmp_path, timeout=60)
+    elapsed = time.perf_counter() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 45, f"took {elapsed:.0f}s to stop"
+    assert "[rank1]: safeloop.errors.GraphReuseError: graph built before the step is reused (step 3" in out, out
+    # rank 0, waiting in the gradient all-reduce, says why it stopped (or torchrun stopped it first)
+    assert "step 3: rank 0 of 2 could not all-reduce gradients" in out or "SIGTERM" in out, out
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
+    cmd = [sys.executable, "-m", "safeloop", "-m", "optimizer.lr=1e-2,1e-3", "trainer.max_steps=20",
+           "trainer.val_every=null"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = sorted(p.parent for p in (tmp_path / "multirun").glob("*/*/*/metrics.csv"))
+    assert [r.name for r in runs] == ["0", "1"], runs
+    overrides = [(r / ".hydra" / "overrides.yaml").read_text() for r in runs]
+    assert "optimizer.lr=0.01" in overrides[0] and "optimizer.lr=0.001" in overrides[1], overrides
+    assert proc.stdout.count("outputs: ") == 2
