@@ -292,7 +292,8 @@ class Guard:
                          "from a fresh D(fake) after the discriminator step)",
                          "step the optimizer after this backward"]
             else:
-                detail = (f"a tensor the graph saved for backward ({tensor}) was changed in place "
+                made_by = f", the output of {node_name}" if node_name else ""
+                detail = (f"a tensor the graph saved for backward ({tensor}{made_by}) was changed in place "
                           "after it was used")
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
                          ".clone() the tensor before changing it"]
