@@ -90,6 +90,7 @@ class _Group:
     buckets: list[_Bucket]
     armed: bool = False  # the current backward is the last one into these parameters this step
     launched: int = 0  # buckets are launched strictly in order, so every rank issues the same sequence
+    synced: bool = False  # the gradients are the all-ranks mean (until a backward adds to them)
     pending: list[int] = field(default_factory=list)
 
 
@@ -172,6 +173,7 @@ class Distributed:
         return group
 
     def _ready(self, group: _Group, index: int, _param) -> None:
+        group.synced = False
         if not group.armed:
             return
         bucket = group.buckets[index]
@@ -201,10 +203,17 @@ class Distributed:
         except RuntimeError as err:
             raise self._lost(err) from err
 
+    def sync_all(self, step: int) -> None:
+        """Finish the all-reduce of every optimizer whose last backward ran, so that every rank then
+        decides on the same averaged gradients (the non-finite check skips or stops on all ranks alike)."""
+        for name, group in self.groups.items():
+            if group.launched:
+                self.sync(name, step)
+
     def sync(self, name: str, step: int) -> None:
         """Average optimizer ``name``'s gradients over all ranks (before unscale, clip and step)."""
         group = self.groups.get(name)
-        if group is None:
+        if group is None or group.synced:
             return
         self.step = step
         self.flush(group)
@@ -223,7 +232,7 @@ class Distributed:
                         p.grad = torch.empty_like(p).copy_(value)
                 bucket.flat = bucket.work = None
                 bucket.ready = 0
-            group.launched = 0
+            group.launched, group.synced = 0, True
             if self.buffers:  # like DDP: every rank continues with rank zero's running statistics
                 self._broadcast(self.buffers)
         except RuntimeError as err:
@@ -232,7 +241,7 @@ class Distributed:
     def reset(self) -> None:
         """A failed step: forget half-done buckets (their all-reduce is not waited for)."""
         for group in self.groups.values():
-            group.armed, group.launched = False, 0
+            group.armed, group.launched, group.synced = False, 0, False
             for bucket in group.buckets:
                 bucket.ready, bucket.flat, bucket.work = 0, None, None
 

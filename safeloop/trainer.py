@@ -414,6 +414,8 @@ class Trainer:
                     value = loss.detach()
                     total[name] = total[name] + value if name in total else value
                 del output, losses, batch
+            if self.dist is not None and self.automatic:  # every rank checks the same averaged gradients
+                self.dist.sync_all(step)
             if self.automatic and (self.on_nonfinite == "off" or self._finite(total, step)):
                 self._optimizer_steps(total)
             elif self.scaler is not None and self._stepped:

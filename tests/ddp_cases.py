@@ -55,6 +55,17 @@ class FailsOnRank1(Recording):
         return super().training_step(batch)
 
 
+class NanOnRank1(Recording):
+    """Step 2's loss is NaN on rank 1 only (on every sample in one process): every rank skips step 2."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        dist = torch.distributed
+        if self.state.step == 1 and (not dist.is_initialized() or dist.get_rank() == 1):
+            return loss * float("nan")
+        return loss
+
+
 class GanLike(nn.Module):
     def __init__(self):
         super().__init__()
@@ -102,8 +113,10 @@ def build(case: str, world: int) -> Trainer:
     if case in ("gan", "manual_gan"):
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
-    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1}.get(case, Recording)
+    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1}.get(case, Recording)
     model = MLP(8, 32, 1, 3)
+    if case == "nan_skip":
+        common["on_nonfinite"] = "skip"
     trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
     x, y = dataset()[:4]
     trainer.stale = F.mse_loss(model(x), y)
@@ -113,7 +126,8 @@ def build(case: str, world: int) -> Trainer:
 def result(case: str, world: int = 1) -> dict:
     trainer = build(case, world)
     trainer.fit()
-    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads}
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads,
+            "skipped": trainer.state.skipped}
 
 
 if __name__ == "__main__":

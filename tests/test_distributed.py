@@ -15,7 +15,7 @@ import torch
 from tests import ddp_cases
 from tests.conftest import ROOT, subprocess_env
 
-CASES = ("plain", "two_losses", "accum", "gan", "manual_gan")
+CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip")
 
 
 def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -46,6 +46,8 @@ def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
     for name, grad in single["grads"].items():
         torch.testing.assert_close(rank0["grads"][name], grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(rank1["grads"][name], grad, rtol=1e-5, atol=1e-7)
+    # a NaN on one rank reaches every rank through the all-reduce: all skip the same step
+    assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
 
 
 @pytest.mark.distributed
