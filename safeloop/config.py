@@ -7,24 +7,31 @@ point so that tests and other programs can call it with a composed config.
 from __future__ import annotations
 
 import logging
+import difflib
 import random
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class, instantiate
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import distributed
 from .errors import ConfigError
 from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _print = rank_zero_only(print)  # one report per job under torchrun
 
 
@@ -43,6 +50,16 @@ class TrainerConfig:
     loss_weights: dict[str, float] = field(default_factory=dict)
     loggers: list[str] = field(default_factory=lambda: ["csv"])
     progress: bool = True
+    resume: Optional[str] = None  # null | auto | PATH (auto: the newest readable checkpoint in checkpoint.dir)
+    on_nonfinite: str = "error"  # error | skip | off
+    max_skipped: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    every: Optional[int] = 1000
+    keep: int = 3
+    dir: Optional[str] = None  # null: <run dir>/checkpoints
 
 
 @dataclass
@@ -58,6 +75,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="trainer", name="schema", node=TrainerConfig)
     cs.store(group="guard", name="schema", node=GuardConfig)
+    cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
@@ -70,6 +88,9 @@ def run_dir(cfg: DictConfig) -> Path:
 
 def build(cfg: DictConfig) -> Trainer:
     """The Trainer a config describes (data, model, optimizer instantiated)."""
+    missing = missing_values(cfg)
+    if missing:
+        raise ConfigError(missing)
     seed = cfg.get("seed")
     if seed is not None:
         random.seed(seed)
@@ -91,9 +112,84 @@ def build(cfg: DictConfig) -> Trainer:
         optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
         guard=OmegaConf.to_container(cfg.guard, resolve=True) if cfg.get("guard") else None,
+        checkpoint=OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None,
+        config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
         run_dir=run_dir(cfg),
         **settings,
     )
+
+
+def missing_values(cfg: DictConfig) -> list[str]:
+    """One problem per required value (``???``) left unset."""
+    return [f"{key} is required and not set (it is ??? in the config): give it, e.g. "
+            f"python -m safeloop {key}=VALUE" for key in sorted(OmegaConf.missing_keys(cfg))]
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "train",
+            config_dir: str | Path = CONFIG_DIR) -> DictConfig:
+    """``hydra.compose`` with safeloop's errors, for programs, notebooks and the command line.
+
+    Every bad override is reported in one ``ConfigError``: an unknown key with the closest
+    known keys ("did you mean"), a wrong type with the key and what was expected, a
+    required value left ``???``.
+    """
+    register()
+    overrides = list(overrides)
+    with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        problems, cfg = _compose_reporting(config_name, overrides)
+    if cfg is not None:
+        problems += missing_values(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _compose_reporting(config_name: str, overrides: list[str]) -> tuple[list[str], DictConfig | None]:
+    """Compose, dropping each override Hydra rejects, until it works; a problem for each one dropped."""
+    failed: list[tuple[Any, ConfigCompositionException]] = []
+    remaining = OverridesParser.create().parse_overrides(overrides)
+    while True:
+        try:
+            cfg = hydra.compose(config_name, overrides=[o.input_line for o in remaining])
+            break
+        except ConfigCompositionException as err:
+            head = str(err).splitlines()[0] if str(err) else ""
+            culprit = next((o for o in remaining if re.search(rf"\b{re.escape(o.key_or_group)}\b", head)), None)
+            if culprit is None:  # nothing to drop: report Hydra's own words
+                return [_first_lines(err)], None
+            failed.append((culprit, err))
+            remaining.remove(culprit)
+    known = list(dict.fromkeys(_paths(cfg) + [p.name for p in CONFIG_DIR.iterdir() if p.is_dir()]))
+    return [_problem(o, err, known) for o, err in failed], cfg
+
+
+def _problem(override, err: ConfigCompositionException, known: list[str]) -> str:
+    cause = err.__cause__
+    key = override.key_or_group
+    if "not in" in str(cause) or "No match in the defaults list" in str(err):
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "")             if close else "python -m safeloop --cfg job lists every key"
+        return (f"{override.input_line}: there is no config key {key!r}; {hint} "
+                f"(to add a new key on purpose, write +{override.input_line})")
+    if isinstance(cause, OmegaConfBaseException):
+        return f"{override.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of that type"
+    return f"{override.input_line}: {_first_lines(err)}"
+
+
+def _first_lines(err: Exception) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines()[:3] if line.strip())
+
+
+def _paths(cfg, prefix: str = "") -> list[str]:
+    """Every key path in ``cfg`` (``trainer``, ``trainer.max_steps``...), values unresolved."""
+    out = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        out.append(path)
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            out += _paths(node, path + ".")
+    return out
 
 
 def train(cfg: DictConfig) -> Trainer:
