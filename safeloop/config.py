@@ -168,7 +168,8 @@ def _problem(override, err: ConfigCompositionException, known: list[str]) -> str
     key = override.key_or_group
     if "not in" in str(cause) or "No match in the defaults list" in str(err):
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "")             if close else "python -m safeloop --cfg job lists every key"
+        hint = f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "") \
+            if close else "python -m safeloop --cfg job lists every key"
         return (f"{override.input_line}: there is no config key {key!r}; {hint} "
                 f"(to add a new key on purpose, write +{override.input_line})")
     if isinstance(cause, OmegaConfBaseException):
