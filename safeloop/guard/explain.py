@@ -41,7 +41,14 @@ def _attributes(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if val is not None:
                     yield f"{base}.{key}", val
         return
-    for key, val in list(vars(obj).items()):
+    fields = dict(vars(obj))
+    for cls in type(obj).__mro__[:-1]:  # class-level state too (``history = []`` in the class body)
+        if cls.__module__.startswith("safeloop"):
+            break
+        for key, val in vars(cls).items():
+            if not callable(val) and not isinstance(val, (property, staticmethod, classmethod)):
+                fields.setdefault(key, val)
+    for key, val in fields.items():
         if key.startswith("__"):
             continue
         yield from _items(val, f"{prefix}.{key}")

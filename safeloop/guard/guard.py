@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import warnings
 import weakref
@@ -298,7 +299,8 @@ class Guard:
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
                          ".clone() the tensor before changing it"]
                 if not self.trace:
-                    fixes.append(_TRACE_HINT)
+                    fixes.append("set guard.trace=true (anomaly mode): PyTorch then prints the traceback of the "
+                                 "forward call whose saved tensor was changed")
             err = self._error(InplaceModificationError, None, name, loss, step, trainer, batch, detail, fixes)
             err.node_name = node_name
             return err
@@ -340,9 +342,10 @@ class Guard:
             if sentinel is None:
                 continue
             holder = _leak_holder(sentinel, trainer)
-            if holder in self._warned:
+            key = "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
+            if key in self._warned:
                 continue
-            self._warned.add(holder)
+            self._warned.add(key)
             warnings.warn(GraphLeakWarning(
                 f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
                 "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "

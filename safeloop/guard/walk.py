@@ -37,13 +37,15 @@ def saved_attrs(node) -> tuple[str, ...]:
     names = _saved_attrs.get(kind)
     if names is None:
         names = tuple(n[len("_raw"):] for n in dir(node) if n.startswith("_raw_saved_"))
+        # nodes of Python autograd Functions expose ``saved_tensors`` instead of ``_saved_tensors``
+        names = tuple("saved_tensors" if n == "_saved_tensors" else n for n in names)
         _saved_attrs[kind] = names
     return names
 
 
 def holds_tensors(node) -> bool:
     """Whether backward through ``node`` needs buffers that a non-retaining backward frees."""
-    return bool(saved_attrs(node)) or type(node).__name__.endswith("FunctionBackward")
+    return bool(saved_attrs(node))
 
 
 def unpack_error(node) -> RuntimeError | None:

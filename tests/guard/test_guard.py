@@ -1,0 +1,253 @@
+"""The guard on its own cases: carried state, leaks, clean abandonment, policies, pictures, schedule."""
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, Guard, InplaceModificationError,
+                      Trainer)
+
+
+def fit(cls, model=None, steps=4, optimizer=None, **kwargs):
+    model = model if model is not None else torch.nn.Linear(4, 4)
+    trainer = cls(model=model, train_data=[torch.randn(3, 4) for _ in range(8)], max_steps=steps,
+                  optimizer=optimizer or (lambda p: torch.optim.Adam(p, lr=0.01)), device="cpu", progress=False,
+                  loggers=(), **kwargs)
+    trainer.fit()
+    return trainer
+
+
+class CarriesHidden(Trainer):
+    detach = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.h = torch.zeros(3, 4)
+
+    def training_step(self, batch):
+        self.h = torch.tanh(self.model(batch) + self.h)
+        loss = self.h.pow(2).mean()
+        if self.detach:
+            self.h = self.h.detach()
+        return loss
+
+
+def test_hidden_state_carried_across_steps_is_caught_at_step_two():
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches TanhBackward0, "
+                                                          "created during an earlier step and held by `self.h`")
+                       + r".*To fix: detach the carried state at the end of each step \(`self.h = "
+                       r"self.h.detach\(\)`\)") as info:
+        fit(CarriesHidden)
+    assert (info.value.step, info.value.holder, info.value.node_name) == (2, "self.h", "TanhBackward0")
+
+
+def test_detached_hidden_state_runs_clean():
+    class Detaches(CarriesHidden):
+        detach = True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fit(Detaches, steps=6, guard={"check": "always"}).state.step == 6
+
+
+def test_trace_names_the_line_that_made_the_carried_tensor():
+    with pytest.raises(CarriedGraphError, match=r"it was created at .*test_guard.py.*in training_step") as info:
+        fit(CarriesHidden, guard={"trace": True})
+    assert not any("guard.trace" in f for f in info.value.fixes)
+
+
+@pytest.mark.parametrize("keep, holder", [
+    ("self.running = self.running + loss", "self.running"),
+    ("self.history.append(loss)", "self.history[0]"),
+])
+def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder):
+    class Keeps(Trainer):
+        running, history = 0.0, []
+
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            exec(keep, {"self": self, "loss": loss})
+            return loss
+
+    Keeps.history = []
+    with pytest.warns(GraphLeakWarning, match=re.escape(f"step 1: the step's autograd graph is still alive after "
+                                                        f"the step, held by `{holder}`") + ".*loss.item\\(\\)"):
+        fit(Keeps)
+
+
+def test_keeping_floats_does_not_warn():
+    class KeepsFloats(Trainer):
+        running = 0.0
+
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            self.running += loss.item()
+            return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(KeepsFloats, guard={"check": "always"})
+
+
+def snapshot(trainer):
+    return ([p.detach().clone() for p in trainer.model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in trainer.model.parameters()],
+            copy.deepcopy(trainer.optimizers["optimizer"].state_dict()))
+
+
+def assert_same(a, b):
+    for x, y in zip(a[0] + [g for g in a[1] if g is not None], b[0] + [g for g in b[1] if g is not None]):
+        assert torch.equal(x, y)
+    assert [g is None for g in a[1]] == [g is None for g in b[1]]
+    sa, sb = a[2]["state"], b[2]["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for name in sa[k]:
+            assert torch.equal(sa[k][name], sb[k][name])
+
+
+@pytest.mark.parametrize("failure, error", [
+    ("reuse", GraphReuseError),          # caught before backward
+    ("inplace", InplaceModificationError),  # raised by backward itself, half-way through
+])
+def test_a_guard_error_leaves_parameters_grads_and_optimizer_state_untouched(failure, error):
+    snaps = []
+
+    class FailsAtStep4(Trainer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.y = self.model.weight @ torch.ones(4)
+
+        def on_step_start(self):
+            snaps.append(snapshot(self))
+
+        def training_step(self, batch):
+            h = self.model(batch)
+            if self.state.step < 3:
+                return h.pow(2).mean()
+            if failure == "reuse":
+                return (h + self.y).pow(2).mean()
+            # the second layer's input is saved by sigmoid, then changed: backward fails after the
+            # first nodes already ran, so some .grad would be written mid-step by plain PyTorch
+            s = self.model(h).sigmoid()
+            s.mul_(2)
+            return s.pow(2).mean() + h.pow(2).mean()
+
+    trainer = FailsAtStep4(model=torch.nn.Linear(4, 4), train_data=[torch.randn(3, 4) for _ in range(8)],
+                           max_steps=6, optimizer=lambda p: torch.optim.Adam(p, lr=0.01), device="cpu",
+                           progress=False, loggers=())
+    with pytest.raises(error, match="step 4"):
+        trainer.fit()
+    assert trainer.state.step == 3
+    assert_same(snaps[-1], snapshot(trainer))
+
+
+def test_check_off_still_explains_the_failure_after_the_fact():
+    class Reuses(Trainer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.y = self.model.weight.sum(0).exp()
+
+        def training_step(self, batch):
+            return (self.model(batch) * self.y).pow(2).mean()
+
+    with pytest.raises(GraphReuseError, match=r"step 2.*reaches ExpBackward0.*held by `self.y`.*an earlier "
+                       "backward already freed its saved tensors"):
+        fit(Reuses, guard={"check": "off"})
+
+
+def test_error_writes_a_picture_with_the_node_highlighted(tmp_path):
+    class Reuses(Trainer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.y = self.model.weight.sum(0).exp()
+
+        def training_step(self, batch):
+            return (self.model(batch) * self.y).pow(2).mean()
+
+    with pytest.raises(GraphReuseError) as info:
+        fit(Reuses, run_dir=tmp_path)
+    picture = info.value.picture
+    assert picture and picture in str(info.value) and picture.startswith(str(tmp_path / "graphs"))
+    dot = open(picture.replace(".svg", ".dot")).read()
+    assert re.search(r'label="ExpBackward0", style=filled, fillcolor="#ff9999"', dot)
+    assert "AccumulateGrad" in dot
+
+
+def test_auto_schedule_keeps_check_cost_under_budget():
+    guard = Guard(check="auto", warmup=3, budget=0.01)
+    checked = []
+    for step in range(1, 200):
+        checked.append(guard.begin_step(step))
+        if guard.checking:
+            guard.spent = 50e-6  # a check costs 50 µs ...
+        guard.record_step_time(1e-3 + guard.spent)  # ... of a 1 ms step
+    assert checked[:3] == [True] * 3
+    assert guard.interval == 5  # 50 µs every 5 steps = 1% of 5 ms
+    assert sum(checked[3:]) == pytest.approx(len(checked[3:]) / 5, abs=2)
+    assert all(Guard(check="always").begin_step(s) for s in range(1, 50))
+    assert not any(Guard(check="off").begin_step(s) for s in range(1, 50))
+
+
+# -- no false positives ------------------------------------------------------------------------
+
+def clean(cls, model, steps=4, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=UserWarning)
+        return fit(cls, model=model, steps=steps, guard={"check": "always"}, **kwargs)
+
+
+def test_parameters_buffers_and_constants_made_before_the_step_are_fine():
+    class Step(Trainer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.scale = torch.linspace(0, 1, 4)  # made before the step, no grad
+            self.mask = (torch.rand(4) > 0.5).float()
+
+        def training_step(self, batch):
+            return (self.model(batch) * self.scale * self.mask).pow(2).mean()
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    assert clean(Step, model).state.step == 4
+
+
+def test_activation_checkpointing_is_fine():
+    for reentrant in (False, True):
+        class Step(Trainer):
+            def training_step(self, batch):
+                x = batch.requires_grad_(reentrant)
+                return checkpoint(self.model, x, use_reentrant=reentrant).pow(2).mean()
+
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        assert clean(Step, model).state.step == 4
+
+
+def test_compiled_model_is_fine():
+    class Step(Trainer):
+        def training_step(self, batch):
+            return self.compiled(batch).pow(2).mean()
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    Step.compiled = torch.compile(model, backend="aot_eager")
+    assert clean(Step, model, steps=3).state.step == 3
+
+
+def test_gan_step_on_detached_fakes_is_fine():
+    class GAN(Trainer):
+        def configure_optimizers(self):
+            return {"d": torch.optim.Adam(self.model.d.parameters(), 1e-3),
+                    "g": torch.optim.Adam(self.model.g.parameters(), 1e-3)}
+
+        def training_step(self, batch):
+            fake = self.model.g(torch.randn(3, 2))
+            d_loss = F.softplus(self.model.d(fake.detach())).mean() + F.softplus(-self.model.d(batch)).mean()
+            g_loss = F.softplus(-self.model.d(fake)).mean()
+            return {"d": d_loss, "g": g_loss}
+
+    model = torch.nn.Module()
+    model.g, model.d = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+    assert clean(GAN, model).state.step == 4
