@@ -27,20 +27,33 @@ def gradients(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]
     return grads
 
 
-def all_finite(losses: Iterable[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """True when every loss and every gradient element is finite. One host sync."""
-    values = torch.stack([loss.detach().float().reshape(()) for loss in losses])  # a copy: the test writes
-    by_device: dict[torch.device, list[torch.Tensor]] = {values.device: [values]}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    flags = []
-    for device, tensors in by_device.items():
-        found = torch.zeros(1, device=device)
-        # multiplies in place by exactly 1.0, which leaves every value (NaN and -0.0 included) as it was
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, torch.ones((), device=device))
-        flags.append(found.to(values.device))
-    found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
-    return not found.item()
+class FiniteCheck:
+    """The fused test; its flag and scale tensors are kept from step to step, so a step allocates nothing."""
+
+    def __init__(self):
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, losses: Iterable[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        """True when every loss and every gradient element is finite. One host sync."""
+        losses = list(losses)
+        by_device: dict[torch.device, list[torch.Tensor]] = {losses[0].device: []}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        flags = []
+        for device, tensors in by_device.items():
+            if device not in self._buffers:
+                self._buffers[device] = torch.zeros(1, device=device), torch.ones((), device=device)
+            found, one = self._buffers[device]
+            found.zero_()
+            if tensors:  # multiplies in place by exactly 1.0: every value (NaN, -0.0) stays as it was
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+            flags.append(found)
+        found = flags[0]
+        for loss in losses:  # 0 * a finite loss is 0; 0 * NaN or Inf is NaN, which stays in the flag
+            found.add_(loss.detach() * 0)
+        if len(flags) > 1:
+            found = found + sum(f.to(found.device) for f in flags[1:])
+        return found.item() == 0
 
 
 def describe(losses: Mapping[str, torch.Tensor], named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> str:

@@ -197,6 +197,7 @@ class Trainer:
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: save after this step and stop
         self._epoch_rng: dict | None = None  # RNG states the current epoch's order was drawn from
         self._skipped_in_row = 0
+        self._finite_check = nonfinite.FiniteCheck()
         self.state = TrainState()
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
@@ -497,7 +498,7 @@ class Trainer:
         """One fused NaN/Inf test over the losses and gradients (one host sync). False: skip the update."""
         # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
         grads = nonfinite.gradients(self.optimizers.values()) if self.scaler is None else []
-        if nonfinite.all_finite(losses.values(), grads):
+        if self._finite_check(losses.values(), grads):
             self._skipped_in_row = 0
             return True
         named = [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]
