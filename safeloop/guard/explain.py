@@ -96,7 +96,7 @@ def find_holder(node, trainer: Any = None, batch: Any = None, scan_gc: bool = Tr
             warnings.simplefilter("ignore")  # isinstance on some module objects warns
             for obj in gc.get_objects():
                 if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
-                    return "an unnamed tensor (found by the garbage collector)"
+                    return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
 
 

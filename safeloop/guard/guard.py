@@ -150,12 +150,13 @@ class Guard:
                 retain[owner[id(root)]] = True
                 continue
             found = walk.walk(root, self.start_seq, step, seen)
-            for node in found.nodes:
-                owner.setdefault(id(node), i)
-                for nxt, _ in node.next_functions:
-                    j = owner.get(id(nxt))
-                    if j is not None and j != i:
-                        retain[j] = True
+            if len(losses) > 1:  # which earlier loss's graph does this one reach?
+                for node in found.nodes:
+                    owner.setdefault(id(node), i)
+                    for nxt, _ in node.next_functions:
+                        j = owner.get(id(nxt))
+                        if j is not None and j != i:
+                            retain[j] = True
             if found.before:
                 retain[i] |= self._before_step(found.before, name, loss, step, trainer, batch)
             self._check_consumed(found.nodes, name, loss, step, trainer)
@@ -221,7 +222,6 @@ class Guard:
 
     def _check_consumed(self, nodes, name, loss, step, trainer) -> None:
         """A graph a non-retaining backward already consumed (within this step)."""
-        checked = 0
         for node in nodes:
             if walk.saved_attrs(node):
                 err = walk.unpack_error(node)
@@ -233,9 +233,7 @@ class Guard:
                          "runs backward (or drive the step yourself with self.backward / self.step)",
                          "if two losses share a graph, return them together as a dict and the Trainer "
                          "retains the graph where needed"])
-                checked += 1
-                if checked == 2:
-                    return
+                return  # the first node that saves tensors tells: a backward frees them all
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, trainer=None, batch=None) -> NoGraphError:
@@ -357,7 +355,7 @@ class Guard:
                trace_hint: bool = False) -> GraphLifecycleError:
         holder = explain.find_holder(node, trainer, batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
-        code = holder.split(" ", 1)[-1] if holder else None  # "global y" -> y
+        code = holder.split(" ", 1)[-1] if holder and holder[0] != "a" else None  # "global y" -> y
         names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
                  "code": code or "tensor"}
         line = explain.traceback_of(node) if node is not None else None
