@@ -95,8 +95,11 @@ def find_holder(node, trainer: Any = None, batch: Any = None, scan_gc: bool = Tr
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance on some module objects warns
             for obj in gc.get_objects():
-                if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
-                    return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
+                try:
+                    if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
+                        return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
+                except ReferenceError:  # a dead weakref.proxy
+                    continue
     return None
 
 
