@@ -184,7 +184,7 @@ class Trainer:
         self.multi_loss, self.loss_weights = multi_loss, dict(loss_weights or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if not isinstance(guard, Guard):
-            guard = Guard(**dict(guard or {}), out_dir=(self.run_dir or Path(".")) / "graphs")
+            guard = Guard(**dict(guard or {}), out_dir=self.run_dir / "graphs" if self.run_dir else None)
         self.guard = guard
         self.callbacks = list(callbacks)
         self._logger_names = loggers
