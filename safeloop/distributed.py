@@ -79,8 +79,9 @@ def hydra_overrides() -> list[str]:
 class _Bucket:
     params: list[torch.Tensor]
     ready: int = 0  # parameters whose gradient the armed backward has written
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # set while an all-reduce is in flight
     work: Any = None
+    buffer: torch.Tensor | None = None  # kept: a fresh multi-MB tensor every step costs page faults
 
 
 @dataclass
@@ -197,7 +198,9 @@ class Distributed:
         parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params]
         parts.append(torch.tensor([p.grad is not None for p in bucket.params], dtype=parts[0].dtype,
                                   device=parts[0].device))
-        bucket.flat = torch.cat(parts)
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, device=parts[0].device)
+        bucket.flat = torch.cat(parts, out=bucket.buffer)
         try:
             bucket.work = dist.all_reduce(bucket.flat, async_op=True)
         except RuntimeError as err:
@@ -278,11 +281,14 @@ def _buckets(params: list[torch.Tensor]) -> list[_Bucket]:
     current: list[torch.Tensor] = []
     size, cap = 0, FIRST_BUCKET_BYTES
     for p in reversed(params):
-        if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+        if current and p.dtype != current[0].dtype:
             buckets.append(_Bucket(current))
-            current, size, cap = [], 0, BUCKET_BYTES
+            current, size = [], 0
         current.append(p)
         size += p.numel() * p.element_size()
+        if size >= cap:  # like DDP, a bucket closes once it reaches its cap
+            buckets.append(_Bucket(current))
+            current, size, cap = [], 0, BUCKET_BYTES
     if current:
         buckets.append(_Bucket(current))
     return buckets

@@ -86,3 +86,23 @@ def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
     overrides = [(r / ".hydra" / "overrides.yaml").read_text() for r in runs]
     assert "optimizer.lr=0.01" in overrides[0] and "optimizer.lr=0.001" in overrides[1], overrides
     assert proc.stdout.count("outputs: ") == 2
+
+
+@pytest.mark.distributed
+def test_resume_under_torchrun_rank_zero_writes_every_rank_loads(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ("-m", "safeloop", f"checkpoint.dir={ckpt}", "trainer.val_every=null", "trainer.log_every=5")
+    first = torchrun(*common, "trainer.max_steps=10", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(p.name for p in ckpt.glob("*.pt")) == ["step-000000010.pt"]  # one writer, no rank copies
+    second = torchrun(*common, "trainer.max_steps=15", "trainer.resume=auto", cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from" in second.stdout + second.stderr
+    assert sorted(p.name for p in ckpt.glob("*.pt")) == ["step-000000010.pt", "step-000000015.pt"]
+
+
+@pytest.mark.distributed
+def test_gan_recipe_runs_under_torchrun(tmp_path):
+    proc = torchrun(str(ROOT / "recipes" / "gan.py"), "trainer.max_steps=5", "trainer.log_every=5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("outputs: ") == 1, proc.stdout

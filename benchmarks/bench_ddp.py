@@ -1,0 +1,81 @@
+"""2-process CPU data-parallel step time: the Trainer under torchrun against a hand-written DDP loop.
+
+``run`` launches ``torchrun --nproc-per-node=2`` on this module; each rank holds both systems on
+the same model (mid MLP, 8 Linear layers of width 512, batch 64 per rank, gloo, one thread),
+times them interleaved round by round, and rank zero writes the medians to a JSON file.
+The hand loop wraps the model in ``DistributedDataParallel``; the Trainer all-reduces
+bucketed gradients itself (see safeloop/distributed.py).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .common import interleaved, row
+from .workloads import TrainerLoop, batches, mid_mlp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class HandDDP:
+    """The loop a user writes with ``DistributedDataParallel``."""
+
+    def __init__(self, model, data, lr: float = 1e-3):
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model)
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.data = data
+
+    def __call__(self):
+        ddp, opt = self.ddp, self.opt
+        for x, y in self.data:
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+
+
+def worker(out: Path, rounds: int, steps: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # the Trainer joins this group (and leaves it to us to destroy)
+    rank = dist.get_rank()
+    model, batch, dim = mid_mlp()
+    data = batches(batch, dim, steps, seed=rank)  # each rank its own shard
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "train_data is a list, not a DataLoader": sharded above
+        systems = {"ddp": HandDDP(copy.deepcopy(model), data), "safeloop": TrainerLoop(copy.deepcopy(model), data)}
+        for fn in systems.values():  # warm up: buckets, allocator, the guard's checked first steps
+            fn()
+        t = interleaved(systems, rounds=rounds)
+    if rank == 0:
+        out.write_text(json.dumps(t))
+    dist.destroy_process_group()
+
+
+def run(quick: bool) -> list[dict]:
+    rounds, steps = (5, 5) if quick else (41, 5)  # short calls: the shared machine's load changes by the second
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "benchmarks.bench_ddp", str(out), str(rounds), str(steps)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench_ddp workers failed:\n{proc.stdout}\n{proc.stderr}")
+        t = json.loads(out.read_text())
+    return [row("2-process CPU DDP (gloo) vs hand DDP loop, mid MLP (8×512, batch 64/rank)",
+                t["safeloop"], t["ddp"], 1.05, steps)]
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
