@@ -6,6 +6,7 @@ point so that tests and other programs can call it with a composed config.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import difflib
 import random
@@ -104,6 +105,15 @@ def build(cfg: DictConfig) -> Trainer:
                           "of a safeloop.Trainer subclass, e.g. mypackage.train.MyTrainer") from None
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         raise ConfigError(f"trainer._target_={target!r} is not a safeloop.Trainer subclass")
+    # A recipe's own settings live under ``recipe:`` and become keyword arguments of its Trainer.
+    recipe: dict[str, Any] = OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") else {}
+    base = inspect.signature(Trainer).parameters
+    own = [name for name, p in inspect.signature(cls).parameters.items()
+           if name not in base and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    unknown = [k for k in recipe if k not in own]
+    if unknown:
+        raise ConfigError([f"recipe.{k} is not a keyword argument of {target} (its own arguments: "
+                           f"{', '.join(own) or 'none'}); fix the key or drop it" for k in unknown])
     data = instantiate(cfg.data) if cfg.get("data") else None
     return cls(
         model=instantiate(cfg.model) if cfg.get("model") else None,
@@ -116,6 +126,7 @@ def build(cfg: DictConfig) -> Trainer:
         config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
         run_dir=run_dir(cfg),
         **settings,
+        **recipe,
     )
 
 
