@@ -6,9 +6,9 @@ point so that tests and other programs can call it with a composed config.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
-import difflib
 import random
 import re
 import sys
@@ -133,7 +133,21 @@ def build(cfg: DictConfig) -> Trainer:
 def missing_values(cfg: DictConfig) -> list[str]:
     """One problem per required value (``???``) left unset."""
     return [f"{key} is required and not set (it is ??? in the config): give it, e.g. "
-            f"python -m safeloop {key}=VALUE" for key in sorted(OmegaConf.missing_keys(cfg))]
+            f"python -m safeloop {key}=VALUE" for key in _missing(cfg)]
+
+
+def _missing(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Keys set to ``???`` (an interpolation of one is not reported again: resolving it would raise)."""
+    out = []
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if node._is_interpolation():
+            continue
+        if node._is_missing():
+            out.append(f"{prefix}{key}")
+        elif isinstance(node, DictConfig) and not node._is_none():
+            out += _missing(node, f"{prefix}{key}.")
+    return out
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train",
@@ -178,7 +192,13 @@ def _problem(override, err: ConfigCompositionException, known: list[str]) -> str
     cause = err.__cause__
     key = override.key_or_group
     if "not in" in str(cause) or "No match in the defaults list" in str(err):
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        # the same section first (a shared "trainer." prefix would make every sibling look close)
+        parent, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+        close = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
+        if not close:  # a key of another section: trainer.hidden -> model.hidden
+            leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in known}, n=3, cutoff=0.8)
+            close = [k for k in known if k.rpartition(".")[2] in leaves][:3]
         hint = f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "") \
             if close else "python -m safeloop --cfg job lists every key"
         return (f"{override.input_line}: there is no config key {key!r}; {hint} "

@@ -1,0 +1,211 @@
+"""Checkpoints: exact resume in a new process, kills at random moments, safe loading."""
+import csv
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import DictConfig
+
+from safeloop import Callback, CheckpointError, Trainer
+from safeloop.checkpoint import Checkpointer, atomic_save, load
+from safeloop.config import compose, train
+
+from .checkpoint_job import make
+from .conftest import ROOT, subprocess_env
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-identical comparisons with a subprocess need the same thread count on both sides."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def params(trainer_or_state) -> list[torch.Tensor]:
+    if isinstance(trainer_or_state, Trainer):
+        return [p.detach().clone() for p in trainer_or_state.model.parameters()]
+    return list(trainer_or_state["modules"]["model"].values())
+
+
+def test_resumed_in_a_new_process_is_bit_identical_to_a_run_that_never_stopped(tmp_path, one_thread):
+    n = 18  # mid-epoch: 13 batches an epoch, so step 18 is 5 batches into the second one
+    straight = make(tmp_path / "straight", 2 * n)
+    straight.fit()
+    first = make(tmp_path / "interrupted", n)
+    first.fit()
+    assert (first.state.epoch, first.state.batch_in_epoch) == (1, 5)
+    assert not torch.equal(params(first)[0], params(straight)[0])
+
+    done = subprocess.run([sys.executable, "-m", "tests.checkpoint_job", str(tmp_path / "interrupted"), str(2 * n),
+                           "auto"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    resumed = load(tmp_path / "interrupted" / f"step-{2 * n:09d}.pt")
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
+    assert resumed["optimizers"]["optimizer"]["state"][0]["step"] == 2 * n
+    assert resumed["schedulers"]["optimizer"]["last_epoch"] == 2 * n
+
+
+def test_shuffle_seeded_from_the_global_rng_resumes_in_the_same_order(tmp_path, one_thread):
+    """No generator on the DataLoader: each epoch's order comes from the global RNG at the epoch's start."""
+    straight = make(tmp_path / "a", 30, own_generator=False, grad_accum=2)
+    straight.fit()
+    make(tmp_path / "b", 15, own_generator=False, grad_accum=2).fit()  # 30 batches: 4 into the third epoch
+    resumed = make(tmp_path / "b", 30, resume="auto", own_generator=False, grad_accum=2)
+    resumed.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
+    assert resumed.state.val_history == straight.state.val_history
+
+
+def run_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "safeloop", f"hydra.run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
+            "checkpoint.every=2", "checkpoint.keep=3", "trainer.resume=auto", "trainer.device=cpu",
+            "trainer.val_every=null", "trainer.log_every=1", "trainer.progress=false", "model.hidden=256", *overrides]
+    return subprocess.Popen(args, cwd=run_dir.parent, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def last_logged_step(run_dir: Path) -> int:
+    with open(run_dir / "metrics.csv") as f:
+        return max(int(row["step"]) for row in csv.DictReader(f) if row["step"].isdigit())
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 60):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < end, "the training process made no progress"
+        time.sleep(0.005)
+
+
+def test_killed_at_random_moments_it_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    rng = random.Random(0)
+    run_dir = tmp_path / "run"
+    ckpt = Checkpointer(run_dir / "ckpt")
+    newest = 0
+    for kill in ("at random", "mid-save", "at random"):
+        proc = run_cli(run_dir, "trainer.max_steps=100000")
+        if kill == "mid-save":  # the moment this process has a save half-written
+            wait_for(lambda: any(ckpt.dir.glob(f".step-*.{proc.pid}.tmp")), proc)
+        else:
+            wait_for(lambda: ckpt.saved() and int(ckpt.saved()[-1].stem[5:]) > newest, proc)
+            time.sleep(rng.uniform(0, 0.2))
+        proc.kill()
+        output = proc.communicate()[0]
+        if newest:
+            assert f"resumed from {ckpt.path(newest)}" in output
+        saved = ckpt.saved()
+        for path in saved:  # every file under a checkpoint's name is complete
+            load(path)
+        newest = int(saved[-1].stem[5:])
+        assert last_logged_step(run_dir) - newest <= 2  # at most one interval lost
+        assert len(saved) <= 3 + 1  # old ones are deleted only after the new one is complete
+
+    # SIGTERM: finish the step, save, exit 143 with nothing lost
+    proc = run_cli(run_dir, "trainer.max_steps=100000")
+    wait_for(lambda: int(ckpt.saved()[-1].stem[5:]) > newest + 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert f"resumed from {ckpt.path(newest)}" in output
+    assert "SIGTERM received" in output and "trainer.resume=auto" in output
+    newest = int(ckpt.saved()[-1].stem[5:])
+    assert newest == last_logged_step(run_dir)
+    assert not list(ckpt.dir.glob(".step-*"))  # a killed save's temporary file was cleaned up
+
+
+class Interrupt(Callback):
+    def __init__(self, at: int, signum: int):
+        self.at, self.signum = at, signum
+
+    def on_step_end(self, trainer, losses):
+        if trainer.state.step == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_finishes_the_step_saves_and_stops(tmp_path, signum):
+    before = signal.getsignal(signum)
+    trainer = make(tmp_path, 50, callbacks=[Interrupt(3, signum)])
+    state = trainer.fit()
+    assert (state.step, trainer.stop_signal) == (3, signum)
+    assert [p.name for p in Checkpointer(tmp_path).saved()] == ["step-000000003.pt"]
+    assert signal.getsignal(signum) is before
+
+
+def test_keeps_the_newest_and_resumes_where_it_stopped(tmp_path):
+    make(tmp_path, 30, checkpoint={"dir": str(tmp_path), "every": 4, "keep": 2}).fit()
+    assert [p.name for p in Checkpointer(tmp_path).saved()] == ["step-000000028.pt", "step-000000030.pt"]
+    trainer = make(tmp_path, 30, resume="auto")
+    trainer.fit()  # already at max_steps: nothing to train, nothing written
+    assert trainer.state.step == 30 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_truncated_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, caplog):
+    make(tmp_path, 21).fit()  # saves at 7, 14, 21
+    newest = tmp_path / "step-000000021.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-000000021\.pt is truncated or corrupt"):
+        make(tmp_path, 30, resume=newest).fit()
+    trainer = make(tmp_path, 22, resume="auto")
+    with caplog.at_level(logging.INFO, logger="safeloop"):
+        trainer.fit()
+    assert "step-000000021.pt is truncated or corrupt" in caplog.text
+    assert "falling back to the previous checkpoint" in caplog.text
+    assert "resumed from" in caplog.text and "step-000000014.pt: step 14" in caplog.text
+    assert trainer.state.step == 22
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
+
+
+def test_a_checkpoint_carrying_pickled_objects_is_refused(tmp_path):
+    path = tmp_path / "step-000000001.pt"
+    torch.save({"format": 1, "modules": {}, "extra": Payload()}, path)
+    with pytest.raises(CheckpointError, match=r"step-000000001\.pt was refused: it holds a pickled Python object "
+                                              r"\((posix|nt)\.system\)"):
+        make(tmp_path / "run", 5, resume=path).fit()
+
+
+def test_a_checkpoint_from_a_different_model_names_the_keys(tmp_path):
+    make(tmp_path, 7).fit()
+    trainer = make(tmp_path, 10, resume="auto")
+    trainer.model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    with pytest.raises(CheckpointError, match=r"step-000000007\.pt was saved from a different model: model keys "
+                                              r"missing from the checkpoint: 2\.weight, 2\.bias; checkpoint keys not "
+                                              r"in model: 3\.weight, 3\.bias; model shapes differ \(checkpoint vs now\): "
+                                              r"0\.weight \(32, 8\) vs \(64, 8\), 0\.bias \(32,\) vs \(64,\)"):
+        trainer.fit()
+
+
+def test_atomic_save_never_leaves_a_partial_file(tmp_path):
+    path = tmp_path / "step-000000005.pt"
+    atomic_save({"format": 1, "x": torch.ones(3)}, path)
+
+    class Fails:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"format": 1, "x": torch.zeros(10_000), "y": Fails()}, path)
+    assert torch.equal(load(path)["x"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_the_config_is_stored_as_plain_containers(tmp_path):
+    cfg = compose([f"checkpoint.dir={tmp_path}", "trainer.max_steps=3", "trainer.val_every=null",
+                   "trainer.progress=false", "trainer.device=cpu"])
+    train(cfg)
+    saved = load(tmp_path / "step-000000003.pt")  # weights_only=True
+    assert type(saved["config"]) is dict and not isinstance(saved["config"], DictConfig)
+    assert saved["config"]["model"]["hidden"] == 64 and saved["config"]["checkpoint"]["every"] == 1000

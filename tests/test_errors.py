@@ -1,0 +1,236 @@
+"""Bad input, one clear error each, and failed or non-finite steps that change nothing."""
+import copy
+import logging
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from safeloop import ConfigError, NonFiniteError, StepError, Trainer
+from safeloop.config import build, compose
+
+from .conftest import ROOT, subprocess_env
+
+
+def data(n: int = 8, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 3, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(n)]
+
+
+def trainer(cls=Trainer, **kwargs) -> Trainer:
+    settings = dict(max_steps=6, device="cpu", progress=False, loggers=())
+    settings.update(kwargs)
+    model = torch.nn.Linear(3, 1)
+    return cls(model, data(), lambda p: torch.optim.Adam(p, lr=0.1), **settings)
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_unknown_key_on_the_command_line_suggests_the_right_one(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "safeloop", "trainer.max_stepz=5"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert ("trainer.max_stepz=5: there is no config key 'trainer.max_stepz'; did you mean trainer.max_steps?"
+            in done.stderr)
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run directory
+
+
+def test_unknown_key_through_compose_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.hiden=3: there is no config key 'model.hiden'; did you mean model.hidden? "
+            "(to add a new key on purpose, write +model.hiden=3)")):
+        compose(["model.hiden=3"])
+    with pytest.raises(ConfigError, match=r"'trainer\.lr'; did you mean optimizer\.lr\?"):  # another section
+        compose(["trainer.lr=0.1"])
+
+
+def test_every_bad_override_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        compose(["trainer.max_steps=lots", "optimzer=sgd", "checkpoint.evry=5"])
+    assert info.value.problems == [
+        "trainer.max_steps=lots: Value 'lots' of type 'str' could not be converted to Integer; give "
+        "trainer.max_steps a value of that type",
+        "optimzer=sgd: there is no config key 'optimzer'; did you mean optimizer? (to add a new key on purpose, "
+        "write +optimzer=sgd)",
+        "checkpoint.evry=5: there is no config key 'checkpoint.evry'; did you mean checkpoint.every? (to add a "
+        "new key on purpose, write +checkpoint.evry=5)",
+    ]
+
+
+def test_a_required_value_left_unset_is_named():
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.in_dim is required and not set (it is ??? in the config): give it, e.g. "
+            "python -m safeloop model.in_dim=VALUE")):
+        compose(["model.in_dim=???"])
+    cfg = compose()
+    cfg.model.hidden = "???"
+    with pytest.raises(ConfigError, match=r"model\.hidden is required and not set"):
+        build(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda():
+    with pytest.raises(ConfigError, match=r"device='cuda' asks for CUDA, but torch\.cuda\.is_available\(\) is "
+                                          r"False.*Use device=cpu, or device=auto"):
+        trainer(device="cuda")
+
+
+@pytest.mark.parametrize("steps", [0, -3])
+def test_max_steps_must_be_positive(steps):
+    with pytest.raises(ConfigError, match=f"max_steps must be a positive integer, got {steps}"):
+        trainer(max_steps=steps)
+
+
+def test_a_resume_path_that_does_not_exist(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(
+            "resume='nope/step-000000001.pt': no such file or directory (give a checkpoint file, a checkpoint "
+            "directory, or auto)")):
+        trainer(resume="nope/step-000000001.pt")
+
+
+def test_nonfinite_policy_and_checkpoint_settings_are_checked():
+    with pytest.raises(ConfigError) as info:
+        trainer(on_nonfinite="ignore", max_skipped=0, checkpoint={"every": 0, "kep": 2})
+    assert info.value.problems == [
+        "on_nonfinite='ignore' is not one of error, skip, off",
+        "max_skipped must be a positive integer, got 0",
+        "checkpoint has no setting 'kep': use every, keep, dir",
+        "checkpoint.every must be a positive integer, got 0",
+    ]
+
+
+def test_empty_train_data():
+    empty = Trainer(torch.nn.Linear(3, 1), [], lambda p: torch.optim.SGD(p, lr=0.1), max_steps=3, device="cpu",
+                    progress=False, loggers=())
+    with pytest.raises(ConfigError, match="train_data yielded no batches: check the dataset and batch size"):
+        empty.fit()
+
+
+# -- what training_step returns --------------------------------------------------------------
+class Returns(Trainer):
+    def __init__(self, output, **kwargs):
+        super().__init__(torch.nn.Linear(3, 1), data(), lambda p: torch.optim.SGD(p, lr=0.1), max_steps=2,
+                         device="cpu", progress=False, loggers=(), **kwargs)
+        self.output = output
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return self.output(loss)
+
+
+@pytest.mark.parametrize("output, message", [
+    (lambda loss: None, "step 1: training_step returned None; training_step must return the loss tensor, or a dict "
+                        "{name: loss tensor} (did you forget `return loss`?)"),
+    (lambda loss: loss.item(), "step 1: training_step returned a float; training_step must return the loss tensor"),
+    (lambda loss: loss.expand(4), "step 1: loss 'loss' has shape (4,); a loss must be a scalar (reduce it with "
+                                  ".mean() or .sum())"),
+    (lambda loss: {"mse": loss, "acc": 0.5}, "step 1: training_step returned 'acc' = float, not a tensor"),
+])
+def test_training_step_output_errors(output, message):
+    with pytest.raises(StepError, match=re.escape(message)):
+        Returns(output).fit()
+
+
+def test_a_loss_key_naming_no_optimizer():
+    class TwoOptimizers(Returns):
+        def configure_optimizers(self):
+            return {"g": torch.optim.SGD([self.model.weight], lr=0.1), "d": torch.optim.SGD([self.model.bias], lr=0.1)}
+
+    with pytest.raises(StepError, match=re.escape("step 1: loss 'gen' names no optimizer; with several optimizers "
+                                                  "each loss key must be one of ['d', 'g']")):
+        TwoOptimizers(lambda loss: {"gen": loss, "d": loss * 2}).fit()
+
+
+# -- a failed step changes nothing -----------------------------------------------------------
+def snapshot(t: Trainer):
+    opt = t.optimizers["optimizer"]
+    return copy.deepcopy([p.detach() for p in t.model.parameters()]), copy.deepcopy(opt.state_dict())
+
+
+def same(a, b) -> bool:
+    (pa, sa), (pb, sb) = a, b
+    states = [(x, y) for k in sa["state"] for x, y in zip(sa["state"][k].values(), sb["state"][k].values())]
+    return all(torch.equal(x, y) for x, y in zip(pa, pb)) and all(torch.equal(x, y) for x, y in states)
+
+
+class FailsAfterBackward(Trainer):
+    def on_step_end(self, losses):
+        self.before = snapshot(self)
+
+    def on_after_backward(self, name):
+        if self.state.step + 1 == 3:
+            raise KeyError("boom")
+
+
+def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_before():
+    t = trainer(FailsAfterBackward)
+    with pytest.raises(StepError, match=r"step 3 failed and was abandoned \(parameters and optimizer state are "
+                                        r"unchanged\): KeyError: 'boom'") as info:
+        t.fit()
+    assert info.value.step == 3 and t.state.step == 2
+    assert same(snapshot(t), t.before)
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+# -- non-finite losses and gradients ---------------------------------------------------------
+class Poisoned(Trainer):
+    """A NaN loss at the steps in ``nan_at``; an Inf gradient (finite loss) at the steps in ``inf_grad_at``."""
+
+    nan_at: tuple = ()
+    inf_grad_at: tuple = ()
+
+    def training_step(self, batch):
+        self.before = snapshot(self)
+        loss = super().training_step(batch)
+        step = self.state.step + 1
+        if step in self.nan_at:
+            loss = loss * float("nan")
+        if step in self.inf_grad_at:  # sqrt at 0: value 0, gradient Inf
+            loss = loss + torch.sqrt((self.model.bias - self.model.bias.detach()).sum())
+        return loss
+
+
+def test_nan_loss_stops_the_run_naming_loss_and_step():
+    t = trainer(type("P", (Poisoned,), {"nan_at": (4,)}))
+    with pytest.raises(NonFiniteError, match=r"step 4: loss 'loss' is nan \(a non-finite loss makes every gradient "
+                                             r"non-finite\)\. The step was abandoned before the optimizer step"):
+        t.fit()
+    assert t.state.step == 3 and same(snapshot(t), t.before)
+
+
+def test_inf_gradient_with_a_finite_loss_names_the_parameter():
+    t = trainer(type("P", (Poisoned,), {"inf_grad_at": (2,)}))
+    with pytest.raises(NonFiniteError, match=r"step 2: the losses are finite \('loss' = [\d.]+\) but the gradients "
+                                             r"of model\.bias hold NaN or Inf"):
+        t.fit()
+    assert same(snapshot(t), t.before)
+
+
+def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog):
+    t = trainer(type("P", (Poisoned,), {"nan_at": (3,), "inf_grad_at": (4,)}), on_nonfinite="skip",
+                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="safeloop"):
+        t.fit()
+    assert t.state.step == 4 and t.state.skipped == 2
+    assert same(snapshot(t), t.before)  # steps 3 and 4 changed nothing
+    assert t.optimizers["optimizer"].state_dict()["state"][0]["step"] == 2
+    assert t.schedulers["optimizer"].last_epoch == 2  # the schedule does not advance on a skipped step
+    assert "step 3 skipped, nothing updated: loss 'loss' is nan" in caplog.text
+    assert "(2 skipped so far, 2 in a row; trainer.max_skipped=10)" in caplog.text
+    assert math.isnan(t.state.floats()["loss"]) is False  # step 4's loss was finite, its gradient was not
+
+
+def test_skip_stops_after_max_skipped_in_a_row():
+    t = trainer(type("P", (Poisoned,), {"nan_at": (2, 4, 5, 6)}), on_nonfinite="skip", max_skipped=2)
+    with pytest.raises(NonFiniteError, match=r"step 6: loss 'loss' is nan .*, and the 2 steps before it were skipped "
+                                             r"for the same reason \(trainer.max_skipped=2\): training diverged"):
+        t.fit()
+    assert t.state.skipped == 3  # steps 2, 4, 5; step 3 was fine and reset the count
+
+
+def test_off_removes_the_check():
+    t = trainer(type("P", (Poisoned,), {"nan_at": (2,)}), on_nonfinite="off", max_steps=2)
+    t.fit()
+    assert torch.isnan(t.model.weight).all()
