@@ -1,0 +1,350 @@
+"""Multi-loss and multi-optimizer steps: the backward plan, auto retain, routing, manual mode, undo."""
+import copy
+import logging
+import re
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import InplaceModificationError, StepError, Trainer
+from safeloop import step as steps
+
+
+def batches(n=6, d=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, d, generator=gen), torch.randn(16, 1, generator=gen), torch.randn(16, d, generator=gen))
+            for _ in range(n)]
+
+
+class ThreeHeads(nn.Module):
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(d, h), nn.Tanh())
+        self.a, self.b, self.recon = nn.Linear(h, 1), nn.Linear(h, 1), nn.Linear(h, d)
+
+
+def three_losses(model, batch):
+    """``other`` shares only parameters with the rest; ``a`` and ``b`` share one trunk pass."""
+    x, y, x_u = batch
+    other = F.mse_loss(model.recon(model.trunk(x_u)), x_u)
+    h = model.trunk(x)
+    return {"other": other, "a": F.mse_loss(model.a(h), y), "b": (model.b(h) - y).abs().mean()}
+
+
+class ThreeLossTrainer(Trainer):
+    def training_step(self, batch):
+        return three_losses(self.model, batch)
+
+
+def fit_three(model, data, **kwargs):
+    trainer = ThreeLossTrainer(model=model, train_data=data, optimizer=partial(torch.optim.SGD, lr=0.1),
+                               max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
+    trainer.fit()
+    return trainer
+
+
+def hand_three(model, data, weights=None, total=False):
+    """The hand-written step: retain_graph=True on every backward but the last (or one summed backward)."""
+    weights = weights or {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in data:
+        opt.zero_grad(set_to_none=True)
+        losses = [loss * weights.get(name, 1.0) for name, loss in three_losses(model, batch).items()]
+        if total:
+            sum(losses).backward()
+        else:
+            for i, loss in enumerate(losses):
+                loss.backward(retain_graph=i < len(losses) - 1)
+        opt.step()
+
+
+def assert_same_params(m1, m2, exact=False):
+    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
+        if exact:
+            assert torch.equal(p, q), name
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def test_plan_retains_all_but_last_without_a_walk_and_applies_weights():
+    w = torch.ones(2, requires_grad=True)
+    losses = {"x": (w * 2).sum(), "y": (w * 3).sum(), "z": (w * 4).sum()}
+    opt = torch.optim.SGD([w], lr=0.1)
+    plan = steps.plan(losses, {"optimizer": opt}, None, "sequential", {"y": 0.5})
+    assert [(b.name, b.retain, b.inputs) for b in plan] == [("x", True, None), ("y", True, None), ("z", False, None)]
+    assert float(plan[1].loss.detach()) == pytest.approx(3.0)  # 0.5 * 6
+    summed = steps.plan(losses, {"optimizer": opt}, None, "sum", {"y": 0.5})
+    assert [(b.name, b.retain) for b in summed] == [("sum", False)]
+    assert float(summed[0].loss.detach()) == pytest.approx(4 + 3 + 8)
+
+
+def test_plan_routes_each_loss_to_its_optimizer_parameters():
+    g, d = nn.Linear(2, 2), nn.Linear(2, 1)
+    opts = {"g": torch.optim.SGD(g.parameters(), lr=0.1), "d": torch.optim.SGD(d.parameters(), lr=0.1)}
+    losses = {"d": d(torch.randn(3, 2)).mean(), "g": d(g(torch.randn(3, 2))).mean()}
+    plan = steps.plan(losses, opts, [False, False], "sum")  # sum is per optimizer: routed losses stay apart
+    assert [b.optimizer for b in plan] == ["d", "g"]
+    assert plan[0].inputs == list(d.parameters()) and plan[1].inputs == list(g.parameters())
+
+
+def test_a_loss_key_that_names_no_optimizer_is_reported():
+    with pytest.raises(StepError, match=re.escape("loss 'gen' names no optimizer; with several optimizers each "
+                                                  "loss key must be one of ['d', 'g']")):
+        steps.named_losses({"gen": torch.ones(())}, 3, {"g": None, "d": None})
+
+
+# -- automatic multi-loss: retain, gradients, logging ----------------------------------------------
+def test_auto_retain_keeps_the_graph_only_where_a_later_loss_shares_it(caplog):
+    torch.manual_seed(0)
+    ref, ours = ThreeHeads(), ThreeHeads()
+    ours.load_state_dict(ref.state_dict())
+    with caplog.at_level(logging.INFO, logger="safeloop"):
+        trainer = fit_three(ours, batches(), guard={"check": "always"})
+    hand_three(ref, batches())
+    assert_same_params(ref, ours)
+    # 'other' shares only parameters with later losses: freed by its own backward; 'a' shares the trunk with 'b'
+    assert trainer.retain_plans == {(("a",), True): 1}
+    lines = [r.getMessage() for r in caplog.records if "retained the graph" in r.getMessage()]
+    assert lines == ["step 1: backward retained the graph for a (a later loss shares nodes with it); freed it "
+                     "for other (no later loss shares it) and for the last loss, b"]  # once, not every step
+    assert set(trainer.state.losses) == {"other", "a", "b"}  # each loss logged by name
+
+
+def test_steps_not_walked_retain_on_all_but_last():
+    torch.manual_seed(0)
+    ref, ours = ThreeHeads(), ThreeHeads()
+    ours.load_state_dict(ref.state_dict())
+    trainer = fit_three(ours, batches(), guard={"check": "off"})
+    hand_three(ref, batches())
+    assert_same_params(ref, ours)
+    assert trainer.retain_plans == {(("other", "a"), False): 1}
+
+
+def test_sum_and_weights_match_the_hand_written_step():
+    weights = {"other": 0.25, "b": 2.0}
+    for total in (False, True):
+        torch.manual_seed(0)
+        ref, ours = ThreeHeads(), ThreeHeads()
+        ours.load_state_dict(ref.state_dict())
+        trainer = fit_three(ours, batches(), multi_loss="sum" if total else "sequential", loss_weights=weights)
+        hand_three(ref, batches(), weights, total=total)
+        assert_same_params(ref, ours)
+        assert trainer.retain_plans == ({} if total else {(("a",), True): 1})
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.d = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def gan_batches(n=4):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(32, 2, generator=gen), torch.randn(32, 4, generator=gen)) for _ in range(n)]
+
+
+def bce(logits, target: float):
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+class RoutedGAN(Trainer):
+    """Automatic mode: both losses returned at once, each routed to its optimizer."""
+
+    def configure_optimizers(self):
+        return {"d": torch.optim.SGD(self.model.d.parameters(), lr=0.1),
+                "g": torch.optim.SGD(self.model.g.parameters(), lr=0.1)}
+
+    def training_step(self, batch):
+        real, z = batch
+        fake = self.model.g(z)
+        d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
+        return {"d": d_loss, "g": bce(self.model.d(fake), 1.0)}
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.grads[name] = [p.grad.clone() for g in optimizer.param_groups for p in g["params"]]
+
+
+def test_a_routed_loss_never_adds_gradient_to_another_optimizers_parameters():
+    torch.manual_seed(0)
+    model = GAN()
+    real, z = gan_batches(1)[0]
+    expected_d = torch.autograd.grad(bce(model.d(real), 1.0) + bce(model.d(model.g(z).detach()), 0.0),
+                                     list(model.d.parameters()))
+    expected_g = torch.autograd.grad(bce(model.d(model.g(z)), 1.0), list(model.g.parameters()))
+    trainer = RoutedGAN(model=model, train_data=gan_batches(1), max_steps=1, device="cpu", progress=False,
+                        loggers=())
+    trainer.grads = {}
+    trainer.fit()
+    # D's gradient is d_loss's alone, although g's loss also reaches D's parameters
+    for got, want in zip(trainer.grads["d"], expected_d):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(trainer.grads["g"], expected_g):
+        torch.testing.assert_close(got, want)
+
+
+# -- manual mode -----------------------------------------------------------------------------------
+class ManualGAN(Trainer):
+    """The standard alternating GAN step: D on fake.detach(), then G through a fresh D(fake)."""
+
+    automatic = False
+    fail_at = None  # (step, where) to raise inside training_step
+
+    def configure_optimizers(self):
+        return {"d": torch.optim.Adam(self.model.d.parameters(), lr=0.01),
+                "g": torch.optim.Adam(self.model.g.parameters(), lr=0.01)}
+
+    def training_step(self, batch):
+        real, z = batch
+        fake = self.model.g(z)
+        d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        if self.fail_at == (self.state.step + 1, "after d"):
+            raise RuntimeError("boom after the D step")
+        g_loss = bce(self.model.d(fake), 1.0)
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        if self.fail_at == (self.state.step + 1, "after g"):
+            raise RuntimeError("boom after both steps")
+        return {"d": d_loss, "g": g_loss}
+
+
+def manual_gan(model, n=4, **kwargs):
+    return ManualGAN(model=model, train_data=gan_batches(n), max_steps=n, device="cpu", progress=False,
+                     loggers=(), **kwargs)
+
+
+def test_manual_gan_step_matches_the_hand_written_step():
+    torch.manual_seed(0)
+    ref, ours = GAN(), GAN()
+    ours.load_state_dict(ref.state_dict())
+    opt_d, opt_g = torch.optim.Adam(ref.d.parameters(), lr=0.01), torch.optim.Adam(ref.g.parameters(), lr=0.01)
+    for real, z in gan_batches():
+        fake = ref.g(z)
+        opt_d.zero_grad()
+        (bce(ref.d(real), 1.0) + bce(ref.d(fake.detach()), 0.0)).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        bce(ref.d(fake), 1.0).backward()  # also leaves gradient on D: zeroed before D's next step
+        opt_g.step()
+    trainer = manual_gan(ours)
+    trainer.fit()
+    assert_same_params(ref, ours, exact=True)
+    assert set(trainer.state.losses) == {"d", "g"}
+
+
+def test_manual_backward_and_step_need_the_optimizer_name_when_there_are_several():
+    class NoName(ManualGAN):
+        def training_step(self, batch):
+            real, _ = batch
+            self.backward(bce(self.model.d(real), 1.0))
+
+    class NoStepName(ManualGAN):
+        def training_step(self, batch):
+            self.step()
+
+    for cls, message in ((NoName, "self.backward(loss) needs optimizer=... when there are several optimizers"),
+                         (NoStepName, "self.step() needs the optimizer's name when there are several; "
+                                      "choose from ['d', 'g']")):
+        with pytest.raises(StepError, match=re.escape(message)):
+            cls(model=GAN(), train_data=gan_batches(1), max_steps=1, device="cpu", progress=False, loggers=()).fit()
+
+
+def test_stepping_d_between_building_and_back_propagating_g_loss_is_caught_before_backward():
+    class Stale(ManualGAN):
+        def training_step(self, batch):
+            real, z = batch
+            fake = self.model.g(z)
+            g_loss = bce(self.model.d(fake), 1.0)  # built through D ...
+            d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
+            self.backward(d_loss, optimizer="d")
+            self.step("d")  # ... D's weights change in place ...
+            self.backward(g_loss, optimizer="g")  # ... and g_loss's graph saved the old ones
+
+        def on_before_backward(self, name, loss):
+            self.backwards.append(name)
+
+    torch.manual_seed(0)
+    model = GAN()
+    before = copy.deepcopy(model.state_dict())
+    trainer = Stale(model=model, train_data=gan_batches(1), max_steps=1, device="cpu", progress=False, loggers=())
+    trainer.backwards = []
+    with pytest.raises(InplaceModificationError, match=re.escape(
+            "(step 1, loss 'g'): optimizer 'd' stepped after this loss was built and before its backward, changing "
+            "parameters its graph saved")) as err:
+        trainer.fit()
+    assert "recompute the loss after the optimizer step" in str(err.value)
+    assert trainer.backwards == ["d"]  # raised before g's backward started
+    for key, value in model.state_dict().items():  # and D's step was undone
+        assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("where", ["after d", "after g"])
+def test_a_failed_manual_step_leaves_parameters_and_optimizer_state_bit_identical(where):
+    torch.manual_seed(0)
+    model = GAN()
+    trainer = manual_gan(model, n=4, scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
+    trainer.max_steps = 2
+    trainer.fit()  # two good steps: Adam has state, the schedule has moved
+    params = copy.deepcopy(model.state_dict())
+    opt_states = {name: copy.deepcopy(opt.state_dict()) for name, opt in trainer.optimizers.items()}
+    lrs = {name: opt.param_groups[0]["lr"] for name, opt in trainer.optimizers.items()}
+    trainer.fail_at, trainer.max_steps = (3, where), 4
+    with pytest.raises(StepError, match=r"step 3 failed and was abandoned \(parameters and optimizer state are "
+                                        r"unchanged\): RuntimeError: boom"):
+        trainer.fit()
+    assert trainer.state.step == 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    for name, opt in trainer.optimizers.items():
+        assert opt.param_groups[0]["lr"] == lrs[name]
+        saved, now = opt_states[name]["state"], opt.state_dict()["state"]
+        assert saved.keys() == now.keys()
+        for i in saved:
+            for key in saved[i]:
+                assert torch.equal(saved[i][key], now[i][key]), (name, i, key)
+    assert all(p.grad is None for p in model.parameters())
+
+    # and training goes on exactly as if the failed attempt had never happened
+    torch.manual_seed(0)
+    clean = GAN()
+    fresh = manual_gan(clean, n=4, scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
+    fresh.fit()
+    trainer.fail_at = None
+    trainer.state.batch_in_epoch -= 1  # retry the batch of the failed step
+    trainer.fit()
+    assert_same_params(clean, model, exact=True)
+
+
+def test_a_failed_first_manual_step_leaves_no_optimizer_state():
+    torch.manual_seed(0)
+    model = GAN()
+    params = copy.deepcopy(model.state_dict())
+    trainer = manual_gan(model, n=1)
+    trainer.fail_at = (1, "after g")
+    with pytest.raises(StepError, match="step 1 failed"):
+        trainer.fit()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    assert all(len(opt.state) == 0 for opt in trainer.optimizers.values())
+
+
+def test_automatic_mode_undoes_an_earlier_optimizer_when_a_later_one_fails():
+    class FailsOnG(RoutedGAN):
+        def on_before_optimizer_step(self, name, optimizer):
+            if name == "g":
+                raise ValueError("hook failed on g")
+
+    torch.manual_seed(0)
+    model = GAN()
+    params = copy.deepcopy(model.state_dict())
+    trainer = FailsOnG(model=model, train_data=gan_batches(1), max_steps=1, device="cpu", progress=False, loggers=())
+    with pytest.raises(StepError, match="step 1 failed and was abandoned .*ValueError: hook failed on g"):
+        trainer.fit()
+    for key, value in model.state_dict().items():  # D had stepped before g's hook raised
+        assert torch.equal(value, params[key]), key
