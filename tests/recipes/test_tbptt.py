@@ -1,0 +1,38 @@
+"""recipes/tbptt.py: an RNN over a long sequence in chunks, hidden state carried with .detach()."""
+import re
+
+import pytest
+import torch
+
+from safeloop import CarriedGraphError
+from tests.recipes._run import run
+
+
+def test_tbptt_script_trains_with_the_detached_hidden_state(tmp_path):
+    proc = run(["recipes/tbptt.py", "trainer.max_steps=30", "trainer.log_every=10"], tmp_path)
+    found = re.search(r"next-value MSE: ([\d.e-]+) at step 1 -> ([\d.e-]+) at step 30", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    assert float(found[2]) < float(found[1])
+
+
+def test_carrying_the_hidden_state_with_its_graph_is_a_carried_graph_error_from_the_cli(tmp_path):
+    proc = run(["-m", "safeloop", "experiment=tbptt", "recipe.detach_hidden=false", "trainer.max_steps=5"],
+               tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "CarriedGraphError: graph carried over from an earlier step (step 2, loss 'loss')" in proc.stderr
+    assert "held by `self.hidden`" in proc.stderr
+
+
+def test_carried_graph_error_names_the_hidden_state_and_the_fix():
+    from recipes.tbptt import SequenceModel, TBPTTTrainer, signal
+
+    torch.manual_seed(0)
+    trainer = TBPTTTrainer(model=SequenceModel(hidden=16), train_data=signal(length=4000, chunk=20).train,
+                           optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), max_steps=3, detach_hidden=False,
+                           device="cpu", progress=False, loggers=())
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "(step 2, loss 'loss'): the loss reaches StackBackward0, created during an earlier step and held by "
+            "`self.hidden`")) as err:
+        trainer.fit()
+    assert "`self.hidden = self.hidden.detach()`" in str(err.value)
+    assert trainer.state.step == 1
