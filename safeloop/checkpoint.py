@@ -143,27 +143,27 @@ class Checkpointer:
     def find(self, resume: str | Path) -> tuple[Path, dict] | None:
         """The checkpoint ``resume`` names, loaded: ``auto`` (the newest readable one in this
         directory, or None when there is none yet), a file, or a directory of checkpoints."""
-        if str(resume) != "auto":
-            path = Path(resume)
-            if not path.is_dir():
-                return path, load(path)
-            return Checkpointer(path).find("auto") or _raise(CheckpointError(
-                f"resume={str(resume)!r}: the directory holds no step-*.pt checkpoint", path))
+        if str(resume) == "auto":
+            if not self.saved():
+                log.info("resume=auto: no checkpoint in %s yet, starting from scratch", self.dir)
+                return None
+            return self._newest_readable()
+        path = Path(resume)
+        if not path.is_dir():
+            return path, load(path)
+        if not Checkpointer(path).saved():
+            raise CheckpointError(f"resume={str(resume)!r}: the directory holds no step-*.pt checkpoint", path)
+        return Checkpointer(path)._newest_readable()
+
+    def _newest_readable(self) -> tuple[Path, dict]:
         candidates = self.saved()
-        if not candidates:
-            log.info("resume=auto: no checkpoint in %s yet, starting from scratch", self.dir)
-            return None
         for path in reversed(candidates):
             try:
                 return path, load(path)
             except CheckpointError as err:
-                log.warning("resume=auto: %s; falling back to the previous checkpoint", err)
-        raise CheckpointError(f"resume=auto: none of the {len(candidates)} checkpoints in {self.dir} can be read "
-                              "(see the warnings above); move them away to start from scratch", self.dir)
-
-
-def _raise(err: Exception):
-    raise err
+                log.warning("resume: %s; falling back to the previous checkpoint", err)
+        raise CheckpointError(f"none of the {len(candidates)} checkpoints in {self.dir} can be read (see the "
+                              "warnings above); move them away to start from scratch", self.dir)
 
 
 # -- what goes in, what comes out --------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from safeloop import ConfigError, NonFiniteError, StepError, Trainer
 from safeloop.config import build, compose
 
-from .conftest import ROOT, subprocess_env
+from .conftest import subprocess_env
 
 
 def data(n: int = 8, seed: int = 0) -> list:
