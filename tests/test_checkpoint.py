@@ -147,6 +147,9 @@ def test_keeps_the_newest_and_resumes_where_it_stopped(tmp_path):
     trainer = make(tmp_path, 30, resume="auto")
     trainer.fit()  # already at max_steps: nothing to train, nothing written
     assert trainer.state.step == 30 and len(list(tmp_path.iterdir())) == 2
+    from_dir = make(tmp_path / "elsewhere", 32, resume=tmp_path)  # a directory: its newest checkpoint
+    from_dir.fit()
+    assert from_dir.state.step == 32 and Checkpointer(tmp_path / "elsewhere").saved()[-1].name == "step-000000032.pt"
 
 
 def test_truncated_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, caplog):
