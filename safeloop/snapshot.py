@@ -20,35 +20,52 @@ class Snapshot:
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None):
         self.optimizer, self.scheduler = optimizer, scheduler
         self._live: list[torch.Tensor] = []  # parameters, then tensor state values
-        self._saved: list[torch.Tensor] = []  # their copies, reused while ``_live`` is unchanged
-        self._entries: list[tuple[torch.Tensor, str, bool, Any]] = []  # (param, key, is_tensor, index | value)
-        self._n_params = 0
+        self._saved: list[torch.Tensor] = []  # their copies, reused while the layout holds
+        self._tensors: list[tuple[torch.Tensor, str, int]] = []  # (param, state key, index into _live)
+        self._others: list[tuple[torch.Tensor, str]] = []  # state entries that are not tensors
+        self._values: list[Any] = []  # their values at ``take``
+        self._param_lists: list[list[torch.Tensor]] = []
+        self._n_params = self._n_entries = 0
         self._groups: list[dict] = []
         self._schedule: dict | None = None
 
     def take(self) -> None:
         opt = self.optimizer
-        params = [p for group in opt.param_groups for p in group["params"]]
-        live = list(params)
-        entries = []
-        for p in params:
-            state = opt.state.get(p)  # .get: reading must not create an empty state entry
-            if not state:
-                continue
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    entries.append((p, key, True, len(live)))
-                    live.append(value)
-                else:
-                    entries.append((p, key, False, value))
+        if not self._layout_holds():
+            self._build()
         with torch.no_grad():
-            if len(live) == len(self._live) and all(a is b for a, b in zip(live, self._live)):
-                torch._foreach_copy_(self._saved, live)
-            else:  # first step, or the optimizer created new state (its first update): new buffers
-                self._saved = [t.detach().clone() for t in live]
-        self._live, self._entries, self._n_params = live, entries, len(params)
+            torch._foreach_copy_(self._saved, self._live)
+        self._values = [opt.state[p][key] for p, key in self._others]
         self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         self._schedule = self.scheduler.state_dict() if self.scheduler is not None else None
+
+    def _layout_holds(self) -> bool:
+        """Whether the optimizer still holds exactly the tensors ``_build`` listed (per step, so cheap)."""
+        opt, live, state = self.optimizer, self._live, self.optimizer.state
+        if not live or len(opt.param_groups) != len(self._param_lists):
+            return False
+        if any(g["params"] is not params for g, params in zip(opt.param_groups, self._param_lists)):
+            return False
+        if sum(map(len, state.values())) != self._n_entries:
+            return False
+        return all(state[p][key] is live[i] for p, key, i in self._tensors)
+
+    def _build(self) -> None:
+        """List the parameters and state tensors and allocate their copies (first step, or new state)."""
+        opt = self.optimizer
+        self._param_lists = [g["params"] for g in opt.param_groups]
+        params = [p for params in self._param_lists for p in params]
+        live, tensors, others = list(params), [], []
+        for p in params:
+            for key, value in opt.state.get(p, {}).items():  # .get: must not create empty state entries
+                if isinstance(value, torch.Tensor):
+                    tensors.append((p, key, len(live)))
+                    live.append(value)
+                else:
+                    others.append((p, key))
+        self._live, self._tensors, self._others, self._n_params = live, tensors, others, len(params)
+        self._n_entries = sum(map(len, opt.state.values()))
+        self._saved = [t.detach().clone() for t in live]
 
     def restore(self) -> None:
         """Put back exactly what ``take`` saw; the buffers are handed over, so the next ``take`` reallocates."""
@@ -59,8 +76,10 @@ class Snapshot:
                 p.copy_(saved)
         for p in params:  # state created by the failed step (a first update) must go too
             opt.state.pop(p, None)
-        for p, key, is_tensor, where in self._entries:
-            opt.state[p][key] = self._saved[where] if is_tensor else where
+        for p, key, i in self._tensors:
+            opt.state[p][key] = self._saved[i]
+        for (p, key), value in zip(self._others, self._values):
+            opt.state[p][key] = value
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
         if self._schedule is not None:

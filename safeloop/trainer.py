@@ -203,7 +203,6 @@ class Trainer:
         self.schedulers: dict[str, Any] = {}
         self.scaler = None
         self._stepped: dict[str, int] = {}  # manual mode: optimizer -> node counter at its step
-        self._step_seq = 0  # manual mode: node counter at the start of the step
         self._undo: list[str] = []  # optimizers stepped in this step whose update a failure must undo
         self._snapshots: dict[str, Snapshot] = {}
         # (losses whose backward retained the graph, whether the guard walked the step) -> first step seen
@@ -398,8 +397,6 @@ class Trainer:
         self._call("on_step_start")
         self._stepped.clear()
         self._undo.clear()
-        if not self.automatic:
-            self._step_seq = self.guard.start_seq if self.guard.start_seq is not None else sequence_now()
         try:
             total: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
@@ -577,7 +574,9 @@ class Trainer:
         With several optimizers, ``optimizer`` is required, so that a loss never leaves gradient
         on another optimizer's parameters. If an optimizer stepped earlier in this step and
         ``loss``'s graph saved tensors that step changed, this raises ``InplaceModificationError``
-        before any gradient is written.
+        naming the optimizer: before any gradient is written on the steps the guard checks
+        (every step at first, then on its schedule), from backward's own error otherwise; in
+        both cases the step is undone.
         """
         if self._diagnosing:
             return
@@ -592,8 +591,8 @@ class Trainer:
         name = optimizer or "loss"
         loss = steps.named_losses(loss, step, ())["loss"]
         self.guard.preflight({name: loss}, step, self, None)
-        if self._stepped and HAS_SEQ:
-            found = self.guard.inplace_check(loss, self._stepped, self._step_seq)
+        if self._stepped and HAS_SEQ and self.guard.checking:  # unchecked steps: explained if backward fails
+            found = self.guard.inplace_check(loss, self._stepped, self.guard.start_seq)
             if found is not None:
                 err, stepped = found
                 raise self.guard.explain(err, name, loss, step, self, None, stepped) from err

@@ -1,0 +1,77 @@
+"""The GAN recipe's manual-mode step against the hand-written PyTorch GAN step.
+
+Same model (``recipes.gan.GAN``), batches and optimizers. The safeloop step pays for the
+guard's pre-flight checks, the in-place check of the G loss after D's step, and the
+snapshot that lets a failed step undo D's update. Two references: the hand-written step
+with the same routing (G's backward into G's parameters only, ``inputs=``) is the same
+work, so the ratio is safeloop's overhead; the step as PyTorch's DCGAN example writes it
+(G's backward also computes D's gradients, then discarded) is what users usually run.
+"""
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from recipes.gan import GAN, GANTrainer, ring
+
+from .common import interleaved, row
+
+
+def bce(logits, target: float):
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+class HandGAN:
+    def __init__(self, model: GAN, data, routed: bool):
+        self.model, self.data, self.routed = model, data, routed
+        self.opt_d = torch.optim.Adam(model.d.parameters(), lr=1e-3, betas=(0.5, 0.999))
+        self.opt_g = torch.optim.Adam(model.g.parameters(), lr=1e-3, betas=(0.5, 0.999))
+        self.g_params = list(model.g.parameters())
+
+    def __call__(self):
+        g, d = self.model.g, self.model.d
+        for (real,) in self.data:
+            fake = g(torch.randn(len(real), self.model.noise_dim))
+            self.opt_d.zero_grad(set_to_none=True)
+            (bce(d(real), 1.0) + bce(d(fake.detach()), 0.0)).backward()
+            self.opt_d.step()
+            self.opt_g.zero_grad(set_to_none=True)
+            bce(d(fake), 1.0).backward(inputs=self.g_params if self.routed else None)
+            self.opt_g.step()
+
+
+class Quiet(GANTrainer):
+    def on_fit_end(self) -> None:  # the recipe samples and prints coverage; a benchmark must not
+        pass
+
+
+class TrainerGAN:
+    def __init__(self, model: GAN, data):
+        self.trainer = Quiet(model=model, train_data=data, max_steps=1, device="cpu", progress=False, loggers=(),
+                             optimizer=partial(torch.optim.Adam, lr=1e-3, betas=(0.5, 0.999)))
+        self.steps, self.trainer.max_steps = len(data), 0
+
+    def __call__(self):
+        self.trainer.max_steps += self.steps
+        self.trainer.fit()
+
+
+def run(quick: bool) -> list[dict]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GAN(noise_dim=8, hidden=128)
+    steps = 10 if quick else 40
+    data = list(ring(n=512 * steps, batch_size=512).train)
+    systems = {"hand": HandGAN(copy.deepcopy(model), data, routed=True),
+               "dcgan": HandGAN(copy.deepcopy(model), data, routed=False),
+               "safeloop": TrainerGAN(copy.deepcopy(model), data)}
+    for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
+        fn()
+    t = interleaved(systems, rounds=5 if quick else 21)
+    return [
+        row("GAN step (manual mode) vs hand-written step, same routing", t["safeloop"], t["hand"], 1.05, steps),
+        row("GAN step (manual mode) vs DCGAN-example step", t["safeloop"], t["dcgan"], None, steps),
+    ]
