@@ -7,6 +7,7 @@ number (143, 130), so that a job script can tell a preempted run from a finished
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
@@ -47,7 +48,11 @@ def check_overrides(argv: list[str]) -> None:
     compose(args.overrides)
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="train")
+# absolute: a relative path resolves under `python -m safeloop` but not from the console script
+CONFIGS = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
 def run(cfg: DictConfig) -> None:
     trainer = train(cfg)
     if trainer.stop_signal is not None:
