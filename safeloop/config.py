@@ -52,7 +52,7 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["csv"])
     progress: bool = True
     resume: Optional[str] = None  # null | auto | PATH (auto: the newest readable checkpoint in checkpoint.dir)
-    on_nonfinite: str = "error"  # error | skip | off
+    on_nonfinite: str = "off"  # off | error | skip
     max_skipped: int = 10
 
 

@@ -24,6 +24,8 @@ class Backward:
 
 def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
     """Check ``training_step``'s return value; a single tensor becomes ``{'loss': tensor}``."""
+    if type(output) is torch.Tensor and output.numel() == 1:  # the common case, checked cheaply
+        return {"loss": output}
     hint = "training_step must return the loss tensor, or a dict {name: loss tensor}"
     if output is None:
         raise StepError(f"step {step}: training_step returned None; {hint} (did you forget `return loss`?)", step)

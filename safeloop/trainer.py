@@ -85,8 +85,9 @@ class Trainer:
             (default ``run_dir/checkpoints``; no ``dir`` and no ``run_dir``, or ``False``: no checkpoints).
         resume: ``None``, ``"auto"`` (the newest readable checkpoint in the checkpoint directory, if
             any: the same command starts and restarts a run), or a checkpoint file or directory.
-        on_nonfinite: ``error``, ``skip`` or ``off``: a NaN/Inf loss or gradient stops the run, or
-            skips the update (at most ``max_skipped`` steps in a row), found by one fused test per step.
+        on_nonfinite: ``off`` (default), ``error`` or ``skip``: a NaN/Inf loss or gradient stops the
+            run, or skips the update (at most ``max_skipped`` steps in a row), found by one fused test
+            and one host sync per step.
         config: the resolved run config (plain containers), stored in checkpoints.
     """
 
@@ -118,7 +119,7 @@ class Trainer:
         progress: bool = True,
         checkpoint: Mapping[str, Any] | bool | None = None,
         resume: str | Path | None = None,
-        on_nonfinite: str = "error",
+        on_nonfinite: str = "off",
         max_skipped: int = 10,
         config: Mapping[str, Any] | None = None,
     ):
@@ -330,8 +331,10 @@ class Trainer:
         return fns
 
     def _call(self, name: str, *args) -> None:
-        for fn in self._hooks[name]:
-            fn(*args)
+        fns = self._hooks[name]
+        if fns:
+            for fn in fns:
+                fn(*args)
 
     def _batches(self):
         """Batches forever (or for ``max_epochs``), keeping ``state.epoch`` and ``batch_in_epoch``."""
@@ -449,7 +452,7 @@ class Trainer:
                 self.dist.flush(armed)
             self._call("on_after_backward", todo.name)
         if HAS_SEQ:
-            self.guard.last_seq = max(loss.grad_fn._sequence_nr() for loss in losses.values())
+            self.guard.last_seq = max([loss.grad_fn._sequence_nr() for loss in losses.values()])
 
     def _note_retain(self, plan: list[steps.Backward], walked: bool, step: int) -> None:
         """Log, once per pattern, which backwards kept the graph alive for a later loss."""

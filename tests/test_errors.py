@@ -193,7 +193,7 @@ class Poisoned(Trainer):
 
 
 def test_nan_loss_stops_the_run_naming_loss_and_step():
-    t = trainer(type("P", (Poisoned,), {"nan_at": (4,)}))
+    t = trainer(type("P", (Poisoned,), {"nan_at": (4,)}), on_nonfinite="error")
     with pytest.raises(NonFiniteError, match=r"step 4: loss 'loss' is nan \(a non-finite loss makes every gradient "
                                              r"non-finite\)\. The step was abandoned before the optimizer step"):
         t.fit()
@@ -201,7 +201,7 @@ def test_nan_loss_stops_the_run_naming_loss_and_step():
 
 
 def test_inf_gradient_with_a_finite_loss_names_the_parameter():
-    t = trainer(type("P", (Poisoned,), {"inf_grad_at": (2,)}))
+    t = trainer(type("P", (Poisoned,), {"inf_grad_at": (2,)}), on_nonfinite="error")
     with pytest.raises(NonFiniteError, match=r"step 2: the losses are finite \('loss' = [\d.]+\) but the gradients "
                                              r"of model\.bias hold NaN or Inf"):
         t.fit()
