@@ -44,9 +44,12 @@ def resolve_precision(precision: str | int, device: torch.device) -> str:
     return precision
 
 
+_NO_AUTOCAST = nullcontext()  # stateless, so one instance serves every step
+
+
 def autocast(precision: str, device: torch.device):
     """The forward's autocast context for ``precision`` (none for 32)."""
     if precision == "32":
-        return nullcontext()
+        return _NO_AUTOCAST
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -66,8 +66,11 @@ def plan(
     ``retain`` comes from the guard's walk (a backward retains only when a later loss
     shares its graph); without a walk every backward but the last retains.
     """
-    weights = weights or {}
     routed = len(optimizers) > 1
+    if len(losses) == 1 and not routed and not weights:  # the common step: one loss, one optimizer
+        (name, loss), = losses.items()
+        return [Backward(name, loss, None, None, bool(retain and retain[0]))]
+    weights = weights or {}
     if mode == "sum" and not routed and len(losses) > 1:
         total = sum(loss * weights.get(name, 1.0) for name, loss in losses.items())
         return [Backward("sum", total, None, None, False)]

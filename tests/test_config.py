@@ -28,6 +28,7 @@ def test_default_config_builds_the_embedded_job():
     assert type(trainer) is Trainer
     assert trainer.max_steps == 1000 and trainer.device.type in ("cpu", "cuda")
     assert isinstance(trainer.configure_optimizers(), torch.optim.Adam)
+    assert trainer.on_nonfinite == "off" and trainer.guard.check == "auto"  # YAML's bare off is a boolean
 
 
 def test_unknown_trainer_key_fails_at_compose_with_its_path():

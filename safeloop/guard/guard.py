@@ -76,8 +76,7 @@ class Guard:
         self.warmup, self.budget = warmup, budget
         self.out_dir = Path(out_dir) if out_dir else Path("safeloop_graphs")
         self.fit_seq: int | None = None  # node counter when training started
-        self.start_seq: int | None = None  # node counter at the start of this (checked) step
-        self.last_seq: int | None = None  # newest loss node of the previous step
+        self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
         self.checking = False
         self.interval = 1
         self.spent = 0.0  # seconds spent checking in this step
@@ -102,7 +101,9 @@ class Guard:
         else:
             self.checking = step % self.interval == 0
         self.spent = 0.0
-        if self.checking:
+        if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
+            self.start_seq = walk.sequence_now()
+        elif self.checking:
             t0 = time.perf_counter()
             self.start_seq = walk.sequence_now()
             self.spent += time.perf_counter() - t0
@@ -112,6 +113,8 @@ class Guard:
 
     def record_step_time(self, seconds: float) -> None:
         """Feed the measured step time; re-plans the ``auto`` schedule."""
+        if self.check != "auto":
+            return
         if self.checking:
             self._cost = self.spent if not self._cost else 0.8 * self._cost + 0.2 * self.spent
         bare = seconds - self.spent
@@ -257,7 +260,7 @@ class Guard:
                 trainer: Any = None, batch: Any = None, stepped: list[str] | None = None):
         """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated)."""
         text = str(err)
-        start = self.start_seq or (self.last_seq + 1 if self.last_seq is not None else None)
+        start = self.start_seq
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         if walk.is_freed(err):
             if before:
