@@ -11,7 +11,7 @@ from .errors import StepError
 MULTI_LOSS = ("sequential", "sum")
 
 
-@dataclass
+@dataclass(slots=True)
 class Backward:
     """One backward of the step: which loss, into which parameters, retaining or not."""
 

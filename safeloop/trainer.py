@@ -177,7 +177,8 @@ class Trainer:
         if self.dist is not None:
             self.device = self.dist.device
 
-        self._autocast = partial(autocast, self.precision, self.device)
+        self._autocast = None if self.precision == "32" else partial(autocast, self.precision, self.device)
+        self._move_batches = self.device.type != "cpu"  # DataLoader batches are already on the CPU
         self.model = model
         self.train_data, self.val_data = train_data, val_data
         self.loss_fn = loss_fn or torch.nn.functional.mse_loss
@@ -364,6 +365,7 @@ class Trainer:
     def _loop(self) -> None:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
             return
+        self._plan_events()
         pending: list = []
         for batch in self._batches():
             pending.append(batch)
@@ -372,13 +374,27 @@ class Trainer:
             started = time.perf_counter()
             self._train_step(pending)
             pending = []
-            self.guard.end_step(self.state.step, self)
-            self.guard.record_step_time(time.perf_counter() - started)
-            self._after_step()
-            if self.stop_signal is not None or (self.max_steps is not None and self.state.step >= self.max_steps):
-                return
+            guard = self.guard
+            if guard.checking or guard.sample_next:  # unchecked steps cost the guard nothing here
+                guard.end_step(self.state.step, self)
+                guard.record_step_time(time.perf_counter() - started)
+            if self.state.step >= self._next_event or self.stop_signal is not None:
+                self._after_step()
+                if self.stop_signal is not None or (self.max_steps is not None and self.state.step >= self.max_steps):
+                    return
+
+    def _plan_events(self) -> None:
+        """The next step at which something happens after the step: log, validate, save, stop."""
+        step = self.state.step
+        every = [self.log_every, self.val_every if self.val_data is not None else None,
+                 self.checkpointer.every if self.checkpointer is not None else None]
+        due = [(step // e + 1) * e for e in every if e]
+        if self.max_steps is not None:
+            due.append(self.max_steps)
+        self._next_event = min(due) if due else float("inf")
 
     def _after_step(self) -> None:
+        self._plan_events()
         step = self.state.step
         if step % self.log_every == 0 or step == self.max_steps:
             metrics = self.state.floats()
@@ -402,19 +418,26 @@ class Trainer:
         self.guard.begin_step(step)
         for fn in self._hooks["on_step_start"]:  # hooks inlined on the hot path: one call fewer each
             fn()
-        self._stepped.clear()
-        self._undo.clear()
+        if self._stepped or self._undo:
+            self._stepped.clear()
+            self._undo.clear()
         try:
             total: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
-                if self.device.type != "cpu":
+                if self._move_batches:
                     batch = self.to_device(batch)
-                with self._autocast():
+                if self._autocast is None:
                     output = self.training_step(batch)
+                else:
+                    with self._autocast():
+                        output = self.training_step(batch)
                 if not self.automatic:
                     losses = steps.named_losses(output, step, ()) if output is not None else {}
                 else:
-                    losses = steps.named_losses(output, step, self.optimizers)
+                    if type(output) is torch.Tensor and output.numel() == 1:  # checked inline: the usual case
+                        losses = {"loss": output}
+                    else:
+                        losses = steps.named_losses(output, step, self.optimizers)
                     self._backward(losses, step, batch, first=i == 0, last=i == len(batches) - 1)
                 for name, loss in losses.items():
                     value = loss.detach()

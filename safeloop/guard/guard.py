@@ -32,6 +32,7 @@ from ..errors import (
 )
 from . import explain, walk
 from .render import render
+from .walk import _peek
 
 log = logging.getLogger("safeloop.guard")
 
@@ -78,6 +79,7 @@ class Guard:
         self.fit_seq: int | None = None  # node counter when training started
         self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
         self.checking = False
+        self.sample_next = False  # time the step after a checked one (the schedule's step time)
         self.interval = 1
         self.spent = 0.0  # seconds spent checking in this step
         self._cost = self._step_time = 0.0
@@ -102,7 +104,7 @@ class Guard:
             self.checking = step % self.interval == 0
         self.spent = 0.0
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
-            self.start_seq = walk.sequence_now()
+            self.start_seq = _peek()
         elif self.checking:
             t0 = time.perf_counter()
             self.start_seq = walk.sequence_now()
@@ -113,6 +115,7 @@ class Guard:
 
     def record_step_time(self, seconds: float) -> None:
         """Feed the measured step time; re-plans the ``auto`` schedule."""
+        self.sample_next = self.checking and self.check == "auto"  # then time one unchecked step
         if self.check != "auto":
             return
         if self.checking:
