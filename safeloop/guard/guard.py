@@ -147,7 +147,7 @@ class Guard:
             self.spent += time.perf_counter() - t0
 
     def _preflight(self, losses, step, trainer, batch) -> list[bool]:
-        seen: dict[int, Any] = {}
+        seen: set = set()
         owner: dict[int, int] = {}
         retain = [False] * len(losses)
         for i, (name, loss) in enumerate(losses.items()):
@@ -230,7 +230,7 @@ class Guard:
         """A graph a non-retaining backward already consumed (within this step)."""
         for node in nodes:
             if walk.saved_attrs(node):
-                err = walk.unpack_error(node)
+                err = walk.unpack_error(node, first=True)
                 if walk.is_freed(err):
                     raise self._error(DoubleBackwardError, node, name, loss, step, trainer, None,
                         "its graph was already back-propagated without retain_graph (its saved tensors are "
@@ -337,13 +337,13 @@ class Guard:
     # -- after the step ------------------------------------------------------------------
     def end_step(self, step: int, trainer: Any = None) -> None:
         """Warn if a graph of this step is still alive (``running_loss += loss``)."""
-        if not self._sentinels:
+        refs = self._sentinels
+        if not refs:
             return
-        t0 = time.perf_counter()
-        alive = [ref() for ref in self._sentinels]
-        self._sentinels.clear()
-        for sentinel in alive:
-            if sentinel is None:
+        self._sentinels = []
+        for ref in refs:
+            sentinel = ref()
+            if sentinel is None:  # the graph died with its step, as it should
                 continue
             holder = _leak_holder(sentinel, trainer)
             key = "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
@@ -354,7 +354,6 @@ class Guard:
                 f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
                 "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "
                 "loss.detach() instead of the loss tensor"), stacklevel=3)
-        self.spent += time.perf_counter() - t0
 
     # -- messages ------------------------------------------------------------------------
     def _error(self, cls, node, name, loss, step, trainer, batch, detail, fixes,

@@ -146,31 +146,24 @@ def test_a_guard_error_leaves_parameters_grads_and_optimizer_state_untouched(fai
     assert_same(snaps[-1], snapshot(trainer))
 
 
+class ReusesExp(Trainer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.y = self.model.weight.sum(0).exp()
+
+    def training_step(self, batch):
+        return (self.model(batch) * self.y).pow(2).mean()
+
+
 def test_check_off_still_explains_the_failure_after_the_fact():
-    class Reuses(Trainer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.y = self.model.weight.sum(0).exp()
-
-        def training_step(self, batch):
-            return (self.model(batch) * self.y).pow(2).mean()
-
     with pytest.raises(GraphReuseError, match=r"step 2.*reaches ExpBackward0.*held by `self.y`.*an earlier "
                        "backward already freed its saved tensors"):
-        fit(Reuses, guard={"check": "off"})
+        fit(ReusesExp, guard={"check": "off"})
 
 
 def test_error_writes_a_picture_with_the_node_highlighted(tmp_path):
-    class Reuses(Trainer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.y = self.model.weight.sum(0).exp()
-
-        def training_step(self, batch):
-            return (self.model(batch) * self.y).pow(2).mean()
-
     with pytest.raises(GraphReuseError) as info:
-        fit(Reuses, run_dir=tmp_path)
+        fit(ReusesExp, run_dir=tmp_path)
     picture = info.value.picture
     assert picture and picture in str(info.value) and picture.startswith(str(tmp_path / "graphs"))
     dot = open(picture.replace(".svg", ".dot")).read()
