@@ -9,7 +9,7 @@ from .workloads import HandLoop, TrainerLoop, batches, mid_mlp, tiny_mlp
 
 def run(quick: bool) -> list[dict]:
     rows = []
-    for name, make, steps, target in (("tiny MLP (2×64, batch 32)", tiny_mlp, 400, 1.05),
+    for name, make, steps, target in (("tiny MLP (2×64, batch 32)", tiny_mlp, 2000, 1.05),
                                       ("mid MLP (8×512, batch 64)", mid_mlp, 40, 1.02)):
         model, batch, dim = make()
         data = batches(batch, dim, steps)
