@@ -707,7 +707,7 @@ class Trainer:
         try:
             with recorder, autocast(self.precision, self.device):
                 self.training_step(batch)
-        except Exception:
+        except Exception:  # the re-run only records how the graph was lost; its own failure adds nothing
             pass
         finally:
             self._diagnosing = False

@@ -374,7 +374,7 @@ class Guard:
         try:
             path = self.out_dir / f"step{step}_{name}.dot"
             picture = render(loss.grad_fn, path, [node] if node is not None else ())
-        except OSError:
+        except OSError:  # an unwritable directory costs the picture, never the error itself
             pass
         return cls(detail, step=step, loss_name=name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
