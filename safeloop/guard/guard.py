@@ -150,6 +150,7 @@ class Guard:
     def _preflight(self, losses, step, trainer, batch) -> list[bool]:
         seen: set = set()
         owner: dict[int, int] = {}
+        kept: set[int] = set()  # graphs built before the step that on_reuse keeps: every loss reaching one retains
         retain = [False] * len(losses)
         for i, (name, loss) in enumerate(losses.items()):
             root = loss.grad_fn
@@ -164,8 +165,11 @@ class Guard:
                         j = owner.get(id(nxt))
                         if j is not None and j != i:
                             retain[j] = True
-            if found.before:
-                retain[i] |= self._before_step(found.before, name, loss, step, trainer, batch)
+                        if id(nxt) in kept:
+                            retain[i] = True
+            if found.before and self._before_step(found.before, name, loss, step, trainer, batch):
+                retain[i] = True
+                kept.update(id(n) for n in found.before)
             self._check_consumed(found.nodes, name, loss, step, trainer)
             if len(self._sentinels) < len(losses):
                 sentinel = _Sentinel()

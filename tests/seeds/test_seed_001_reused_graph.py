@@ -128,3 +128,14 @@ def test_graph_without_saved_tensors_is_a_warning_not_an_error(fit):
     with pytest.warns(GraphSharingWarning, match=r"reaches AddBackward0.*held by self.offset.*saves no tensors"):
         trainer = fit(AddOnly, steps=3)
     assert trainer.state.step == 3
+
+
+def test_retain_policy_keeps_a_reused_graph_that_two_losses_reach(fit):
+    """Every backward through the kept graph retains it, the last loss's included."""
+    class TwoLossesOnY(ReusesYOfConstantT):
+        def training_step(self, batch):
+            t = self.model.t
+            return {"first": measure(t @ (x + self.y), x), "second": (t @ self.y).pow(2).sum()}
+
+    trainer = fit(TwoLossesOnY, model=Seed001(), steps=3, guard={"on_reuse": "retain", "check": "always"})
+    assert trainer.state.step == 3
