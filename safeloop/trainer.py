@@ -323,6 +323,12 @@ class Trainer:
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, gradient hooks
             self.dist.attach(self)
         self._hooks = {name: self._bind(name) for name in HOOKS}
+        # The usual step (one optimizer, no scaler, clipping, DDP, accumulation or backward hooks)
+        # skips the general bookkeeping: on a tiny model each check is a visible share of the step.
+        self._plain = (len(self.optimizers) == 1 and self.scaler is None and self.dist is None and self.automatic
+                       and self.grad_clip is None and self.grad_accum == 1 and not self.loss_weights
+                       and not any(self._hooks[h] for h in ("on_before_backward", "on_after_backward",
+                                                               "on_before_optimizer_step")))
         zero = self.dist is None or self.dist.is_zero
         self.loggers = make_loggers(self._logger_names, self.run_dir) if zero else []
 
@@ -467,6 +473,10 @@ class Trainer:
             started = time.perf_counter()
             self._check_no_grads(step, next(iter(losses)))
             self.guard.spent += time.perf_counter() - started  # part of the check's cost
+        if self._plain and len(losses) == 1:
+            (name, loss), = losses.items()
+            self._run_backward(loss, name, loss, step, batch, bool(retain and retain[0]), None)
+            return
         scale = 1.0 / self.grad_accum
         plan = steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights)
         if len(plan) > 1:
@@ -553,6 +563,14 @@ class Trainer:
         return False
 
     def _optimizer_steps(self, losses: Mapping[str, torch.Tensor]) -> None:
+        if self._plain:
+            name = self._all_optimizers[0]
+            opt = self.optimizers[name]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if self.schedulers:
+                self.schedulers[name].step()
+            return
         names = [n for n in self.optimizers if n in losses] if len(self.optimizers) > 1 else self._all_optimizers
         for name in names:
             if name is not names[-1]:  # a later optimizer can still fail: keep this update undoable
