@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(systems: dict[str, Callable[[], None]], rounds: int = 15) -> dict[str, float]:
+class Median(float):
+    """A median of per-round seconds that keeps its rounds, so that two give a paired ratio."""
+
+    rounds: list[float]
+
+
+def interleaved(systems: dict[str, Callable[[], None]], rounds: int = 15) -> dict[str, Median]:
     """Median seconds per call of each system; the order rotates every round."""
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -20,12 +26,21 @@ def interleaved(systems: dict[str, Callable[[], None]], rounds: int = 15) -> dic
             t0 = time.perf_counter()
             systems[name]()
             times[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in times.items()}
+    out = {}
+    for name, values in times.items():
+        out[name] = Median(statistics.median(values))
+        out[name].rounds = values
+    return out
 
 
 def row(name: str, ours: float, ref: float, target: float | None, unit_per: int = 1) -> dict:
-    """One table row: per-step microseconds of both systems and their ratio."""
-    ratio = ours / ref
+    """One table row: per-step microseconds of both systems and their ratio.
+
+    With per-round timings, the ratio is the median of the rounds' own ratios: the two
+    systems of one round ran seconds apart, so the machine's drift cancels out.
+    """
+    paired = getattr(ours, "rounds", None), getattr(ref, "rounds", None)
+    ratio = statistics.median(a / b for a, b in zip(*paired)) if all(paired) else ours / ref
     return {
         "benchmark": name,
         "safeloop_us": ours / unit_per * 1e6,
