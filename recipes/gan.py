@@ -44,6 +44,11 @@ class Batches:
     def __len__(self) -> int:
         return len(self.x) // self.batch_size
 
+    def shard(self, rank: int, world: int) -> "Batches":
+        """Under torchrun: every rank its own equal slice of the sample (called by safeloop)."""
+        n = len(self.x) // world
+        return Batches(self.x[rank * n:(rank + 1) * n], self.batch_size, self.seed + rank)
+
     def __iter__(self):
         order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         self.epoch += 1

@@ -298,11 +298,16 @@ def shard(data, rank: int, world: int, seed: int):
     """``data`` with a ``DistributedSampler``: each rank its own equal share, reshuffled every epoch.
 
     Ranks must see the same number of batches (every step all-reduces), which the sampler
-    guarantees by padding; anything it cannot rebuild is returned as is, with a warning.
+    guarantees by padding. An iterable with a ``shard(rank, world)`` method splits itself
+    (it must give every rank the same number of batches); anything else safeloop cannot
+    rebuild is returned as is, with a warning.
     """
+    if not isinstance(data, DataLoader) and callable(getattr(data, "shard", None)):
+        return data.shard(rank, world)
     if not isinstance(data, DataLoader):
         warnings.warn(f"train_data is a {type(data).__name__}, not a DataLoader: every rank trains on the batches "
-                      "it is given, so shard them yourself and give every rank the same number", stacklevel=3)
+                      "it is given, so shard them yourself and give every rank the same number (or give it a "
+                      "shard(rank, world) method)", stacklevel=3)
         return data
     if isinstance(data.sampler, DistributedSampler):
         return data

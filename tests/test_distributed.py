@@ -55,6 +55,7 @@ def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(tmp_pa
     proc = torchrun("-m", "safeloop", "trainer.max_steps=20", "trainer.log_every=10", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("outputs: ") == 1, proc.stdout
+    assert "not a DataLoader" not in proc.stderr  # the recipe's own batches split across ranks
     runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs  # rank 1 makes no Hydra directory of its own
     rows = (runs[0] / "metrics.csv").read_text().splitlines()
