@@ -469,7 +469,7 @@ class Trainer:
 
     def _backward(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool = True) -> None:
         retain = self.guard.preflight(losses, step, self, batch)
-        if first and self.guard.checking:
+        if first and self.guard.thorough:
             started = time.perf_counter()
             self._check_no_grads(step, next(iter(losses)))
             self.guard.spent += time.perf_counter() - started  # part of the check's cost

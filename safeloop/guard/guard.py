@@ -80,6 +80,8 @@ class Guard:
         self.fit_seq: int | None = None  # node counter when training started
         self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
         self.checking = False
+        self.thorough = False  # this checked step also runs the secondary checks
+        self._checks = 0
         self.sample_next = False  # time the step after a checked one (the schedule's step time)
         self.interval = 1
         self.spent = 0.0  # seconds spent checking in this step
@@ -103,6 +105,14 @@ class Guard:
             self.checking = True
         else:
             self.checking = step % self.interval == 0
+        if self.checking:
+            # The secondary checks (a graph consumed inside training_step, a graph kept after its
+            # step) look for mistakes that repeat every step: every warm-up step and every 4th
+            # check after it see them soon enough, at a quarter of their cost.
+            self._checks += 1
+            self.thorough = step <= self.warmup or self._checks % 4 == 0
+        else:
+            self.thorough = False
         self.spent = 0.0
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             self.start_seq = _peek()
@@ -170,6 +180,8 @@ class Guard:
             if found.before and self._before_step(found.before, name, loss, step, trainer, batch):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
+            if not self.thorough:
+                continue
             self._check_consumed(found.nodes, name, loss, step, trainer)
             if len(self._sentinels) < len(losses):
                 sentinel = _Sentinel()
