@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,14 +21,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import interleaved, row
+from .common import Median, interleaved, row
 from .workloads import TrainerLoop, batches, mid_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class HandDDP:
-    """The loop a user writes with ``DistributedDataParallel``."""
+    """The loop a user writes with ``DistributedDataParallel``.
+
+    Gradients are zeroed right after the optimizer step, as the Trainer does, so that both
+    systems free gradient memory at the same point (see workloads.HandLoop).
+    """
 
     def __init__(self, model, data, lr: float = 1e-3):
         self.ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -37,10 +42,10 @@ class HandDDP:
     def __call__(self):
         ddp, opt = self.ddp, self.opt
         for x, y in self.data:
-            opt.zero_grad(set_to_none=True)
             loss = F.mse_loss(ddp(x), y)
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
 
 
 def worker(out: Path, rounds: int, steps: int) -> None:
@@ -58,7 +63,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
             fn()
         t = interleaved(systems, rounds=rounds)
     if rank == 0:
-        out.write_text(json.dumps(t))
+        out.write_text(json.dumps({name: value.rounds for name, value in t.items()}))
     dist.destroy_process_group()
 
 
@@ -72,9 +77,15 @@ def run(quick: bool) -> list[dict]:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"bench_ddp workers failed:\n{proc.stdout}\n{proc.stderr}")
-        t = json.loads(out.read_text())
+        t = {name: median(rounds) for name, rounds in json.loads(out.read_text()).items()}
     return [row("2-process CPU DDP (gloo) vs hand DDP loop, mid MLP (8×512, batch 64/rank)",
                 t["safeloop"], t["ddp"], 1.05, steps)]
+
+
+def median(rounds: list[float]) -> Median:
+    value = Median(statistics.median(rounds))
+    value.rounds = rounds
+    return value
 
 
 if __name__ == "__main__":
