@@ -126,6 +126,15 @@ class Distributed:
     def is_zero(self) -> bool:
         return self.rank == 0
 
+    def agree(self, value: int) -> int:
+        """The largest ``value`` over all ranks (a stop signal's number any rank received, or 0)."""
+        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+        return int(flag.item())
+
     # -- start of fit --------------------------------------------------------------------
     def attach(self, trainer) -> None:
         """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks."""

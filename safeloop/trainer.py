@@ -26,6 +26,7 @@ from .snapshot import Snapshot
 from .state import TrainState
 
 log = logging.getLogger("safeloop")
+STOP_CHECK_EVERY = 8  # under torchrun: steps between the ranks' agreements on a stop signal
 
 
 class Trainer:
@@ -384,10 +385,23 @@ class Trainer:
             if guard.checking or guard.sample_next:  # unchecked steps cost the guard nothing here
                 guard.end_step(self.state.step, self)
                 guard.record_step_time(time.perf_counter() - started)
-            if self.state.step >= self._next_event or self.stop_signal is not None:
-                self._after_step()
-                if self.stop_signal is not None or (self.max_steps is not None and self.state.step >= self.max_steps):
+            stop = self.stop_signal is not None if self.dist is None else self._agreed_stop()
+            if self.state.step >= self._next_event or stop:
+                self._after_step(stop)
+                if stop or (self.max_steps is not None and self.state.step >= self.max_steps):
                     return
+
+    def _agreed_stop(self) -> bool:
+        """Under torchrun a rank stops only together with the others. Signals reach ranks at
+        different moments, so every ``STOP_CHECK_EVERY`` steps the ranks share the signal any of them
+        got (one small all-reduce) and all stop after that same step: none is left waiting in an
+        all-reduce for a rank that already left."""
+        if self.state.step % STOP_CHECK_EVERY:
+            return False
+        signum = self.dist.agree(self.stop_signal or 0)
+        if signum and self.stop_signal is None:
+            self.stop_signal = signum
+        return bool(signum)
 
     def _plan_events(self) -> None:
         """The next step at which something happens after the step: log, validate, save, stop."""
@@ -399,7 +413,7 @@ class Trainer:
             due.append(self.max_steps)
         self._next_event = min(due) if due else float("inf")
 
-    def _after_step(self) -> None:
+    def _after_step(self, stop: bool = False) -> None:
         self._plan_events()
         step = self.state.step
         if step % self.log_every == 0 or step == self.max_steps:
@@ -411,7 +425,7 @@ class Trainer:
         if self.val_data is not None and self.val_every and step % self.val_every == 0:
             self.validate()
         every = self.checkpointer.every if self.checkpointer is not None else None
-        if self.stop_signal is not None or (every and step % every == 0):
+        if stop or (every and step % every == 0):
             self.save_checkpoint()
 
     def log_metrics(self, metrics: Mapping[str, float]) -> None:

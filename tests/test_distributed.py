@@ -4,6 +4,9 @@ Deselect the torchrun tests with ``pytest -m "not distributed"``.
 """
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -107,3 +110,34 @@ def test_gan_recipe_runs_under_torchrun(tmp_path):
     proc = torchrun(str(ROOT / "recipes" / "gan.py"), "trainer.max_steps=5", "trainer.log_every=5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("outputs: ") == 1, proc.stdout
+
+
+@pytest.mark.distributed
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """A signal that reaches one rank only (as preemption can) stops both ranks at the same step,
+    with one checkpoint and no rank left waiting in an all-reduce."""
+    (tmp_path / "pidtrainer.py").write_text(
+        "import os\nimport safeloop\n\n"
+        "class PidTrainer(safeloop.Trainer):\n"
+        "    def on_step_end(self, losses):\n"
+        "        if self.state.step == 3:\n"
+        "            open(f\"pid{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
+           "trainer._target_=pidtrainer.PidTrainer", "trainer.max_steps=100000", "trainer.val_every=null",
+           "checkpoint.every=null", f"checkpoint.dir={tmp_path}/ckpt", "trainer.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    stops = re.findall(r"stopped by signal 15 at step (\d+)", err)
+    assert len(stops) == 2 and stops[0] == stops[1], out + err
+    step = int(stops[0])
+    assert step % 8 == 0
+    assert [p.name for p in (tmp_path / "ckpt").glob("*.pt")] == [f"step-{step:09d}.pt"]
