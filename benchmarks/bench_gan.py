@@ -35,12 +35,18 @@ class HandGAN:
         g, d = self.model.g, self.model.d
         for (real,) in self.data:
             fake = g(torch.randn(len(real), self.model.noise_dim))
-            self.opt_d.zero_grad(set_to_none=True)
+            if not self.routed:  # the DCGAN example's G backward left gradients on D
+                self.opt_d.zero_grad(set_to_none=True)
             (bce(d(real), 1.0) + bce(d(fake.detach()), 0.0)).backward()
             self.opt_d.step()
-            self.opt_g.zero_grad(set_to_none=True)
+            if self.routed:  # zeroed right after each step, as the Trainer does (see workloads.HandLoop)
+                self.opt_d.zero_grad(set_to_none=True)
+            else:
+                self.opt_g.zero_grad(set_to_none=True)
             bce(d(fake), 1.0).backward(inputs=self.g_params if self.routed else None)
             self.opt_g.step()
+            if self.routed:
+                self.opt_g.zero_grad(set_to_none=True)
 
 
 class Quiet(GANTrainer):
