@@ -9,6 +9,7 @@ step that does not fail pays one memory copy of the optimizer's tensors and no a
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ class Snapshot:
         self._values: list[Any] = []  # their values at ``take``
         self._param_lists: list[list[torch.Tensor]] = []
         self._n_params = self._n_entries = 0
+        self._state_live: list[torch.Tensor] = []  # the state tensors of ``_live``, in ``_tensors`` order
         self._groups: list[dict] = []
         self._schedule: dict | None = None
 
@@ -48,7 +50,8 @@ class Snapshot:
             return False
         if sum(map(len, state.values())) != self._n_entries:
             return False
-        return all(state[p][key] is live[i] for p, key, i in self._tensors)
+        now = [state[p][key] for p, key, _ in self._tensors]  # a list and map: this runs every step
+        return all(map(operator.is_, now, self._state_live))
 
     def _build(self) -> None:
         """List the parameters and state tensors and allocate their copies (first step, or new state)."""
@@ -64,6 +67,7 @@ class Snapshot:
                 else:
                     others.append((p, key))
         self._live, self._tensors, self._others, self._n_params = live, tensors, others, len(params)
+        self._state_live = [live[i] for _, _, i in tensors]
         self._n_entries = sum(map(len, opt.state.values()))
         self._saved = [t.detach().clone() for t in live]
 
