@@ -19,33 +19,17 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .common import Median, interleaved, row
-from .workloads import TrainerLoop, batches, mid_mlp
+from .workloads import HandLoop, TrainerLoop, batches, mid_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class HandDDP:
-    """The loop a user writes with ``DistributedDataParallel``.
-
-    Gradients are zeroed right after the optimizer step, as the Trainer does, so that both
-    systems free gradient memory at the same point (see workloads.HandLoop).
-    """
-
-    def __init__(self, model, data, lr: float = 1e-3):
-        self.ddp = torch.nn.parallel.DistributedDataParallel(model)
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
-        self.data = data
-
-    def __call__(self):
-        ddp, opt = self.ddp, self.opt
-        for x, y in self.data:
-            loss = F.mse_loss(ddp(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+def hand_ddp(model, data) -> HandLoop:
+    """The loop a user writes with ``DistributedDataParallel``: the hand loop over the wrapped model
+    (gradients zeroed right after the step, as the Trainer does)."""
+    return HandLoop(torch.nn.parallel.DistributedDataParallel(model), data)
 
 
 def worker(out: Path, rounds: int, steps: int) -> None:
@@ -58,7 +42,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
     data = batches(batch, dim, steps, seed=rank)  # each rank its own shard
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "train_data is a list, not a DataLoader": sharded above
-        systems = {"ddp": HandDDP(copy.deepcopy(model), data), "safeloop": TrainerLoop(copy.deepcopy(model), data)}
+        systems = {"ddp": hand_ddp(copy.deepcopy(model), data), "safeloop": TrainerLoop(copy.deepcopy(model), data)}
         for fn in systems.values():  # warm up: buckets, allocator, the guard's checked first steps
             fn()
         t = interleaved(systems, rounds=rounds)
