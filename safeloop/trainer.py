@@ -373,23 +373,71 @@ class Trainer:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
             return
         self._plan_events()
+        guard, state = self.guard, self.state
+        plain_step = self._plain_step()
         pending: list = []
         for batch in self._batches():
-            pending.append(batch)
-            if len(pending) < self.grad_accum:
-                continue
-            started = time.perf_counter()
-            self._train_step(pending)
-            pending = []
-            guard = self.guard
-            if guard.checking or guard.sample_next:  # unchecked steps cost the guard nothing here
-                guard.end_step(self.state.step, self)
-                guard.record_step_time(time.perf_counter() - started)
+            if plain_step is not None and state.step < guard.next_due - 1:  # the guard neither checks nor times it
+                plain_step(batch)
+            else:
+                pending.append(batch)
+                if len(pending) < self.grad_accum:
+                    continue
+                started = time.perf_counter()
+                self._train_step(pending)
+                pending = []
+                if guard.checking or guard.sample_next:
+                    guard.end_step(state.step, self)
+                    guard.record_step_time(state.step, time.perf_counter() - started)
             stop = self.stop_signal is not None if self.dist is None else self._agreed_stop()
-            if self.state.step >= self._next_event or stop:
+            if state.step >= self._next_event or stop:
                 self._after_step(stop)
-                if stop or (self.max_steps is not None and self.state.step >= self.max_steps):
+                if stop or (self.max_steps is not None and state.step >= self.max_steps):
                     return
+
+    def _plain_step(self) -> Callable | None:
+        """The plain run's step (see ``setup``), for steps the guard neither checks nor times:
+        ``_train_step``'s cycle with everything looked up once, since on a tiny model every
+        lookup shows. None when the run is not plain."""
+        hooks = self._hooks
+        if not self._plain or self.on_nonfinite != "off" or hooks["on_step_start"] or hooks["on_step_end"]:
+            return None
+        guard, state, training_step, to_device = self.guard, self.state, self.training_step, self.to_device
+        move, autocast, optimizers = self._move_batches, self._autocast, self.optimizers
+        name = self._all_optimizers[0]
+        opt, scheduler = optimizers[name], self.schedulers.get(name)
+
+        def plain_step(batch) -> None:
+            step = state.step + 1
+            guard.unchecked()
+            try:
+                if move:
+                    batch = to_device(batch)
+                if autocast is None:
+                    loss = training_step(batch)
+                else:
+                    with autocast():
+                        loss = training_step(batch)
+                if type(loss) is torch.Tensor and loss.numel() == 1 and loss.grad_fn is not None:
+                    try:
+                        loss.backward()
+                    except RuntimeError as err:
+                        raise self._explained(err, "loss", loss, step, batch)
+                    losses = {"loss": loss.data}  # detached: the value without the graph, cheaper than detach()
+                else:  # several losses, or one without a graph (the guard says why)
+                    losses = steps.named_losses(loss, step, optimizers)
+                    self._backward(losses, step, batch, first=True)
+                    losses = {k: v.data for k, v in losses.items()}
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+            except BaseException as err:
+                raise self._abandoned(err, step)
+            state.losses = losses
+            state.step = step
+
+        return plain_step
 
     def _agreed_stop(self) -> bool:
         """Under torchrun a rank stops only together with the others. Signals reach ranks at
@@ -460,7 +508,7 @@ class Trainer:
                         losses = steps.named_losses(output, step, self.optimizers)
                     self._backward(losses, step, batch, first=i == 0, last=i == len(batches) - 1)
                 for name, loss in losses.items():
-                    value = loss.detach()
+                    value = loss.data  # detached
                     total[name] = total[name] + value if name in total else value
                 del output, losses, batch
             if self.dist is not None and self.automatic:  # every rank checks the same averaged gradients
@@ -470,11 +518,7 @@ class Trainer:
             elif self.scaler is not None and self._stepped:
                 self.scaler.update()
         except BaseException as err:
-            self._abandon()
-            if isinstance(err, SafeloopError) or not isinstance(err, Exception):
-                raise
-            raise StepError(f"step {step} failed and was abandoned (parameters and optimizer state are "
-                            f"unchanged): {type(err).__name__}: {err}", step) from err
+            raise self._abandoned(err, step)
         n = len(batches)
         self.state.losses = {k: v / n for k, v in total.items()} if n > 1 else total
         self.state.step = step
@@ -529,10 +573,15 @@ class Trainer:
         try:
             loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
-            explained = self.guard.explain(err, name, original, step, self, batch, list(self._stepped))
-            if explained is None:
-                raise
-            raise explained from err
+            raise self._explained(err, name, original, step, batch)
+
+    def _explained(self, err: RuntimeError, name: str, loss, step: int, batch) -> Exception:
+        """What to raise for backward's ``err``: the guard's explanation, or ``err`` if it has none."""
+        explained = self.guard.explain(err, name, loss, step, self, batch, list(self._stepped))
+        if explained is None:
+            return err
+        explained.__cause__ = err
+        return explained
 
     def _check_no_grads(self, step: int, name: str) -> None:
         """Gradients present before the first backward mean training_step ran backward itself."""
@@ -620,6 +669,17 @@ class Trainer:
             snapshot = self._snapshots[name] = Snapshot(self.optimizers[name], self.schedulers.get(name))
         snapshot.take()
         self._undo.append(name)
+
+    def _abandoned(self, err: BaseException, step: int) -> BaseException:
+        """Abandon the failed ``step``; returns the error to raise: ours as it is, any other
+        exception as a StepError naming the step."""
+        self._abandon()
+        if isinstance(err, SafeloopError) or not isinstance(err, Exception):
+            return err
+        wrapped = StepError(f"step {step} failed and was abandoned (parameters and optimizer state are "
+                            f"unchanged): {type(err).__name__}: {err}", step)
+        wrapped.__cause__ = err
+        return wrapped
 
     def _abandon(self) -> None:
         """Drop the failed step's gradients and undo the optimizer updates it already made."""

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from safeloop import ConfigError, NonFiniteError, StepError, Trainer
+from safeloop import ConfigError, InplaceModificationError, NonFiniteError, StepError, Trainer
 from safeloop.config import build, compose
 
 from .conftest import subprocess_env
@@ -170,6 +170,34 @@ def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_be
                                         r"unchanged\): KeyError: 'boom'") as info:
         t.fit()
     assert info.value.step == 3 and t.state.step == 2
+    assert same(snapshot(t), t.before)
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+class ChangesASavedTensorAtStep(Trainer):
+    """No hooks, one loss, one optimizer: the plain step. At step ``bad`` a tensor that backward needs is
+    changed in place, so backward fails half way, after some gradients were written."""
+
+    bad = 15
+
+    def training_step(self, batch):
+        x, y = batch
+        self.before = snapshot(self)
+        out = self.model(x)
+        h = torch.sigmoid(out)  # saves its output for backward
+        loss = ((h - y) ** 2).mean() + out.pow(2).mean()
+        if self.state.step + 1 == self.bad:
+            h.mul_(2)
+        return loss
+
+
+@pytest.mark.parametrize("check", ["auto", "off"])
+def test_a_failing_unchecked_plain_step_changes_nothing(check, tmp_path):
+    t = trainer(ChangesASavedTensorAtStep, max_steps=30, guard={"check": check, "budget": 1e-9}, run_dir=tmp_path)
+    with pytest.raises(InplaceModificationError, match=r"a tensor the graph saved for backward \(.*the output of "
+                                                       r"Sigmoid\) was changed in place"):
+        t.fit()
+    assert t.state.step == 14 and not t.guard.checking  # a step the guard left alone (after its warm-up)
     assert same(snapshot(t), t.before)
     assert all(p.grad is None for p in t.model.parameters())
 

@@ -57,9 +57,9 @@ class Guard:
             it silently; the reused graph's buffers then stay in memory for the whole run).
         check: ``always`` walks the graph every step; ``auto`` every step for the first
             ``warmup`` steps, then on a schedule that keeps the measured cost of checks
-            under ``budget`` of the measured step time (0.5%: what a timer around the check
-            misses, such as freeing the wrappers it made, about doubles it); ``off`` never walks. Errors raised
-            by backward itself are explained in every mode.
+            under ``budget`` of the measured step time (0.25%: a timer around the check sees
+            about half of what it costs the step, the rest being the cache the walk evicts);
+            ``off`` never walks. Errors raised by backward itself are explained in every mode.
         trace: turn on anomaly mode so that errors name the line that made the tensor
             at fault (slow: use it to debug, not to train).
         out_dir: where graph pictures are written on error.
@@ -71,7 +71,7 @@ class Guard:
         check: str = "auto",
         trace: bool = False,
         warmup: int = 10,
-        budget: float = 0.005,
+        budget: float = 0.0025,
         out_dir: str | Path | None = None,
     ):
         self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)
@@ -84,6 +84,7 @@ class Guard:
         self._checks = 0
         self.sample_next = False  # time the step after a checked one (the schedule's step time)
         self.interval = 1
+        self.next_due = 1  # steps before this one are neither checked nor timed (see ``unchecked``)
         self.spent = 0.0  # seconds spent checking in this step
         self._cost = self._step_time = 0.0
         self._sentinels: list[weakref.ref] = []
@@ -122,10 +123,24 @@ class Guard:
             self.spent += time.perf_counter() - t0
         else:
             self.start_seq = None
+        self._plan(step)
         return self.checking
 
-    def record_step_time(self, seconds: float) -> None:
-        """Feed the measured step time; re-plans the ``auto`` schedule."""
+    def unchecked(self) -> None:
+        """``begin_step`` for a step before ``next_due``: nothing to decide, only the counter to read."""
+        self.checking = self.thorough = False
+        self.start_seq = _peek() if walk.CHEAP_PEEK else None
+
+    def _plan(self, step: int) -> None:
+        if self.check == "off":
+            self.next_due = math.inf
+        elif self.check == "always" or self.sample_next or step < self.warmup:
+            self.next_due = step + 1
+        else:
+            self.next_due = (step // self.interval + 1) * self.interval
+
+    def record_step_time(self, step: int, seconds: float) -> None:
+        """Feed the measured time of ``step``; re-plans the ``auto`` schedule."""
         self.sample_next = self.checking and self.check == "auto"  # then time one unchecked step
         if self.check != "auto":
             return
@@ -135,6 +150,7 @@ class Guard:
         self._step_time = bare if not self._step_time else 0.9 * self._step_time + 0.1 * bare
         if self._step_time > 0 and self._cost:
             self.interval = max(1, math.ceil(self._cost / (self.budget * self._step_time)))
+        self._plan(step)
 
     # -- before backward -----------------------------------------------------------
     def preflight(

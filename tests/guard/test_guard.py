@@ -178,7 +178,7 @@ def test_auto_schedule_keeps_check_cost_under_budget():
         checked.append(guard.begin_step(step))
         if guard.checking:
             guard.spent = 50e-6  # a check costs 50 µs ...
-        guard.record_step_time(1e-3 + guard.spent)  # ... of a 1 ms step
+        guard.record_step_time(step, 1e-3 + guard.spent)  # ... of a 1 ms step
     assert checked[:3] == [True] * 3
     assert guard.interval == 5  # 50 µs every 5 steps = 1% of 5 ms
     assert sum(checked[3:]) == pytest.approx(len(checked[3:]) / 5, abs=2)
