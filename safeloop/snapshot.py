@@ -4,15 +4,16 @@ In manual mode (and with several optimizers) one optimizer can step before somet
 later in the same step raises. The Trainer takes a ``Snapshot`` of an optimizer just
 before its first step in a step, and restores it when the step is abandoned, so that
 parameters, optimizer state and learning-rate schedule are bit-identical to before the
-step. Snapshots copy into buffers kept from step to step (one ``_foreach_copy_``), so a
-step that does not fail pays one memory copy of the optimizer's tensors and no allocation.
+step. A step that does not fail pays one ``torch.cat`` per device and dtype: every
+parameter and state tensor copied into one flat buffer kept from step to step.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class Snapshot:
@@ -21,13 +22,16 @@ class Snapshot:
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None):
         self.optimizer, self.scheduler = optimizer, scheduler
         self._live: list[torch.Tensor] = []  # parameters, then tensor state values
-        self._saved: list[torch.Tensor] = []  # their copies, reused while the layout holds
-        self._tensors: list[tuple[torch.Tensor, str, int]] = []  # (param, state key, index into _live)
-        self._others: list[tuple[torch.Tensor, str]] = []  # state entries that are not tensors
-        self._values: list[Any] = []  # their values at ``take``
+        self._ptrs: list[int] = []  # where their data lived when ``_build`` listed them
         self._param_lists: list[list[torch.Tensor]] = []
-        self._n_params = self._n_entries = 0
-        self._state_live: list[torch.Tensor] = []  # the state tensors of ``_live``, in ``_tensors`` order
+        self._params: list[torch.Tensor] = []
+        self._keys: list[tuple[torch.Tensor, str]] = []  # (param, state key) of each tensor state value
+        self._others: list[tuple[torch.Tensor, str]] = []  # state entries that are not tensors
+        self._n_entries = 0
+        self._copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat buffer, flat views of live tensors)
+        self._loose: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # non-contiguous: (live, copies)
+        self._saved: list[torch.Tensor] = []  # each live tensor's saved value (a view into its buffer)
+        self._values: list[Any] = []  # the non-tensor state values at ``take``
         self._groups: list[dict] = []
         self._schedule: dict | None = None
 
@@ -35,57 +39,81 @@ class Snapshot:
         opt = self.optimizer
         if not self._layout_holds():
             self._build()
-        with torch.no_grad():
-            torch._foreach_copy_(self._saved, self._live)
+        for flat, views in self._copies:  # the views are detached: no autograd, no no_grad() needed
+            torch.cat(views, out=flat)
+        if self._loose[0]:
+            torch._foreach_copy_(self._loose[1], self._loose[0])
         self._values = [opt.state[p][key] for p, key in self._others]
-        self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        self._groups = [dict(g) for g in opt.param_groups]
         self._schedule = self.scheduler.state_dict() if self.scheduler is not None else None
 
     def _layout_holds(self) -> bool:
-        """Whether the optimizer still holds exactly the tensors ``_build`` listed (per step, so cheap)."""
-        opt, live, state = self.optimizer, self._live, self.optimizer.state
-        if not live or len(opt.param_groups) != len(self._param_lists):
+        """Whether the optimizer holds the tensors ``_build`` listed, their data where it was (every step, so cheap)."""
+        opt, state = self.optimizer, self.optimizer.state
+        if not self._live or len(opt.param_groups) != len(self._param_lists):
             return False
         if any(g["params"] is not params for g, params in zip(opt.param_groups, self._param_lists)):
             return False
         if sum(map(len, state.values())) != self._n_entries:
             return False
-        now = [state[p][key] for p, key, _ in self._tensors]  # a list and map: this runs every step
-        return all(map(operator.is_, now, self._state_live))
+        # a replaced state tensor or parameter data (p.data = ...) has a new address: the old one is
+        # still held by the views, so no new tensor can have it
+        now = self._params + [state[p][key] for p, key in self._keys]
+        return list(map(_data_ptr, now)) == self._ptrs
 
     def _build(self) -> None:
-        """List the parameters and state tensors and allocate their copies (first step, or new state)."""
+        """List the parameters and state tensors and allocate their copies (first step, or new layout)."""
         opt = self.optimizer
         self._param_lists = [g["params"] for g in opt.param_groups]
-        params = [p for params in self._param_lists for p in params]
-        live, tensors, others = list(params), [], []
-        for p in params:
+        self._params = [p for params in self._param_lists for p in params]
+        live, keys, others = list(self._params), [], []
+        for p in self._params:
             for key, value in opt.state.get(p, {}).items():  # .get: must not create empty state entries
                 if isinstance(value, torch.Tensor):
-                    tensors.append((p, key, len(live)))
+                    keys.append((p, key))
                     live.append(value)
                 else:
                     others.append((p, key))
-        self._live, self._tensors, self._others, self._n_params = live, tensors, others, len(params)
-        self._state_live = [live[i] for _, _, i in tensors]
+        self._live, self._keys, self._others = live, keys, others
+        self._ptrs = list(map(_data_ptr, live))
         self._n_entries = sum(map(len, opt.state.values()))
-        self._saved = [t.detach().clone() for t in live]
+        buckets: dict[tuple, list[int]] = {}
+        loose = []
+        for i, t in enumerate(live):
+            if t.is_contiguous():
+                buckets.setdefault((t.device, t.dtype), []).append(i)
+            else:
+                loose.append(i)
+        saved: list[torch.Tensor | None] = [None] * len(live)
+        self._copies = []
+        for (device, dtype), index in buckets.items():
+            flat = torch.empty(sum(live[i].numel() for i in index), device=device, dtype=dtype)
+            start = 0
+            for i in index:
+                n = live[i].numel()
+                saved[i] = flat[start:start + n].view_as(live[i])
+                start += n
+            self._copies.append((flat, [live[i].detach().view(-1) for i in index]))
+        for i in loose:
+            saved[i] = live[i].detach().clone()
+        self._loose = ([live[i].detach() for i in loose], [saved[i] for i in loose])
+        self._saved = saved
 
     def restore(self) -> None:
-        """Put back exactly what ``take`` saw; the buffers are handed over, so the next ``take`` reallocates."""
+        """Put back exactly what ``take`` saw."""
         opt = self.optimizer
-        params = self._live[:self._n_params]
+        params = self._params
         with torch.no_grad():
             for p, saved in zip(params, self._saved):
                 p.copy_(saved)
         for p in params:  # state created by the failed step (a first update) must go too
             opt.state.pop(p, None)
-        for p, key, i in self._tensors:
-            opt.state[p][key] = self._saved[i]
+        for (p, key), saved in zip(self._keys, self._saved[len(params):]):
+            opt.state[p][key] = saved.clone()
         for (p, key), value in zip(self._others, self._values):
             opt.state[p][key] = value
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
         if self._schedule is not None:
             self.scheduler.load_state_dict(self._schedule)
-        self._live, self._saved = [], []
+        self._live = []  # the state tensors are new ones: list them again at the next ``take``

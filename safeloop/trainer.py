@@ -418,7 +418,7 @@ class Trainer:
                 else:
                     with autocast():
                         loss = training_step(batch)
-                if type(loss) is torch.Tensor and loss.numel() == 1 and loss.grad_fn is not None:
+                if type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1:
                     try:
                         loss.backward()
                     except RuntimeError as err:
