@@ -3,8 +3,8 @@
 ``run`` launches ``torchrun --nproc-per-node=2`` on this module; each rank holds both systems on
 the same model (mid MLP, 8 Linear layers of width 512, batch 64 per rank, gloo, one thread),
 times them interleaved round by round, and rank zero writes the medians to a JSON file.
-The hand loop wraps the model in ``DistributedDataParallel``; the Trainer all-reduces
-bucketed gradients itself (see safeloop/distributed.py).
+The hand loop wraps the model in ``DistributedDataParallel``; so does the Trainer, around its
+``training_step`` (the usual run; see safeloop/distributed.py).
 """
 from __future__ import annotations
 

@@ -5,16 +5,18 @@ sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; the Trainer then runs one repli
 process, on ``cuda:LOCAL_RANK`` (NCCL) or the CPU (gloo), each on its own shard of the
 DataLoader, and averages gradients across processes before every optimizer step.
 
-Why not ``DistributedDataParallel``: DDP all-reduces from hooks armed by the wrapper's
-``forward``, so it only syncs what goes through that call. ``self.model.g(z)`` (a GAN's
-sub-network), a second ``backward`` on the same graph (it leaves ranks with different
-gradients on torch 2.13 without an error), ``backward(inputs=...)`` routing, unused
-parameters and manual mode each need their own workaround there (``no_sync``,
-``find_unused_parameters``, one wrapper per network). Here the Trainer knows which
-backward is the last one into each optimizer's parameters, so it all-reduces once per
-optimizer per step whatever the step did, and ``self.model`` stays the module users wrote.
-Communication still overlaps the last backward: the gradients of that backward are
-bucketed (DDP's bucket sizes) and each bucket's all-reduce starts as soon as it is full.
+Two ways to all-reduce. The usual run (automatic mode, one optimizer over the model's
+parameters, no accumulation, no per-backward hooks) runs ``training_step`` inside the
+forward of a ``DistributedDataParallel`` wrapper (``_Step``), so DDP sees whatever
+submodules the step calls and its C++ reducer all-reduces during backward; several
+losses are then back-propagated as their sum (the same gradients, one backward), since a
+second backward through one DDP graph leaves ranks with different gradients on torch 2.13
+without an error. ``self.model`` stays the module users wrote. Everything else (manual
+mode, several optimizers, ``backward(inputs=...)`` routing, accumulation) goes through
+safeloop's own reducer: the Trainer knows which backward is the last one into each
+optimizer's parameters, so it all-reduces once per optimizer per step whatever the step
+did. Its communication overlaps that last backward too: the gradients are bucketed (DDP's
+bucket sizes) and each bucket's all-reduce starts as soon as it is full.
 Every collective happens at a point all ranks reach in the same order, so a rank that
 fails simply exits: ``torchrun`` (or the closed connection) stops the others, and they
 report which step was waiting.
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler)
 
@@ -73,6 +76,18 @@ def hydra_overrides() -> list[str]:
     if int(os.environ.get("RANK", "0")) == 0:
         return []
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+class _Step(torch.nn.Module):
+    """What ``DistributedDataParallel`` wraps: the model, and the Trainer's ``training_step`` as its forward."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self.model = trainer.model
+        self.step = trainer.training_step  # a bound method, not a submodule
+
+    def forward(self, batch):
+        return self.step(batch)
 
 
 @dataclass
@@ -114,13 +129,11 @@ class Distributed:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         rank_zero_only.rank = self.rank
         self.groups: dict[str, _Group] = {}
+        self.ddp: DistributedDataParallel | None = None  # the usual run's forward (see the module docstring)
         self.buffers: list[torch.Tensor] = []
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
         self._quieted: int | None = None
-        if self.rank != 0:  # progress and validation lines come from rank zero only
-            self._quieted = log.level
-            log.setLevel(logging.WARNING)
 
     @property
     def is_zero(self) -> bool:
@@ -138,7 +151,10 @@ class Distributed:
     # -- start of fit --------------------------------------------------------------------
     def attach(self, trainer) -> None:
         """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks."""
-        if self.groups:
+        if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
+            self._quieted = log.level
+            log.setLevel(logging.WARNING)
+        if self.groups or self.ddp is not None:  # a later fit() of the same Trainer: all in place
             return
         model = trainer.model
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
@@ -153,6 +169,13 @@ class Distributed:
             trainer.run_dir = Path(run_dir)
             trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
         trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
+        if _ddp_can_run(trainer):
+            # find_unused_parameters: a step that leaves a parameter unused must not stall its bucket
+            self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
+                                               else None, find_unused_parameters=True)
+            log.info("torchrun: training_step runs inside DistributedDataParallel (find_unused_parameters=True, so "
+                     "that a step skipping a parameter stays in sync: PyTorch warns once about that flag)")
+            return
         seen: set[int] = set()
         for name, opt in trainer.optimizers.items():
             params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in seen]
@@ -161,6 +184,11 @@ class Distributed:
             for index, bucket in enumerate(group.buckets):
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
+
+    @property
+    def losses_summed(self) -> bool:
+        """Several losses of a step are back-propagated as one sum (under DDP)."""
+        return self.ddp is not None
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -265,16 +293,32 @@ class Distributed:
 
     # -- end of fit -------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove hooks and, if the Trainer made the process group, destroy it (on success and on error)."""
+        """At the end of fit (on success and on error): if the Trainer made the process group, remove
+        the hooks and destroy the group; a group made by the caller keeps them for a later fit()."""
+        if self._quieted is not None:
+            log.setLevel(self._quieted)
+            self._quieted = None
+        if not self.owned:
+            return
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self.groups.clear()
-        if self._quieted is not None:
-            log.setLevel(self._quieted)
-            self._quieted = None
-        if self.owned and dist.is_initialized():
+        self.ddp = None
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _ddp_can_run(trainer) -> bool:
+    """The usual run: automatic, one optimizer over exactly the model's trainable parameters,
+    no accumulation (it would need ``no_sync``) and no per-backward hooks (losses are summed)."""
+    if not trainer.automatic or trainer.model is None or len(trainer.optimizers) != 1 or trainer.grad_accum != 1:
+        return False
+    if trainer.loss_weights or any(trainer._hooks[h] for h in ("on_before_backward", "on_after_backward")):
+        return False
+    opt, = trainer.optimizers.values()
+    trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    return trained == {id(p) for p in trainer.model.parameters() if p.requires_grad}
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

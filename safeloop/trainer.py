@@ -321,9 +321,12 @@ class Trainer:
             self._all_optimizers = list(self.optimizers)
             if self.precision == "16":
                 self.scaler = torch.amp.GradScaler("cuda")
-        if self.dist is not None:  # rank zero's weights and run directory, sharded data, gradient hooks
-            self.dist.attach(self)
         self._hooks = {name: self._bind(name) for name in HOOKS}
+        self._forward = self.training_step
+        if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
+            self.dist.attach(self)
+            if self.dist.ddp is not None:
+                self._forward = self.dist.ddp  # training_step runs inside DDP's forward
         # The usual step (one optimizer, no scaler, clipping, DDP, accumulation or backward hooks)
         # skips the general bookkeeping: on a tiny model each check is a visible share of the step.
         self._plain = (len(self.optimizers) == 1 and self.scaler is None and self.dist is None and self.automatic
@@ -495,10 +498,10 @@ class Trainer:
                 if self._move_batches:
                     batch = self.to_device(batch)
                 if self._autocast is None:
-                    output = self.training_step(batch)
+                    output = self._forward(batch)
                 else:
                     with self._autocast():
-                        output = self.training_step(batch)
+                        output = self._forward(batch)
                 if not self.automatic:
                     losses = steps.named_losses(output, step, ()) if output is not None else {}
                 else:
@@ -536,7 +539,8 @@ class Trainer:
             self._run_backward(loss, name, loss, step, batch, bool(retain and retain[0]), None)
             return
         scale = 1.0 / self.grad_accum
-        plan = steps.plan(losses, self.optimizers, retain, self.multi_loss, self.loss_weights)
+        mode = "sum" if self.dist is not None and self.dist.losses_summed else self.multi_loss
+        plan = steps.plan(losses, self.optimizers, retain, mode, self.loss_weights)
         if len(plan) > 1:
             self._note_retain(plan, retain is not None, step)
         for k, todo in enumerate(plan):

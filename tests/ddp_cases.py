@@ -127,7 +127,7 @@ def result(case: str, world: int = 1) -> dict:
     trainer = build(case, world)
     trainer.fit()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads,
-            "skipped": trainer.state.skipped}
+            "skipped": trainer.state.skipped, "ddp": trainer.dist is not None and trainer.dist.ddp is not None}
 
 
 if __name__ == "__main__":

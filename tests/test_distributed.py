@@ -41,6 +41,8 @@ def ranks(tmp_path_factory) -> Path:
 def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
     rank0, rank1 = (torch.load(ranks / f"{case}_rank{r}.pt") for r in (0, 1))
     single = ddp_cases.result(case)
+    # the usual run goes through DistributedDataParallel (several losses summed); the rest through safeloop's reducer
+    assert rank0["ddp"] == rank1["ddp"] == (case in ("plain", "two_losses", "nan_skip"))
     for p0, p1, p in zip(rank0["params"], rank1["params"], single["params"], strict=True):
         assert torch.equal(p0, p1), "ranks hold different parameters"
         torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
