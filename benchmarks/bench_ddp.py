@@ -52,7 +52,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
 
 
 def run(quick: bool) -> list[dict]:
-    rounds, steps = (5, 5) if quick else (41, 5)  # short calls: the shared machine's load changes by the second
+    rounds, steps = (5, 5) if quick else (81, 5)  # short calls: the shared machine's load changes by the second
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

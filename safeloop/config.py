@@ -69,7 +69,7 @@ class GuardConfig:
     check: str = "auto"
     trace: bool = False
     warmup: int = 10
-    budget: float = 0.005
+    budget: float = 0.0025
 
 
 def register() -> None:
