@@ -9,9 +9,6 @@ work, so the ratio is safeloop's overhead; the step as PyTorch's DCGAN example w
 """
 from __future__ import annotations
 
-import copy
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 
@@ -24,11 +21,14 @@ def bce(logits, target: float):
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
 
 
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3, betas=(0.5, 0.999))
+
+
 class HandGAN:
-    def __init__(self, model: GAN, data, routed: bool):
+    def __init__(self, model: GAN, data, routed: bool, opts: dict):
         self.model, self.data, self.routed = model, data, routed
-        self.opt_d = torch.optim.Adam(model.d.parameters(), lr=1e-3, betas=(0.5, 0.999))
-        self.opt_g = torch.optim.Adam(model.g.parameters(), lr=1e-3, betas=(0.5, 0.999))
+        self.opt_d, self.opt_g = opts["d"], opts["g"]
         self.g_params = list(model.g.parameters())
 
     def __call__(self):
@@ -47,17 +47,22 @@ class HandGAN:
             self.opt_g.step()
             if self.routed:
                 self.opt_g.zero_grad(set_to_none=True)
+        self.opt_d.zero_grad(set_to_none=True)  # the DCGAN step leaves D gradients; the next system starts clean
 
 
 class Quiet(GANTrainer):
+    def configure_optimizers(self):
+        return self.opts
+
     def on_fit_end(self) -> None:  # the recipe samples and prints coverage; a benchmark must not
         pass
 
 
 class TrainerGAN:
-    def __init__(self, model: GAN, data):
+    def __init__(self, model: GAN, data, opts: dict):
         self.trainer = Quiet(model=model, train_data=data, max_steps=1, device="cpu", progress=False, loggers=(),
-                             optimizer=partial(torch.optim.Adam, lr=1e-3, betas=(0.5, 0.999)))
+                             optimizer=adam)
+        self.trainer.opts = opts
         self.steps, self.trainer.max_steps = len(data), 0
 
     def __call__(self):
@@ -71,9 +76,10 @@ def run(quick: bool) -> list[dict]:
     model = GAN(noise_dim=8, hidden=128)
     steps = 10  # short rounds, many of them (see bench_overhead)
     data = list(ring(n=512 * steps, batch_size=512).train)
-    systems = {"hand": HandGAN(copy.deepcopy(model), data, routed=True),
-               "dcgan": HandGAN(copy.deepcopy(model), data, routed=False),
-               "safeloop": TrainerGAN(copy.deepcopy(model), data)}
+    opts = {"d": adam(model.d.parameters()), "g": adam(model.g.parameters())}  # shared, see workloads.HandLoop
+    systems = {"hand": HandGAN(model, data, routed=True, opts=opts),
+               "dcgan": HandGAN(model, data, routed=False, opts=opts),
+               "safeloop": TrainerGAN(model, data, opts)}
     for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
         fn()
     t = interleaved(systems, rounds=5 if quick else 81)

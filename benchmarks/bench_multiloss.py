@@ -42,26 +42,25 @@ class Ordered(MultiLossTrainer):
 class HandLoop:
     """What a user writes by hand: retain_graph=True on every backward but the last."""
 
-    def __init__(self, model, data):
-        self.model, self.data = model, data
-        self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    def __init__(self, model, data, opt):
+        self.model, self.data, self.opt = model, data, opt
 
     def __call__(self):
         for batch in self.data:
-            self.opt.zero_grad(set_to_none=True)
             reg, cls, recon = three_losses(self.model, batch).values()
             reg.backward(retain_graph=True)
             cls.backward(retain_graph=True)
             recon.backward()
             self.opt.step()
+            self.opt.zero_grad(set_to_none=True)  # right after the step, as the Trainer does (workloads.HandLoop)
 
 
 class TrainerLoop:
     """``len(data)`` more steps of one long-lived Trainer per call."""
 
-    def __init__(self, model, data, **kwargs):
+    def __init__(self, model, data, opt=None, **kwargs):
         # on_nonfinite="off": the hand loop checks nothing either (bench_nonfinite times that check)
-        self.trainer = Ordered(model=model, train_data=data, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+        self.trainer = Ordered(model=model, train_data=data, optimizer=opt or (lambda p: torch.optim.Adam(p, lr=1e-3)),
                                max_steps=1, device="cpu", progress=False, loggers=(), on_nonfinite="off", **kwargs)
         self.steps, self.trainer.max_steps = len(data), 0
 
@@ -91,10 +90,11 @@ def run(quick: bool) -> list[dict]:
     model = MultiTask(in_dim=64, hidden=256, classes=8)
     steps = 10  # short rounds, many of them (see bench_overhead)
     data = list(tasks(n_train=128 * steps, n_val=128, in_dim=64, classes=8, batch_size=128).train)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # one model and optimizer for all (see workloads.HandLoop)
     systems = {
-        "hand": HandLoop(copy.deepcopy(model), data),
-        "sequential": TrainerLoop(copy.deepcopy(model), data),
-        "sum": TrainerLoop(copy.deepcopy(model), data, multi_loss="sum"),
+        "hand": HandLoop(model, data, opt),
+        "sequential": TrainerLoop(model, data, opt),
+        "sum": TrainerLoop(model, data, opt, multi_loss="sum"),
     }
     for fn in systems.values():  # warm up: allocator, first calls, the guard's checked warm-up steps
         fn()

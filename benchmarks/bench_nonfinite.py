@@ -5,12 +5,10 @@ sync; reported, no target.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .common import interleaved, row
-from .workloads import TrainerLoop, batches, mid_mlp, tiny_mlp
+from .workloads import TrainerLoop, batches, mid_mlp, sgd, tiny_mlp
 
 
 def run(quick: bool) -> list[dict]:
@@ -19,7 +17,8 @@ def run(quick: bool) -> list[dict]:
     for name, make, steps in (("mid MLP (8×512, batch 64)", mid_mlp, 20), ("tiny MLP (2×64, batch 32)", tiny_mlp, 300)):
         model, batch, dim = make()
         data = batches(batch, dim, steps)
-        systems = {policy: TrainerLoop(copy.deepcopy(model), data, on_nonfinite=policy) for policy in ("error", "off")}
+        opt = sgd(model)  # shared (see workloads.HandLoop)
+        systems = {policy: TrainerLoop(model, data, opt, on_nonfinite=policy) for policy in ("error", "off")}
         for fn in systems.values():  # warm up: allocator, guard warm-up steps, first-call costs
             fn()
         t = interleaved(systems, rounds=5 if quick else 21)

@@ -42,16 +42,22 @@ def batches(batch: int, shape, count: int, seed: int = 0) -> list:
             for _ in range(count)]
 
 
+def sgd(model, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
 class HandLoop:
     """The hand-written PyTorch loop the Trainer is compared with.
 
     It zeroes gradients right after the optimizer step, as the Trainer does: both then
     free gradient memory between steps, so neither pays for the other's allocations.
+    The systems a benchmark compares share one model and optimizer (``opt``): the same
+    tensors at the same addresses, so that memory layout favours neither.
     """
 
-    def __init__(self, model, data, lr: float = 1e-3):
+    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None):
         self.model, self.data = model, data
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.opt = opt or sgd(model)
 
     def __call__(self):
         model, opt = self.model, self.opt
@@ -65,8 +71,8 @@ class HandLoop:
 class TrainerLoop:
     """Runs ``len(data)`` more steps of one long-lived Trainer per call."""
 
-    def __init__(self, model, data, lr: float = 1e-3, **kwargs):
-        self.trainer = Trainer(model=model, train_data=data, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None, **kwargs):
+        self.trainer = Trainer(model=model, train_data=data, optimizer=opt or sgd(model),
                                max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
         self.steps = len(data)
         self.trainer.max_steps = 0

@@ -599,7 +599,7 @@ class Trainer:
                         "called backward itself, so the Trainer's backward would add them a second time",
                         step=step, loss_name=name,
                         fixes=["return the loss from training_step and let the Trainer call backward",
-                               "or set automatic = False on your Trainer and call self.backward(loss) / "
+                               "set automatic = False on your Trainer and call self.backward(loss) / "
                                "self.step() inside training_step"])
 
     def _finite(self, losses: Mapping[str, torch.Tensor], step: int) -> bool:
