@@ -33,6 +33,15 @@ def update(model, opt):
     opt.zero_grad(set_to_none=True)
 
 
+def assert_undone(model, opt, snap):
+    """take, one more update, restore: parameters and state are as before the update."""
+    before = state_of(model, opt)
+    snap.take()
+    update(model, opt)
+    snap.restore()
+    assert_same(before, state_of(model, opt))
+
+
 def test_restore_puts_back_parameters_and_state_after_several_takes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -41,11 +50,7 @@ def test_restore_puts_back_parameters_and_state_after_several_takes():
     for _ in range(3):  # the buffers are reused step after step
         snap.take()
         update(model, opt)
-    before = state_of(model, opt)
-    snap.take()
-    update(model, opt)
-    snap.restore()
-    assert_same(before, state_of(model, opt))
+    assert_undone(model, opt, snap)
 
 
 def test_replaced_state_tensors_and_parameter_data_are_seen():
@@ -58,11 +63,7 @@ def test_replaced_state_tensors_and_parameter_data_are_seen():
     # between steps, code outside the optimizer swaps tensors (a state reset, p.data = ...)
     opt.state[model.weight]["exp_avg"] = torch.full_like(model.weight, 0.5)
     model.bias.data = torch.tensor([3.0, -3.0])
-    before = state_of(model, opt)
-    snap.take()
-    update(model, opt)
-    snap.restore()
-    assert_same(before, state_of(model, opt))
+    assert_undone(model, opt, snap)
 
 
 def test_non_contiguous_and_mixed_dtype_tensors_are_kept():
