@@ -54,6 +54,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # null | auto | PATH (auto: the newest readable checkpoint in checkpoint.dir)
     on_nonfinite: str = "off"  # off | error | skip
     max_skipped: int = 10
+    find_unused_parameters: bool = False  # torchrun: a step may leave model parameters without gradient
 
 
 @dataclass

@@ -11,7 +11,9 @@ forward of a ``DistributedDataParallel`` wrapper (``_Step``), so DDP sees whatev
 submodules the step calls and its C++ reducer all-reduces during backward; several
 losses are then back-propagated as their sum (the same gradients, one backward), since a
 second backward through one DDP graph leaves ranks with different gradients on torch 2.13
-without an error. ``self.model`` stays the module users wrote. Everything else (manual
+without an error. As with DDP itself, a step that leaves a parameter without gradient needs
+``find_unused_parameters`` (a Trainer setting); without it the step stops with an error
+before the optimizer step. ``self.model`` stays the module users wrote. Everything else (manual
 mode, several optimizers, ``backward(inputs=...)`` routing, accumulation) goes through
 safeloop's own reducer: the Trainer knows which backward is the last one into each
 optimizer's parameters, so it all-reduces once per optimizer per step whatever the step
@@ -130,6 +132,8 @@ class Distributed:
         rank_zero_only.rank = self.rank
         self.groups: dict[str, _Group] = {}
         self.ddp: DistributedDataParallel | None = None  # the usual run's forward (see the module docstring)
+        self.find_unused = False
+        self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
@@ -170,11 +174,10 @@ class Distributed:
             trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
         trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
         if _ddp_can_run(trainer):
-            # find_unused_parameters: a step that leaves a parameter unused must not stall its bucket
+            self.find_unused = bool(trainer.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
-                                               else None, find_unused_parameters=True)
-            log.info("torchrun: training_step runs inside DistributedDataParallel (find_unused_parameters=True, so "
-                     "that a step skipping a parameter stays in sync: PyTorch warns once about that flag)")
+                                               else None, find_unused_parameters=self.find_unused)
+            self.trained = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
             return
         seen: set[int] = set()
         for name, opt in trainer.optimizers.items():
@@ -246,6 +249,8 @@ class Distributed:
     def sync_all(self, step: int) -> None:
         """Finish the all-reduce of every optimizer whose last backward ran, so that every rank then
         decides on the same averaged gradients (the non-finite check skips or stops on all ranks alike)."""
+        if self.ddp is not None and not self.find_unused:
+            self._check_used(step)
         for name, group in self.groups.items():
             if group.launched:
                 self.sync(name, step)
@@ -277,6 +282,18 @@ class Distributed:
                 self._broadcast(self.buffers)
         except RuntimeError as err:
             raise self._lost(err) from err
+
+    def _check_used(self, step: int) -> None:
+        """Without find_unused_parameters, DDP all-reduces a parameter's bucket only once every
+        parameter in it has a gradient: one left without leaves the bucket unsynced."""
+        unused = [name for name, p in self.trained if p.grad is None]
+        if unused:
+            raise DistributedError(
+                f"step {step}: {len(unused)} model parameter(s) got no gradient on rank {self.rank} (the first: "
+                f"{unused[0]}), so DistributedDataParallel cannot average this step's gradients; the step was "
+                "abandoned before the optimizer step. If steps may leave parameters unused, set "
+                "trainer.find_unused_parameters=true (one more small all-reduce per step); otherwise freeze "
+                "them (requires_grad=False) or leave them out of the model")
 
     def reset(self) -> None:
         """A failed step: forget half-done buckets (their all-reduce is not waited for)."""

@@ -90,6 +90,10 @@ class Trainer:
         on_nonfinite: ``off`` (default), ``error`` or ``skip``: a NaN/Inf loss or gradient stops the
             run, or skips the update (at most ``max_skipped`` steps in a row), found by one fused test
             and one host sync per step.
+        find_unused_parameters: under torchrun, when the usual run goes through
+            ``DistributedDataParallel``: set it if a step may leave some of the model's
+            parameters without gradient (costs one more small all-reduce per step). Without
+            it such a step stops with an error naming the parameter, before the optimizer step.
         config: the resolved run config (plain containers), stored in checkpoints.
     """
 
@@ -123,6 +127,7 @@ class Trainer:
         resume: str | Path | None = None,
         on_nonfinite: str = "off",
         max_skipped: int = 10,
+        find_unused_parameters: bool = False,
         config: Mapping[str, Any] | None = None,
     ):
         problems = []
@@ -198,6 +203,7 @@ class Trainer:
             if checkpoint is not False and where is not None else None
         self.resume = resume
         self.on_nonfinite, self.max_skipped = on_nonfinite, max_skipped
+        self.find_unused_parameters = find_unused_parameters
         self.config = dict(config) if config is not None else None
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: save after this step and stop
         self._epoch_rng: dict | None = None  # RNG states the current epoch's order was drawn from

@@ -66,6 +66,18 @@ class NanOnRank1(Recording):
         return loss
 
 
+class WithSpare(nn.Module):
+    """An MLP and a layer no step uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MLP(8, 32, 1, 3)
+        self.spare = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 class GanLike(nn.Module):
     def __init__(self):
         super().__init__()
@@ -114,9 +126,11 @@ def build(case: str, world: int) -> Trainer:
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1}.get(case, Recording)
-    model = MLP(8, 32, 1, 3)
+    model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     if case == "nan_skip":
         common["on_nonfinite"] = "skip"
+    if case == "unused":
+        common["find_unused_parameters"] = True
     trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
     x, y = dataset()[:4]
     trainer.stale = F.mse_loss(model(x), y)

@@ -18,7 +18,7 @@ import torch
 from tests import ddp_cases
 from tests.conftest import ROOT, subprocess_env
 
-CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip")
+CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused")
 
 
 def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -42,7 +42,7 @@ def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
     rank0, rank1 = (torch.load(ranks / f"{case}_rank{r}.pt") for r in (0, 1))
     single = ddp_cases.result(case)
     # the usual run goes through DistributedDataParallel (several losses summed); the rest through safeloop's reducer
-    assert rank0["ddp"] == rank1["ddp"] == (case in ("plain", "two_losses", "nan_skip"))
+    assert rank0["ddp"] == rank1["ddp"] == (case in ("plain", "two_losses", "nan_skip", "unused"))
     for p0, p1, p in zip(rank0["params"], rank1["params"], single["params"], strict=True):
         assert torch.equal(p0, p1), "ranks hold different parameters"
         torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
@@ -79,6 +79,18 @@ def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
     assert "[rank1]: safeloop.errors.GraphReuseError: graph built before the step is reused (step 3" in out, out
     # rank 0, waiting in the gradient all-reduce, says why it stopped (or torchrun stopped it first)
     assert "step 3: rank 0 of 2 could not all-reduce gradients" in out or "SIGTERM" in out, out
+    assert not list(tmp_path.glob("*.pt"))
+
+
+@pytest.mark.distributed
+def test_a_parameter_left_without_gradient_under_ddp_stops_before_the_optimizer_step(tmp_path):
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(tmp_path), "unused_strict", cwd=tmp_path, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"step 1: 2 model parameter\(s\) got no gradient on rank \d \(the first: spare.weight\), so "
+                     r"DistributedDataParallel cannot average this step's gradients; the step was abandoned before "
+                     r"the optimizer step. If steps may leave parameters unused, set "
+                     r"trainer.find_unused_parameters=true", out), out
     assert not list(tmp_path.glob("*.pt"))
 
 
