@@ -80,7 +80,7 @@ class GAN(nn.Module):
         self.d = mlp(2, hidden, 1)
 
     def sample(self, n: int) -> torch.Tensor:
-        device = next(self.parameters()).device
+        device = self.g[0].weight.device  # not next(self.parameters()): that walks every submodule, every step
         return self.g(torch.randn(n, self.noise_dim, device=device))
 
 
