@@ -74,7 +74,7 @@ def run(quick: bool) -> list[dict]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GAN(noise_dim=8, hidden=128)
-    steps = 10  # short rounds, many of them (see bench_overhead)
+    steps = 10 if quick else 40  # rounds of about 0.2 s per system (see bench_overhead)
     data = list(ring(n=512 * steps, batch_size=512).train)
     opts = {"d": adam(model.d.parameters()), "g": adam(model.g.parameters())}  # shared, see workloads.HandLoop
     systems = {"hand": HandGAN(model, data, routed=True, opts=opts),
@@ -82,7 +82,7 @@ def run(quick: bool) -> list[dict]:
                "safeloop": TrainerGAN(model, data, opts)}
     for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
         fn()
-    t = interleaved(systems, rounds=5 if quick else 81)
+    t = interleaved(systems, rounds=5 if quick else 41)
     return [
         row("GAN step (manual mode) vs hand-written step, same routing", t["safeloop"], t["hand"], 1.05, steps),
         row("GAN step (manual mode) vs DCGAN-example step", t["safeloop"], t["dcgan"], None, steps),

@@ -58,9 +58,9 @@ def per_node(make, rounds: int) -> tuple[float, float, int]:
 
 def run(quick: bool) -> list[dict]:
     rows = []
-    # short rounds, many of them (see bench_overhead)
-    for name, make, steps, rounds in (("mid MLP", mid_mlp, 10, 45),
-                                      ("transformer encoder (2×128, seq 64, batch 16)", encoder, 4, 45)):
+    # rounds of about 0.2 s per system, many of them (see bench_overhead)
+    for name, make, steps, rounds in (("mid MLP", mid_mlp, 15, 41),
+                                      ("transformer encoder (2×128, seq 64, batch 16)", encoder, 5, 41)):
         cost, walked, nodes = per_node(make, 5 if quick else 30)
         for what, seconds in (("check (always − off)", cost), ("graph walk alone", walked)):
             per = seconds / nodes * 1e6  # the ratio column is µs per node against the 1.5 µs target

@@ -88,7 +88,7 @@ def run(quick: bool) -> list[dict]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = MultiTask(in_dim=64, hidden=256, classes=8)
-    steps = 10  # short rounds, many of them (see bench_overhead)
+    steps = 10 if quick else 40  # rounds of about 0.2 s per system (see bench_overhead)
     data = list(tasks(n_train=128 * steps, n_val=128, in_dim=64, classes=8, batch_size=128).train)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # one model and optimizer for all (see workloads.HandLoop)
     systems = {
@@ -98,7 +98,7 @@ def run(quick: bool) -> list[dict]:
     }
     for fn in systems.values():  # warm up: allocator, first calls, the guard's checked warm-up steps
         fn()
-    t = interleaved(systems, rounds=5 if quick else 61)
+    t = interleaved(systems, rounds=5 if quick else 41)
 
     # Memory: the guard walks the step (auto retain) vs a step it does not walk (all but the last).
     peaks = {}
