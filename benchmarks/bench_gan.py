@@ -54,8 +54,8 @@ class Quiet(GANTrainer):
     def configure_optimizers(self):
         return self.opts
 
-    def on_fit_end(self) -> None:  # the recipe samples and prints coverage; a benchmark must not
-        pass
+    def on_fit_end(self) -> None:
+        """The recipe samples and prints coverage; a benchmark must not."""
 
 
 class TrainerGAN:

@@ -35,8 +35,8 @@ class Ordered(MultiLossTrainer):
     def training_step(self, batch):
         return three_losses(self.model, batch)
 
-    def on_fit_end(self) -> None:  # the recipe prints a report; a benchmark must not
-        pass
+    def on_fit_end(self) -> None:
+        """The recipe prints a report; a benchmark must not."""
 
 
 class HandLoop:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 from functools import partial
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -807,10 +808,9 @@ class Trainer:
         self._diagnosing = True
         recorder = Recorder()
         try:
-            with recorder, autocast(self.precision, self.device):
+            # the re-run only records how the graph was lost; its own failure adds nothing
+            with suppress(Exception), recorder, autocast(self.precision, self.device):
                 self.training_step(batch)
-        except Exception:  # the re-run only records how the graph was lost; its own failure adds nothing
-            pass
         finally:
             self._diagnosing = False
             torch.set_rng_state(rng)

@@ -55,7 +55,7 @@ def test_hooks_fire_in_documented_order():
             calls.append("callback.on_step_end")
 
     class Hooked(Trainer):
-        pass
+        """Every hook is set below, each recording its name."""
 
     for name in ["on_fit_start", "on_step_start", "on_before_backward", "on_after_backward",
                  "on_before_optimizer_step", "on_step_end", "on_validation_end", "on_fit_end"]:

@@ -7,6 +7,7 @@ runs on the error path.
 from __future__ import annotations
 
 import gc
+from contextlib import suppress
 import warnings
 from collections.abc import Mapping
 from typing import Any, Iterator
@@ -70,10 +71,8 @@ def candidates(trainer: Any = None, batch: Any = None) -> Iterator[tuple[str, to
                 if key in names:
                     yield from _items(val, f"global {key}")
             for key, cell in zip(code.co_freevars, fn.__closure__ or ()):
-                try:
+                with suppress(ValueError):  # an empty cell
                     yield from _items(cell.cell_contents, f"closure {key}")
-                except ValueError:  # empty cell
-                    pass
     if batch is not None:
         yield from _items(batch, "batch", depth=3)
 

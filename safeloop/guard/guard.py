@@ -13,7 +13,7 @@ import re
 import time
 import warnings
 import weakref
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -403,11 +403,8 @@ class Guard:
         elif trace_hint and not self.trace:
             fixes = fixes + [_TRACE_HINT]
         picture = None
-        try:
-            path = self.out_dir / f"step{step}_{name}.dot"
-            picture = render(loss.grad_fn, path, [node] if node is not None else ())
-        except OSError:  # an unwritable directory costs the picture, never the error itself
-            pass
+        with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
+            picture = render(loss.grad_fn, self.out_dir / f"step{step}_{name}.dot", [node] if node is not None else ())
         return cls(detail, step=step, loss_name=name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
 
