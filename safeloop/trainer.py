@@ -387,8 +387,12 @@ class Trainer:
         plain_step = self._plain_step()
         pending: list = []
         for batch in self._batches():
-            if plain_step is not None and state.step < guard.next_due - 1:  # the guard neither checks nor times it
+            if plain_step is not None and state.step + 1 < guard.next_timed:  # neither checked nor timed
                 plain_step(batch)
+            elif plain_step is not None and state.step + 1 < guard.next_due:  # timed: the bare step time
+                started = time.perf_counter()
+                plain_step(batch)
+                guard.record_step_time(state.step, time.perf_counter() - started)
             else:
                 pending.append(batch)
                 if len(pending) < self.grad_accum:
@@ -396,7 +400,7 @@ class Trainer:
                 started = time.perf_counter()
                 self._train_step(pending)
                 pending = []
-                if guard.checking or guard.sample_next:
+                if guard.timed:
                     guard.end_step(state.step, self)
                     guard.record_step_time(state.step, time.perf_counter() - started)
             stop = self.stop_signal is not None if self.dist is None else self._agreed_stop()

@@ -57,8 +57,8 @@ class Guard:
             it silently; the reused graph's buffers then stay in memory for the whole run).
         check: ``always`` walks the graph every step; ``auto`` every step for the first
             ``warmup`` steps, then on a schedule that keeps the measured cost of checks
-            under ``budget`` of the measured step time (0.25%: a timer around the check sees
-            about half of what it costs the step, the rest being the cache the walk evicts);
+            under ``budget`` of the measured step time (0.25%, since a check also slows the
+            next steps a little: the walk evicts cached data they reload);
             ``off`` never walks. Errors raised by backward itself are explained in every mode.
         trace: turn on anomaly mode so that errors name the line that made the tensor
             at fault (slow: use it to debug, not to train).
@@ -82,9 +82,12 @@ class Guard:
         self.checking = False
         self.thorough = False  # this checked step also runs the secondary checks
         self._checks = 0
-        self.sample_next = False  # time the step after a checked one (the schedule's step time)
+        # The schedule: steps before ``next_timed`` are neither checked nor timed (see
+        # ``unchecked``); from it to ``next_due`` they are timed, unchecked, for the bare step
+        # time; ``next_due`` is checked. ``always``: every step is due; ``off``: none.
+        self.next_due = self.next_timed = math.inf if check == "off" else 0
+        self.timed = False  # this step is timed (for the schedule)
         self.interval = 1
-        self.next_due = 1  # steps before this one are neither checked nor timed (see ``unchecked``)
         self.spent = 0.0  # seconds spent checking in this step
         self._cost = self._step_time = 0.0
         self._sentinels: list[weakref.ref] = []
@@ -99,13 +102,9 @@ class Guard:
         self.fit_seq = walk.sequence_now()
 
     def begin_step(self, step: int) -> bool:
-        """Decide whether ``step`` is checked; read the node counter if so."""
-        if self.check == "off":
-            self.checking = False
-        elif self.check == "always" or step <= self.warmup:
-            self.checking = True
-        else:
-            self.checking = step % self.interval == 0
+        """Decide whether ``step`` is checked (and timed); read the node counter."""
+        self.checking = step >= self.next_due
+        self.timed = self.checking or step >= self.next_timed
         if self.checking:
             # The secondary checks (a graph consumed inside training_step, a graph kept after its
             # step) look for mistakes that repeat every step: every warm-up step and every 4th
@@ -123,7 +122,6 @@ class Guard:
             self.spent += time.perf_counter() - t0
         else:
             self.start_seq = None
-        self._plan(step)
         return self.checking
 
     def unchecked(self) -> None:
@@ -131,26 +129,30 @@ class Guard:
         self.checking = self.thorough = False
         self.start_seq = _peek() if walk.CHEAP_PEEK else None
 
-    def _plan(self, step: int) -> None:
-        if self.check == "off":
-            self.next_due = math.inf
-        elif self.check == "always" or self.sample_next or step < self.warmup:
-            self.next_due = step + 1
-        else:
-            self.next_due = (step // self.interval + 1) * self.interval
-
     def record_step_time(self, step: int, seconds: float) -> None:
-        """Feed the measured time of ``step``; re-plans the ``auto`` schedule."""
-        self.sample_next = self.checking and self.check == "auto"  # then time one unchecked step
+        """Feed the measured time of a timed ``step``; after a checked one, plan the next check.
+
+        ``auto`` keeps what checks cost under ``budget`` of the bare step time. A check's
+        cost is what its whole step took over the bare step (timed just before it, away from
+        the caches the previous check evicted), and never less than the timed check itself.
+        """
         if self.check != "auto":
             return
-        if self.checking:
-            self._cost = self.spent if not self._cost else 0.8 * self._cost + 0.2 * self.spent
-        bare = seconds - self.spent
-        self._step_time = bare if not self._step_time else 0.9 * self._step_time + 0.1 * bare
-        if self._step_time > 0 and self._cost:
-            self.interval = max(1, math.ceil(self._cost / (self.budget * self._step_time)))
-        self._plan(step)
+        if not self.checking:
+            self._step_time = seconds if not self._step_time else 0.8 * self._step_time + 0.2 * seconds
+            return
+        cost = max(seconds - self._step_time, self.spent) if self._step_time else self.spent
+        self._cost = cost if not self._cost else 0.8 * self._cost + 0.2 * cost
+        if step < self.warmup:
+            self.next_due = self.next_timed = step + 1
+            return
+        if self._step_time:
+            # at least 2: a bare step between two checks is what they are measured against
+            self.interval = max(2, math.ceil(self._cost / (self.budget * self._step_time)))
+        else:  # no bare step timed yet: time the next one
+            self.interval = 2
+        self.next_due = step + self.interval
+        self.next_timed = self.next_due - 1
 
     # -- before backward -----------------------------------------------------------
     def preflight(

@@ -173,15 +173,20 @@ def test_error_writes_a_picture_with_the_node_highlighted(tmp_path):
 
 def test_auto_schedule_keeps_check_cost_under_budget():
     guard = Guard(check="auto", warmup=3, budget=0.01)
-    checked = []
+    checked, timed = [], []
     for step in range(1, 200):
         checked.append(guard.begin_step(step))
+        timed.append(guard.timed)
         if guard.checking:
-            guard.spent = 50e-6  # a check costs 50 µs ...
-        guard.record_step_time(step, 1e-3 + guard.spent)  # ... of a 1 ms step
+            guard.spent = 20e-6  # the timed check: 20 µs, but its step takes 50 µs longer ...
+        if guard.timed:
+            guard.record_step_time(step, 1e-3 + 50e-6 * guard.checking)  # ... than a bare 1 ms step
     assert checked[:3] == [True] * 3
     assert guard.interval == 5  # 50 µs every 5 steps = 1% of 5 ms
-    assert sum(checked[3:]) == pytest.approx(len(checked[3:]) / 5, abs=2)
+    after = [i for i, c in enumerate(checked) if c and i >= 3]
+    assert all(b - a == 5 for a, b in zip(after[-20:], after[-19:]))  # evenly spaced once the cost is known
+    assert all(timed[i - 1] and not checked[i - 1] for i in after)  # the bare step is the one before a check
+    assert sum(timed) == pytest.approx(2 * sum(checked[3:]) + 3, abs=2)  # no other step pays for a timer
     assert all(Guard(check="always").begin_step(s) for s in range(1, 50))
     assert not any(Guard(check="off").begin_step(s) for s in range(1, 50))
 
