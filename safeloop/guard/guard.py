@@ -42,6 +42,11 @@ _SENTINEL = "safeloop_sentinel"
 _TRACE_HINT = "set guard.trace=true (anomaly mode) to have the error name the line that created it"
 
 
+def _average(mean: float | None, sample: float) -> float:
+    """A running average that follows slow drift (machine load) and smooths step-to-step noise."""
+    return sample if mean is None else 0.8 * mean + 0.2 * sample
+
+
 class _Sentinel:
     """Put in a loss node's metadata: it dies with the node, so a live one means a leak."""
 
@@ -89,7 +94,11 @@ class Guard:
         self.timed = False  # this step is timed (for the schedule)
         self.interval = 1
         self.spent = 0.0  # seconds spent checking in this step
-        self._cost = self._step_time = 0.0
+        # ``auto``'s running averages (None: nothing measured yet): the bare step time, the extra
+        # time of a checked step over it, and the time timed inside the checks
+        self._step_time: float | None = None
+        self._cost: float | None = None
+        self._spent: float | None = None
         self._sentinels: list[weakref.ref] = []
         self._warned: set[str] = set()
 
@@ -139,16 +148,19 @@ class Guard:
         if self.check != "auto":
             return
         if not self.checking:
-            self._step_time = seconds if not self._step_time else 0.8 * self._step_time + 0.2 * seconds
+            self._step_time = _average(self._step_time, seconds)
             return
-        cost = max(seconds - self._step_time, self.spent) if self._step_time else self.spent
-        self._cost = cost if not self._cost else 0.8 * self._cost + 0.2 * cost
+        # averaged before any floor is applied: a floor per sample would bias the average upwards
+        self._spent = _average(self._spent, self.spent)
+        if self._step_time is not None:
+            self._cost = _average(self._cost, seconds - self._step_time)
         if step < self.warmup:
             self.next_due = self.next_timed = step + 1
             return
-        if self._step_time:
+        if self._cost is not None:
             # at least 2: a bare step between two checks is what they are measured against
-            self.interval = max(2, math.ceil(self._cost / (self.budget * self._step_time)))
+            cost = max(self._cost, self._spent)
+            self.interval = max(2, math.ceil(cost / (self.budget * self._step_time)))
         else:  # no bare step timed yet: time the next one
             self.interval = 2
         self.next_due = step + self.interval
