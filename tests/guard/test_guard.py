@@ -191,6 +191,31 @@ def test_auto_schedule_keeps_check_cost_under_budget():
     assert not any(Guard(check="off").begin_step(s) for s in range(1, 50))
 
 
+def test_auto_finds_a_mistake_that_starts_after_warm_up():
+    class LateCarry(Trainer):
+        """From step 30 on, adds a tensor made in step 30: its AddBackward0 saves nothing, so
+        backward never fails and only a scheduled check can see the carried graph."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.scale = torch.nn.Parameter(torch.ones(4))
+            self.shift = None
+
+        def training_step(self, batch):
+            if self.state.step + 1 == 30:
+                self.shift = self.scale + 1.0
+            out = self.model(batch)
+            return (out if self.shift is None else out + self.shift).pow(2).mean()
+
+    trainer = LateCarry(model=torch.nn.Linear(4, 4), train_data=[torch.randn(3, 4) for _ in range(8)],
+                        max_steps=400, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
+                        progress=False, loggers=(), guard={"check": "auto", "warmup": 5, "budget": 1.0})
+    with pytest.raises(CarriedGraphError, match=r"the loss reaches AddBackward0, created during an earlier step "
+                                                r"and held by `self.shift`") as info:
+        trainer.fit()
+    assert 30 < info.value.step < 400 and trainer.state.step == info.value.step - 1
+
+
 # -- no false positives ------------------------------------------------------------------------
 
 def clean(cls, model, steps=4, **kwargs):
