@@ -332,6 +332,7 @@ class Trainer:
         self._forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
             self.dist.attach(self)
+            self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 self._forward = self.dist.ddp  # training_step runs inside DDP's forward
         # The usual step (one optimizer, no scaler, clipping, DDP, accumulation or backward hooks)

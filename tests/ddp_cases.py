@@ -7,6 +7,7 @@ shard and saves every rank's parameters and first-step gradients to ``OUT_DIR/CA
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +65,22 @@ class NanOnRank1(Recording):
         if self.state.step == 1 and (not dist.is_initialized() or dist.get_rank() == 1):
             return loss * float("nan")
         return loss
+
+
+class UnevenChecks(Recording):
+    """Rank 1's checked steps take 1 ms longer: on its own, its guard would check less often."""
+
+    def on_fit_start(self):
+        self.checked = []
+
+    def training_step(self, batch):
+        if self.guard.checking and torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            time.sleep(1e-3)
+        return super().training_step(batch)
+
+    def on_step_end(self, losses):
+        if self.guard.checking:
+            self.checked.append(self.state.step)
 
 
 class WithSpare(nn.Module):
@@ -125,12 +142,15 @@ def build(case: str, world: int) -> Trainer:
     if case in ("gan", "manual_gan"):
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
-    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1}.get(case, Recording)
+    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
+           "schedule": UnevenChecks}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     if case == "nan_skip":
         common["on_nonfinite"] = "skip"
     if case == "unused":
         common["find_unused_parameters"] = True
+    if case == "schedule":  # long enough for the auto schedule to space its checks
+        common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.05})
     trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
     x, y = dataset()[:4]
     trainer.stale = F.mse_loss(model(x), y)
@@ -141,7 +161,8 @@ def result(case: str, world: int = 1) -> dict:
     trainer = build(case, world)
     trainer.fit()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads,
-            "skipped": trainer.state.skipped, "ddp": trainer.dist is not None and trainer.dist.ddp is not None}
+            "skipped": trainer.state.skipped, "ddp": trainer.dist is not None and trainer.dist.ddp is not None,
+            "checked": getattr(trainer, "checked", None)}
 
 
 if __name__ == "__main__":

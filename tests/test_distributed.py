@@ -31,7 +31,7 @@ def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Complete
 def ranks(tmp_path_factory) -> Path:
     """Every case of tests/ddp_cases.py run once on 2 ranks; one file per case and rank."""
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, cwd=out)
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -53,6 +53,14 @@ def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
         torch.testing.assert_close(rank1["grads"][name], grad, rtol=1e-5, atol=1e-7)
     # a NaN on one rank reaches every rank through the all-reduce: all skip the same step
     assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
+
+
+@pytest.mark.distributed
+def test_ranks_check_the_same_steps_though_their_timings_differ(ranks):
+    # rank 1's checks take 1 ms longer, so its own schedule would space them further apart
+    checked0, checked1 = (torch.load(ranks / f"schedule_rank{r}.pt")["checked"] for r in (0, 1))
+    assert checked0 == checked1
+    assert checked0[:2] == [1, 2] and 4 <= len(checked0) < 60  # warm-up, then spaced, several times
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ import warnings
 import weakref
 from contextlib import nullcontext, suppress
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -93,6 +93,9 @@ class Guard:
         self.next_due = self.next_timed = math.inf if check == "off" else 0
         self.timed = False  # this step is timed (for the schedule)
         self.interval = 1
+        # under torchrun: the largest of a number over the ranks (the Trainer sets it), so that
+        # all ranks take the slowest rank's interval
+        self.agree: Callable[[int], int] | None = None
         self.spent = 0.0  # seconds spent checking in this step
         # ``auto``'s running averages (None: nothing measured yet): the bare step time, the extra
         # time of a checked step over it, and the time timed inside the checks
@@ -163,6 +166,8 @@ class Guard:
             self.interval = max(2, math.ceil(cost / (self.budget * self._step_time)))
         else:  # no bare step timed yet: time the next one
             self.interval = 2
+        if self.agree is not None:  # every rank checks the same steps: an error stops them together
+            self.interval = self.agree(self.interval)
         self.next_due = step + self.interval
         self.next_timed = self.next_due - 1
 
