@@ -150,7 +150,7 @@ def build(case: str, world: int) -> Trainer:
     if case == "unused":
         common["find_unused_parameters"] = True
     if case == "schedule":  # long enough for the auto schedule to space its checks
-        common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.05})
+        common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.1})
     trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
     x, y = dataset()[:4]
     trainer.stale = F.mse_loss(model(x), y)
