@@ -6,11 +6,13 @@ number (143, 130), so that a job script can tell a preempted run from a finished
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
+from torch.distributed.elastic.multiprocessing.errors import record
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
@@ -52,8 +54,8 @@ def check_overrides(argv: list[str]) -> None:
 CONFIGS = str(Path(__file__).resolve().parent.parent / "configs")
 
 
-@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
-def run(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
+    """One training run of the composed config."""
     trainer = train(cfg)
     if trainer.stop_signal is not None:
         where = trainer.checkpointer.last if trainer.checkpointer is not None else None
@@ -61,6 +63,12 @@ def run(cfg: DictConfig) -> None:
               "Run the same command with trainer.resume=auto (and the same checkpoint.dir) to continue",
               file=sys.stderr)
         sys.exit(128 + trainer.stop_signal)
+
+
+# Under torchrun, record() also puts the error in torchrun's failure summary (through Hydra
+# alone it would read error_file: <N/A>); elsewhere Hydra's own report is left as it is.
+run = hydra.main(version_base=None, config_path=CONFIGS, config_name="train")(
+    record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,28 @@ def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_cli_run_that_fails_puts_the_error_in_torchruns_summary(tmp_path):
+    (tmp_path / "carries.py").write_text(
+        "import torch\nimport safeloop\n\n"
+        "class Carries(safeloop.Trainer):\n"
+        "    y = None\n\n"
+        "    def training_step(self, batch):\n"
+        "        if torch.is_grad_enabled() and self.y is None:\n"
+        "            self.y = self.model(batch[0]).sum() * 0  # made in step 1, used by every later step\n"
+        "        loss = super().training_step(batch)\n"
+        "        return loss if self.y is None or not torch.is_grad_enabled() else loss + self.y.exp()\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
+           "trainer._target_=carries.Carries", "trainer.max_steps=5", "trainer.progress=false"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    assert "error_file: <N/A>" not in summary
+    assert re.search(r"safeloop.errors.CarriedGraphError: graph carried over from an earlier step \(step 2", summary)
+
+
+@pytest.mark.distributed
 def test_a_parameter_left_without_gradient_under_ddp_stops_before_the_optimizer_step(tmp_path):
     proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(tmp_path), "unused_strict", cwd=tmp_path, timeout=60)
     out = proc.stdout + proc.stderr
