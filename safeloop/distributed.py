@@ -28,6 +28,7 @@ Per-rank batch size is the DataLoader's ``batch_size``; the global batch is
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
@@ -125,6 +126,7 @@ class Distributed:
             timeout = timedelta(seconds=timeout_s or float(os.environ.get("SAFELOOP_DIST_TIMEOUT", 1800)))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=self.device if self.device.type == "cuda" else None)
+            atexit.register(_end_group)  # kept between fit() calls of the Trainer, ended at exit
         else:
             self.local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
             self.device = torch.device("cuda", self.local_rank) if device.type == "cuda" else torch.device("cpu")
@@ -138,6 +140,7 @@ class Distributed:
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
         self._quieted: int | None = None
+        self._sharded = False  # the Trainer's data, weights and run directory are set up for the ranks
 
     @property
     def is_zero(self) -> bool:
@@ -158,21 +161,14 @@ class Distributed:
         if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
             self._quieted = log.level
             log.setLevel(logging.WARNING)
-        if self.groups or self.ddp is not None:  # a later fit() of the same Trainer: all in place
+        if self.groups or self.ddp is not None:  # a later fit() in a group the caller made: all in place
             return
-        model = trainer.model
-        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
-        self._broadcast(tensors)
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
-        seed = trainer.train_data.generator.initial_seed() if getattr(trainer.train_data, "generator", None) \
-            else torch.initial_seed()
-        shared = [str(trainer.run_dir) if trainer.run_dir is not None else None, seed]
-        dist.broadcast_object_list(shared, src=0)
-        run_dir, seed = shared
-        if run_dir is not None:
-            trainer.run_dir = Path(run_dir)
-            trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
-        trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
+        if not dist.is_initialized():
+            raise DistributedError(
+                "the process group ended with an earlier fit() that failed (the other ranks stopped with it): "
+                "start the job again; trainer.resume=auto continues from the last checkpoint")
+        if not self._sharded:
+            self._share(trainer)
         if _ddp_can_run(trainer):
             self.find_unused = bool(trainer.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
@@ -187,6 +183,23 @@ class Distributed:
             for index, bucket in enumerate(group.buckets):
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
+
+    def _share(self, trainer) -> None:
+        """Once per Trainer: rank zero's weights and run directory on every rank, the data sharded."""
+        model = trainer.model
+        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
+        self._broadcast(tensors)
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
+        seed = trainer.train_data.generator.initial_seed() if getattr(trainer.train_data, "generator", None) \
+            else torch.initial_seed()
+        shared = [str(trainer.run_dir) if trainer.run_dir is not None else None, seed]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir, seed = shared
+        if run_dir is not None:
+            trainer.run_dir = Path(run_dir)
+            trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
+        trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
+        self._sharded = True
 
     @property
     def losses_summed(self) -> bool:
@@ -309,9 +322,11 @@ class Distributed:
             "failure's rank and traceback at the end)")
 
     # -- end of fit -------------------------------------------------------------------------
-    def close(self) -> None:
-        """At the end of fit (on success and on error): if the Trainer made the process group, remove
-        the hooks and destroy the group; a group made by the caller keeps them for a later fit()."""
+    def close(self, failed: bool = False) -> None:
+        """At the end of fit. In a group the caller made, hooks and DDP wrapper stay for a later
+        fit(). In one the Trainer made, they go (a later fit() builds them again) and the group
+        stays until exit, unless the fit failed: then the group ends, and with it the other
+        ranks' wait in their next all-reduce."""
         if self._quieted is not None:
             log.setLevel(self._quieted)
             self._quieted = None
@@ -322,8 +337,13 @@ class Distributed:
         self._hooks.clear()
         self.groups.clear()
         self.ddp = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if failed:
+            _end_group()
+
+
+def _end_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _ddp_can_run(trainer) -> bool:

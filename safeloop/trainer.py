@@ -263,9 +263,10 @@ class Trainer:
             self.setup()
         except BaseException:
             if self.dist is not None:
-                self.dist.close()
+                self.dist.close(failed=True)
             raise
         self.progress = Progress(self.max_steps, self._progress_enabled and (self.dist is None or self.dist.is_zero))
+        failed = False
         try:
             rng = self._resume() if self.resume is not None else None
             with self.guard.context(), ckpt.stop_signals(self):
@@ -284,12 +285,15 @@ class Trainer:
                 if self.val_data is not None and (not history or history[-1][0] != self.state.step):
                     self.validate()
                 self._call("on_fit_end")
+        except BaseException:
+            failed = True
+            raise
         finally:
             self.progress.close()
             for logger in self.loggers:
                 logger.close()
             if self.dist is not None:
-                self.dist.close()
+                self.dist.close(failed)
         return self.state
 
     def _resume(self) -> dict | None:

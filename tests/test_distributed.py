@@ -64,6 +64,56 @@ def test_ranks_check_the_same_steps_though_their_timings_differ(ranks):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", ["plain", "manual_gan"])  # through DistributedDataParallel / safeloop's reducer
+def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
+    """Under torchrun without a process group of the caller's, the Trainer makes one; a second
+    fit() of the same Trainer (more steps) goes on where the first stopped, in the same group."""
+    (tmp_path / "twice.py").write_text(
+        "import os, sys\nimport torch\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests import ddp_cases\n\n"
+        "torch.set_num_threads(1)\n"
+        f"trainer = ddp_cases.build({case!r}, world=2)\n"
+        "trainer.max_steps = 2\n"
+        "trainer.fit()\n"
+        "trainer.max_steps = ddp_cases.STEPS\n"
+        "trainer.fit()\n"
+        "torch.save([p.detach() for p in trainer.model.parameters()], f\"params{os.environ['RANK']}.pt\")\n")
+    proc = torchrun("twice.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    single = ddp_cases.result(case)["params"]
+    for rank in (0, 1):
+        for p, expected in zip(torch.load(tmp_path / f"params{rank}.pt"), single, strict=True):
+            torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
+    (tmp_path / "again.py").write_text(
+        "import sys\nimport safeloop\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests import ddp_cases\n\n"
+        "class Fails(ddp_cases.Recording):\n"
+        "    def training_step(self, batch):\n"
+        "        if self.state.step == 1:\n"
+        "            raise ValueError('bad batch')\n"
+        "        return super().training_step(batch)\n\n"
+        "trainer = ddp_cases.build('plain', world=2)\n"
+        "trainer.__class__ = Fails\n"
+        "for attempt in (1, 2):\n"
+        "    try:\n"
+        "        trainer.fit()\n"
+        "    except safeloop.SafeloopError as err:\n"
+        "        print(f'fit {attempt}: {type(err).__name__}: {err}')\n")
+    proc = torchrun("again.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("fit 1: StepError: step 2 failed and was abandoned") == 2, proc.stdout
+    assert proc.stdout.count("fit 2: DistributedError: the process group ended with an earlier fit() that failed "
+                             "(the other ranks stopped with it): start the job again; trainer.resume=auto "
+                             "continues from the last checkpoint") == 2, proc.stdout
+
+
+@pytest.mark.distributed
 def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(tmp_path):
     proc = torchrun("-m", "safeloop", "trainer.max_steps=20", "trainer.log_every=10", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
