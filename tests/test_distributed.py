@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -63,24 +64,40 @@ def test_ranks_check_the_same_steps_though_their_timings_differ(ranks):
     assert checked0[:2] == [1, 2] and 4 <= len(checked0) < 60  # warm-up, then spaced, several times
 
 
+def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) -> tuple[list[str], dict]:
+    """The command and environment that run ``python -m safeloop`` on 2 ranks with the Trainer
+    ``target`` (``module.Class``) whose module's ``source`` is written into ``tmp_path``."""
+    module = target.split(".")[0]
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
+            f"trainer._target_={target}", *overrides], env
+
+
+def torchrun_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` on 2 ranks, with ``tests.ddp_cases`` importable; the Trainer makes the process group."""
+    (tmp_path / "job.py").write_text(f"import os, sys\nimport torch\nimport safeloop\nsys.path.insert(0, {str(ROOT)!r})\n"
+                                     "from tests import ddp_cases\n" + textwrap.dedent(body))
+    proc = torchrun("job.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ["plain", "manual_gan"])  # through DistributedDataParallel / safeloop's reducer
 def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
     """Under torchrun without a process group of the caller's, the Trainer makes one; a second
     fit() of the same Trainer (more steps) goes on where the first stopped, in the same group."""
-    (tmp_path / "twice.py").write_text(
-        "import os, sys\nimport torch\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from tests import ddp_cases\n\n"
-        "torch.set_num_threads(1)\n"
-        f"trainer = ddp_cases.build({case!r}, world=2)\n"
-        "trainer.max_steps = 2\n"
-        "trainer.fit()\n"
-        "trainer.max_steps = ddp_cases.STEPS\n"
-        "trainer.fit()\n"
-        "torch.save([p.detach() for p in trainer.model.parameters()], f\"params{os.environ['RANK']}.pt\")\n")
-    proc = torchrun("twice.py", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torchrun_script(tmp_path, f"""
+        torch.set_num_threads(1)
+        trainer = ddp_cases.build({case!r}, world=2)
+        trainer.max_steps = 2
+        trainer.fit()
+        trainer.max_steps = ddp_cases.STEPS
+        trainer.fit()
+        torch.save([p.detach() for p in trainer.model.parameters()], f"params{{os.environ['RANK']}}.pt")
+        """)
     single = ddp_cases.result(case)["params"]
     for rank in (0, 1):
         for p, expected in zip(torch.load(tmp_path / f"params{rank}.pt"), single, strict=True):
@@ -89,24 +106,21 @@ def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
 
 @pytest.mark.distributed
 def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
-    (tmp_path / "again.py").write_text(
-        "import sys\nimport safeloop\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from tests import ddp_cases\n\n"
-        "class Fails(ddp_cases.Recording):\n"
-        "    def training_step(self, batch):\n"
-        "        if self.state.step == 1:\n"
-        "            raise ValueError('bad batch')\n"
-        "        return super().training_step(batch)\n\n"
-        "trainer = ddp_cases.build('plain', world=2)\n"
-        "trainer.__class__ = Fails\n"
-        "for attempt in (1, 2):\n"
-        "    try:\n"
-        "        trainer.fit()\n"
-        "    except safeloop.SafeloopError as err:\n"
-        "        print(f'fit {attempt}: {type(err).__name__}: {err}')\n")
-    proc = torchrun("again.py", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = torchrun_script(tmp_path, """
+        class Fails(ddp_cases.Recording):
+            def training_step(self, batch):
+                if self.state.step == 1:
+                    raise ValueError("bad batch")
+                return super().training_step(batch)
+
+        trainer = ddp_cases.build("plain", world=2)
+        trainer.__class__ = Fails
+        for attempt in (1, 2):
+            try:
+                trainer.fit()
+            except safeloop.SafeloopError as err:
+                print(f"fit {attempt}: {type(err).__name__}: {err}")
+        """)
     assert proc.stdout.count("fit 1: StepError: step 2 failed and was abandoned") == 2, proc.stdout
     assert proc.stdout.count("fit 2: DistributedError: the process group ended with an earlier fit() that failed "
                              "(the other ranks stopped with it): start the job again; trainer.resume=auto "
@@ -142,19 +156,19 @@ def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
 
 @pytest.mark.distributed
 def test_a_cli_run_that_fails_puts_the_error_in_torchruns_summary(tmp_path):
-    (tmp_path / "carries.py").write_text(
-        "import torch\nimport safeloop\n\n"
-        "class Carries(safeloop.Trainer):\n"
-        "    y = None\n\n"
-        "    def training_step(self, batch):\n"
-        "        if torch.is_grad_enabled() and self.y is None:\n"
-        "            self.y = self.model(batch[0]).sum() * 0  # made in step 1, used by every later step\n"
-        "        loss = super().training_step(batch)\n"
-        "        return loss if self.y is None or not torch.is_grad_enabled() else loss + self.y.exp()\n")
-    env = subprocess_env()
-    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
-           "trainer._target_=carries.Carries", "trainer.max_steps=5", "trainer.progress=false"]
+    cmd, env = cli_with_trainer(tmp_path, "carries.Carries", """
+        import torch
+        import safeloop
+
+        class Carries(safeloop.Trainer):
+            y = None
+
+            def training_step(self, batch):
+                if torch.is_grad_enabled() and self.y is None:
+                    self.y = self.model(batch[0]).sum() * 0  # made in step 1, used by every later step
+                loss = super().training_step(batch)
+                return loss if self.y is None or not torch.is_grad_enabled() else loss + self.y.exp()
+        """, "trainer.max_steps=5", "trainer.progress=false")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
@@ -210,17 +224,16 @@ def test_gan_recipe_runs_under_torchrun(tmp_path):
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """A signal that reaches one rank only (as preemption can) stops both ranks at the same step,
     with one checkpoint and no rank left waiting in an all-reduce."""
-    (tmp_path / "pidtrainer.py").write_text(
-        "import os\nimport safeloop\n\n"
-        "class PidTrainer(safeloop.Trainer):\n"
-        "    def on_step_end(self, losses):\n"
-        "        if self.state.step == 3:\n"
-        "            open(f\"pid{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n")
-    env = subprocess_env()
-    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
-           "trainer._target_=pidtrainer.PidTrainer", "trainer.max_steps=100000", "trainer.val_every=null",
-           "checkpoint.every=null", f"checkpoint.dir={tmp_path}/ckpt", "trainer.progress=false"]
+    cmd, env = cli_with_trainer(tmp_path, "pidtrainer.PidTrainer", """
+        import os
+        import safeloop
+
+        class PidTrainer(safeloop.Trainer):
+            def on_step_end(self, losses):
+                if self.state.step == 3:
+                    open(f"pid{os.environ['RANK']}", "w").write(str(os.getpid()))
+        """, "trainer.max_steps=100000", "trainer.val_every=null", "checkpoint.every=null",
+        f"checkpoint.dir={tmp_path}/ckpt", "trainer.progress=false")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
