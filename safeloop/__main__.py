@@ -12,9 +12,9 @@ from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
-from torch.distributed.elastic.multiprocessing.errors import record
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import compose, register, train
 from .errors import ConfigError
