@@ -22,10 +22,13 @@ from tests.conftest import ROOT, subprocess_env
 CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused")
 
 
+# --standalone: a free port of its own, so that runs on the same machine do not collide
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
 def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    # --standalone: a free port of its own, so that runs on the same machine do not collide
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*TORCHRUN, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +74,7 @@ def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) 
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
     env = subprocess_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "safeloop",
-            f"trainer._target_={target}", *overrides], env
+    return [*TORCHRUN, "-m", "safeloop", f"trainer._target_={target}", *overrides], env
 
 
 def torchrun_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
