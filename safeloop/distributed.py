@@ -156,8 +156,9 @@ class Distributed:
         return int(flag.item())
 
     # -- start of fit --------------------------------------------------------------------
-    def attach(self, trainer) -> None:
-        """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks."""
+    def attach(self, trainer, per_backward_hooks: bool) -> None:
+        """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks.
+        ``per_backward_hooks``: the Trainer calls hooks around each backward (DDP sums the losses)."""
         if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
             self._quieted = log.level
             log.setLevel(logging.WARNING)
@@ -169,7 +170,7 @@ class Distributed:
                 "start the job again; trainer.resume=auto continues from the last checkpoint")
         if not self._sharded:
             self._share(trainer)
-        if _ddp_can_run(trainer):
+        if not per_backward_hooks and _ddp_can_run(trainer):
             self.find_unused = bool(trainer.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
                                                else None, find_unused_parameters=self.find_unused)
@@ -348,10 +349,10 @@ def _end_group() -> None:
 
 def _ddp_can_run(trainer) -> bool:
     """The usual run: automatic, one optimizer over exactly the model's trainable parameters,
-    no accumulation (it would need ``no_sync``) and no per-backward hooks (losses are summed)."""
+    no accumulation (it would need ``no_sync``) and no loss weights (losses are summed)."""
     if not trainer.automatic or trainer.model is None or len(trainer.optimizers) != 1 or trainer.grad_accum != 1:
         return False
-    if trainer.loss_weights or any(trainer._hooks[h] for h in ("on_before_backward", "on_after_backward")):
+    if trainer.loss_weights:
         return False
     opt, = trainer.optimizers.values()
     trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}

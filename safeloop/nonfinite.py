@@ -37,9 +37,11 @@ class FiniteCheck:
     def __call__(self, losses: Iterable[torch.Tensor], grads: list[torch.Tensor]) -> bool:
         """True when every loss and every gradient element is finite. One host sync."""
         losses = list(losses)
-        by_device: dict[torch.device, list[torch.Tensor]] = {losses[0].device: []}
+        by_device: dict[torch.device, list[torch.Tensor]] = {losses[0].device: []} if losses else {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
+        if not by_device:
+            return True
         flags = []
         for device, tensors in by_device.items():
             if device not in self._buffers:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 from contextlib import suppress
 from functools import partial
-import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,14 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from . import checkpoint as ckpt
 from . import distributed, nonfinite
 from . import step as steps
+from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
-from .errors import ConfigError, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
+from .errors import ConfigError
 from .guard import CHECKS, REUSE_POLICIES, Guard
 from .guard.guard import Recorder
-from .guard.walk import HAS_SEQ, sequence_now
 from .loggers import make_loggers
 from .progress import Progress
-from .snapshot import Snapshot
 from .state import TrainState
 
 log = logging.getLogger("safeloop")
@@ -129,6 +127,7 @@ class Trainer:
         on_nonfinite: str = "off",
         max_skipped: int = 10,
         find_unused_parameters: bool = False,
+        undo: str = "auto",
         config: Mapping[str, Any] | None = None,
     ):
         problems = []
@@ -148,6 +147,8 @@ class Trainer:
             problems.append(f"multi_loss={multi_loss!r} is not one of {', '.join(steps.MULTI_LOSS)}")
         if on_nonfinite not in nonfinite.POLICIES:
             problems.append(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(nonfinite.POLICIES)}")
+        if undo not in steps.UNDO_MODES:
+            problems.append(f"undo={undo!r} is not one of {', '.join(steps.UNDO_MODES)}")
         if not isinstance(max_skipped, int) or max_skipped <= 0:
             problems.append(f"max_skipped must be a positive integer, got {max_skipped!r}")
         checkpoint = {} if checkpoint is None or checkpoint is True else checkpoint
@@ -205,18 +206,14 @@ class Trainer:
         self.resume = resume
         self.on_nonfinite, self.max_skipped = on_nonfinite, max_skipped
         self.find_unused_parameters = find_unused_parameters
+        self.undo = undo
         self.config = dict(config) if config is not None else None
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: save after this step and stop
         self._epoch_rng: dict | None = None  # RNG states the current epoch's order was drawn from
-        self._skipped_in_row = 0
-        self._finite_check = nonfinite.FiniteCheck()
         self.state = TrainState()
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
         self.scaler = None
-        self._stepped: dict[str, int] = {}  # manual mode: optimizer -> node counter at its step
-        self._undo: list[str] = []  # optimizers stepped in this step whose update a failure must undo
-        self._snapshots: dict[str, Snapshot] = {}
         # (losses whose backward retained the graph, whether the guard walked the step) -> first step seen
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = {}
         self._diagnosing = False  # re-running training_step to explain a missing graph
@@ -329,24 +326,24 @@ class Trainer:
                     raise ConfigError(f"configure_optimizers returned {type(opt).__name__} for {name!r}, "
                                       "not a torch.optim.Optimizer")
             self.schedulers = dict(self.configure_schedulers(self.optimizers))
-            self._all_optimizers = list(self.optimizers)
             if self.precision == "16":
                 self.scaler = torch.amp.GradScaler("cuda")
+            self._undo = Undo(self.undo, self.optimizers, self.schedulers)
         self._hooks = {name: self._bind(name) for name in HOOKS}
-        self._forward = self.training_step
+        forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
-            self.dist.attach(self)
+            self.dist.attach(self, per_backward_hooks=bool(self._hooks["on_before_backward"]
+                                                           or self._hooks["on_after_backward"]))
             self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
-                self._forward = self.dist.ddp  # training_step runs inside DDP's forward
-        # The usual step (one optimizer, no scaler, clipping, DDP, accumulation or backward hooks)
-        # skips the general bookkeeping: on a tiny model each check is a visible share of the step.
-        self._plain = (len(self.optimizers) == 1 and self.scaler is None and self.dist is None and self.automatic
-                       and self.grad_clip is None and self.grad_accum == 1 and not self.loss_weights
-                       and not any(self._hooks[h] for h in ("on_before_backward", "on_after_backward",
-                                                               "on_before_optimizer_step")))
+                forward = self.dist.ddp  # training_step runs inside DDP's forward
+        self._runner = Runner(self, forward, self._hooks, self._autocast, self.to_device if self._move_batches else None,
+                              self._undo, self._named_parameters)
         zero = self.dist is None or self.dist.is_zero
         self.loggers = make_loggers(self._logger_names, self.run_dir) if zero else []
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]
 
     def _bind(self, name: str) -> list[Callable]:
         """Only overridden hooks are called, so that unused hooks cost nothing per step."""
@@ -388,75 +385,22 @@ class Trainer:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
             return
         self._plan_events()
-        guard, state = self.guard, self.state
-        plain_step = self._plain_step()
+        run, state, accumulate = self._runner.run, self.state, self.grad_accum
         pending: list = []
         for batch in self._batches():
-            if plain_step is not None and state.step + 1 < guard.next_timed:  # neither checked nor timed
-                plain_step(batch)
-            elif plain_step is not None and state.step + 1 < guard.next_due:  # timed: the bare step time
-                started = time.perf_counter()
-                plain_step(batch)
-                guard.record_step_time(state.step, time.perf_counter() - started)
-            else:
+            if accumulate > 1:
                 pending.append(batch)
-                if len(pending) < self.grad_accum:
+                if len(pending) < accumulate:
                     continue
-                started = time.perf_counter()
-                self._train_step(pending)
-                pending = []
-                if guard.timed:
-                    guard.end_step(state.step, self)
-                    guard.record_step_time(state.step, time.perf_counter() - started)
+                batches, pending = pending, []
+            else:
+                batches = [batch]
+            run(batches)
             stop = self.stop_signal is not None if self.dist is None else self._agreed_stop()
             if state.step >= self._next_event or stop:
                 self._after_step(stop)
                 if stop or (self.max_steps is not None and state.step >= self.max_steps):
                     return
-
-    def _plain_step(self) -> Callable | None:
-        """The plain run's step (see ``setup``), for steps the guard neither checks nor times:
-        ``_train_step``'s cycle with everything looked up once, since on a tiny model every
-        lookup shows. None when the run is not plain."""
-        hooks = self._hooks
-        if not self._plain or self.on_nonfinite != "off" or hooks["on_step_start"] or hooks["on_step_end"]:
-            return None
-        guard, state, training_step, to_device = self.guard, self.state, self.training_step, self.to_device
-        move, autocast, optimizers = self._move_batches, self._autocast, self.optimizers
-        name = self._all_optimizers[0]
-        opt, scheduler = optimizers[name], self.schedulers.get(name)
-
-        def plain_step(batch) -> None:
-            step = state.step + 1
-            guard.unchecked()
-            try:
-                if move:
-                    batch = to_device(batch)
-                if autocast is None:
-                    loss = training_step(batch)
-                else:
-                    with autocast():
-                        loss = training_step(batch)
-                if type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1:
-                    try:
-                        loss.backward()
-                    except RuntimeError as err:
-                        raise self._explained(err, "loss", loss, step, batch)
-                    losses = {"loss": loss.data}  # detached: the value without the graph, cheaper than detach()
-                else:  # several losses, or one without a graph (the guard says why)
-                    losses = steps.named_losses(loss, step, optimizers)
-                    self._backward(losses, step, batch, first=True)
-                    losses = {k: v.data for k, v in losses.items()}
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if scheduler is not None:
-                    scheduler.step()
-            except BaseException as err:
-                raise self._abandoned(err, step)
-            state.losses = losses
-            state.step = step
-
-        return plain_step
 
     def _agreed_stop(self) -> bool:
         """Under torchrun a rank stops only together with the others. Signals reach ranks at
@@ -499,220 +443,6 @@ class Trainer:
         for logger in self.loggers:
             logger.log(dict(metrics), self.state.step)
 
-    # -- one step ----------------------------------------------------------------------------
-    def _train_step(self, batches: list) -> None:
-        step = self.state.step + 1
-        self.guard.begin_step(step)
-        for fn in self._hooks["on_step_start"]:  # hooks inlined on the hot path: one call fewer each
-            fn()
-        if self._stepped or self._undo:
-            self._stepped.clear()
-            self._undo.clear()
-        try:
-            total: dict[str, torch.Tensor] = {}
-            for i, batch in enumerate(batches):
-                if self._move_batches:
-                    batch = self.to_device(batch)
-                if self._autocast is None:
-                    output = self._forward(batch)
-                else:
-                    with self._autocast():
-                        output = self._forward(batch)
-                if not self.automatic:
-                    losses = steps.named_losses(output, step, ()) if output is not None else {}
-                else:
-                    if type(output) is torch.Tensor and output.numel() == 1:  # checked inline: the usual case
-                        losses = {"loss": output}
-                    else:
-                        losses = steps.named_losses(output, step, self.optimizers)
-                    self._backward(losses, step, batch, first=i == 0, last=i == len(batches) - 1)
-                for name, loss in losses.items():
-                    value = loss.data  # detached
-                    total[name] = total[name] + value if name in total else value
-                del output, losses, batch
-            if self.dist is not None and self.automatic:  # every rank checks the same averaged gradients
-                self.dist.sync_all(step)
-            if self.automatic and (self.on_nonfinite == "off" or self._finite(total, step)):
-                self._optimizer_steps(total)
-            elif self.scaler is not None and self._stepped:
-                self.scaler.update()
-        except BaseException as err:
-            raise self._abandoned(err, step)
-        n = len(batches)
-        self.state.losses = {k: v / n for k, v in total.items()} if n > 1 else total
-        self.state.step = step
-        for fn in self._hooks["on_step_end"]:
-            fn(self.state.losses)
-
-    def _backward(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool = True) -> None:
-        retain = self.guard.preflight(losses, step, self, batch)
-        if first and self.guard.thorough:
-            started = time.perf_counter()
-            self._check_no_grads(step, next(iter(losses)))
-            self.guard.spent += time.perf_counter() - started  # part of the check's cost
-        if self._plain and len(losses) == 1:
-            (name, loss), = losses.items()
-            self._run_backward(loss, name, loss, step, batch, bool(retain and retain[0]), None)
-            return
-        scale = 1.0 / self.grad_accum
-        mode = "sum" if self.dist is not None and self.dist.losses_summed else self.multi_loss
-        plan = steps.plan(losses, self.optimizers, retain, mode, self.loss_weights)
-        if len(plan) > 1:
-            self._note_retain(plan, retain is not None, step)
-        for k, todo in enumerate(plan):
-            for fn in self._hooks["on_before_backward"]:
-                fn(todo.name, todo.loss)
-            loss = todo.loss * scale if self.grad_accum > 1 else todo.loss
-            if self.scaler is not None:
-                loss = self.scaler.scale(loss)
-            # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
-            armed = self.dist.arm(plan, k, self.optimizers) if last and self.dist is not None else None
-            self._run_backward(loss, todo.name, todo.loss, step, batch, todo.retain, todo.inputs)
-            if armed is not None:
-                self.dist.flush(armed)
-            for fn in self._hooks["on_after_backward"]:
-                fn(todo.name)
-
-    def _note_retain(self, plan: list[steps.Backward], walked: bool, step: int) -> None:
-        """Log, once per pattern, which backwards kept the graph alive for a later loss."""
-        key = (tuple(todo.name for todo in plan if todo.retain), walked)
-        if key in self.retain_plans:
-            return
-        self.retain_plans[key] = step
-        kept = ", ".join(key[0]) or "none"
-        if walked:
-            freed = ", ".join(todo.name for todo in plan[:-1] if not todo.retain) or "none"
-            log.info("step %d: backward retained the graph for %s (a later loss shares nodes with it); "
-                     "freed it for %s (no later loss shares it) and for the last loss, %s",
-                     step, kept, freed, plan[-1].name)
-        else:
-            log.info("step %d (not walked by the guard): backward retained the graph for every loss but the "
-                     "last: %s", step, kept)
-
-    def _run_backward(self, loss, name, original, step, batch, retain, inputs) -> None:
-        try:
-            loss.backward(retain_graph=retain, inputs=inputs)
-        except RuntimeError as err:
-            raise self._explained(err, name, original, step, batch)
-
-    def _explained(self, err: RuntimeError, name: str, loss, step: int, batch) -> Exception:
-        """What to raise for backward's ``err``: the guard's explanation, or ``err`` if it has none."""
-        explained = self.guard.explain(err, name, loss, step, self, batch, list(self._stepped))
-        if explained is None:
-            return err
-        explained.__cause__ = err
-        return explained
-
-    def _check_no_grads(self, step: int, name: str) -> None:
-        """Gradients present before the first backward mean training_step ran backward itself."""
-        from .errors import DoubleBackwardError
-
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                if any(p.grad is not None for p in group["params"]):
-                    raise DoubleBackwardError(
-                        "gradients were already present when training_step returned: training_step (or a hook) "
-                        "called backward itself, so the Trainer's backward would add them a second time",
-                        step=step, loss_name=name,
-                        fixes=["return the loss from training_step and let the Trainer call backward",
-                               "set automatic = False on your Trainer and call self.backward(loss) / "
-                               "self.step() inside training_step"])
-
-    def _finite(self, losses: Mapping[str, torch.Tensor], step: int) -> bool:
-        """One fused NaN/Inf test over the losses and gradients (one host sync). False: skip the update."""
-        # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
-        grads = nonfinite.gradients(self.optimizers.values()) if self.scaler is None else []
-        if self._finite_check(losses.values(), grads):
-            self._skipped_in_row = 0
-            return True
-        named = [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]
-        what = nonfinite.describe(losses, named)
-        if self.on_nonfinite == "error":
-            raise NonFiniteError(
-                f"step {step}: {what}. The step was abandoned before the optimizer step (parameters and optimizer "
-                "state are unchanged). To find the cause run with debug=default (anomaly detection names the "
-                "backward operation that made the first NaN), lower the learning rate or set trainer.grad_clip; "
-                "trainer.on_nonfinite=skip skips such steps instead", step)
-        if self._skipped_in_row >= self.max_skipped:
-            raise NonFiniteError(
-                f"step {step}: {what}, and the {self._skipped_in_row} steps before it were skipped for the same "
-                f"reason (trainer.max_skipped={self.max_skipped}): training diverged, this is not a rare bad "
-                "batch. Resume from an earlier checkpoint with a lower learning rate or trainer.grad_clip", step)
-        self._skipped_in_row += 1
-        self.state.skipped += 1
-        log.warning("step %d skipped, nothing updated: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
-                    step, what, self.state.skipped, self._skipped_in_row, self.max_skipped)
-        self._abandon()
-        return False
-
-    def _optimizer_steps(self, losses: Mapping[str, torch.Tensor]) -> None:
-        if self._plain:
-            name = self._all_optimizers[0]
-            opt = self.optimizers[name]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if self.schedulers:
-                self.schedulers[name].step()
-            return
-        names = [n for n in self.optimizers if n in losses] if len(self.optimizers) > 1 else self._all_optimizers
-        for name in names:
-            if name is not names[-1]:  # a later optimizer can still fail: keep this update undoable
-                self._keep_undoable(name)
-            self._step_optimizer(name)
-        if self.scaler is not None:
-            self.scaler.update()
-
-    def _step_optimizer(self, name: str) -> None:
-        opt = self.optimizers[name]
-        if self.dist is not None:  # average gradients over ranks before unscale, clip and step
-            self.dist.sync(name, self.state.step + 1)
-        if self.scaler is not None:
-            self.scaler.unscale_(opt)
-        if self.grad_clip is not None:
-            params = [p for g in opt.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self._call("on_before_optimizer_step", name, opt)
-        if self.scaler is not None:
-            self.scaler.step(opt)
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
-        if name in self.schedulers:
-            self.schedulers[name].step()
-
-    def _keep_undoable(self, name: str) -> None:
-        """Snapshot optimizer ``name`` before its first update in this step (``_abandon`` restores it)."""
-        if name in self._undo:
-            return
-        snapshot = self._snapshots.get(name)
-        if snapshot is None:
-            snapshot = self._snapshots[name] = Snapshot(self.optimizers[name], self.schedulers.get(name))
-        snapshot.take()
-        self._undo.append(name)
-
-    def _abandoned(self, err: BaseException, step: int) -> BaseException:
-        """Abandon the failed ``step``; returns the error to raise: ours as it is, any other
-        exception as a StepError naming the step."""
-        self._abandon()
-        if isinstance(err, SafeloopError) or not isinstance(err, Exception):
-            return err
-        wrapped = StepError(f"step {step} failed and was abandoned (parameters and optimizer state are "
-                            f"unchanged): {type(err).__name__}: {err}", step)
-        wrapped.__cause__ = err
-        return wrapped
-
-    def _abandon(self) -> None:
-        """Drop the failed step's gradients and undo the optimizer updates it already made."""
-        for name in reversed(self._undo):
-            self._snapshots[name].restore()
-        self._undo.clear()
-        if self.dist is not None:
-            self.dist.reset()
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False) -> None:
         """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters only, through the guard.
@@ -724,51 +454,19 @@ class Trainer:
         (every step at first, then on its schedule), from backward's own error otherwise; in
         both cases the step is undone.
         """
-        if self._diagnosing:
-            return
-        step = self.state.step + 1
-        if optimizer is None and len(self.optimizers) > 1:
-            raise StepError(f"step {step}: self.backward(loss) needs optimizer=... when there are several "
-                            f"optimizers, so that the loss's gradient reaches only that optimizer's parameters; "
-                            f"choose from {sorted(self.optimizers)}", step)
-        if optimizer is not None and optimizer not in self.optimizers:
-            raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
-                            f"choose from {sorted(self.optimizers)}", step)
-        name = optimizer or "loss"
-        loss = steps.named_losses(loss, step, ())["loss"]
-        self.guard.preflight({name: loss}, step, self, None)
-        if self._stepped and HAS_SEQ and self.guard.checking:  # unchecked steps: explained if backward fails
-            found = self.guard.inplace_check(loss, self._stepped, self.guard.start_seq)
-            if found is not None:
-                err, stepped = found
-                raise self.guard.explain(err, name, loss, step, self, None, stepped) from err
-        inputs = None
-        if optimizer is not None and len(self.optimizers) > 1:
-            inputs = [p for g in self.optimizers[optimizer].param_groups for p in g["params"] if p.requires_grad]
-        self._call("on_before_backward", name, loss)
-        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        self._run_backward(scaled, name, loss, step, None, retain_graph, inputs)
-        self._call("on_after_backward", name)
+        if not self._diagnosing:
+            self._runner.manual_backward(loss, optimizer, retain_graph)
 
     def step(self, optimizer: str | None = None) -> None:
-        """Manual mode: clip, step and zero ``optimizer`` (default: the only one).
+        """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does:
+        gradient sync, non-finite policy, undo snapshot, unscale, clip, ``on_before_optimizer_step``,
+        ``step``, ``zero_grad``, scheduler.
 
-        The optimizer's parameters and state are snapshotted before its first step in a step,
-        so that if anything later in the step raises, the update is undone.
+        Which updates a later failure in the step can undo is ``trainer.undo``'s choice (``auto``:
+        every optimizer but the one that stepped last in earlier steps; ``full``: all).
         """
-        if self._diagnosing:
-            return
-        step = self.state.step + 1
-        if optimizer is None and len(self.optimizers) > 1:
-            raise StepError(f"step {step}: self.step() needs the optimizer's name when there are several; "
-                            f"choose from {sorted(self.optimizers)}", step)
-        name = optimizer or next(iter(self.optimizers))
-        if name not in self.optimizers:
-            raise StepError(f"step {step}: self.step({name!r}) names no optimizer; "
-                            f"choose from {sorted(self.optimizers)}", step)
-        self._keep_undoable(name)
-        self._step_optimizer(name)
-        self._stepped[name] = sequence_now()
+        if not self._diagnosing:
+            self._runner.manual_step(optimizer)
 
     # -- helpers -----------------------------------------------------------------------------
     def to_device(self, batch):

@@ -143,7 +143,27 @@ def test_a_loss_key_naming_no_optimizer():
         TwoOptimizers(lambda loss: {"gen": loss, "d": loss * 2}).fit()
 
 
-# -- a failed step changes nothing -----------------------------------------------------------
+# -- a failed step changes nothing (automatic and manual mode: one step cycle) ------------------
+def manual(cls):
+    """``cls`` in manual mode: the loss its training_step makes, back-propagated and stepped by the step itself."""
+    class Manual(cls):
+        automatic = False
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.backward(loss)
+            self.step()
+            return loss
+
+    return Manual
+
+
+@pytest.fixture(params=["automatic", "manual"])
+def mode(request):
+    """Makes a Trainer class run in the parametrized mode."""
+    return manual if request.param == "manual" else (lambda cls: cls)
+
+
 def snapshot(t: Trainer):
     opt = t.optimizers["optimizer"]
     return copy.deepcopy([p.detach() for p in t.model.parameters()]), copy.deepcopy(opt.state_dict())
@@ -164,8 +184,8 @@ class FailsAfterBackward(Trainer):
             raise KeyError("boom")
 
 
-def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_before():
-    t = trainer(FailsAfterBackward)
+def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_before(mode):
+    t = trainer(mode(FailsAfterBackward))
     with pytest.raises(StepError, match=r"step 3 failed and was abandoned \(parameters and optimizer state are "
                                         r"unchanged\): KeyError: 'boom'") as info:
         t.fit()
@@ -192,8 +212,8 @@ class ChangesASavedTensorAtStep(Trainer):
 
 
 @pytest.mark.parametrize("check", ["auto", "off"])
-def test_a_failing_unchecked_plain_step_changes_nothing(check, tmp_path):
-    t = trainer(ChangesASavedTensorAtStep, max_steps=30, guard={"check": check, "budget": 1e-9}, run_dir=tmp_path)
+def test_a_failing_unchecked_plain_step_changes_nothing(check, tmp_path, mode):
+    t = trainer(mode(ChangesASavedTensorAtStep), max_steps=30, guard={"check": check, "budget": 1e-9}, run_dir=tmp_path)
     with pytest.raises(InplaceModificationError, match=r"a tensor the graph saved for backward \(.*the output of "
                                                        r"Sigmoid\) was changed in place"):
         t.fit()
@@ -220,24 +240,24 @@ class Poisoned(Trainer):
         return loss
 
 
-def test_nan_loss_stops_the_run_naming_loss_and_step():
-    t = trainer(type("P", (Poisoned,), {"nan_at": (4,)}), on_nonfinite="error")
+def test_nan_loss_stops_the_run_naming_loss_and_step(mode):
+    t = trainer(mode(type("P", (Poisoned,), {"nan_at": (4,)})), on_nonfinite="error")
     with pytest.raises(NonFiniteError, match=r"step 4: loss 'loss' is nan \(a non-finite loss makes every gradient "
                                              r"non-finite\)\. The step was abandoned before the optimizer step"):
         t.fit()
     assert t.state.step == 3 and same(snapshot(t), t.before)
 
 
-def test_inf_gradient_with_a_finite_loss_names_the_parameter():
-    t = trainer(type("P", (Poisoned,), {"inf_grad_at": (2,)}), on_nonfinite="error")
+def test_inf_gradient_with_a_finite_loss_names_the_parameter(mode):
+    t = trainer(mode(type("P", (Poisoned,), {"inf_grad_at": (2,)})), on_nonfinite="error")
     with pytest.raises(NonFiniteError, match=r"step 2: the losses are finite \('loss' = [\d.]+\) but the gradients "
                                              r"of model\.bias hold NaN or Inf"):
         t.fit()
     assert same(snapshot(t), t.before)
 
 
-def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog):
-    t = trainer(type("P", (Poisoned,), {"nan_at": (3,), "inf_grad_at": (4,)}), on_nonfinite="skip",
+def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog, mode):
+    t = trainer(mode(type("P", (Poisoned,), {"nan_at": (3,), "inf_grad_at": (4,)})), on_nonfinite="skip",
                 scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), max_steps=4)
     with caplog.at_level(logging.WARNING, logger="safeloop"):
         t.fit()
@@ -250,15 +270,15 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog)
     assert math.isnan(t.state.floats()["loss"]) is False  # step 4's loss was finite, its gradient was not
 
 
-def test_skip_stops_after_max_skipped_in_a_row():
-    t = trainer(type("P", (Poisoned,), {"nan_at": (2, 4, 5, 6)}), on_nonfinite="skip", max_skipped=2)
+def test_skip_stops_after_max_skipped_in_a_row(mode):
+    t = trainer(mode(type("P", (Poisoned,), {"nan_at": (2, 4, 5, 6)})), on_nonfinite="skip", max_skipped=2)
     with pytest.raises(NonFiniteError, match=r"step 6: loss 'loss' is nan .*, and the 2 steps before it were skipped "
                                              r"for the same reason \(trainer.max_skipped=2\): training diverged"):
         t.fit()
     assert t.state.skipped == 3  # steps 2, 4, 5; step 3 was fine and reset the count
 
 
-def test_off_removes_the_check():
-    t = trainer(type("P", (Poisoned,), {"nan_at": (2,)}), on_nonfinite="off", max_steps=2)
+def test_off_removes_the_check(mode):
+    t = trainer(mode(type("P", (Poisoned,), {"nan_at": (2,)})), on_nonfinite="off", max_steps=2)
     t.fit()
     assert torch.isnan(t.model.weight).all()

@@ -1,7 +1,7 @@
 """Snapshot: what a failed step's undo puts back, also after the optimizer's tensors were replaced."""
 import torch
 
-from safeloop.snapshot import Snapshot
+from safeloop.step import Snapshot
 
 
 def adam_after_one_step(model):

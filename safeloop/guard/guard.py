@@ -88,7 +88,7 @@ class Guard:
         self.thorough = False  # this checked step also runs the secondary checks
         self._checks = 0
         # The schedule: steps before ``next_timed`` are neither checked nor timed (see
-        # ``unchecked``); from it to ``next_due`` they are timed, unchecked, for the bare step
+        # ``begin_step``); from it to ``next_due`` they are timed, unchecked, for the bare step
         # time; ``next_due`` is checked. ``always``: every step is due; ``off``: none.
         self.next_due = self.next_timed = math.inf if check == "off" else 0
         self.timed = False  # this step is timed (for the schedule)
@@ -114,9 +114,14 @@ class Guard:
         self.fit_seq = walk.sequence_now()
 
     def begin_step(self, step: int) -> bool:
-        """Decide whether ``step`` is checked (and timed); read the node counter."""
+        """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
+        self.spent = 0.0
+        if step < self.next_timed:  # most steps: neither checked nor timed, nothing to decide
+            self.checking = self.thorough = self.timed = False
+            self.start_seq = _peek() if walk.CHEAP_PEEK else None
+            return False
         self.checking = step >= self.next_due
-        self.timed = self.checking or step >= self.next_timed
+        self.timed = True
         if self.checking:
             # The secondary checks (a graph consumed inside training_step, a graph kept after its
             # step) look for mistakes that repeat every step: every warm-up step and every 4th
@@ -125,7 +130,6 @@ class Guard:
             self.thorough = step <= self.warmup or self._checks % 4 == 0
         else:
             self.thorough = False
-        self.spent = 0.0
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             self.start_seq = _peek()
         elif self.checking:
@@ -134,12 +138,7 @@ class Guard:
             self.spent += time.perf_counter() - t0
         else:
             self.start_seq = None
-        return self.checking
-
-    def unchecked(self) -> None:
-        """``begin_step`` for a step before ``next_due``: nothing to decide, only the counter to read."""
-        self.checking = self.thorough = False
-        self.start_seq = _peek() if walk.CHEAP_PEEK else None
+        return True
 
     def record_step_time(self, step: int, seconds: float) -> None:
         """Feed the measured time of a timed ``step``; after a checked one, plan the next check.

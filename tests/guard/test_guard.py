@@ -175,8 +175,8 @@ def test_auto_schedule_keeps_check_cost_under_budget():
     guard = Guard(check="auto", warmup=3, budget=0.01)
     checked, timed = [], []
     for step in range(1, 200):
-        checked.append(guard.begin_step(step))
-        timed.append(guard.timed)
+        timed.append(guard.begin_step(step))  # True: time this step
+        checked.append(guard.checking)
         if guard.checking:
             guard.spent = 20e-6  # the timed check: 20 µs, but its step takes 50 µs longer ...
         if guard.timed:
@@ -187,8 +187,9 @@ def test_auto_schedule_keeps_check_cost_under_budget():
     assert all(b - a == 5 for a, b in zip(after[-20:], after[-19:]))  # evenly spaced once the cost is known
     assert all(timed[i - 1] and not checked[i - 1] for i in after)  # the bare step is the one before a check
     assert sum(timed) == pytest.approx(2 * sum(checked[3:]) + 3, abs=2)  # no other step pays for a timer
-    assert all(Guard(check="always").begin_step(s) for s in range(1, 50))
-    assert not any(Guard(check="off").begin_step(s) for s in range(1, 50))
+    always, off = Guard(check="always"), Guard(check="off")
+    assert all(always.begin_step(s) and always.checking for s in range(1, 50))
+    assert not any(off.begin_step(s) or off.checking for s in range(1, 50))
 
 
 def test_auto_finds_a_mistake_that_starts_after_warm_up():

@@ -1,11 +1,21 @@
 """Undoing the optimizer updates of a step that failed after an optimizer already stepped.
 
 In manual mode (and with several optimizers) one optimizer can step before something
-later in the same step raises. The Trainer takes a ``Snapshot`` of an optimizer just
-before its first step in a step, and restores it when the step is abandoned, so that
-parameters, optimizer state and learning-rate schedule are bit-identical to before the
-step. A step that does not fail pays one ``torch.cat`` per device and dtype: every
-parameter and state tensor copied into one flat buffer kept from step to step.
+later in the same step raises. ``Undo`` takes a ``Snapshot`` of an optimizer just before
+its first update in a step, and restores it when the step is abandoned, so that
+parameters, optimizer state, param groups and learning-rate schedule are bit-identical to
+before the step. ``trainer.undo`` says which updates are snapshotted:
+
+- ``auto``: those a later update of the same step follows. An update that is the step's
+  last (the last optimizer of an automatic step; in manual mode, the optimizer that stepped
+  last in every earlier step) is not: nothing after it can fail but its own ``step()`` and
+  its scheduler.
+- ``full``: every update, so a failure anywhere in the step, the last ``optimizer.step()``
+  and ``scheduler.step()`` included, is undone.
+- ``off``: none (no snapshot memory).
+
+A snapshot costs one ``torch.cat`` per device and dtype: every parameter and state tensor
+copied into one flat buffer kept from step to step (parameters + optimizer state, once more).
 """
 from __future__ import annotations
 
@@ -13,6 +23,7 @@ from typing import Any
 
 import torch
 
+UNDO_MODES = ("auto", "full", "off")
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -33,6 +44,7 @@ class Snapshot:
         self._saved: list[torch.Tensor] = []  # each live tensor's saved value (a view into its buffer)
         self._values: list[Any] = []  # the non-tensor state values at ``take``
         self._groups: list[dict] = []
+        self._group_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor in a param group, its value)
         self._schedule: dict | None = None
 
     def take(self) -> None:
@@ -45,6 +57,9 @@ class Snapshot:
             torch._foreach_copy_(self._loose[1], self._loose[0])
         self._values = [opt.state[p][key] for p, key in self._others]
         self._groups = [dict(g) for g in opt.param_groups]
+        # a tensor hyperparameter (lr=torch.tensor(...)) is changed in place by schedulers: keep its value
+        self._group_tensors = [(value, value.clone()) for group in opt.param_groups
+                               for value in group.values() if type(value) is torch.Tensor]
         self._schedule = self.scheduler.state_dict() if self.scheduler is not None else None
 
     def _layout_holds(self) -> bool:
@@ -114,6 +129,74 @@ class Snapshot:
             opt.state[p][key] = value
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
+        for tensor, value in self._group_tensors:  # group.update put the tensor itself back
+            with torch.no_grad():
+                tensor.copy_(value)
         if self._schedule is not None:
             self.scheduler.load_state_dict(self._schedule)
         self._live = []  # the state tensors are new ones: list them again at the next ``take``
+
+
+class Undo:
+    """Which optimizer updates of the current step a failure can undo, and the undoing.
+
+    The step calls ``before_update(name, last)`` just before each optimizer update (``last``:
+    whether it is the step's last update, None when unknown, as in manual mode),
+    ``restore()`` when the step fails and ``end()`` when it succeeds.
+    """
+
+    def __init__(self, mode: str, optimizers: dict, schedulers: dict):
+        self.mode, self.optimizers, self.schedulers = mode, optimizers, schedulers
+        self._snapshots: dict[str, Snapshot] = {}
+        self.saved: list[str] = []  # snapshotted in this step
+        self.unsaved: list[str] = []  # updated in this step without a snapshot
+        self.order: list[str] = []  # manual mode: updates of this step, in order
+        self._seen: set[str] = set()  # manual mode: optimizers updated in an earlier step ...
+        self._followed: set[str] = set()  # ... and those another update followed in the same step
+
+    def before_update(self, name: str, last: bool | None) -> None:
+        self.order.append(name)
+        if name in self.saved or name in self.unsaved:
+            return
+        if last is None:  # manual mode: last if it always was
+            last = name in self._seen and name not in self._followed
+        if self.mode == "full" or (self.mode == "auto" and not last):
+            snapshot = self._snapshots.get(name)
+            if snapshot is None:
+                snapshot = self._snapshots[name] = Snapshot(self.optimizers[name], self.schedulers.get(name))
+            snapshot.take()
+            self.saved.append(name)
+        else:
+            self.unsaved.append(name)
+
+    def end(self) -> None:
+        """The step is over (done or undone): learn the order of its updates, start the next one clean."""
+        order = self.order
+        if order:
+            self._seen.update(order)
+            self._followed.update(order[:-1])
+            order.clear()
+        if self.saved:
+            self.saved.clear()
+        if self.unsaved:
+            self.unsaved.clear()
+
+    def report(self) -> str:
+        """What ``restore`` will leave as it was, for the error message."""
+        if not self.unsaved:
+            return "parameters and optimizer state are unchanged"
+        names = ", ".join(repr(n) for n in self.unsaved)
+        had = "had" if len(self.unsaved) == 1 else "had each"
+        undone = f"; optimizer {', '.join(repr(n) for n in self.saved)} was restored" if self.saved else ""
+        if self.mode == "off":
+            return f"optimizer {names} {had} already updated its parameters, which trainer.undo=off leaves{undone}"
+        return (f"optimizer {names} {had} already updated its parameters or begun to, and is not undone{undone}; "
+                "set trainer.undo=full to make such failures undoable")
+
+    def restore(self) -> str:
+        """Undo the step's snapshotted updates (latest first); returns ``report()``."""
+        report = self.report()
+        for name in reversed(self.saved):
+            self._snapshots[name].restore()
+        self.end()
+        return report

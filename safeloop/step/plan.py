@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import StepError
+from ..errors import StepError
 
 MULTI_LOSS = ("sequential", "sum")
 
@@ -24,12 +24,17 @@ class Backward:
 
 def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
     """Check ``training_step``'s return value; a single tensor becomes ``{'loss': tensor}``."""
-    if type(output) is torch.Tensor and output.numel() == 1:  # the common case, checked cheaply
+    if type(output) is torch.Tensor and output.numel() == 1 and len(optimizer_names) <= 1:  # the common case
         return {"loss": output}
     hint = "training_step must return the loss tensor, or a dict {name: loss tensor}"
     if output is None:
         raise StepError(f"step {step}: training_step returned None; {hint} (did you forget `return loss`?)", step)
     if isinstance(output, torch.Tensor):
+        if len(optimizer_names) > 1:
+            raise StepError(
+                f"step {step}: training_step returned one loss tensor, and there are several optimizers "
+                f"({sorted(optimizer_names)}): return a dict {{optimizer name: loss}}, so that each loss's "
+                "gradient goes to its optimizer's parameters", step)
         output = {"loss": output}
     elif not isinstance(output, Mapping):
         raise StepError(f"step {step}: training_step returned a {type(output).__name__}; {hint}", step)
@@ -72,7 +77,10 @@ def plan(
         return [Backward(name, loss, None, None, bool(retain and retain[0]))]
     weights = weights or {}
     if mode == "sum" and not routed and len(losses) > 1:
-        total = sum(loss * weights.get(name, 1.0) for name, loss in losses.items())
+        total = None
+        for name, loss in losses.items():  # no 0 + and no * 1.0: as cheap as adding them by hand
+            loss = loss * weights[name] if name in weights else loss
+            total = loss if total is None else total + loss
         return [Backward("sum", total, None, None, False)]
     names = list(losses)
     if retain is None:

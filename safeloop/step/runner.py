@@ -1,0 +1,360 @@
+"""The one step cycle, for every kind of step.
+
+    batch -> device -> [autocast] training_step -> guard pre-flight -> backward(s)
+    -> gradient sync -> non-finite policy -> (per optimizer: undo snapshot -> unscale
+    -> clip -> on_before_optimizer_step -> step -> zero_grad -> scheduler)
+
+Automatic mode runs all of it from ``run``; in manual mode ``training_step`` calls
+``backward`` and ``optimizer_step`` (the Trainer's ``self.backward`` / ``self.step``),
+which are the same two pieces the automatic step uses. What differs between runs (one
+loss or several, routing, accumulation, DDP, scaler, clipping, hooks) is decided once,
+when the ``Runner`` is made, so a plain step runs only what it needs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import nonfinite
+from ..errors import DoubleBackwardError, NonFiniteError, SafeloopError, StepError
+from ..guard.walk import HAS_SEQ, sequence_now
+from .plan import Backward, named_losses, plan
+from .undo import Undo
+
+log = logging.getLogger("safeloop")
+_perf_counter = time.perf_counter
+
+
+class SkipStep(BaseException):
+    """A non-finite step under ``on_nonfinite=skip``: abandoned, counted, training goes on.
+    A BaseException, so that a user's ``except Exception`` in a manual step cannot swallow it."""
+
+
+class Runner:
+    """Runs the steps of one Trainer; made at ``setup``, from the Trainer's settings and parts.
+
+    Args:
+        trainer: its public settings, optimizers, state and guard are read here once; the
+            guard also searches it for the tensor that holds a bad graph.
+        forward: ``training_step`` (or the DDP wrapper that calls it).
+        hooks: the bound hooks by name (empty lists for hooks nobody overrides).
+        autocast: a context-manager factory, or None (precision 32).
+        move: moves a batch to the device, or None (CPU).
+        undo: the Trainer's ``Undo`` (it lives as long as the optimizers: what it learned and its
+            snapshot buffers carry over to the next ``fit``).
+        named_parameters: ``(name, parameter)`` pairs, for naming non-finite gradients.
+    """
+
+    def __init__(self, trainer: Any, forward: Callable, hooks: Mapping[str, list], autocast: Callable | None,
+                 move: Callable | None, undo: Undo, named_parameters: Callable):
+        self.trainer, self.forward, self.hooks, self.autocast, self.move = trainer, forward, hooks, autocast, move
+        self.named_parameters = named_parameters
+        self.state, self.guard, self.dist = trainer.state, trainer.guard, trainer.dist
+        self.optimizers, self.schedulers, self.scaler = trainer.optimizers, trainer.schedulers, trainer.scaler
+        self.undo = undo
+        self.retain_plans = trainer.retain_plans
+        self.automatic, self.grad_clip, self.grad_accum = trainer.automatic, trainer.grad_clip, trainer.grad_accum
+        self.weights = dict(trainer.loss_weights)
+        self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else trainer.multi_loss
+        self.on_nonfinite, self.max_skipped = trainer.on_nonfinite, trainer.max_skipped
+        self.finite = nonfinite.FiniteCheck() if self.on_nonfinite != "off" else None
+        self.skipped_in_row = 0
+        self.skipped_losses: dict[str, torch.Tensor] = {}
+        self.names = list(self.optimizers)
+        self.routed = len(self.names) > 1
+        # One loss into one optimizer with nothing in between: back-propagated and stepped directly.
+        self.simple = (not self.routed and self.scaler is None and self.dist is None and self.grad_clip is None
+                       and self.grad_accum == 1 and not self.weights
+                       and not any(hooks[h] for h in ("on_before_backward", "on_after_backward",
+                                                      "on_before_optimizer_step")))
+        self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
+        self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
+
+    # -- the step ----------------------------------------------------------------------------
+    def run(self, batches: list) -> None:
+        """One optimizer step over ``batches`` (its micro-batches)."""
+        state, guard, hooks = self.state, self.guard, self.hooks
+        step = state.step + 1
+        timed = guard.begin_step(step)
+        started = _perf_counter() if timed else 0.0
+        for fn in hooks["on_step_start"]:
+            fn()
+        automatic, forward, autocast, move = self.automatic, self.forward, self.autocast, self.move
+        try:
+            total: dict[str, torch.Tensor] = {}
+            last = len(batches) - 1
+            for i, batch in enumerate(batches):
+                if move is not None:
+                    batch = move(batch)
+                if autocast is None:
+                    output = forward(batch)
+                else:
+                    with autocast():
+                        output = forward(batch)
+                if not automatic:
+                    losses = named_losses(output, step, ()) if output is not None else {}
+                elif self.simple and type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
+                    losses = {"loss": output}
+                    if guard.checking:
+                        self.backward_all(losses, step, batch, first=True, last=True)
+                    else:
+                        self.backward(output, "loss", step, batch, False, None)
+                else:
+                    losses = named_losses(output, step, self.optimizers)
+                    self.backward_all(losses, step, batch, first=i == 0, last=i == last)
+                _add_values(total, losses)
+                del output, losses, batch  # the step's graph must not outlive it (checked at its end)
+            if automatic:
+                self.update(total, step)
+            elif self.scaler is not None and self.stepped:
+                self.scaler.update()
+        except SkipStep:
+            self.abandon()
+            total = total or self.skipped_losses
+        except BaseException as err:
+            raise self.abandoned(err, step)
+        self.undo.end()
+        if self.stepped:
+            self.stepped.clear()
+        if self.fresh:
+            self.fresh.clear()
+        n = len(batches)
+        state.losses = {k: v / n for k, v in total.items()} if n > 1 else total
+        state.step = step
+        for fn in hooks["on_step_end"]:
+            fn(state.losses)
+        if timed:
+            guard.end_step(step, self.trainer)
+            guard.record_step_time(step, _perf_counter() - started)
+
+    def update(self, losses: Mapping[str, torch.Tensor], step: int) -> None:
+        """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
+        if self.simple:  # one optimizer: nothing to sync, clip, unscale or call in between
+            name = self.names[0]
+            if self.finite is not None:
+                self.check_finite(losses, step, None)
+            self.undo.before_update(name, True)
+            opt = self.optimizers[name]
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+            scheduler = self.schedulers.get(name)
+            if scheduler is not None:
+                scheduler.step()
+            return
+        if self.dist is not None:  # every rank decides on the same averaged gradients
+            self.dist.sync_all(step)
+        names = [n for n in self.names if n in losses] if self.routed else self.names
+        if self.finite is not None:
+            self.check_finite(losses, step, None)
+        for name in names:
+            self.optimizer_step(name, step, last=name is names[-1])
+        if self.scaler is not None:
+            self.scaler.update()
+
+    # -- backward ----------------------------------------------------------------------------
+    def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
+        """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
+        guard = self.guard
+        retain = guard.preflight(losses, step, self.trainer, batch)
+        if first and guard.thorough:
+            started = _perf_counter()
+            self.check_no_grads(step, next(iter(losses)))
+            guard.spent += _perf_counter() - started  # part of the check's cost
+        todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights)
+        if len(todo) > 1:
+            self.note_retain(todo, retain is not None, step)
+        dist, scale = self.dist, (1.0 / self.grad_accum if self.grad_accum > 1 else None)
+        before, after = self.hooks["on_before_backward"], self.hooks["on_after_backward"]
+        for k, item in enumerate(todo):
+            for fn in before:
+                fn(item.name, item.loss)
+            loss = item.loss * scale if scale is not None else item.loss
+            if self.scaler is not None:
+                loss = self.scaler.scale(loss)
+            # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
+            armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
+            self.backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
+            if armed is not None:
+                dist.flush(armed)
+            for fn in after:
+                fn(item.name)
+
+    def manual_backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool) -> None:
+        """Manual mode's ``self.backward``: one loss into one optimizer's parameters, through the guard."""
+        step = self.state.step + 1
+        if optimizer is None and self.routed:
+            raise StepError(f"step {step}: self.backward(loss) needs optimizer=... when there are several "
+                            f"optimizers, so that the loss's gradient reaches only that optimizer's parameters; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        if optimizer is not None and optimizer not in self.optimizers:
+            raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        name = optimizer or "loss"
+        loss = named_losses(loss, step, ())["loss"]
+        guard = self.guard
+        guard.preflight({name: loss}, step, self.trainer, None)
+        if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
+            found = guard.inplace_check(loss, self.stepped, guard.start_seq)
+            if found is not None:
+                err, stepped = found
+                raise guard.explain(err, name, loss, step, self.trainer, None, stepped) from err
+        inputs = None
+        if self.routed:
+            inputs = [p for g in self.optimizers[optimizer].param_groups for p in g["params"] if p.requires_grad]
+        for fn in self.hooks["on_before_backward"]:
+            fn(name, loss)
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        self.backward(scaled, name, step, None, retain_graph, inputs, loss)
+        if self.finite is not None:  # checked with the gradients at the next update
+            self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.data
+        for fn in self.hooks["on_after_backward"]:
+            fn(name)
+
+    def backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
+                 original: torch.Tensor | None = None) -> None:
+        """The one ``backward`` call; an autograd error comes back explained by the guard."""
+        try:
+            loss.backward(retain_graph=retain, inputs=inputs)
+        except RuntimeError as err:
+            explained = self.guard.explain(err, name, loss if original is None else original, step, self.trainer,
+                                           batch, list(self.stepped))
+            if explained is None:
+                raise
+            raise explained from err
+
+    def check_no_grads(self, step: int, name: str) -> None:
+        """Gradients present before the first backward mean training_step ran backward itself."""
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                if any(p.grad is not None for p in group["params"]):
+                    raise DoubleBackwardError(
+                        "gradients were already present when training_step returned: training_step (or a hook) "
+                        "called backward itself, so the Trainer's backward would add them a second time",
+                        step=step, loss_name=name,
+                        fixes=["return the loss from training_step and let the Trainer call backward",
+                               "set automatic = False on your Trainer and call self.backward(loss) / "
+                               "self.step() inside training_step"])
+
+    def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
+        """Log, once per pattern, which backwards kept the graph alive for a later loss."""
+        key = (tuple(item.name for item in todo if item.retain), walked)
+        if key in self.retain_plans:
+            return
+        self.retain_plans[key] = step
+        kept = ", ".join(key[0]) or "none"
+        if walked:
+            freed = ", ".join(item.name for item in todo[:-1] if not item.retain) or "none"
+            log.info("step %d: backward retained the graph for %s (a later loss shares nodes with it); "
+                     "freed it for %s (no later loss shares it) and for the last loss, %s",
+                     step, kept, freed, todo[-1].name)
+        else:
+            log.info("step %d (not walked by the guard): backward retained the graph for every loss but the "
+                     "last: %s", step, kept)
+
+    # -- optimizer updates -------------------------------------------------------------------
+    def manual_step(self, optimizer: str | None) -> None:
+        """Manual mode's ``self.step``: one optimizer's update, as the automatic step makes it."""
+        step = self.state.step + 1
+        if optimizer is None and self.routed:
+            raise StepError(f"step {step}: self.step() needs the optimizer's name when there are several; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        name = optimizer or self.names[0]
+        if name not in self.optimizers:
+            raise StepError(f"step {step}: self.step({name!r}) names no optimizer; "
+                            f"choose from {sorted(self.optimizers)}", step)
+        if self.dist is not None:  # every rank checks the same averaged gradients
+            self.dist.sync(name, step)
+        if self.finite is not None:
+            self.check_finite(self.fresh, step, name)
+            self.fresh.clear()
+        self.optimizer_step(name, step, last=None)
+
+    def optimizer_step(self, name: str, step: int, last: bool | None) -> None:
+        """Sync, snapshot (if a failure must be able to undo it), unscale, clip, hook, step, zero, schedule."""
+        opt = self.optimizers[name]
+        if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
+            self.dist.sync(name, step)
+        self.undo.before_update(name, last)
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        if self.grad_clip is not None:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        for fn in self.hooks["on_before_optimizer_step"]:
+            fn(name, opt)
+        if self.scaler is not None:
+            self.scaler.step(opt)
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+        scheduler = self.schedulers.get(name)
+        if scheduler is not None:
+            scheduler.step()
+        self.stepped[name] = sequence_now()
+
+    # -- non-finite values ---------------------------------------------------------------------
+    def check_finite(self, losses: Mapping[str, torch.Tensor], step: int, name: str | None) -> None:
+        """The ``on_nonfinite`` policy before an update: one fused NaN/Inf test over ``losses`` and the
+        gradients of optimizer ``name`` (None: every optimizer). Raises ``NonFiniteError`` or ``SkipStep``."""
+        optimizers = self.optimizers.values() if name is None else (self.optimizers[name],)
+        # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
+        grads = nonfinite.gradients(optimizers) if self.scaler is None else []
+        if self.finite(losses.values(), grads):
+            self.skipped_in_row = 0
+            return
+        what = nonfinite.describe(losses, self.named_parameters())
+        where = f"before optimizer {name!r} stepped" if name is not None and self.routed else \
+            "before the optimizer step"
+        if self.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"step {step}: {what}. The step was abandoned {where} ({self.undo.report()}). To find the cause "
+                "run with debug=default (anomaly detection names the backward operation that made the first NaN), "
+                "lower the learning rate or set trainer.grad_clip; trainer.on_nonfinite=skip skips such steps "
+                "instead", step)
+        if self.skipped_in_row >= self.max_skipped:
+            raise NonFiniteError(
+                f"step {step}: {what}, and the {self.skipped_in_row} steps before it were skipped for the same "
+                f"reason (trainer.max_skipped={self.max_skipped}): training diverged, this is not a rare bad "
+                "batch. Resume from an earlier checkpoint with a lower learning rate or trainer.grad_clip", step)
+        self.skipped_in_row += 1
+        self.state.skipped += 1
+        self.skipped_losses = dict(losses)  # what the step shows, in manual mode too (its step did not return)
+        left = "nothing updated" if not self.undo.unsaved else self.undo.report()
+        log.warning("step %d skipped, %s: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
+                    step, left, what, self.state.skipped, self.skipped_in_row, self.max_skipped)
+        raise SkipStep
+
+    # -- failure -------------------------------------------------------------------------------
+    def abandoned(self, err: BaseException, step: int) -> BaseException:
+        """Abandon the failed ``step``; returns the error to raise: ours as it is, any other
+        exception as a StepError naming the step and saying what was undone."""
+        report = self.abandon()
+        if isinstance(err, SafeloopError) or not isinstance(err, Exception):
+            return err
+        wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}", step)
+        wrapped.__cause__ = err
+        return wrapped
+
+    def abandon(self) -> str:
+        """Drop the step's gradients and undo what ``undo`` can; returns what was left as it was."""
+        report = self.undo.restore()
+        self.stepped.clear()
+        self.fresh.clear()
+        if self.dist is not None:
+            self.dist.reset()
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        model = getattr(self.trainer, "model", None)
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        return report
+
+
+def _add_values(total: dict[str, torch.Tensor], losses: Mapping[str, torch.Tensor]) -> None:
+    for name, loss in losses.items():
+        value = loss.data  # the value without the graph (cheaper than detach())
+        total[name] = total[name] + value if name in total else value
