@@ -1,8 +1,9 @@
 """Config schemas (Hydra ConfigStore) and ``train(cfg)``, the run a config describes.
 
-The schemas make a typo or a wrong type fail at start-up with the key path
-(``trainer.max_stepz``); ``train`` is kept apart from the ``@hydra.main`` entry
-point so that tests and other programs can call it with a composed config.
+The schemas (``safeloop.settings``, where every setting's default lives) make a typo or a
+wrong type fail at start-up with the key path (``trainer.max_stepz``); ``train`` is kept apart
+from the ``@hydra.main`` entry point so that tests and other programs can call it with a
+composed config.
 """
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import logging
 import random
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import hydra
 import torch
@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import distributed
 from .errors import ConfigError
+from .settings import CheckpointSettings, GuardSettings, TrainerGroup
 from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
@@ -36,48 +37,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _print = rank_zero_only(print)  # one report per job under torchrun
 
 
-@dataclass
-class TrainerConfig:
-    _target_: str = "safeloop.Trainer"  # a Trainer subclass runs from the command line
-    device: str = "auto"
-    precision: str = "32"
-    max_steps: Optional[int] = 1000
-    max_epochs: Optional[int] = None
-    val_every: Optional[int] = 250
-    grad_accum: int = 1
-    grad_clip: Optional[float] = None
-    log_every: int = 50
-    multi_loss: str = "sequential"
-    loss_weights: dict[str, float] = field(default_factory=dict)
-    loggers: list[str] = field(default_factory=lambda: ["csv"])
-    progress: bool = True
-    resume: Optional[str] = None  # null | auto | PATH (auto: the newest readable checkpoint in checkpoint.dir)
-    on_nonfinite: str = "off"  # off | error | skip
-    max_skipped: int = 10
-    find_unused_parameters: bool = False  # torchrun: a step may leave model parameters without gradient
-
-
-@dataclass
-class CheckpointConfig:
-    every: Optional[int] = 1000
-    keep: int = 3
-    dir: Optional[str] = None  # null: <run dir>/checkpoints
-
-
-@dataclass
-class GuardConfig:
-    on_reuse: str = "error"
-    check: str = "auto"
-    trace: bool = False
-    warmup: int = 10
-    budget: float = 0.0025
-
-
 def register() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="trainer", name="schema", node=TrainerConfig)
-    cs.store(group="guard", name="schema", node=GuardConfig)
-    cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
+    cs.store(group="trainer", name="schema", node=TrainerGroup)
+    cs.store(group="guard", name="schema", node=GuardSettings)
+    cs.store(group="checkpoint", name="schema", node=CheckpointSettings)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 

@@ -15,8 +15,6 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-POLICIES = ("error", "skip", "off")
-
 
 def gradients(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     grads = []

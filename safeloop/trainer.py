@@ -12,16 +12,16 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
-from . import distributed, nonfinite
-from . import step as steps
+from . import distributed
 from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
 from .errors import ConfigError
-from .guard import CHECKS, REUSE_POLICIES, Guard
+from .guard import Guard
 from .guard.guard import Recorder
 from .loggers import make_loggers
 from .progress import Progress
+from .settings import DEFAULTS, CheckpointSettings, GuardSettings, Settings, names, read
 from .state import TrainState
 
 log = logging.getLogger("safeloop")
@@ -71,28 +71,18 @@ class Trainer:
             ``val_every`` steps and at the end.
         loss_fn: used by the default ``training_step`` (default: mean squared error).
         scheduler: callable taking an optimizer (a ``_partial_`` LR scheduler), stepped every step.
-        max_steps / max_epochs: when to stop (at least one is required).
-        grad_accum: micro-batches per optimizer step; the update equals one big batch's.
-        grad_clip: max gradient norm (None: no clipping).
-        precision: ``"32"``, ``"bf16"`` (autocast, CPU or CUDA) or ``"16"`` (CUDA, GradScaler).
-        device: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
-        log_every: steps between logged (and synced) loss values.
-        multi_loss / loss_weights: ``sequential`` or ``sum``; optional weight per loss name.
-        guard: a ``Guard`` or its keyword arguments (``check``, ``on_reuse``, ``trace``).
-        callbacks: ``Callback`` objects; loggers: names (``csv``, ``tensorboard``), written under ``run_dir``.
-        progress: show a progress bar (a terminal) or log lines (otherwise).
-        checkpoint: ``{"every": N, "keep": 3, "dir": path}``; saves every ``every`` steps (None: only
-            at the end and on SIGTERM/SIGINT, which finish the step, save and stop) into ``dir``
-            (default ``run_dir/checkpoints``; no ``dir`` and no ``run_dir``, or ``False``: no checkpoints).
-        resume: ``None``, ``"auto"`` (the newest readable checkpoint in the checkpoint directory, if
-            any: the same command starts and restarts a run), or a checkpoint file or directory.
-        on_nonfinite: ``off`` (default), ``error`` or ``skip``: a NaN/Inf loss or gradient stops the
-            run, or skips the update (at most ``max_skipped`` steps in a row), found by one fused test
-            and one host sync per step.
-        find_unused_parameters: under torchrun, when the usual run goes through
-            ``DistributedDataParallel``: set it if a step may leave some of the model's
-            parameters without gradient (costs one more small all-reduce per step). Without
-            it such a step stops with an error naming the parameter, before the optimizer step.
+        max_steps, max_epochs, val_every, grad_accum, grad_clip, precision, device, log_every,
+            multi_loss, loss_weights, loggers, progress, resume, on_nonfinite, max_skipped,
+            find_unused_parameters, undo: the settings, the same as the ``trainer`` config group's
+            keys; each is documented with its default in ``safeloop.settings.Settings``.
+        guard: a ``Guard``, or its settings as a dict (``{"check": "always"}``; see
+            ``safeloop.settings.GuardSettings``).
+        callbacks: ``Callback`` objects.
+        run_dir: where loggers, checkpoints (unless ``checkpoint`` names a ``dir``) and graph
+            pictures are written.
+        checkpoint: checkpoint settings as a dict (``{"every": N, "keep": 3, "dir": path}``; see
+            ``safeloop.settings.CheckpointSettings``), or ``False``: no checkpoints (neither are
+            there without a ``dir`` and a ``run_dir``).
         config: the resolved run config (plain containers), stored in checkpoints.
     """
 
@@ -107,72 +97,47 @@ class Trainer:
         val_data: Iterable | None = None,
         loss_fn: Callable | None = None,
         scheduler: Callable | None = None,
-        max_steps: int | None = None,
-        max_epochs: int | None = None,
-        val_every: int | None = None,
-        grad_accum: int = 1,
-        grad_clip: float | None = None,
-        precision: str | int = "32",
-        device: str | torch.device = "auto",
-        log_every: int = 50,
-        multi_loss: str = "sequential",
-        loss_weights: Mapping[str, float] | None = None,
+        max_steps: int | None = DEFAULTS.max_steps,
+        max_epochs: int | None = DEFAULTS.max_epochs,
+        val_every: int | None = DEFAULTS.val_every,
+        grad_accum: int = DEFAULTS.grad_accum,
+        grad_clip: float | None = DEFAULTS.grad_clip,
+        precision: str | int = DEFAULTS.precision,
+        device: str | torch.device = DEFAULTS.device,
+        log_every: int = DEFAULTS.log_every,
+        multi_loss: str = DEFAULTS.multi_loss,
+        loss_weights: Mapping[str, float] | None = DEFAULTS.loss_weights,
         guard: Guard | Mapping[str, Any] | None = None,
         callbacks: Iterable[Callback] = (),
-        loggers: Iterable[str] = ("csv",),
+        loggers: Iterable[str] = DEFAULTS.loggers,
         run_dir: str | Path | None = None,
-        progress: bool = True,
+        progress: bool = DEFAULTS.progress,
         checkpoint: Mapping[str, Any] | bool | None = None,
-        resume: str | Path | None = None,
-        on_nonfinite: str = "off",
-        max_skipped: int = 10,
-        find_unused_parameters: bool = False,
-        undo: str = "auto",
+        resume: str | Path | None = DEFAULTS.resume,
+        on_nonfinite: str = DEFAULTS.on_nonfinite,
+        max_skipped: int = DEFAULTS.max_skipped,
+        find_unused_parameters: bool = DEFAULTS.find_unused_parameters,
+        undo: str = DEFAULTS.undo,
         config: Mapping[str, Any] | None = None,
     ):
+        args = locals()  # the settings among them are checked by safeloop.settings, where they are defined
         problems = []
         if model is not None and not isinstance(model, torch.nn.Module):
             problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if train_data is None:
             problems.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
-        if max_steps is None and max_epochs is None:
-            problems.append("set max_steps or max_epochs (trainer.max_steps=N)")
-        for key, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every", val_every),
-                           ("grad_accum", grad_accum), ("log_every", log_every)):
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                problems.append(f"{key} must be a positive integer, got {value!r}")
-        if grad_clip is not None and grad_clip <= 0:
-            problems.append(f"grad_clip must be positive or null, got {grad_clip!r}")
-        if multi_loss not in steps.MULTI_LOSS:
-            problems.append(f"multi_loss={multi_loss!r} is not one of {', '.join(steps.MULTI_LOSS)}")
-        if on_nonfinite not in nonfinite.POLICIES:
-            problems.append(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(nonfinite.POLICIES)}")
-        if undo not in steps.UNDO_MODES:
-            problems.append(f"undo={undo!r} is not one of {', '.join(steps.UNDO_MODES)}")
-        if not isinstance(max_skipped, int) or max_skipped <= 0:
-            problems.append(f"max_skipped must be a positive integer, got {max_skipped!r}")
-        checkpoint = {} if checkpoint is None or checkpoint is True else checkpoint
-        if checkpoint is not False:
-            checkpoint = dict(checkpoint)
-            unknown = sorted(set(checkpoint) - {"every", "keep", "dir"})
-            if unknown:
-                problems.append(f"checkpoint has no setting {unknown[0]!r}: use every, keep, dir")
-            for key in ("every", "keep"):
-                value = checkpoint.get(key, 1)
-                if value is not None and (not isinstance(value, int) or value <= 0):
-                    problems.append(f"checkpoint.{key} must be a positive integer, got {value!r}")
-        where = (checkpoint or {}).get("dir") or (Path(run_dir) / "checkpoints" if run_dir is not None else None)
-        if resume is not None and (where is None or checkpoint is False) and str(resume) == "auto":
+        problems += Settings(**{name: args[name] for name in names(Settings)}).problems()
+        saves = checkpoint is not False
+        checkpoints, found = read(CheckpointSettings, checkpoint if isinstance(checkpoint, Mapping) else {},
+                                  "checkpoint")
+        problems += found
+        where = checkpoints.dir or (Path(run_dir) / "checkpoints" if run_dir is not None else None)
+        if resume is not None and (where is None or not saves) and str(resume) == "auto":
             problems.append("resume=auto looks in the checkpoint directory, and there is none: pass run_dir=... "
                             "or checkpoint={'dir': ...}")
-        if resume is not None and str(resume) != "auto" and not Path(resume).exists():
-            problems.append(f"resume={str(resume)!r}: no such file or directory (give a checkpoint file, a "
-                            "checkpoint directory, or auto)")
         if isinstance(guard, Mapping):
-            if guard.get("check", "auto") not in CHECKS:
-                problems.append(f"guard.check={guard['check']!r} is not one of {', '.join(CHECKS)}")
-            if guard.get("on_reuse", "error") not in REUSE_POLICIES:
-                problems.append(f"guard.on_reuse={guard['on_reuse']!r} is not one of {', '.join(REUSE_POLICIES)}")
+            guard, found = read(GuardSettings, guard, "guard")
+            problems += found
         try:
             self.device = resolve_device(device)
             self.precision = resolve_precision(precision, self.device)
@@ -196,13 +161,13 @@ class Trainer:
         self.multi_loss, self.loss_weights = multi_loss, dict(loss_weights or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if not isinstance(guard, Guard):
-            guard = Guard(**dict(guard or {}), out_dir=self.run_dir / "graphs" if self.run_dir else None)
+            guard = Guard(**vars(guard or GuardSettings()), out_dir=self.run_dir / "graphs" if self.run_dir else None)
         self.guard = guard
         self.callbacks = list(callbacks)
-        self._logger_names = loggers
+        self._logger_names = list(loggers)
         self._progress_enabled = progress
-        self.checkpointer = ckpt.Checkpointer(where, checkpoint.get("every", 1000), checkpoint.get("keep", 3)) \
-            if checkpoint is not False and where is not None else None
+        self.checkpointer = ckpt.Checkpointer(where, checkpoints.every, checkpoints.keep) \
+            if saves and where is not None else None
         self.resume = resume
         self.on_nonfinite, self.max_skipped = on_nonfinite, max_skipped
         self.find_unused_parameters = find_unused_parameters

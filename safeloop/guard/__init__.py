@@ -1,4 +1,5 @@
 """Graph-lifecycle safety: see autograd mistakes before they corrupt a step."""
-from .guard import CHECKS, REUSE_POLICIES, Guard
+from ..settings import CHECKS, REUSE_POLICIES
+from .guard import Guard
 
 __all__ = ["Guard", "CHECKS", "REUSE_POLICIES"]

@@ -30,14 +30,13 @@ from ..errors import (
     InplaceModificationError,
     NoGraphError,
 )
+from ..settings import GUARD_DEFAULTS
 from . import explain, walk
 from .render import render
 from .walk import _peek
 
 log = logging.getLogger("safeloop.guard")
 
-CHECKS = ("auto", "always", "off")
-REUSE_POLICIES = ("error", "warn", "retain")
 _SENTINEL = "safeloop_sentinel"
 _TRACE_HINT = "set guard.trace=true (anomaly mode) to have the error name the line that created it"
 
@@ -57,26 +56,18 @@ class Guard:
     """Checks the autograd graph of every loss the Trainer back-propagates.
 
     Args:
-        on_reuse: what to do when a step's loss reaches a graph built before training
-            started: ``error`` (default), ``warn`` (and retain it), ``retain`` (retain
-            it silently; the reused graph's buffers then stay in memory for the whole run).
-        check: ``always`` walks the graph every step; ``auto`` every step for the first
-            ``warmup`` steps, then on a schedule that keeps the measured cost of checks
-            under ``budget`` of the measured step time (0.25%, since a check also slows the
-            next steps a little: the walk evicts cached data they reload);
-            ``off`` never walks. Errors raised by backward itself are explained in every mode.
-        trace: turn on anomaly mode so that errors name the line that made the tensor
-            at fault (slow: use it to debug, not to train).
+        on_reuse / check / trace / warmup / budget: the guard's settings, each documented with
+            its default in ``safeloop.settings.GuardSettings`` (also the ``guard`` config group).
         out_dir: where graph pictures are written on error.
     """
 
     def __init__(
         self,
-        on_reuse: str = "error",
-        check: str = "auto",
-        trace: bool = False,
-        warmup: int = 10,
-        budget: float = 0.0025,
+        on_reuse: str = GUARD_DEFAULTS.on_reuse,
+        check: str = GUARD_DEFAULTS.check,
+        trace: bool = GUARD_DEFAULTS.trace,
+        warmup: int = GUARD_DEFAULTS.warmup,
+        budget: float = GUARD_DEFAULTS.budget,
         out_dir: str | Path | None = None,
     ):
         self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)

@@ -8,8 +8,6 @@ import torch
 
 from ..errors import StepError
 
-MULTI_LOSS = ("sequential", "sum")
-
 
 @dataclass(slots=True)
 class Backward:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-UNDO_MODES = ("auto", "full", "off")
 _data_ptr = torch.Tensor.data_ptr
 
 
