@@ -352,3 +352,170 @@ def test_automatic_mode_undoes_an_earlier_optimizer_when_a_later_one_fails():
         trainer.fit()
     for key, value in model.state_dict().items():  # D had stepped before g's hook raised
         assert torch.equal(value, params[key]), key
+
+
+# -- trainer.undo: what a failed step leaves, and what its error says -----------------------------
+def state_of(model, trainer):
+    """Parameters, optimizer states and learning rates, copied."""
+    return (copy.deepcopy(model.state_dict()), {n: copy.deepcopy(o.state_dict()) for n, o in trainer.optimizers.items()})
+
+
+def assert_state(model, trainer, saved, changed=()):
+    """Every optimizer's parameters and state as ``saved``, except those of the optimizers in ``changed``."""
+    params, opts = saved
+    for name, opt in trainer.optimizers.items():
+        same = name not in changed
+        prefix = f"{name}."
+        assert all(torch.equal(v, params[k]) == same for k, v in model.state_dict().items() if k.startswith(prefix)), name
+        now = opt.state_dict()
+        assert now["param_groups"] == opts[name]["param_groups"] or not same, name
+        if same:
+            assert now["state"].keys() == opts[name]["state"].keys(), name
+            for i in now["state"]:
+                for key, value in now["state"][i].items():
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(opts[name]["state"][i][key])), (name, key)
+
+
+def test_auto_learns_which_optimizer_steps_last_and_says_its_update_was_not_undone():
+    torch.manual_seed(0)
+    model = GAN()
+    trainer = manual_gan(model, n=4)
+    trainer.max_steps = 2
+    trainer.fit()  # g stepped last in both steps: auto stops snapshotting it
+    saved = state_of(model, trainer)
+    trainer.fail_at, trainer.max_steps = (3, "after g"), 4
+    with pytest.raises(StepError, match=re.escape(
+            "step 3 failed and was abandoned (optimizer 'g' had already updated its parameters or begun to, and is "
+            "not undone; optimizer 'd' was restored; set trainer.undo=full to make such failures undoable): "
+            "RuntimeError: boom after both steps")):
+        trainer.fit()
+    assert_state(model, trainer, saved, changed=("g",))
+
+
+def test_undo_off_snapshots_nothing_and_says_so():
+    torch.manual_seed(0)
+    model = GAN()
+    saved = state_of(model, manual_gan(model))
+    trainer = manual_gan(model, n=1, undo="off")
+    trainer.fail_at = (1, "after d")
+    with pytest.raises(StepError, match=re.escape(
+            "step 1 failed and was abandoned (optimizer 'd' had already updated its parameters, which "
+            "trainer.undo=off leaves): RuntimeError: boom after the D step")):
+        trainer.fit()
+    assert not trainer._undo._snapshots
+    params, _ = saved
+    assert not torch.equal(model.state_dict()["d.0.weight"], params["d.0.weight"])
+    assert torch.equal(model.state_dict()["g.0.weight"], params["g.0.weight"])
+
+
+class OneCycle(Trainer):
+    """OneCycleLR over ``total_steps``: its step() raises once stepped past them."""
+
+    total_steps = 3
+
+    def configure_schedulers(self, optimizers):
+        return {n: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=self.total_steps)
+                for n, o in optimizers.items()}
+
+
+class ManualOneCycle(OneCycle):
+    automatic = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        self.step()
+        return loss
+
+
+@pytest.mark.parametrize("cls", [OneCycle, ManualOneCycle], ids=["automatic", "manual"])
+def test_a_failing_scheduler_step_is_undone_in_full_and_reported_in_auto(cls):
+    def make(undo):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)]
+        trainer = cls(model, data, lambda p: torch.optim.Adam(p, lr=0.1), max_steps=3, device="cpu",
+                      progress=False, loggers=(), undo=undo)
+        trainer.fit()
+        return model, trainer
+
+    for undo in ("full", "auto"):
+        model, trainer = make(undo)
+        params, opt = copy.deepcopy(model.state_dict()), copy.deepcopy(trainer.optimizers["optimizer"].state_dict())
+        schedule = copy.deepcopy(trainer.schedulers["optimizer"].state_dict())
+        trainer.max_steps = 4
+        if undo == "full":
+            with pytest.raises(StepError, match=r"step 4 failed and was abandoned \(parameters and optimizer state "
+                                                r"are unchanged\): ValueError: Tried to step 4 times"):
+                trainer.fit()
+            assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+            now = trainer.optimizers["optimizer"].state_dict()
+            assert now["param_groups"] == opt["param_groups"]
+            assert torch.equal(now["state"][0]["exp_avg"], opt["state"][0]["exp_avg"])
+            assert trainer.schedulers["optimizer"].state_dict() == schedule
+        else:
+            with pytest.raises(StepError, match=re.escape(
+                    "step 4 failed and was abandoned (optimizer 'optimizer' had already updated its parameters or "
+                    "begun to, and is not undone; set trainer.undo=full to make such failures undoable)")):
+                trainer.fit()
+            assert not torch.equal(model.weight, params["weight"])  # as the message says
+
+
+def test_full_restores_a_tensor_learning_rate_a_scheduler_changed_in_place():
+    class Fails(ManualGAN):
+        def configure_optimizers(self):
+            return {"d": torch.optim.Adam(self.model.d.parameters(), lr=torch.tensor(0.01)),
+                    "g": torch.optim.Adam(self.model.g.parameters(), lr=torch.tensor(0.01))}
+
+    torch.manual_seed(0)
+    model = GAN()
+    trainer = Fails(model=model, train_data=gan_batches(4), max_steps=1, device="cpu", progress=False, loggers=(),
+                    undo="full", scheduler=partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.5))
+    trainer.fit()
+    lrs = {n: o.param_groups[0]["lr"].clone() for n, o in trainer.optimizers.items()}
+    saved = state_of(model, trainer)
+    trainer.fail_at, trainer.max_steps = (2, "after g"), 2
+    with pytest.raises(StepError, match=r"step 2 failed and was abandoned \(parameters and optimizer state are "
+                                        r"unchanged\)"):
+        trainer.fit()
+    for name, opt in trainer.optimizers.items():
+        assert torch.equal(opt.param_groups[0]["lr"], lrs[name]), name  # ExponentialLR multiplied it in place
+    assert_state(model, trainer, saved)
+
+
+def test_one_tensor_with_several_optimizers_asks_for_a_dict():
+    class OneLoss(RoutedGAN):
+        def training_step(self, batch):
+            real, z = batch
+            return bce(self.model.d(self.model.g(z)), 1.0)
+
+    with pytest.raises(StepError, match=re.escape(
+            "step 1: training_step returned one loss tensor, and there are several optimizers (['d', 'g']): return "
+            "a dict {optimizer name: loss}")):
+        OneLoss(model=GAN(), train_data=gan_batches(1), max_steps=1, device="cpu", progress=False, loggers=()).fit()
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_grad_clip_applies_in_both_modes_as_in_the_hand_written_loop(automatic):
+    class Step(Trainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            if not self.automatic:
+                self.backward(loss)
+                self.step()
+            return loss
+
+    Step.automatic = automatic
+    torch.manual_seed(0)
+    ref, ours = nn.Linear(3, 1), nn.Linear(3, 1)
+    ours.load_state_dict(ref.state_dict())
+    data = [(torch.randn(8, 3), 10 * torch.randn(8, 1)) for _ in range(3)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+        opt.step()
+        opt.zero_grad()
+    Step(ours, data, partial(torch.optim.SGD, lr=0.1), max_steps=3, grad_clip=0.5, device="cpu", progress=False,
+         loggers=()).fit()
+    assert_same_params(ref, ours, exact=True)
