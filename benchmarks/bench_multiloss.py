@@ -55,6 +55,17 @@ class HandLoop:
             self.opt.zero_grad(set_to_none=True)  # right after the step, as the Trainer does (workloads.HandLoop)
 
 
+class HandSum(HandLoop):
+    """The same losses added by hand and back-propagated once."""
+
+    def __call__(self):
+        for batch in self.data:
+            reg, cls, recon = three_losses(self.model, batch).values()
+            (reg + cls + recon).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
 class TrainerLoop:
     """``len(data)`` more steps of one long-lived Trainer per call."""
 
@@ -93,6 +104,7 @@ def run(quick: bool) -> list[dict]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # one model and optimizer for all (see workloads.HandLoop)
     systems = {
         "hand": HandLoop(model, data, opt),
+        "hand sum": HandSum(model, data, opt),
         "sequential": TrainerLoop(model, data, opt),
         "sum": TrainerLoop(model, data, opt, multi_loss="sum"),
     }
@@ -109,6 +121,7 @@ def run(quick: bool) -> list[dict]:
     return [
         row("3 losses, shared trunk: sequential + auto retain vs hand-written", t["sequential"], t["hand"], 1.03,
             steps),
+        row("3 losses: multi_loss=sum vs their sum written by hand", t["sum"], t["hand sum"], 1.01, steps),
         row("3 losses: multi_loss=sum vs sequential", t["sum"], t["sequential"], None, steps),
         {"benchmark": f"3 losses: peak step memory, auto retain vs all-but-last "
                       f"({peaks['always'] / 2**20:.2f} vs {peaks['off'] / 2**20:.2f} MiB)",

@@ -113,6 +113,9 @@ class Snapshot:
         self._loose = ([live[i].detach() for i in loose], [saved[i] for i in loose])
         self._saved = saved
 
+    def nbytes(self) -> int:
+        return sum(flat.nbytes for flat, _ in self._copies) + sum(t.nbytes for t in self._loose[1])
+
     def restore(self) -> None:
         """Put back exactly what ``take`` saw."""
         opt = self.optimizer
@@ -152,6 +155,10 @@ class Undo:
         self.order: list[str] = []  # manual mode: updates of this step, in order
         self._seen: set[str] = set()  # manual mode: optimizers updated in an earlier step ...
         self._followed: set[str] = set()  # ... and those another update followed in the same step
+
+    def nbytes(self) -> int:
+        """Memory the snapshots hold (their copies live from step to step)."""
+        return sum(s.nbytes() for s in self._snapshots.values())
 
     def before_update(self, name: str, last: bool | None) -> None:
         self.order.append(name)
