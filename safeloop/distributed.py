@@ -140,7 +140,6 @@ class Distributed:
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
         self._quieted: int | None = None
-        self._sharded = False  # the Trainer's data, weights and run directory are set up for the ranks
 
     @property
     def is_zero(self) -> bool:
@@ -168,8 +167,6 @@ class Distributed:
             raise DistributedError(
                 "the process group ended with an earlier fit() that failed (the other ranks stopped with it): "
                 "start the job again; trainer.resume=auto continues from the last checkpoint")
-        if not self._sharded:
-            self._share(trainer)
         if not per_backward_hooks and _ddp_can_run(trainer):
             self.find_unused = bool(trainer.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
@@ -185,22 +182,17 @@ class Distributed:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
 
-    def _share(self, trainer) -> None:
-        """Once per Trainer: rank zero's weights and run directory on every rank, the data sharded."""
-        model = trainer.model
+    def share(self, model, run_dir: Path | None, train_data):
+        """Once per Trainer, before ``attach``: rank zero's weights on every rank; returns rank zero's run
+        directory and this rank's shard of ``train_data``."""
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
         self._broadcast(tensors)
         self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
-        seed = trainer.train_data.generator.initial_seed() if getattr(trainer.train_data, "generator", None) \
-            else torch.initial_seed()
-        shared = [str(trainer.run_dir) if trainer.run_dir is not None else None, seed]
+        seed = train_data.generator.initial_seed() if getattr(train_data, "generator", None) else torch.initial_seed()
+        shared = [str(run_dir) if run_dir is not None else None, seed]
         dist.broadcast_object_list(shared, src=0)
         run_dir, seed = shared
-        if run_dir is not None:
-            trainer.run_dir = Path(run_dir)
-            trainer.guard.out_dir = Path(run_dir) / "graphs" / (f"rank{self.rank}" if self.rank else "")
-        trainer.train_data = shard(trainer.train_data, self.rank, self.world, seed)
-        self._sharded = True
+        return (Path(run_dir) if run_dir is not None else None), shard(train_data, self.rank, self.world, seed)
 
     @property
     def losses_summed(self) -> bool:

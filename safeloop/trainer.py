@@ -18,6 +18,7 @@ from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
 from .errors import ConfigError
 from .guard import Guard
+from .guard.explain import Scope
 from .guard.guard import Recorder
 from .loggers import make_loggers
 from .progress import Progress
@@ -182,6 +183,7 @@ class Trainer:
         # (losses whose backward retained the graph, whether the guard walked the step) -> first step seen
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = {}
         self._diagnosing = False  # re-running training_step to explain a missing graph
+        self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
 
     # -- what users override ---------------------------------------------------------------
     def training_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
@@ -297,15 +299,28 @@ class Trainer:
         self._hooks = {name: self._bind(name) for name in HOOKS}
         forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
+            if not self._shared:
+                self.run_dir, self.train_data = self.dist.share(self.model, self.run_dir, self.train_data)
+                if self.run_dir is not None:
+                    self.guard.out_dir = self.run_dir / "graphs" / (f"rank{self.dist.rank}" if self.dist.rank else "")
+                self._shared = True
             self.dist.attach(self, per_backward_hooks=bool(self._hooks["on_before_backward"]
                                                            or self._hooks["on_after_backward"]))
             self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 forward = self.dist.ddp  # training_step runs inside DDP's forward
-        self._runner = Runner(self, forward, self._hooks, self._autocast, self.to_device if self._move_batches else None,
-                              self._undo, self._named_parameters)
+        scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),
+                      parameters=self._parameters, rerun=self.rerun_recorded)
+        self._runner = Runner(self, forward, self._hooks, scope, self._autocast,
+                              self.to_device if self._move_batches else None, self._undo, self._named_parameters)
         zero = self.dist is None or self.dist.is_zero
         self.loggers = make_loggers(self._logger_names, self.run_dir) if zero else []
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The trained parameters: the model's, or the optimizers' when there is no model."""
+        if self.model is not None:
+            return list(self.model.parameters())
+        return [p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]]
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]

@@ -1,20 +1,41 @@
 """Finding the Python name of the tensor that holds an offending graph node.
 
-Searched in order: the trainer's attributes, the model's attributes, the batch,
-the globals and closure of ``training_step``; the garbage collector last. Only
-runs on the error path.
+Searched in order: the ``Scope``'s roots (for a Trainer: its attributes, then the
+model's), the globals and closure of its functions (``training_step``), the batch;
+the garbage collector last. Only runs on the error path.
 """
 from __future__ import annotations
 
 import gc
 from contextlib import suppress
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from .walk import reachable
+
+
+@dataclass
+class Scope:
+    """What the guard may look at to explain a mistake; it reaches no further.
+
+    Attributes:
+        roots: named objects whose attributes, items and submodules may hold the tensor at
+            fault, searched in order (a Trainer gives ``{"self": trainer, "self.model": model}``).
+        functions: whose globals and closure variables are searched too (``training_step``).
+        parameters: the trained parameters (none requiring grad: a frozen model; gradients on
+            them before the first backward: the step ran backward itself).
+        rerun: re-runs the step on a batch recording how its graph was lost (a set of
+            ``no_grad``, ``detach``, ``item``), changing nothing; None when it cannot.
+    """
+
+    roots: Mapping[str, Any] = field(default_factory=dict)
+    functions: tuple[Callable, ...] = ()
+    parameters: Callable[[], Iterable[torch.Tensor]] = tuple
+    rerun: Callable[[Any], set[str] | None] | None = None
 
 
 def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
@@ -31,7 +52,7 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
             yield from _items(val, f"{prefix}[{i}]", depth - 1)
 
 
-def _attributes(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
         for mod_name, mod in obj.named_modules():
             base = f"{prefix}.{mod_name}" if mod_name else prefix
@@ -53,19 +74,20 @@ def _attributes(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         if key.startswith("__"):
             continue
         yield from _items(val, f"{prefix}.{key}")
-        if isinstance(val, torch.nn.Module) and key not in ("model",):
+        if isinstance(val, torch.nn.Module) and id(val) not in roots:  # a root is searched under its own name
             yield from _attributes(val, f"{prefix}.{key}")
 
 
-def candidates(trainer: Any = None, batch: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    if trainer is not None:
-        yield from _attributes(trainer, "self")
-        model = getattr(trainer, "model", None)
-        if isinstance(model, torch.nn.Module):
-            yield from _attributes(model, "self.model")
-        fn = getattr(type(trainer), "training_step", None)
-        code = getattr(fn, "__code__", None)
-        if code is not None:
+def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    if scope is not None:
+        roots = {id(root) for root in scope.roots.values()}
+        for name, root in scope.roots.items():
+            if root is not None:
+                yield from _attributes(root, name, roots)
+        for fn in scope.functions:
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
             names = set(code.co_names)
             for key, val in fn.__globals__.items():
                 if key in names:
@@ -77,10 +99,10 @@ def candidates(trainer: Any = None, batch: Any = None) -> Iterator[tuple[str, to
         yield from _items(batch, "batch", depth=3)
 
 
-def find_holder(node, trainer: Any = None, batch: Any = None, scan_gc: bool = True) -> str | None:
+def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True) -> str | None:
     """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it)."""
     near = None
-    for name, tensor in candidates(trainer, batch):
+    for name, tensor in candidates(scope, batch):
         fn = tensor.grad_fn
         if fn is None:
             continue

@@ -1,6 +1,8 @@
 """The graph-lifecycle guard: pre-flight checks before backward, explanations after.
 
-One ``Guard`` lives in a Trainer. Per step the Trainer calls, in order:
+One ``Guard`` lives in a Trainer. It sees only what it is handed: the losses, the step
+number, the batch and a ``Scope`` (the roots to search for the tensor at fault, the
+trained parameters, a re-run for diagnosis). Per step the Trainer's step calls, in order:
 ``begin_step`` (decides whether this step is checked and reads the node counter),
 ``preflight`` (before any backward: raises or warns, and says which backwards must
 retain the graph), ``explain`` (only when a backward raised), ``end_step`` (leaks).
@@ -32,6 +34,7 @@ from ..errors import (
 )
 from ..settings import GUARD_DEFAULTS
 from . import explain, walk
+from .explain import Scope
 from .render import render
 from .walk import _peek
 
@@ -163,9 +166,11 @@ class Guard:
 
     # -- before backward -----------------------------------------------------------
     def preflight(
-        self, losses: Mapping[str, torch.Tensor], step: int, trainer: Any = None, batch: Any = None
+        self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
+        first: bool = False,
     ) -> list[bool] | None:
-        """Check every loss of the step before any backward runs.
+        """Check every loss of the step before any backward runs (``first``: no backward of the
+        step has run yet, so no trained parameter may hold a gradient).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -173,16 +178,30 @@ class Guard:
         """
         for name, loss in losses.items():
             if loss.grad_fn is None:
-                raise self.no_graph(name, loss, step, trainer, batch)
+                raise self.no_graph(name, loss, step, scope, batch)
         if not self.checking:
             return None
         t0 = time.perf_counter()
         try:
-            return self._preflight(losses, step, trainer, batch)
+            retain = self._preflight(losses, step, scope, batch)
+            if first and self.thorough and scope is not None:
+                self._check_no_grads(next(iter(losses)), step, scope)
+            return retain
         finally:
             self.spent += time.perf_counter() - t0
 
-    def _preflight(self, losses, step, trainer, batch) -> list[bool]:
+    def _check_no_grads(self, name: str, step: int, scope: Scope) -> None:
+        """Gradients present before the first backward mean training_step ran backward itself."""
+        if any(p.grad is not None for p in scope.parameters()):
+            raise DoubleBackwardError(
+                "gradients were already present when training_step returned: training_step (or a hook) "
+                "called backward itself, so the Trainer's backward would add them a second time",
+                step=step, loss_name=name,
+                fixes=["return the loss from training_step and let the Trainer call backward",
+                       "set automatic = False on your Trainer and call self.backward(loss) / "
+                       "self.step() inside training_step"])
+
+    def _preflight(self, losses, step, scope, batch) -> list[bool]:
         seen: set = set()
         owner: dict[int, int] = {}
         kept: set[int] = set()  # graphs built before the step that on_reuse keeps: every loss reaching one retains
@@ -202,19 +221,19 @@ class Guard:
                             retain[j] = True
                         if id(nxt) in kept:
                             retain[i] = True
-            if found.before and self._before_step(found.before, name, loss, step, trainer, batch):
+            if found.before and self._before_step(found.before, name, loss, step, scope, batch):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
                 continue
-            self._check_consumed(found.nodes, name, loss, step, trainer)
+            self._check_consumed(found.nodes, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
                 sentinel = _Sentinel()
                 root.metadata[_SENTINEL] = sentinel
                 self._sentinels.append(weakref.ref(sentinel))
         return retain
 
-    def _before_step(self, nodes, name, loss, step, trainer, batch) -> bool:
+    def _before_step(self, nodes, name, loss, step, scope, batch) -> bool:
         """Nodes made before the step: carried (earlier step) or reused (before training)."""
         def made_before_fit(node) -> bool:
             if self.fit_seq is not None and walk.HAS_SEQ:
@@ -223,7 +242,7 @@ class Guard:
 
         carried = [n for n in nodes if not made_before_fit(n)]
         if carried:
-            raise self._error(CarriedGraphError, carried[0], name, loss, step, trainer, batch,
+            raise self._error(CarriedGraphError, carried[0], name, loss, step, scope, batch,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; its graph "
                 "is back-propagated again in every step, grows every step, and its buffers were freed by "
                 "the first backward",
@@ -235,7 +254,7 @@ class Guard:
             key = f"share:{type(nodes[0]).__name__}"
             if key not in self._warned:
                 self._warned.add(key)
-                holder = explain.find_holder(nodes[0], trainer, batch, scan_gc=False)
+                holder = explain.find_holder(nodes[0], scope, batch, scan_gc=False)
                 warnings.warn(GraphSharingWarning(
                     f"step {step}, loss '{name}': the loss reaches {type(nodes[0]).__name__}, built before "
                     f"training started and held by {holder or 'a tensor made outside the step'}. It saves no "
@@ -250,7 +269,7 @@ class Guard:
                      if freed else
                      "this step's backward will free its saved tensors, and the next step would fail with "
                      "'Trying to backward through the graph a second time'")
-            raise self._error(GraphReuseError, node, name, loss, step, trainer, batch,
+            raise self._error(GraphReuseError, node, name, loss, step, scope, batch,
                 "the loss reaches {node}, built before the step (in __init__, at module level or before "
                 "fit) and held by {holder}; " + state,
                 ["recompute `{code}` inside training_step, so every step builds its own graph",
@@ -268,13 +287,13 @@ class Guard:
             log.info(msg)
         return True
 
-    def _check_consumed(self, nodes, name, loss, step, trainer) -> None:
+    def _check_consumed(self, nodes, name, loss, step, scope) -> None:
         """A graph a non-retaining backward already consumed (within this step)."""
         for node in nodes:
             if walk.saved_attrs(node):
                 err = walk.unpack_error(node, first=True)
                 if walk.is_freed(err):
-                    raise self._error(DoubleBackwardError, node, name, loss, step, trainer, None,
+                    raise self._error(DoubleBackwardError, node, name, loss, step, scope, None,
                         "its graph was already back-propagated without retain_graph (its saved tensors are "
                         "freed): training_step, a hook or an earlier loss called backward on it",
                         ["do not call loss.backward() in training_step: return the loss and the Trainer "
@@ -284,8 +303,8 @@ class Guard:
                 return  # the first node that saves tensors tells: a backward frees them all
 
     # -- loss without a graph --------------------------------------------------------
-    def no_graph(self, name, loss, step, trainer=None, batch=None) -> NoGraphError:
-        params = list(trainer.model.parameters()) if trainer is not None and hasattr(trainer, "model") else []
+    def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
+        params = list(scope.parameters()) if scope is not None else []
         if loss.is_inference():
             why = "it was computed under torch.inference_mode()"
             fixes = ["remove torch.inference_mode() from training_step (keep it for evaluation)"]
@@ -294,7 +313,7 @@ class Guard:
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
                      "leave the frozen model out of training"]
         else:
-            seen = trainer.rerun_recorded(batch) if trainer is not None and batch is not None else None
+            seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
             why, fixes = _why_detached(seen)
         return NoGraphError(
             f"{why}, so backward has nothing to differentiate (loss is a {loss.dtype} tensor with "
@@ -302,7 +321,7 @@ class Guard:
 
     # -- after a backward raised -------------------------------------------------------
     def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
-                trainer: Any = None, batch: Any = None, stepped: list[str] | None = None):
+                scope: Scope | None = None, batch: Any = None, stepped: list[str] | None = None):
         """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated)."""
         text = str(err)
         start = self.start_seq
@@ -311,10 +330,10 @@ class Guard:
             if before:
                 self.checking = True
                 try:
-                    self._before_step(before, name, loss, step, trainer, batch)
+                    self._before_step(before, name, loss, step, scope, batch)
                 except GraphLifecycleError as explained:
                     return explained
-            return self._error(DoubleBackwardError, None, name, loss, step, trainer, batch,
+            return self._error(DoubleBackwardError, None, name, loss, step, scope, batch,
                 "backward reached a graph whose saved tensors an earlier backward already freed (" +
                 text.split(".")[0] + ")",
                 ["do not call backward on the same loss twice, nor in training_step; return the loss",
@@ -326,7 +345,7 @@ class Guard:
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
             saving = [n for n in before if walk.is_inplace(walk.unpack_error(n))]
             if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
-                return self._error(InplaceModificationError, saving[0], name, loss, step, trainer, batch,
+                return self._error(InplaceModificationError, saving[0], name, loss, step, scope, batch,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
                     f"saved ({tensor}) was since changed in place (optimizer steps update parameters in place), "
                     "so a graph kept across steps goes stale and retain_graph cannot help",
@@ -347,11 +366,11 @@ class Guard:
                 if not self.trace:
                     fixes.append("set guard.trace=true (anomaly mode): PyTorch then prints the traceback of the "
                                  "forward call whose saved tensor was changed")
-            err = self._error(InplaceModificationError, None, name, loss, step, trainer, batch, detail, fixes)
+            err = self._error(InplaceModificationError, None, name, loss, step, scope, batch, detail, fixes)
             err.node_name = node_name
             return err
         if "does not require grad" in text:
-            return self.no_graph(name, loss, step, trainer, batch)
+            return self.no_graph(name, loss, step, scope, batch)
         return None
 
     def inplace_check(self, loss: torch.Tensor, stepped: Mapping[str, int],
@@ -377,7 +396,7 @@ class Guard:
             self.spent += time.perf_counter() - t0
 
     # -- after the step ------------------------------------------------------------------
-    def end_step(self, step: int, trainer: Any = None) -> None:
+    def end_step(self, step: int, scope: Scope | None = None) -> None:
         """Warn if a graph of this step is still alive (``running_loss += loss``)."""
         refs = self._sentinels
         if not refs:
@@ -387,7 +406,7 @@ class Guard:
             sentinel = ref()
             if sentinel is None:  # the graph died with its step, as it should
                 continue
-            holder = _leak_holder(sentinel, trainer)
+            holder = _leak_holder(sentinel, scope)
             key = "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
             if key in self._warned:
                 continue
@@ -398,9 +417,9 @@ class Guard:
                 "loss.detach() instead of the loss tensor"), stacklevel=3)
 
     # -- messages ------------------------------------------------------------------------
-    def _error(self, cls, node, name, loss, step, trainer, batch, detail, fixes,
+    def _error(self, cls, node, name, loss, step, scope, batch, detail, fixes,
                trace_hint: bool = False) -> GraphLifecycleError:
-        holder = explain.find_holder(node, trainer, batch) if node is not None else None
+        holder = explain.find_holder(node, scope, batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
         code = holder.split(" ", 1)[-1] if holder and holder[0] != "a" else None  # "global y" -> y
         names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
@@ -418,8 +437,8 @@ class Guard:
                    fixes=[f.format(**names) for f in fixes], picture=picture)
 
 
-def _leak_holder(sentinel, trainer) -> str:
-    for name, tensor in explain.candidates(trainer):
+def _leak_holder(sentinel, scope) -> str:
+    for name, tensor in explain.candidates(scope):
         fn = tensor.grad_fn
         stack, seen = [fn], set()
         while stack and len(seen) < 20_000:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from .. import nonfinite
-from ..errors import DoubleBackwardError, NonFiniteError, SafeloopError, StepError
+from ..errors import NonFiniteError, SafeloopError, StepError
+from ..guard.explain import Scope
 from ..guard.walk import HAS_SEQ, sequence_now
 from .plan import Backward, named_losses, plan
 from .undo import Undo
@@ -38,10 +39,11 @@ class Runner:
     """Runs the steps of one Trainer; made at ``setup``, from the Trainer's settings and parts.
 
     Args:
-        trainer: its public settings, optimizers, state and guard are read here once; the
-            guard also searches it for the tensor that holds a bad graph.
+        trainer: its public settings, optimizers, state and guard are read here, once.
         forward: ``training_step`` (or the DDP wrapper that calls it).
         hooks: the bound hooks by name (empty lists for hooks nobody overrides).
+        scope: what the guard may search to explain a mistake; its parameters lose their
+            gradients when a step is abandoned.
         autocast: a context-manager factory, or None (precision 32).
         move: moves a batch to the device, or None (CPU).
         undo: the Trainer's ``Undo`` (it lives as long as the optimizers: what it learned and its
@@ -49,9 +51,9 @@ class Runner:
         named_parameters: ``(name, parameter)`` pairs, for naming non-finite gradients.
     """
 
-    def __init__(self, trainer: Any, forward: Callable, hooks: Mapping[str, list], autocast: Callable | None,
-                 move: Callable | None, undo: Undo, named_parameters: Callable):
-        self.trainer, self.forward, self.hooks, self.autocast, self.move = trainer, forward, hooks, autocast, move
+    def __init__(self, trainer: Any, forward: Callable, hooks: Mapping[str, list], scope: Scope,
+                 autocast: Callable | None, move: Callable | None, undo: Undo, named_parameters: Callable):
+        self.forward, self.hooks, self.scope, self.autocast, self.move = forward, hooks, scope, autocast, move
         self.named_parameters = named_parameters
         self.state, self.guard, self.dist = trainer.state, trainer.guard, trainer.dist
         self.optimizers, self.schedulers, self.scaler = trainer.optimizers, trainer.schedulers, trainer.scaler
@@ -128,7 +130,7 @@ class Runner:
         for fn in hooks["on_step_end"]:
             fn(state.losses)
         if timed:
-            guard.end_step(step, self.trainer)
+            guard.end_step(step, self.scope)
             guard.record_step_time(step, _perf_counter() - started)
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int) -> None:
@@ -159,11 +161,7 @@ class Runner:
     def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
         """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
         guard = self.guard
-        retain = guard.preflight(losses, step, self.trainer, batch)
-        if first and guard.thorough:
-            started = _perf_counter()
-            self.check_no_grads(step, next(iter(losses)))
-            guard.spent += _perf_counter() - started  # part of the check's cost
+        retain = guard.preflight(losses, step, self.scope, batch, first)
         todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights)
         if len(todo) > 1:
             self.note_retain(todo, retain is not None, step)
@@ -196,12 +194,12 @@ class Runner:
         name = optimizer or "loss"
         loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
-        guard.preflight({name: loss}, step, self.trainer, None)
+        guard.preflight({name: loss}, step, self.scope, None)
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq)
             if found is not None:
                 err, stepped = found
-                raise guard.explain(err, name, loss, step, self.trainer, None, stepped) from err
+                raise guard.explain(err, name, loss, step, self.scope, None, stepped) from err
         inputs = None
         if self.routed:
             inputs = [p for g in self.optimizers[optimizer].param_groups for p in g["params"] if p.requires_grad]
@@ -220,24 +218,11 @@ class Runner:
         try:
             loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
-            explained = self.guard.explain(err, name, loss if original is None else original, step, self.trainer,
+            explained = self.guard.explain(err, name, loss if original is None else original, step, self.scope,
                                            batch, list(self.stepped))
             if explained is None:
                 raise
             raise explained from err
-
-    def check_no_grads(self, step: int, name: str) -> None:
-        """Gradients present before the first backward mean training_step ran backward itself."""
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                if any(p.grad is not None for p in group["params"]):
-                    raise DoubleBackwardError(
-                        "gradients were already present when training_step returned: training_step (or a hook) "
-                        "called backward itself, so the Trainer's backward would add them a second time",
-                        step=step, loss_name=name,
-                        fixes=["return the loss from training_step and let the Trainer call backward",
-                               "set automatic = False on your Trainer and call self.backward(loss) / "
-                               "self.step() inside training_step"])
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
         """Log, once per pattern, which backwards kept the graph alive for a later loss."""
@@ -348,9 +333,8 @@ class Runner:
             self.dist.reset()
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        model = getattr(self.trainer, "model", None)
-        if model is not None:
-            model.zero_grad(set_to_none=True)
+        for p in self.scope.parameters():
+            p.grad = None
         return report
 
 
