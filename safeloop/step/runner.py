@@ -100,11 +100,16 @@ class Runner:
                 if not automatic:
                     losses = named_losses(output, step, ()) if output is not None else {}
                 elif self.simple and type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
-                    losses = {"loss": output}
                     if guard.checking:
-                        self.backward_all(losses, step, batch, first=True, last=True)
-                    else:
-                        self.backward(output, "loss", step, batch, False, None)
+                        self.backward_all({"loss": output}, step, batch, first=True, last=True)
+                    else:  # the usual step, at its cheapest: the guard explains it only if backward fails
+                        try:
+                            output.backward()
+                        except RuntimeError as err:
+                            raise self.explained(err, output, "loss", step, batch)
+                    total = {"loss": output.data}  # a simple step has one batch
+                    del output, batch
+                    continue
                 else:
                     losses = named_losses(output, step, self.optimizers)
                     self.backward_all(losses, step, batch, first=i == 0, last=i == last)
@@ -218,11 +223,15 @@ class Runner:
         try:
             loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
-            explained = self.guard.explain(err, name, loss if original is None else original, step, self.scope,
-                                           batch, list(self.stepped))
-            if explained is None:
-                raise
-            raise explained from err
+            raise self.explained(err, loss if original is None else original, name, step, batch)
+
+    def explained(self, err: RuntimeError, loss: torch.Tensor, name: str, step: int, batch) -> Exception:
+        """What to raise for backward's ``err``: the guard's explanation, or ``err`` itself."""
+        explained = self.guard.explain(err, name, loss, step, self.scope, batch, list(self.stepped))
+        if explained is None:
+            return err
+        explained.__cause__ = err
+        return explained
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
         """Log, once per pattern, which backwards kept the graph alive for a later loss."""

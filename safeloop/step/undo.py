@@ -152,7 +152,7 @@ class Undo:
         self._snapshots: dict[str, Snapshot] = {}
         self.saved: list[str] = []  # snapshotted in this step
         self.unsaved: list[str] = []  # updated in this step without a snapshot
-        self.order: list[str] = []  # manual mode: updates of this step, in order
+        self.order: list[str] = []  # manual mode (``last`` unknown): updates of this step, in order
         self._seen: set[str] = set()  # manual mode: optimizers updated in an earlier step ...
         self._followed: set[str] = set()  # ... and those another update followed in the same step
 
@@ -161,11 +161,11 @@ class Undo:
         return sum(s.nbytes() for s in self._snapshots.values())
 
     def before_update(self, name: str, last: bool | None) -> None:
-        self.order.append(name)
+        if last is None:  # manual mode: last if it always was
+            self.order.append(name)
+            last = name in self._seen and name not in self._followed
         if name in self.saved or name in self.unsaved:
             return
-        if last is None:  # manual mode: last if it always was
-            last = name in self._seen and name not in self._followed
         if self.mode == "full" or (self.mode == "auto" and not last):
             snapshot = self._snapshots.get(name)
             if snapshot is None:
