@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import InplaceModificationError, StepError, Trainer
+from safeloop import InplaceModificationError, NonFiniteError, StepError, Trainer
 from safeloop import step as steps
 
 
@@ -519,3 +519,37 @@ def test_grad_clip_applies_in_both_modes_as_in_the_hand_written_loop(automatic):
     Step(ours, data, partial(torch.optim.SGD, lr=0.1), max_steps=3, grad_clip=0.5, device="cpu", progress=False,
          loggers=()).fit()
     assert_same_params(ref, ours, exact=True)
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_a_nan_in_the_last_update_of_a_manual_step_undoes_the_earlier_one(policy, caplog):
+    class NaNGenerator(ManualGAN):
+        def training_step(self, batch):
+            real, z = batch
+            fake = self.model.g(z)
+            d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
+            self.backward(d_loss, optimizer="d")
+            self.step("d")
+            g_loss = bce(self.model.d(fake), 1.0) * (float("nan") if self.state.step + 1 == 3 else 1.0)
+            self.backward(g_loss, optimizer="g")
+            self.step("g")  # the non-finite check runs here, after D's update
+            return {"d": d_loss, "g": g_loss}
+
+    torch.manual_seed(0)
+    model = GAN()
+    trainer = NaNGenerator(model=model, train_data=gan_batches(4), max_steps=2, device="cpu", progress=False,
+                           loggers=(), on_nonfinite=policy)
+    trainer.fit()
+    saved = state_of(model, trainer)
+    trainer.max_steps = 3
+    if policy == "error":
+        with pytest.raises(NonFiniteError, match=re.escape(
+                "step 3: loss 'g' is nan (a non-finite loss makes every gradient non-finite). The step was abandoned "
+                "before optimizer 'g' stepped (parameters and optimizer state are unchanged)")):
+            trainer.fit()
+    else:
+        with caplog.at_level(logging.WARNING, logger="safeloop"):
+            trainer.fit()
+        assert trainer.state.step == 3 and trainer.state.skipped == 1
+        assert "step 3 skipped, nothing updated: loss 'g' is nan" in caplog.text
+    assert_state(model, trainer, saved)  # D's update of step 3 was undone too
