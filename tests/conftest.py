@@ -31,3 +31,17 @@ def subprocess_env() -> dict:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def manual(cls):
+    """``cls`` in manual mode: the loss its training_step makes, back-propagated and stepped by the step itself."""
+    class Manual(cls):
+        automatic = False
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.backward(loss)
+            self.step()
+            return loss
+
+    return Manual

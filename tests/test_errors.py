@@ -12,7 +12,7 @@ import torch
 from safeloop import ConfigError, InplaceModificationError, NonFiniteError, StepError, Trainer
 from safeloop.config import build, compose
 
-from .conftest import subprocess_env
+from .conftest import manual, subprocess_env
 
 
 def data(n: int = 8, seed: int = 0) -> list:
@@ -144,20 +144,6 @@ def test_a_loss_key_naming_no_optimizer():
 
 
 # -- a failed step changes nothing (automatic and manual mode: one step cycle) ------------------
-def manual(cls):
-    """``cls`` in manual mode: the loss its training_step makes, back-propagated and stepped by the step itself."""
-    class Manual(cls):
-        automatic = False
-
-        def training_step(self, batch):
-            loss = super().training_step(batch)
-            self.backward(loss)
-            self.step()
-            return loss
-
-    return Manual
-
-
 @pytest.fixture(params=["automatic", "manual"])
 def mode(request):
     """Makes a Trainer class run in the parametrized mode."""

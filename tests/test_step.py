@@ -12,6 +12,8 @@ from torch import nn
 from safeloop import InplaceModificationError, NonFiniteError, StepError, Trainer
 from safeloop import step as steps
 
+from .conftest import manual
+
 
 def batches(n=6, d=8, seed=1):
     gen = torch.Generator().manual_seed(seed)
@@ -193,6 +195,7 @@ class ManualGAN(Trainer):
 
     automatic = False
     fail_at = None  # (step, where) to raise inside training_step
+    nan_at = None  # the step whose G loss is NaN
 
     def configure_optimizers(self):
         return {"d": torch.optim.Adam(self.model.d.parameters(), lr=0.01),
@@ -207,8 +210,10 @@ class ManualGAN(Trainer):
         if self.fail_at == (self.state.step + 1, "after d"):
             raise RuntimeError("boom after the D step")
         g_loss = bce(self.model.d(fake), 1.0)
+        if self.nan_at == self.state.step + 1:
+            g_loss = g_loss * float("nan")
         self.backward(g_loss, optimizer="g")
-        self.step("g")
+        self.step("g")  # the non-finite check runs here, after D's update
         if self.fail_at == (self.state.step + 1, "after g"):
             raise RuntimeError("boom after both steps")
         return {"d": d_loss, "g": g_loss}
@@ -418,14 +423,7 @@ class OneCycle(Trainer):
                 for n, o in optimizers.items()}
 
 
-class ManualOneCycle(OneCycle):
-    automatic = False
-
-    def training_step(self, batch):
-        loss = super().training_step(batch)
-        self.backward(loss)
-        self.step()
-        return loss
+ManualOneCycle = manual(OneCycle)
 
 
 @pytest.mark.parametrize("cls", [OneCycle, ManualOneCycle], ids=["automatic", "manual"])
@@ -497,15 +495,7 @@ def test_one_tensor_with_several_optimizers_asks_for_a_dict():
 
 @pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
 def test_grad_clip_applies_in_both_modes_as_in_the_hand_written_loop(automatic):
-    class Step(Trainer):
-        def training_step(self, batch):
-            loss = super().training_step(batch)
-            if not self.automatic:
-                self.backward(loss)
-                self.step()
-            return loss
-
-    Step.automatic = automatic
+    Step = Trainer if automatic else manual(Trainer)
     torch.manual_seed(0)
     ref, ours = nn.Linear(3, 1), nn.Linear(3, 1)
     ours.load_state_dict(ref.state_dict())
@@ -523,22 +513,10 @@ def test_grad_clip_applies_in_both_modes_as_in_the_hand_written_loop(automatic):
 
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_a_nan_in_the_last_update_of_a_manual_step_undoes_the_earlier_one(policy, caplog):
-    class NaNGenerator(ManualGAN):
-        def training_step(self, batch):
-            real, z = batch
-            fake = self.model.g(z)
-            d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
-            self.backward(d_loss, optimizer="d")
-            self.step("d")
-            g_loss = bce(self.model.d(fake), 1.0) * (float("nan") if self.state.step + 1 == 3 else 1.0)
-            self.backward(g_loss, optimizer="g")
-            self.step("g")  # the non-finite check runs here, after D's update
-            return {"d": d_loss, "g": g_loss}
-
     torch.manual_seed(0)
     model = GAN()
-    trainer = NaNGenerator(model=model, train_data=gan_batches(4), max_steps=2, device="cpu", progress=False,
-                           loggers=(), on_nonfinite=policy)
+    trainer = manual_gan(model, on_nonfinite=policy)
+    trainer.max_steps, trainer.nan_at = 2, 3
     trainer.fit()
     saved = state_of(model, trainer)
     trainer.max_steps = 3
