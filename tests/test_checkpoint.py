@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from safeloop import Callback, CheckpointError, Trainer
-from safeloop.checkpoint import Checkpointer, atomic_save, load
+from safeloop.checkpoint import FORMAT, Checkpointer, atomic_save, load
 from safeloop.config import compose, train
 
 from .checkpoint_job import make
@@ -193,14 +193,14 @@ def test_a_checkpoint_from_a_different_model_names_the_keys(tmp_path):
 
 def test_atomic_save_never_leaves_a_partial_file(tmp_path):
     path = tmp_path / "step-000000005.pt"
-    atomic_save({"format": 1, "x": torch.ones(3)}, path)
+    atomic_save({"format": FORMAT, "x": torch.ones(3)}, path)
 
     class Fails:
         def __reduce__(self):
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        atomic_save({"format": 1, "x": torch.zeros(10_000), "y": Fails()}, path)
+        atomic_save({"format": FORMAT, "x": torch.zeros(10_000), "y": Fails()}, path)
     assert torch.equal(load(path)["x"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
