@@ -21,15 +21,6 @@ from .checkpoint_job import make
 from .conftest import ROOT, subprocess_env
 
 
-@pytest.fixture
-def one_thread():
-    """Bit-identical comparisons with a subprocess need the same thread count on both sides."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def params(trainer_or_state) -> list[torch.Tensor]:
     if isinstance(trainer_or_state, Trainer):
         return [p.detach().clone() for p in trainer_or_state.model.parameters()]
