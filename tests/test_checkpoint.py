@@ -211,8 +211,8 @@ def test_the_config_is_stored_as_plain_containers(tmp_path):
 def test_a_checkpoint_of_another_format_is_named(tmp_path):
     path = tmp_path / "step-000000001.pt"
     torch.save({"format": 1, "modules": {}}, path)
-    with pytest.raises(CheckpointError, match=rf"step-000000001\.pt has format 1 and this safeloop reads format {FORMAT}: "
-                                              "resume it with the safeloop version that wrote it"):
+    with pytest.raises(CheckpointError, match=rf"step-000000001\.pt has format 1 and this safeloop reads format "
+                                              rf"{FORMAT}: resume it with the safeloop version that wrote it"):
         make(tmp_path / "run", 5, resume=path).fit()
 
 
