@@ -36,10 +36,15 @@ def ring_modes(modes: int = 8, radius: float = 2.0) -> torch.Tensor:
 
 
 class Batches:
-    """Batches ``(x,)`` of a fixed sample, reshuffled every epoch (cheaper than a DataLoader per step)."""
+    """Batches ``(x,)`` of a fixed sample, reshuffled every epoch (cheaper than a DataLoader per step).
+
+    It knows where it stands (``epoch``, and ``batch``: batches taken in it), and checkpoints save
+    that (``state_dict``), so a resumed run goes on with the same batches in the same order.
+    """
 
     def __init__(self, x: torch.Tensor, batch_size: int, seed: int):
-        self.x, self.batch_size, self.seed, self.epoch = x, batch_size, seed, 0
+        self.x, self.batch_size, self.seed = x, batch_size, seed
+        self.epoch = self.batch = 0
 
     def __len__(self) -> int:
         return len(self.x) // self.batch_size
@@ -51,9 +56,17 @@ class Batches:
 
     def __iter__(self):
         order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        self.epoch += 1
-        for i in range(len(self)):
+        while self.batch < len(self):
+            i = self.batch
+            self.batch += 1
             yield (self.x[order[i * self.batch_size:(i + 1) * self.batch_size]],)
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = state["epoch"], state["batch"]
 
 
 def ring(n: int = 32768, modes: int = 8, radius: float = 2.0, std: float = 0.05,

@@ -28,21 +28,34 @@ from safeloop.data import Data
 
 
 class Chunks:
-    """``(x, y)`` chunks of ``streams`` parallel streams, in time order; ``y`` is ``x`` one step ahead."""
+    """``(x, y)`` chunks of ``streams`` parallel streams, in time order; ``y`` is ``x`` one step ahead.
+
+    It knows how many chunks of the current pass it gave (``batch``), and checkpoints save that
+    (``state_dict``), so a resumed run goes on from the next chunk.
+    """
 
     def __init__(self, signal: torch.Tensor, streams: int, chunk: int):
         length = (len(signal) - 1) // streams
         self.x = signal[:length * streams].view(streams, length, 1)
         self.y = signal[1:length * streams + 1].view(streams, length, 1)
         self.chunk = chunk
+        self.batch = 0
 
     def __len__(self) -> int:
         return self.x.shape[1] // self.chunk
 
     def __iter__(self):
-        for i in range(len(self)):
-            t = slice(i * self.chunk, (i + 1) * self.chunk)
+        while self.batch < len(self):
+            t = slice(self.batch * self.chunk, (self.batch + 1) * self.chunk)
+            self.batch += 1
             yield self.x[:, t], self.y[:, t]
+        self.batch = 0
+
+    def state_dict(self) -> dict:
+        return {"batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch = state["batch"]
 
 
 def signal(length: int = 200_000, streams: int = 16, chunk: int = 50, noise: float = 0.05, seed: int = 0) -> Data:
@@ -83,6 +96,13 @@ class TBPTTTrainer(Trainer):
         # .detach(): the next step starts from this state's value, not from this step's graph.
         self.hidden = hidden.detach() if self.detach_hidden else hidden
         return F.mse_loss(pred, y)
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["tbptt"] = {"hidden": self.hidden}  # a resumed run carries on from this state
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        hidden = checkpoint["tbptt"]["hidden"]
+        self.hidden = hidden.to(self.device) if hidden is not None else None
 
     def on_step_end(self, losses) -> None:
         if self.first_loss is None:

@@ -1,7 +1,9 @@
 """Callback objects: the Trainer's hooks, as separate objects.
 
 A callback's hook receives the trainer first: ``on_step_end(self, trainer, losses)``.
-Only hooks a callback overrides are called.
+Only hooks a callback overrides are called. ``on_save_checkpoint`` puts what the callback needs
+saved into the checkpoint dict under a key of its own (tensors and plain containers);
+``on_load_checkpoint`` reads it back when a run resumes.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ HOOKS = (
     "on_step_end",
     "on_validation_end",
     "on_fit_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
 )
 
 
@@ -26,3 +30,5 @@ class Callback:
     def on_step_end(self, trainer, losses) -> None: ...
     def on_validation_end(self, trainer, metrics) -> None: ...
     def on_fit_end(self, trainer) -> None: ...
+    def on_save_checkpoint(self, trainer, checkpoint) -> None: ...
+    def on_load_checkpoint(self, trainer, checkpoint) -> None: ...

@@ -1,20 +1,16 @@
-"""Checkpoints: atomic save, safe load, exact resume.
+"""Checkpoint files: atomic save, safe load, which checkpoint to resume from, the data position.
 
-A checkpoint is one ``torch.save`` file, ``<dir>/step-000001000.pt``, holding only tensors
-and plain containers, so that it loads with ``torch.load(weights_only=True)``:
+What a checkpoint holds is listed by ``Trainer.state_dict()`` / ``Trainer.load_state_dict()``;
+this module writes and reads it. A checkpoint is one ``torch.save`` file,
+``<dir>/step-000001000.pt``, holding only tensors and plain containers, so that it loads with
+``torch.load(weights_only=True)``.
 
-- ``modules``: the state dict of every ``nn.Module`` attribute of the Trainer (``model``,
-  and a subclass's own, such as ``generator`` and ``critic``)
-- ``optimizers``, ``schedulers``, ``scaler``: their state dicts, by name
-- ``state``: ``TrainState.state_dict()`` (step, epoch, batches consumed in the epoch, ...)
-- ``rng``: torch, CUDA, Python ``random`` and NumPy generator states at the save
-- ``data``: the RNG states the current epoch drew its order from (see ``fast_forward``)
-- ``config``: the resolved run config as plain dicts and lists (never an OmegaConf object)
-
-Exact resume rests on two things: everything that decides the next step is in the file,
-and the interrupted epoch is re-drawn from the RNG states it started with, then
-fast-forwarded past the batches already consumed, so a shuffled epoch continues in the
-same order.
+Exact resume rests on two things: everything that decides the next step is in the file, and
+the interrupted epoch goes on where it stopped. A data iterable with ``state_dict()`` /
+``load_state_dict()`` (torchdata's ``StatefulDataLoader``, the recipes' batch makers) keeps
+its own position: its state is saved and loaded, and it goes on from there. Any other is
+re-drawn from the RNG states its epoch started with, then fast-forwarded past the batches
+already consumed (``fast_forward``), so a shuffled epoch continues in the same order.
 """
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ import pickle
 import random
 import re
 import signal
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +37,7 @@ except ImportError:  # NumPy is optional
 
 log = logging.getLogger("safeloop")
 
-FORMAT = 1
+FORMAT = 2  # 2: modules by Trainer.modules(), data as {epoch_start, iterable}, hooks' entries
 _NAME = re.compile(r"step-(\d+)\.pt")
 
 
@@ -97,8 +94,11 @@ def load(path: str | Path) -> dict:
         detail = str(err).splitlines()[0] if str(err) else "empty file"
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt and cannot be read "
                               f"({type(err).__name__}: {detail})", path) from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a safeloop checkpoint (it has no 'format': {FORMAT} entry)", path)
+    if not isinstance(data, dict) or "format" not in data:
+        raise CheckpointError(f"{path} is not a safeloop checkpoint (it has no 'format' entry)", path)
+    if data["format"] != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {data['format']!r} and this safeloop reads format "
+                              f"{FORMAT}: resume it with the safeloop version that wrote it", path)
     return data
 
 
@@ -127,10 +127,11 @@ class Checkpointer:
         return [p for _, p in sorted(found)]
 
     def save(self, trainer) -> Path | None:
+        checkpoint = trainer.state_dict()  # on every rank, so that on_save_checkpoint hooks run on every rank
         if not is_rank_zero():  # the one place deciding who writes
             return None
         path = self.path(trainer.state.step)
-        atomic_save(capture(trainer), path)
+        atomic_save(checkpoint, path)
         self.last = path
         for old in self.saved()[:-self.keep]:
             old.unlink(missing_ok=True)
@@ -166,55 +167,86 @@ class Checkpointer:
                               "warnings above); move them away to start from scratch", self.dir)
 
 
-# -- what goes in, what comes out --------------------------------------------------------------
-def modules(trainer) -> dict[str, torch.nn.Module]:
-    """The Trainer's ``nn.Module`` attributes: ``model``, and a subclass's own (``generator``...)."""
-    return {name: value for name, value in vars(trainer).items() if isinstance(value, torch.nn.Module)}
-
-
-def capture(trainer) -> dict:
-    return {
-        "format": FORMAT,
-        "step": trainer.state.step,
-        "modules": {name: module.state_dict() for name, module in modules(trainer).items()},
-        "optimizers": {name: opt.state_dict() for name, opt in trainer.optimizers.items()},
-        "schedulers": {name: sched.state_dict() for name, sched in trainer.schedulers.items()},
-        "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-        "state": trainer.state.state_dict(),
-        "rng": rng_state(),
-        "data": trainer._epoch_rng,
-        "config": trainer.config,
-    }
-
-
-def restore(trainer, data: dict, path: Path) -> None:
-    """Load ``data`` into the Trainer's modules, optimizers, schedulers, scaler and state.
-
-    The global RNG states are left to the caller (``set_rng_state(data["rng"])``), to be set
-    just before the first step, so that nothing in between draws from them.
-    """
-    mine = modules(trainer)
-    theirs = data["modules"]
-    problems = [f"the Trainer has no module attribute {name!r}" for name in theirs if name not in mine]
-    problems += [f"the checkpoint has no state for the Trainer's module {name!r}" for name in mine
+# -- loading into a Trainer (Trainer.load_state_dict) -----------------------------------------
+def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Path | None) -> None:
+    """Load the saved state dicts into ``modules`` (``Trainer.modules()``), after checking they fit."""
+    theirs = checkpoint["modules"]
+    problems = [f"the Trainer has no module {name!r} (see Trainer.modules())" for name in theirs
+                if name not in modules]
+    problems += [f"the checkpoint has no state for the Trainer's module {name!r}" for name in modules
                  if name not in theirs]
-    for name in mine.keys() & theirs.keys():
-        problems += _mismatch(name, mine[name].state_dict(), theirs[name])
+    for name in modules.keys() & theirs.keys():
+        problems += _mismatch(name, modules[name].state_dict(), theirs[name])
     if problems:
-        raise CheckpointError(f"checkpoint {path} was saved from a different model: " + "; ".join(problems)
-                              + ". Resume with the model configuration it was saved with"
-                              + _saved_model(data), path)
-    for name, module in mine.items():
+        raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
+                              + ". Resume with the model configuration it was saved with" + _saved_model(checkpoint),
+                              path)
+    for name, module in modules.items():
         module.load_state_dict(theirs[name])
-    _load_named(path, "optimizer", trainer.optimizers, data["optimizers"])
-    _load_named(path, "scheduler", trainer.schedulers, data["schedulers"])
-    if (trainer.scaler is None) != (data["scaler"] is None):
-        raise CheckpointError(f"checkpoint {path} was saved {'with' if data['scaler'] else 'without'} a "
-                              "GradScaler (precision 16) and this run is not: resume with the same precision", path)
-    if trainer.scaler is not None:
-        trainer.scaler.load_state_dict(data["scaler"])
-    trainer.state.load_state_dict(data["state"])
-    trainer._epoch_rng = data["data"]
+
+
+def load_named(kind: str, live: dict, saved: dict, path: Path | None) -> None:
+    """Load optimizers' or schedulers' state dicts by name."""
+    if live.keys() != saved.keys():
+        raise CheckpointError(f"{_named(path)} has {kind}s {sorted(saved)} but this run has {sorted(live)}: "
+                              f"resume with the same configure_{kind}s", path)
+    for name, obj in live.items():
+        try:
+            obj.load_state_dict(saved[name])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{_named(path)}: {kind} {name!r} does not fit this run's ({err})", path) from None
+
+
+def load_scaler(scaler, saved: dict | None, path: Path | None) -> None:
+    if (scaler is None) != (saved is None):
+        raise CheckpointError(f"{_named(path)} was saved {'with' if saved else 'without'} a GradScaler "
+                              "(precision 16) and this run is not: resume with the same precision", path)
+    if scaler is not None:
+        scaler.load_state_dict(saved)
+
+
+def stateful(data) -> bool:
+    """Whether ``data`` keeps its own position (``state_dict()`` and ``load_state_dict()``)."""
+    return callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
+
+
+def load_data(data, saved: dict | None) -> None:
+    """Put a stateful ``data`` back where the checkpoint's stood (see the module docstring)."""
+    if stateful(data) and saved is not None:
+        data.load_state_dict(saved)
+    elif stateful(data):
+        log.warning("resume: the checkpoint holds no state for train_data (a %s with state_dict()): it goes on "
+                    "from its own state, not from where the interrupted epoch stopped", type(data).__name__)
+    elif saved is not None:
+        log.warning("resume: the checkpoint holds the state of a data iterable and train_data (a %s) has no "
+                    "load_state_dict(): the interrupted epoch is re-drawn and fast-forwarded instead",
+                    type(data).__name__)
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raise unless ``value`` is tensors and plain containers, which ``torch.load(weights_only=True)`` reads:
+    a checkpoint that cannot be loaded would be found out only when resuming."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            check_plain(key, f"a key of {where}")
+            check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+    else:
+        raise CheckpointError(
+            f"on_save_checkpoint put a {type(value).__module__}.{type(value).__qualname__} at {where}: a checkpoint "
+            "holds only tensors, numbers, strings, and lists, tuples and dicts of them, so that it loads with "
+            "torch.load(weights_only=True). Store its state_dict() or its values instead")
+
+
+def _named(path: Path | None) -> str:
+    return f"checkpoint {path}" if path is not None else "the checkpoint"
 
 
 def _mismatch(module: str, mine: dict, theirs: dict) -> list[str]:
@@ -239,17 +271,6 @@ def _few(items: list[str], n: int = 6) -> str:
 def _saved_model(data: dict) -> str:
     model = (data.get("config") or {}).get("model")
     return f" (its model config: {model})" if model else ""
-
-
-def _load_named(path: Path, kind: str, live: dict, saved: dict) -> None:
-    if live.keys() != saved.keys():
-        raise CheckpointError(f"checkpoint {path} has {kind}s {sorted(saved)} but this run has {sorted(live)}: "
-                              f"resume with the same configure_{kind}s", path)
-    for name, obj in live.items():
-        try:
-            obj.load_state_dict(saved[name])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"checkpoint {path}: {kind} {name!r} does not fit this run's ({err})", path) from None
 
 
 # -- random number generators and the data position -------------------------------------------

@@ -62,7 +62,9 @@ class Trainer:
     ``on_fit_start()``; per step ``on_step_start()``, per loss ``on_before_backward(name,
     loss)``, ``on_after_backward(name)``, per optimizer ``on_before_optimizer_step(name,
     optimizer)``, then ``on_step_end(losses)``; ``on_validation_end(metrics)`` after each
-    validation; ``on_fit_end()``.
+    validation; ``on_fit_end()``. Checkpoints: ``on_load_checkpoint(checkpoint)`` when resuming
+    (before ``on_fit_start``), ``on_save_checkpoint(checkpoint)`` at each save; put what you
+    need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
 
     Args:
         model: the ``nn.Module`` to train (moved to ``device``).
@@ -219,6 +221,8 @@ class Trainer:
     def on_step_end(self, losses: Mapping[str, torch.Tensor]) -> None: ...
     def on_validation_end(self, metrics: Mapping[str, float]) -> None: ...
     def on_fit_end(self) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict) -> None: ...
+    def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
     # -- the run -----------------------------------------------------------------------------
     def fit(self) -> TrainState:
@@ -232,14 +236,16 @@ class Trainer:
         self.progress = Progress(self.max_steps, self._progress_enabled and (self.dist is None or self.dist.is_zero))
         failed = False
         try:
-            rng = self._resume() if self.resume is not None else None
+            if self.resume is not None:
+                self._resume()
             with self.guard.context(), ckpt.stop_signals(self):
                 self._call("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
                     self.validate()
                 self.guard.start_fit()
-                if rng is not None:  # set last, so that nothing before the first step draws from it
-                    ckpt.set_rng_state(rng)
+                if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
+                    ckpt.set_rng_state(self._loaded_rng)
+                    self._loaded_rng = None
                 self._loop()
                 if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
                     self.checkpointer.save(self)
@@ -260,14 +266,14 @@ class Trainer:
                 self.dist.close(failed)
         return self.state
 
-    def _resume(self) -> dict | None:
-        """Load the checkpoint ``resume`` names; returns its RNG states, to set just before the first step."""
+    def _resume(self) -> None:
+        """Load the checkpoint ``resume`` names."""
         finder = self.checkpointer or ckpt.Checkpointer(Path(self.resume))
         found = finder.find(self.resume)
         if found is None:
-            return None
+            return
         path, data = found
-        ckpt.restore(self, data, path)
+        self.load_state_dict(data, path)
         if self.checkpointer is not None:
             self.checkpointer.last = path
         state = self.state
@@ -275,11 +281,64 @@ class Trainer:
                  state.batch_in_epoch)
         if self.max_steps is not None and state.step >= self.max_steps:
             log.info("the checkpoint is at step %d and max_steps=%d: nothing to train", state.step, self.max_steps)
-        return data["rng"]
 
     def save_checkpoint(self) -> Path | None:
         """Save a checkpoint now (the Trainer does at every ``checkpoint.every`` steps and at the end)."""
         return self.checkpointer.save(self) if self.checkpointer is not None else None
+
+    # -- what a checkpoint holds ---------------------------------------------------------------
+    _loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before fit()'s next step
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The user's modules by name: what checkpoints save. Default ``{"model": self.model}`` (none
+        without a model); override it to add a module kept outside ``model``, such as an EMA copy."""
+        return {"model": self.model} if self.model is not None else {}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds: ``modules()``' state dicts, optimizers, schedulers, the grad scaler,
+        ``state`` (``TrainState``), the global RNG states, where the data stands (the RNG states its
+        epoch started with and, if ``train_data`` has ``state_dict()``, its state), the run config,
+        and whatever ``on_save_checkpoint`` hooks add. Tensors and plain containers only, so that
+        it loads with ``torch.load(weights_only=True)``. Needs ``setup()`` first (``fit()`` calls it).
+        """
+        self._need_setup("state_dict")
+        data = self.train_data
+        checkpoint = {
+            "format": ckpt.FORMAT,
+            "step": self.state.step,
+            "modules": {name: module.state_dict() for name, module in self.modules().items()},
+            "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()},
+            "schedulers": {name: sched.state_dict() for name, sched in self.schedulers.items()},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "state": self.state.state_dict(),
+            "rng": ckpt.rng_state(),
+            "data": {"epoch_start": self._epoch_rng, "iterable": data.state_dict() if ckpt.stateful(data) else None},
+            "config": self.config,
+        }
+        ours = set(checkpoint)
+        self._call("on_save_checkpoint", checkpoint)
+        for key in checkpoint.keys() - ours:
+            ckpt.check_plain(checkpoint[key], f"checkpoint[{key!r}]")
+        return checkpoint
+
+    def load_state_dict(self, checkpoint: Mapping, path: str | Path | None = None) -> None:
+        """Load what ``state_dict()`` saved (``path``: the file it came from, named in errors), then call
+        ``on_load_checkpoint``. The global RNG states are set when ``fit()`` starts its next step, so
+        that nothing before it draws from them. Needs ``setup()`` first (``fit()`` calls it)."""
+        self._need_setup("load_state_dict")
+        ckpt.load_modules(self.modules(), checkpoint, path)
+        ckpt.load_named("optimizer", self.optimizers, checkpoint["optimizers"], path)
+        ckpt.load_named("scheduler", self.schedulers, checkpoint["schedulers"], path)
+        ckpt.load_scaler(self.scaler, checkpoint["scaler"], path)
+        self.state.load_state_dict(checkpoint["state"])
+        self._epoch_rng = checkpoint["data"]["epoch_start"]
+        ckpt.load_data(self.train_data, checkpoint["data"]["iterable"])
+        self._loaded_rng = checkpoint["rng"]
+        self._call("on_load_checkpoint", checkpoint)
+
+    def _need_setup(self, method: str) -> None:
+        if not self.optimizers:
+            raise SafeloopError(f"Trainer.{method}() needs the optimizers: call trainer.setup() first (fit() does)")
 
     def setup(self) -> None:
         """Place the model, build optimizers, schedulers, hooks and loggers (idempotent)."""
@@ -323,7 +382,7 @@ class Trainer:
         return [p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]]
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(f"{m}.{n}", p) for m, module in ckpt.modules(self).items() for n, p in module.named_parameters()]
+        return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]
 
     def _bind(self, name: str) -> list[Callable]:
         """Only overridden hooks are called, so that unused hooks cost nothing per step."""
@@ -346,7 +405,9 @@ class Trainer:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.state.epoch)
             start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
-            if start:  # the order the epoch had before the interruption, past the batches consumed
+            if start and ckpt.stateful(self.train_data):  # it goes on from its own (loaded) position
+                batches = self.train_data
+            elif start:  # the order the epoch had before the interruption, past the batches consumed
                 batches = ckpt.fast_forward(self.train_data, self._epoch_rng, start)
             else:
                 self._epoch_rng = ckpt.epoch_start(self.train_data)

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from safeloop import Trainer
 
 
-def make(checkpoint_dir, max_steps: int, resume=None, own_generator: bool = True, **kwargs) -> Trainer:
+def make(checkpoint_dir, max_steps: int, resume=None, own_generator: bool = True, cls: type[Trainer] = Trainer,
+         **kwargs) -> Trainer:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     gen = torch.Generator().manual_seed(1)
@@ -24,7 +25,7 @@ def make(checkpoint_dir, max_steps: int, resume=None, own_generator: bool = True
     settings = dict(max_steps=max_steps, val_every=5, checkpoint={"dir": str(checkpoint_dir), "every": 7},
                     resume=resume, progress=False, device="cpu", loggers=())
     settings.update(kwargs)
-    return Trainer(model, loader, partial(torch.optim.Adam, lr=1e-2), val_data=val,
+    return cls(model, loader, partial(torch.optim.Adam, lr=1e-2), val_data=val,
                    scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=4, gamma=0.7), **settings)
 
 

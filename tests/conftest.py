@@ -22,6 +22,15 @@ def _fresh_state(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def one_thread():
+    """Bit-identical comparisons with a subprocess need the same thread count on both sides."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def repo_root() -> Path:
     return ROOT
 

@@ -3,6 +3,9 @@
 ``torchrun --nproc-per-node=2 tests/ddp_cases.py OUT_DIR CASE...`` runs each case on its rank's
 shard and saves every rank's parameters and first-step gradients to ``OUT_DIR/CASE_rankR.pt``;
 ``result(case, world=1)`` runs the same case in one process over the same global batches.
+``resume-CASE`` stops halfway (a checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new
+Trainer; ``from-one-process-CASE`` resumes from ``OUT_DIR/one-process-CASE``, written by
+``halfway(CASE, 1, ...)`` before the launch.
 """
 from __future__ import annotations
 
@@ -134,35 +137,42 @@ class ManualGan(Gan):
         return {"d": d_loss.detach(), "g": g_loss.detach()}
 
 
-def build(case: str, world: int) -> Trainer:
+def build(case: str, world: int, **settings) -> Trainer:
     torch.manual_seed(0)
     accum = 2 if case == "accum" else 1
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
     common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=(), grad_accum=accum)
-    if case in ("gan", "manual_gan"):
-        cls = Gan if case == "gan" else ManualGan
-        return cls(model=GanLike(), **common)
-    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
-           "schedule": UnevenChecks}.get(case, Recording)
-    model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     if case == "nan_skip":
         common["on_nonfinite"] = "skip"
     if case == "unused":
         common["find_unused_parameters"] = True
     if case == "schedule":  # long enough for the auto schedule to space its checks
         common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.1})
+    common.update(settings)
+    if case in ("gan", "manual_gan"):
+        cls = Gan if case == "gan" else ManualGan
+        return cls(model=GanLike(), **common)
+    cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
+           "schedule": UnevenChecks}.get(case, Recording)
+    model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     trainer = cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
     x, y = dataset()[:4]
     trainer.stale = F.mse_loss(model(x), y)
     return trainer
 
 
-def result(case: str, world: int = 1) -> dict:
-    trainer = build(case, world)
+def result(case: str, world: int = 1, **settings) -> dict:
+    trainer = build(case, world, **settings)
     trainer.fit()
-    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "grads": trainer.first_grads,
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()],
+            "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": trainer.dist is not None and trainer.dist.ddp is not None,
             "checked": getattr(trainer, "checked", None)}
+
+
+def halfway(case: str, world: int, directory: Path) -> None:
+    """``case`` trained for half its steps, with a checkpoint at the end in ``directory``."""
+    build(case, world, max_steps=STEPS // 2, checkpoint={"dir": str(directory)}).fit()
 
 
 if __name__ == "__main__":
@@ -172,6 +182,16 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")  # one group for every case; each Trainer joins it
     rank = dist.get_rank()
+    world = dist.get_world_size()
     for case in sys.argv[2:]:
-        torch.save(result(case, dist.get_world_size()), out / f"{case}_rank{rank}.pt")
+        if case.startswith("resume-"):
+            halfway(case.removeprefix("resume-"), world, out / case)
+            dist.barrier()  # rank zero has written the checkpoint before the others look for it
+            done = result(case.removeprefix("resume-"), world, resume=str(out / case), checkpoint=False)
+        elif case.startswith("from-one-process-"):
+            name = case.removeprefix("from-one-process-")
+            done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        else:
+            done = result(case, world)
+        torch.save(done, out / f"{case}_rank{rank}.pt")
     dist.destroy_process_group()

@@ -1,33 +1,27 @@
-"""Checkpoints: exact resume in a new process, kills at random moments, safe loading."""
+"""Checkpoints: exact resume in a new process, kills at random moments, safe loading, what they hold."""
+import copy
 import csv
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import DictConfig
 
-from safeloop import Callback, CheckpointError, Trainer
-from safeloop.checkpoint import Checkpointer, atomic_save, load
+from safeloop import Callback, CheckpointError, SafeloopError, Trainer
+from safeloop.checkpoint import FORMAT, Checkpointer, atomic_save, load
 from safeloop.config import compose, train
 
 from .checkpoint_job import make
 from .conftest import ROOT, subprocess_env
-
-
-@pytest.fixture
-def one_thread():
-    """Bit-identical comparisons with a subprocess need the same thread count on both sides."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def params(trainer_or_state) -> list[torch.Tensor]:
@@ -193,14 +187,14 @@ def test_a_checkpoint_from_a_different_model_names_the_keys(tmp_path):
 
 def test_atomic_save_never_leaves_a_partial_file(tmp_path):
     path = tmp_path / "step-000000005.pt"
-    atomic_save({"format": 1, "x": torch.ones(3)}, path)
+    atomic_save({"format": FORMAT, "x": torch.ones(3)}, path)
 
     class Fails:
         def __reduce__(self):
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        atomic_save({"format": 1, "x": torch.zeros(10_000), "y": Fails()}, path)
+        atomic_save({"format": FORMAT, "x": torch.zeros(10_000), "y": Fails()}, path)
     assert torch.equal(load(path)["x"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
@@ -212,3 +206,166 @@ def test_the_config_is_stored_as_plain_containers(tmp_path):
     saved = load(tmp_path / "step-000000003.pt")  # weights_only=True
     assert type(saved["config"]) is dict and not isinstance(saved["config"], DictConfig)
     assert saved["config"]["model"]["hidden"] == 64 and saved["config"]["checkpoint"]["every"] == 1000
+
+
+def test_a_checkpoint_of_another_format_is_named(tmp_path):
+    path = tmp_path / "step-000000001.pt"
+    torch.save({"format": 1, "modules": {}}, path)
+    with pytest.raises(CheckpointError, match=rf"step-000000001\.pt has format 1 and this safeloop reads format "
+                                              rf"{FORMAT}: resume it with the safeloop version that wrote it"):
+        make(tmp_path / "run", 5, resume=path).fit()
+
+
+def test_state_dict_and_load_state_dict_carry_a_run_over_to_another_trainer(tmp_path):
+    straight = make(tmp_path, 30, checkpoint=False)
+    straight.fit()
+    first = make(tmp_path, 15, checkpoint=False)
+    first.fit()
+    saved = first.state_dict()  # the global RNG states as they are now, at the end of step 15
+    second = make(tmp_path, 30, checkpoint=False)
+    with pytest.raises(SafeloopError, match=re.escape("Trainer.load_state_dict() needs the optimizers: call "
+                                                      "trainer.setup() first (fit() does)")):
+        second.load_state_dict(saved)
+    second.setup()
+    second.load_state_dict(saved)
+    second.fit()  # the loaded RNG states are set before step 16: dropout draws what it drew in the straight run
+    assert all(torch.equal(a, b) for a, b in zip(params(second), params(straight)))
+    assert second.state.val_history == straight.state.val_history
+
+
+def test_a_checkpoint_holds_the_modules_that_modules_names_and_no_other(tmp_path):
+    trainer = make(tmp_path, 7)
+    trainer.spare = torch.nn.Linear(2, 2)  # an attribute that modules() does not name
+    trainer.fit()
+    assert list(load(tmp_path / "step-000000007.pt")["modules"]) == ["model"]
+    assert Trainer(train_data=[1], max_steps=1).modules() == {}  # no model, nothing named
+
+
+class EmaTrainer(Trainer):
+    """Keeps an exponential moving average of the model outside ``model``, and counts its updates."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ema, self.updates = copy.deepcopy(self.model).requires_grad_(False), 0
+
+    def modules(self):
+        return {**super().modules(), "ema": self.ema}
+
+    def on_step_end(self, losses):
+        with torch.no_grad():
+            for average, p in zip(self.ema.parameters(), self.model.parameters()):
+                average.lerp_(p, 0.1)
+        self.updates += 1
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["ema"] = {"updates": self.updates}
+
+    def on_load_checkpoint(self, checkpoint):
+        self.updates = checkpoint["ema"]["updates"]
+
+
+class Counter(Callback):
+    """Counts steps across resumes (the count travels in the checkpoint) and records its hooks."""
+
+    def __init__(self):
+        self.steps, self.calls = 0, []
+
+    def on_fit_start(self, trainer):
+        self.calls.append("fit start")
+
+    def on_step_end(self, trainer, losses):
+        self.steps += 1
+        self.calls.append(f"step {trainer.state.step}")
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        checkpoint["counter"] = {"steps": torch.tensor(self.steps)}
+        self.calls.append(f"save {trainer.state.step}")
+
+    def on_load_checkpoint(self, trainer, checkpoint):
+        self.steps = int(checkpoint["counter"]["steps"])
+        self.calls.append(f"load {trainer.state.step}")
+
+
+def test_modules_and_the_checkpoint_hooks_of_a_subclass_and_a_callback_round_trip(tmp_path):
+    straight = make(tmp_path / "a", 20, cls=EmaTrainer)
+    straight.fit()
+    make(tmp_path / "b", 10, cls=EmaTrainer, callbacks=[Counter()]).fit()  # saves at 7 and 10
+    saved = load(tmp_path / "b" / "step-000000010.pt")
+    assert list(saved["modules"]) == ["model", "ema"]
+    assert saved["ema"] == {"updates": 10} and saved["counter"] == {"steps": torch.tensor(10)}
+
+    counter = Counter()
+    resumed = make(tmp_path / "b", 20, resume="auto", cls=EmaTrainer, callbacks=[counter])
+    resumed.fit()
+    assert resumed.updates == counter.steps == 20
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.parameters(), straight.ema.parameters()))
+    # on_load_checkpoint before on_fit_start; on_save_checkpoint after the step's on_step_end (saves at 14, 20)
+    assert counter.calls == ["load 10", "fit start", *[f"step {s}" for s in range(11, 15)], "save 14",
+                             *[f"step {s}" for s in range(15, 21)], "save 20"]
+
+    with pytest.raises(CheckpointError, match=re.escape("step-000000020.pt was saved from a different model: the "
+                                                        "Trainer has no module 'ema' (see Trainer.modules())")):
+        make(tmp_path / "b", 30, resume="auto").fit()
+
+
+class Note:
+    """Not a tensor or a plain container: torch.load(weights_only=True) refuses it."""
+
+
+def test_a_hook_that_puts_an_object_into_the_checkpoint_is_stopped_at_the_save(tmp_path):
+    class Stores(Callback):
+        def on_save_checkpoint(self, trainer, checkpoint):
+            checkpoint["mine"] = {"fine": [torch.ones(2), 3, "x", None], "bad": Note()}
+
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"on_save_checkpoint put a {__name__}.Note at checkpoint['mine']['bad']: a checkpoint holds only "
+            "tensors, numbers, strings, and lists, tuples and dicts of them, so that it loads with "
+            "torch.load(weights_only=True)")):
+        make(tmp_path, 10, callbacks=[Stores()]).fit()
+    assert not list(tmp_path.iterdir())  # stopped at the first save (step 7), nothing written
+
+
+class Numbered:
+    """Batches numbered 0, 1, ... n-1 each epoch, keeping its own position (as torchdata's StatefulDataLoader)."""
+
+    def __init__(self, n: int = 5):
+        self.n, self.batch, self.loaded = n, 0, []
+
+    def __iter__(self):
+        while self.batch < self.n:
+            self.batch += 1
+            yield torch.full((4, 8), float(self.batch - 1)), torch.zeros(4, 1)
+        self.batch = 0
+
+    def state_dict(self):
+        return {"batch": self.batch}
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+        self.batch = state["batch"]
+
+
+class Seen(Trainer):
+    """Records the number of every batch it trains on."""
+
+    def training_step(self, batch):
+        self.seen = getattr(self, "seen", []) + [int(batch[0][0, 0])]
+        return super().training_step(batch)
+
+
+def test_a_stateful_data_iterable_is_saved_and_goes_on_from_its_own_position(tmp_path):
+    def run(directory, steps, data, resume=None) -> Seen:
+        trainer = Seen(torch.nn.Linear(8, 1), data, partial(torch.optim.SGD, lr=0.1), max_steps=steps, resume=resume,
+                       checkpoint={"dir": str(directory)}, device="cpu", progress=False, loggers=())
+        trainer.fit()
+        return trainer
+
+    straight = run(tmp_path / "a", 12, Numbered())
+    first = run(tmp_path / "b", 7, Numbered())
+    assert load(tmp_path / "b" / "step-000000007.pt")["data"]["iterable"] == {"batch": 2}
+    data = Numbered()
+    resumed = run(tmp_path / "b", 12, data, resume="auto")
+    assert data.loaded == [{"batch": 2}]
+    # it gives batches 2, 3, 4, then a new epoch; the Trainer skips none of them
+    assert first.seen + resumed.seen == straight.seen == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (straight.state.epoch, straight.state.batch_in_epoch)

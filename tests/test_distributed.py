@@ -20,6 +20,7 @@ from tests import ddp_cases
 from tests.conftest import ROOT, subprocess_env
 
 CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused")
+RESUMED = ("plain", "manual_gan")  # through DistributedDataParallel / safeloop's reducer
 
 
 # --standalone: a free port of its own, so that runs on the same machine do not collide
@@ -33,9 +34,13 @@ def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
-    """Every case of tests/ddp_cases.py run once on 2 ranks; one file per case and rank."""
+    """Every case of tests/ddp_cases.py run once on 2 ranks; one file per case and rank. The RESUMED
+    cases also stop halfway and resume, from their own checkpoint and from a one-process one."""
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", cwd=out)
+    for case in RESUMED:
+        ddp_cases.halfway(case, 1, out / f"one-process-{case}")
+    resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", *resumed, cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -65,6 +70,42 @@ def test_ranks_check_the_same_steps_though_their_timings_differ(ranks):
     checked0, checked1 = (torch.load(ranks / f"schedule_rank{r}.pt")["checked"] for r in (0, 1))
     assert checked0 == checked1
     assert checked0[:2] == [1, 2] and 4 <= len(checked0) < 60  # warm-up, then spaced, several times
+
+
+def params(path: Path) -> list[torch.Tensor]:
+    return torch.load(path)["params"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", RESUMED)
+def test_resumed_under_torchrun_is_bit_identical_to_a_torchrun_run_that_never_stopped(ranks, case):
+    for rank in (0, 1):
+        resumed, straight = params(ranks / f"resume-{case}_rank{rank}.pt"), params(ranks / f"{case}_rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_torchrun_checkpoint_resumes_in_one_process(ranks, case):
+    saved = torch.load(ranks / f"resume-{case}" / "step-000000002.pt", weights_only=True)  # rank zero's
+    assert list(saved["modules"]) == ["model"]  # the user's module, not the DistributedDataParallel wrapper
+    straight = ddp_cases.result(case)["params"]
+    # from a one-process checkpoint: bit-identical; from torchrun's: the same up to the all-reduce's summation order
+    from_one = ddp_cases.result(case, resume=str(ranks / f"one-process-{case}"), checkpoint=False)["params"]
+    assert all(torch.equal(a, b) for a, b in zip(from_one, straight, strict=True))
+    from_ranks = ddp_cases.result(case, resume=str(ranks / f"resume-{case}"), checkpoint=False)["params"]
+    for p, expected in zip(from_ranks, straight, strict=True):
+        torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_one_process_checkpoint_resumes_under_torchrun(ranks, case):
+    rank0, rank1 = (params(ranks / f"from-one-process-{case}_rank{r}.pt") for r in (0, 1))
+    straight = ddp_cases.result(case)["params"]
+    for p0, p1, p in zip(rank0, rank1, straight, strict=True):
+        assert torch.equal(p0, p1), "ranks hold different parameters"
+        torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
 
 
 def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) -> tuple[list[str], dict]:

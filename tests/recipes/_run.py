@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import torch
+
+from safeloop.checkpoint import Checkpointer, load
+from safeloop.config import compose, train
 from tests.conftest import ROOT, subprocess_env
 
 
@@ -12,3 +16,31 @@ def run(args, tmp_path, check=True):
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def straight_and_resumed(tmp_path, experiment: str, steps: int, *overrides: str) -> tuple[dict, dict]:
+    """The last checkpoints of ``experiment`` trained for ``steps`` steps here, and of the same run
+    stopped halfway here, then resumed by its script in a new process (use the ``one_thread``
+    fixture: bit-identical comparisons need the same thread count on both sides)."""
+    common = [f"experiment={experiment}", "trainer.progress=false", *overrides]
+    for name, n in (("straight", steps), ("stopped", steps // 2)):
+        train(compose([*common, f"trainer.max_steps={n}", f"checkpoint.dir={tmp_path / name}"]))
+    run([f"recipes/{experiment}.py", f"trainer.max_steps={steps}", "trainer.resume=auto",
+         f"checkpoint.dir={tmp_path / 'stopped'}", *overrides], tmp_path)
+    return tuple(load(Checkpointer(tmp_path / name).saved()[-1]) for name in ("straight", "stopped"))
+
+
+def assert_same(a, b, where: str = "checkpoint") -> None:
+    """``a`` and ``b`` hold the same values: tensors bit for bit, containers item by item."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ: {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"

@@ -3,7 +3,7 @@ import re
 
 import torch
 
-from tests.recipes._run import run
+from tests.recipes._run import assert_same, run, straight_and_resumed
 
 
 def test_shortened_gan_run_covers_most_modes_with_good_samples(tmp_path):
@@ -35,3 +35,12 @@ def test_gan_coverage_counts_modes_and_samples_near_them():
     near_two = torch.cat([centers[0] + 0.01 * torch.randn(50, 2), centers[3] + 0.01 * torch.randn(50, 2)])
     assert coverage(near_two, centers, std=0.05) == (2, 1.0)
     assert coverage(torch.zeros(10, 2), centers, std=0.05) == (0, 0.0)  # the ring's centre is no mode
+
+
+def test_gan_resumed_in_a_new_process_is_bit_identical_to_a_run_that_never_stopped(tmp_path, one_thread):
+    # 4 batches an epoch: stopped 2 batches into the second epoch, whose order depends on the epoch
+    straight, resumed = straight_and_resumed(tmp_path, "gan", 12, "data.n=2048", "data.batch_size=512",
+                                             "recipe.samples=100")
+    assert resumed["state"]["step"] == 12 and resumed["data"]["iterable"] == {"epoch": 2, "batch": 4}
+    for key in ("modules", "optimizers", "state", "data"):  # weights, both Adams' moments, position
+        assert_same(resumed[key], straight[key], key)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from safeloop import CarriedGraphError
-from tests.recipes._run import run
+from tests.recipes._run import assert_same, run, straight_and_resumed
 
 
 def test_tbptt_script_trains_with_the_detached_hidden_state(tmp_path):
@@ -36,3 +36,12 @@ def test_carried_graph_error_names_the_hidden_state_and_the_fix():
         trainer.fit()
     assert "`self.hidden = self.hidden.detach()`" in str(err.value)
     assert trainer.state.step == 1
+
+
+def test_tbptt_resumed_in_a_new_process_is_bit_identical_to_a_run_that_never_stopped(tmp_path, one_thread):
+    # 9 chunks a pass: stopped 3 chunks into the second pass, with a hidden state carried into the next chunk
+    straight, resumed = straight_and_resumed(tmp_path, "tbptt", 24, "data.length=2000", "data.streams=4")
+    assert resumed["state"]["step"] == 24 and resumed["data"]["iterable"] == {"batch": 6}
+    assert resumed["tbptt"]["hidden"].shape == (1, 4, 64)
+    for key in ("modules", "optimizers", "state", "data", "tbptt"):  # weights, Adam's moments, position, hidden
+        assert_same(resumed[key], straight[key], key)
