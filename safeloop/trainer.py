@@ -16,7 +16,7 @@ from . import distributed
 from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
-from .errors import ConfigError
+from .errors import ConfigError, SafeloopError
 from .guard import Guard
 from .guard.explain import Scope
 from .guard.guard import Recorder
