@@ -10,6 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from safeloop import Callback, ConfigError, Trainer
 from safeloop.models import MLP
 
+from .conftest import manual
+
 
 def dataset(n=256, d=8, seed=1):
     gen = torch.Generator().manual_seed(seed)
@@ -184,10 +186,14 @@ def test_device_auto_takes_cuda_only_when_present():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["32", "bf16", "16"])
-def test_cuda_training_moves_batches_and_trains(precision):
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_cuda_training_moves_batches_and_trains(precision, mode):
     model = MLP(8, 16, 1)
-    trainer = Trainer(model=model, train_data=loader(dataset(64)), precision=precision, max_steps=5,
+    cls = Trainer if mode == "automatic" else manual(Trainer)  # one step cycle: the GradScaler in both modes
+    trainer = cls(model=model, train_data=loader(dataset(64)), precision=precision, max_steps=5,
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cuda", progress=False)
     trainer.fit()
     assert next(model.parameters()).device.type == "cuda"
     assert torch.isfinite(trainer.state.losses["loss"]).item()
+    if precision == "16":  # the losses went through the GradScaler (it makes its scale at the first scale())
+        assert trainer.scaler._scale is not None
