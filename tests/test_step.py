@@ -531,3 +531,64 @@ def test_a_nan_in_the_last_update_of_a_manual_step_undoes_the_earlier_one(policy
         assert trainer.state.step == 3 and trainer.state.skipped == 1
         assert "step 3 skipped, nothing updated: loss 'g' is nan" in caplog.text
     assert_state(model, trainer, saved)  # D's update of step 3 was undone too
+
+
+def partitions(items):
+    """Every way to split ``items`` into groups (set partitions), groups in order of first member."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for smaller in partitions(rest):
+        for k in range(len(smaller)):
+            yield smaller[:k] + [[first] + smaller[k]] + smaller[k + 1:]
+        yield [[first]] + smaller
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_every_sharing_pattern_of_losses_matches_retaining_on_all_but_the_last(n):
+    """Losses computed from shared trunk passes in every pattern (all on one pass, some on their own, in
+    every interleaving): with the guard walking every step, the Trainer retains only where needed and
+    trains bit-identically to the hand-written loop that retains on every backward but the last."""
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+            self.heads = nn.ModuleList(nn.Linear(8, 1) for _ in range(n))
+
+    def losses(model, batch, passes):
+        x, y = batch
+        trunk = {}
+        out = {}
+        for k in range(n):
+            which = passes[k]
+            if which not in trunk:
+                trunk[which] = model.trunk(x + which)  # one trunk pass per group
+            out[f"l{k}"] = F.mse_loss(model.heads[k](trunk[which]), y)
+        return out
+
+    class Patterned(Trainer):
+        def training_step(self, batch):
+            return losses(self.model, batch, self.passes)
+
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    for groups in partitions(list(range(n))):
+        passes = {k: g for g, members in enumerate(groups) for k in members}
+        torch.manual_seed(0)
+        ref, ours = Heads(), Heads()
+        ours.load_state_dict(ref.state_dict())
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for batch in data:
+            values = list(losses(ref, batch, passes).values())
+            for k, loss in enumerate(values):
+                loss.backward(retain_graph=k < n - 1)
+            opt.step()
+            opt.zero_grad()
+        trainer = Patterned(ours, data, partial(torch.optim.SGD, lr=0.1), max_steps=2, device="cpu", progress=False,
+                            loggers=(), guard={"check": "always"})
+        trainer.passes = passes
+        trainer.fit()  # raised DoubleBackwardError for three losses on one pass before the fix
+        assert_same_params(ref, ours, exact=True)
+        (kept, walked), = trainer.retain_plans
+        # every loss but the last of its trunk pass retains, and no other
+        assert walked and set(kept) == {f"l{k}" for k in range(n) if any(passes[j] == passes[k] for j in range(k + 1, n))}, groups

@@ -203,22 +203,34 @@ class Guard:
 
     def _preflight(self, losses, step, scope, batch) -> list[bool]:
         seen: set = set()
-        owner: dict[int, int] = {}
+        owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
+        # Losses whose graphs share a node (directly or through another loss) form a group; a
+        # non-retaining backward frees every buffer it passes, so in a group every loss but the
+        # last must retain. (Conservative: it may retain for a loss whose own nodes a later one
+        # never reaches; never the reverse.)
+        group = list(range(len(losses)))
+
+        def find(i: int) -> int:
+            while group[i] != i:
+                group[i] = group[group[i]]
+                i = group[i]
+            return i
+
         kept: set[int] = set()  # graphs built before the step that on_reuse keeps: every loss reaching one retains
         retain = [False] * len(losses)
         for i, (name, loss) in enumerate(losses.items()):
             root = loss.grad_fn
-            if id(root) in owner:  # the same graph returned twice
-                retain[owner[id(root)]] = True
+            if id(root) in owner:  # the same graph returned twice, or a loss inside another's graph
+                group[find(i)] = find(owner[id(root)])
                 continue
             found = walk.walk(root, self.start_seq, step, seen)
-            if len(losses) > 1:  # which earlier loss's graph does this one reach?
+            if len(losses) > 1:  # which earlier losses' graphs does this one reach?
                 for node in found.nodes:
                     owner.setdefault(id(node), i)
                     for nxt, _ in node.next_functions:
                         j = owner.get(id(nxt))
                         if j is not None and j != i:
-                            retain[j] = True
+                            group[find(i)] = find(j)
                         if id(nxt) in kept:
                             retain[i] = True
             if found.before and self._before_step(found.before, name, loss, step, scope, batch):
@@ -231,7 +243,8 @@ class Guard:
                 sentinel = _Sentinel()
                 root.metadata[_SENTINEL] = sentinel
                 self._sentinels.append(weakref.ref(sentinel))
-        return retain
+        last = {find(i): i for i in range(len(losses))}  # the last loss of each group
+        return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
     def _before_step(self, nodes, name, loss, step, scope, batch) -> bool:
         """Nodes made before the step: carried (earlier step) or reused (before training)."""
