@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import InplaceModificationError, NonFiniteError, StepError, Trainer
+from safeloop import InplaceModificationError, NoGraphError, NonFiniteError, StepError, Trainer
 from safeloop import step as steps
 
 from .conftest import manual
@@ -592,3 +592,27 @@ def test_every_sharing_pattern_of_losses_matches_retaining_on_all_but_the_last(n
         (kept, walked), = trainer.retain_plans
         # every loss but the last of its trunk pass retains, and no other
         assert walked and set(kept) == {f"l{k}" for k in range(n) if any(passes[j] == passes[k] for j in range(k + 1, n))}, groups
+
+
+@pytest.mark.parametrize("check", ["always", "off"])
+def test_a_constant_term_is_fine_in_a_summed_step_and_named_in_a_sequential_one(check):
+    class SkippedRegularizer(ThreeLossTrainer):
+        def training_step(self, batch):
+            losses = three_losses(self.model, batch)
+            losses["reg"] = torch.zeros(())  # a regularizer skipped on this step: a constant
+            return losses
+
+    torch.manual_seed(0)
+    model, ref = ThreeHeads(), ThreeHeads()
+    ref.load_state_dict(model.state_dict())
+    data = batches(3)
+    hand_three(ref, data, total=True)
+    trainer = SkippedRegularizer(model=model, train_data=data, optimizer=partial(torch.optim.SGD, lr=0.1),
+                                 max_steps=3, device="cpu", progress=False, loggers=(), multi_loss="sum",
+                                 guard={"check": check})
+    trainer.fit()  # NoGraphError before: the sum has a graph
+    assert_same_params(ref, model)
+    trainer = SkippedRegularizer(model=ThreeHeads(), train_data=data, optimizer=partial(torch.optim.SGD, lr=0.1),
+                                 max_steps=3, device="cpu", progress=False, loggers=(), guard={"check": check})
+    with pytest.raises(NoGraphError, match=r"\(step 1, loss 'reg'\)"):  # back-propagated alone, it has no graph
+        trainer.fit()

@@ -78,6 +78,9 @@ class Guard:
         self.out_dir = Path(out_dir) if out_dir else Path("safeloop_graphs")
         self.fit_seq: int | None = None  # node counter when training started
         self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
+        # the counter when the last step ended (or the fit started): the next step starts there, so
+        # that a graph made while fetching its batch (an RL rollout) is the step's own
+        self.next_start: int | None = None
         self.checking = False
         self.thorough = False  # this checked step also runs the secondary checks
         self._checks = 0
@@ -105,14 +108,19 @@ class Guard:
         return torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext()
 
     def start_fit(self) -> None:
-        self.fit_seq = walk.sequence_now()
+        self.fit_seq = self.next_start = walk.sequence_now()
+
+    def step_done(self) -> None:
+        """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
+        if walk.CHEAP_PEEK:
+            self.next_start = _peek()
 
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
         self.spent = 0.0
         if step < self.next_timed:  # most steps: neither checked nor timed, nothing to decide
             self.checking = self.thorough = self.timed = False
-            self.start_seq = _peek() if walk.CHEAP_PEEK else None
+            self.start_seq = (_peek() if self.next_start is None else self.next_start) if walk.CHEAP_PEEK else None
             return False
         self.checking = step >= self.next_due
         self.timed = True
@@ -125,7 +133,7 @@ class Guard:
         else:
             self.thorough = False
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
-            self.start_seq = _peek()
+            self.start_seq = _peek() if self.next_start is None else self.next_start
         elif self.checking:
             t0 = time.perf_counter()
             self.start_seq = walk.sequence_now()
@@ -167,17 +175,18 @@ class Guard:
     # -- before backward -----------------------------------------------------------
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
-        first: bool = False,
+        first: bool = False, summed: bool = False,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
-        step has run yet, so no trained parameter may hold a gradient).
+        step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
+        back-propagated as their sum, so a constant term among them is fine).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
         when this step is not checked (the caller then retains on all but the last).
         """
         for name, loss in losses.items():
-            if loss.grad_fn is None:
+            if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())):
                 raise self.no_graph(name, loss, step, scope, batch)
         if not self.checking:
             return None
@@ -220,6 +229,8 @@ class Guard:
         retain = [False] * len(losses)
         for i, (name, loss) in enumerate(losses.items()):
             root = loss.grad_fn
+            if root is None:  # a constant term of a summed step: nothing to walk
+                continue
             if id(root) in owner:  # the same graph returned twice, or a loss inside another's graph
                 group[find(i)] = find(owner[id(root)])
                 continue

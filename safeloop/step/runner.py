@@ -137,6 +137,7 @@ class Runner:
         if timed:
             guard.end_step(step, self.scope)
             guard.record_step_time(step, _perf_counter() - started)
+        guard.step_done()
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int) -> None:
         """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
@@ -166,7 +167,8 @@ class Runner:
     def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
         """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
         guard = self.guard
-        retain = guard.preflight(losses, step, self.scope, batch, first)
+        summed = self.multi_loss == "sum" and not self.routed and len(losses) > 1
+        retain = guard.preflight(losses, step, self.scope, batch, first, summed)
         todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights)
         if len(todo) > 1:
             self.note_retain(todo, retain is not None, step)

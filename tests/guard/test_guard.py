@@ -275,3 +275,34 @@ def test_gan_step_on_detached_fakes_is_fine():
     model = torch.nn.Module()
     model.g, model.d = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
     assert clean(GAN, model).state.step == 4
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_graph_made_while_fetching_the_batch_is_the_steps_own(check):
+    """An RL-style data iterator runs the policy to make each batch (log-probabilities with a graph);
+    that graph belongs to the step it feeds, not to an earlier one."""
+    def rollouts(policy, n):
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(n):
+            obs = torch.randn(16, 4, generator=gen)
+            logp = torch.log_softmax(policy(obs), dim=1)[:, 0]  # made while the batch is fetched
+            yield logp, torch.randn(16, generator=gen)
+
+    class PolicyGradient(Trainer):
+        def training_step(self, batch):
+            logp, advantage = batch
+            return -(logp * advantage).mean()
+
+    torch.manual_seed(0)
+    ref, ours = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ours.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for logp, advantage in rollouts(ref, 5):
+        (-(logp * advantage).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    PolicyGradient(ours, type("Rollouts", (), {"__iter__": lambda self: rollouts(ours, 5)})(),
+                   lambda p: torch.optim.SGD(p, lr=0.1), max_steps=5, device="cpu", progress=False, loggers=(),
+                   guard={"check": check}).fit()  # CarriedGraphError at step 1 before the fix
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
