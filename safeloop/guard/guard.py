@@ -81,6 +81,7 @@ class Guard:
         # the counter when the last step ended (or the fit started): the next step starts there, so
         # that a graph made while fetching its batch (an RL rollout) is the step's own
         self.next_start: int | None = None
+        self.prev_seq: int | None = None  # the last step's start
         self.checking = False
         self.thorough = False  # this checked step also runs the secondary checks
         self._checks = 0
@@ -120,6 +121,7 @@ class Guard:
         self.spent = 0.0
         if step < self.next_timed:  # most steps: neither checked nor timed, nothing to decide
             self.checking = self.thorough = self.timed = False
+            self.prev_seq = self.start_seq
             self.start_seq = (_peek() if self.next_start is None else self.next_start) if walk.CHEAP_PEEK else None
             return False
         self.checking = step >= self.next_due
@@ -132,6 +134,7 @@ class Guard:
             self.thorough = step <= self.warmup or self._checks % 4 == 0
         else:
             self.thorough = False
+        self.prev_seq = self.start_seq
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             self.start_seq = _peek() if self.next_start is None else self.next_start
         elif self.checking:
@@ -265,14 +268,16 @@ class Guard:
             return walk.node_step(node) in (None, 1)  # fallback: first seen in the first step
 
         carried = [n for n in nodes if not made_before_fit(n)]
-        if carried:
+        why = _carried(carried, self.prev_seq if walk.HAS_SEQ else None) if carried else None
+        if why is not None:
             raise self._error(CarriedGraphError, carried[0], name, loss, step, scope, batch,
-                "the loss reaches {node}, created during an earlier step and held by {holder}; its graph "
-                "is back-propagated again in every step, grows every step, and its buffers were freed by "
-                "the first backward",
+                "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 ["detach the carried state at the end of each step (`{code} = {code}.detach()`) "
                  "so each step back-propagates through its own graph only (truncated BPTT)",
                  "recompute it inside training_step from its inputs"], trace_hint=True)
+        nodes = [n for n in nodes if made_before_fit(n)]  # a one-step lag (made after the last update) is fine
+        if not nodes:
+            return False
         saving = [n for n in nodes if walk.holds_tensors(n)]
         if not saving:
             key = f"share:{type(nodes[0]).__name__}"
@@ -474,6 +479,32 @@ def _leak_holder(sentinel, scope) -> str:
                 return f"`{name}`"
             stack.extend(n for n, _ in node.next_functions)
     return "a reference kept outside the step (a list, a global, a closure)"
+
+
+def _carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
+    """Why a graph made during an earlier step is a mistake, or None when it is a one-step lag: made
+    during the last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``),
+    from nothing older, with no buffer freed yet, so this step's backward is its first and only one."""
+    freed = grows = False
+    old = prev_seq is None or any(n._sequence_nr() < prev_seq for n in nodes)
+    stack, seen = list(nodes), set()
+    while stack and len(seen) < limit and not freed:
+        node = stack.pop()
+        if node is None or type(node) is walk.ACCUMULATE or node in seen:
+            continue
+        seen.add(node)
+        grows = grows or (prev_seq is not None and node._sequence_nr() < prev_seq and node not in nodes)
+        freed = walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
+        stack.extend(n for n, _ in node.next_functions)
+    if freed:
+        return ("an earlier backward already freed the saved tensors of its graph, so this backward would fail "
+                "with 'Trying to backward through the graph a second time'")
+    if grows:
+        return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "
+                "time with it)")
+    if old:
+        return "the same graph is back-propagated again by every step since it was made"
+    return None
 
 
 class Recorder(TorchFunctionMode):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 MARK = "safeloop_step"  # node.metadata key: the step whose walk first saw the node
-_ACCUMULATE = torch._C._functions.AccumulateGrad
+ACCUMULATE = torch._C._functions.AccumulateGrad
 HAS_SEQ = hasattr(torch.ones(1, requires_grad=True).view(1).grad_fn, "_sequence_nr")
 _probe = torch.zeros((), requires_grad=True)
 _saved_attrs: dict[type, tuple[str, ...]] = {}
@@ -105,7 +105,7 @@ def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Wal
     use_seq = HAS_SEQ and start_seq is not None
     while stack:
         node = stack.pop()
-        if type(node) is _ACCUMULATE:  # a parameter or other leaf: shared by every step, by design
+        if type(node) is ACCUMULATE:  # a parameter or other leaf: shared by every step, by design
             leaves += 1
             continue
         if use_seq:

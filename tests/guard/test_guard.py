@@ -306,3 +306,54 @@ def test_a_graph_made_while_fetching_the_batch_is_the_steps_own(check):
                    guard={"check": check}).fit()  # CarriedGraphError at step 1 before the fix
     for p, q in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_value_recomputed_after_the_update_and_used_once_is_not_a_carried_graph(check):
+    """Soft actor-critic's temperature: ``alpha = log_alpha.exp()`` recomputed after each update and
+    used (with its graph) in the next step only. Reused a second time, it is a carried graph."""
+    class Temperature(Trainer):
+        def __init__(self, stale=False, **kwargs):
+            super().__init__(**kwargs)
+            self.log_alpha = torch.nn.Parameter(torch.zeros(()))
+            self.alpha = self.log_alpha.exp().detach()
+            self.stale = stale
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([*self.model.parameters(), self.log_alpha], lr=0.1)
+
+        def training_step(self, batch):
+            return (self.model(batch).pow(2).mean() - self.alpha * 0.1) ** 2
+
+        def on_step_end(self, losses):
+            if not self.stale or self.state.step == 1:
+                self.alpha = self.log_alpha.exp()  # after the update: the next step's value, with its graph
+
+    def hand(model, log_alpha, data):
+        opt = torch.optim.SGD([*model.parameters(), log_alpha], lr=0.1)
+        alpha = log_alpha.exp().detach()
+        for x in data:
+            ((model(x).pow(2).mean() - alpha * 0.1) ** 2).backward()
+            opt.step()
+            opt.zero_grad()
+            alpha = log_alpha.exp()
+
+    data = [torch.randn(3, 4) for _ in range(6)]
+    torch.manual_seed(0)
+    ref, ours = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ours.load_state_dict(ref.state_dict())
+    log_alpha = torch.nn.Parameter(torch.zeros(()))
+    hand(ref, log_alpha, data)
+    trainer = Temperature(model=ours, train_data=data, max_steps=6, device="cpu", progress=False, loggers=(),
+                          guard={"check": check})
+    trainer.fit()  # CarriedGraphError at step 2 before
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), ours.parameters()))
+    assert torch.equal(trainer.log_alpha, log_alpha)
+
+    if check == "always":  # the same graph used in a second step: its buffers were freed by the first
+        stale = Temperature(stale=True, model=torch.nn.Linear(4, 2), train_data=data, max_steps=6, device="cpu",
+                            progress=False, loggers=(), guard={"check": check})
+        with pytest.raises(CarriedGraphError, match=r"\(step 3, loss 'loss'\): the loss reaches ExpBackward0, created "
+                                                    r"during an earlier step and held by `self.alpha`; an earlier "
+                                                    r"backward already freed"):
+            stale.fit()
