@@ -368,8 +368,9 @@ class Trainer:
             self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 forward = self.dist.ddp  # training_step runs inside DDP's forward
+        trained = self._parameters()  # listed once per fit: the guard reads them on checked steps
         scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),
-                      parameters=self._parameters, rerun=self.rerun_recorded)
+                      parameters=lambda: trained, rerun=self.rerun_recorded)
         self._runner = Runner(self, forward, self._hooks, scope, self._autocast,
                               self.to_device if self._move_batches else None, self._undo, self._named_parameters)
         zero = self.dist is None or self.dist.is_zero
