@@ -257,6 +257,8 @@ class Guard:
                 sentinel = _Sentinel()
                 root.metadata[_SENTINEL] = sentinel
                 self._sentinels.append(weakref.ref(sentinel))
+        if len(losses) == 1:
+            return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
