@@ -11,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, Guard, InplaceModificationError,
                       Trainer)
 
+from ..conftest import manual
+
 
 def fit(cls, model=None, steps=4, optimizer=None, **kwargs):
     model = model if model is not None else torch.nn.Linear(4, 4)
@@ -277,8 +279,9 @@ def test_gan_step_on_detached_fakes_is_fine():
     assert clean(GAN, model).state.step == 4
 
 
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
 @pytest.mark.parametrize("check", ["always", "auto", "off"])
-def test_a_graph_made_while_fetching_the_batch_is_the_steps_own(check):
+def test_a_graph_made_while_fetching_the_batch_is_the_steps_own(check, mode):
     """An RL-style data iterator runs the policy to make each batch (log-probabilities with a graph);
     that graph belongs to the step it feeds, not to an earlier one."""
     def rollouts(policy, n):
@@ -301,7 +304,8 @@ def test_a_graph_made_while_fetching_the_batch_is_the_steps_own(check):
         (-(logp * advantage).mean()).backward()
         opt.step()
         opt.zero_grad()
-    PolicyGradient(ours, type("Rollouts", (), {"__iter__": lambda self: rollouts(ours, 5)})(),
+    cls = PolicyGradient if mode == "automatic" else manual(PolicyGradient)
+    cls(ours, type("Rollouts", (), {"__iter__": lambda self: rollouts(ours, 5)})(),
                    lambda p: torch.optim.SGD(p, lr=0.1), max_steps=5, device="cpu", progress=False, loggers=(),
                    guard={"check": check}).fit()  # CarriedGraphError at step 1 before the fix
     for p, q in zip(ref.parameters(), ours.parameters()):
@@ -357,3 +361,26 @@ def test_a_value_recomputed_after_the_update_and_used_once_is_not_a_carried_grap
                                                     r"during an earlier step and held by `self.alpha`; an earlier "
                                                     r"backward already freed"):
             stale.fit()
+
+
+
+def test_a_carried_graph_that_grows_every_step_is_named_as_such():
+    """A running total kept with its graph: each step adds a node over the last step's (AddBackward0
+    saves nothing, so backward never fails, but the graph and backward's work grow every step)."""
+    class RunningTotal(Trainer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.total = None
+
+        def training_step(self, batch):
+            step_value = self.model.bias + 1.0
+            self.total = step_value if self.total is None else self.total + step_value
+            return self.model(batch).pow(2).mean() + self.total.sum()
+
+    trainer = RunningTotal(model=torch.nn.Linear(4, 4), train_data=[torch.randn(3, 4) for _ in range(4)],
+                           max_steps=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
+                           progress=False, loggers=(), guard={"check": "always"})
+    with pytest.raises(CarriedGraphError, match=r"\(step 3, loss 'loss'\): the loss reaches AddBackward0, created "
+                                                r"during an earlier step and held by `self.total`; its graph extends "
+                                                r"the graphs of the steps before it, so it grows every step"):
+        trainer.fit()
