@@ -111,6 +111,10 @@ class Guard:
     def start_fit(self) -> None:
         self.fit_seq = self.next_start = walk.sequence_now()
 
+    def _step_start(self) -> int:
+        """Where this step's nodes begin: where the last step ended (see ``step_done``), else now."""
+        return _peek() if self.next_start is None else self.next_start
+
     def step_done(self) -> None:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
         if walk.CHEAP_PEEK:
@@ -119,10 +123,10 @@ class Guard:
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
         self.spent = 0.0
+        self.prev_seq = self.start_seq
         if step < self.next_timed:  # most steps: neither checked nor timed, nothing to decide
             self.checking = self.thorough = self.timed = False
-            self.prev_seq = self.start_seq
-            self.start_seq = (_peek() if self.next_start is None else self.next_start) if walk.CHEAP_PEEK else None
+            self.start_seq = self._step_start() if walk.CHEAP_PEEK else None
             return False
         self.checking = step >= self.next_due
         self.timed = True
@@ -134,9 +138,8 @@ class Guard:
             self.thorough = step <= self.warmup or self._checks % 4 == 0
         else:
             self.thorough = False
-        self.prev_seq = self.start_seq
         if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
-            self.start_seq = _peek() if self.next_start is None else self.next_start
+            self.start_seq = self._step_start()
         elif self.checking:
             t0 = time.perf_counter()
             self.start_seq = walk.sequence_now()
