@@ -156,8 +156,9 @@ class Distributed:
 
     # -- start of fit --------------------------------------------------------------------
     def attach(self, trainer, per_backward_hooks: bool) -> None:
-        """Same start on every rank: rank zero's parameters, buffers, run directory; sharded data; hooks.
-        ``per_backward_hooks``: the Trainer calls hooks around each backward (DDP sums the losses)."""
+        """At every fit, after ``share``: the DDP wrapper for the usual run, otherwise the gradient hooks
+        of safeloop's reducer. ``per_backward_hooks``: the Trainer calls hooks around each backward,
+        which DDP's single summed backward cannot honour."""
         if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
             self._quieted = log.level
             log.setLevel(logging.WARNING)
