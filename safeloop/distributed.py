@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              SequentialSampler)
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from .checkpoint import stateful
 from .errors import SafeloopError
 
 log = logging.getLogger("safeloop")
@@ -416,16 +416,22 @@ def shard(data, rank: int, world: int, seed: int):
         return data
     if isinstance(data.sampler, DistributedSampler):
         return data
-    custom = not isinstance(data.sampler, (SequentialSampler, RandomSampler)) or \
-        (data.batch_sampler is not None and type(data.batch_sampler) is not BatchSampler)
+    # the samplers a loader makes itself from shuffle=..., torch's or a stateful loader's own versions
+    # of them (torchdata's StatefulDataLoader), by name: any other was the user's choice
+    shuffled = type(data.sampler).__name__ == "RandomSampler"
+    custom = type(data.sampler).__name__ not in ("SequentialSampler", "RandomSampler") or \
+        (data.batch_sampler is not None and type(data.batch_sampler).__name__ != "BatchSampler")
     if isinstance(data.dataset, IterableDataset) or custom:
         warnings.warn("train_data uses an IterableDataset or a custom sampler that safeloop cannot shard: every "
                       "rank gets the same batches unless your dataset shards by torch.distributed.get_rank()",
                       stacklevel=3)
         return data
     sampler = DistributedSampler(data.dataset, num_replicas=world, rank=rank,
-                                 shuffle=isinstance(data.sampler, RandomSampler), seed=seed, drop_last=data.drop_last)
-    return DataLoader(data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,
+                                 shuffle=shuffled, seed=seed, drop_last=data.drop_last)
+    # a loader that keeps its own position (torchdata's StatefulDataLoader) stays one, so that checkpoints
+    # save where it stands; it takes DataLoader's arguments
+    loader = type(data) if stateful(data) else DataLoader
+    return loader(data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,
                       collate_fn=data.collate_fn, pin_memory=data.pin_memory, drop_last=data.drop_last,
                       timeout=data.timeout, worker_init_fn=data.worker_init_fn,
                       multiprocessing_context=data.multiprocessing_context, generator=data.generator,

@@ -311,3 +311,33 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     step = int(stops[0])
     assert step % 8 == 0
     assert [p.name for p in (tmp_path / "ckpt").glob("*.pt")] == [f"step-{step:09d}.pt"]
+
+
+class PositionedLoader(torch.utils.data.DataLoader):
+    """A loader that keeps its own position, as torchdata's StatefulDataLoader does."""
+
+    def state_dict(self) -> dict:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def stateful_loaders():
+    yield PositionedLoader
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return
+    yield StatefulDataLoader
+
+
+@pytest.mark.parametrize("loader", list(stateful_loaders()), ids=lambda c: c.__name__)
+def test_a_loader_that_keeps_its_position_stays_one_when_sharded_for_the_ranks(loader):
+    from safeloop.distributed import shard
+
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+    ranks = [shard(loader(data, batch_size=2), rank, 2, seed=0) for rank in (0, 1)]
+    assert all(type(r) is loader and callable(r.state_dict) for r in ranks)  # checkpoints save its position
+    seen = [torch.cat([b[0] for b in r]).tolist() for r in ranks]
+    assert sorted(seen[0] + seen[1]) == [float(i) for i in range(12)] and not set(seen[0]) & set(seen[1])
