@@ -86,7 +86,7 @@ class TBPTTTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.detach_hidden = detach_hidden
         self.hidden: torch.Tensor | None = None
-        self.first_loss: float | None = None
+        self.first: tuple[int, float] | None = None  # (step, loss) of the run's first step
 
     def training_step(self, batch):
         x, y = batch
@@ -98,19 +98,21 @@ class TBPTTTrainer(Trainer):
         return F.mse_loss(pred, y)
 
     def on_save_checkpoint(self, checkpoint) -> None:
-        checkpoint["tbptt"] = {"hidden": self.hidden}  # a resumed run carries on from this state
+        checkpoint["tbptt"] = {"hidden": self.hidden, "first": self.first}  # a resumed run carries on from here
 
     def on_load_checkpoint(self, checkpoint) -> None:
         hidden = checkpoint["tbptt"]["hidden"]
         self.hidden = hidden.to(self.device) if hidden is not None else None
+        self.first = checkpoint["tbptt"].get("first")
 
     def on_step_end(self, losses) -> None:
-        if self.first_loss is None:
-            self.first_loss = float(losses["loss"])
+        if self.first is None:
+            self.first = (self.state.step, float(losses["loss"]))
 
     def on_fit_end(self) -> None:
         last = float(self.state.losses["loss"])
-        print(f"next-value MSE: {self.first_loss:.4g} at step 1 -> {last:.4g} at step {self.state.step} "
+        step, first = self.first
+        print(f"next-value MSE: {first:.4g} at step {step} -> {last:.4g} at step {self.state.step} "
               f"(hidden state carried from chunk to chunk, detached each step)")
 
 
