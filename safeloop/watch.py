@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dis
-import runpy
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -171,9 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [script, *args.args]
     script = str(Path(script).resolve())  # as `python script.py` names it in tracebacks
     sys.path[0] = str(Path(script).parent)
+    # What `python script.py` does (runpy.run_path would change sys.argv[0] to the full path)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__, main.__loader__, main.__spec__ = script, __builtins__, None, None
+    sys.modules["__main__"] = main
+    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
     with Watch(guard, script):
         try:
-            runpy.run_path(script, run_name="__main__")
+            exec(code, vars(main))
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as err:  # the script's own traceback, as python would print it
