@@ -18,12 +18,12 @@ from .errors import (
     SafeloopError,
     StepError,
 )
-from .guard import Guard
+from .guard import GraphGuard, Guard
 from .state import TrainState
 from .trainer import Trainer
 
 __all__ = [
-    "Callback", "Guard", "Trainer", "TrainState",
+    "Callback", "GraphGuard", "Guard", "Trainer", "TrainState",
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",

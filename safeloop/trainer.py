@@ -18,7 +18,7 @@ from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
 from .errors import ConfigError, ConfigWarning, SafeloopError
-from .guard import Guard
+from .guard import GraphGuard, Guard
 from .guard.explain import Scope
 from .guard.guard import Recorder
 from .loggers import make_loggers
@@ -83,8 +83,8 @@ class Trainer:
             multi_loss, loss_weights, loggers, progress, resume, on_nonfinite, max_skipped,
             find_unused_parameters, undo: the settings, the same as the ``trainer`` config group's
             keys; each is documented with its default in ``safeloop.settings.Settings``.
-        guard: a ``Guard``, or its settings as a dict (``{"check": "always"}``; see
-            ``safeloop.settings.GuardSettings``).
+        guard: a ``Guard`` (or a ``GraphGuard``: the one it drives), or its settings as a dict
+            (``{"check": "always"}``; see ``safeloop.settings.GuardSettings``).
         callbacks: ``Callback`` objects.
         run_dir: where loggers, checkpoints (unless ``checkpoint`` names a ``dir``) and graph
             pictures are written.
@@ -155,6 +155,8 @@ class Trainer:
         if resume is not None and (where is None or not saves) and str(resume) == "auto":
             problems.append("resume=auto looks in the checkpoint directory, and there is none: pass run_dir=... "
                             "or checkpoint={'dir': ...}")
+        if isinstance(guard, GraphGuard):  # the guard of a plain loop, now driven by this Trainer
+            guard = guard.guard
         if isinstance(guard, Mapping):
             guard, found = read(GuardSettings, guard, "guard")
             problems += found

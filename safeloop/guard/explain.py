@@ -1,8 +1,8 @@
 """Finding the Python name of the tensor that holds an offending graph node.
 
 Searched in order: the ``Scope``'s roots (for a Trainer: its attributes, then the
-model's), the globals and closure of its functions (``training_step``), the batch;
-the garbage collector last. Only runs on the error path.
+model's), its namespaces (for a plain loop: the caller's local and global variables), the
+globals and closure of its functions (``training_step``), the batch; the garbage collector last. Only runs on the error path.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class Scope:
     Attributes:
         roots: named objects whose attributes, items and submodules may hold the tensor at
             fault, searched in order (a Trainer gives ``{"self": trainer, "self.model": model}``).
+        namespaces: returns ``(prefix, {name: value})`` pairs read when a search runs, so that the
+            values are those of that moment (a plain loop: ``("local", frame.f_locals)``); a tensor
+            is named ``local y``, a module's attributes ``model.h``.
         functions: whose globals and closure variables are searched too (``training_step``).
         parameters: the trained parameters (none requiring grad: a frozen model; gradients on
             them before the first backward: the step ran backward itself).
@@ -34,6 +37,7 @@ class Scope:
 
     roots: Mapping[str, Any] = field(default_factory=dict)
     functions: tuple[Callable, ...] = ()
+    namespaces: Callable[[], Iterable[tuple[str, Mapping[str, Any]]]] = tuple
     parameters: Callable[[], Iterable[torch.Tensor]] = tuple
     rerun: Callable[[Any], set[str] | None] | None = None
 
@@ -84,6 +88,14 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
         for name, root in scope.roots.items():
             if root is not None:
                 yield from _attributes(root, name, roots)
+        for prefix, space in scope.namespaces():
+            for key, val in list(space.items()):
+                if key.startswith("__"):
+                    continue
+                yield from _items(val, f"{prefix} {key}")
+                if (isinstance(val, torch.nn.Module) or key == "self") and id(val) not in roots \
+                        and hasattr(val, "__dict__"):
+                    yield from _attributes(val, key, roots)
         for fn in scope.functions:
             code = getattr(fn, "__code__", None)
             if code is None:

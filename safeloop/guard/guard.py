@@ -605,7 +605,7 @@ def _check_names(names) -> frozenset:
 
 def _code(holder: str | None) -> str | None:
     """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
-    return holder.split(" ", 1)[-1] if holder and holder[0] != "a" else None
+    return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
 
 
 def _trained(leaves, scope) -> list:

@@ -1,0 +1,321 @@
+"""``GraphGuard``: the guard for a hand-written loop, a Lightning or Accelerate script.
+
+The Trainer's step drives ``Guard`` itself; ``GraphGuard`` drives the same ``Guard`` from a
+plain loop, with the same checks, errors, fields, pictures and check schedule::
+
+    guard = safeloop.GraphGuard(model)
+    for x, y in loader:
+        with guard.step():                  # where a step starts and ends
+            loss = F.mse_loss(model(x), y)
+            guard.backward(loss)            # pre-flight, backward, errors explained
+            opt.step()
+            opt.zero_grad()
+
+``guard.check(loss)`` runs the pre-flight only, for code whose backward someone else calls.
+Outside ``with guard.step()``, each ``backward``/``check`` on a new loss starts a step; with
+``optimizers=...`` given, a step ends at their step instead. The tensor at fault is searched
+in the variables of the function that opened the step (``global y``, ``local h``), then in
+``model``. ``python -m safeloop.watch`` runs an unmodified script through one of these.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, DoubleBackwardError, GraphLifecycleError, StepError
+from ..settings import GUARD_DEFAULTS, GuardSettings, read
+from . import walk
+from .explain import Scope
+from .guard import Guard
+
+_perf_counter = time.perf_counter
+_SEEN = "safeloop_backward_step"  # node.metadata of a loss's root: the last step that back-propagated it
+_DONE = "safeloop_freed_step"  # ... the step whose backward ran without retaining its graph
+
+# The Guard's messages speak of the Trainer; in a loop, the same advice in the loop's words.
+_LOOP_WORDS = [(re.compile(a), b) for a, b in (
+    (r"do not call loss\.backward\(\) in training_step: return the loss and the Trainer runs backward.*",
+     "call backward once per loss (compute the loss again for another backward)"),
+    (r"if (two|several) losses share a graph, return them together as a dict and the Trainer retains the graph "
+     r"where needed", "if several losses share a graph, pass retain_graph=True to every backward through it but "
+                      "the last"),
+    (r"do not call backward on the same loss twice, nor in training_step; return the loss",
+     "do not call backward on the same loss twice"),
+    (r"\(self\.backward\(loss, \.\.\., retain_graph=True\)\)", "(loss.backward(retain_graph=True))"),
+    (r"training_step, a hook or an earlier loss called backward on it", "an earlier backward of the step ran"),
+    (r"in __init__, at module level or before fit", "before the loop"),
+    (r"(inside|in|from) training_step", r"\1 the loop"),
+)]
+
+
+def _in_loop_words(err: GraphLifecycleError) -> GraphLifecycleError:
+    def say(text: str) -> str:
+        for pattern, repl in _LOOP_WORDS:
+            text = pattern.sub(repl, text)
+        return text
+
+    err.detail, err.fixes = say(err.detail), [say(f) for f in err.fixes]
+    err.args = (err._message(),)
+    return err
+
+
+class GraphGuard:
+    """Checks the autograd graph of the losses a plain training loop back-propagates.
+
+    Args:
+        model: the trained module (optional): names its parameters and attributes in messages,
+            and tells a loss of a frozen model apart.
+        optimizers: an optimizer, a list or a dict of them (optional): a step then ends at their
+            step when no ``with guard.step()`` marks it, and an update between a loss and its
+            backward is named.
+        check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
+            (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here.
+        out_dir: where graph pictures are written on error (default ``safeloop_graphs``).
+
+    The ``Guard`` it drives is ``graph_guard.guard``; ``Trainer(guard=graph_guard)`` uses it too.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizers: Any = None, *,
+                 check: str = GUARD_DEFAULTS.check, on_reuse: str = GUARD_DEFAULTS.on_reuse,
+                 trace: bool = GUARD_DEFAULTS.trace, warmup: int = GUARD_DEFAULTS.warmup,
+                 budget: float = GUARD_DEFAULTS.budget, ignore: Iterable[str] = (), out_dir=None):
+        settings, problems = read(GuardSettings, {"check": check, "on_reuse": on_reuse, "trace": trace,
+                                                  "warmup": warmup, "budget": budget, "ignore": list(ignore)},
+                                  "guard")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = {"optimizer": optimizers}
+        elif optimizers is not None and not isinstance(optimizers, Mapping):
+            optimizers = {f"optimizer {i}": opt for i, opt in enumerate(optimizers)}
+        optimizers = dict(optimizers or {})
+        problems += [f"optimizers[{name!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}"
+                     for name, opt in optimizers.items() if not isinstance(opt, torch.optim.Optimizer)]
+        if problems:
+            raise ConfigError(problems)
+        self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
+                           ignore=tuple(settings.ignore), out_dir=out_dir)
+        if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
+        self.model = model
+        self.optimizers = optimizers
+        self.steps = 0  # steps begun
+        self.scope = Scope(roots={"model": model} if model is not None else {}, namespaces=self._namespaces,
+                           parameters=self._parameters)
+        self._open = self._explicit = False
+        self._frame = None  # the frame whose variables name tensors in this step's messages
+        self._main: dict | None = None  # more globals to search (a script's, under watch)
+        self._timed, self._started, self._ended = False, 0.0, 0.0
+        self._leak_step: int | None = None  # a checked step whose leak check waits for the next step
+        self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
+        # Until a step's end is known (an optimizer step), each backward on a new loss starts a step.
+        self._by_optimizer = bool(optimizers)
+        for name, opt in optimizers.items():
+            opt.register_step_post_hook(lambda *_, _name=name: self._optimizer_stepped(_name))
+        # Before the first step: anything made until then was built before training. A
+        # ``with guard.step()`` moves this to where it opens.
+        self.guard.start_fit()
+
+    # -- steps -------------------------------------------------------------------------------
+    def step(self) -> GraphGuard:
+        """``with guard.step():`` around one training step (forward, backward(s), optimizer step)."""
+        self._entering = sys._getframe(1)
+        return self
+
+    def __enter__(self) -> GraphGuard:
+        frame, self._entering = self._entering, None
+        if self._open:
+            if self._explicit:
+                raise StepError("guard.step() is already open: steps do not nest (one `with guard.step():` "
+                                "around each training step)", self.steps)
+            self._end()
+        if self.steps == 0:
+            self.guard.start_fit()
+        self._begin(frame, explicit=True)
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if self._open:
+            self._end(failed=kind is not None)
+
+    def _begin(self, frame, explicit: bool) -> None:
+        self.steps += 1
+        self._frame, self._explicit, self._open = frame, explicit, True
+        self._timed = self.guard.begin_step(self.steps)
+        if self._timed:
+            self._started = self._ended = _perf_counter()
+
+    def _end(self, failed: bool = False, lazily: bool = False) -> None:
+        """Close the step; ``lazily``: at the start of the next one, so it ended at its last backward
+        (``_ended``, and the guard's ``step_done`` already called there)."""
+        guard, step = self.guard, self.steps
+        self._open = False
+        self._frame = None  # a frame holds every variable of its function: never kept past the step
+        if self._timed and not failed:
+            self._leak_step = step  # its graph must be gone by the next step's first backward
+            guard.record_step_time(step, (self._ended if lazily else _perf_counter()) - self._started)
+        if not lazily:
+            guard.step_done()
+
+    def _optimizer_stepped(self, name: str) -> None:
+        self._recent[name] = walk.sequence_now()
+        self._by_optimizer = True
+        if self._open and not self._explicit:
+            self._end()
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, gradient=None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs=None) -> None:
+        """``loss.backward(...)`` after the pre-flight checks; an autograd error comes back explained."""
+        self.run({"loss": loss}, sys._getframe(1), lambda retain: torch.Tensor.backward(
+            loss, gradient, retain, create_graph, inputs), retain_graph, create_graph, inputs)
+
+    def check(self, loss: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
+        """The pre-flight checks only, for a backward someone else runs (a Lightning ``on_before_backward``
+        hook, before ``accelerator.backward(loss)``). ``loss``: a tensor, or a dict of named losses."""
+        losses = dict(loss) if isinstance(loss, Mapping) else {"loss": loss}
+        losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
+        if not losses:
+            return
+        self._preflight(losses, sys._getframe(1))
+        self._mark(losses, retained=True)
+
+    def ignore(self, *checks: str):
+        """``with guard.ignore("carried"): ...``: those checks off for the code and graphs inside."""
+        return self.guard.ignore(*checks)
+
+    def run(self, losses: dict[str, torch.Tensor], frame, call: Callable[[bool | None], Any],
+            retain_graph: bool | None, create_graph: bool = False, inputs=None) -> Any:
+        """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward); its autograd error explained."""
+        guard = self.guard
+        losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
+        if not losses:  # a leaf that requires grad: nothing to check
+            return call(retain_graph)
+        retain = self._preflight(losses, frame)
+        step = self.steps
+        if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
+            retain_graph = True  # on_reuse=warn/retain keeps a graph built before training
+        if len(losses) == 1 and guard.checking and walk.HAS_SEQ and self._recent and guard.start_seq is not None:
+            stepped = {n: s for n, s in self._recent.items() if s > guard.start_seq}  # updated inside this step
+            if stepped:
+                (name, loss), = losses.items()
+                found = guard.inplace_check(loss, stepped, guard.start_seq, _tensors(inputs))
+                if found is not None:
+                    raise _in_loop_words(guard.explain(found[0], name, loss, step, self.scope, None, found[1])) \
+                        from found[0]
+        try:
+            out = call(retain_graph)
+        except RuntimeError as err:
+            explained = self._explained(err, losses, step)
+            if explained is None:
+                raise
+            raise explained from err
+        retained = retain_graph if retain_graph is not None else create_graph
+        guard.backward_done(bool(retained), _tensors(inputs))
+        self._mark(losses, retained)
+        return out
+
+    def _preflight(self, losses: dict[str, torch.Tensor], frame) -> list[bool] | None:
+        if not self._open:
+            self._begin(frame, explicit=False)
+        elif not self._explicit and not self._by_optimizer and not any(
+                loss.grad_fn is not None and loss.grad_fn.metadata.get(_SEEN) == self.steps
+                for loss in losses.values()):
+            self._end(lazily=True)  # a new loss and no optimizer: the last step ended at its last backward
+            self._begin(frame, explicit=False)
+        elif not self._explicit:
+            self._frame = frame
+        guard, step = self.guard, self.steps
+        if self._leak_step is not None:
+            guard.end_step(self._leak_step, self.scope)
+            self._leak_step = None
+        try:
+            for name, loss in losses.items():
+                if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:
+                    self._check_freed(name, loss, step)
+            return guard.preflight(losses, step, self.scope)
+        except GraphLifecycleError as err:
+            raise _in_loop_words(err) from err.__cause__
+
+    def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
+        """Remember the losses of this step: another backward on one stays in the step; one that freed
+        its graph is looked at again before a later backward."""
+        step = self.steps
+        for loss in losses.values():
+            root = loss.grad_fn
+            if root is not None:
+                meta = root.metadata
+                meta[_SEEN] = step
+                if not retained:
+                    meta[_DONE] = step
+        if not self._explicit and not self._by_optimizer:  # the step may end here: the next starts here
+            self.guard.step_done()
+            if self._timed:
+                self._ended = _perf_counter()
+
+    def _check_freed(self, name: str, loss: torch.Tensor, step: int) -> None:
+        """Backward again on a loss whose graph an earlier backward freed (without retain_graph)."""
+        saver, _ = walk.below(loss.grad_fn)
+        if saver is None or self.guard._off("consumed") or not walk.is_freed(walk.unpack_error(saver, first=True)):
+            return  # nothing saved, nothing freed: a second backward through it works
+        done = loss.grad_fn.metadata[_DONE]
+        when = "earlier in this step" if done == step else f"in step {done}"
+        raise self.guard._error(
+            DoubleBackwardError, loss.grad_fn, name, loss, step, self.scope, None,
+            f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
+            "retain_graph, which freed the saved tensors of its graph",
+            ["call backward once per loss (compute the loss again for another backward)",
+             "if a second backward through the same graph is meant, pass retain_graph=True to every backward "
+             "but the last"])
+
+    def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int) -> Exception | None:
+        name, loss = next((n, t) for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad)
+        stepped = []
+        if self._recent and loss.grad_fn is not None and walk.HAS_SEQ:  # updates after the loss's graph began
+            nodes = walk.walk(loss.grad_fn, 0, step).nodes
+            oldest = min(n._sequence_nr() for n in nodes)
+            stepped = [n for n, seq in self._recent.items() if seq > oldest]
+        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped)
+        return _in_loop_words(explained) if explained is not None else None
+
+    # -- what messages may search --------------------------------------------------------------
+    def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
+        out = []
+        frame = self._frame
+        if frame is not None:
+            if frame.f_locals is not frame.f_globals:
+                out.append(("local", frame.f_locals))
+            out.append(("global", frame.f_globals))
+        if self._main is not None and (frame is None or self._main is not frame.f_globals):
+            out.append(("global", self._main))
+        return out
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The trained parameters: the model's, the optimizers', else those of the modules and
+        optimizers in the step's variables (only read when explaining)."""
+        if self.model is not None:
+            return list(self.model.parameters())
+        holders = list(self.optimizers.values())
+        if not holders:
+            holders = [v for _, space in self._namespaces() for v in list(space.values())
+                       if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
+        params = {}
+        for h in holders:
+            ps = h.parameters() if isinstance(h, torch.nn.Module) else \
+                (p for g in h.param_groups for p in g["params"])
+            params.update((id(p), p) for p in ps)
+        return list(params.values())
+
+
+def _tensors(inputs) -> list | None:
+    """``inputs`` of backward as a list of tensors (None: all leaves)."""
+    if inputs is None:
+        return None
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)

@@ -1,0 +1,196 @@
+"""``python -m safeloop.watch [--check auto] [--on-reuse error] [--trace] [--ignore CHECK] script.py [args]``
+
+Runs an unmodified training script (as ``__main__``, with ``sys.argv`` set, as ``python
+script.py args`` would) with the graph-lifecycle guard attached to every ``Tensor.backward``,
+``torch.autograd.backward`` and ``torch.autograd.grad`` call. A step ends at each optimizer
+step (PyTorch's global optimizer step hook); until an optimizer has stepped, each backward on
+a new loss starts a step. The tensor at fault is searched in the variables of the function
+that called backward and in the script's globals. The script's output, exit code and
+traceback are its own; a graph mistake raises the Trainer's error, naming the tensor and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import dis
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .guard import walk
+from .guard.loop import GraphGuard
+from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
+
+_LOOP_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"}
+_STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
+           "DELETE_GLOBAL", "DELETE_DEREF"}
+
+
+class Watch:
+    """While entered: every backward goes through ``guard``, every optimizer step ends a step."""
+
+    def __init__(self, guard: GraphGuard, script: str):
+        self.guard, self.script = guard, script  # as compiled: frames carry this file name
+        self.busy = False  # inside a guarded call: backward calls made by it (Tensor.backward's own) pass
+        self.names: dict[int, str] = {}  # optimizer -> its name in messages
+        self.started = False
+
+    def __enter__(self) -> Watch:
+        self.saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
+        tensor_backward, autograd_backward, autograd_grad = self.saved
+        watch = self
+
+        def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+            return watch.call(self, sys._getframe(1), lambda retain: tensor_backward(
+                self, gradient, retain, create_graph, inputs), retain_graph, create_graph, inputs)
+
+        def backward_fn(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+                        inputs=None):
+            return watch.call(tensors, sys._getframe(1), lambda retain: autograd_backward(
+                tensors, grad_tensors, retain, create_graph, grad_variables, inputs), retain_graph, create_graph,
+                inputs)
+
+        def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+                 allow_unused=None, is_grads_batched=False, materialize_grads=False):
+            return watch.call(outputs, sys._getframe(1), lambda retain: autograd_grad(
+                outputs, inputs, grad_outputs, retain, create_graph, only_inputs, allow_unused, is_grads_batched,
+                materialize_grads), retain_graph, create_graph, None)
+
+        for new, old in zip((backward, backward_fn, grad), self.saved):
+            new.__doc__, new.__wrapped__ = old.__doc__, old
+        torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = backward, backward_fn, grad
+        self.hook = register_optimizer_step_post_hook(self.stepped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hook.remove()
+        torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = self.saved
+
+    def call(self, outputs, frame, run, retain_graph, create_graph, inputs):
+        if self.busy:
+            return run(retain_graph)
+        tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):  # GradientEdge outputs: not ours to check
+            return run(retain_graph)
+        losses = {"loss": tensors[0]} if len(tensors) == 1 else {f"outputs[{i}]": t for i, t in enumerate(tensors)}
+        if not self.started:
+            self.started = True
+            self.first_step(frame)
+        self.busy = True
+        try:
+            return self.guard.run(losses, frame, run, retain_graph, create_graph, inputs)
+        finally:
+            self.busy = False
+
+    def stepped(self, optimizer, args, kwargs) -> None:
+        name = self.names.get(id(optimizer))
+        if name is None:  # its variable's name in the script, once
+            main = vars(sys.modules["__main__"])
+            name = next((k for k, v in main.items() if v is optimizer), f"{type(optimizer).__name__} #{len(self.names) + 1}")
+            self.names[id(optimizer)] = name
+        self.guard._optimizer_stepped(name)
+
+    def first_step(self, frame) -> None:
+        """Where the first step began: after the tensors the script's training loop did not make.
+
+        A script has no ``with guard.step()``; the loop around the first backward tells. Tensors
+        with a graph held by variables that its body never assigns were built before it (``y = t @ a``
+        above the loop): the first step starts after the newest of them. Without such a loop, the
+        first step is all the script did before its first backward.
+        """
+        self.guard._main = vars(sys.modules["__main__"])
+        start = loop_start(frame, self.script)
+        guard = self.guard.guard
+        if start is not None and start > guard.fit_seq:
+            guard.fit_seq = guard.next_start = start
+
+
+def loop_start(frame, filename: str) -> int | None:
+    """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
+    caller's loop in ``filename``) began, by a variable that the loop does not assign; None if none."""
+    if not walk.HAS_SEQ:
+        return None
+    module = None
+    found = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == filename:
+            if found is None:
+                body = _loop_around(code, frame.f_lasti)
+                if body is not None:
+                    found = frame, body
+            if code.co_name == "<module>":
+                module = code
+        frame = frame.f_back
+    if found is None:
+        return None
+    frame, (first, last) = found
+    assigned = {i.argval for i in dis.get_instructions(frame.f_code)
+                if i.opname in _STORES and first <= i.offset <= last}
+    for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
+        assigned.update(i.argval for i in dis.get_instructions(code)
+                        if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
+    seqs = [v.grad_fn._sequence_nr() for k, v in list(frame.f_locals.items())
+            if k not in assigned and isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    return max(seqs) + 1 if seqs else None
+
+
+def _loop_around(code, offset: int) -> tuple[int, int] | None:
+    """The innermost loop body (first, last instruction offset) containing ``offset``."""
+    best = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _LOOP_ENDS and isinstance(ins.argval, int) and ins.argval <= offset <= ins.offset:
+            if best is None or ins.offset - ins.argval < best[1] - best[0]:
+                best = ins.argval, ins.offset
+    return best
+
+
+def _codes(code):
+    yield code
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            yield from _codes(const)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m safeloop.watch", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", choices=CHECKS, default=GUARD_DEFAULTS.check)
+    parser.add_argument("--on-reuse", choices=REUSE_POLICIES, default=GUARD_DEFAULTS.on_reuse)
+    parser.add_argument("--trace", action="store_true", help="anomaly mode: errors name the line that made the tensor")
+    parser.add_argument("--ignore", action="append", choices=GUARD_CHECKS, default=[], help="turn one check off")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    args = parser.parse_args(argv)
+    script = args.script
+    if not Path(script).is_file():
+        parser.error(f"{script}: no such file (give the path of a Python script)")
+    guard = GraphGuard(check=args.check, on_reuse=args.on_reuse, trace=args.trace, ignore=args.ignore)
+    sys.argv = [script, *args.args]
+    script = str(Path(script).resolve())  # as `python script.py` names it in tracebacks
+    sys.path[0] = str(Path(script).parent)
+    # What `python script.py` does (runpy.run_path would change sys.argv[0] to the full path)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__, main.__loader__, main.__spec__ = script, __builtins__, None, None
+    sys.modules["__main__"] = main
+    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
+    with Watch(guard, script):
+        try:
+            exec(code, vars(main))
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as err:  # the script's own traceback, as python would print it
+            tb = err.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != script:
+                tb = tb.tb_next
+            if tb is not None:
+                err.with_traceback(tb)
+            sys.excepthook(type(err), err, err.__traceback__)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
