@@ -549,28 +549,43 @@ class Guard:
             self.spent += time.perf_counter() - t0
 
     # -- after the step ------------------------------------------------------------------
+    def step_graphs(self) -> list[weakref.ref]:
+        """The checked step's graphs (weak references), handed over to a later ``leaks``."""
+        refs, self._sentinels = self._sentinels, []
+        return refs
+
     def end_step(self, step: int, scope: Scope | None = None) -> None:
         """Warn if a graph of this step is still alive (``running_loss += loss``)."""
         self._consumed, self._walked = [], None  # they hold the step's nodes
-        refs = self._sentinels
-        if not refs:
+        refs = self.step_graphs()
+        for holder in self.leaks(refs, scope):
+            self.warn_leak(step, holder)
+
+    def leaks(self, refs: list[weakref.ref], scope: Scope | None = None) -> list[str]:
+        """The holders of the graphs of ``refs`` (``step_graphs``) still alive."""
+        if not refs or self._off("leak"):
+            return []
+        return [_leak_holder(sentinel, scope) for sentinel in (ref() for ref in refs) if sentinel is not None]
+
+    @staticmethod
+    def leak_key(holder: str) -> str:
+        return "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
+
+    def warn_leak(self, step: int, holder: str, frame=None) -> None:
+        """Warn once per holder; ``frame``: the user's code to point at (default: the Trainer's caller)."""
+        key = self.leak_key(holder)
+        if key in self._warned:
             return
-        self._sentinels = []
-        if self._off("leak"):
-            return
-        for ref in refs:
-            sentinel = ref()
-            if sentinel is None:  # the graph died with its step, as it should
-                continue
-            holder = _leak_holder(sentinel, scope)
-            key = "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
-            if key in self._warned:
-                continue
-            self._warned.add(key)
-            warnings.warn(GraphLeakWarning(
-                f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
-                "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "
-                "loss.detach() instead of the loss tensor"), stacklevel=3)
+        self._warned.add(key)
+        warning = GraphLeakWarning(
+            f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
+            "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "
+            "loss.detach() instead of the loss tensor")
+        if frame is None:
+            warnings.warn(warning, stacklevel=4)
+        else:
+            warnings.warn_explicit(warning, GraphLeakWarning, frame.f_code.co_filename, frame.f_lineno,
+                                   module_globals=frame.f_globals)
 
     # -- messages ------------------------------------------------------------------------
     def _error(self, cls, node, name, loss, step, scope, batch, detail, fixes,

@@ -50,6 +50,8 @@ _LOOP_WORDS = [(re.compile(a), b) for a, b in (
     (r"training_step, a hook or an earlier loss called backward on it", "an earlier backward of the step ran"),
     (r"in __init__, at module level or before fit", "before the loop"),
     (r"(inside|in|from) training_step", r"\1 the loop"),
+    (r"set guard\.trace=true \(anomaly mode\)",
+     "pass trace=True to GraphGuard (python -m safeloop.watch --trace; anomaly mode)"),
 )]
 
 
@@ -111,7 +113,12 @@ class GraphGuard:
         self._frame = None  # the frame whose variables name tensors in this step's messages
         self._main: dict | None = None  # more globals to search (a script's, under watch)
         self._timed, self._started, self._ended = False, 0.0, 0.0
-        self._leak_step: int | None = None  # a checked step whose leak check waits for the next step
+        # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
+        # hold the last step's loss until the next step replaces it, and a script's variables hold its
+        # last losses to the end, which is no leak. A leak is one holder keeping the graphs of several
+        # steps (``running_loss += loss``, ``history.append(loss)``): holder -> the step it was seen for.
+        self._graphs: list[tuple[int, list]] = []
+        self._holders: dict[str, int] = {}
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
         # Until a step's end is known (an optimizer step), each backward on a new loss starts a step.
         self._by_optimizer = bool(optimizers)
@@ -157,7 +164,7 @@ class GraphGuard:
         self._open = False
         self._frame = None  # a frame holds every variable of its function: never kept past the step
         if self._timed and not failed:
-            self._leak_step = step  # its graph must be gone by the next step's first backward
+            self._graphs.append((step, guard.step_graphs()))
             guard.record_step_time(step, (self._ended if lazily else _perf_counter()) - self._started)
         if not lazily:
             guard.step_done()
@@ -231,9 +238,12 @@ class GraphGuard:
         elif not self._explicit:
             self._frame = frame
         guard, step = self.guard, self.steps
-        if self._leak_step is not None:
-            guard.end_step(self._leak_step, self.scope)
-            self._leak_step = None
+        while self._graphs and self._graphs[0][0] <= step - 2:
+            done, refs = self._graphs.pop(0)
+            for holder in guard.leaks(refs, self.scope):
+                first = self._holders.setdefault(guard.leak_key(holder), done)
+                if first != done:
+                    guard.warn_leak(done, holder, frame)
         try:
             for name, loss in losses.items():
                 if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:

@@ -1,0 +1,111 @@
+"""``python -m safeloop.watch``: the seed scripts, run verbatim as real subprocesses.
+
+The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
+the fix; the fixed ones print what they print without it, exit 0 and warn nothing. The
+subprocesses start together (each spends most of its time importing torch).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, subprocess_env
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+# script -> what its last line of stderr says under watch (the error, the tensor, the fix)
+BROKEN = {
+    "seed000_ex1_backward_twice": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): this loss \(ViewBackward0, held by "
+                                  r"`local loss`\) was already back-propagated in step 1 .*pass retain_graph=True",
+    "seed000_ex2_reused_input": r"GraphReuseError: .*\(step 1, loss 'loss'\).*held by `local input_data`.*"
+                                r"recompute `input_data` inside the loop",
+    "seed000_ex3_edit_grads": r"DoubleBackwardError: .*\(step 2, loss 'loss'\).*held by `local loss`",
+    "seed001_reused_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MvBackward0, built before "
+                            r"the step \(before the loop\) and held by `global y`.*To fix: recompute `y` inside the loop",
+    "seed002_backward_twice": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `global computed_loss`.*"
+                              r"pass retain_graph=True to every backward but the last",
+}
+# scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
+NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
+FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in BROKEN and p.stem not in NO_GRAPH)
+
+# Runs every fixed script without watch in one process, each from the RNG state a fresh process has.
+PLAIN = """
+import contextlib, io, json, runpy, sys, torch
+fresh, out = torch.get_rng_state(), {}
+for path in sys.argv[1:]:
+    torch.set_rng_state(fresh)
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        runpy.run_path(path, run_name="__main__")
+    out[path] = buffer.getvalue()
+print(json.dumps(out))
+"""
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every script under watch, and the fixed ones without it (stdout by script)."""
+    cwd = tmp_path_factory.mktemp("watch")
+    names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
+    with ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(run, "-c", PLAIN, *(str(SCRIPTS / f"{n}.py") for n in FIXED), cwd=cwd)
+        watched = dict(zip(names, pool.map(lambda n: run("-m", "safeloop.watch", str(SCRIPTS / f"{n}.py"), cwd=cwd),
+                                           names)))
+    assert plain.result().returncode == 0, plain.result().stderr
+    return watched, {Path(k).stem: v for k, v in json.loads(plain.result().stdout).items()}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_broken_seed_script_stops_at_the_first_iteration_naming_the_tensor_and_the_fix(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 1
+    assert re.search(BROKEN[name], proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
+    assert f"{name}.py" in proc.stderr  # the script's own frames in the traceback
+
+
+def test_seed_001_stops_before_its_first_iteration_ends(runs):
+    assert runs[0]["seed001_reused_graph"].stdout == ""  # without watch: "iteration 0: ..." then the crash
+
+
+@pytest.mark.parametrize("name", NO_GRAPH)
+def test_a_script_catching_the_error_prints_the_explanation_instead(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 0, proc.stderr
+    assert "loss has no autograd graph (step 1, loss 'loss')" in proc.stdout
+    assert "does not depend on any tensor that requires grad" in proc.stdout
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothing(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == runs[1][name]
+    assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
+
+
+def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\n\ndef load():\n    raise ValueError('no data in ./data')\n\n"
+                      "load()\n")
+    plain, watched = run(str(script), "--epochs", "3", cwd=tmp_path), \
+        run("-m", "safeloop.watch", str(script), "--epochs", "3", cwd=tmp_path)
+    assert watched.returncode == plain.returncode == 1
+    assert watched.stdout == plain.stdout == "['--epochs', '3']\n"
+    assert watched.stderr == plain.stderr  # the same traceback, no frame of safeloop's
+
+
+def test_watch_refuses_a_script_that_is_not_there(tmp_path):
+    proc = run("-m", "safeloop.watch", "nothere.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "nothere.py: no such file (give the path of a Python script)" in proc.stderr
