@@ -115,7 +115,7 @@ class Trainer:
         log_every: int = DEFAULTS.log_every,
         multi_loss: str = DEFAULTS.multi_loss,
         loss_weights: Mapping[str, float] | None = DEFAULTS.loss_weights,
-        guard: Guard | Mapping[str, Any] | None = None,
+        guard: Guard | GraphGuard | Mapping[str, Any] | None = None,
         callbacks: Iterable[Callback] = (),
         loggers: Iterable[str] = DEFAULTS.loggers,
         run_dir: str | Path | None = None,

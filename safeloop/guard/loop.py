@@ -238,6 +238,10 @@ class GraphGuard:
         elif not self._explicit:
             self._frame = frame
         guard, step = self.guard, self.steps
+        if self._graphs and self._graphs[0][0] <= step - 2 and sys.version_info < (3, 13):
+            # Before 3.13 reading a function's variables (a search for a name did) leaves a copy of them
+            # on its frame, whose references outlive the variables: read afresh, it holds no old loss
+            frame.f_locals  # noqa: B018
         while self._graphs and self._graphs[0][0] <= step - 2:
             done, refs = self._graphs.pop(0)
             for holder in guard.leaks(refs, self.scope):

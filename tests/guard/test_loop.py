@@ -1,0 +1,174 @@
+"""``GraphGuard``: the guard's cases in a hand-written loop, with the same errors and fields."""
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safeloop import (CarriedGraphError, ConfigError, DoubleBackwardError, GraphGuard, GraphLeakWarning,
+                      GraphReuseError, InplaceModificationError, NoGraphError, Trainer)
+
+
+def setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(3, 4) for _ in range(6)]
+
+
+def state(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_graph_built_before_the_loop_is_caught_at_step_one_before_anything_changes():
+    model, opt, data = setup()
+    guard = GraphGuard(model)
+    scale = model(torch.ones(1, 4)).sum()  # built once, with a graph, outside the loop
+    before = state(model)
+    with pytest.raises(GraphReuseError, match=re.escape("(step 1, loss 'loss'): the loss reaches SumBackward0, built "
+                                                        "before the step (before the loop) and held by `local scale`")
+                       + r".*To fix: recompute `scale` inside the loop") as info:
+        for x in data:
+            with guard.step():
+                loss = (model(x) * scale).pow(2).mean()
+                guard.backward(loss)
+                opt.step()
+                opt.zero_grad()
+    assert (info.value.step, info.value.holder, info.value.node_name) == (1, "local scale", "SumBackward0")
+    assert all(torch.equal(a, b) for a, b in zip(before, state(model)))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def carry(guard, model, opt, data, detach: bool, **backward):
+    h = torch.zeros(3, 4)
+    for x in data:
+        with guard.step() if guard is not None else _nothing():
+            h = torch.tanh(model(x) + h)
+            loss = h.pow(2).mean()
+            if guard is None:
+                loss.backward(**backward)
+            else:
+                guard.backward(loss, **backward)
+            opt.step()
+            opt.zero_grad()
+            if detach:
+                h = h.detach()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_variable():
+    model, opt, data = setup()
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches TanhBackward0, "
+                                                          "created during an earlier step and held by `local h`")
+                       + r".*To fix: detach the carried state at the end of each step \(`h = h.detach\(\)`\)"):
+        carry(GraphGuard(model), model, opt, data, detach=False)
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_correct_loop_under_the_guard_computes_bit_for_bit_what_the_bare_loop_computes(check):
+    results = []
+    for guard in (None, True):
+        model, opt, data = setup()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            carry(GraphGuard(model, check=check) if guard else None, model, opt, data * 4, detach=True)
+        results.append(state(model))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_backward_twice_on_one_loss_is_caught_before_it_runs():
+    model, opt, data = setup()
+    guard = GraphGuard(model, opt)
+    loss = model(data[0]).tanh().sum()
+    guard.backward(loss)
+    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (SumBackward0, held by `local loss`) was "
+                                                            "already back-propagated earlier in this step")
+                       + r".*pass retain_graph=True to every backward but the last"):
+        guard.backward(loss)
+    loss = model(data[0]).tanh().sum()  # retained: a second backward is meant and works
+    guard.backward(loss, retain_graph=True)
+    guard.backward(loss)
+
+
+def test_a_loss_without_a_graph_is_named_with_its_cause():
+    model, opt, data = setup()
+    guard = GraphGuard(model)
+    with torch.no_grad():
+        loss = model(data[0]).pow(2).mean()
+    with pytest.raises(NoGraphError, match=r"\(step 1, loss 'loss'\): it does not depend on any tensor that requires "
+                                           r"grad \(computed under no_grad"):
+        guard.backward(loss)
+
+
+def test_an_update_between_a_loss_and_its_backward_is_named():
+    model, opt, data = setup()
+    guard = GraphGuard(model, {"opt": opt}, check="always")
+    with guard.step():
+        first = model(model(data[0])).pow(2).mean()
+        second = model(model(data[1])).pow(2).mean()  # its outer layer saves the weight for the inner's gradient
+        guard.backward(first)
+        opt.step()  # changes the weight `second`'s graph saved
+        with pytest.raises(InplaceModificationError, match=r"optimizer 'opt'"):
+            guard.backward(second)
+
+
+def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_variable_does_not():
+    model, opt, data = setup()
+    guard = GraphGuard(model, opt, check="always")
+    history = []
+    with pytest.warns(GraphLeakWarning, match=r"held by `local history\[\d\]`") as caught:
+        for x in data:
+            loss = model(x).pow(2).mean()
+            guard.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            history.append(loss)
+    assert len([w for w in caught if w.category is GraphLeakWarning]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in data:  # `loss` holds the last step's graph until the next replaces it: no leak
+            loss = model(x).pow(2).mean()
+            guard.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_an_ignored_check_lets_a_deliberate_carried_graph_through():
+    model, opt, data = setup()
+    carry(GraphGuard(model, ignore=["carried"]), model, opt, data[:3], detach=False, retain_graph=True)
+    with pytest.raises(ConfigError, match=r"guard.ignore.*'carry'"):
+        GraphGuard(model, ignore=["carry"])
+
+
+def test_check_runs_the_pre_flight_for_a_backward_someone_else_calls(tmp_path):
+    model, opt, data = setup()
+    scale = model(torch.ones(1, 4)).sum()  # made at set-up, before the guard
+    guard = GraphGuard(model, out_dir=tmp_path)
+    loss = (model(data[0]) * scale).pow(2).mean()
+    with pytest.raises(GraphReuseError, match="held by `local scale`") as info:
+        guard.check(loss)  # as a Lightning on_before_backward hook or before accelerator.backward(loss) would
+    assert info.value.picture is not None and Path(info.value.picture).exists()
+    guard.check(F.mse_loss(model(data[1]), data[1]))  # a loss of its own graph passes
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ConfigError, match=r"guard.check.*'sometimes'"):
+        GraphGuard(check="sometimes")
+    with pytest.raises(ConfigError, match=r"model must be a torch.nn.Module, got list"):
+        GraphGuard([1])
+
+
+def test_the_trainer_given_a_graph_guard_drives_the_same_guard():
+    model, _, data = setup()
+    guard = GraphGuard(check="always")
+    trainer = Trainer(model=model, train_data=data, max_steps=2, device="cpu", progress=False, loggers=(),
+                      guard=guard)
+    assert trainer.guard is guard.guard
