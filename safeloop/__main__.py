@@ -31,6 +31,7 @@ HELP = """safeloop: a PyTorch training run configured by Hydra.
   python -m safeloop -m key=a,b                         a sweep, one run per value
   python -m safeloop --cfg job [overrides]              print the composed config and stop
   python -m safeloop --hydra-help                       Hydra's own options (output directory, logging, launchers)
+  python -m safeloop watch train.py [args]              run your own script with the graph guard
 
 Config groups (group=option):
 {groups}
@@ -41,7 +42,12 @@ Config ({overrides}; override any key as key=value):
 
 def main() -> None:
     """The ``safeloop`` command. A plain run composes its config once, here, and its configuration
-    errors end it with one message and exit code 2; help, ``--cfg`` and sweeps are Hydra's own."""
+    errors end it with one message and exit code 2; help, ``--cfg`` and sweeps are Hydra's own.
+    ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
+    if sys.argv[1:2] == ["watch"]:  # no override is a bare word
+        from .watch import main as watch
+
+        sys.exit(watch(sys.argv[2:], prog="safeloop watch"))
     args = get_args_parser().parse_args(sys.argv[1:])
     if args.help:
         refusing(print_help, args.overrides)

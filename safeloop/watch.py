@@ -1,4 +1,5 @@
 """``python -m safeloop.watch [--check auto] [--on-reuse error] [--trace] [--ignore CHECK] script.py [args]``
+(also ``safeloop watch ...``)
 
 Runs an unmodified training script (as ``__main__``, with ``sys.argv`` set, as ``python
 script.py args`` would) with the graph-lifecycle guard attached to every ``Tensor.backward``,
@@ -154,8 +155,8 @@ def _codes(code):
             yield from _codes(const)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m safeloop.watch", description=__doc__.split("\n\n")[1],
+def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", choices=CHECKS, default=GUARD_DEFAULTS.check)
     parser.add_argument("--on-reuse", choices=REUSE_POLICIES, default=GUARD_DEFAULTS.on_reuse)

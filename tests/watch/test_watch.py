@@ -109,3 +109,10 @@ def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
 def test_watch_refuses_a_script_that_is_not_there(tmp_path):
     proc = run("-m", "safeloop.watch", "nothere.py", cwd=tmp_path)
     assert proc.returncode == 2 and "nothere.py: no such file (give the path of a Python script)" in proc.stderr
+
+
+def test_the_safeloop_command_runs_a_script_under_watch(tmp_path):
+    proc = run("-m", "safeloop", "watch", str(SCRIPTS / "seed001_reused_graph.py"), cwd=tmp_path)
+    assert proc.returncode == 1 and "held by `global y`" in proc.stderr.splitlines()[-1]
+    proc = run("-m", "safeloop", "watch", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: safeloop watch")
