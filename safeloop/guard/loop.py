@@ -200,9 +200,10 @@ class GraphGuard:
             retain_graph: bool | None, create_graph: bool = False, inputs=None) -> Any:
         """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward); its autograd error explained."""
         guard = self.guard
-        losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
-        if not losses:  # a leaf that requires grad: nothing to check
-            return call(retain_graph)
+        if len(losses) > 1 or next(iter(losses.values())).grad_fn is None:
+            losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
+            if not losses:  # a leaf that requires grad: nothing to check
+                return call(retain_graph)
         retain = self._preflight(losses, frame)
         step = self.steps
         if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
@@ -223,7 +224,8 @@ class GraphGuard:
                 raise
             raise explained from err
         retained = retain_graph if retain_graph is not None else create_graph
-        guard.backward_done(bool(retained), _tensors(inputs))
+        if guard.checking:
+            guard.backward_done(bool(retained), _tensors(inputs))
         self._mark(losses, retained)
         return out
 
@@ -249,9 +251,10 @@ class GraphGuard:
                 if first != done:
                     guard.warn_leak(done, holder, frame)
         try:
-            for name, loss in losses.items():
-                if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:
-                    self._check_freed(name, loss, step)
+            if guard.checking:  # marks are made on checked steps (see _mark)
+                for name, loss in losses.items():
+                    if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:
+                        self._check_freed(name, loss, step)
             return guard.preflight(losses, step, self.scope)
         except GraphLifecycleError as err:
             raise _in_loop_words(err) from err.__cause__
@@ -259,6 +262,9 @@ class GraphGuard:
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed
         its graph is looked at again before a later backward."""
+        bounded = self._explicit or self._by_optimizer  # the step's end is known: the marks only serve checks
+        if bounded and not self.guard.checking:  # an unchecked step's second backward is explained if it fails
+            return
         step = self.steps
         for loss in losses.values():
             root = loss.grad_fn
@@ -267,7 +273,7 @@ class GraphGuard:
                 meta[_SEEN] = step
                 if not retained:
                     meta[_DONE] = step
-        if not self._explicit and not self._by_optimizer:  # the step may end here: the next starts here
+        if not bounded:  # the step may end here: the next starts here
             self.guard.step_done()
             if self._timed:
                 self._ended = _perf_counter()
