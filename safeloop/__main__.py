@@ -20,7 +20,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import CONFIG_DIR, compose, register, train
+from .config import CONFIG_DIR, compose, register, train, unknown_options
 from .errors import ConfigError, Interrupted
 
 register()
@@ -79,6 +79,9 @@ def plain_run(args) -> bool:
 def run_once(overrides: list[str]) -> None:
     """What ``@hydra.main`` does for a run, with the config composed once: Hydra's own entry point
     composes it twice (once to read ``hydra.mode``), and a check with safeloop's errors made three."""
+    missing = unknown_options(overrides)
+    if missing:  # Hydra would leave the optional group out without a word
+        raise ConfigError(missing)
     version.setbase(None)
     app = Hydra.create_main_hydra2(task_name="safeloop", config_search_path=create_config_search_path(str(CONFIG_DIR)))
     try:

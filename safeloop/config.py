@@ -221,6 +221,9 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train",
     """
     register()
     overrides = list(overrides)
+    missing = unknown_options(overrides, config_dir)
+    if missing:  # Hydra would leave the optional group out without a word
+        raise ConfigError(missing)
     with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
         problems, cfg = _compose_reporting(config_name, overrides)
     if cfg is not None:
@@ -228,6 +231,26 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train",
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def unknown_options(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> list[str]:
+    """``experiment=gann``: an option an optional group (``experiment``, ``debug``) does not have.
+    Hydra leaves such a group out silently; a group that is not optional it reports itself."""
+    config_dir = Path(config_dir)
+    defaults = OmegaConf.load(config_dir / "train.yaml").defaults
+    optional = [key.split()[1] for d in defaults if isinstance(d, DictConfig) for key in d
+                if key.startswith("optional ")]
+    problems = []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        value = o.value()
+        if o.key_or_group in optional and not o.is_delete() and isinstance(value, str):
+            names = sorted(f.stem for f in (config_dir / o.key_or_group).glob("*.yaml"))
+            if value not in names:
+                close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+                problems.append(f"{o.input_line}: {o.key_or_group} has no option {value!r}; "
+                                + (f"did you mean {o.key_or_group}={close[0]}? " if close else "")
+                                + f"options: {', '.join(names)}")
+    return problems
 
 
 def _compose_reporting(config_name: str, overrides: list[str]) -> tuple[list[str], DictConfig | None]:

@@ -5,6 +5,9 @@ import sys
 import pytest
 import torch
 
+from safeloop import ConfigError
+from safeloop.config import compose
+
 from .conftest import subprocess_env
 
 
@@ -34,6 +37,18 @@ def test_a_group_option_that_does_not_exist_lists_the_options(tmp_path):
     assert out.stderr.strip() == ("safeloop: invalid configuration: optimizer=adamm: optimizer has no option "
                                   "'adamm'; did you mean optimizer=adam? options: adam, adamw, sgd")
     assert not (tmp_path / "outputs").exists()
+
+
+def test_an_optional_group_option_that_does_not_exist_is_refused_not_left_out(tmp_path):
+    out = cli("experiment=gann", cwd=tmp_path)  # Hydra alone trains the default job without a word
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("safeloop: invalid configuration: experiment=gann: experiment has no option "
+                                  "'gann'; did you mean experiment=gan? options: gan, multi_loss, tbptt")
+    assert not (tmp_path / "outputs").exists()
+    with pytest.raises(ConfigError, match=r"debug=defualt: debug has no option 'defualt'; did you mean "
+                                          r"debug=default\?"):
+        compose(["debug=defualt"])
+    assert compose(["experiment=gan", "~debug"]).recipe is not None
 
 
 def test_help_is_titled_for_safeloop_and_lists_the_options_users_pick(tmp_path):
