@@ -134,6 +134,8 @@ class Trainer:
             problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if train_data is None:
             problems.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
+        problems += [_samples(name, data) for name, data in (("train_data", train_data), ("val_data", val_data))
+                     if _samples(name, data)]
         problems += Settings(**{name: args[name] for name in names(Settings)}).problems()
         if not self.automatic:
             if val_data is not None and type(self).validation_step is Trainer.validation_step:
@@ -658,3 +660,12 @@ class Trainer:
                 for k, v in self.model.named_buffers():
                     v.copy_(buffers[k])
         return recorder.seen
+
+
+def _samples(name: str, data) -> str | None:
+    """A map-style Dataset is a sequence of single samples: iterated, it would give unbatched steps."""
+    if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
+        return None
+    return (f"{name} is a {type(data).__name__}, a Dataset of single samples: each step would train on one "
+            f"unbatched sample. Pass DataLoader(dataset, batch_size=..., shuffle=True) (from torch.utils.data); "
+            "if each item already is a whole batch, DataLoader(dataset, batch_size=None)")

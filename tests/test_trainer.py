@@ -314,3 +314,13 @@ def test_a_one_shot_generator_as_train_data_is_named_at_the_second_epoch():
             "each time), or set max_steps to at most the batches of one pass")):
         trainer.fit()
     assert trainer.state.step == 4  # the first pass trained
+
+
+def test_a_dataset_of_samples_as_train_or_val_data_says_to_batch_it():
+    samples = dataset(64)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"train_data is a {type(samples).__name__}, a Dataset of single samples: each step would train on one "
+            "unbatched sample. Pass DataLoader(dataset, batch_size=..., shuffle=True)")) as info:
+        Trainer(model=MLP(8, 16, 1, 2), train_data=samples, val_data=samples, max_steps=2, device="cpu")
+    assert "val_data is a" in str(info.value)
+    Trainer(model=MLP(8, 16, 1, 2), train_data=loader(samples), val_data=loader(samples), max_steps=2, device="cpu")
