@@ -277,13 +277,18 @@ class Trainer:
                     ckpt.set_rng_state(self._loaded_rng)
                     self._loaded_rng = None
                 self._loop()
+                history = self.state.val_history
+                if self.stop_signal is None and self.val_data is not None and (
+                        not history or history[-1][0] != self.state.step):
+                    # before the final checkpoint, so that it holds the last metrics; with the random state
+                    # put back (a DataLoader draws a seed), as a run that goes on would not have validated here
+                    rng = ckpt.rng_state()
+                    self.validate()
+                    ckpt.set_rng_state(rng)
                 if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
                     self.checkpointer.save(self)
                 if self.stop_signal is not None:
                     return self.state  # stopped early: no final validation, no on_fit_end
-                history = self.state.val_history
-                if self.val_data is not None and (not history or history[-1][0] != self.state.step):
-                    self.validate()
                 self._call("on_fit_end")
         except BaseException:
             failed = True

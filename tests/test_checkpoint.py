@@ -637,3 +637,12 @@ def test_a_second_signal_during_the_stop_save_stops_at_once_with_the_signal_exit
     assert not list(ckpt.dir.glob(".step-*"))  # the abandoned save left no temporary file
     for path in ckpt.saved():  # and nothing partial under a checkpoint's name
         load(path)
+
+
+def test_the_final_checkpoint_holds_the_final_validation(tmp_path):
+    trainer = make(tmp_path / "ckpt", 12)  # validation every 5 steps, checkpoints every 7: neither at step 12
+    trainer.fit()
+    saved = load(Checkpointer(tmp_path / "ckpt").saved()[-1])
+    assert saved["state"]["step"] == 12
+    assert [s for s, _ in saved["state"]["val_history"]] == [0, 5, 10, 12]
+    assert saved["state"]["val_history"][-1] == trainer.state.val_history[-1]
