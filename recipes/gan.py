@@ -149,8 +149,9 @@ class GANTrainer(Trainer):
     def plot(self, fake: torch.Tensor, path: Path) -> None:
         try:
             import matplotlib
-        except ImportError:
-            return  # the plot is optional
+        except ImportError:  # the picture is optional
+            print(f"no scatter plot of the samples: pip install matplotlib to have it drawn to {path}")
+            return
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -26,8 +26,10 @@ def test_gan_runs_from_the_main_cli_and_logs_each_loss(tmp_path):
         import matplotlib  # noqa: F401
     except ImportError:
         assert not (tmp_path / "run" / "gan.png").exists()
+        assert f"pip install matplotlib to have it drawn to {tmp_path / 'run' / 'gan.png'}" in proc.stdout
     else:
         assert (tmp_path / "run" / "gan.png").stat().st_size > 0
+        assert f"scatter plot: {tmp_path / 'run' / 'gan.png'}" in proc.stdout
 
 
 def test_gan_coverage_counts_modes_and_samples_near_them():
