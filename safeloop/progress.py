@@ -1,4 +1,4 @@
-"""Progress: a tqdm bar on a terminal, plain log lines otherwise."""
+"""Progress: a tqdm bar on a terminal, plain log lines otherwise; log lines shown in a plain script."""
 from __future__ import annotations
 
 import logging
@@ -6,8 +6,34 @@ import sys
 import time
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 log = logging.getLogger("safeloop")
+
+
+class _Shown(logging.Handler):
+    """safeloop's lines on stderr for a program that configured no logging (a plain script), written
+    through tqdm so that they never break a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:  # the program configured logging after all: it shows them
+            return
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never stop training
+            self.handleError(record)
+
+
+def show_logs() -> None:
+    """Without any logging configured Python shows warnings only: show safeloop's progress, validation
+    and where the outputs go too (as Lightning does). Hydra's runs configure logging: nothing added."""
+    if logging.getLogger().handlers or any(isinstance(h, _Shown) for h in log.handlers):
+        return
+    handler = _Shown()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
 
 
 class Progress:
@@ -15,8 +41,11 @@ class Progress:
         self.enabled = enabled
         self.bar = None
         self._last = (time.perf_counter(), 0)
+        self._redirect = None
         if enabled and (sys.stderr.isatty() if bar is None else bar):
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self._redirect = logging_redirect_tqdm()  # the program's console log lines, above the bar
+            self._redirect.__enter__()
         self.total = total
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
@@ -38,3 +67,4 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self._redirect.__exit__(None, None, None)

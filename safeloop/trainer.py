@@ -22,7 +22,7 @@ from .guard import GraphGuard, Guard
 from .guard.explain import Scope
 from .guard.guard import Recorder
 from .loggers import make_loggers
-from .progress import Progress
+from .progress import Progress, show_logs
 from .settings import DEFAULTS, CheckpointSettings, GuardSettings, Settings, mistyped, names, read
 from .state import TrainState
 
@@ -261,7 +261,11 @@ class Trainer:
             if self.dist is not None:
                 self.dist.close(failed=True)
             raise
-        self.progress = Progress(self.max_steps, self._progress_enabled and (self.dist is None or self.dist.is_zero))
+        zero = self.dist is None or self.dist.is_zero
+        self.progress = Progress(self.max_steps, self._progress_enabled and zero)
+        if zero:
+            show_logs()
+            log.info(self._outputs())
         failed = False
         try:
             if self.checkpointer is not None:
@@ -302,6 +306,16 @@ class Trainer:
             if self.dist is not None:
                 self.dist.close(failed)
         return self.state
+
+    def _outputs(self) -> str:
+        """Where this fit writes, or that it writes nothing."""
+        ckpt_dir = self.checkpointer.dir if self.checkpointer is not None else None
+        if self.run_dir is None and ckpt_dir is None:
+            return ("no run_dir: no metrics file, no checkpoints and no graph pictures are written (pass "
+                    "run_dir=... to keep them)")
+        parts = [f"metrics in {self.run_dir}" if self.loggers else None,
+                 f"checkpoints in {ckpt_dir}" if ckpt_dir is not None else "no checkpoints (checkpoint=False)"]
+        return "outputs: " + "; ".join(p for p in parts if p)
 
     def _resume(self) -> None:
         """Load the checkpoint ``resume`` names."""

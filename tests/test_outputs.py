@@ -1,0 +1,53 @@
+"""What a run shows: a plain script (no Hydra, output piped) prints its progress and where its
+outputs go, or that none are written; the command line shows each line once."""
+import subprocess
+import sys
+import textwrap
+
+from .conftest import ROOT, subprocess_env
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import safeloop
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    trainer = safeloop.Trainer(model=torch.nn.Linear(4, 1), train_data=data, val_data=data, max_steps=6,
+                               log_every=3, val_every=6, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                               device="cpu", run_dir=sys.argv[1] if len(sys.argv) > 1 else None)
+    trainer.fit()
+    print("done")
+""")
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_plain_script_shows_its_progress_and_says_where_its_outputs_go(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    quiet = run(str(script), cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stdout == "done\n", quiet.stderr
+    lines = quiet.stderr.splitlines()
+    assert lines[0] == ("no run_dir: no metrics file, no checkpoints and no graph pictures are written (pass "
+                        "run_dir=... to keep them)")
+    assert any(line.startswith("step 3/6 loss ") for line in lines) and any(l.startswith("step 6/6 loss ") for l in lines)
+    assert sum(line.startswith("validation at step 6: val_loss ") for line in lines) == 1
+    kept = run(str(script), str(tmp_path / "run"), cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stderr.splitlines()[0] == (f"outputs: metrics in {tmp_path / 'run'}; checkpoints in "
+                                           f"{tmp_path / 'run' / 'checkpoints'}")
+    assert (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_the_command_line_shows_each_line_once(tmp_path):
+    proc = run("-m", "safeloop", "trainer.max_steps=4", "trainer.log_every=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    shown = (proc.stdout + proc.stderr).splitlines()
+    assert sum("outputs: metrics in" in line for line in shown) == 1
+    assert sum("step 4/4 loss" in line for line in shown) == 1
