@@ -13,7 +13,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
-from . import distributed, schedules
+from . import curves, distributed, schedules
 from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
@@ -294,6 +294,7 @@ class Trainer:
                 if self.stop_signal is not None:
                     return self.state  # stopped early: no final validation, no on_fit_end
                 self._call("on_fit_end")
+                self._draw_curves()
         except BaseException:
             failed = True
             raise
@@ -306,6 +307,21 @@ class Trainer:
             if self.dist is not None:
                 self.dist.close(failed)
         return self.state
+
+    def _draw_curves(self) -> None:
+        """``curves.png`` in the run directory, when there are metrics and matplotlib draws them."""
+        if self.run_dir is None or not (self.run_dir / "metrics.csv").exists() or not self.loggers:
+            return
+        if not curves.HAVE_MATPLOTLIB:
+            log.info("no loss curves: pip install matplotlib to have them drawn to %s", self.run_dir / "curves.png")
+            return
+        try:  # metrics.csv is flushed at every write
+            path = curves.draw(self.run_dir)
+        except Exception as err:  # noqa: BLE001 - a picture never fails a finished run
+            log.warning("loss curves not drawn: %s: %s", type(err).__name__, err)
+            return
+        if path is not None:
+            log.info("loss curves: %s", path)
 
     def _outputs(self) -> str:
         """Where this fit writes, or that it writes nothing."""

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+from safeloop import curves
+
 from .conftest import ROOT, subprocess_env
 
 SCRIPT = textwrap.dedent("""
@@ -28,7 +30,7 @@ def run(*args, cwd):
                           timeout=120)
 
 
-def test_a_plain_script_shows_its_progress_and_says_where_its_outputs_go(tmp_path):
+def test_a_plain_script_shows_its_progress_says_where_its_outputs_go_and_draws_its_curves(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     quiet = run(str(script), cwd=tmp_path)
@@ -43,6 +45,15 @@ def test_a_plain_script_shows_its_progress_and_says_where_its_outputs_go(tmp_pat
     assert kept.stderr.splitlines()[0] == (f"outputs: metrics in {tmp_path / 'run'}; checkpoints in "
                                            f"{tmp_path / 'run' / 'checkpoints'}")
     assert (tmp_path / "run" / "metrics.csv").exists()
+    # the loss curves, or how to have them
+    picture = tmp_path / "run" / "curves.png"
+    if curves.HAVE_MATPLOTLIB:
+        assert f"loss curves: {picture}" in kept.stderr
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+    else:
+        assert f"no loss curves: pip install matplotlib to have them drawn to {picture}" in kept.stderr
+        assert not picture.exists()
+    assert "loss curves" not in quiet.stderr  # no run_dir: no metrics, no picture
 
 
 def test_the_command_line_shows_each_line_once(tmp_path):
@@ -51,3 +62,4 @@ def test_the_command_line_shows_each_line_once(tmp_path):
     shown = (proc.stdout + proc.stderr).splitlines()
     assert sum("outputs: metrics in" in line for line in shown) == 1
     assert sum("step 4/4 loss" in line for line in shown) == 1
+
