@@ -101,8 +101,9 @@ def print_help(overrides: list[str]) -> None:
                       config=OmegaConf.to_yaml(cfg)), end="")
 
 
-def task(cfg: DictConfig) -> None:
-    """One training run of the composed config."""
+def task(cfg: DictConfig) -> dict[str, float]:
+    """One training run of the composed config; returns its final losses and last validation metrics
+    (a sweep's table shows them)."""
     trainer = refusing(train, cfg)
     if trainer.stop_signal is not None:
         where = trainer.checkpointer.last if trainer.checkpointer is not None else None
@@ -110,6 +111,8 @@ def task(cfg: DictConfig) -> None:
               "Run the same command with trainer.resume=auto (and the same checkpoint.dir) to continue",
               file=sys.stderr)
         sys.exit(128 + trainer.stop_signal)
+    history = trainer.state.val_history
+    return {**trainer.state.floats(), **(history[-1][1] if history else {})}
 
 
 def job():

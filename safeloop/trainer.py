@@ -329,9 +329,9 @@ class Trainer:
         if self.run_dir is None and ckpt_dir is None:
             return ("no run_dir: no metrics file, no checkpoints and no graph pictures are written (pass "
                     "run_dir=... to keep them)")
-        parts = [f"metrics in {self.run_dir}" if self.loggers else None,
-                 f"checkpoints in {ckpt_dir}" if ckpt_dir is not None else "no checkpoints (checkpoint=False)"]
-        return "outputs: " + "; ".join(p for p in parts if p)
+        parts = [f"metrics to {self.run_dir}" if self.loggers else None,
+                 f"checkpoints to {ckpt_dir}" if ckpt_dir is not None else "no checkpoints (checkpoint=False)"]
+        return "writing " + "; ".join(p for p in parts if p)
 
     def _resume(self) -> None:
         """Load the checkpoint ``resume`` names."""

@@ -261,6 +261,12 @@ def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
     overrides = [(r / ".hydra" / "overrides.yaml").read_text() for r in runs]
     assert "optimizer.lr=0.01" in overrides[0] and "optimizer.lr=0.001" in overrides[1], overrides
     assert proc.stdout.count("outputs: ") == 2
+    # one table across the runs: what differs between them, and their final losses
+    summary = (runs[0].parent / "summary.md").read_text().splitlines()
+    assert summary[0] == "| run | overrides | loss | val_loss |" and len(summary) == 4, summary
+    assert re.fullmatch(r"\| 0 \| optimizer.lr=0.01 \| [\d.]+ \| [\d.]+ \|", summary[2]), summary
+    assert re.fullmatch(r"\| 1 \| optimizer.lr=0.001 \| [\d.]+ \| [\d.]+ \|", summary[3]), summary
+    assert "\n".join(summary) in proc.stdout and f"sweep summary: {runs[0].parent / 'summary.md'}" in proc.stdout
 
 
 @pytest.mark.distributed

@@ -42,7 +42,7 @@ def test_a_plain_script_shows_its_progress_says_where_its_outputs_go_and_draws_i
     assert sum(line.startswith("validation at step 6: val_loss ") for line in lines) == 1
     kept = run(str(script), str(tmp_path / "run"), cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr
-    assert kept.stderr.splitlines()[0] == (f"outputs: metrics in {tmp_path / 'run'}; checkpoints in "
+    assert kept.stderr.splitlines()[0] == (f"writing metrics to {tmp_path / 'run'}; checkpoints to "
                                            f"{tmp_path / 'run' / 'checkpoints'}")
     assert (tmp_path / "run" / "metrics.csv").exists()
     # the loss curves, or how to have them
@@ -60,6 +60,6 @@ def test_the_command_line_shows_each_line_once(tmp_path):
     proc = run("-m", "safeloop", "trainer.max_steps=4", "trainer.log_every=2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     shown = (proc.stdout + proc.stderr).splitlines()
-    assert sum("outputs: metrics in" in line for line in shown) == 1
+    assert sum("writing metrics to" in line for line in shown) == 1 and sum("outputs: " in l for l in shown) == 1
     assert sum("step 4/4 loss" in line for line in shown) == 1
 
