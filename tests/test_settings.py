@@ -84,7 +84,7 @@ class NotACallback:
                                "0.0025 is 0.25%), got 0"),
     ({"guard": {"warmup": -1}}, "guard.warmup must be an integer >= 0, got -1"),
     ({"guard": {"trace": "yes"}}, "guard.trace='yes' is a str; give True or False"),
-    ({"guard": 5}, "guard=5 is an int; give a Guard, a Mapping[str, Any] or None"),
+    ({"guard": 5}, "guard=5 is an int; give a Guard, a GraphGuard, a Mapping[str, Any] or None"),
     ({"grad_clip": "1.0"}, "grad_clip must be a positive number or null, got '1.0'"),
     ({"checkpoint": {"dir": 123}}, "checkpoint.dir=123 is an int; give a string or None"),
     ({"checkpoint": 5}, "checkpoint=5 is an int; give a Mapping[str, Any], True or False or None"),
