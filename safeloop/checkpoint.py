@@ -125,6 +125,8 @@ _FIXES = {
     errno.EROFS: "the file system is read-only: set checkpoint.dir to a writable directory",
     errno.EACCES: "permission denied: set checkpoint.dir to a directory this user can write",
     errno.EPERM: "permission denied: set checkpoint.dir to a directory this user can write",
+    errno.ENOENT: "it cannot be created there (no such file or directory above it that can hold it): set "
+                  "checkpoint.dir to a directory this user can create and write",
 }
 
 

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import distributed
 from .errors import ConfigError
-from .settings import CheckpointSettings, GuardSettings, Settings, TrainerGroup, mistyped, read
+from .settings import CheckpointSettings, GuardSettings, Settings, TrainerGroup, mistyped, names, read
 from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
@@ -126,7 +126,12 @@ def check(cfg: DictConfig) -> list[str]:
         problems += call_problems(node, group)
     # the settings' own checks, which the Trainer runs again, so that one report holds everything
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
-    problems += Settings(**{k: v for k, v in settings.items() if k != "_target_"}).problems()  # type: ignore[union-attr]
+    known = set(names(Settings))
+    takes = inspect.signature(cls).parameters
+    problems += [f"trainer.{k} is not a setting of {target} (+trainer.{k} added it): drop it, or give the Trainer "
+                 f"subclass a keyword argument {k}" for k in settings if k != "_target_" and k not in known
+                 and k not in takes]
+    problems += Settings(**{k: v for k, v in settings.items() if k in known}).problems()  # type: ignore[union-attr]
     for group, schema in (("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         if cfg.get(group) is not None:
             problems += read(schema, OmegaConf.to_container(cfg[group], resolve=True), group)[1]
@@ -234,15 +239,21 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train",
 
 
 def unknown_options(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> list[str]:
-    """``experiment=gann``: an option an optional group (``experiment``, ``debug``) does not have.
-    Hydra leaves such a group out silently; a group that is not optional it reports itself."""
+    """``experiment=gann``: an option an optional group (``experiment``, ``debug``) does not have
+    (Hydra leaves such a group out silently; a group that is not optional it reports itself), and
+    ``optimizer=null`` (which Hydra answers with a bare ValueError)."""
     config_dir = Path(config_dir)
     defaults = OmegaConf.load(config_dir / "train.yaml").defaults
     optional = [key.split()[1] for d in defaults if isinstance(d, DictConfig) for key in d
                 if key.startswith("optional ")]
+    groups = {d.name for d in config_dir.iterdir() if d.is_dir()}
     problems = []
     for o in OverridesParser.create().parse_overrides(list(overrides)):
         value = o.value()
+        if o.key_or_group in groups and value is None and not o.is_delete():
+            names = sorted(f.stem for f in (config_dir / o.key_or_group).glob("*.yaml") if f.stem != "schema")
+            problems.append(f"{o.input_line}: a config group takes one of its options ({', '.join(names)})"
+                            + (f"; ~{o.key_or_group} leaves it out" if o.key_or_group in optional else ""))
         if o.key_or_group in optional and not o.is_delete() and isinstance(value, str):
             names = sorted(f.stem for f in (config_dir / o.key_or_group).glob("*.yaml"))
             if value not in names:

@@ -54,5 +54,5 @@ def make_loggers(names, run_dir) -> list:
     names = [names] if isinstance(names, str) else list(names or [])
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
-        raise ConfigError(f"unknown logger {unknown[0]!r}: choose from {sorted(LOGGERS)}")
+        raise ConfigError(f"loggers: unknown logger {unknown[0]!r}: choose from {sorted(LOGGERS)}")
     return [LOGGERS[n](run_dir) for n in names]

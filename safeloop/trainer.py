@@ -17,7 +17,7 @@ from . import curves, distributed, schedules
 from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
 from .devices import autocast, resolve_device, resolve_precision
-from .errors import ConfigError, ConfigWarning, SafeloopError
+from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
 from .guard import GraphGuard, Guard
 from .guard.explain import Scope
 from .guard.guard import Recorder
@@ -661,6 +661,11 @@ class Trainer:
                 for name, value in out.items():
                     sums[name] = sums.get(name, 0.0) + float(value)
                 count += 1
+        except Exception as err:
+            if isinstance(err, SafeloopError):
+                raise
+            raise StepError(f"validation at step {self.state.step} failed on batch {count + 1} of val_data (training "
+                            f"is unchanged): {type(err).__name__}: {err}", self.state.step) from err
         finally:
             for module, training in modes:
                 module.training = training

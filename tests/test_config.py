@@ -149,8 +149,9 @@ def test_a_value_its_target_refuses_is_named_with_the_group_at_start_up():
     assert problems_of("optimizer.lr=-1") == [
         "optimizer: torch.optim.Adam(lr=-1) failed: ValueError: Invalid learning rate: -1; fix the value at fault "
         "(optimizer.KEY=VALUE)"]
-    assert problems_of("model.hidden=-3")[0].startswith(
-        "model: safeloop.models.MLP(in_dim=16, hidden=-3, out_dim=1, depth=3) failed: RuntimeError: ")
+    assert problems_of("model.hidden=-3") == [
+        "model: safeloop.models.MLP(in_dim=16, hidden=-3, out_dim=1, depth=3) failed: ValueError: hidden=-3: in_dim, "
+        "hidden, out_dim and depth must be positive integers; fix the value at fault (model.KEY=VALUE)"]
 
 
 def test_loss_weights_take_any_loss_name_as_written():
