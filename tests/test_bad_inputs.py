@@ -158,3 +158,136 @@ def test_data_that_does_not_fit_the_model_is_named_at_the_first_validation_with_
                                                   "multiplied (64x3 and 16x64)")):
         trainer.fit()
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def small(cls=Trainer, data=None, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    data = data if data is not None else DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    settings = dict(max_steps=2, device="cpu", progress=False, loggers=(), optimizer=lambda p: torch.optim.Adam(p))
+    settings.update(kwargs)
+    return cls(model=torch.nn.Linear(4, 1), train_data=data, **settings)
+
+
+def returning(value):
+    class Returns(Trainer):
+        def training_step(self, batch):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            return value(loss) if callable(value) else value
+    return Returns
+
+
+# what training_step returns -> the error, its text
+RETURNS = [
+    (None, StepError, r"step 1: training_step returned None; training_step must return the loss tensor"),
+    (3, StepError, r"step 1: training_step returned a int; training_step must return the loss tensor"),
+    ("loss", StepError, r"step 1: training_step returned a str"),
+    ({}, StepError, r"step 1: training_step returned an empty dict"),
+    (lambda loss: {"loss": 1.0}, StepError, r"'loss' = float, not a tensor"),
+    (lambda loss: loss * torch.ones(3), StepError, r"loss 'loss' has shape \(3,\); a loss must be a scalar"),
+    (lambda loss: loss.detach(), NoGraphError, r"\(step 1, loss 'loss'\): it was built from detached tensors "
+                                               r"\(.detach\(\)\).*To fix: remove .detach\(\)"),
+    (lambda loss: torch.tensor(1.0, requires_grad=True), NoGraphError, r"loss 'loss'"),
+]
+
+
+@pytest.mark.parametrize("value, error, message", RETURNS)
+def test_a_bad_training_step_return_is_named_and_nothing_is_trained(value, error, message):
+    trainer = small(returning(value))
+    before = [p.clone() for p in trainer.model.parameters()]
+    with pytest.raises(error, match=message):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert all(not s for s in trainer.optimizers["optimizer"].state.values()) and trainer.state.step == 0
+
+
+def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():
+    nan = returning(lambda loss: loss * float("nan"))
+    trainer = small(nan, on_nonfinite="error")
+    before = [p.clone() for p in trainer.model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"step 1: .*loss 'loss'.*The step was abandoned"):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    with pytest.raises(NonFiniteError, match=r"trainer.max_skipped=1\): training diverged"):
+        small(nan, on_nonfinite="skip", max_skipped=1).fit()
+
+
+@pytest.mark.parametrize("optimizers, message", [
+    (None, r"configure_optimizers returned None"),
+    ("adam", r"configure_optimizers returned str for 'optimizer', not a torch.optim.Optimizer"),
+    ([1, 2], r"configure_optimizers returned list for 'optimizer', not a torch.optim.Optimizer"),
+])
+def test_a_bad_configure_optimizers_is_named(optimizers, message):
+    class Configures(Trainer):
+        def configure_optimizers(self):
+            return optimizers
+
+    with pytest.raises(ConfigError, match=message):
+        small(Configures, optimizer=None).fit()
+
+
+def test_data_that_gives_no_batches_or_only_once_is_named():
+    with pytest.raises(ConfigError, match=r"train_data yielded no batches: check the dataset and batch size"):
+        small(data=[]).fit()
+    x = torch.randn(16, 4)
+    with pytest.raises(ConfigError, match=r"train_data is a generator, an iterator that one pass uses up"):
+        small(data=(b for b in DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)), max_steps=None, max_epochs=2).fit()
+    with pytest.raises(ConfigError, match=r"train_data is a TensorDataset, a Dataset of single samples"):
+        small(data=TensorDataset(x, x))
+
+
+def damaged(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(data)
+    elif how == "random bytes":
+        path.write_bytes(torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0))
+                         .to(torch.uint8).numpy().tobytes())
+    elif how == "text":
+        path.write_text("not a checkpoint\n")
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped byte", "random bytes", "text"])
+def test_a_damaged_checkpoint_is_named_and_nothing_is_changed(tmp_path, how):
+    small(checkpoint={"dir": str(tmp_path)}).fit()
+    path = Checkpointer(tmp_path).saved()[-1]
+    damaged(path, how)
+    trainer = small(max_steps=4, checkpoint={"dir": str(tmp_path)}, resume=str(path))
+    before = [p.clone() for p in trainer.model.parameters()]
+    kept = path.read_bytes()
+    with pytest.raises(CheckpointError, match=re.escape(str(path))):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 0
+    assert path.read_bytes() == kept
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, r"optimizer 'optimizer' was saved from torch.optim.Adam and this run's is torch.optim.SGD"),
+    ({"model": torch.nn.Linear(4, 2)}, r"size mismatch|shape"),
+])
+def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, change, message):
+    small(checkpoint={"dir": str(tmp_path)}).fit()
+    args = dict(max_steps=4, checkpoint={"dir": str(tmp_path)}, resume="auto")
+    model = change.pop("model", None)
+    trainer = small(**args, **change)
+    if model is not None:
+        trainer.model = model
+    with pytest.raises(CheckpointError, match=message):
+        trainer.fit()
+    assert trainer.state.step == 0
+
+
+def test_a_checkpoint_directory_another_live_run_holds_is_refused(tmp_path):
+    holder = Checkpointer(tmp_path)
+    holder.open()
+    try:
+        with pytest.raises(CheckpointError, match=rf"checkpoint directory {re.escape(str(tmp_path))} is in use by "
+                                                  r"another run"):
+            small(checkpoint={"dir": str(tmp_path)}).fit()
+    finally:
+        holder.close()
+    shutil.rmtree(tmp_path)
