@@ -613,8 +613,7 @@ class Guard:
 def _check_names(names) -> frozenset:
     unknown = [n for n in names if n not in GUARD_CHECKS]
     if unknown:
-        raise ConfigError(f"guard.ignore: {', '.join(map(repr, unknown))} is not a check; choose from "
-                          f"{', '.join(GUARD_CHECKS)}")
+        raise ConfigError([f"guard.ignore: {name!r} is not one of {', '.join(GUARD_CHECKS)}" for name in unknown])
     return frozenset(names)
 
 
