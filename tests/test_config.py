@@ -70,6 +70,9 @@ def test_cli_default_job_learns_and_writes_metrics(tmp_path):
     assert final < first / 2
     assert f"outputs: {tmp_path}/run" in out.stdout
     assert "steps/s" in out.stdout + out.stderr  # plain progress lines when not a terminal
+    shown = (out.stdout + out.stderr).splitlines()  # each line once: Hydra's logging, none of safeloop's own
+    assert sum("writing metrics to" in line for line in shown) == 1 and sum("outputs: " in l for l in shown) == 1
+    assert sum("step 1000/1000 loss" in line for line in shown) == 1
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert {r["metric"] for r in rows} == {"loss", "lr", "val_loss"}  # the learning rate logged with the loss
     assert max(int(r["step"]) for r in rows) == 1000

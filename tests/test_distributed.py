@@ -128,12 +128,13 @@ def torchrun_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", ["plain", "manual_gan"])  # through DistributedDataParallel / safeloop's reducer
-def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
-    """Under torchrun without a process group of the caller's, the Trainer makes one; a second
-    fit() of the same Trainer (more steps) goes on where the first stopped, in the same group."""
-    torchrun_script(tmp_path, f"""
+@pytest.fixture(scope="module", params=["plain", "manual_gan"])  # through DistributedDataParallel / the reducer
+def two_fits(request, tmp_path_factory):
+    """One 2-rank job per case: a Trainer fits 2 steps, then fits on to the end (without a process group of
+    the caller's it makes one), saves each rank's parameters, then ends the group as its atexit handler
+    does and reports the gloo threads still running."""
+    case, tmp_path = request.param, tmp_path_factory.mktemp("two_fits")
+    proc = torchrun_script(tmp_path, f"""
         torch.set_num_threads(1)
         trainer = ddp_cases.build({case!r}, world=2)
         trainer.max_steps = 2
@@ -141,7 +142,18 @@ def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
         trainer.max_steps = ddp_cases.STEPS
         trainer.fit()
         torch.save([p.detach() for p in trainer.model.parameters()], f"params{{os.environ['RANK']}}.pt")
+        safeloop.distributed._end_group()  # what runs at exit
+        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        sys.stdout.write(f"gloo threads: {{sorted(n for n in names if 'gloo' in n)}}\\n")  # one write per rank
+        sys.stdout.flush()
         """)
+    return case, tmp_path, proc
+
+
+@pytest.mark.distributed
+def test_a_second_fit_goes_on_where_the_first_stopped(two_fits):
+    """A second fit() of the same Trainer (more steps) goes on where the first stopped, in the same group."""
+    case, tmp_path, _ = two_fits
     single = ddp_cases.result(case)["params"]
     for rank in (0, 1):
         for p, expected in zip(torch.load(tmp_path / f"params{rank}.pt"), single, strict=True):
@@ -149,22 +161,11 @@ def test_a_second_fit_goes_on_where_the_first_stopped(tmp_path, case):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["plain", "manual_gan"])
-def test_the_group_the_trainer_made_ends_with_its_threads_before_interpreter_shutdown(tmp_path, case):
+def test_the_group_the_trainer_made_ends_with_its_threads_before_interpreter_shutdown(two_fits):
     """Gloo's worker threads left running into interpreter shutdown can abort the process at exit
     ("terminate called without an active exception", SIGABRT) when one releases a finished
     all-reduce's tensors; ending the group at exit (what the Trainer's atexit handler does) must stop them."""
-    proc = torchrun_script(tmp_path, f"""
-        torch.set_num_threads(1)
-        trainer = ddp_cases.build({case!r}, world=2)
-        trainer.max_steps = 2
-        trainer.fit()
-        safeloop.distributed._end_group()  # what runs at exit
-        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        sys.stdout.write(f"gloo threads: {{sorted(n for n in names if 'gloo' in n)}}\\n")  # one write per rank
-        sys.stdout.flush()
-        """)
-    assert proc.stdout.count("gloo threads: []") == 2, proc.stdout
+    assert two_fits[2].stdout.count("gloo threads: []") == 2, two_fits[2].stdout
 
 
 @pytest.mark.distributed

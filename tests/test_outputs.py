@@ -1,5 +1,5 @@
 """What a run shows: a plain script (no Hydra, output piped) prints its progress and where its
-outputs go, or that none are written; the command line shows each line once."""
+outputs go, or that none are written (the command line's lines: tests/test_config.py)."""
 import subprocess
 import sys
 import textwrap
@@ -54,12 +54,4 @@ def test_a_plain_script_shows_its_progress_says_where_its_outputs_go_and_draws_i
         assert f"no loss curves: pip install matplotlib to have them drawn to {picture}" in kept.stderr
         assert not picture.exists()
     assert "loss curves" not in quiet.stderr  # no run_dir: no metrics, no picture
-
-
-def test_the_command_line_shows_each_line_once(tmp_path):
-    proc = run("-m", "safeloop", "trainer.max_steps=4", "trainer.log_every=2", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    shown = (proc.stdout + proc.stderr).splitlines()
-    assert sum("writing metrics to" in line for line in shown) == 1 and sum("outputs: " in l for l in shown) == 1
-    assert sum("step 4/4 loss" in line for line in shown) == 1
 
