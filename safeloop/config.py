@@ -249,17 +249,16 @@ def unknown_options(overrides: Sequence[str], config_dir: str | Path = CONFIG_DI
     groups = {d.name for d in config_dir.iterdir() if d.is_dir()}
     problems = []
     for o in OverridesParser.create().parse_overrides(list(overrides)):
-        value = o.value()
-        if o.key_or_group in groups and value is None and not o.is_delete():
-            names = sorted(f.stem for f in (config_dir / o.key_or_group).glob("*.yaml") if f.stem != "schema")
+        value, group = o.value(), o.key_or_group
+        names = sorted(f.stem for f in (config_dir / group).glob("*.yaml")) if group in groups else []
+        if group in groups and value is None and not o.is_delete():
             problems.append(f"{o.input_line}: a config group takes one of its options ({', '.join(names)})"
-                            + (f"; ~{o.key_or_group} leaves it out" if o.key_or_group in optional else ""))
-        if o.key_or_group in optional and not o.is_delete() and isinstance(value, str):
-            names = sorted(f.stem for f in (config_dir / o.key_or_group).glob("*.yaml"))
+                            + (f"; ~{group} leaves it out" if group in optional else ""))
+        if group in optional and not o.is_delete() and isinstance(value, str):
             if value not in names:
                 close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
-                problems.append(f"{o.input_line}: {o.key_or_group} has no option {value!r}; "
-                                + (f"did you mean {o.key_or_group}={close[0]}? " if close else "")
+                problems.append(f"{o.input_line}: {group} has no option {value!r}; "
+                                + (f"did you mean {group}={close[0]}? " if close else "")
                                 + f"options: {', '.join(names)}")
     return problems
 

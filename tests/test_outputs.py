@@ -6,7 +6,7 @@ import textwrap
 
 from safeloop import curves
 
-from .conftest import ROOT, subprocess_env
+from .conftest import subprocess_env
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -2,7 +2,8 @@
 
 Searched in order: the ``Scope``'s roots (for a Trainer: its attributes, then the
 model's), its namespaces (for a plain loop: the caller's local and global variables), the
-globals and closure of its functions (``training_step``), the batch; the garbage collector last. Only runs on the error path.
+globals and closure of its functions (``training_step``), the batch; the garbage collector last.
+Only runs on the error path.
 """
 from __future__ import annotations
 

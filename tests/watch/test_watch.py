@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import subprocess_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
