@@ -323,11 +323,13 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 class PositionedLoader(torch.utils.data.DataLoader):
     """A loader that keeps its own position, as torchdata's StatefulDataLoader does."""
 
+    position = 0  # batches handed out (kept only as far as this test needs)
+
     def state_dict(self) -> dict:
-        return {"position": 0}
+        return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.position = state["position"]
 
 
 def stateful_loaders():
