@@ -157,6 +157,10 @@ def test_check_runs_the_pre_flight_for_a_backward_someone_else_calls(tmp_path):
         guard.check(loss)  # as a Lightning on_before_backward hook or before accelerator.backward(loss) would
     assert info.value.picture is not None and Path(info.value.picture).exists()
     guard.check(F.mse_loss(model(data[1]), data[1]))  # a loss of its own graph passes
+    out = model(data[2])
+    guard.check({"mse": F.mse_loss(out, data[2]), "l1": out.abs().mean()})  # several named losses of one step
+    with pytest.raises(GraphReuseError, match=r"loss 'reg'.*held by `local scale`"):
+        guard.check({"mse": F.mse_loss(model(data[3]), data[3]), "reg": scale * 0.1})
 
 
 def test_bad_settings_are_named():
