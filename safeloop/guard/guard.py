@@ -37,7 +37,7 @@ from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
 from .explain import Scope
 from .render import render
-from .walk import _peek
+from .walk import CHEAP_PEEK, _peek
 
 log = logging.getLogger("safeloop.guard")
 
@@ -150,24 +150,26 @@ class Guard:
     def start_fit(self) -> None:
         self.fit_seq = self.next_start = walk.sequence_now()
 
-    def _step_start(self) -> int:
-        """Where this step's nodes begin: where the last step ended (see ``step_done``), else now."""
-        return _peek() if self.next_start is None else self.next_start
-
     def step_done(self) -> None:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
-        if walk.CHEAP_PEEK:
+        if CHEAP_PEEK:
             self.next_start = _peek()
 
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
+        self.prev_seq = self.start_seq
+        if CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
+            # where the last step ended (see ``step_done``): a graph made while fetching the batch is this step's
+            self.start_seq = _peek() if self.next_start is None else self.next_start
+        else:
+            self.start_seq = None  # read below if checked
+        if step < self.next_timed and not self.timed:  # most steps: neither checked nor timed, as the last
+            return False
         self.spent = 0.0
         if self._consumed or self._walked:
             self._consumed, self._walked = [], None
-        self.prev_seq = self.start_seq
-        if step < self.next_timed:  # most steps: neither checked nor timed, nothing to decide
+        if step < self.next_timed:
             self.checking = self.thorough = self.timed = False
-            self.start_seq = self._step_start() if walk.CHEAP_PEEK else None
             return False
         self.checking = step >= self.next_due
         self.timed = True
@@ -177,16 +179,12 @@ class Guard:
             # check after it see them soon enough, at a quarter of their cost.
             self._checks += 1
             self.thorough = step <= self.warmup or self._checks % 4 == 0
+            if not CHEAP_PEEK:
+                t0 = time.perf_counter()
+                self.start_seq = walk.sequence_now()
+                self.spent += time.perf_counter() - t0
         else:
             self.thorough = False
-        if walk.CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
-            self.start_seq = self._step_start()
-        elif self.checking:
-            t0 = time.perf_counter()
-            self.start_seq = walk.sequence_now()
-            self.spent += time.perf_counter() - t0
-        else:
-            self.start_seq = None
         return True
 
     def record_step_time(self, step: int, seconds: float) -> None:
@@ -473,11 +471,13 @@ class Guard:
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         if walk.is_freed(err):
             if before:
-                self.checking = True
+                checking, self.checking = self.checking, True
                 try:
                     self._before_step(before, name, loss, step, scope, batch)
                 except GraphLifecycleError as explained:
                     return explained
+                finally:
+                    self.checking = checking
             return self._error(DoubleBackwardError, None, name, loss, step, scope, batch,
                 "backward reached a graph whose saved tensors an earlier backward already freed (" +
                 text.split(".")[0] + ")",

@@ -85,13 +85,16 @@ class Runner:
         # must be dropped after every update (a later forward would use the old ones)
         self.recast = autocast is not None and not self.automatic
         # One loss into one optimizer with nothing in between: back-propagated and stepped directly.
-        self.simple = (not self.routed and self.scaler is None and self.dist is None and self.grad_clip is None
-                       and self.grad_accum == 1 and not self.weights
-                       and not any(hooks[h] for h in ("on_before_backward", "on_after_backward",
-                                                      "on_before_optimizer_step"))
-                       and not self.closures)
+        plain = (not self.routed and self.scaler is None and self.dist is None and self.grad_clip is None
+                 and self.grad_accum == 1 and not self.weights
+                 and not any(hooks[h] for h in ("on_before_backward", "on_after_backward",
+                                                "on_before_optimizer_step"))
+                 and not self.closures)
+        self.plain, self.simple = plain, plain and self.automatic  # see update, simple_step
+        self.step_hooks = bool(hooks["on_step_start"] or hooks["on_step_end"])
+        self.only = (self.names[0], self.optimizers[self.names[0]]) if plain and self.names else None
         # what the Trainer warns about once: optimizers no gradient reached yet, loss_weights no loss had yet
-        self.unreached = set() if self.simple else set(self.names)
+        self.unreached = set() if plain else set(self.names)
         self.unweighted = set(self.weights)
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
@@ -103,17 +106,21 @@ class Runner:
         step = state.step + 1
         timed = guard.begin_step(step)
         started = _perf_counter() if timed else 0.0
-        for fn in hooks["on_step_start"]:
-            fn()
+        if self.step_hooks:
+            for fn in hooks["on_step_start"]:
+                fn()
         total: dict[str, torch.Tensor] = {}
         try:
-            total = self.forward_backward(batches, step)
-            if self.automatic:
-                if self.unweighted:
-                    self.unweighted.difference_update(total)
-                self.update(total, step, batches)
-            elif self.scaler is not None and self.stepped:
-                self.scaler.update()
+            if self.simple and not timed:
+                total = self.simple_step(batches, step)
+            else:
+                total = self.forward_backward(batches, step)
+                if self.automatic:
+                    if self.unweighted:
+                        self.unweighted.difference_update(total)
+                    self.update(total, step, batches)
+                elif self.scaler is not None and self.stepped:
+                    self.scaler.update()
         except SkipStep:
             self.abandon()
             total = total or self.skipped_losses
@@ -124,41 +131,55 @@ class Runner:
             self.stepped.clear()
         if self.fresh:
             self.fresh.clear()
-        n = len(batches)
-        state.losses = {k: v / n for k, v in total.items()} if n > 1 else total
+        state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
-        for fn in hooks["on_step_end"]:
-            fn(state.losses)
+        if self.step_hooks:
+            for fn in hooks["on_step_end"]:
+                fn(state.losses)
         if timed:
             guard.end_step(step, self.scope)
             guard.record_step_time(step, _perf_counter() - started)
         guard.step_done()
 
-    def forward_backward(self, batches: list, step: int, only: str | None = None) -> dict[str, torch.Tensor]:
+    def simple_step(self, batches: list, step: int) -> dict[str, torch.Tensor]:
+        """The usual step at its cheapest: one batch whose one loss goes into one optimizer with nothing
+        in between, on a step the guard does not check (it explains the step only if backward fails).
+        The same pieces as the general step (``forward_backward``, ``update``), in the same order.
+        A ``training_step`` that returns anything else makes every step from then on a general one."""
+        batch = batches[0] if self.move is None else self.move(batches[0])
+        output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
+        if type(output) is not torch.Tensor or not output.requires_grad or output.numel() != 1:
+            self.simple = False
+            total = self.forward_backward(batches, step, output=output)
+            self.update(total, step, batches)
+            return total
+        try:
+            output.backward()
+        except RuntimeError as err:
+            raise self.explained(err, output, "loss", step, batch)
+        total = {"loss": output.data}
+        del output  # the step's graph must not outlive it (checked at its end)
+        self.update(total, step, batches)
+        return total
+
+    def forward_autocast(self, batch):
+        with self.autocast():
+            return self.forward(batch)
+
+    def forward_backward(self, batches: list, step: int, only: str | None = None, output=None) -> dict[str, torch.Tensor]:
         """Forward and backward(s) of every micro-batch; returns their losses' values, summed.
-        ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone."""
-        automatic, forward, autocast, move, guard = self.automatic, self.forward, self.autocast, self.move, self.guard
+        ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone.
+        ``output``: what ``training_step`` already returned for the first micro-batch."""
+        automatic, move = self.automatic, self.move
         total: dict[str, torch.Tensor] = {}
         last = len(batches) - 1
         for i, batch in enumerate(batches):
             if move is not None:
                 batch = move(batch)
-            if autocast is None:
-                output = forward(batch)
-            else:
-                with autocast():
-                    output = forward(batch)
+            if output is None:
+                output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
             if not automatic:
                 losses = named_losses(output, step, ()) if output is not None else {}
-            elif self.simple and type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
-                if guard.checking:
-                    self.backward_all({"loss": output}, step, batch, first=True, last=True)
-                else:  # the usual step, at its cheapest: the guard explains it only if backward fails
-                    try:
-                        output.backward()
-                    except RuntimeError as err:
-                        raise self.explained(err, output, "loss", step, batch)
-                return {"loss": output.data}  # a simple step has one batch
             else:
                 losses = named_losses(output, step, self.optimizers)
                 if only is not None and self.routed:
@@ -166,22 +187,26 @@ class Runner:
                 if losses:
                     self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == last)
             _add_values(total, losses)
-            del output, losses, batch  # the step's graph must not outlive it (checked at its end)
+            output = losses = batch = None  # the step's graph must not outlive it (checked at its end)
         return total
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
         """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
-        if self.simple:  # one optimizer: nothing to sync, clip, unscale or call in between
-            name = self.names[0]
+        if self.plain:  # one optimizer: nothing to sync, clip, unscale or call in between
             if self.finite is not None:
                 self.check_finite(losses, step, None)
-            self.undo.before_update(name, True)
-            opt = self.optimizers[name]
-            opt.step()
-            opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
-            scheduler = self.schedulers.get(name)
-            if scheduler is not None:
-                scheduler.step()
+            name, opt = self.only
+            if self.undo.mode == "full":
+                self.undo.before_update(name, True)
+            try:
+                opt.step()
+                opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+                scheduler = self.schedulers.get(name)
+                if scheduler is not None:
+                    scheduler.step()
+            except BaseException:
+                self.undo.before_update(name, True)  # the update began: the report says so unless undone
+                raise
             return
         if self.dist is not None:  # every rank decides on the same averaged gradients
             self.dist.sync_all(step)
