@@ -86,7 +86,7 @@ def test_killed_at_random_moments_it_resumes_from_the_newest_complete_checkpoint
     run_dir = tmp_path / "run"
     ckpt = Checkpointer(run_dir / "ckpt")
     newest = 0
-    for kill in ("at random", "mid-save", "at random"):
+    for kill in ("at random", "mid-save"):  # then SIGTERM, below
         proc = run_cli(run_dir, "trainer.max_steps=100000")
         if kill == "mid-save":  # the moment this process has a save half-written
             wait_for(lambda: any(ckpt.dir.glob(f".step-*.{proc.pid}.tmp")), proc)
@@ -528,8 +528,7 @@ def test_temporary_files_of_dead_writers_are_removed_at_start_up_and_live_ones_k
 
 
 def test_a_checkpoint_too_large_for_ulimit_is_named_and_the_older_ones_are_intact(tmp_path):
-    done = job(tmp_path, 7)
-    assert done.wait(timeout=120) == 0, done.stdout.read()
+    make(tmp_path, 7).fit()
     before = (tmp_path / "step-000000007.pt").read_bytes()
     limited = job(tmp_path, 14, "auto", limit="ulimit -f 16")  # 16 KiB: the start-up check passes, a save does not
     output = limited.communicate(timeout=120)[0]
@@ -569,37 +568,40 @@ def in_own_mount(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -rm (a private mount namespace) is not permitted here")
     (tmp_path / "mnt").mkdir()
+    make(tmp_path / "first", 7).fit()  # the run's first part, whose checkpoint the script copies in: $FIRST
     train = f'train() {{ {sys.executable} -m tests.checkpoint_job "$DIR" "$@"; }}'
-    return subprocess.run(["unshare", "-rm", "bash", "-c", f"DIR='{tmp_path / 'mnt'}'; {train}; {script}"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    return subprocess.run(["unshare", "-rm", "bash", "-c",
+                           f"DIR='{tmp_path / 'mnt'}'; FIRST='{tmp_path / 'first' / 'step-000000007.pt'}'; {train}; "
+                           f"{script}"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
 
 
 def test_a_full_disk_is_named_and_the_older_checkpoints_are_intact(tmp_path):
     done = in_own_mount(tmp_path, """
         set -e
         mount -t tmpfs -o size=256k tmpfs $DIR
-        train 7
+        cp $FIRST $DIR/
         # fill the disk but 8 KiB: the start-up check (4 KiB) passes, the next checkpoint (33 KB) does not fit
         dd if=/dev/zero of=$DIR/filler bs=1k count=$(( $(df -k --output=avail $DIR | tail -1) - 8 )) 2>/dev/null
         set +e
         train 14 auto 2>&1
         echo "exit $?"
         ls -a $DIR
-        python -c "import sys, torch; torch.load(sys.argv[1], weights_only=True); print('step 7 loads')" $DIR/step-000000007.pt
+        cp $DIR/step-000000007.pt $DIR/../after.pt
     """)
     out = done.stdout
     assert re.search(r"CheckpointError: checkpoint \S+/step-000000014\.pt could not be saved: no space left on the "
                      r"device: free some, or set checkpoint\.dir to a disk with room .*\[No space left on device\]\. "
                      "The checkpoints saved before it are intact", out), out + done.stderr
-    assert "exit 1" in out and "step 7 loads" in out
+    assert "exit 1" in out and "resumed from" in out
     assert ".step-" not in out  # no temporary file left
+    assert (tmp_path / "after.pt").read_bytes() == (tmp_path / "first" / "step-000000007.pt").read_bytes()
 
 
 def test_a_read_only_file_system_is_refused_at_start_up(tmp_path):
     done = in_own_mount(tmp_path, """
         set -e
         mount -t tmpfs -o size=1m tmpfs $DIR
-        train 7
+        cp $FIRST $DIR/
         mount -o remount,ro $DIR
         set +e
         train 14 auto 2>&1

@@ -1,8 +1,10 @@
-"""``python -m safeloop.watch``: the seed scripts, run verbatim as real subprocesses.
+"""``python -m safeloop.watch``: the seed scripts, run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
-the fix; the fixed ones print what they print without it, exit 0 and warn nothing. The
-subprocesses start together (each spends most of its time importing torch).
+the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
+runs under watch in a process of its own, forked from one that imported torch once (what
+``python -m safeloop.watch`` does after its imports); the command line itself runs as a real
+``python`` subprocess in the tests at the end.
 """
 from __future__ import annotations
 
@@ -49,6 +51,33 @@ print(json.dumps(out))
 """
 
 
+# Runs each script under watch in a child process of its own: exit code, stdout and stderr by script.
+WATCHED = """
+import json, os, sys, tempfile
+import torch  # once, before the forks: what every child would import first
+import safeloop.watch
+out, running = {}, {}
+def reap():
+    pid, status = os.wait()
+    path, files = running.pop(pid)
+    out[path] = [os.waitstatus_to_exitcode(status)] + [open(f).read() for f in files]
+for path in sys.argv[1:]:
+    if len(running) == 4:
+        reap()
+    files = [tempfile.mkstemp()[1] for _ in range(2)]
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: python -m safeloop.watch path, its output to the files; exits with its code
+        for fd, name in zip((1, 2), files):
+            os.dup2(os.open(name, os.O_WRONLY), fd)
+        sys.exit(safeloop.watch.main([path]))
+    running[pid] = path, files
+while running:
+    reap()
+print(json.dumps(out))
+"""
+
+
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
@@ -56,15 +85,17 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every script under watch, and the fixed ones without it (stdout by script)."""
+    """Every script under watch (exit code, stdout, stderr), and the fixed ones without it (stdout), by script."""
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2) as pool:
         plain = pool.submit(run, "-c", PLAIN, *(str(SCRIPTS / f"{n}.py") for n in FIXED), cwd=cwd)
-        watched = dict(zip(names, pool.map(lambda n: run("-m", "safeloop.watch", str(SCRIPTS / f"{n}.py"), cwd=cwd),
-                                           names)))
-    assert plain.result().returncode == 0, plain.result().stderr
-    return watched, {Path(k).stem: v for k, v in json.loads(plain.result().stdout).items()}
+        watched = pool.submit(run, "-c", WATCHED, *(str(SCRIPTS / f"{n}.py") for n in names), cwd=cwd)
+    for proc in plain.result(), watched.result():
+        assert proc.returncode == 0, proc.stderr
+    results = {Path(k).stem: subprocess.CompletedProcess(k, *v) for k, v in json.loads(watched.result().stdout).items()}
+    assert sorted(results) == names
+    return results, {Path(k).stem: v for k, v in json.loads(plain.result().stdout).items()}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
