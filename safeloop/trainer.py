@@ -207,6 +207,7 @@ class Trainer:
         # (losses whose backward retained the graph, whether the guard walked the step) -> first step seen
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = {}
         self._diagnosing = False  # re-running training_step to explain a missing graph
+        self._said: str | None = None  # the last fit's line on where it writes
         self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
 
     # -- what users override ---------------------------------------------------------------
@@ -265,7 +266,10 @@ class Trainer:
         self.progress = Progress(self.max_steps, self._progress_enabled and zero)
         if zero:
             show_logs()
-            log.info(self._outputs())
+            outputs = self._outputs()
+            if outputs != self._said:  # once, not at every fit() of a run trained in several calls
+                log.info(outputs)
+                self._said = outputs
         failed = False
         try:
             if self.checkpointer is not None:

@@ -55,3 +55,19 @@ def test_a_plain_script_shows_its_progress_says_where_its_outputs_go_and_draws_i
         assert not picture.exists()
     assert "loss curves" not in quiet.stderr  # no run_dir: no metrics, no picture
 
+
+
+def test_a_run_trained_in_several_fit_calls_says_where_its_outputs_go_once(caplog):
+    import torch
+
+    import safeloop
+
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+    trainer = safeloop.Trainer(model=torch.nn.Linear(4, 1), train_data=data, max_steps=2, progress=False,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", loggers=())
+    with caplog.at_level("INFO", logger="safeloop"):
+        trainer.fit()
+        trainer.max_steps = 4
+        trainer.fit()
+    assert trainer.state.step == 4
+    assert sum(r.getMessage().startswith("no run_dir: ") for r in caplog.records) == 1

@@ -16,6 +16,7 @@ when the ``Runner`` is made, so a plain step runs only what it needs.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -484,5 +485,10 @@ def _add_values(total: dict[str, torch.Tensor], losses: Mapping[str, torch.Tenso
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS)."""
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return _needs_closure(type(optimizer).step)
+
+
+@functools.lru_cache(maxsize=256)
+def _needs_closure(step: Callable) -> bool:
+    closure = inspect.signature(step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
