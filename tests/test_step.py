@@ -427,14 +427,16 @@ class OneCycle(Trainer):
 ManualOneCycle = manual(OneCycle)
 
 
-@pytest.mark.parametrize("cls", [OneCycle, ManualOneCycle], ids=["automatic", "manual"])
-def test_a_failing_scheduler_step_is_undone_in_full_and_reported_in_auto(cls):
+# check=off: the automatic step is the plain one (Runner.simple_step); check=always: the general one
+@pytest.mark.parametrize("cls, check", [(OneCycle, "off"), (OneCycle, "always"), (ManualOneCycle, "auto")],
+                         ids=["automatic-plain", "automatic-checked", "manual"])
+def test_a_failing_scheduler_step_is_undone_in_full_and_reported_in_auto(cls, check):
     def make(undo):
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
         data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)]
         trainer = cls(model, data, lambda p: torch.optim.Adam(p, lr=0.1), max_steps=3, device="cpu",
-                      progress=False, loggers=(), undo=undo)
+                      progress=False, loggers=(), undo=undo, guard={"check": check})
         trainer.fit()
         return model, trainer
 

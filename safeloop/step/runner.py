@@ -151,7 +151,7 @@ class Runner:
         output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
         if type(output) is not torch.Tensor or not output.requires_grad or output.numel() != 1:
             self.simple = False
-            total = self.forward_backward(batches, step, output=output)
+            total = self.forward_backward(batches, step, first=(batch, output))
             self.update(total, step, batches)
             return total
         try:
@@ -167,17 +167,20 @@ class Runner:
         with self.autocast():
             return self.forward(batch)
 
-    def forward_backward(self, batches: list, step: int, only: str | None = None, output=None) -> dict[str, torch.Tensor]:
+    def forward_backward(self, batches: list, step: int, only: str | None = None,
+                         first: tuple | None = None) -> dict[str, torch.Tensor]:
         """Forward and backward(s) of every micro-batch; returns their losses' values, summed.
         ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone.
-        ``output``: what ``training_step`` already returned for the first micro-batch."""
+        ``first``: the first micro-batch, moved to the device, and what ``training_step`` returned for it."""
         automatic, move = self.automatic, self.move
         total: dict[str, torch.Tensor] = {}
         last = len(batches) - 1
         for i, batch in enumerate(batches):
-            if move is not None:
-                batch = move(batch)
-            if output is None:
+            if i == 0 and first is not None:
+                batch, output = first
+                first = None
+            else:
+                batch = batch if move is None else move(batch)
                 output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
             if not automatic:
                 losses = named_losses(output, step, ()) if output is not None else {}
@@ -188,7 +191,7 @@ class Runner:
                 if losses:
                     self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == last)
             _add_values(total, losses)
-            output = losses = batch = None  # the step's graph must not outlive it (checked at its end)
+            del output, losses, batch  # the step's graph must not outlive it (checked at its end)
         return total
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
