@@ -4,7 +4,9 @@ import subprocess
 import sys
 import textwrap
 
-from safeloop import curves
+import torch
+
+from safeloop import Trainer, curves
 
 from .conftest import subprocess_env
 
@@ -56,15 +58,10 @@ def test_a_plain_script_shows_its_progress_says_where_its_outputs_go_and_draws_i
     assert "loss curves" not in quiet.stderr  # no run_dir: no metrics, no picture
 
 
-
 def test_a_run_trained_in_several_fit_calls_says_where_its_outputs_go_once(caplog):
-    import torch
-
-    import safeloop
-
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
-    trainer = safeloop.Trainer(model=torch.nn.Linear(4, 1), train_data=data, max_steps=2, progress=False,
-                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", loggers=())
+    trainer = Trainer(model=torch.nn.Linear(4, 1), train_data=data, max_steps=2, progress=False,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", loggers=())
     with caplog.at_level("INFO", logger="safeloop"):
         trainer.fit()
         trainer.max_steps = 4
