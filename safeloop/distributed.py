@@ -61,6 +61,15 @@ class DistributedError(SafeloopError):
     """A collective failed: another rank stopped (its own error is in its output) or the group broke."""
 
 
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # Imported after the process group is made (the first optimizer step imports it), torch._dynamo
+    # keeps the gloo backend alive past destroy_process_group (torch 2.13): its worker threads then
+    # outlive the interpreter, and one releasing a finished all-reduce's tensors during interpreter
+    # shutdown aborts the process ("terminate called without an active exception"). Imported with
+    # safeloop, it comes first whether the Trainer makes the group or a script that imports safeloop does.
+    importlib.import_module("torch._dynamo")
+
+
 def from_env(device: torch.device) -> Distributed | None:
     """A ``Distributed`` when this process is one of several (torchrun's env or an initialized group)."""
     if dist.is_available() and dist.is_initialized():
@@ -125,11 +134,6 @@ class Distributed:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             timeout = timedelta(seconds=timeout_s or float(os.environ.get("SAFELOOP_DIST_TIMEOUT", 1800)))
-            # Imported after the group is made (the first optimizer imports it), torch._dynamo keeps
-            # the gloo backend alive past destroy_process_group (torch 2.13): its worker threads then
-            # outlive the interpreter, and one releasing a finished all-reduce's tensors during
-            # interpreter shutdown aborts the process ("terminate called without an active exception").
-            importlib.import_module("torch._dynamo")
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=self.device if self.device.type == "cuda" else None)
             atexit.register(_end_group)  # kept between fit() calls of the Trainer, ended at exit

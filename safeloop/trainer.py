@@ -504,7 +504,9 @@ class Trainer:
                 fn(*args)
 
     def _batches(self):
-        """Batches forever (or for ``max_epochs``), keeping ``state.epoch`` and ``batch_in_epoch``."""
+        """Each step's batches (``grad_accum`` of them in a row), forever or for ``max_epochs``, keeping
+        ``state.epoch`` and ``batch_in_epoch``."""
+        accumulate, pending = self.grad_accum, []
         while self.max_epochs is None or self.state.epoch < self.max_epochs:
             sampler = getattr(self.train_data, "sampler", None)
             if hasattr(sampler, "set_epoch"):
@@ -521,7 +523,13 @@ class Trainer:
             for i, batch in enumerate(batches, start):
                 empty = False
                 self.state.batch_in_epoch = i + 1
-                yield batch
+                if accumulate == 1:
+                    yield [batch]
+                    continue
+                pending.append(batch)
+                if len(pending) == accumulate:
+                    yield pending
+                    pending = []
             if empty and start == 0 and self.state.epoch > 0 and iter(self.train_data) is self.train_data:
                 raise ConfigError(
                     f"train_data is a {type(self.train_data).__name__}, an iterator that one pass uses up: epoch "
@@ -540,22 +548,13 @@ class Trainer:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
             return
         self._plan_events()
-        run, state, accumulate = self._runner.run, self.state, self.grad_accum
-        pending: list = []
-        for batch in self._batches():
-            if accumulate > 1:
-                pending.append(batch)
-                if len(pending) < accumulate:
-                    continue
-                batches, pending = pending, []
-            else:
-                batches = [batch]
-            run(batches)
-            stop = self.stop_signal is not None if self.dist is None else self._agreed_stop()
-            if state.step >= self._next_event or stop:
-                self._after_step(stop)
-                if stop or (self.max_steps is not None and state.step >= self.max_steps):
-                    return
+        steps, batches = self._runner.steps, self._batches()
+        stopped = (lambda: self.stop_signal is not None) if self.dist is None else self._agreed_stop
+        while steps(batches, self._next_event, stopped):  # to the next step after which something happens
+            stop = self.stop_signal is not None
+            self._after_step(stop)
+            if stop or (self.max_steps is not None and self.state.step >= self.max_steps):
+                return
 
     def _agreed_stop(self) -> bool:
         """Under torchrun a rank stops only together with the others. Signals reach ranks at

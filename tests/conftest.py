@@ -54,3 +54,13 @@ def manual(cls):
             return loss
 
     return Manual
+
+
+def unchecked(cls):
+    """``cls`` with the guard off unless a test sets it: from its second step on, every plain step (one loss,
+    one optimizer, nothing in between) runs in the Runner's loop of simple steps, not in the general step."""
+    class Unchecked(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{"guard": {"check": "off"}, **kwargs})
+
+    return Unchecked

@@ -126,10 +126,26 @@ class Interrupt(Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class InterruptedInStep(Trainer):
+    """Sends itself ``signum`` during step 3; no hooks, and with the guard off: a simple step."""
+
+    signum = signal.SIGTERM
+
+    def training_step(self, batch):
+        if self.state.step + 1 == 3:
+            os.kill(os.getpid(), self.signum)
+        return super().training_step(batch)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_finishes_the_step_saves_and_stops(tmp_path, signum):
+@pytest.mark.parametrize("where", ["callback", "simple step"])
+def test_a_signal_finishes_the_step_saves_and_stops(tmp_path, signum, where):
     before = signal.getsignal(signum)
-    trainer = make(tmp_path, 50, callbacks=[Interrupt(3, signum)])
+    if where == "callback":
+        trainer = make(tmp_path, 50, callbacks=[Interrupt(3, signum)])
+    else:
+        cls = type("Interrupted", (InterruptedInStep,), {"signum": signum})
+        trainer = make(tmp_path, 50, cls=cls, guard={"check": "off"})
     state = trainer.fit()
     assert (state.step, trainer.stop_signal) == (3, signum)
     assert [p.name for p in Checkpointer(tmp_path).saved()] == ["step-000000003.pt"]

@@ -169,6 +169,27 @@ def test_the_group_the_trainer_made_ends_with_its_threads_before_interpreter_shu
 
 
 @pytest.mark.distributed
+def test_a_group_the_script_made_after_importing_safeloop_ends_with_its_threads(tmp_path):
+    """The same for a group the user's script makes and destroys: safeloop, imported first, sees to it
+    (the Trainers stay alive past the group's end, as a script's globals do). Cases through safeloop's
+    reducer: a DistributedDataParallel wrapper, which the Trainer keeps for a later fit() in a group it did
+    not make, holds the group's threads as long as it lives."""
+    proc = torchrun_script(tmp_path, """
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        trainers = [ddp_cases.build(case, world=2) for case in ("gan", "accum")]
+        for trainer in trainers:
+            trainer.fit()
+        dist.destroy_process_group()
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        sys.stdout.write(f"gloo threads: {sorted(n for n in names if 'gloo' in n)}\\n")
+        sys.stdout.flush()
+        """)
+    assert proc.stdout.count("gloo threads: []") == 2, proc.stdout
+
+
+@pytest.mark.distributed
 def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
     proc = torchrun_script(tmp_path, """
         class Fails(ddp_cases.Recording):

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from safeloop import ConfigError, InplaceModificationError, NonFiniteError, StepError, Trainer
+from safeloop import ConfigError, InplaceModificationError, NonFiniteError, SafeloopError, StepError, Trainer
 from safeloop.config import build, compose
 
-from .conftest import manual, subprocess_env
+from .conftest import manual, subprocess_env, unchecked
 
 
 def data(n: int = 8, seed: int = 0) -> list:
@@ -110,27 +110,34 @@ def test_empty_train_data():
 
 # -- what training_step returns --------------------------------------------------------------
 class Returns(Trainer):
-    def __init__(self, output, **kwargs):
-        super().__init__(torch.nn.Linear(3, 1), data(), lambda p: torch.optim.SGD(p, lr=0.1), max_steps=2,
+    """A plain loss until step ``at``, then ``output(loss)``."""
+
+    def __init__(self, output, at: int = 1, **kwargs):
+        super().__init__(torch.nn.Linear(3, 1), data(), lambda p: torch.optim.SGD(p, lr=0.1), max_steps=at,
                          device="cpu", progress=False, loggers=(), **kwargs)
-        self.output = output
+        self.output, self.at = output, at
 
     def training_step(self, batch):
         loss = super().training_step(batch)
-        return self.output(loss)
+        return self.output(loss) if self.state.step + 1 == self.at else loss
 
 
 @pytest.mark.parametrize("output, message", [
-    (lambda loss: None, "step 1: training_step returned None; training_step must return the loss tensor, or a dict "
-                        "{name: loss tensor} (did you forget `return loss`?)"),
-    (lambda loss: loss.item(), "step 1: training_step returned a float; training_step must return the loss tensor"),
-    (lambda loss: loss.expand(4), "step 1: loss 'loss' has shape (4,); a loss must be a scalar (reduce it with "
+    (lambda loss: None, "step {}: training_step returned None; training_step must return the loss tensor, or a dict "
+                        "{{name: loss tensor}} (did you forget `return loss`?)"),
+    (lambda loss: loss.item(), "step {}: training_step returned a float; training_step must return the loss tensor"),
+    (lambda loss: loss.expand(4), "step {}: loss 'loss' has shape (4,); a loss must be a scalar (reduce it with "
                                   ".mean() or .sum())"),
-    (lambda loss: {"mse": loss, "acc": 0.5}, "step 1: training_step returned 'acc' = float, not a tensor"),
+    (lambda loss: {"mse": loss, "acc": 0.5}, "step {}: training_step returned 'acc' = float, not a tensor"),
+    (lambda loss: loss.detach(), "loss has no autograd graph (step {}, loss 'loss'): it was built from detached "
+                                 "tensors (.detach()), which cuts the graph"),
 ])
-def test_training_step_output_errors(output, message):
-    with pytest.raises(StepError, match=re.escape(message)):
-        Returns(output).fit()
+@pytest.mark.parametrize("at", [1, 3], ids=["first step", "a simple step"])  # the guard off: steps 2, 3 are simple
+def test_training_step_output_errors(output, message, at):
+    t = Returns(output, at, guard={"check": "off"})
+    with pytest.raises(SafeloopError, match=re.escape(message.format(at))):
+        t.fit()
+    assert t.state.step == at - 1
 
 
 def test_a_loss_key_naming_no_optimizer():
@@ -144,10 +151,12 @@ def test_a_loss_key_naming_no_optimizer():
 
 
 # -- a failed step changes nothing (automatic and manual mode: one step cycle) ------------------
-@pytest.fixture(params=["automatic", "manual"])
+@pytest.fixture(params=["automatic", "unchecked", "manual"])
 def mode(request):
-    """Makes a Trainer class run in the parametrized mode."""
-    return manual if request.param == "manual" else (lambda cls: cls)
+    """Makes a Trainer class run in the parametrized mode: automatic (the guard checks its first steps, which
+    run through the general step), automatic and unchecked (plain steps run in the loop of simple steps) or
+    manual."""
+    return {"automatic": lambda cls: cls, "unchecked": unchecked, "manual": manual}[request.param]
 
 
 def snapshot(t: Trainer):
@@ -177,6 +186,23 @@ def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_be
         t.fit()
     assert info.value.step == 3 and t.state.step == 2
     assert same(snapshot(t), t.before)
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+class FailsInTrainingStep(Trainer):
+    def training_step(self, batch):
+        self.before = snapshot(self)
+        if self.state.step + 1 == 4:
+            raise ValueError("no batch like this one")
+        return super().training_step(batch)
+
+
+def test_an_exception_in_training_step_leaves_parameters_and_optimizer_state_as_before(mode):
+    t = trainer(mode(FailsInTrainingStep))
+    with pytest.raises(StepError, match=r"step 4 failed and was abandoned \(parameters and optimizer state are "
+                                        r"unchanged\): ValueError: no batch like this one"):
+        t.fit()
+    assert t.state.step == 3 and same(snapshot(t), t.before)
     assert all(p.grad is None for p in t.model.parameters())
 
 

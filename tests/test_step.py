@@ -427,38 +427,42 @@ class OneCycle(Trainer):
 ManualOneCycle = manual(OneCycle)
 
 
-# check=off: the automatic step is the plain one (Runner.simple_step); check=always: the general one
+# check=off: from its second step on, the automatic step runs in the Runner's loop of simple steps;
+# check=always: the general step
 @pytest.mark.parametrize("cls, check", [(OneCycle, "off"), (OneCycle, "always"), (ManualOneCycle, "auto")],
-                         ids=["automatic-plain", "automatic-checked", "manual"])
+                         ids=["automatic-simple", "automatic-checked", "manual"])
 def test_a_failing_scheduler_step_is_undone_in_full_and_reported_in_auto(cls, check):
-    def make(undo):
+    def fit(undo, steps):
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
         data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)]
-        trainer = cls(model, data, lambda p: torch.optim.Adam(p, lr=0.1), max_steps=3, device="cpu",
+        trainer = cls(model, data, lambda p: torch.optim.Adam(p, lr=0.1), max_steps=steps, device="cpu",
                       progress=False, loggers=(), undo=undo, guard={"check": check})
-        trainer.fit()
-        return model, trainer
+        if steps == 3:
+            trainer.fit()
+            return model, trainer
+        with pytest.raises(StepError) as info:  # step 4, in the same fit as the three before it
+            trainer.fit()
+        return model, trainer, str(info.value)
 
     for undo in ("full", "auto"):
-        model, trainer = make(undo)
+        model, trainer = fit(undo, 3)
         params, opt = copy.deepcopy(model.state_dict()), copy.deepcopy(trainer.optimizers["optimizer"].state_dict())
         schedule = copy.deepcopy(trainer.schedulers["optimizer"].state_dict())
-        trainer.max_steps = 4
+        model, trainer, error = fit(undo, 4)
+        assert trainer.state.step == 3
         if undo == "full":
-            with pytest.raises(StepError, match=r"step 4 failed and was abandoned \(parameters and optimizer state "
-                                                r"are unchanged\): ValueError: Tried to step 4 times"):
-                trainer.fit()
+            assert error.startswith("step 4 failed and was abandoned (parameters and optimizer state are unchanged): "
+                                    "ValueError: Tried to step 4 times"), error
             assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
             now = trainer.optimizers["optimizer"].state_dict()
             assert now["param_groups"] == opt["param_groups"]
             assert torch.equal(now["state"][0]["exp_avg"], opt["state"][0]["exp_avg"])
             assert trainer.schedulers["optimizer"].state_dict() == schedule
         else:
-            with pytest.raises(StepError, match=re.escape(
-                    "step 4 failed and was abandoned (optimizer 'optimizer' had already updated its parameters or "
-                    "begun to, and is not undone; set trainer.undo=full to make such failures undoable)")):
-                trainer.fit()
+            assert error.startswith(
+                "step 4 failed and was abandoned (optimizer 'optimizer' had already updated its parameters or "
+                "begun to, and is not undone; set trainer.undo=full to make such failures undoable)"), error
             assert not torch.equal(model.weight, params["weight"])  # as the message says
 
 
@@ -482,6 +486,38 @@ def test_full_restores_a_tensor_learning_rate_a_scheduler_changed_in_place():
     for name, opt in trainer.optimizers.items():
         assert torch.equal(opt.param_groups[0]["lr"], lrs[name]), name  # ExponentialLR multiplied it in place
     assert_state(model, trainer, saved)
+
+
+class BecomesTwoLosses(Trainer):
+    """One loss tensor for its first steps (with the guard off, steps 2 and 3 are simple ones), then a dict of
+    two losses from step 4 on."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 < 4:
+            return loss
+        return {"loss": loss, "l2": self.model.weight.pow(2).sum()}
+
+
+@pytest.mark.parametrize("check", ["off", "auto"])
+def test_a_step_that_stops_being_plain_trains_as_the_hand_written_loop(check):
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)]
+    model, hand = nn.Linear(3, 1), nn.Linear(3, 1)
+    hand.load_state_dict(model.state_dict())
+    trainer = BecomesTwoLosses(model, data, lambda p: torch.optim.Adam(p, lr=0.1), max_steps=6, device="cpu",
+                               progress=False, loggers=(), guard={"check": check})
+    trainer.fit()
+    opt = torch.optim.Adam(hand.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(data):
+        loss = F.mse_loss(hand(x), y)
+        loss.backward()
+        if i >= 3:
+            hand.weight.pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), hand.parameters()))
+    assert sorted(trainer.state.losses) == ["l2", "loss"]
 
 
 def test_one_tensor_with_several_optimizers_asks_for_a_dict():

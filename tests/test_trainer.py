@@ -304,6 +304,25 @@ def test_a_loss_weight_that_names_no_loss_is_named_once():
         trainer.fit()
 
 
+@pytest.mark.parametrize("check", ["auto", "off"])  # off: every step after the first is a simple one
+def test_max_epochs_trains_on_every_batch_of_every_epoch_as_the_hand_written_loop(check):
+    torch.manual_seed(0)
+    model, hand = MLP(8, 16, 1, 2), MLP(8, 16, 1, 2)
+    hand.load_state_dict(model.state_dict())
+    batches = list(loader(dataset(64)))
+    trainer = Trainer(model=model, train_data=batches, max_epochs=3, device="cpu", progress=False, loggers=(),
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), guard={"check": check})
+    state = trainer.fit()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    for _ in range(3):
+        for x, y in batches:
+            F.mse_loss(hand(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert (state.step, state.epoch, state.batch_in_epoch) == (12, 3, 0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), hand.parameters()))
+
+
 def test_a_one_shot_generator_as_train_data_is_named_at_the_second_epoch():
     batches = list(loader(dataset(64)))
     trainer = Trainer(model=MLP(8, 16, 1, 2), train_data=(b for b in batches), max_epochs=2, device="cpu",

@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -91,8 +91,8 @@ class Runner:
                  and not any(hooks[h] for h in ("on_before_backward", "on_after_backward",
                                                 "on_before_optimizer_step"))
                  and not self.closures)
-        self.plain, self.simple = plain, plain and self.automatic  # see update, simple_step
         self.step_hooks = bool(hooks["on_step_start"] or hooks["on_step_end"])
+        self.plain, self.simple = plain, plain and self.automatic and not self.step_hooks  # update, simple_steps
         self.only = (self.names[0], self.optimizers[self.names[0]]) if plain and self.names else None
         # what the Trainer warns about once: optimizers no gradient reached yet, loss_weights no loss had yet
         self.unreached = set() if plain else set(self.names)
@@ -100,9 +100,23 @@ class Runner:
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
 
-    # -- the step ----------------------------------------------------------------------------
-    def run(self, batches: list) -> None:
-        """One optimizer step over ``batches`` (its micro-batches)."""
+    # -- the steps ---------------------------------------------------------------------------
+    def steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool:
+        """Steps, each over the next list of micro-batches from ``groups``, until step ``until`` is done
+        or ``stopped()`` says so after a step (True), or ``groups`` runs out (False)."""
+        state, guard = self.state, self.guard
+        for batches in groups:
+            self.run(batches)
+            if stopped() or state.step >= until:
+                return True
+            if self.simple and state.step + 1 < guard.next_timed:  # until the guard times a step:
+                done = self.simple_steps(groups, until, stopped)
+                if done is not None:
+                    return done
+        return False
+
+    def run(self, batches: list, first: tuple | None = None) -> None:
+        """One optimizer step over ``batches`` (its micro-batches); ``first``: see ``forward_backward``."""
         state, guard, hooks = self.state, self.guard, self.hooks
         step = state.step + 1
         timed = guard.begin_step(step)
@@ -112,16 +126,13 @@ class Runner:
                 fn()
         total: dict[str, torch.Tensor] = {}
         try:
-            if self.simple and not timed:
-                total = self.simple_step(batches, step)
-            else:
-                total = self.forward_backward(batches, step)
-                if self.automatic:
-                    if self.unweighted:
-                        self.unweighted.difference_update(total)
-                    self.update(total, step, batches)
-                elif self.scaler is not None and self.stepped:
-                    self.scaler.update()
+            total = self.forward_backward(batches, step, first=first)
+            if self.automatic:
+                if self.unweighted:
+                    self.unweighted.difference_update(total)
+                self.update(total, step, batches)
+            elif self.scaler is not None and self.stepped:
+                self.scaler.update()
         except SkipStep:
             self.abandon()
             total = total or self.skipped_losses
@@ -142,26 +153,62 @@ class Runner:
             guard.record_step_time(step, _perf_counter() - started)
         guard.step_done()
 
-    def simple_step(self, batches: list, step: int) -> dict[str, torch.Tensor]:
-        """The usual step at its cheapest: one batch whose one loss goes into one optimizer with nothing
-        in between, on a step the guard does not check (it explains the step only if backward fails).
-        The same pieces as the general step (``forward_backward``, ``update``), in the same order.
-        A ``training_step`` that returns anything else makes every step from then on a general one."""
-        batch = batches[0] if self.move is None else self.move(batches[0])
-        output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
-        if type(output) is not torch.Tensor or not output.requires_grad or output.numel() != 1:
-            self.simple = False
-            total = self.forward_backward(batches, step, first=(batch, output))
-            self.update(total, step, batches)
-            return total
-        try:
-            output.backward()
-        except RuntimeError as err:
-            raise self.explained(err, output, "loss", step, batch)
-        total = {"loss": output.data}
-        del output  # the step's graph must not outlive it (checked at its end)
-        self.update(total, step, batches)
-        return total
+    def simple_steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool | None:
+        """The usual steps at their cheapest, in one loop: one batch whose one loss goes into one optimizer
+        with nothing in between, on steps the guard neither checks nor times (it explains a step only if
+        its backward fails). The same pieces as ``run``'s step, in the same order. Returns as ``steps``
+        does, or None before the step the guard times. A ``training_step`` that returns anything but one
+        loss tensor makes every step from then on a general one, this one included."""
+        state, guard, forward, move, autocast, finite = (self.state, self.guard, self.forward, self.move,
+                                                         self.autocast, self.finite)
+        name, opt = self.only
+        scheduler, full = self.schedulers.get(name), self.undo.mode == "full"
+        last = guard.next_timed - 1
+        for batches in groups:
+            step = state.step + 1
+            try:
+                batch = batches[0] if move is None else move(batches[0])
+                output = forward(batch) if autocast is None else self.forward_autocast(batch)
+            except BaseException as err:
+                raise self.abandoned(err, step)
+            if type(output) is not torch.Tensor or not output.requires_grad or output.numel() != 1:
+                self.simple = False
+                self.run(batches, first=(batch, output))
+            else:
+                guard.begin_step(step)
+                try:
+                    try:
+                        output.backward()
+                    except RuntimeError as err:
+                        raise self.explained(err, output, "loss", step, batch)
+                    total = {"loss": output.data}
+                    del output  # the step's graph must not outlive it (checked at its end)
+                    if finite is not None:
+                        self.check_finite(total, step, None)
+                    if full:
+                        self.undo.before_update(name, True)
+                    try:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+                        if scheduler is not None:
+                            scheduler.step()
+                    except BaseException:
+                        self.undo.before_update(name, True)  # the update began: the report says so unless undone
+                        raise
+                except SkipStep:
+                    self.abandon()
+                except BaseException as err:
+                    raise self.abandoned(err, step)
+                if full:
+                    self.undo.end()
+                state.losses = total
+                state.step = step
+                guard.step_done()
+            if stopped() or state.step >= until:
+                return True
+            if state.step >= last or not self.simple:
+                return None
+        return False
 
     def forward_autocast(self, batch):
         with self.autocast():
