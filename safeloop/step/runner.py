@@ -12,7 +12,9 @@ Automatic mode runs all of it from ``run``; in manual mode ``training_step`` cal
 ``backward`` and ``optimizer_step`` (the Trainer's ``self.backward`` / ``self.step``),
 which are the same two pieces the automatic step uses. What differs between runs (one
 loss or several, routing, accumulation, DDP, scaler, clipping, hooks) is decided once,
-when the ``Runner`` is made, so a plain step runs only what it needs.
+when the ``Runner`` is made, so a plain step runs only what it needs: ``steps``, which the
+Trainer's fit loop hands its batches to, runs the steps the guard neither checks nor times
+of a run with one loss, one optimizer and nothing in between in one loop (``simple_steps``).
 """
 from __future__ import annotations
 
