@@ -161,10 +161,8 @@ class Runner:
         its backward fails). The same pieces as ``run``'s step, in the same order. Returns as ``steps``
         does, or None before the step the guard times. A ``training_step`` that returns anything but one
         loss tensor makes every step from then on a general one, this one included."""
-        state, guard, forward, move, autocast, finite = (self.state, self.guard, self.forward, self.move,
-                                                         self.autocast, self.finite)
-        name, opt = self.only
-        scheduler, full = self.schedulers.get(name), self.undo.mode == "full"
+        state, guard, forward, move, autocast = self.state, self.guard, self.forward, self.move, self.autocast
+        update, full = self.plain_update, self.undo.mode == "full"
         last = guard.next_timed - 1
         for batches in groups:
             step = state.step + 1
@@ -179,24 +177,10 @@ class Runner:
             else:
                 guard.begin_step(step)
                 try:
-                    try:
-                        output.backward()
-                    except RuntimeError as err:
-                        raise self.explained(err, output, "loss", step, batch)
+                    self.backward(output, "loss", step, batch, False, None)
                     total = {"loss": output.data}
                     del output  # the step's graph must not outlive it (checked at its end)
-                    if finite is not None:
-                        self.check_finite(total, step, None)
-                    if full:
-                        self.undo.before_update(name, True)
-                    try:
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
-                        if scheduler is not None:
-                            scheduler.step()
-                    except BaseException:
-                        self.undo.before_update(name, True)  # the update began: the report says so unless undone
-                        raise
+                    update(total, step)
                 except SkipStep:
                     self.abandon()
                 except BaseException as err:
@@ -245,21 +229,8 @@ class Runner:
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
         """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
-        if self.plain:  # one optimizer: nothing to sync, clip, unscale or call in between
-            if self.finite is not None:
-                self.check_finite(losses, step, None)
-            name, opt = self.only
-            if self.undo.mode == "full":
-                self.undo.before_update(name, True)
-            try:
-                opt.step()
-                opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
-                scheduler = self.schedulers.get(name)
-                if scheduler is not None:
-                    scheduler.step()
-            except BaseException:
-                self.undo.before_update(name, True)  # the update began: the report says so unless undone
-                raise
+        if self.plain:
+            self.plain_update(losses, step)
             return
         if self.dist is not None:  # every rank decides on the same averaged gradients
             self.dist.sync_all(step)
@@ -271,6 +242,24 @@ class Runner:
             self.optimizer_step(name, step, last=name is names[-1], closure=closure, current=current)
         if self.scaler is not None:
             self.scaler.update()
+
+    def plain_update(self, losses: Mapping[str, torch.Tensor], step: int) -> None:
+        """The update of a step with one optimizer and nothing to sync, clip, unscale or call in between:
+        the non-finite policy, ``step``, ``zero_grad``, the scheduler."""
+        if self.finite is not None:
+            self.check_finite(losses, step, None)
+        name, opt = self.only
+        if self.undo.mode == "full":
+            self.undo.before_update(name, True)
+        try:
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+            scheduler = self.schedulers.get(name)
+            if scheduler is not None:
+                scheduler.step()
+        except BaseException:
+            self.undo.before_update(name, True)  # the update began: the report says so unless undone
+            raise
 
     # -- backward ----------------------------------------------------------------------------
     def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
