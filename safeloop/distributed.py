@@ -181,12 +181,14 @@ class Distributed:
         if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
             self._quieted = log.level
             log.setLevel(logging.WARNING)
-        if self.groups or self.ddp is not None:  # a later fit() in a group the caller made: all in place
+        if self.groups:  # a later fit() in a group the caller made: the reducer's hooks are in place
             return
         if not dist.is_initialized():
             raise DistributedError(
                 "the process group ended with an earlier fit() that failed (the other ranks stopped with it): "
-                "start the job again; trainer.resume=auto continues from the last checkpoint")
+                "start the job again; trainer.resume=auto continues from the last checkpoint" if self.owned else
+                "the process group this Trainer joined has ended (destroy_process_group): fit() needs it; "
+                "destroy it after the last fit()")
         if not per_backward_hooks and _ddp_can_run(trainer):
             self.find_unused = bool(trainer.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
@@ -217,7 +219,7 @@ class Distributed:
     def forward(self, batch):
         """The Trainer's forward under DDP. Only this object holds the wrapper, so that ``close`` ends it:
         a wrapper kept past the end of the group keeps the group's threads alive until interpreter
-        shutdown, which they can abort (see ``__init__``)."""
+        shutdown, which they can abort ("terminate called without an active exception")."""
         return self.ddp(batch)
 
     @property
@@ -342,20 +344,21 @@ class Distributed:
 
     # -- end of fit -------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
-        """At the end of fit. In a group the caller made, hooks and DDP wrapper stay for a later
-        fit(). In one the Trainer made, they go (a later fit() builds them again) and the group
-        stays until exit, unless the fit failed: then the group ends, and with it the other
-        ranks' wait in their next all-reduce."""
+        """At the end of fit. The DDP wrapper goes (a later fit() builds it again): kept, it would keep
+        the group's threads alive past the caller's destroy_process_group (see ``forward``). In a group
+        the caller made, the reducer's hooks stay for a later fit(). In one the Trainer made, they go
+        too and the group stays until exit, unless the fit failed: then the group ends, and with it the
+        other ranks' wait in their next all-reduce."""
         if self._quieted is not None:
             log.setLevel(self._quieted)
             self._quieted = None
+        self.ddp = None
         if not self.owned:
             return
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self.groups.clear()
-        self.ddp = None
         if failed:
             _end_group()
 

@@ -33,9 +33,11 @@ def dataset() -> TensorDataset:
 
 
 class Recording(Trainer):
-    """Keeps the gradients each optimizer steps with in the first step (after the all-reduce)."""
+    """Keeps the gradients each optimizer steps with in the first step (after the all-reduce), and
+    whether the step ran through DistributedDataParallel."""
 
     def on_before_optimizer_step(self, name, optimizer):
+        self.through_ddp = self.dist is not None and self.dist.ddp is not None
         if self.state.step == 0:
             self.first_grads = getattr(self, "first_grads", {})
             for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
@@ -223,7 +225,7 @@ def result(case: str, world: int = 1, **settings) -> dict:
     trainer.fit()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()],
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
-            "skipped": trainer.state.skipped, "ddp": trainer.dist is not None and trainer.dist.ddp is not None,
+            "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),
             "checked": getattr(trainer, "checked", None)}
 
 

@@ -170,23 +170,32 @@ def test_the_group_the_trainer_made_ends_with_its_threads_before_interpreter_shu
 
 @pytest.mark.distributed
 def test_a_group_the_script_made_after_importing_safeloop_ends_with_its_threads(tmp_path):
-    """The same for a group the user's script makes and destroys: safeloop, imported first, sees to it
-    (the Trainers stay alive past the group's end, as a script's globals do). Cases through safeloop's
-    reducer: a DistributedDataParallel wrapper, which the Trainer keeps for a later fit() in a group it did
-    not make, holds the group's threads as long as it lives."""
+    """The same for a group the user's script makes and destroys: safeloop, imported first, sees to it,
+    while the Trainers stay alive past the group's end, as a script's globals do. Cases through
+    DistributedDataParallel (whose wrapper, kept, would hold the group's threads as long as it lives),
+    safeloop's reducer, and both with a second fit()."""
     proc = torchrun_script(tmp_path, """
         import torch.distributed as dist
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
-        trainers = [ddp_cases.build(case, world=2) for case in ("gan", "accum")]
+        trainers = [ddp_cases.build(case, world=2) for case in ("plain", "gan", "accum")]
         for trainer in trainers:
+            trainer.max_steps = 2
+            trainer.fit()
+            trainer.max_steps = ddp_cases.STEPS
             trainer.fit()
         dist.destroy_process_group()
         names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        sys.stdout.write(f"gloo threads: {sorted(n for n in names if 'gloo' in n)}\\n")
+        try:
+            trainers[0].fit()
+        except safeloop.SafeloopError as err:
+            names.append(f"{type(err).__name__}: {err}")
+        sys.stdout.write(f"gloo threads: {sorted(n for n in names if 'gloo' in n)}\\n{names[-1]}\\n")
         sys.stdout.flush()
         """)
     assert proc.stdout.count("gloo threads: []") == 2, proc.stdout
+    assert proc.stdout.count("DistributedError: the process group this Trainer joined has ended "
+                             "(destroy_process_group): fit() needs it") == 2, proc.stdout
 
 
 @pytest.mark.distributed
