@@ -179,6 +179,13 @@ class GraphGuard:
     def backward(self, loss: torch.Tensor, gradient=None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs=None) -> None:
         """``loss.backward(...)`` after the pre-flight checks; an autograd error comes back explained."""
+        if self._open and self._explicit and not self.guard.checking and loss.grad_fn is not None \
+                and not self._graphs:
+            # most steps: inside ``with guard.step()`` and unchecked, where every check would pass
+            try:
+                return torch.Tensor.backward(loss, gradient, retain_graph, create_graph, inputs)
+            except RuntimeError as err:
+                raise self._explained(err, {"loss": loss}, self.steps)
         self.run({"loss": loss}, sys._getframe(1), lambda retain: torch.Tensor.backward(
             loss, gradient, retain, create_graph, inputs), retain_graph, create_graph, inputs)
 
@@ -219,10 +226,7 @@ class GraphGuard:
         try:
             out = call(retain_graph)
         except RuntimeError as err:
-            explained = self._explained(err, losses, step)
-            if explained is None:
-                raise
-            raise explained from err
+            raise self._explained(err, losses, step)
         retained = retain_graph if retain_graph is not None else create_graph
         if guard.checking:
             guard.backward_done(bool(retained), _tensors(inputs))
@@ -293,7 +297,8 @@ class GraphGuard:
              "if a second backward through the same graph is meant, pass retain_graph=True to every backward "
              "but the last"])
 
-    def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int) -> Exception | None:
+    def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int) -> Exception:
+        """What to raise for backward's ``err``: the guard's explanation (caused by ``err``), or ``err``."""
         name, loss = next((n, t) for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad)
         stepped = []
         if self._recent and loss.grad_fn is not None and walk.HAS_SEQ:  # updates after the loss's graph began
@@ -301,7 +306,11 @@ class GraphGuard:
             oldest = min(n._sequence_nr() for n in nodes)
             stepped = [n for n, seq in self._recent.items() if seq > oldest]
         explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped)
-        return _in_loop_words(explained) if explained is not None else None
+        if explained is None:
+            return err
+        explained = _in_loop_words(explained)
+        explained.__cause__ = err
+        return explained
 
     # -- what messages may search --------------------------------------------------------------
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:

@@ -72,6 +72,16 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
         carry(GraphGuard(model), model, opt, data, detach=False)
 
 
+def test_a_step_the_guard_does_not_check_is_explained_when_its_backward_fails():
+    """check=off: no pre-flight, but the autograd error of a carried graph still comes back explained."""
+    model, opt, data = setup()
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches TanhBackward0, "
+                                                          "created during an earlier step and held by `local h`; an "
+                                                          "earlier backward already freed the saved tensors")) as info:
+        carry(GraphGuard(model, check="off"), model, opt, data, detach=False)
+    assert "Trying to backward through the graph a second time" in str(info.value.__cause__)
+
+
 @pytest.mark.parametrize("check", ["always", "auto", "off"])
 def test_a_correct_loop_under_the_guard_computes_bit_for_bit_what_the_bare_loop_computes(check):
     results = []
