@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -40,10 +41,15 @@ def test_the_wheel_installed_in_a_fresh_virtualenv_runs_the_cli_from_any_directo
     assert not [n for n in names if n.split("/")[0] != "safeloop" and ".dist-info" not in n]
 
     venv = tmp_path / "venv"
-    # no pip of its own: the one ensurepip brings comes with an old setuptools that would hide this one
-    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv, cwd=tmp_path)
+    run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python, command = venv / "bin" / "python", venv / "bin" / "safeloop"
-    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q", wheel, cwd=tmp_path)
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-deps", "-q", wheel, cwd=tmp_path)
+    # the dependencies (torch first of all) are this interpreter's: its site directories, added after the venv's
+    # own; their .pth files are not read, so an editable safeloop installed there stays out of sight
+    venv_site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
+                     .stdout.strip())
+    here = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (venv_site / "dependencies.pth").write_text("".join(f"{p}\n" for p in sorted(here)))
     site = Path(run(python, "-c", "import safeloop; print(safeloop.__file__)", cwd=tmp_path).stdout.strip()).parent
     assert site.is_relative_to(venv), site  # the installed copy, not the checkout
     assert not (site.parent / "recipes").exists()  # no top-level package named `recipes`
