@@ -13,7 +13,7 @@ Automatic mode runs all of it from ``run``; in manual mode ``training_step`` cal
 which are the same two pieces the automatic step uses. What differs between runs (one
 loss or several, routing, accumulation, DDP, scaler, clipping, hooks) is decided once,
 when the ``Runner`` is made, so a plain step runs only what it needs: ``steps``, which the
-Trainer's fit loop hands its batches to, runs the steps the guard neither checks nor times
+Trainer's fit loop hands its batches to, runs the steps the guard does not check
 of a run with one loss, one optimizer and nothing in between in one loop (``simple_steps``).
 """
 from __future__ import annotations
@@ -99,6 +99,12 @@ class Runner:
         # what the Trainer warns about once: optimizers no gradient reached yet, loss_weights no loss had yet
         self.unreached = set() if plain else set(self.names)
         self.unweighted = set(self.weights)
+        # Each trained parameter's AccumulateGrad node, held for as long as the Runner lives. A step's
+        # graph is freed at its end, and with it the last reference to these nodes: the next forward
+        # would make them again, parameter by parameter (3 us a step on a 4-parameter MLP; a loop that
+        # keeps its `loss` until the next forward keeps them alive by accident). They belong to no step.
+        self.accumulators = [torch.autograd.graph.get_gradient_edge(p).node for opt in self.optimizers.values()
+                             for g in opt.param_groups for p in g["params"] if p.requires_grad]
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
 
@@ -107,15 +113,17 @@ class Runner:
         """Steps, each over the next list of micro-batches from ``groups``, until step ``until`` is done
         or ``stopped()`` says so after a step (True), or ``groups`` runs out (False)."""
         state, guard = self.state, self.guard
-        for batches in groups:
-            self.run(batches)
-            if stopped() or state.step >= until:
-                return True
-            if self.simple and state.step + 1 < guard.next_timed:  # until the guard times a step:
+        while True:
+            if self.simple and state.step + 1 < guard.next_due:  # until the guard checks a step:
                 done = self.simple_steps(groups, until, stopped)
                 if done is not None:
                     return done
-        return False
+            batches = next(groups, None)
+            if batches is None:
+                return False
+            self.run(batches)
+            if stopped() or state.step >= until:
+                return True
 
     def run(self, batches: list, first: tuple | None = None) -> None:
         """One optimizer step over ``batches`` (its micro-batches); ``first``: see ``forward_backward``."""
@@ -157,15 +165,17 @@ class Runner:
 
     def simple_steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool | None:
         """The usual steps at their cheapest, in one loop: one batch whose one loss goes into one optimizer
-        with nothing in between, on steps the guard neither checks nor times (it explains a step only if
-        its backward fails). The same pieces as ``run``'s step, in the same order. Returns as ``steps``
-        does, or None before the step the guard times. A ``training_step`` that returns anything but one
-        loss tensor makes every step from then on a general one, this one included."""
+        with nothing in between, on steps the guard does not check (it explains a step only if its backward
+        fails; the step it times before a check is timed here, so that checks are measured against this
+        loop). The same pieces as ``run``'s step, in the same order. Returns as ``steps`` does, or None
+        before the step the guard checks. A ``training_step`` that returns anything but one loss tensor
+        makes every step from then on a general one, this one included."""
         state, guard, forward, move, autocast = self.state, self.guard, self.forward, self.move, self.autocast
         update, full = self.plain_update, self.undo.mode == "full"
-        last = guard.next_timed - 1
+        timed_from, last = guard.next_timed, guard.next_due - 1
         for batches in groups:
             step = state.step + 1
+            started = _perf_counter() if step >= timed_from else 0.0
             try:
                 batch = batches[0] if move is None else move(batches[0])
                 output = forward(batch) if autocast is None else self.forward_autocast(batch)
@@ -175,7 +185,7 @@ class Runner:
                 self.simple = False
                 self.run(batches, first=(batch, output))
             else:
-                guard.begin_step(step)
+                timed = guard.begin_step(step)
                 try:
                     self.backward(output, "loss", step, batch, False, None)
                     total = {"loss": output.data}
@@ -189,6 +199,9 @@ class Runner:
                     self.undo.end()
                 state.losses = total
                 state.step = step
+                if timed:
+                    guard.end_step(step, self.scope)
+                    guard.record_step_time(step, _perf_counter() - started)
                 guard.step_done()
             if stopped() or state.step >= until:
                 return True
