@@ -68,6 +68,8 @@ def worker(out: Path, rounds: int, steps: int) -> None:
         t = interleaved(systems, rounds=rounds)
     if rank == 0:
         out.write_text(json.dumps({name: value.rounds for name, value in t.items()}))
+    # the hand loop's DistributedDataParallel goes before the group: one that outlived it hung a rank at exit
+    del systems
     dist.destroy_process_group()
 
 
