@@ -42,7 +42,7 @@ class FitTimed(Trainer):
 
 class TrainerSteps(TrainerLoop):
     """Timed from ``on_fit_start``: the steps, not ``fit()``'s set-up, which under torchrun builds the
-    DDP wrapper again at every ``fit()`` (a run calls it once; the benchmark every 5 steps)."""
+    DDP wrapper again at every ``fit()`` (a run calls it once; this benchmark at every call)."""
 
     def __init__(self, model, data):
         super().__init__(model, data, cls=FitTimed)

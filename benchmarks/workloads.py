@@ -73,7 +73,7 @@ class TrainerLoop:
 
     def __init__(self, model, data, opt: torch.optim.Optimizer | None = None, cls: type[Trainer] = Trainer, **kwargs):
         self.trainer = cls(model=model, train_data=data, optimizer=opt or sgd(model),
-                               max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
+                           max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
         self.steps = len(data)
         self.trainer.max_steps = 0
 

@@ -41,6 +41,7 @@ def test_the_wheel_installed_in_a_fresh_virtualenv_runs_the_cli_from_any_directo
     assert not [n for n in names if n.split("/")[0] != "safeloop" and ".dist-info" not in n]
 
     venv = tmp_path / "venv"
+    # no pip of its own: the one ensurepip brings comes with an old setuptools that would hide this one
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python, command = venv / "bin" / "python", venv / "bin" / "safeloop"
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-deps", "-q", wheel, cwd=tmp_path)

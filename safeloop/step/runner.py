@@ -101,7 +101,7 @@ class Runner:
         self.unweighted = set(self.weights)
         # Each trained parameter's AccumulateGrad node, held for as long as the Runner lives. A step's
         # graph is freed at its end, and with it the last reference to these nodes: the next forward
-        # would make them again, parameter by parameter (3 us a step on a 4-parameter MLP; a loop that
+        # would make them again, parameter by parameter (2-3 us a step on a 4-parameter MLP; a loop that
         # keeps its `loss` until the next forward keeps them alive by accident). They belong to no step.
         self.accumulators = [torch.autograd.graph.get_gradient_edge(p).node for opt in self.optimizers.values()
                              for g in opt.param_groups for p in g["params"] if p.requires_grad]
