@@ -76,7 +76,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
 def run(quick: bool) -> list[dict]:
     # calls of about 0.4 s: short, as the shared machine's load changes by the second, yet long enough that the
     # first steps after a new DDP wrapper (rebuilt at every fit(): see TrainerSteps) weigh little
-    rounds, steps = (5, 5) if quick else (41, 20)
+    rounds, steps = (5, 20) if quick else (41, 20)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
