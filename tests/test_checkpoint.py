@@ -60,6 +60,46 @@ def test_shuffle_seeded_from_the_global_rng_resumes_in_the_same_order(tmp_path, 
     assert resumed.state.val_history == straight.state.val_history
 
 
+def test_resumed_after_the_last_batch_of_an_epoch_it_goes_on_as_a_run_that_never_stopped(tmp_path, one_thread):
+    """13 batches an epoch: the checkpoint of step 13 is the first epoch's last; the shuffle of the
+    next epoch draws from the loader's generator as it stood after the first epoch's draws."""
+    straight = make(tmp_path / "a", 26)
+    straight.fit()
+    make(tmp_path / "b", 13).fit()
+    resumed = make(tmp_path / "b", 26, resume="auto")
+    resumed.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
+    assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (1, 13)
+
+
+class Batches(Trainer):
+    """Keeps every batch it trains on."""
+
+    def training_step(self, batch):
+        self.batches.append(batch)
+        return super().training_step(batch)
+
+
+def test_a_run_on_a_list_trained_in_several_fit_calls_is_the_run_trained_in_one(one_thread):
+    """A list of batches: a fit() that starts mid-epoch goes straight to the next batch."""
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(10)]
+    runs = []
+    for chunks in ((20,), (4, 4, 6, 3, 3)):  # stops mid-epoch, after an epoch's last batch, mid-epoch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+        trainer = Batches(model, data, partial(torch.optim.Adam, lr=1e-2), max_steps=1, device="cpu",
+                          progress=False, loggers=())
+        trainer.batches, trainer.max_steps = [], 0
+        for n in chunks:
+            trainer.max_steps += n
+            trainer.fit()
+        runs.append(trainer)
+    one, several = runs
+    assert [id(b) for b in several.batches] == [id(b) for b in one.batches] == [id(b) for b in data + data]
+    assert all(torch.equal(a, b) for a, b in zip(params(several), params(one)))
+
+
 def run_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "safeloop", f"hydra.run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
             "checkpoint.every=2", "checkpoint.keep=3", "trainer.resume=auto", "trainer.device=cpu",
