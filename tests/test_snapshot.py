@@ -66,6 +66,21 @@ def test_replaced_state_tensors_and_parameter_data_are_seen():
     assert_undone(model, opt, snap)
 
 
+def test_state_made_for_a_parameter_after_a_take_is_seen():
+    """The bias has no gradient in the first update, so no state; it gets some in the second."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snap = Snapshot(opt)
+    snap.take()
+    (model.weight.sum() ** 2).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert model.bias not in opt.state
+    update(model, opt)  # the bias's momentum buffer is made here
+    assert_undone(model, opt, snap)
+
+
 def test_non_contiguous_and_mixed_dtype_tensors_are_kept():
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(4, 3).t())  # not contiguous

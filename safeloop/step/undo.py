@@ -32,12 +32,11 @@ class Snapshot:
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None):
         self.optimizer, self.scheduler = optimizer, scheduler
         self._live: list[torch.Tensor] = []  # parameters, then tensor state values
-        self._ptrs: list[int] = []  # where their data lived when ``_build`` listed them
+        self._ptrs: list[int | None] = []  # ``_addresses()`` when ``_build`` listed them
         self._param_lists: list[list[torch.Tensor]] = []
         self._params: list[torch.Tensor] = []
         self._keys: list[tuple[torch.Tensor, str]] = []  # (param, state key) of each tensor state value
         self._others: list[tuple[torch.Tensor, str]] = []  # state entries that are not tensors
-        self._n_entries = 0
         self._copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat buffer, flat views of live tensors)
         self._loose: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # non-contiguous: (live, copies)
         self._saved: list[torch.Tensor] = []  # each live tensor's saved value (a view into its buffer)
@@ -63,17 +62,21 @@ class Snapshot:
 
     def _layout_holds(self) -> bool:
         """Whether the optimizer holds the tensors ``_build`` listed, their data where it was (every step, so cheap)."""
-        opt, state = self.optimizer, self.optimizer.state
+        opt = self.optimizer
         if not self._live or len(opt.param_groups) != len(self._param_lists):
             return False
         if any(g["params"] is not params for g, params in zip(opt.param_groups, self._param_lists)):
             return False
-        if sum(map(len, state.values())) != self._n_entries:
-            return False
-        # a replaced state tensor or parameter data (p.data = ...) has a new address: the old one is
-        # still held by the views, so no new tensor can have it
-        now = self._params + [state[p][key] for p, key in self._keys]
-        return list(map(_data_ptr, now)) == self._ptrs
+        return self._addresses() == self._ptrs
+
+    def _addresses(self) -> list[int | None]:
+        """Where the parameters' data live, then each state entry's (None: not a tensor), in the state's own
+        order: read without looking a parameter up in the state, which hashes it in Python. A replaced tensor
+        (``p.data = ...``, a loaded state) has a new address: the old one is still held by the views, so no
+        new tensor can have it; an entry added or removed changes the length."""
+        values = [value for entry in self.optimizer.state.values() for value in entry.values()]
+        return list(map(_data_ptr, self._params)) + [_data_ptr(v) if isinstance(v, torch.Tensor) else None
+                                                     for v in values]
 
     def _build(self) -> None:
         """List the parameters and state tensors and allocate their copies (first step, or new layout)."""
@@ -89,8 +92,7 @@ class Snapshot:
                 else:
                     others.append((p, key))
         self._live, self._keys, self._others = live, keys, others
-        self._ptrs = list(map(_data_ptr, live))
-        self._n_entries = sum(map(len, opt.state.values()))
+        self._ptrs = self._addresses()
         buckets: dict[tuple, list[int]] = {}
         loose = []
         for i, t in enumerate(live):
