@@ -15,6 +15,7 @@ already consumed (``fast_forward``), so a shuffled epoch continues in the same o
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import pickle
@@ -553,8 +554,11 @@ def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
     The epoch's order is re-drawn from the RNG states it started with (``start``); the
     consumed batches are loaded and dropped (the only way to get past them for any
     iterable), and the global RNG states are put back afterwards, so the next step draws
-    exactly what it would have drawn without the interruption.
+    exactly what it would have drawn without the interruption. A list or tuple draws nothing:
+    it is only stepped past them.
     """
+    if isinstance(data, (list, tuple)):
+        return itertools.islice(data, consumed, None)
     now = rng_state()
     if start is not None:
         gens = _generators(data)

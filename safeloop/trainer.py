@@ -1,7 +1,6 @@
 """The Trainer: owns forward, backward, optimizer step and zero_grad."""
 from __future__ import annotations
 
-import itertools
 import logging
 import warnings
 from contextlib import suppress
@@ -515,8 +514,6 @@ class Trainer:
             start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
             if start and ckpt.stateful(self.train_data):  # it goes on from its own (loaded) position
                 batches = self.train_data
-            elif start and isinstance(self.train_data, (list, tuple)):  # a sequence draws nothing: skip ahead
-                batches = itertools.islice(self.train_data, start, None)
             elif start:  # the order the epoch had before the interruption, past the batches consumed
                 batches = ckpt.fast_forward(self.train_data, self._epoch_rng, start)
             else:
