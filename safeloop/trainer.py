@@ -481,10 +481,10 @@ class Trainer:
         runner.unweighted.clear()
 
     def _parameters(self) -> list[torch.Tensor]:
-        """The trained parameters: the model's, or the optimizers' when there is no model."""
-        if self.model is not None:
-            return list(self.model.parameters())
-        return [p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]]
+        """The trained parameters: the optimizers', whose gradients every step clears. A model parameter
+        outside them may take gradients step after step, as it would in the hand-written loop."""
+        return list({id(p): p for opt in self.optimizers.values() for g in opt.param_groups
+                     for p in g["params"]}.values())
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]

@@ -884,3 +884,76 @@ def test_a_loss_that_must_be_routed_through_reentrant_checkpointing_is_named_wit
             "backward must be limited to them (backward(inputs=...)), which reentrant checkpointing rejects. Use "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")):
         trainer.fit()
+
+
+# -- zero_grad ------------------------------------------------------------------------------------
+class GrowsAGroup(Trainer):
+    """SGD over the first layer; from step 3 on, the second layer too (``add_param_group`` mid-run)."""
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model[0].parameters(), lr=0.1)
+
+    def training_step(self, batch):
+        self.seen.append([p.grad is None for p in self.model.parameters()])  # as the last step left them
+        if self.state.step == 2:
+            self.optimizers["optimizer"].add_param_group({"params": self.model[1].parameters()})
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_gradients_are_freed_after_every_step_a_group_added_mid_run_included(automatic):
+    torch.manual_seed(0)
+    model, hand = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)), nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    hand.load_state_dict(model.state_dict())
+    trainer = (GrowsAGroup if automatic else manual(GrowsAGroup))(
+        model=model, train_data=regression_batches(), max_steps=4, device="cpu", progress=False, loggers=())
+    trainer.seen = []
+    trainer.fit()
+    trainer.seen.append([p.grad is None for p in model.parameters()])
+    opt = torch.optim.SGD(hand[0].parameters(), lr=0.1)
+    for i, (x, y) in enumerate(regression_batches()):
+        if i == 2:
+            opt.add_param_group({"params": hand[1].parameters()})
+        F.mse_loss(hand(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_same_params(hand, model, exact=True)
+    # the second layer's gradients pile up until it joins the optimizer, then are freed with the rest
+    assert trainer.seen == [[True] * 4] + [[True, True, False, False]] * 2 + [[True] * 4] * 2
+
+
+class CountingSGD(torch.optim.SGD):
+    def zero_grad(self, set_to_none=True):
+        self.cleared = getattr(self, "cleared", 0) + 1
+        super().zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+def test_an_optimizers_own_zero_grad_is_the_one_called(automatic, how):
+    calls = []
+
+    def make(params):
+        if how == "subclass":
+            return CountingSGD(params, lr=0.1)
+        opt = torch.optim.SGD(params, lr=0.1)
+        opt.zero_grad = lambda set_to_none=True: (calls.append(set_to_none), torch.optim.SGD.zero_grad(opt))
+        return opt
+
+    trainer = (Trainer if automatic else manual(Trainer))(
+        model=nn.Linear(4, 1), train_data=regression_batches(), optimizer=make, max_steps=4, device="cpu",
+        progress=False, loggers=())
+    trainer.fit()
+    opt = trainer.optimizers["optimizer"]
+    assert (opt.cleared if how == "subclass" else len(calls)) == 4
+    assert calls == ([] if how == "subclass" else [True] * 4)
+
+
+def test_a_profiler_sees_zero_grad_as_in_the_hand_written_loop():
+    trainer = Trainer(model=nn.Linear(4, 1), train_data=regression_batches(), optimizer=partial(torch.optim.SGD, lr=0.1),
+                      max_steps=4, device="cpu", progress=False, loggers=())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.fit()
+    names = [event.name for event in prof.events()]
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 4
+    assert names.count("Optimizer.step#SGD.step") == 4

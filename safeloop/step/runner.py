@@ -36,6 +36,7 @@ from .undo import Undo
 
 log = logging.getLogger("safeloop")
 _perf_counter = time.perf_counter
+_zero_grad, _profiling = torch.optim.Optimizer.zero_grad, torch.autograd._profiler_enabled
 
 
 class SkipStep(BaseException):
@@ -266,7 +267,7 @@ class Runner:
             self.undo.before_update(name, True)
         try:
             opt.step()
-            opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+            zero_grad(opt)  # free gradient memory now; the next step starts from None
             scheduler = self.schedulers.get(name)
             if scheduler is not None:
                 scheduler.step()
@@ -406,7 +407,7 @@ class Runner:
         if self.unreached and name in self.unreached and any(p.grad is not None for g in opt.param_groups
                                                                for p in g["params"]):
             self.unreached.discard(name)
-        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+        zero_grad(opt)  # free gradient memory now; the next step starts from None
         scheduler = self.schedulers.get(name)
         if scheduler is not None:
             scheduler.step()
@@ -526,7 +527,7 @@ class Runner:
             self.dist.reset()
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        for p in self.scope.parameters():
+        for _, p in self.named_parameters():  # the model's parameters outside the optimizers too
             p.grad = None
         return report
 
@@ -535,6 +536,18 @@ def _add_values(total: dict[str, torch.Tensor], losses: Mapping[str, torch.Tenso
     for name, loss in losses.items():
         value = loss.data  # the value without the graph (cheaper than detach())
         total[name] = total[name] + value if name in total else value
+
+
+def zero_grad(opt: torch.optim.Optimizer) -> None:
+    """``opt.zero_grad(set_to_none=True)``. Where ``zero_grad`` is torch's own, what it does (every gradient
+    to None) without the profiler range it opens: that range alone costs ~5 µs a call on CPU, a few
+    percent of a small model's step. With a profiler running, ``zero_grad`` itself, so that traces show it."""
+    if type(opt).zero_grad is not _zero_grad or "zero_grad" in vars(opt) or _profiling():
+        opt.zero_grad(set_to_none=True)
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:

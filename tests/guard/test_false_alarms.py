@@ -91,6 +91,32 @@ def test_checkpointed_discriminator_with_batchnorm_is_never_re_run_by_the_guard(
     assert_same(run(GAN, gan(), data, check), ref)
 
 
+@pytest.mark.parametrize("check", CHECKS)
+def test_an_optimizer_over_part_of_the_model_is_fine_when_the_rest_still_takes_gradients(check):
+    """Fine-tuning a head with ``SGD(model.head.parameters())`` and the encoder left requires_grad: the
+    encoder's gradients pile up step after step, in the hand loop too. Only gradients the Trainer cleared
+    tell that training_step ran backward itself (it raised DoubleBackwardError from step 2 on)."""
+    data = [(x, x.sum(1, keepdim=True)) for x in batches(4, (8, 4))]
+    ref = encoder_head()
+    opt = torch.optim.SGD(ref.head.parameters(), lr=0.05)
+    for x, y in data:
+        F.mse_loss(ref.head(ref.enc(x)), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    class Head(Trainer):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model.head.parameters(), lr=0.05)
+
+        def training_step(self, batch):
+            x, y = batch
+            return F.mse_loss(self.model.head(self.model.enc(x)), y)
+
+    ours = run(Head, encoder_head(), data, check)
+    assert_same(ours, ref)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.enc.parameters(), ref.enc.parameters()))
+
+
 def encoder_head(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Module()
