@@ -15,9 +15,14 @@ def run(quick: bool) -> list[dict]:
         model, batch, dim = make()
         data = batches(batch, dim, steps)
         opt = sgd(model)  # shared (see workloads.HandLoop)
-        systems = {"hand": HandLoop(model, data, opt), "safeloop": TrainerLoop(model, data, opt)}
+        systems = {"hand": HandLoop(model, data, opt), "safeloop": TrainerLoop(model, data, opt),
+                   "hand, p.grad = None": HandLoop(model, data, opt, direct=True)}
         for fn in systems.values():  # warm up: allocator, guard warm-up steps, first-call costs
             fn()
         t = interleaved(systems, rounds=5 if quick else rounds)
         rows.append(row(f"Trainer vs hand loop, {name}", t["safeloop"], t["hand"], target, steps))
+        # The Trainer clears gradients without zero_grad's profiler range; against a hand loop that
+        # does the same, what is left is the Trainer's own work (informational).
+        rows.append(row(f"Trainer vs hand loop clearing with p.grad = None, {name}", t["safeloop"],
+                        t["hand, p.grad = None"], None, steps))
     return rows
