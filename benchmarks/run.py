@@ -7,8 +7,10 @@ plain PyTorch measured in the same process.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -18,6 +20,24 @@ import torch
 from .common import table
 
 
+# glibc's malloc gives freed memory back to the system (a large block is its own mmap; the heap's top
+# is trimmed), so the next step's activations fault their pages in again: how often depends on the
+# process's heap layout, which moved the hand-written GAN step by ±5% from one run to the next.
+# Keeping freed memory, for every system alike (and the processes a benchmark starts), removes that.
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": (1 << 31) - 1}
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc, here and in child processes, to keep freed memory; False where it is not glibc."""
+    os.environ.update({name: str(value) for name, value in KEEP_FREED.items()})
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, KEEP_FREED["MALLOC_MMAP_THRESHOLD_"])  # M_MMAP_THRESHOLD
+                    and libc.mallopt(-1, KEEP_FREED["MALLOC_TRIM_THRESHOLD_"]))  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, noisy numbers)")
@@ -25,6 +45,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if not keep_freed_memory():
+        print("not glibc: freed memory goes back to the system as the allocator decides (noisier ratios)",
+              file=sys.stderr)
     rows = []
     here = Path(__file__).parent
     for info in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
