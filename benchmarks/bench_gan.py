@@ -27,10 +27,16 @@ def adam(params):
 
 
 class HandGAN:
-    def __init__(self, model: GAN, data, routed: bool, opts: dict):
+    """``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does)."""
+
+    def __init__(self, model: GAN, data, routed: bool, opts: dict, direct: bool = False):
         self.model, self.data, self.routed = model, data, routed
         self.opt_d, self.opt_g = opts["d"], opts["g"]
         self.g_params = list(model.g.parameters())
+        if direct:
+            self.clear = lambda opt: [setattr(p, "grad", None) for g in opt.param_groups for p in g["params"]]
+        else:
+            self.clear = lambda opt: opt.zero_grad(set_to_none=True)
 
     def __call__(self):
         g, d = self.model.g, self.model.d
@@ -41,13 +47,13 @@ class HandGAN:
             (bce(d(real), 1.0) + bce(d(fake.detach()), 0.0)).backward()
             self.opt_d.step()
             if self.routed:  # zeroed right after each step, as the Trainer does (see workloads.HandLoop)
-                self.opt_d.zero_grad(set_to_none=True)
+                self.clear(self.opt_d)
             else:
                 self.opt_g.zero_grad(set_to_none=True)
             bce(d(fake), 1.0).backward(inputs=self.g_params if self.routed else None)
             self.opt_g.step()
             if self.routed:
-                self.opt_g.zero_grad(set_to_none=True)
+                self.clear(self.opt_g)
         self.opt_d.zero_grad(set_to_none=True)  # the DCGAN step leaves D gradients; the next system starts clean
 
 
@@ -80,11 +86,14 @@ def run(quick: bool) -> list[dict]:
     opts = {"d": adam(model.d.parameters()), "g": adam(model.g.parameters())}  # shared, see workloads.HandLoop
     systems = {"hand": HandGAN(model, data, routed=True, opts=opts),
                "dcgan": HandGAN(model, data, routed=False, opts=opts),
-               "safeloop": TrainerGAN(model, data, opts)}
+               "safeloop": TrainerGAN(model, data, opts),
+               "hand, p.grad = None": HandGAN(model, data, routed=True, opts=opts, direct=True)}
     for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
         fn()
     t = interleaved(systems, rounds=5 if quick else 41)
     return [
         row("GAN step (manual mode) vs hand-written step, same routing", t["safeloop"], t["hand"], 1.03, steps),
+        row("GAN step (manual mode) vs hand-written step clearing with p.grad = None, same routing", t["safeloop"],
+            t["hand, p.grad = None"], None, steps),
         row("GAN step (manual mode) vs DCGAN-example step", t["safeloop"], t["dcgan"], None, steps),
     ]
