@@ -625,7 +625,7 @@ class Trainer:
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does:
-        gradient sync, non-finite policy, undo snapshot, unscale, clip, ``on_before_optimizer_step``,
+        gradient sync, non-finite policy, unscale, clip, ``on_before_optimizer_step``, undo snapshot,
         ``step``, ``zero_grad``, scheduler.
 
         ``closure``, for optimizers whose ``step`` takes one (L-BFGS; SAM's two-phase update): a

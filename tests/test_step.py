@@ -957,3 +957,22 @@ def test_a_profiler_sees_zero_grad_as_in_the_hand_written_loop():
     names = [event.name for event in prof.events()]
     assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 4
     assert names.count("Optimizer.step#SGD.step") == 4
+
+
+def test_a_failed_step_drops_the_gradients_of_parameters_no_optimizer_holds_too():
+    class FailsBeforeTheUpdate(Trainer):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model[1].parameters(), lr=0.1)
+
+        def on_before_optimizer_step(self, name, optimizer):
+            raise ValueError("no update today")
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(StepError, match=re.escape(
+            "step 1 failed and was abandoned (parameters and optimizer state are unchanged): ValueError: no update "
+            "today")):
+        FailsBeforeTheUpdate(model=model, train_data=regression_batches(), max_steps=2, device="cpu", progress=False,
+                             loggers=()).fit()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

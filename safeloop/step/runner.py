@@ -1,8 +1,8 @@
 """The one step cycle, for every kind of step.
 
     batch -> device -> [autocast] training_step -> guard pre-flight -> backward(s)
-    -> gradient sync -> non-finite policy -> (per optimizer: undo snapshot -> unscale
-    -> clip -> on_before_optimizer_step -> step -> zero_grad -> scheduler)
+    -> gradient sync -> non-finite policy -> (per optimizer: unscale -> clip
+    -> on_before_optimizer_step -> undo snapshot -> step -> zero_grad -> scheduler)
 
 An optimizer whose ``step`` takes a closure (L-BFGS, SAM) gets one that evaluates the loss
 again through the same pieces: forward, backward(s), sync, non-finite policy, unscale, clip,
@@ -390,14 +390,14 @@ class Runner:
 
     def optimizer_step(self, name: str, step: int, last: bool | None, closure: Callable[[], torch.Tensor] | None = None,
                        current: torch.Tensor | None = None) -> None:
-        """Sync, snapshot (if a failure must be able to undo it), unscale, clip, hook, step, zero, schedule
+        """Sync, unscale, clip, hook, snapshot (if a failure must be able to undo it), step, zero, schedule
         (``closure``, ``current``: see ``closure``)."""
         opt = self.optimizers[name]
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name, step)
+        self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
-        self.prepare(name, opt)
         if closure is not None:
             opt.step(self.closure(name, step, opt, closure, current))
         elif self.scaler is not None:
