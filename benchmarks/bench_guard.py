@@ -16,7 +16,7 @@ from .workloads import TrainerLoop, batches, encoder, mid_mlp, sgd
 def per_node(make, rounds: int) -> tuple[float, float, int, int]:
     """What checking adds per step, and what the walk alone costs, on fresh graphs of one model.
 
-    The check: ``begin_step`` + ``preflight`` + ``end_step`` of a ``check=always`` guard minus the
+    The check: ``begin_step`` + ``preflight`` + ``end_step`` + ``step_done`` of a ``check=always`` guard minus the
     same calls of a ``check=off`` guard (the same timed windows, so what the timers themselves
     cost cancels), on alternating steps; summed over cycles of 4 checks, since every 4th check
     also runs the secondary checks (consumed graph, leak sentinel). Returns the median per check,
@@ -42,7 +42,8 @@ def per_node(make, rounds: int) -> tuple[float, float, int, int]:
             loss.backward()
             del loss
             t0 = time.perf_counter()
-            guard.end_step(step)  # the leak check, once the step's references are gone
+            guard.end_step(step)  # the leak check of the step before, once this step's references are gone
+            guard.step_done()
             times[name].append(time.perf_counter() - t0 + check + begin)
             model.zero_grad(set_to_none=True)
         start = walk.sequence_now()

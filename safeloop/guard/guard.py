@@ -107,6 +107,9 @@ class Guard:
         self._cost: float | None = None
         self._spent: float | None = None
         self._sentinels: list[weakref.ref] = []
+        # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
+        # whether that step is over) (see ``end_step``)
+        self._held: tuple | None = None
         self._warned: set[str] = set()
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs); a later backward of the step reaching a node they ran would find it freed
@@ -154,6 +157,8 @@ class Guard:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
         if CHEAP_PEEK:
             self.next_start = _peek()
+        if self._held is not None:
+            self._look_back()
 
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
@@ -555,9 +560,23 @@ class Guard:
         return refs
 
     def end_step(self, step: int, scope: Scope | None = None) -> None:
-        """Warn if a graph of this step is still alive (``running_loss += loss``)."""
+        """A timed step is over. Warn if a graph of this step is still alive once the next step is over
+        (``running_loss += loss``, ``history.append(loss)``): a holder that the next step replaces
+        (``self.last_loss = loss``) keeps one step's graph, which is no leak."""
         self._consumed, self._walked = [], None  # they hold the step's nodes
+        if self._held is not None:
+            self._look_back()
         refs = self.step_graphs()
+        if refs:
+            self._held = (step, refs, scope, False)
+
+    def _look_back(self) -> None:
+        """Warn about the held graphs of the step before this one once this one is over (see ``end_step``)."""
+        step, refs, scope, over = self._held
+        if not over:  # the held step itself is just over
+            self._held = (step, refs, scope, True)
+            return
+        self._held = None
         for holder in self.leaks(refs, scope):
             self.warn_leak(step, holder)
 
@@ -578,9 +597,9 @@ class Guard:
             return
         self._warned.add(key)
         warning = GraphLeakWarning(
-            f"step {step}: the step's autograd graph is still alive after the step, held by {holder}. "
-            "Every step keeps its whole graph (activations included) in memory. Store loss.item() or "
-            "loss.detach() instead of the loss tensor")
+            f"step {step}: the step's autograd graph is still alive after the step, held by {holder}, which "
+            "the next step did not replace: such graphs pile up step after step (their nodes, and any tensors "
+            "they still hold). Store loss.item() or loss.detach() instead of the loss tensor")
         if frame is None:
             warnings.warn(warning, stacklevel=4)
         else:

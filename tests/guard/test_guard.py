@@ -81,6 +81,22 @@ def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder):
         fit(Keeps)
 
 
+@pytest.mark.parametrize("keep", ["self.last_loss = loss", "self.last = {'loss': loss, 'step': self.state.step}"])
+def test_keeping_the_last_loss_until_the_next_step_replaces_it_does_not_warn(keep):
+    """The hand-written loop's ``loss`` variable lives until the next step too: one step's graph, no leak."""
+    class KeepsTheLast(Trainer):
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            exec(keep, {"self": self, "loss": loss})
+            return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = fit(KeepsTheLast, steps=6, guard={"check": "always"})
+    held = trainer.last_loss if hasattr(trainer, "last_loss") else trainer.last["loss"]
+    assert held.grad_fn is not None  # the last step's graph outlived it: the guard looked, and saw no leak
+
+
 def test_keeping_floats_does_not_warn():
     class KeepsFloats(Trainer):
         running = 0.0
