@@ -1,6 +1,9 @@
 """Reinforcement learning: episodes played inside the step or by the data iterator, soft actor-critic's
-three optimizers and one-step-lagged temperature, a Lagrange multiplier with its own optimizer."""
-from collections import namedtuple
+three optimizers and one-step-lagged temperature, a Lagrange multiplier with its own optimizer, DQN's
+replay memory and soft-updated target network."""
+import math
+import random
+from collections import deque, namedtuple
 
 import pytest
 import torch
@@ -411,3 +414,133 @@ def rollouts(n):
 @pytest.mark.parametrize("check", checks())
 def test_ppo_lagrangian(check):
     compare(lagrangian_agent, lagrangian_hand, PPOLagrangian, fixed(rollouts(5)), check, steps=5)
+
+
+# -- DQN: pytorch/tutorials, intermediate_source/reinforcement_q_learning.py ---------------------------
+Transition = namedtuple("Transition", ("state", "action", "next_state", "reward"))
+BATCH_SIZE, DQN_GAMMA, EPS_START, EPS_END, EPS_DECAY, DQN_TAU, DQN_LR = 8, 0.99, 0.9, 0.05, 1000, 0.005, 1e-2
+
+
+class ReplayMemory:
+    def __init__(self, capacity, rng):
+        self.memory, self.rng = deque([], maxlen=capacity), rng
+
+    def push(self, *args):
+        self.memory.append(Transition(*args))
+
+    def sample(self, batch_size):
+        return self.rng.sample(self.memory, batch_size)
+
+    def __len__(self):
+        return len(self.memory)
+
+
+class DQN(nn.Module):
+    def __init__(self, n_observations=4, n_actions=2):
+        super().__init__()
+        self.layer1, self.layer2, self.layer3 = nn.Linear(n_observations, 16), nn.Linear(16, 16), nn.Linear(16, n_actions)
+
+    def forward(self, x):
+        return self.layer3(F.relu(self.layer2(F.relu(self.layer1(x)))))
+
+
+def dqn_agent():
+    """The policy network and its target (parameters that take no gradient and no optimizer) in one module."""
+    agent = nn.Module()
+    agent.policy_net, agent.target_net = DQN(), DQN()
+    agent.target_net.load_state_dict(agent.policy_net.state_dict())
+    return agent
+
+
+def soft_update_target(agent):
+    target_net_state_dict = agent.target_net.state_dict()
+    policy_net_state_dict = agent.policy_net.state_dict()
+    for key in policy_net_state_dict:
+        target_net_state_dict[key] = policy_net_state_dict[key] * DQN_TAU + target_net_state_dict[key] * (1 - DQN_TAU)
+    agent.target_net.load_state_dict(target_net_state_dict)
+
+
+class Play:
+    """The tutorial's main loop around ``optimize_model``: an epsilon-greedy step of the environment (with
+    the current policy, under ``no_grad``), the transition pushed to the replay memory; then a sample of it,
+    for the consumer to optimize on and soft-update the target after. Until the memory holds a batch,
+    ``optimize_model`` returns at once and only the soft update runs."""
+
+    def __init__(self, agent, states):
+        self.agent, self.states, self.env = agent, states, Env()
+        self.rng = random.Random(3)
+        self.memory, self.steps_done = ReplayMemory(100, self.rng), 0
+
+    def select_action(self, state):
+        sample = self.rng.random()
+        eps_threshold = EPS_END + (EPS_START - EPS_END) * math.exp(-1. * self.steps_done / EPS_DECAY)
+        self.steps_done += 1
+        if sample > eps_threshold:
+            with torch.no_grad():
+                return self.agent.policy_net(state).max(1).indices.view(1, 1)
+        return torch.tensor([[self.rng.randrange(2)]], dtype=torch.long)
+
+    def __iter__(self):
+        for start in self.states:
+            state = self.env.reset(start).unsqueeze(0)
+            while True:
+                action = self.select_action(state)
+                observation, reward, terminated, _ = self.env.step(action.item())
+                reward = torch.tensor([reward])
+                next_state = None if terminated else observation.unsqueeze(0)
+                self.memory.push(state, action, next_state, reward)
+                state = next_state
+                if len(self.memory) < BATCH_SIZE:
+                    soft_update_target(self.agent)
+                else:
+                    yield self.memory.sample(BATCH_SIZE)
+                if terminated:
+                    break
+
+
+def dqn_loss(agent, transitions):
+    batch = Transition(*zip(*transitions))
+    non_final_mask = torch.tensor(tuple(map(lambda s: s is not None, batch.next_state)), dtype=torch.bool)
+    non_final_next_states = torch.cat([s for s in batch.next_state if s is not None])
+    state_batch, action_batch, reward_batch = torch.cat(batch.state), torch.cat(batch.action), torch.cat(batch.reward)
+    state_action_values = agent.policy_net(state_batch).gather(1, action_batch)
+    next_state_values = torch.zeros(BATCH_SIZE)
+    with torch.no_grad():
+        next_state_values[non_final_mask] = agent.target_net(non_final_next_states).max(1).values
+    expected_state_action_values = (next_state_values * DQN_GAMMA) + reward_batch
+    criterion = nn.SmoothL1Loss()
+    return criterion(state_action_values, expected_state_action_values.unsqueeze(1))
+
+
+def dqn_optimizer(agent):
+    return torch.optim.AdamW(agent.policy_net.parameters(), lr=DQN_LR, amsgrad=True)
+
+
+def dqn_hand(agent, play, steps=6):
+    optimizer = dqn_optimizer(agent)
+    for _, transitions in zip(range(steps), play):
+        loss = dqn_loss(agent, transitions)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(agent.policy_net.parameters(), 100)
+        optimizer.step()
+        soft_update_target(agent)
+
+
+class DQNTrainer(Trainer):
+    def configure_optimizers(self):
+        return dqn_optimizer(self.model)
+
+    def training_step(self, transitions):
+        return dqn_loss(self.model, transitions)
+
+    def on_before_optimizer_step(self, name, optimizer):
+        torch.nn.utils.clip_grad_value_(self.model.policy_net.parameters(), 100)
+
+    def on_step_end(self, losses):
+        soft_update_target(self.model)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_dqn_with_a_replay_memory_and_a_soft_updated_target(check):
+    compare(dqn_agent, dqn_hand, DQNTrainer, lambda agent: Play(agent, starts(5)), check, steps=6)
