@@ -209,6 +209,12 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
         problems += _kinds(checkpoint["rng"], _RNG, "rng")
     if isinstance(checkpoint.get("data"), dict):
         problems += _kinds(checkpoint["data"], {"epoch_start": (dict, type(None)), "iterable": object}, "data")
+    gradients = checkpoint.get("gradients", {})  # absent from checkpoints written before it was saved
+    if not isinstance(gradients, dict):
+        problems.append(f"gradients is {_a(gradients)}, not a dict")
+    else:
+        problems += [f"gradients[{name!r}] is {_a(value)}, not a tensor" for name, value in gradients.items()
+                     if not isinstance(value, torch.Tensor)]
     if problems:
         raise CheckpointError(f"{_named(path)} cannot be used: " + "; ".join(problems) + ". It was not written by "
                               "safeloop's Trainer.state_dict(), or was changed since: resume from another one",
@@ -369,6 +375,22 @@ def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Pa
                               path)
     for name, module in modules.items():
         module.load_state_dict(theirs[name])
+
+
+def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict, path: Path | None) -> None:
+    """Put back the gradients a step left on the parameters for a later one (manual mode accumulating over
+    several steps), after checking they fit; every other parameter's gradient is None, as after the step."""
+    live = dict(parameters)
+    problems = [f"gradients[{name!r}] names no parameter of the Trainer's modules" for name in saved
+                if name not in live]
+    problems += [f"gradients[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
+                 for name, grad in saved.items() if name in live and grad.shape != live[name].shape]
+    if problems:
+        raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
+                              + ". Resume with the model configuration it was saved with", path)
+    for name, p in live.items():
+        grad = saved.get(name)
+        p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
 
 def load_named(kind: str, live: dict, saved: dict, path: Path | None) -> None:

@@ -368,9 +368,11 @@ class Trainer:
     def state_dict(self) -> dict:
         """What a checkpoint holds: ``modules()``' state dicts, optimizers, schedulers, the grad scaler,
         ``state`` (``TrainState``), the global RNG states, where the data stands (the RNG states its
-        epoch started with and, if ``train_data`` has ``state_dict()``, its state), the run config,
-        and whatever ``on_save_checkpoint`` hooks add. Tensors and plain containers only, so that
-        it loads with ``torch.load(weights_only=True)``. Needs ``setup()`` first (``fit()`` calls it).
+        epoch started with and, if ``train_data`` has ``state_dict()``, its state), the gradients the
+        last step left on the parameters (manual mode accumulating over several steps; none after an
+        automatic step), the run config, and whatever ``on_save_checkpoint`` hooks add. Tensors and
+        plain containers only, so that it loads with ``torch.load(weights_only=True)``. Needs
+        ``setup()`` first (``fit()`` calls it).
         """
         self._need_setup("state_dict")
         data = self.train_data
@@ -385,6 +387,7 @@ class Trainer:
             "state": self.state.state_dict(),
             "rng": ckpt.rng_state(),
             "data": {"epoch_start": self._epoch_rng, "iterable": data.state_dict() if ckpt.stateful(data) else None},
+            "gradients": {name: p.grad.detach() for name, p in self._named_parameters() if p.grad is not None},
             "config": self.config,
         }
         ours = set(checkpoint)
@@ -400,6 +403,7 @@ class Trainer:
         self._need_setup("load_state_dict")
         ckpt.check_payload(checkpoint, path)
         ckpt.load_modules(self.modules(), checkpoint, path)
+        ckpt.load_gradients(self._named_parameters(), checkpoint.get("gradients", {}), path)
         ckpt.load_optimizers(self.optimizers, checkpoint, path)
         ckpt.load_named("scheduler", self.schedulers, checkpoint["schedulers"], path)
         ckpt.load_scaler(self.scaler, checkpoint["scaler"], path)

@@ -516,6 +516,8 @@ def test_a_damaged_checkpoint_is_passed_over_by_resume_auto(tmp_path, caplog):
     (lambda c: c["optimizers"].update(optimizer=[1, 2]), r"optimizers\['optimizer'\] is a list \(\[1, 2\]\), not a "
                                                          r"state dict"),
     (lambda c: c["rng"].update(torch=None), r"rng\['torch'\] is a NoneType"),
+    (lambda c: c.update(gradients={"model.0.weight": [0.5]}), r"gradients\['model.0.weight'\] is a list \(\[0.5\]\), "
+                                                              r"not a tensor"),
 ])
 def test_a_checkpoint_of_the_wrong_structure_says_what_is_wrong(tmp_path, change, message):
     make(tmp_path, 7).fit()
@@ -526,6 +528,50 @@ def test_a_checkpoint_of_the_wrong_structure_says_what_is_wrong(tmp_path, change
     with pytest.raises(CheckpointError, match=r"checkpoint \S+step-000000007\.pt cannot be used: .*" + message
                        + r".*It was not written by safeloop's Trainer\.state_dict\(\), or was changed since"):
         make(tmp_path / "run", 10, resume=path).fit()
+
+
+class AccumulatesOverSteps(Trainer):
+    """Manual mode, one update every 4 steps: gradients live from one step to the next."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        loss = self.validation_step(batch) / 4
+        self.backward(loss)
+        if self.state.step % 4 == 3:
+            self.step()
+        return loss
+
+    def validation_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+
+def test_gradients_carried_from_step_to_step_are_saved_and_resumed_bit_identically(tmp_path, one_thread):
+    straight = make(tmp_path / "a", 24, cls=AccumulatesOverSteps)
+    straight.fit()
+    make(tmp_path / "b", 14, cls=AccumulatesOverSteps).fit()  # checkpoints at 7 and 14: both mid-accumulation
+    saved = load(tmp_path / "b" / "step-000000014.pt")["gradients"]
+    assert sorted(saved) == sorted(f"model.{name}" for name, _ in straight.model.named_parameters())
+    resumed = make(tmp_path / "b", 24, cls=AccumulatesOverSteps, resume="auto")
+    resumed.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
+    make(tmp_path / "c", 7).fit()
+    assert load(tmp_path / "c" / "step-000000007.pt")["gradients"] == {}  # an automatic step leaves none
+
+
+def test_gradients_for_another_model_are_named(tmp_path):
+    make(tmp_path, 7, cls=AccumulatesOverSteps).fit()
+    path = tmp_path / "step-000000007.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["gradients"]["model.0.weight"] = torch.zeros(3, 8)
+    checkpoint["gradients"]["model.9.bias"] = torch.zeros(1)
+    torch.save(checkpoint, path)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "step-000000007.pt was saved from a different model: gradients['model.9.bias'] names no parameter of "
+            "the Trainer's modules; gradients['model.0.weight'] has shape (3, 8) and the parameter (32, 8). Resume "
+            "with the model configuration it was saved with")):
+        make(tmp_path / "run", 10, cls=AccumulatesOverSteps, resume=path).fit()
 
 
 def test_random_bytes_are_named_as_corrupt_not_as_a_pickle(tmp_path):
