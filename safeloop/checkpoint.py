@@ -360,8 +360,19 @@ def _alive(pid: int) -> bool:
 
 
 # -- loading into a Trainer (Trainer.load_state_dict) -----------------------------------------
-def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Path | None) -> None:
-    """Load the saved state dicts into ``modules`` (``Trainer.modules()``), after checking they fit."""
+def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
+               optimizers: dict[str, torch.optim.Optimizer], schedulers: dict, scaler, checkpoint: dict,
+               path: Path | None) -> None:
+    """Raise the ``CheckpointError`` that loading ``checkpoint`` would raise part way, before anything is
+    loaded: a checkpoint that does not fit leaves the modules, the optimizers and the rest as they were."""
+    check_modules(modules, checkpoint, path)
+    check_gradients(parameters, checkpoint.get("gradients", {}), path)
+    check_optimizers(optimizers, checkpoint, path)
+    check_names("scheduler", schedulers, checkpoint["schedulers"], path)
+    check_scaler(scaler, checkpoint["scaler"], path)
+
+
+def check_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Path | None) -> None:
     theirs = checkpoint["modules"]
     problems = [f"the Trainer has no module {name!r} (see Trainer.modules())" for name in theirs
                 if name not in modules]
@@ -373,13 +384,15 @@ def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Pa
         raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
                               + ". Resume with the model configuration it was saved with" + _saved_model(checkpoint),
                               path)
+
+
+def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict) -> None:
+    """Load the saved state dicts into ``modules`` (``Trainer.modules()``; ``check_fits`` first)."""
     for name, module in modules.items():
-        module.load_state_dict(theirs[name])
+        module.load_state_dict(checkpoint["modules"][name])
 
 
-def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict, path: Path | None) -> None:
-    """Put back the gradients a step left on the parameters for a later one (manual mode accumulating over
-    several steps), after checking they fit; every other parameter's gradient is None, as after the step."""
+def check_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict, path: Path | None) -> None:
     live = dict(parameters)
     problems = [f"gradients[{name!r}] names no parameter of the Trainer's modules" for name in saved
                 if name not in live]
@@ -388,16 +401,24 @@ def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict
     if problems:
         raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
                               + ". Resume with the model configuration it was saved with", path)
-    for name, p in live.items():
+
+
+def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict) -> None:
+    """Put back the gradients a step left on the parameters for a later one (manual mode accumulating over
+    several steps; ``check_fits`` first); every other parameter's gradient is None, as after the step."""
+    for name, p in parameters:
         grad = saved.get(name)
         p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
 
-def load_named(kind: str, live: dict, saved: dict, path: Path | None) -> None:
-    """Load optimizers' or schedulers' state dicts by name."""
+def check_names(kind: str, live: dict, saved: dict, path: Path | None) -> None:
     if live.keys() != saved.keys():
         raise CheckpointError(f"{_named(path)} has {kind}s {sorted(saved)} but this run has {sorted(live)}: "
                               f"resume with the same configure_{kind}s", path)
+
+
+def load_named(kind: str, live: dict, saved: dict, path: Path | None) -> None:
+    """Load optimizers' or schedulers' state dicts by name (``check_fits`` first)."""
     for name, obj in live.items():
         try:
             obj.load_state_dict(saved[name])
@@ -410,23 +431,32 @@ def optimizer_classes(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str,
     return {name: _class_name(type(opt)) for name, opt in optimizers.items()}
 
 
-def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
-    """Load the optimizers' states, after checking each is of the class it was saved from. Where this
-    run's hyperparameters differ from the checkpoint's, the checkpoint's are kept (the run goes on as it
-    was), and a warning says so."""
+def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
+    """Each optimizer is of the class it was saved from, with as many parameters in each group."""
     saved, classes = checkpoint["optimizers"], checkpoint.get("optimizer_classes") or {}
+    check_names("optimizer", optimizers, saved, path)
     for name, opt in optimizers.items():
-        theirs = saved.get(name)
-        if theirs is None:
-            continue  # load_named names the difference in names
         mine, was = _class_name(type(opt)), classes.get(name)
-        groups = theirs["param_groups"]
+        groups = saved[name]["param_groups"]
         keys = {k for g in groups for k in g} - {"params"}, {k for g in opt.param_groups for k in g} - {"params"}
         if (was is not None and was != mine) or (was is None and groups and keys[0] != keys[1]):
             raise CheckpointError(
                 f"{_named(path)}: optimizer {name!r} was saved from {was or 'an optimizer with the settings ' + ', '.join(sorted(keys[0]))} "
                 f"and this run's is {mine}: an optimizer's state does not carry over to another class. Resume with "
                 f"the optimizer it was saved with, or start a new run without resume", path)
+        sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in opt.param_groups]
+        if sizes[0] != sizes[1]:
+            raise CheckpointError(f"{_named(path)}: optimizer {name!r} does not fit this run's (parameters per group: "
+                                  f"{sizes[0]} saved, {sizes[1]} now): resume with the same configure_optimizers",
+                                  path)
+
+
+def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
+    """Load the optimizers' states (``check_fits`` first). Where this run's hyperparameters differ from
+    the checkpoint's, the checkpoint's are kept (the run goes on as it was), and a warning says so."""
+    saved = checkpoint["optimizers"]
+    for name, opt in optimizers.items():
+        groups = saved[name]["param_groups"]
         differ = [f"{key} {_show(g_saved[key])} (this run: {_show(g_live[key])})"
                   for i, (g_live, g_saved) in enumerate(zip(opt.param_groups, groups))
                   for key in g_live if key != "params" and key in g_saved and not _same(g_live[key], g_saved[key])
@@ -455,10 +485,13 @@ def _show(value: Any) -> str:
     return repr(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
 
 
-def load_scaler(scaler, saved: dict | None, path: Path | None) -> None:
+def check_scaler(scaler, saved: dict | None, path: Path | None) -> None:
     if (scaler is None) != (saved is None):
         raise CheckpointError(f"{_named(path)} was saved {'with' if saved else 'without'} a GradScaler "
                               "(precision 16) and this run is not: resume with the same precision", path)
+
+
+def load_scaler(scaler, saved: dict | None) -> None:
     if scaler is not None:
         scaler.load_state_dict(saved)
 

@@ -402,11 +402,13 @@ class Trainer:
         that nothing before it draws from them. Needs ``setup()`` first (``fit()`` calls it)."""
         self._need_setup("load_state_dict")
         ckpt.check_payload(checkpoint, path)
-        ckpt.load_modules(self.modules(), checkpoint, path)
-        ckpt.load_gradients(self._named_parameters(), checkpoint.get("gradients", {}), path)
+        ckpt.check_fits(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
+                        checkpoint, path)
+        ckpt.load_modules(self.modules(), checkpoint)
+        ckpt.load_gradients(self._named_parameters(), checkpoint.get("gradients", {}))
         ckpt.load_optimizers(self.optimizers, checkpoint, path)
         ckpt.load_named("scheduler", self.schedulers, checkpoint["schedulers"], path)
-        ckpt.load_scaler(self.scaler, checkpoint["scaler"], path)
+        ckpt.load_scaler(self.scaler, checkpoint["scaler"])
         self.state.load_state_dict(checkpoint["state"])
         self._epoch_rng = checkpoint["data"]["epoch_start"]
         ckpt.load_data(self.train_data, checkpoint["data"]["iterable"])

@@ -276,9 +276,13 @@ def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, change, 
     trainer = small(**args, **change)
     if model is not None:
         trainer.model = model
+    before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(CheckpointError, match=message):
         trainer.fit()
     assert trainer.state.step == 0
+    # refused before anything was loaded: the model as it was, no optimizer state
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert all(not opt.state for opt in trainer.optimizers.values())
 
 
 def test_a_checkpoint_directory_another_live_run_holds_is_refused(tmp_path):

@@ -574,6 +574,19 @@ def test_gradients_for_another_model_are_named(tmp_path):
         make(tmp_path / "run", 10, cls=AccumulatesOverSteps, resume=path).fit()
 
 
+def test_an_optimizer_over_other_parameters_is_refused_before_anything_is_loaded(tmp_path):
+    make(tmp_path, 7).fit()
+    trainer = make(tmp_path / "run", 10, resume=tmp_path / "step-000000007.pt")
+    trainer.configure_optimizers = lambda: torch.optim.Adam(trainer.model[0].parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(CheckpointError, match=re.escape(
+            "step-000000007.pt: optimizer 'optimizer' does not fit this run's (parameters per group: [4] saved, [2] "
+            "now): resume with the same configure_optimizers")):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert not trainer.optimizers["optimizer"].state and trainer.state.step == 0
+
+
 def test_random_bytes_are_named_as_corrupt_not_as_a_pickle(tmp_path):
     path = tmp_path / "step-000000003.pt"
     path.write_bytes(random.Random(0).randbytes(5000))
