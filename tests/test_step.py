@@ -976,3 +976,40 @@ def test_a_failed_step_drops_the_gradients_of_parameters_no_optimizer_holds_too(
                              loggers=()).fit()
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class AccumulatesWithANan(Trainer):
+    """Manual mode, one update every 4 steps; step 2's loss is NaN."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y) / 4
+        if self.state.step == 1:
+            loss = loss * float("nan")
+        self.backward(loss)
+        if self.state.step % 4 == 3:
+            self.step()
+        return loss
+
+
+def test_a_nan_in_an_accumulation_over_steps_skips_the_whole_update_as_a_hand_loop_would(caplog):
+    data = regression_batches(8)
+    torch.manual_seed(0)
+    model, hand = net(), net()
+    hand.load_state_dict(model.state_dict())
+    opt = torch.optim.Adam(hand.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(data):
+        loss = F.mse_loss(hand(x), y) / 4
+        (loss * float("nan") if i == 1 else loss).backward()
+        if i % 4 == 3:
+            if all(torch.isfinite(p.grad).all() for p in hand.parameters()):
+                opt.step()
+            opt.zero_grad()  # a non-finite update is dropped with everything accumulated for it
+    trainer = AccumulatesWithANan(model=model, train_data=data, optimizer=lambda p: torch.optim.Adam(p, lr=0.1),
+                                  max_steps=8, device="cpu", progress=False, loggers=(), on_nonfinite="skip")
+    with caplog.at_level(logging.WARNING, logger="safeloop"):
+        trainer.fit()
+    assert trainer.state.skipped == 1 and "step 4 skipped, nothing updated" in caplog.text
+    assert_same_params(hand, model, exact=True)
