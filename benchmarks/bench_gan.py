@@ -26,6 +26,12 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3, betas=(0.5, 0.999))
 
 
+def clear_directly(opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
 class HandGAN:
     """``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does)."""
 
@@ -33,10 +39,7 @@ class HandGAN:
         self.model, self.data, self.routed = model, data, routed
         self.opt_d, self.opt_g = opts["d"], opts["g"]
         self.g_params = list(model.g.parameters())
-        if direct:
-            self.clear = lambda opt: [setattr(p, "grad", None) for g in opt.param_groups for p in g["params"]]
-        else:
-            self.clear = lambda opt: opt.zero_grad(set_to_none=True)
+        self.clear = clear_directly if direct else lambda opt: opt.zero_grad(set_to_none=True)
 
     def __call__(self):
         g, d = self.model.g, self.model.d

@@ -365,14 +365,15 @@ def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, 
                path: Path | None) -> None:
     """Raise the ``CheckpointError`` that loading ``checkpoint`` would raise part way, before anything is
     loaded: a checkpoint that does not fit leaves the modules, the optimizers and the rest as they were."""
-    check_modules(modules, checkpoint, path)
-    check_gradients(parameters, checkpoint.get("gradients", {}), path)
+    check_modules(modules, parameters, checkpoint, path)
     check_optimizers(optimizers, checkpoint, path)
     check_names("scheduler", schedulers, checkpoint["schedulers"], path)
     check_scaler(scaler, checkpoint["scaler"], path)
 
 
-def check_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: Path | None) -> None:
+def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
+                  checkpoint: dict, path: Path | None) -> None:
+    """The modules' state dicts, and the gradients saved for their parameters, fit ``modules``."""
     theirs = checkpoint["modules"]
     problems = [f"the Trainer has no module {name!r} (see Trainer.modules())" for name in theirs
                 if name not in modules]
@@ -380,6 +381,11 @@ def check_modules(modules: dict[str, torch.nn.Module], checkpoint: dict, path: P
                  if name not in theirs]
     for name in modules.keys() & theirs.keys():
         problems += _mismatch(name, modules[name].state_dict(), theirs[name])
+    live, grads = dict(parameters), checkpoint.get("gradients", {})
+    problems += [f"gradients[{name!r}] names no parameter of the Trainer's modules" for name in grads
+                 if name not in live]
+    problems += [f"gradients[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
+                 for name, grad in grads.items() if name in live and grad.shape != live[name].shape]
     if problems:
         raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
                               + ". Resume with the model configuration it was saved with" + _saved_model(checkpoint),
@@ -390,17 +396,6 @@ def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict) -> None:
     """Load the saved state dicts into ``modules`` (``Trainer.modules()``; ``check_fits`` first)."""
     for name, module in modules.items():
         module.load_state_dict(checkpoint["modules"][name])
-
-
-def check_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict, path: Path | None) -> None:
-    live = dict(parameters)
-    problems = [f"gradients[{name!r}] names no parameter of the Trainer's modules" for name in saved
-                if name not in live]
-    problems += [f"gradients[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
-                 for name, grad in saved.items() if name in live and grad.shape != live[name].shape]
-    if problems:
-        raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
-                              + ". Resume with the model configuration it was saved with", path)
 
 
 def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict) -> None:
