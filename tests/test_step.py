@@ -1013,3 +1013,27 @@ def test_a_nan_in_an_accumulation_over_steps_skips_the_whole_update_as_a_hand_lo
         trainer.fit()
     assert trainer.state.skipped == 1 and "step 4 skipped, nothing updated" in caplog.text
     assert_same_params(hand, model, exact=True)
+
+
+@pytest.mark.parametrize("undo", ["auto", "full"])
+def test_a_hook_failing_before_the_last_update_of_a_manual_step_is_reported_unchanged(undo):
+    """D stepped, then G's ``on_before_optimizer_step`` raises: D is restored, G never began."""
+    class FailsBeforeG(ManualGAN):
+        def on_before_optimizer_step(self, name, optimizer):
+            if name == "g" and self.state.step == 2:
+                raise ValueError("no update for g")
+
+    torch.manual_seed(0)
+    model = GAN()
+    trainer = manual_gan(model, n=3, undo=undo)
+    trainer.max_steps = 2
+    trainer.fit()
+    saved = state_of(model, trainer)
+    trainer.__class__ = FailsBeforeG
+    trainer._hooks = {}  # bound again by the next fit
+    trainer.max_steps = 3
+    with pytest.raises(StepError, match=re.escape(
+            "step 3 failed and was abandoned (parameters and optimizer state are unchanged): ValueError: no update "
+            "for g")):
+        trainer.fit()
+    assert_state(model, trainer, saved)

@@ -62,11 +62,12 @@ def test_trace_names_the_line_that_made_the_carried_tensor():
     assert not any("guard.trace" in f for f in info.value.fixes)
 
 
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
 @pytest.mark.parametrize("keep, holder", [
     ("self.running = self.running + loss", "self.running"),
     ("self.history.append(loss)", "self.history[0]"),
 ])
-def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder):
+def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder, mode):
     class Keeps(Trainer):
         running, history = 0.0, []
 
@@ -78,11 +79,12 @@ def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder):
     Keeps.history = []
     with pytest.warns(GraphLeakWarning, match=re.escape(f"step 1: the step's autograd graph is still alive after "
                                                         f"the step, held by `{holder}`") + ".*loss.item\\(\\)"):
-        fit(Keeps)
+        fit(mode(Keeps))
 
 
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
 @pytest.mark.parametrize("keep", ["self.last_loss = loss", "self.last = {'loss': loss, 'step': self.state.step}"])
-def test_keeping_the_last_loss_until_the_next_step_replaces_it_does_not_warn(keep):
+def test_keeping_the_last_loss_until_the_next_step_replaces_it_does_not_warn(keep, mode):
     """The hand-written loop's ``loss`` variable lives until the next step too: one step's graph, no leak."""
     class KeepsTheLast(Trainer):
         def training_step(self, batch):
@@ -92,7 +94,7 @@ def test_keeping_the_last_loss_until_the_next_step_replaces_it_does_not_warn(kee
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer = fit(KeepsTheLast, steps=6, guard={"check": "always"})
+        trainer = fit(mode(KeepsTheLast), steps=6, guard={"check": "always"})
     held = trainer.last_loss if hasattr(trainer, "last_loss") else trainer.last["loss"]
     assert held.grad_fn is not None  # the last step's graph outlived it: the guard looked, and saw no leak
 
