@@ -17,6 +17,8 @@ class TrainState:
         losses: the last step's losses, detached (turned into floats only when logged,
             so that CUDA runs do not sync every step).
         skipped: steps skipped for non-finite values so far (``on_nonfinite: skip``).
+        skipped_in_row: of those, how many the last steps skipped in a row (``trainer.max_skipped`` stops
+            the run when the next one would exceed it); kept across ``fit()`` calls and resumes.
         val_history: ``(step, {metric: float})`` for every validation run.
     """
 
@@ -25,6 +27,7 @@ class TrainState:
     batch_in_epoch: int = 0
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     skipped: int = 0
+    skipped_in_row: int = 0
     val_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def floats(self) -> dict[str, float]:

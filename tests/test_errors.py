@@ -290,6 +290,26 @@ def test_skip_stops_after_max_skipped_in_a_row(mode):
     assert t.state.skipped == 3  # steps 2, 4, 5; step 3 was fine and reset the count
 
 
+def test_skips_in_a_row_are_counted_across_a_resume_and_a_second_fit(mode, tmp_path):
+    """The run that never stopped stops at step 6 (steps 4 and 5 skipped, max_skipped=2); so does one
+    resumed from a checkpoint written after step 5, and one trained by a second fit()."""
+    poisoned = mode(type("P", (Poisoned,), {"nan_at": (4, 5, 6)}))
+    diverged = r"step 6: loss 'loss' is nan .*, and the 2 steps before it were skipped"
+    with pytest.raises(NonFiniteError, match=diverged):
+        trainer(poisoned, on_nonfinite="skip", max_skipped=2).fit()
+    first = trainer(poisoned, on_nonfinite="skip", max_skipped=2, max_steps=5)
+    first.fit()
+    assert first.state.skipped_in_row == 2
+    torch.save(first.state_dict(), tmp_path / "step-5.pt")
+    with pytest.raises(NonFiniteError, match=diverged):  # the same Trainer, fit() again
+        first.max_steps = 6
+        first.fit()
+    resumed = trainer(poisoned, on_nonfinite="skip", max_skipped=2, resume=str(tmp_path / "step-5.pt"))
+    with pytest.raises(NonFiniteError, match=diverged):
+        resumed.fit()
+    assert resumed.state.step == 5 and resumed.state.skipped == 2
+
+
 def test_off_removes_the_check(mode):
     t = trainer(mode(type("P", (Poisoned,), {"nan_at": (2,)})), on_nonfinite="off", max_steps=2)
     t.fit()

@@ -75,7 +75,6 @@ class Runner:
         self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else trainer.multi_loss
         self.on_nonfinite, self.max_skipped = trainer.on_nonfinite, trainer.max_skipped
         self.finite = nonfinite.FiniteCheck() if self.on_nonfinite != "off" else None
-        self.skipped_in_row = 0
         self.skipped_losses: dict[str, torch.Tensor] = {}
         self.names = list(self.optimizers)
         self.routed = len(self.names) > 1
@@ -483,7 +482,7 @@ class Runner:
         # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
         grads = nonfinite.gradients(optimizers) if self.scaler is None else []
         if self.finite(losses.values(), grads):
-            self.skipped_in_row = 0
+            self.state.skipped_in_row = 0
             return
         what = nonfinite.describe(losses, self.named_parameters())
         where = f"before optimizer {name!r} stepped" if name is not None and self.routed else \
@@ -494,17 +493,18 @@ class Runner:
                 "run with debug=default (anomaly detection names the backward operation that made the first NaN), "
                 "lower the learning rate or set trainer.grad_clip; trainer.on_nonfinite=skip skips such steps "
                 "instead", step)
-        if self.skipped_in_row >= self.max_skipped:
+        state = self.state
+        if state.skipped_in_row >= self.max_skipped:
             raise NonFiniteError(
-                f"step {step}: {what}, and the {self.skipped_in_row} steps before it were skipped for the same "
+                f"step {step}: {what}, and the {state.skipped_in_row} steps before it were skipped for the same "
                 f"reason (trainer.max_skipped={self.max_skipped}): training diverged, this is not a rare bad "
                 "batch. Resume from an earlier checkpoint with a lower learning rate or trainer.grad_clip", step)
-        self.skipped_in_row += 1
-        self.state.skipped += 1
+        state.skipped_in_row += 1
+        state.skipped += 1
         self.skipped_losses = dict(losses)  # what the step shows, in manual mode too (its step did not return)
         left = "nothing updated" if not self.undo.unsaved else self.undo.report()
         log.warning("step %d skipped, %s: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
-                    step, left, what, self.state.skipped, self.skipped_in_row, self.max_skipped)
+                    step, left, what, state.skipped, state.skipped_in_row, self.max_skipped)
         raise SkipStep
 
     # -- failure -------------------------------------------------------------------------------
