@@ -404,6 +404,8 @@ class Trainer:
         ckpt.check_payload(checkpoint, path)
         ckpt.check_fits(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
                         checkpoint, path)
+        # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
+        ckpt.load_data(self.train_data, checkpoint["data"]["iterable"])
         ckpt.load_modules(self.modules(), checkpoint)
         ckpt.load_gradients(self._named_parameters(), checkpoint.get("gradients", {}))
         ckpt.load_optimizers(self.optimizers, checkpoint, path)
@@ -411,7 +413,6 @@ class Trainer:
         ckpt.load_scaler(self.scaler, checkpoint["scaler"])
         self.state.load_state_dict(checkpoint["state"])
         self._epoch_rng = checkpoint["data"]["epoch_start"]
-        ckpt.load_data(self.train_data, checkpoint["data"]["iterable"])
         self._loaded_rng = checkpoint["rng"]
         self._call("on_load_checkpoint", checkpoint)
 

@@ -457,6 +457,25 @@ def test_a_stateful_data_iterable_is_saved_and_goes_on_from_its_own_position(tmp
     assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (straight.state.epoch, straight.state.batch_in_epoch)
 
 
+class Refusing(Numbered):
+    def load_state_dict(self, state):
+        raise ValueError("this loader's dataset changed since the checkpoint")
+
+
+def test_a_data_iterable_that_refuses_its_state_leaves_the_model_and_optimizer_as_they_were(tmp_path):
+    Seen(torch.nn.Linear(8, 1), Numbered(), partial(torch.optim.Adam, lr=0.1), max_steps=7,
+         checkpoint={"dir": str(tmp_path)}, device="cpu", progress=False, loggers=()).fit()
+    trainer = Seen(torch.nn.Linear(8, 1), Refusing(), partial(torch.optim.Adam, lr=0.1), max_steps=12,
+                   device="cpu", progress=False, loggers=())
+    trainer.setup()
+    before = copy.deepcopy(trainer.model.state_dict())
+    with pytest.raises(ValueError, match="dataset changed since the checkpoint"):
+        trainer.load_state_dict(load(tmp_path / "step-000000007.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), before.values()))
+    assert trainer.optimizers["optimizer"].state == {}  # no Adam state loaded
+    assert trainer.state.step == 0
+
+
 # -- a checkpoint that cannot be trusted -------------------------------------------------------
 def first_tensor_at(path: Path) -> int:
     """Where the bytes of the checkpoint's first tensor start (after its zip entry's local header)."""
