@@ -1015,6 +1015,32 @@ def test_a_nan_in_an_accumulation_over_steps_skips_the_whole_update_as_a_hand_lo
     assert_same_params(hand, model, exact=True)
 
 
+def test_a_failed_step_in_an_accumulation_over_steps_drops_what_earlier_steps_accumulated():
+    """The README's limit: the gradients carried from steps 5 and 6 are dropped with step 7's, not kept."""
+    class FailsAtStep7(Trainer):
+        automatic = False
+
+        def training_step(self, batch):
+            x, y = batch
+            self.backward(F.mse_loss(self.model(x), y) / 4)
+            if self.state.step == 6:
+                raise ValueError("bad batch")
+            if self.state.step % 4 == 3:
+                self.step()
+
+    trainer = FailsAtStep7(model=net(), train_data=regression_batches(8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                           max_steps=6, device="cpu", progress=False, loggers=())
+    trainer.fit()
+    assert all(p.grad is not None for p in trainer.model.parameters())  # steps 5 and 6, for the update at step 8
+    after_6 = copy.deepcopy(trainer.model.state_dict())
+    trainer.max_steps = 8
+    with pytest.raises(StepError, match=re.escape("step 7 failed and was abandoned (parameters and optimizer state "
+                                                  "are unchanged): ValueError: bad batch")):
+        trainer.fit()
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(v, after_6[k]) for k, v in trainer.model.state_dict().items())
+
+
 @pytest.mark.parametrize("undo", ["auto", "full"])
 def test_a_hook_failing_before_the_last_update_of_a_manual_step_is_reported_unchanged(undo):
     """D stepped, then G's ``on_before_optimizer_step`` raises: D is restored, G never began."""
