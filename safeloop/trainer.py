@@ -446,7 +446,9 @@ class Trainer:
             self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 forward = self.dist.forward  # training_step runs inside DDP's forward
-        trained = self._parameters()  # listed once per fit: the guard reads them on checked steps
+        # listed once per fit, for the guard (on checked steps): a parameter added later by add_param_group can
+        # still hold the gradients of steps that did not train it, which no zero_grad cleared
+        trained = self._parameters()
         scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),
                       parameters=lambda: trained, rerun=self.rerun_recorded)
         self._runner = Runner(self, forward, self._hooks, scope, self._autocast,

@@ -2,6 +2,7 @@
 import copy
 import logging
 import re
+import warnings
 from functools import partial
 
 import pytest
@@ -884,6 +885,48 @@ def test_a_loss_that_must_be_routed_through_reentrant_checkpointing_is_named_wit
             "backward must be limited to them (backward(inputs=...)), which reentrant checkpointing rejects. Use "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")):
         trainer.fit()
+
+
+class Unfreezes(TowerTrainer):
+    """From step 3 on, a frozen skip connection of tower a is trained too (``add_param_group``, as
+    progressive unfreezing does); it is outside the checkpointed part, so a's graph reaches it."""
+
+    def configure_optimizers(self):
+        self.model.skip.requires_grad_(False)
+        return super().configure_optimizers()
+
+    def training_step(self, batch):
+        if self.state.step == 2:
+            self.model.skip.requires_grad_(True)
+            self.optimizers["a"].add_param_group({"params": self.model.skip.parameters()})
+        x, y = batch
+        out_a = torch.utils.checkpoint.checkpoint(self.model.a[1:], self.model.a[0](x), use_reentrant=True)
+        out_b = torch.utils.checkpoint.checkpoint(self.model.b[1:], self.model.b[0](x), use_reentrant=True)
+        return {"a": F.mse_loss(out_a + self.model.skip(x), y), "b": F.mse_loss(out_b, y)}
+
+
+@pytest.mark.parametrize("check", ["auto", "always"])
+def test_a_param_group_added_mid_run_is_its_optimizers_own_for_routing(check):
+    torch.manual_seed(0)
+    ref, ours = Towers(), Towers()
+    ref.skip = nn.Linear(4, 1)
+    ours.skip = copy.deepcopy(ref.skip)
+    ours.load_state_dict(ref.state_dict())
+    opts = [torch.optim.SGD(ref.a.parameters(), lr=0.1), torch.optim.SGD(ref.b.parameters(), lr=0.1)]
+    for i, (x, y) in enumerate(regression_batches(6)):
+        if i == 2:
+            opts[0].add_param_group({"params": ref.skip.parameters()})
+        for opt, loss in zip(opts, (F.mse_loss(ref.a(x) + (ref.skip(x) if i >= 2 else ref.skip(x).detach()), y),
+                                    F.mse_loss(ref.b(x), y))):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    trainer = Unfreezes(model=ours, train_data=regression_batches(6), max_steps=6, device="cpu", progress=False,
+                        loggers=(), guard={"check": check})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit()
+    assert_same_params(ref, ours)
 
 
 # -- zero_grad ------------------------------------------------------------------------------------

@@ -124,7 +124,6 @@ class Routes:
 
     def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
-        self.own = {name: {id(p) for g in opt.param_groups for p in g["params"]} for name, opt in optimizers.items()}
         self.reentrant: dict[tuple[str, int], bool] = {}  # graph shape -> has reentrant checkpointing
 
     def inputs(self, name: str, loss: torch.Tensor, start_seq: int | None, step: int) -> list[torch.Tensor] | None:
@@ -144,7 +143,7 @@ class Routes:
     def plain(self, name: str, loss: torch.Tensor, step: int) -> bool:
         """Walk ``loss``'s graph: whether it has reentrant checkpointing, and so must be back-propagated
         plainly; raises if it also reaches a leaf optimizer ``name`` does not own (it needs ``inputs=``)."""
-        own = self.own[name]
+        own = {id(p) for g in self.optimizers[name].param_groups for p in g["params"]}  # now: groups can be added
         reentrant, hidden, other = None, False, False
         seen, stack = {loss.grad_fn}, [loss.grad_fn]
         while stack:
