@@ -478,6 +478,8 @@ class Trainer:
         ``loss_weights`` keys that named no loss so far."""
         runner, step = self._runner, self.state.step
         for name in sorted(runner.unreached):
+            if any(p.grad is not None for g in self.optimizers[name].param_groups for p in g["params"]):
+                continue  # reached: its gradients wait for a later self.step() (manual mode accumulating over steps)
             warnings.warn(f"optimizer {name!r} has not updated anything in the {step} steps so far: no loss's "
                           "gradient reached its parameters (is a loss returned, or self.backward(loss, "
                           f"optimizer={name!r}) called, for it? are its parameters the ones the forward uses, "

@@ -315,6 +315,24 @@ def test_an_optimizer_no_loss_reaches_is_named_once():
         "parameters the ones the forward uses, with requires_grad?)"]
 
 
+def test_gradients_waiting_for_a_later_update_are_not_taken_for_an_unreached_optimizer():
+    class EveryThirdStep(Trainer):  # manual mode accumulating over steps; the run stops before the first update
+        automatic = False
+
+        def training_step(self, batch):
+            x, y = batch
+            self.backward(F.mse_loss(self.model(x), y) / 3)
+            if self.state.step % 3 == 2:
+                self.step()
+
+    trainer = EveryThirdStep(model=MLP(8, 16, 1, 2), train_data=loader(dataset()), max_steps=2, device="cpu",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit()
+    assert all(p.grad is not None for p in trainer.model.parameters())
+
+
 def test_a_loss_weight_that_names_no_loss_is_named_once():
     class TwoLosses(Trainer):
         def training_step(self, batch):
