@@ -209,16 +209,26 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
         problems += _kinds(checkpoint["rng"], _RNG, "rng")
     if isinstance(checkpoint.get("data"), dict):
         problems += _kinds(checkpoint["data"], {"epoch_start": (dict, type(None)), "iterable": object}, "data")
-    gradients = checkpoint.get("gradients", {})  # absent from checkpoints written before it was saved
-    if not isinstance(gradients, dict):
-        problems.append(f"gradients is {_a(gradients)}, not a dict")
-    else:
-        problems += [f"gradients[{name!r}] is {_a(value)}, not a tensor" for name, value in gradients.items()
-                     if not isinstance(value, torch.Tensor)]
+    if not isinstance(checkpoint.get("rank_gradients", []), list):
+        problems.append(f"rank_gradients is {_a(checkpoint['rank_gradients'])}, not a list")
+    for where, gradients in _gradient_sets(checkpoint):
+        if not isinstance(gradients, dict):
+            problems.append(f"{where} is {_a(gradients)}, not a dict")
+        else:
+            problems += [f"{where}[{name!r}] is {_a(value)}, not a tensor" for name, value in gradients.items()
+                         if not isinstance(value, torch.Tensor)]
     if problems:
         raise CheckpointError(f"{_named(path)} cannot be used: " + "; ".join(problems) + ". It was not written by "
                               "safeloop's Trainer.state_dict(), or was changed since: resume from another one",
                               path)
+
+
+def _gradient_sets(checkpoint: dict) -> list[tuple[str, Any]]:
+    """The saved gradients, each set with the name errors give it: ``gradients`` (absent from checkpoints
+    written before they were saved) and, from torchrun in manual mode, ``rank_gradients[r]``."""
+    every = checkpoint.get("rank_gradients", [])
+    return [("gradients", checkpoint.get("gradients", {})),
+            *((f"rank_gradients[{rank}]", grads) for rank, grads in enumerate(every if isinstance(every, list) else []))]
 
 
 def _kinds(entries: dict, kinds: dict[str, Any], where: str) -> list[str]:
@@ -381,11 +391,12 @@ def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[st
                  if name not in theirs]
     for name in modules.keys() & theirs.keys():
         problems += _mismatch(name, modules[name].state_dict(), theirs[name])
-    live, grads = dict(parameters), checkpoint.get("gradients", {})
-    problems += [f"gradients[{name!r}] names no parameter of the Trainer's modules" for name in grads
-                 if name not in live]
-    problems += [f"gradients[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
-                 for name, grad in grads.items() if name in live and grad.shape != live[name].shape]
+    live = dict(parameters)
+    for where, grads in _gradient_sets(checkpoint):
+        problems += [f"{where}[{name!r}] names no parameter of the Trainer's modules" for name in grads
+                     if name not in live]
+        problems += [f"{where}[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
+                     for name, grad in grads.items() if name in live and grad.shape != live[name].shape]
     if problems:
         raise CheckpointError(f"{_named(path)} was saved from a different model: " + "; ".join(problems)
                               + ". Resume with the model configuration it was saved with" + _saved_model(checkpoint),
@@ -404,6 +415,25 @@ def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict
     for name, p in parameters:
         grad = saved.get(name)
         p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+
+
+def mean_gradients(every: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' gradients averaged as the all-reduce averages them: a rank without one counts as zeros."""
+    total: dict[str, torch.Tensor] = {}
+    for grads in every:
+        for name, grad in grads.items():
+            total[name] = total[name] + grad if name in total else grad.clone()
+    return {name: grad.div_(len(every)) for name, grad in total.items()}
+
+
+def gradients_for(checkpoint: dict, dist) -> dict[str, torch.Tensor]:
+    """The gradients this process resumes with: its own rank's when the checkpoint was written by as many
+    ranks (bit-identical), else the checkpoint's ``gradients`` (under torchrun, the ranks' mean: the same
+    update up to the summation order)."""
+    every = checkpoint.get("rank_gradients")
+    if every is not None and dist is not None and len(every) == dist.world:
+        return every[dist.rank]
+    return checkpoint.get("gradients", {})
 
 
 def check_names(kind: str, live: dict, saved: dict, path: Path | None) -> None:

@@ -173,6 +173,15 @@ class Distributed:
             raise self._lost(err) from err
         return value.div_(self.world)
 
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value`` (plain containers of CPU tensors), in rank order."""
+        every: list = [None] * self.world
+        try:
+            dist.all_gather_object(every, value)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+        return every
+
     # -- start of fit --------------------------------------------------------------------
     def attach(self, trainer, per_backward_hooks: bool) -> None:
         """At every fit, after ``share``: the DDP wrapper for the usual run, otherwise the gradient hooks

@@ -370,9 +370,11 @@ class Trainer:
         ``state`` (``TrainState``), the global RNG states, where the data stands (the RNG states its
         epoch started with and, if ``train_data`` has ``state_dict()``, its state), the gradients the
         last step left on the parameters (manual mode accumulating over several steps; none after an
-        automatic step), the run config, and whatever ``on_save_checkpoint`` hooks add. Tensors and
-        plain containers only, so that it loads with ``torch.load(weights_only=True)``. Needs
-        ``setup()`` first (``fit()`` calls it).
+        automatic step; under torchrun, their mean over the ranks and, in ``rank_gradients``, each
+        rank's), the run config, and whatever ``on_save_checkpoint`` hooks add. Tensors and plain
+        containers only, so that it loads with ``torch.load(weights_only=True)``. Needs ``setup()``
+        first (``fit()`` calls it). Under torchrun in manual mode it gathers the ranks' gradients:
+        every rank calls it (the Trainer's own saves do).
         """
         self._need_setup("state_dict")
         data = self.train_data
@@ -390,6 +392,9 @@ class Trainer:
             "gradients": {name: p.grad.detach() for name, p in self._named_parameters() if p.grad is not None},
             "config": self.config,
         }
+        if self.dist is not None and not self.automatic:  # gradients carried between steps are each rank's own
+            every = self.dist.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
+            checkpoint["gradients"], checkpoint["rank_gradients"] = ckpt.mean_gradients(every), every
         ours = set(checkpoint)
         self._call("on_save_checkpoint", checkpoint)
         for key in checkpoint.keys() - ours:
@@ -407,7 +412,7 @@ class Trainer:
         # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
         ckpt.load_data(self.train_data, checkpoint["data"]["iterable"])
         ckpt.load_modules(self.modules(), checkpoint)
-        ckpt.load_gradients(self._named_parameters(), checkpoint.get("gradients", {}))
+        ckpt.load_gradients(self._named_parameters(), ckpt.gradients_for(checkpoint, self.dist))
         ckpt.load_optimizers(self.optimizers, checkpoint, path)
         ckpt.load_named("scheduler", self.schedulers, checkpoint["schedulers"], path)
         ckpt.load_scaler(self.scaler, checkpoint["scaler"])

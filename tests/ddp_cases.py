@@ -101,6 +101,27 @@ class WithSpare(nn.Module):
         return self.net(x)
 
 
+class ManualAccumulation(Recording):
+    """Manual mode accumulating over steps: backward every step, an update every 3rd; the halfway
+    checkpoint (step 2) falls between two updates, with each rank's own gradients carried."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y) / 3
+        self.backward(loss)
+        if self.state.step % 3 == 2:
+            self.step()
+        return loss
+
+    def on_before_optimizer_step(self, name, optimizer):
+        if self.state.step == 2:  # the first update: record what it steps with
+            self.state.step, recorded = 0, self.state.step
+            super().on_before_optimizer_step(name, optimizer)
+            self.state.step = recorded
+
+
 class GanLike(nn.Module):
     def __init__(self):
         super().__init__()
@@ -211,7 +232,7 @@ def build(case: str, world: int, **settings) -> Trainer:
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
-           "schedule": UnevenChecks, "sam": ManualSAM}.get(case, Recording)
+           "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     optimizer = OPTIMIZERS.get(case, partial(torch.optim.Adam, lr=1e-2))(model.parameters())
     trainer = cls(model=model, optimizer=optimizer, **common)

@@ -537,6 +537,9 @@ def test_a_damaged_checkpoint_is_passed_over_by_resume_auto(tmp_path, caplog):
     (lambda c: c["rng"].update(torch=None), r"rng\['torch'\] is a NoneType"),
     (lambda c: c.update(gradients={"model.0.weight": [0.5]}), r"gradients\['model.0.weight'\] is a list \(\[0.5\]\), "
                                                               r"not a tensor"),
+    (lambda c: c.update(rank_gradients={"model.0.weight": 0.5}), r"rank_gradients is a dict \(.*\), not a list"),
+    (lambda c: c.update(rank_gradients=[{}, {"model.0.weight": 0.5}]), r"rank_gradients\[1\]\['model.0.weight'\] is "
+                                                                      r"a float \(0.5\), not a tensor"),
 ])
 def test_a_checkpoint_of_the_wrong_structure_says_what_is_wrong(tmp_path, change, message):
     make(tmp_path, 7).fit()
@@ -585,10 +588,12 @@ def test_gradients_for_another_model_are_named(tmp_path):
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["gradients"]["model.0.weight"] = torch.zeros(3, 8)
     checkpoint["gradients"]["model.9.bias"] = torch.zeros(1)
+    checkpoint["rank_gradients"] = [{}, {"model.0.bias": torch.zeros(2)}]  # as torchrun writes them, per rank
     torch.save(checkpoint, path)
     with pytest.raises(CheckpointError, match=re.escape(
             "step-000000007.pt was saved from a different model: gradients['model.9.bias'] names no parameter of "
-            "the Trainer's modules; gradients['model.0.weight'] has shape (3, 8) and the parameter (32, 8). Resume "
+            "the Trainer's modules; gradients['model.0.weight'] has shape (3, 8) and the parameter (32, 8); "
+            "rank_gradients[1]['model.0.bias'] has shape (2,) and the parameter (32,). Resume "
             "with the model configuration it was saved with")):
         make(tmp_path / "run", 10, cls=AccumulatesOverSteps, resume=path).fit()
 

@@ -20,8 +20,9 @@ from tests import ddp_cases
 from tests.conftest import ROOT, subprocess_env
 
 # sam: a two-phase update (SAM's closure) in manual mode; lbfgs: L-BFGS's closure in automatic mode
-CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused", "sam", "lbfgs")
-RESUMED = ("plain", "manual_gan")  # through DistributedDataParallel / safeloop's reducer
+# manual_accum: manual mode accumulating over steps, so that its halfway checkpoint holds each rank's gradients
+CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused", "sam", "lbfgs", "manual_accum")
+RESUMED = ("plain", "manual_gan", "manual_accum")  # through DistributedDataParallel / safeloop's reducer
 
 
 # --standalone: a free port of its own, so that runs on the same machine do not collide
