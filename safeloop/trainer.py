@@ -63,8 +63,9 @@ class Trainer:
     Hooks, in firing order (override them here or in ``callbacks``):
     ``on_fit_start()``; per step ``on_step_start()``, per loss ``on_before_backward(name,
     loss)``, ``on_after_backward(name)``, per optimizer ``on_before_optimizer_step(name,
-    optimizer)``, then ``on_step_end(losses)``; ``on_validation_end(metrics)`` after each
-    validation; ``on_fit_end()``. Checkpoints: ``on_load_checkpoint(checkpoint)`` when resuming
+    optimizer)``, then ``on_step_end(losses)``; ``on_epoch_end()`` when a pass over ``train_data``
+    ends (found when the next step asks for a batch; before epoch schedulers step);
+    ``on_validation_end(metrics)`` after each validation; ``on_fit_end()``. Checkpoints: ``on_load_checkpoint(checkpoint)`` when resuming
     (before ``on_fit_start``), ``on_save_checkpoint(checkpoint)`` at each save; put what you
     need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
 
@@ -248,6 +249,7 @@ class Trainer:
     def on_after_backward(self, name: str) -> None: ...
     def on_before_optimizer_step(self, name: str, optimizer: torch.optim.Optimizer) -> None: ...
     def on_step_end(self, losses: Mapping[str, torch.Tensor]) -> None: ...
+    def on_epoch_end(self) -> None: ...
     def on_validation_end(self, metrics: Mapping[str, float]) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict) -> None: ...
@@ -417,6 +419,9 @@ class Trainer:
         ckpt.load_named("scheduler", self.schedulers, checkpoint["schedulers"], path)
         ckpt.load_scaler(self.scaler, checkpoint["scaler"])
         self.state.load_state_dict(checkpoint["state"])
+        if self.state.step:  # what torch's "lr_scheduler.step() before optimizer.step()" warning looks at
+            for opt in self.optimizers.values():
+                opt._opt_called = True
         self._epoch_rng = checkpoint["data"]["epoch_start"]
         self._loaded_rng = checkpoint["rng"]
         self._call("on_load_checkpoint", checkpoint)
@@ -554,6 +559,8 @@ class Trainer:
                     "set max_steps to at most the batches of one pass")
             if empty and start == 0:
                 raise ConfigError("train_data yielded no batches: check the dataset and batch size")
+            # the pass is over (found when the next step asks for its batch): state.epoch is still its number
+            self._call("on_epoch_end")
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
             for schedule in self.schedules.values():

@@ -388,3 +388,59 @@ def test_a_dataset_of_samples_as_train_or_val_data_says_to_batch_it():
         Trainer(model=MLP(8, 16, 1, 2), train_data=samples, val_data=samples, max_steps=2, device="cpu")
     assert "val_data is a" in str(info.value)
     Trainer(model=MLP(8, 16, 1, 2), train_data=loader(samples), val_data=loader(samples), max_steps=2, device="cpu")
+
+
+class EpochEvents(Trainer):
+    """Records each step's end and each pass's end (epoch, batches in it, the learning rate then)."""
+
+    def on_step_end(self, losses):
+        self.events.append(("step", self.state.step))
+
+    def on_epoch_end(self):
+        self.events.append(("epoch end", self.state.epoch, self.state.batch_in_epoch,
+                            self.optimizers["optimizer"].param_groups[0]["lr"]))
+
+
+class CountsEpochs(Callback):
+    def __init__(self):
+        self.ends = []
+
+    def on_epoch_end(self, trainer):
+        self.ends.append(trainer.state.epoch)
+
+
+def epoch_run(tmp_path, **settings) -> EpochEvents:
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(3)]
+    trainer = EpochEvents(model=MLP(8, 16, 1, 2), train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          scheduler={"scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+                                     "interval": "epoch"},
+                          device="cpu", progress=False, loggers=(), **settings)
+    trainer.events = []
+    return trainer
+
+
+def test_on_epoch_end_runs_after_each_pass_before_the_epoch_schedulers_step(tmp_path):
+    counts = CountsEpochs()
+    trainer = epoch_run(tmp_path, max_epochs=2, callbacks=[counts])
+    trainer.fit()
+    assert trainer.events == [("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.1),
+                              ("step", 4), ("step", 5), ("step", 6), ("epoch end", 1, 3, 0.05)]
+    assert counts.ends == [0, 1]
+
+
+def test_a_pass_that_ends_where_a_run_stops_ends_when_training_goes_on(tmp_path):
+    """max_steps stops right after the first pass's last batch: its on_epoch_end runs once, at the start of
+    the resumed run (or of the next fit()), before step 4, as in the run that never stopped."""
+    straight = epoch_run(tmp_path, max_steps=6)
+    straight.fit()
+    first = epoch_run(tmp_path, max_steps=3, checkpoint={"dir": str(tmp_path)})
+    first.fit()
+    assert first.events == [("step", 1), ("step", 2), ("step", 3)]
+    resumed = epoch_run(tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "step-000000003.pt"))
+    with warnings.catch_warnings():  # the epoch scheduler steps before this process's first optimizer step
+        warnings.simplefilter("error")
+        resumed.fit()
+    assert first.events + resumed.events == straight.events
+    first.max_steps = 6
+    first.fit()  # the same Trainer trained on
+    assert first.events == straight.events

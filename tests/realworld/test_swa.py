@@ -49,7 +49,7 @@ def swa_hand(model, loader):
 
 class SWA(Trainer):
     """safeloop steps one scheduler per optimizer, every epoch without condition: it cannot hand the
-    optimizer from one scheduler to another. So neither is given to it; the end of each epoch runs the
+    optimizer from one scheduler to another. So neither is given to it; ``on_epoch_end`` runs the
     documented switch itself, and the schedulers are saved with the checkpoint by hand."""
 
     def configure_optimizers(self):
@@ -65,11 +65,7 @@ class SWA(Trainer):
         input, target = batch
         return loss_fn(self.model(input), target)
 
-    def on_step_end(self, losses):
-        # there is no epoch-end hook: the last step of an epoch stands for it (state.epoch is still
-        # that epoch's number here; it moves on when the next batch is drawn)
-        if self.state.batch_in_epoch < len(self.train_data):
-            return
+    def on_epoch_end(self):  # state.epoch is the epoch that ended, as `epoch` in the documented loop
         if self.state.epoch > SWA_START:
             self.swa_model.update_parameters(self.model)
             self.swa_scheduler.step()
