@@ -76,6 +76,14 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
                             f"'interval' ({' or '.join(INTERVALS)}) and 'monitor' (a validation metric)")
             continue
         schedule = Schedule(given["scheduler"], given.get("interval") or "step", given.get("monitor"))
+        missing = [f"{method}()" for method in ("step", "state_dict", "load_state_dict")
+                   if not callable(getattr(schedule.scheduler, method, None))]
+        if missing:
+            problems.append(f"{where} is a {type(schedule.scheduler).__name__} without {' or '.join(missing)}: the "
+                            "Trainer steps a scheduler with step() and saves and restores it (checkpoints, the undo "
+                            "of a failed step) with state_dict() and load_state_dict(); add them, or step it "
+                            "yourself in a hook (on_before_optimizer_step, on_step_end)")
+            continue
         plateau = isinstance(schedule.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if schedule.interval not in INTERVALS:
             problems.append(f"{where}: interval={schedule.interval!r} is not one of {', '.join(INTERVALS)}")

@@ -93,6 +93,13 @@ def test_a_scheduler_dict_from_the_command_line_steps_once_an_epoch(tmp_path):
     assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == 0.25
 
 
+class Cycle:
+    """A schedule written by hand with only step(), as some repositories have (no state to save)."""
+
+    def step(self):
+        pass
+
+
 @pytest.mark.parametrize("given, problem", [
     ({"scheduler": halving(), "interval": "batch"}, "the scheduler of optimizer 'optimizer': interval='batch' is not "
                                                     "one of step, epoch"),
@@ -103,7 +110,11 @@ def test_a_scheduler_dict_from_the_command_line_steps_once_an_epoch(tmp_path):
                                                       "a validation metric, and there is no val_data"),
     ({"scheduler": halving(), "every": 2}, "the scheduler of optimizer 'optimizer' is a dict with keys ['every', "
                                            "'scheduler']: give 'scheduler' and optionally 'interval'"),
-], ids=["interval", "plateau-without-monitor", "monitor-without-val_data", "unknown-key"])
+    (lambda opt: Cycle(), "the scheduler of optimizer 'optimizer' is a Cycle without state_dict() or "
+                          "load_state_dict(): the Trainer steps a scheduler with step() and saves and restores it"),
+    (lambda opt: 0.5, "the scheduler of optimizer 'optimizer' is a float without step() or state_dict() or "
+                      "load_state_dict()"),
+], ids=["interval", "plateau-without-monitor", "monitor-without-val_data", "unknown-key", "no-state_dict", "number"])
 def test_a_scheduler_that_cannot_run_as_given_is_named_at_start(given, problem):
     trainer = Trainer(model=MLP(8, 16, 1, 2), train_data=data(), optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
                       scheduler=given, max_steps=2, device="cpu", progress=False, loggers=())
