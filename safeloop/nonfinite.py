@@ -64,5 +64,8 @@ def describe(losses: Mapping[str, torch.Tensor], named_params: Iterable[tuple[st
         return "; ".join(bad) + " (a non-finite loss makes every gradient non-finite)"
     grads = [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     shown = ", ".join(grads[:5]) + (f" and {len(grads) - 5} more" if len(grads) > 5 else "")
+    where = f"the gradients of {shown or 'some parameters'} hold NaN or Inf"
+    if not losses:  # manual mode, gradients written by hand (no self.backward in the step)
+        return f"{where} (no loss was back-propagated in this step, so no loss was checked)"
     finite = ", ".join(f"{name!r} = {float(value):.4g}" for name, value in losses.items())
-    return f"the losses are finite ({finite}) but the gradients of {shown or 'some parameters'} hold NaN or Inf"
+    return f"the losses are finite ({finite}) but {where}"

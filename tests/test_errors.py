@@ -268,6 +268,24 @@ def test_inf_gradient_with_a_finite_loss_names_the_parameter(mode):
     assert same(snapshot(t), t.before)
 
 
+def test_gradients_written_by_hand_are_checked_and_the_message_says_no_loss_was():
+    class WritesGradients(Trainer):  # manual mode without self.backward (per-sample gradients, DP-SGD)
+        automatic = False
+
+        def training_step(self, batch):
+            self.before = snapshot(self)
+            for p in self.model.parameters():
+                p.grad = torch.full_like(p, float("inf") if self.state.step == 1 else 0.5)
+            self.step()
+
+    t = trainer(WritesGradients, on_nonfinite="error")
+    with pytest.raises(NonFiniteError, match=re.escape(
+            "step 2: the gradients of model.weight, model.bias hold NaN or Inf (no loss was back-propagated in this "
+            "step, so no loss was checked). The step was abandoned before the optimizer step")):
+        t.fit()
+    assert same(snapshot(t), t.before)
+
+
 def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog, mode):
     t = trainer(mode(type("P", (Poisoned,), {"nan_at": (3,), "inf_grad_at": (4,)})), on_nonfinite="skip",
                 scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), max_steps=4)
