@@ -209,6 +209,7 @@ class Trainer:
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = {}
         self._diagnosing = False  # re-running training_step to explain a missing graph
         self._said: str | None = None  # the last fit's line on where it writes
+        self._unused: tuple[set, set] | None = None  # the runner's unreached optimizers and unused loss weights
         self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
 
     # -- what users override ---------------------------------------------------------------
@@ -461,8 +462,13 @@ class Trainer:
         trained = self._parameters()
         scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),
                       parameters=lambda: trained, rerun=self.rerun_recorded)
-        self._runner = Runner(self, forward, self._hooks, scope, self._autocast,
-                              self.to_device if self._move_batches else None, self._undo, self._named_parameters)
+        runner = self._runner = Runner(self, forward, self._hooks, scope, self._autocast,
+                                       self.to_device if self._move_batches else None, self._undo,
+                                       self._named_parameters)
+        if self._unused is not None:  # a later fit(): what an earlier one found reached, or warned about, stays so
+            runner.unreached &= self._unused[0]
+            runner.unweighted &= self._unused[1]
+        self._unused = runner.unreached, runner.unweighted
         zero = self.dist is None or self.dist.is_zero
         self.loggers = make_loggers(self._logger_names, self.run_dir) if zero else []
 
