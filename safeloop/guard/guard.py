@@ -110,6 +110,8 @@ class Guard:
         # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
         # whether that step is over) (see ``end_step``)
         self._held: tuple | None = None
+        # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
+        self._keeping: dict[str, tuple[int, str, weakref.ref]] = {}
         self._warned: set[str] = set()
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs); a later backward of the step reaching a node they ran would find it freed
@@ -560,9 +562,10 @@ class Guard:
         return refs
 
     def end_step(self, step: int, scope: Scope | None = None) -> None:
-        """A timed step is over. Warn if a graph of this step is still alive once the next step is over
-        (``running_loss += loss``, ``history.append(loss)``): a holder that the next step replaces
-        (``self.last_loss = loss``) keeps one step's graph, which is no leak."""
+        """A timed step is over. A graph of this step still alive once the next step is over is looked at
+        (see ``piled``): a holder that keeps graphs of two steps at once (``running_loss += loss``,
+        ``history.append(loss)``) is a leak; one that keeps the last of them (``self.last_loss = loss``,
+        replaced every step or every few) is not."""
         self._consumed, self._walked = [], None  # they hold the step's nodes
         if self._held is not None:
             self._look_back()
@@ -577,29 +580,43 @@ class Guard:
             self._held = (step, refs, scope, True)
             return
         self._held = None
-        for holder in self.leaks(refs, scope):
-            self.warn_leak(step, holder)
+        for first, holder in self.piled(step, refs, scope):
+            self.warn_leak(first, step, holder)
 
-    def leaks(self, refs: list[weakref.ref], scope: Scope | None = None) -> list[str]:
-        """The holders of the graphs of ``refs`` (``step_graphs``) still alive."""
+    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None) -> list[tuple[int, str]]:
+        """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
+        step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
+        holder was named then). A holder whose earlier graph is gone replaced it: this step's is its new one."""
         if not refs or self._off("leak"):
             return []
-        return [_leak_holder(sentinel, scope) for sentinel in (ref() for ref in refs) if sentinel is not None]
+        out = []
+        for ref in refs:
+            sentinel = ref()
+            if sentinel is None:
+                continue
+            holder = _leak_holder(sentinel, scope)
+            key = self.leak_key(holder)
+            earlier = self._keeping.get(key)
+            if earlier is not None and earlier[2]() is not None:
+                out.append(earlier[:2])
+            else:
+                self._keeping[key] = (step, holder, ref)
+        return out
 
     @staticmethod
     def leak_key(holder: str) -> str:
         return "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
 
-    def warn_leak(self, step: int, holder: str, frame=None) -> None:
+    def warn_leak(self, first: int, step: int, holder: str, frame=None) -> None:
         """Warn once per holder; ``frame``: the user's code to point at (default: the Trainer's caller)."""
         key = self.leak_key(holder)
         if key in self._warned:
             return
         self._warned.add(key)
         warning = GraphLeakWarning(
-            f"step {step}: the step's autograd graph is still alive after the step, held by {holder}, which "
-            "the next step did not replace: such graphs pile up step after step (their nodes, and any tensors "
-            "they still hold). Store loss.item() or loss.detach() instead of the loss tensor")
+            f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {holder}: such "
+            "graphs pile up step after step (their nodes, and any tensors they still hold). Store loss.item() or "
+            "loss.detach() instead of the loss tensor")
         if frame is None:
             warnings.warn(warning, stacklevel=4)
         else:

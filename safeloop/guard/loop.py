@@ -116,9 +116,8 @@ class GraphGuard:
         # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
         # hold the last step's loss until the next step replaces it, and a script's variables hold its
         # last losses to the end, which is no leak. A leak is one holder keeping the graphs of several
-        # steps (``running_loss += loss``, ``history.append(loss)``): holder -> the step it was seen for.
+        # steps at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
         self._graphs: list[tuple[int, list]] = []
-        self._holders: dict[str, int] = {}
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
         # Until a step's end is known (an optimizer step), each backward on a new loss starts a step.
         self._by_optimizer = bool(optimizers)
@@ -250,10 +249,8 @@ class GraphGuard:
             frame.f_locals  # noqa: B018
         while self._graphs and self._graphs[0][0] <= step - 2:
             done, refs = self._graphs.pop(0)
-            for holder in guard.leaks(refs, self.scope):
-                first = self._holders.setdefault(guard.leak_key(holder), done)
-                if first != done:
-                    guard.warn_leak(done, holder, frame)
+            for first, holder in guard.piled(done, refs, self.scope):
+                guard.warn_leak(first, done, holder, frame)
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
                 for name, loss in losses.items():

@@ -144,10 +144,12 @@ def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_va
     assert len([w for w in caught if w.category is GraphLeakWarning]) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for x in data:  # `loss` holds the last step's graph until the next replaces it: no leak
+        for i, x in enumerate(data):  # `loss` holds the last step's graph until the next replaces it: no leak
             loss = model(x).pow(2).mean()
             guard.backward(loss)
             opt.step()
+            if i % 3 == 0:  # nor does a variable replaced every few steps (a loss shown now and then)
+                shown = loss
             opt.zero_grad()
 
 

@@ -1,13 +1,15 @@
 """Real-world training code, each loop twice: as its source writes it by hand, and ported to
 ``safeloop.Trainer``. Every case trains a tiny seeded model on synthetic data for 4-6 steps both
-ways and asserts that every parameter and buffer of the port equals the hand loop's bit for bit,
+ways (and the hand loop a third time under ``python -m safeloop.watch``'s guard) and asserts that
+every parameter and buffer of the port (and of the watched loop) equals the hand loop's bit for bit,
 under ``guard.check`` = ``auto``, ``always`` and ``off``, with warnings as errors (those the hand
 loop emits itself excepted). The hand loops keep their source's autograd shape: the same
 ``retain_graph`` / ``create_graph`` / ``inputs=`` / ``detach`` / in-place / ``no_grad`` use and the same
 order of backwards and optimizer steps. ``harness.py`` holds what every case runs.
 
 A case the guard wrongly stops is marked ``xfail(strict=True, raises=<error>)`` in ``harness.checks``
-with the cause, so that it turns into a failure the day the guard is fixed.
+with the cause, so that it turns into a failure the day the guard is fixed; a loop that ``watch``
+wrongly stops passes the error and its cause as ``watch_fails``, which asserts it in the same spirit.
 
 | test | source (repository, file) | what it exercises |
 |---|---|---|

@@ -1,14 +1,19 @@
-"""What every real-world case runs: its hand-written loop, then its port to ``safeloop.Trainer``
-under one guard mode, and a bit-for-bit comparison of every parameter and buffer."""
+"""What every real-world case runs: its hand-written loop, the same loop under ``safeloop.watch``'s
+guard, then its port to ``safeloop.Trainer``, under one guard mode, and a bit-for-bit comparison of
+every parameter and buffer."""
 from __future__ import annotations
 
 import copy
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
+
+from safeloop import GraphGuard
+from safeloop.watch import Watch
 
 CHECKS = ("auto", "always", "off")
 
@@ -22,25 +27,36 @@ def checks(**failing: tuple[type[BaseException], str]) -> list:
 
 
 def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: type, data: Callable, check: str,
-            steps: int, **trainer_kwargs) -> None:
-    """Train the same seeded model twice from the same RNG state, by ``hand(model, data(model))`` and
-    by ``port(...).fit()``, and assert every parameter and buffer equal bit for bit.
+            steps: int, watch: bool = True, watch_fails: tuple[type[BaseException], str] | None = None,
+            **trainer_kwargs) -> None:
+    """Train the same seeded model three times from the same RNG state: by ``hand(model, data(model))``,
+    by the same hand-written loop under ``python -m safeloop.watch``'s guard (``Watch``: every backward
+    and optimizer step of the unmodified loop checked), and by ``port(...).fit()``; assert every
+    parameter and buffer of the last two equal to the first's, bit for bit.
 
-    The port runs with warnings as errors, except those the hand-written loop itself emits (the
-    source's own, a deprecated call say): correct code must run with no error and no warning.
+    The watched loop and the port run with warnings as errors, except those the hand-written loop
+    itself emits (the source's own, a deprecated call say): correct code must run with no error and
+    no warning. ``watch_fails``: (the error ``watch`` wrongly raises on this loop when it checks, why):
+    asserted, so that the case fails the day ``watch`` stops raising. ``watch=False``: the loop is not run
+    under ``watch`` (a false alarm that comes and goes, see the case).
     """
     torch.manual_seed(0)
     ref = make_model()
-    ours, start = copy.deepcopy(ref), copy.deepcopy(ref)
+    ours, watched, start = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
     torch.manual_seed(1)
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")
         hand(ref, data(ref))
+    fails = watch_fails is not None and check != "off"
+    if watch:
+        torch.manual_seed(1)
+        with strict(own), Watch(GraphGuard(check=check), hand.__code__.co_filename), \
+                pytest.raises(watch_fails[0]) if fails else nullcontext():
+            hand(watched, data(watched))
+        if not fails:
+            assert_same(watched, ref)
     torch.manual_seed(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for w in own:
-            warnings.filterwarnings("ignore", message=re.escape(str(w.message)), category=w.category)
+    with strict(own):
         trainer = port(model=ours, train_data=data(ours), max_steps=steps, device="cpu", progress=False,
                        loggers=(), guard={"check": check}, **trainer_kwargs)
         trainer.fit()
@@ -48,6 +64,16 @@ def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: typ
     assert_same(ours, ref)
     trained = [name for name, p in ref.named_parameters() if not torch.equal(p, start.get_parameter(name))]
     assert trained, "the hand-written loop changed no parameter: the comparison would prove nothing"
+
+
+@contextmanager
+def strict(own: list[warnings.WarningMessage]) -> Iterator[None]:
+    """Warnings as errors, except those in ``own`` (the hand-written loop's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for w in own:
+            warnings.filterwarnings("ignore", message=re.escape(str(w.message)), category=w.category)
+        yield
 
 
 def assert_same(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
