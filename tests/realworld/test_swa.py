@@ -4,7 +4,6 @@ model, averaged under ``no_grad`` with its ``n_averaged`` buffer) collects the w
 each epoch after ``swa_start``, when ``SWALR`` takes the optimizer over from ``CosineAnnealingLR``;
 ``update_bn`` then recomputes the averaged model's BatchNorm statistics over the training data."""
 import copy
-import re
 import warnings
 
 import pytest
@@ -13,9 +12,10 @@ from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
-from safeloop import Trainer
+from safeloop import GraphGuard, Trainer
+from safeloop.watch import Watch
 
-from .harness import assert_same, bn_classifier, checks, labelled
+from .harness import assert_same, bn_classifier, checks, labelled, strict
 
 # SWA_LR differs from where the cosine stands at swa_start (0.05), so that SWALR's steps change the updates
 EPOCHS, SWA_START, LR, SWA_LR = 4, 1, 0.1, 0.02
@@ -92,14 +92,15 @@ def test_stochastic_weight_averaging(check):
     loader = labelled(3)  # 3 batches an epoch
     torch.manual_seed(0)
     ref = bn_classifier()
-    ours, start = copy.deepcopy(ref), copy.deepcopy(ref)
+    ours, watched, start = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")
         ref_swa, ref_lr = swa_hand(ref, loader)
-    with warnings.catch_warnings():  # as harness.compare: the port warns nothing the hand loop does not
-        warnings.simplefilter("error")
-        for w in own:
-            warnings.filterwarnings("ignore", message=re.escape(str(w.message)), category=w.category)
+    with strict(own), Watch(GraphGuard(check=check), swa_hand.__code__.co_filename):  # as harness.compare
+        watched_swa, _ = swa_hand(watched, loader)
+    assert_same(watched, ref)
+    assert_same(watched_swa, ref_swa)
+    with strict(own):  # the port warns nothing the hand loop does not
         trainer = SWA(model=ours, train_data=loader, max_epochs=EPOCHS, device="cpu", progress=False, loggers=(),
                       guard={"check": check})
         trainer.fit()
