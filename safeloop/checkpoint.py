@@ -227,8 +227,9 @@ def _gradient_sets(checkpoint: dict) -> list[tuple[str, Any]]:
     """The saved gradients, each set with the name errors give it: ``gradients`` (absent from checkpoints
     written before they were saved) and, from torchrun in manual mode, ``rank_gradients[r]``."""
     every = checkpoint.get("rank_gradients", [])
+    every = every if isinstance(every, list) else []
     return [("gradients", checkpoint.get("gradients", {})),
-            *((f"rank_gradients[{rank}]", grads) for rank, grads in enumerate(every if isinstance(every, list) else []))]
+            *((f"rank_gradients[{rank}]", grads) for rank, grads in enumerate(every))]
 
 
 def _kinds(entries: dict, kinds: dict[str, Any], where: str) -> list[str]:

@@ -65,9 +65,10 @@ class Trainer:
     loss)``, ``on_after_backward(name)``, per optimizer ``on_before_optimizer_step(name,
     optimizer)``, then ``on_step_end(losses)``; ``on_epoch_end()`` when a pass over ``train_data``
     ends (found when the next step asks for a batch; before epoch schedulers step);
-    ``on_validation_end(metrics)`` after each validation; ``on_fit_end()``. Checkpoints: ``on_load_checkpoint(checkpoint)`` when resuming
-    (before ``on_fit_start``), ``on_save_checkpoint(checkpoint)`` at each save; put what you
-    need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
+    ``on_validation_end(metrics)`` after each validation; ``on_fit_end()``. Checkpoints:
+    ``on_load_checkpoint(checkpoint)`` when resuming (before ``on_fit_start``),
+    ``on_save_checkpoint(checkpoint)`` at each save; put what you need saved into ``checkpoint``
+    under a key of your own, as tensors and plain containers.
 
     Args:
         model: the ``nn.Module`` to train (moved to ``device``).
