@@ -4,8 +4,8 @@
 Runs an unmodified training script (as ``__main__``, with ``sys.argv`` set, as ``python
 script.py args`` would) with the graph-lifecycle guard attached to every ``Tensor.backward``,
 ``torch.autograd.backward`` and ``torch.autograd.grad`` call. A step ends at each optimizer
-step (PyTorch's global optimizer step hook); until an optimizer has stepped, each backward on
-a new loss starts a step. The tensor at fault is searched in the variables of the function
+step (PyTorch's global optimizer step hook); until an optimizer has stepped, a backward on a
+new loss where the step's first backward was called starts a step. The tensor at fault is searched in the variables of the function
 that called backward and in the script's globals. The script's output, exit code and
 traceback are its own; a graph mistake raises the Trainer's error, naming the tensor and the fix.
 """
@@ -110,7 +110,8 @@ class Watch:
 
 def loop_start(frame, filename: str) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
-    caller's loop in ``filename``) began, by a variable that the loop does not assign; None if none."""
+    caller's loop in ``filename``) began, by a variable that the loop does not assign (or an attribute,
+    not assigned in the loop, of an object such a variable holds); None if none."""
     if not walk.HAS_SEQ:
         return None
     module = None
@@ -128,13 +129,17 @@ def loop_start(frame, filename: str) -> int | None:
     if found is None:
         return None
     frame, (first, last) = found
-    assigned = {i.argval for i in dis.get_instructions(frame.f_code)
-                if i.opname in _STORES and first <= i.offset <= last}
+    body = [i for i in dis.get_instructions(frame.f_code) if first <= i.offset <= last]
+    assigned = {i.argval for i in body if i.opname in _STORES}
+    attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
-    seqs = [v.grad_fn._sequence_nr() for k, v in list(frame.f_locals.items())
-            if k not in assigned and isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
+    held += [a for v in held if not isinstance(v, torch.Tensor) and isinstance(getattr(v, "__dict__", None), dict)
+             for k, a in list(vars(v).items()) if k not in attributes]
+    seqs = [v.grad_fn._sequence_nr() for v in held if isinstance(v, torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 
 

@@ -12,8 +12,8 @@ plain loop, with the same checks, errors, fields, pictures and check schedule::
             opt.zero_grad()
 
 ``guard.check(loss)`` runs the pre-flight only, for code whose backward someone else calls.
-Outside ``with guard.step()``, each ``backward``/``check`` on a new loss starts a step; with
-``optimizers=...`` given, a step ends at their step instead. The tensor at fault is searched
+Outside ``with guard.step()``, a ``backward``/``check`` on a new loss where the step's first
+backward was called starts a step; with ``optimizers=...`` given, a step ends at their step instead. The tensor at fault is searched
 in the variables of the function that opened the step (``global y``, ``local h``), then in
 ``model``. ``python -m safeloop.watch`` runs an unmodified script through one of these.
 """
@@ -119,7 +119,8 @@ class GraphGuard:
         # steps at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
         self._graphs: list[tuple[int, list]] = []
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
-        # Until a step's end is known (an optimizer step), each backward on a new loss starts a step.
+        # Until a step's end is known (an optimizer step), a backward on a new loss where the step's first
+        # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
         for name, opt in optimizers.items():
             opt.register_step_post_hook(lambda *_, _name=name: self._optimizer_stepped(_name))
@@ -152,7 +153,15 @@ class GraphGuard:
     def _begin(self, frame, explicit: bool) -> None:
         self.steps += 1
         self._frame, self._explicit, self._open = frame, explicit, True
+        self._site = _site(frame)  # where the step's first backward was called
         self._timed = self.guard.begin_step(self.steps)
+        guard = self.guard
+        if not explicit and len(self._recent) > 1 and guard.prev_seq is not None:
+            # Several optimizers, a step ending at each one's update: the "last step" a value may come from
+            # with its graph (see Guard's one-step lag: SAC's alpha = log_alpha.exp(), made after the last
+            # update of an iteration, used by the next iteration's second loss) is the last loop iteration,
+            # since the earliest of their last updates.
+            guard.prev_seq = min(guard.prev_seq, *self._recent.values())
         if self._timed:
             self._started = self._ended = _perf_counter()
 
@@ -235,10 +244,13 @@ class GraphGuard:
     def _preflight(self, losses: dict[str, torch.Tensor], frame) -> list[bool] | None:
         if not self._open:
             self._begin(frame, explicit=False)
-        elif not self._explicit and not self._by_optimizer and not any(
+        elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
                 loss.grad_fn is not None and loss.grad_fn.metadata.get(_SEEN) == self.steps
                 for loss in losses.values()):
-            self._end(lazily=True)  # a new loss and no optimizer: the last step ended at its last backward
+            # a new loss where the step's first backward was called, and no optimizer: the loop came round
+            # (backwards called elsewhere, several autograd.grad building one loss say, are the same step's);
+            # the last step ended at its last backward
+            self._end(lazily=True)
             self._begin(frame, explicit=False)
         elif not self._explicit:
             self._frame = frame
@@ -336,6 +348,11 @@ class GraphGuard:
                 (p for g in h.param_groups for p in g["params"])
             params.update((id(p), p) for p in ps)
         return list(params.values())
+
+
+def _site(frame) -> tuple | None:
+    """Where ``frame`` is: its code and instruction (a backward's call site; no frame is kept)."""
+    return None if frame is None else (frame.f_code, frame.f_lasti)
 
 
 def _tensors(inputs) -> list | None:

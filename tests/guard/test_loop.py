@@ -188,3 +188,40 @@ def test_the_trainer_given_a_graph_guard_drives_the_same_guard():
     trainer = Trainer(model=model, train_data=data, max_steps=2, device="cpu", progress=False, loggers=(),
                       guard=guard)
     assert trainer.guard is guard.guard
+
+
+def several_optimizers_loop(data, carried: bool):
+    """Four updates an iteration, by three optimizers, each ending a step (no ``guard.step()``), as soft
+    actor-critic's: ``carried``: a recurrent state kept with its graph from one iteration to the next (a
+    mistake); otherwise a value made after the last update of an iteration and used with its graph by
+    the next iteration's third loss (SAC's ``alpha = log_alpha.exp()``, two steps later)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    log_scale = torch.zeros(1, requires_grad=True)
+    opts = {"a": torch.optim.SGD(a.parameters(), lr=0.01), "b": torch.optim.SGD(b.parameters(), lr=0.01),
+            "scale": torch.optim.SGD([log_scale], lr=0.01)}
+    guard = GraphGuard(optimizers=opts, check="always")
+    scale, h = torch.ones(1), torch.zeros(3, 4)  # a constant at first, as SAC's alpha
+    for x in data:
+        h = torch.tanh(a(x) + h) if carried else torch.tanh(a(x))
+        first, second = h.pow(2).mean(), h.abs().mean()
+        for loss in (first, second):  # two updates of a (SAC's two critic losses)
+            opts["a"].zero_grad()
+            guard.backward(loss, retain_graph=loss is first)
+            opts["a"].step()
+        guard.backward((scale * b(h.detach())).mean())
+        opts["b"].step()
+        opts["b"].zero_grad()
+        opts["scale"].zero_grad()
+        guard.backward(-(log_scale * 0.5).mean())
+        opts["scale"].step()
+        scale = log_scale.exp()  # with its graph, for the next iteration's third loss
+
+
+def test_with_several_optimizers_a_value_from_the_last_iteration_is_fine_and_a_carried_state_is_not():
+    data = setup()[2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        several_optimizers_loop(data, carried=False)
+    with pytest.raises(CarriedGraphError, match=r"graph carried over from an earlier step .* held by `local h`"):
+        several_optimizers_loop(data, carried=True)

@@ -8,8 +8,7 @@ loop emits itself excepted). The hand loops keep their source's autograd shape: 
 order of backwards and optimizer steps. ``harness.py`` holds what every case runs.
 
 A case the guard wrongly stops is marked ``xfail(strict=True, raises=<error>)`` in ``harness.checks``
-with the cause, so that it turns into a failure the day the guard is fixed; a loop that ``watch``
-wrongly stops passes the error and its cause as ``watch_fails``, which asserts it in the same spirit.
+with the cause, so that it turns into a failure the day the guard is fixed.
 
 | test | source (repository, file) | what it exercises |
 |---|---|---|
