@@ -112,12 +112,13 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
         yield from _items(batch, "batch", depth=3)
 
 
-def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True) -> str | None:
-    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it)."""
+def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
+                exclude: torch.Tensor | None = None) -> str | None:
+    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it), other than ``exclude``."""
     near = None
     for name, tensor in candidates(scope, batch):
         fn = tensor.grad_fn
-        if fn is None:
+        if fn is None or tensor is exclude:
             continue
         if fn is node:
             return name

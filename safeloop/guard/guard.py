@@ -326,7 +326,7 @@ class Guard:
         carried = [n for n in nodes if not made_before_fit(n) and not self._off("carried", n)]
         why = _carried(carried, self.prev_seq if walk.HAS_SEQ else None) if carried else None
         if why is not None:
-            kept, holder = self._kept(carried[0], step, scope, batch)
+            kept, holder = self._kept(carried[0], loss, step, scope, batch)
             if kept:
                 raise self._error(CarriedGraphError, carried[0], name, loss, step, scope, batch,
                     "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
@@ -348,7 +348,7 @@ class Guard:
         node, saver, leaves = saving[0]
         freed = walk.is_freed(walk.unpack_error(saver))
         if self.on_reuse == "error" or freed:
-            kept, holder = self._kept(node, step, scope, batch)
+            kept, holder = self._kept(node, loss, step, scope, batch)
             if not kept:
                 return False
             state = ("an earlier backward already freed its saved tensors, so this backward would fail"
@@ -396,16 +396,17 @@ class Guard:
             fixes=[f"compute `{code or 'it'}` inside training_step, so it follows the parameters it is made from"]),
             stacklevel=5)
 
-    def _kept(self, node, step, scope, batch) -> tuple[bool, str | None]:
+    def _kept(self, node, loss, step, scope, batch) -> tuple[bool, str | None]:
         """Whether ``node``, numbered before the step, really outlived an earlier step; and its holder.
 
         Node numbers are per thread: a node another thread made in this step (a thread pool,
         ``torch.jit.fork``) can carry any number. One that no earlier step reached and that no
         tensor outside the step holds is taken for such a node; a later step reaching it again
-        shows it was kept after all. (Only a named holder counts: the garbage collector also finds
-        tensors of this step that are about to die.)
+        shows it was kept after all. (Only a named holder counts, and not ``loss`` itself, which a
+        plain loop's variable holds: the garbage collector also finds tensors of this step that are
+        about to die.)
         """
-        holder = explain.find_holder(node, scope, batch, scan_gc=False)
+        holder = explain.find_holder(node, scope, batch, scan_gc=False, exclude=loss)
         first = node.metadata.setdefault(_FIRST_SEEN, step) == step
         if first and holder is None:
             return False, None

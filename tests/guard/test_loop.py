@@ -225,3 +225,33 @@ def test_with_several_optimizers_a_value_from_the_last_iteration_is_fine_and_a_c
         several_optimizers_loop(data, carried=False)
     with pytest.raises(CarriedGraphError, match=r"graph carried over from an earlier step .* held by `local h`"):
         several_optimizers_loop(data, carried=True)
+
+
+class Forked(torch.nn.Module):
+    """Members run with ``torch.jit.fork`` once scripted: in the inter-op thread pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.members = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        futures = [torch.jit.fork(member, x) for member in self.members]
+        return torch.stack([torch.jit.wait(future) for future in futures]).sum(0)
+
+
+def test_nodes_made_in_other_threads_are_not_taken_for_a_graph_built_before_the_loop():
+    """Node numbers are per thread: after this thread made many nodes, the forked members' nodes carry
+    numbers far below the loop's start. The loss variable holding them is the step's own."""
+    w = torch.ones(1, requires_grad=True)
+    for _ in range(5000):  # this thread's node counter moves on; the pool threads' do not
+        w * 2
+    model = torch.jit.script(Forked())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(optimizers=opt, check="always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in setup()[2]:
+            loss = model(x).pow(2).mean()
+            guard.backward(loss)
+            opt.step()
+            opt.zero_grad()

@@ -27,7 +27,7 @@ def checks(**failing: tuple[type[BaseException], str]) -> list:
 
 
 def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: type, data: Callable, check: str,
-            steps: int, watch: bool = True, **trainer_kwargs) -> None:
+            steps: int, **trainer_kwargs) -> None:
     """Train the same seeded model three times from the same RNG state: by ``hand(model, data(model))``,
     by the same hand-written loop under ``python -m safeloop.watch``'s guard (``Watch``: every backward
     and optimizer step of the unmodified loop checked), and by ``port(...).fit()``; assert every
@@ -35,8 +35,7 @@ def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: typ
 
     The watched loop and the port run with warnings as errors, except those the hand-written loop
     itself emits (the source's own, a deprecated call say): correct code must run with no error and
-    no warning. ``watch=False``: the loop is not run under ``watch`` (a false alarm that comes and goes,
-    see the case).
+    no warning.
     """
     torch.manual_seed(0)
     ref = make_model()
@@ -45,11 +44,10 @@ def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: typ
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")
         hand(ref, data(ref))
-    if watch:
-        torch.manual_seed(1)
-        with strict(own), Watch(GraphGuard(check=check), hand.__code__.co_filename):
-            hand(watched, data(watched))
-        assert_same(watched, ref)
+    torch.manual_seed(1)
+    with strict(own), Watch(GraphGuard(check=check), hand.__code__.co_filename):
+        hand(watched, data(watched))
+    assert_same(watched, ref)
     torch.manual_seed(1)
     with strict(own):
         trainer = port(model=ours, train_data=data(ours), max_steps=steps, device="cpu", progress=False,

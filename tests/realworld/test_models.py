@@ -451,8 +451,5 @@ class Ensemble(Trainer):
 
 @pytest.mark.parametrize("check", checks())
 def test_scripted_ensemble_with_forked_members(check):
-    # Not under watch: its guard wrongly raises GraphReuseError ("built before the loop") on some runs of
-    # the suite, depending on the tests before: nodes made in torch.jit.fork's threads are numbered by those
-    # threads' own counters, and watch takes the loop's start from the main thread's.
     compare(LSTMEnsemble, ensemble_hand, Ensemble, fixed(batches(4, (5, 2, 3), (5, 2, 8))), check, steps=4,
-            optimizer=partial(torch.optim.SGD, lr=0.1), watch=False)
+            optimizer=partial(torch.optim.SGD, lr=0.1))
