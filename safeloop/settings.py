@@ -39,7 +39,8 @@ class Settings:
     max_epochs: Optional[int] = None
     # Steps between validations of val_data (null: only before and after training).
     val_every: Optional[int] = None
-    # Micro-batches per optimizer step; the update equals one big batch's.
+    # Micro-batches per optimizer step, each loss divided by it: the update equals one big batch's. The last
+    # step of a pass takes the batches left (fewer, still divided by grad_accum, as Lightning does).
     grad_accum: int = 1
     # Max gradient norm (null: no clipping).
     grad_clip: Optional[float] = None

@@ -532,8 +532,8 @@ class Trainer:
                 fn(*args)
 
     def _batches(self):
-        """Each step's batches (``grad_accum`` of them in a row), forever or for ``max_epochs``, keeping
-        ``state.epoch`` and ``batch_in_epoch``."""
+        """Each step's batches (``grad_accum`` of them in a row; fewer at the end of a pass), forever or for
+        ``max_epochs``, keeping ``state.epoch`` and ``batch_in_epoch``."""
         accumulate, pending = self.grad_accum, []
         while self.max_epochs is None or self.state.epoch < self.max_epochs:
             sampler = getattr(self.train_data, "sampler", None)
@@ -558,6 +558,9 @@ class Trainer:
                 if len(pending) == accumulate:
                     yield pending
                     pending = []
+            if pending:  # the pass's last step takes the batches left, as Lightning's does: no update spans two
+                yield pending
+                pending = []
             if empty and start == 0 and self.state.epoch > 0 and iter(self.train_data) is self.train_data:
                 raise ConfigError(
                     f"train_data is a {type(self.train_data).__name__}, an iterator that one pass uses up: epoch "

@@ -444,3 +444,32 @@ def test_a_pass_that_ends_where_a_run_stops_ends_when_training_goes_on(tmp_path)
     first.max_steps = 6
     first.fit()  # the same Trainer trained on
     assert first.events == straight.events
+
+
+def test_the_last_step_of_a_pass_takes_the_batches_left_as_lightning_and_a_hand_loop_do():
+    """5 batches a pass, grad_accum=2: updates after batches 2, 4 and 5 of every pass (the last with one
+    micro-batch, its loss still halved), then on_epoch_end and the epoch scheduler; no update spans two
+    passes. The hand loop is the usual `if (i + 1) % accum == 0 or i == len(loader) - 1`."""
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(5)]
+    ref, accum = MLP(8, 16, 1, 2), 2
+    model = MLP(8, 16, 1, 2)
+    model.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(2):
+        for i, (x, y) in enumerate(data):
+            (F.mse_loss(ref(x), y) / accum).backward()
+            if (i + 1) % accum == 0 or i == len(data) - 1:
+                opt.step()
+                opt.zero_grad()
+        sched.step()
+    trainer = EpochEvents(model=model, train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          scheduler={"scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
+                                     "interval": "epoch"},
+                          grad_accum=accum, max_epochs=2, device="cpu", progress=False, loggers=())
+    trainer.events = []
+    trainer.fit()
+    assert trainer.events == [("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 5, 0.1),
+                              ("step", 4), ("step", 5), ("step", 6), ("epoch end", 1, 5, 0.05)]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
