@@ -13,9 +13,10 @@ plain loop, with the same checks, errors, fields, pictures and check schedule::
 
 ``guard.check(loss)`` runs the pre-flight only, for code whose backward someone else calls.
 Outside ``with guard.step()``, a ``backward``/``check`` on a new loss where the step's first
-backward was called starts a step; with ``optimizers=...`` given, a step ends at their step instead. The tensor at fault is searched
-in the variables of the function that opened the step (``global y``, ``local h``), then in
-``model``. ``python -m safeloop.watch`` runs an unmodified script through one of these.
+backward was called starts a step; with ``optimizers=...`` given, a step ends at their step
+instead. The tensor at fault is searched in the variables of the function that opened the step
+(``global y``, ``local h``), then in ``model``. ``python -m safeloop.watch`` runs an unmodified
+script through one of these.
 """
 from __future__ import annotations
 
