@@ -5,9 +5,10 @@ Runs an unmodified training script (as ``__main__``, with ``sys.argv`` set, as `
 script.py args`` would) with the graph-lifecycle guard attached to every ``Tensor.backward``,
 ``torch.autograd.backward`` and ``torch.autograd.grad`` call. A step ends at each optimizer
 step (PyTorch's global optimizer step hook); until an optimizer has stepped, a backward on a
-new loss where the step's first backward was called starts a step. The tensor at fault is searched in the variables of the function
-that called backward and in the script's globals. The script's output, exit code and
-traceback are its own; a graph mistake raises the Trainer's error, naming the tensor and the fix.
+new loss where the step's first backward was called starts a step. The tensor at fault is
+searched in the variables of the function that called backward and in the script's globals.
+The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
+error, naming the tensor and the fix.
 """
 from __future__ import annotations
 

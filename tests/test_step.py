@@ -1072,8 +1072,8 @@ def test_a_failed_step_in_an_accumulation_over_steps_drops_what_earlier_steps_ac
             if self.state.step % 4 == 3:
                 self.step()
 
-    trainer = FailsAtStep7(model=net(), train_data=regression_batches(8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                           max_steps=6, device="cpu", progress=False, loggers=())
+    trainer = FailsAtStep7(model=net(), train_data=regression_batches(8), max_steps=6, device="cpu",
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=())
     trainer.fit()
     assert all(p.grad is not None for p in trainer.model.parameters())  # steps 5 and 6, for the update at step 8
     after_6 = copy.deepcopy(trainer.model.state_dict())

@@ -156,8 +156,9 @@ LAMBDA_IDT, POOL_SIZE = 0.5, 3
 def resnet_generator(ngf=4):
     """networks.ResnetGenerator, instance norm (no affine, no running statistics), one block."""
     norm = functools.partial(nn.InstanceNorm2d, affine=False, track_running_stats=False)
-    block = nn.Sequential(nn.ReflectionPad2d(1), nn.Conv2d(ngf * 2, ngf * 2, 3, bias=True), norm(ngf * 2), nn.ReLU(True),
-                          nn.ReflectionPad2d(1), nn.Conv2d(ngf * 2, ngf * 2, 3, bias=True), norm(ngf * 2))
+    block = nn.Sequential(nn.ReflectionPad2d(1), nn.Conv2d(ngf * 2, ngf * 2, 3, bias=True), norm(ngf * 2),
+                          nn.ReLU(True), nn.ReflectionPad2d(1), nn.Conv2d(ngf * 2, ngf * 2, 3, bias=True),
+                          norm(ngf * 2))
     return nn.Sequential(nn.ReflectionPad2d(3), nn.Conv2d(3, ngf, 7, bias=True), norm(ngf), nn.ReLU(True),
                          nn.Conv2d(ngf, ngf * 2, 3, stride=2, padding=1, bias=True), norm(ngf * 2), nn.ReLU(True),
                          Residual(block),
