@@ -409,9 +409,9 @@ class CountsEpochs(Callback):
         self.ends.append(trainer.state.epoch)
 
 
-def epoch_run(tmp_path, **settings) -> EpochEvents:
+def epoch_run(tmp_path, cls=EpochEvents, **settings) -> EpochEvents:
     data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(3)]
-    trainer = EpochEvents(model=MLP(8, 16, 1, 2), train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    trainer = cls(model=MLP(8, 16, 1, 2), train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                           scheduler={"scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
                                      "interval": "epoch"},
                           device="cpu", progress=False, loggers=(), **settings)
@@ -419,9 +419,10 @@ def epoch_run(tmp_path, **settings) -> EpochEvents:
     return trainer
 
 
-def test_on_epoch_end_runs_after_each_pass_before_the_epoch_schedulers_step(tmp_path):
+@pytest.mark.parametrize("mode", [EpochEvents, manual(EpochEvents)], ids=["automatic", "manual"])
+def test_on_epoch_end_runs_after_each_pass_before_the_epoch_schedulers_step(tmp_path, mode):
     counts = CountsEpochs()
-    trainer = epoch_run(tmp_path, max_epochs=2, callbacks=[counts])
+    trainer = epoch_run(tmp_path, mode, max_epochs=2, callbacks=[counts])
     trainer.fit()
     assert trainer.events == [("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.1),
                               ("step", 4), ("step", 5), ("step", 6), ("epoch end", 1, 3, 0.05)]

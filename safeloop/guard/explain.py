@@ -113,12 +113,13 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
 
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
-                exclude: torch.Tensor | None = None) -> str | None:
-    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it), other than ``exclude``."""
+                loss: torch.Tensor | None = None) -> str | None:
+    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it); a local variable holding
+    ``loss`` (a plain loop's ``loss = ...``, made in the step) does not count."""
     near = None
     for name, tensor in candidates(scope, batch):
         fn = tensor.grad_fn
-        if fn is None or tensor is exclude:
+        if fn is None or (tensor is loss and name.startswith("local ")):
             continue
         if fn is node:
             return name

@@ -402,11 +402,10 @@ class Guard:
         Node numbers are per thread: a node another thread made in this step (a thread pool,
         ``torch.jit.fork``) can carry any number. One that no earlier step reached and that no
         tensor outside the step holds is taken for such a node; a later step reaching it again
-        shows it was kept after all. (Only a named holder counts, and not ``loss`` itself, which a
-        plain loop's variable holds: the garbage collector also finds tensors of this step that are
-        about to die.)
+        shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
+        holding ``loss``: the garbage collector also finds tensors of this step that are about to die.)
         """
-        holder = explain.find_holder(node, scope, batch, scan_gc=False, exclude=loss)
+        holder = explain.find_holder(node, scope, batch, scan_gc=False, loss=loss)
         first = node.metadata.setdefault(_FIRST_SEEN, step) == step
         if first and holder is None:
             return False, None

@@ -403,3 +403,18 @@ def test_a_carried_graph_that_grows_every_step_is_named_as_such():
                                                 r"during an earlier step and held by `self.total`; its graph extends "
                                                 r"the graphs of the steps before it, so it grows every step"):
         trainer.fit()
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_a_loss_built_before_fit_and_returned_as_it_is_is_named_by_its_attribute(mode):
+    """The loss tensor itself is the stale graph: the attribute holding it is named (a plain loop's
+    local `loss` variable, made in the step, would not count as a holder; an attribute does)."""
+    class ReturnsTheOldLoss(Trainer):
+        def training_step(self, batch):
+            return self.stale if self.state.step == 1 else self.model(batch).pow(2).mean()
+
+    model = torch.nn.Linear(4, 4)
+    trainer_cls = mode(ReturnsTheOldLoss)
+    trainer_cls.stale = model(torch.randn(3, 4)).pow(2).mean()
+    with pytest.raises(GraphReuseError, match=r"step 2, loss 'loss'.*built before the step .* held by `self\.stale`"):
+        fit(trainer_cls, model=model, guard={"check": "always"})
