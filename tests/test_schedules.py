@@ -94,10 +94,13 @@ def test_a_scheduler_dict_from_the_command_line_steps_once_an_epoch(tmp_path):
 
 
 class Cycle:
-    """A schedule written by hand with only step(), as some repositories have (no state to save)."""
+    """A schedule written by hand with only step(), as some repositories have (no state_dict to save)."""
+
+    def __init__(self):
+        self.steps = 0
 
     def step(self):
-        pass
+        self.steps += 1
 
 
 @pytest.mark.parametrize("given, problem", [
