@@ -477,3 +477,35 @@ def test_the_last_step_of_a_pass_takes_the_batches_left_as_lightning_and_a_hand_
     assert trainer.events == [("step", k) for k in range(1, per_pass + 1)] + [("epoch end", 0, 5, 0.1)] + [
         ("step", per_pass + k) for k in range(1, per_pass + 1)] + [("epoch end", 1, 5, 0.05)]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_with_two_optimizers_the_last_step_of_a_pass_takes_the_batches_left_too():
+    """Two losses, each into its own optimizer, grad_accum=2 over 5 batches a pass: both optimizers
+    update after batches 2, 4 and 5, as the hand loop with the same condition."""
+    class TwoHeads(Trainer):
+        def configure_optimizers(self):
+            return {name: torch.optim.SGD(self.model[name].parameters(), lr=0.1) for name in ("a", "b")}
+
+        def training_step(self, batch):
+            x, y = batch
+            return {name: F.mse_loss(self.model[name](x), y) for name in ("a", "b")}
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(5)]
+    ref = torch.nn.ModuleDict({"a": MLP(8, 16, 1, 2), "b": MLP(8, 16, 1, 2)})
+    model = torch.nn.ModuleDict({"a": MLP(8, 16, 1, 2), "b": MLP(8, 16, 1, 2)})
+    model.load_state_dict(ref.state_dict())
+    opts = {name: torch.optim.SGD(ref[name].parameters(), lr=0.1) for name in ("a", "b")}
+    for _ in range(2):
+        for i, (x, y) in enumerate(data):
+            for name in ("a", "b"):
+                (F.mse_loss(ref[name](x), y) / 2).backward()
+            if (i + 1) % 2 == 0 or i == len(data) - 1:
+                for opt in opts.values():
+                    opt.step()
+                    opt.zero_grad()
+    trainer = TwoHeads(model=model, train_data=data, grad_accum=2, max_epochs=2, device="cpu", progress=False,
+                       loggers=())
+    trainer.fit()
+    assert trainer.state.step == 6
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
