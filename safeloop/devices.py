@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import chain
 
 import torch
 
@@ -31,6 +32,14 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     elif device.type != "cpu":
         raise ConfigError(f"device={spec!r} is not supported: use auto, cpu, cuda or cuda:N")
     return device
+
+
+def placed(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device`` already (then ``module.to`` has
+    nothing to move: every ``fit()`` asks, and ``to`` costs ~70 µs even then on a small model)."""
+    if device.type == "cuda" and device.index is None:  # what module.to("cuda") moves to
+        device = torch.device("cuda", torch.cuda.current_device())
+    return all(t.device == device for t in chain(module.parameters(), module.buffers()))
 
 
 def resolve_precision(precision: str | int, device: torch.device) -> str:

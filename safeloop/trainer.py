@@ -16,7 +16,7 @@ from . import checkpoint as ckpt
 from . import curves, distributed, schedules
 from .step import Runner, Undo
 from .callbacks import HOOKS, Callback
-from .devices import autocast, resolve_device, resolve_precision
+from .devices import autocast, placed, resolve_device, resolve_precision
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
 from .guard import GraphGuard, Guard
 from .guard.explain import Scope
@@ -212,6 +212,7 @@ class Trainer:
         self._said: str | None = None  # the last fit's line on where it writes
         self._unused: tuple[set, set] | None = None  # the runner's unreached optimizers and unused loss weights
         self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
+        self._runner: Runner | None = None  # the last setup's: it runs the steps
 
     # -- what users override ---------------------------------------------------------------
     def training_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
@@ -434,7 +435,7 @@ class Trainer:
 
     def setup(self) -> None:
         """Place the model, build optimizers, schedulers, hooks and loggers (idempotent)."""
-        if self.model is not None:
+        if self.model is not None and not placed(self.model, self.device):
             self.model.to(self.device)
         if not self.optimizers:
             self.optimizers, given = schedules.split(self.configure_optimizers())
@@ -465,7 +466,7 @@ class Trainer:
                       parameters=lambda: trained, rerun=self.rerun_recorded)
         runner = self._runner = Runner(self, forward, self._hooks, scope, self._autocast,
                                        self.to_device if self._move_batches else None, self._undo,
-                                       self._named_parameters)
+                                       self._named_parameters, previous=self._runner)
         if self._unused is not None:  # a later fit(): what an earlier one found reached, or warned about, stays so
             runner.unreached &= self._unused[0]
             runner.unweighted &= self._unused[1]

@@ -906,8 +906,9 @@ class Unfreezes(TowerTrainer):
         return {"a": F.mse_loss(out_a + self.model.skip(x), y), "b": F.mse_loss(out_b, y)}
 
 
+@pytest.mark.parametrize("fits", [(6,), (2, 6)], ids=["one-fit", "two-fits"])  # a fit takes over the last's routes
 @pytest.mark.parametrize("check", ["auto", "always"])
-def test_a_param_group_added_mid_run_is_its_optimizers_own_for_routing(check):
+def test_a_param_group_added_mid_run_is_its_optimizers_own_for_routing(check, fits):
     torch.manual_seed(0)
     ref, ours = Towers(), Towers()
     ref.skip = nn.Linear(4, 1)
@@ -922,11 +923,13 @@ def test_a_param_group_added_mid_run_is_its_optimizers_own_for_routing(check):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    trainer = Unfreezes(model=ours, train_data=regression_batches(6), max_steps=6, device="cpu", progress=False,
-                        loggers=(), guard={"check": check})
+    trainer = Unfreezes(model=ours, train_data=regression_batches(6), max_steps=fits[0], device="cpu",
+                        progress=False, loggers=(), guard={"check": check})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer.fit()
+        for max_steps in fits:
+            trainer.max_steps = max_steps
+            trainer.fit()
     assert_same_params(ref, ours)
 
 

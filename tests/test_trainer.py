@@ -227,6 +227,18 @@ def test_cuda_training_moves_batches_and_trains(precision, mode):
         assert trainer.scaler._scale is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_buffer_added_between_fits_is_moved_to_the_device_by_the_next_fit():
+    model = MLP(8, 16, 1)
+    trainer = Trainer(model=model, train_data=loader(dataset(64)), max_steps=2, device="cuda", progress=False,
+                      loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer.fit()
+    model.register_buffer("offset", torch.zeros(1))  # on the CPU, while the parameters are on the GPU
+    trainer.max_steps = 4
+    trainer.fit()
+    assert model.offset.device.type == "cuda"
+
+
 # -- what real code relies on: module modes, manual validation, loud misconfigurations ------------------
 class FrozenBackbone(torch.nn.Module):
     """A BatchNorm backbone the user froze (eval mode) under a trained head."""

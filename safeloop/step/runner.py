@@ -22,7 +22,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -58,10 +58,13 @@ class Runner:
         undo: the Trainer's ``Undo`` (it lives as long as the optimizers: what it learned and its
             snapshot buffers carry over to the next ``fit``).
         named_parameters: ``(name, parameter)`` pairs, for naming non-finite gradients.
+        previous: the Runner of the last ``fit``, whose routes and gradient accumulators this one
+            takes over (so that a ``fit`` neither walks its first step's graphs again nor makes nodes).
     """
 
     def __init__(self, trainer: Any, forward: Callable, hooks: Mapping[str, list], scope: Scope,
-                 autocast: Callable | None, move: Callable | None, undo: Undo, named_parameters: Callable):
+                 autocast: Callable | None, move: Callable | None, undo: Undo, named_parameters: Callable,
+                 previous: Runner | None = None):
         self.forward, self.hooks, self.scope, self.autocast, self.move = forward, hooks, scope, autocast, move
         self.named_parameters = named_parameters
         self.state, self.guard, self.dist = trainer.state, trainer.guard, trainer.dist
@@ -78,7 +81,8 @@ class Runner:
         self.skipped_losses: dict[str, torch.Tensor] = {}
         self.names = list(self.optimizers)
         self.routed = len(self.names) > 1
-        self.routes = Routes(self.optimizers) if self.routed else None
+        same = previous is not None and previous.optimizers is self.optimizers
+        self.routes = (previous.routes if same else Routes(self.optimizers)) if self.routed else None
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -103,8 +107,7 @@ class Runner:
         # graph is freed at its end, and with it the last reference to these nodes: the next forward
         # would make them again, parameter by parameter (2-3 us a step on a 4-parameter MLP; a loop that
         # keeps its `loss` until the next forward keeps them alive by accident). They belong to no step.
-        self.accumulators = [torch.autograd.graph.get_gradient_edge(p).node for opt in self.optimizers.values()
-                             for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        self.accumulators = accumulators(self.optimizers, previous.accumulators if previous is not None else ())
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
 
@@ -548,6 +551,20 @@ def zero_grad(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def accumulators(optimizers: Mapping[str, torch.optim.Optimizer], kept: Iterable) -> list:
+    """The AccumulateGrad node of every parameter the optimizers train; those in ``kept`` are reused
+    (getting a parameter's node makes another node to find it: ~4 µs each)."""
+    known = {id(node.variable): node for node in kept}  # a kept node holds its parameter: the id is its own
+    nodes = []
+    for opt in optimizers.values():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    node = known.get(id(p))
+                    nodes.append(node if node is not None else torch.autograd.graph.get_gradient_edge(p).node)
+    return nodes
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
