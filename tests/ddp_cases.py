@@ -216,9 +216,13 @@ OPTIMIZERS = {"sam": partial(SAM, lr=1e-2), "lbfgs": partial(torch.optim.LBFGS, 
 
 def build(case: str, world: int, **settings) -> Trainer:
     torch.manual_seed(0)
-    accum = 2 if case == "accum" else 1
-    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
-    common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=(), grad_accum=accum)
+    accum = 2 if case in ("accum", "accum_tail") else 1
+    data = dataset()
+    if case == "accum_tail":  # 5 micro-batches a pass: its steps take 2, 2 and the 1 left, over two passes
+        data = TensorDataset(*data[:GLOBAL_BATCH // 2 * 5])
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
+    common = dict(train_data=loader, max_steps=STEPS if case != "accum_tail" else 6, device="cpu", progress=False,
+                  loggers=(), grad_accum=accum)
     if case == "nan_skip":
         common["on_nonfinite"] = "skip"
     if case == "unused":

@@ -21,7 +21,9 @@ from tests.conftest import ROOT, subprocess_env
 
 # sam: a two-phase update (SAM's closure) in manual mode; lbfgs: L-BFGS's closure in automatic mode
 # manual_accum: manual mode accumulating over steps, so that its halfway checkpoint holds each rank's gradients
-CASES = ("plain", "two_losses", "accum", "gan", "manual_gan", "nan_skip", "unused", "sam", "lbfgs", "manual_accum")
+# accum_tail: grad_accum=2 over passes of 5 micro-batches: the last step of each pass takes the one left
+CASES = ("plain", "two_losses", "accum", "accum_tail", "gan", "manual_gan", "nan_skip", "unused", "sam", "lbfgs",
+         "manual_accum")
 RESUMED = ("plain", "manual_gan", "manual_accum")  # through DistributedDataParallel / safeloop's reducer
 
 
