@@ -213,6 +213,8 @@ class Trainer:
         self._unused: tuple[set, set] | None = None  # the runner's unreached optimizers and unused loss weights
         self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
         self._runner: Runner | None = None  # the last setup's: it runs the steps
+        # where the last fit() stopped: (its batches, train_data, grad_accum, step); the next goes on from there
+        self._left: tuple | None = None
 
     # -- what users override ---------------------------------------------------------------
     def training_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
@@ -411,6 +413,7 @@ class Trainer:
         ``on_load_checkpoint``. The global RNG states are set when ``fit()`` starts its next step, so
         that nothing before it draws from them. Needs ``setup()`` first (``fit()`` calls it)."""
         self._need_setup("load_state_dict")
+        self._left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.check_payload(checkpoint, path)
         ckpt.check_fits(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
                         checkpoint, path)
@@ -582,12 +585,18 @@ class Trainer:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end
             return
         self._plan_events()
-        steps, batches = self._runner.steps, self._batches()
+        left, self._left = self._left, None
+        if left is not None and left[1] is self.train_data and left[2:] == (self.grad_accum, self.state.step):
+            batches = left[0]  # the last fit's iterator, where it stopped: nothing is read again
+        else:
+            batches = self._batches()
+        steps = self._runner.steps
         stopped = (lambda: self.stop_signal is not None) if self.dist is None else self._agreed_stop
         while steps(batches, self._next_event, stopped):  # to the next step after which something happens
             stop = self.stop_signal is not None
             self._after_step(stop)
             if stop or (self.max_steps is not None and self.state.step >= self.max_steps):
+                self._left = batches, self.train_data, self.grad_accum, self.state.step
                 return
 
     def _agreed_stop(self) -> bool:

@@ -129,6 +129,62 @@ def test_a_run_on_a_list_trained_in_several_fit_calls_is_the_run_trained_in_one(
     assert not saved
 
 
+class Counted(torch.utils.data.TensorDataset):
+    """Counts the samples read."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+def loader_run(seed: int, grad_accum: int = 1, **kwargs) -> Trainer:
+    """Dropout, and a DataLoader whose shuffle is drawn from the global RNG: 13 batches a pass (the last of 8)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+    gen = torch.Generator().manual_seed(1)
+    data = Counted(torch.randn(200, 8, generator=gen), torch.randn(200, 1, generator=gen))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+    trainer = Trainer(model, loader, partial(torch.optim.Adam, lr=1e-2), max_steps=1, device="cpu", progress=False,
+                      loggers=(), grad_accum=grad_accum, **kwargs)
+    trainer.max_steps = 0
+    return trainer
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_dataloader_run_trained_in_several_fit_calls_reads_each_batch_once_and_is_the_run_trained_in_one(
+        grad_accum, one_thread):
+    """A later fit() goes on with the batches where the last one stopped: nothing is loaded again."""
+    runs = []
+    for chunks in ((20,), (5, 1, 7, 7)):  # stops mid-epoch, mid-epoch, at the first pass's end (grad_accum=2)
+        trainer = loader_run(0, grad_accum)
+        for n in chunks:
+            trainer.max_steps += n
+            trainer.fit()
+        runs.append(trainer)
+    one, several = runs
+    # 20 batches: a pass of 200 samples and 7 batches; grad_accum=2 (7 steps a pass): two passes and 12 batches
+    reads = 200 + 7 * 16 if grad_accum == 1 else 2 * 200 + 12 * 16
+    assert several.train_data.dataset.reads == one.train_data.dataset.reads == reads
+    assert all(torch.equal(a, b) for a, b in zip(params(several), params(one)))
+
+
+def test_a_checkpoint_loaded_between_two_fits_sets_where_the_data_goes_on(tmp_path, one_thread):
+    """Another run's checkpoint of the same step: the next fit() takes that run's position and order, not
+    the iterator where this Trainer's last fit() stopped."""
+    other = loader_run(1, checkpoint={"dir": str(tmp_path), "every": 100})
+    for other.max_steps in (8, 12):  # saves at the end of each fit
+        other.fit()
+    trainer = loader_run(0)
+    trainer.max_steps = 8
+    trainer.fit()
+    trainer.load_state_dict(checkpoint.load(tmp_path / f"step-{8:09d}.pt"))
+    trainer.max_steps = 12
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(trainer), params(other)))
+
+
 def run_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "safeloop", f"hydra.run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
             "checkpoint.every=2", "checkpoint.keep=3", "trainer.resume=auto", "trainer.device=cpu",
