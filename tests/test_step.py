@@ -294,6 +294,70 @@ def test_stepping_d_between_building_and_back_propagating_g_loss_is_caught_and_u
         assert torch.equal(value, before[key]), key
 
 
+def test_a_step_abandoned_before_its_last_update_teaches_undo_nothing():
+    """The first step fails after D's update, twice (a retry): D is undone both times. (The failed step's
+    updates, D alone, are not its order: taken for it, D would look like the step's last update, which
+    undo=auto does not snapshot.)"""
+    torch.manual_seed(0)
+    model = GAN()
+    before = copy.deepcopy(model.state_dict())
+    trainer = manual_gan(model, n=1)
+    trainer.fail_at = (1, "after d")
+    for _ in range(2):
+        with pytest.raises(StepError, match=r"step 1 failed and was abandoned \(parameters and optimizer state are "
+                                            r"unchanged\): RuntimeError: boom after the D step"):
+            trainer.fit()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+class HandPenalty(ManualGAN):
+    """A gradient taken by hand in training_step (torch.autograd.grad) after D stepped: ``stale``, through
+    D's graph built before the step; otherwise through a tensor of the user's own changed in place."""
+
+    def training_step(self, batch):
+        real, _ = batch
+        real = real.clone().requires_grad_()
+        out = self.model.d(real)
+        self.backward(bce(out, 1.0), optimizer="d", retain_graph=True)
+        self.step("d")
+        if self.stale:
+            grad, = torch.autograd.grad(out.sum(), real, create_graph=True)  # needs the weights d just changed
+        else:
+            x = torch.ones(3, requires_grad=True)
+            y = x.exp()
+            y.add_(1)  # exp saved its output
+            grad, = torch.autograd.grad(y.sum(), x)
+        self.backward(grad.pow(2).sum(), optimizer="d")
+        self.step("d")
+
+
+@pytest.mark.parametrize("check", ["auto", "off"])
+def test_a_gradient_taken_by_hand_through_a_graph_an_update_made_stale_names_the_parameter(check):
+    torch.manual_seed(0)
+    model = GAN()
+    before = copy.deepcopy(model.state_dict())
+    trainer = HandPenalty(model=model, train_data=gan_batches(1), max_steps=1, device="cpu", progress=False,
+                          loggers=(), guard={"check": check})
+    trainer.stale = True
+    with pytest.raises(InplaceModificationError, match=re.escape(
+            "(step 1): an autograd call outside self.backward (torch.autograd.grad in training_step, say) went "
+            "through a graph built before optimizer 'd' stepped in this step; that update changed `model.d.2.weight` "
+            "in place, and the graph had saved it ([torch.FloatTensor [16, 1]], now at version 2). The step was "
+            "abandoned (parameters and optimizer state are unchanged). To fix: differentiate a fresh forward made "
+            "after the optimizer step")):
+        trainer.fit()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    trainer.stale = False  # the user's own tensor: PyTorch's error as it is, not blamed on the update
+    with pytest.raises(StepError, match=r"step 1 failed and was abandoned \(parameters and optimizer state are "
+                                        r"unchanged\): RuntimeError: one of the variables needed for gradient "
+                                        r"computation has been modified by an inplace operation: \[torch.FloatTensor "
+                                        r"\[3\]\]") as err:
+        trainer.fit()
+    assert not isinstance(err.value, InplaceModificationError)
+
+
 @pytest.mark.parametrize("where, undo", [("after d", "auto"), ("after g", "full")])
 def test_a_failed_manual_step_leaves_parameters_and_optimizer_state_bit_identical(where, undo):
     torch.manual_seed(0)

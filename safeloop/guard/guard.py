@@ -525,6 +525,37 @@ class Guard:
             return self.no_graph(name, loss, step, scope, batch)
         return None
 
+    def explain_outside(self, err: BaseException, step: int, stepped: Mapping[str, Any],
+                        parameters: list[tuple[str, torch.Tensor, int]], undone: str) -> InplaceModificationError | None:
+        """An autograd error raised outside the Trainer's backward (``torch.autograd.grad`` in training_step)
+        after optimizers ``stepped`` (name -> optimizer) updated in this step: a graph built before an update
+        saved a parameter it changed in place. ``parameters``: ``(name, parameter, version when the error was
+        raised)``; the tensor PyTorch names is taken for one of them (or a view of it: a transposed weight)
+        when a parameter a stepped optimizer updates has its version and size. ``undone``: what abandoning the
+        step left as it was. None for any other error, or when no such parameter is found."""
+        if not stepped or not isinstance(err, RuntimeError) or not walk.is_inplace(err):
+            return None
+        text = str(err)
+        version, size = re.search(r"is at version (\d+)", text), re.search(r"\[\w+\.\w+ \[([\d, ]*)\]\]", text)
+        if version is None or size is None:
+            return None
+        shape = tuple(int(n) for n in re.findall(r"\d+", size.group(1)))
+        owner = {id(p): name for name, opt in stepped.items() for g in opt.param_groups for p in g["params"]}
+        candidates = [(name, p) for name, p, seen in parameters if id(p) in owner and seen == int(version.group(1))]
+        found = [(name, p) for name, p in candidates if tuple(p.shape) in (shape, shape[::-1])] or \
+            [(name, p) for name, p in candidates if p.numel() == math.prod(shape)]
+        if not found:
+            return None
+        which = " or ".join(f"`{name}`" for name, _ in found)
+        by = ", ".join(sorted({repr(owner[id(p)]) for _, p in found}))
+        return InplaceModificationError(
+            f"an autograd call outside self.backward (torch.autograd.grad in training_step, say) went through a "
+            f"graph built before optimizer {by} stepped in this step; that update changed {which} in place, and the "
+            f"graph had saved it ({size.group(0)}, now at version {version.group(1)}). The step was abandoned "
+            f"({undone})", step=step,
+            fixes=["differentiate a fresh forward made after the optimizer step (for a gradient penalty: compute "
+                   "D(real) again, then its gradient)", "take that gradient before the optimizer step"])
+
     def inplace_check(self, loss: torch.Tensor, stepped: Mapping[str, int], start_seq: int,
                       inputs=None) -> tuple[RuntimeError, list[str]] | None:
         """Before a manual backward: a saved tensor that an optimizer step of this step changed.

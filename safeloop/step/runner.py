@@ -513,10 +513,18 @@ class Runner:
     # -- failure -------------------------------------------------------------------------------
     def abandoned(self, err: BaseException, step: int) -> BaseException:
         """Abandon the failed ``step``; returns the error to raise: ours as it is, any other
-        exception as a StepError naming the step and saying what was undone."""
+        exception as a StepError naming the step and saying what was undone (an in-place error of an
+        autograd call made after an optimizer update of the step: the guard's explanation)."""
+        stepped = {name: self.optimizers[name] for name in self.stepped}
+        # the parameters' versions before the undo changes them: they name the one an in-place error is about
+        versions = [(name, p, p._version) for name, p in self.named_parameters()] if stepped else []
         report = self.abandon()
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
+        explained = self.guard.explain_outside(err, step, stepped, versions, report)
+        if explained is not None:
+            explained.__cause__ = err
+            return explained
         wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}", step)
         wrapped.__cause__ = err
         return wrapped
