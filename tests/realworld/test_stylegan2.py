@@ -171,6 +171,21 @@ def mixing_noise(batch):
     return [noise1], [noise2]
 
 
+def discriminator_loss(generator, discriminator, real_img, i):
+    """The first part of the source's iteration: D's loss (the real images made leaves on regularization steps)."""
+    requires_grad(generator, False)
+    requires_grad(discriminator, True)
+    noise1, noise2 = mixing_noise(real_img.shape[0])
+
+    fake_img, _ = generator(noise1)
+    fake_pred = discriminator(fake_img)
+    d_regularize = i % D_REG_EVERY == 0
+    if d_regularize:
+        real_img.requires_grad = True
+    real_pred = discriminator(real_img)
+    return noise2, real_pred, d_logistic_loss(real_pred, fake_pred), d_regularize
+
+
 def optimizers(model):
     g_reg_ratio = G_REG_EVERY / (G_REG_EVERY + 1)
     d_reg_ratio = D_REG_EVERY / (D_REG_EVERY + 1)
@@ -191,17 +206,7 @@ def stylegan2_hand(model, loader):
     path_loss = torch.tensor(0.0)
     loss_dict = {}
     for i, real_img in enumerate(loader):
-        requires_grad(generator, False)
-        requires_grad(discriminator, True)
-        noise1, noise2 = mixing_noise(real_img.shape[0])
-
-        fake_img, _ = generator(noise1)
-        fake_pred = discriminator(fake_img)
-        d_regularize = i % D_REG_EVERY == 0
-        if d_regularize:
-            real_img.requires_grad = True
-        real_pred = discriminator(real_img)
-        d_loss = d_logistic_loss(real_pred, fake_pred)
+        noise2, real_pred, d_loss, d_regularize = discriminator_loss(generator, discriminator, real_img, i)
         loss_dict["d"] = d_loss
         discriminator.zero_grad()
         d_loss.backward(retain_graph=d_regularize)
@@ -249,17 +254,7 @@ class StyleGAN2(Trainer):
     def training_step(self, real_img):
         generator, discriminator = self.model.generator, self.model.discriminator
         i = self.state.step
-        requires_grad(generator, False)
-        requires_grad(discriminator, True)
-        noise1, noise2 = mixing_noise(real_img.shape[0])
-
-        fake_img, _ = generator(noise1)
-        fake_pred = discriminator(fake_img)
-        d_regularize = i % D_REG_EVERY == 0
-        if d_regularize:
-            real_img.requires_grad = True
-        real_pred = discriminator(real_img)
-        d_loss = d_logistic_loss(real_pred, fake_pred)
+        noise2, real_pred, d_loss, d_regularize = discriminator_loss(generator, discriminator, real_img, i)
         self.backward(d_loss, optimizer="d", retain_graph=d_regularize)
         self.step("d")
         if d_regularize:  # the penalty through the graph retained above, built before d stepped
