@@ -194,8 +194,9 @@ def run_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
 
 
 def last_logged_step(run_dir: Path) -> int:
+    """The last step metrics.csv holds; 0 while the writer has not finished its header line."""
     with open(run_dir / "metrics.csv") as f:
-        return max((int(row["step"]) for row in csv.DictReader(f) if row["step"].isdigit()), default=0)
+        return max((int(row["step"]) for row in csv.DictReader(f) if (row.get("step") or "").isdigit()), default=0)
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 60, poll: float = 0.005):
