@@ -157,7 +157,7 @@ def test_a_dataloader_run_trained_in_several_fit_calls_reads_each_batch_once_and
         grad_accum, one_thread):
     """A later fit() goes on with the batches where the last one stopped: nothing is loaded again."""
     runs = []
-    for chunks in ((20,), (5, 1, 7, 7)):  # stops mid-epoch, mid-epoch, at the first pass's end (grad_accum=2)
+    for chunks in ((20,), (5, 1, 7, 7)):  # stops mid-epoch; with grad_accum=1 also right after a pass's last batch
         trainer = loader_run(0, grad_accum)
         for n in chunks:
             trainer.max_steps += n
