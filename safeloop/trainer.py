@@ -63,8 +63,10 @@ class Trainer:
     Hooks, in firing order (override them here or in ``callbacks``):
     ``on_fit_start()``; per step ``on_step_start()``, per loss ``on_before_backward(name,
     loss)``, ``on_after_backward(name)``, per optimizer ``on_before_optimizer_step(name,
-    optimizer)``, then ``on_step_end(losses)``; ``on_epoch_end()`` when a pass over ``train_data``
-    ends (found when the next step asks for a batch; before epoch schedulers step);
+    optimizer)``, then ``on_step_end(losses)``; ``on_epoch_start()`` before a pass over ``train_data``
+    asks for its first batch (not again when a resumed run or a later ``fit()`` goes on within it),
+    ``on_epoch_end()`` when it ends (found when the next step asks for a batch; before epoch schedulers
+    step);
     ``on_validation_end(metrics)`` after each validation; ``on_fit_end()``. Checkpoints:
     ``on_load_checkpoint(checkpoint)`` when resuming (before ``on_fit_start``),
     ``on_save_checkpoint(checkpoint)`` at each save; put what you need saved into ``checkpoint``
@@ -254,6 +256,7 @@ class Trainer:
     def on_after_backward(self, name: str) -> None: ...
     def on_before_optimizer_step(self, name: str, optimizer: torch.optim.Optimizer) -> None: ...
     def on_step_end(self, losses: Mapping[str, torch.Tensor]) -> None: ...
+    def on_epoch_start(self) -> None: ...
     def on_epoch_end(self) -> None: ...
     def on_validation_end(self, metrics: Mapping[str, float]) -> None: ...
     def on_fit_end(self) -> None: ...
@@ -540,10 +543,12 @@ class Trainer:
         ``max_epochs``, keeping ``state.epoch`` and ``batch_in_epoch``."""
         accumulate, pending = self.grad_accum, []
         while self.max_epochs is None or self.state.epoch < self.max_epochs:
+            start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
+            if not start:  # before the pass draws anything: its RNG states are taken after the hook
+                self._call("on_epoch_start")
             sampler = getattr(self.train_data, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.state.epoch)
-            start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
             if start and ckpt.stateful(self.train_data):  # it goes on from its own (loaded) position
                 batches = self.train_data
             elif start:  # the order the epoch had before the interruption, past the batches consumed

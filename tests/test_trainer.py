@@ -403,10 +403,14 @@ def test_a_dataset_of_samples_as_train_or_val_data_says_to_batch_it():
 
 
 class EpochEvents(Trainer):
-    """Records each step's end and each pass's end (epoch, batches in it, the learning rate then)."""
+    """Records each step's end, each pass's start (epoch, batches taken in it) and end (epoch, batches in
+    it, the learning rate then)."""
 
     def on_step_end(self, losses):
         self.events.append(("step", self.state.step))
+
+    def on_epoch_start(self):
+        self.events.append(("epoch start", self.state.epoch, self.state.batch_in_epoch))
 
     def on_epoch_end(self):
         self.events.append(("epoch end", self.state.epoch, self.state.batch_in_epoch,
@@ -415,7 +419,10 @@ class EpochEvents(Trainer):
 
 class CountsEpochs(Callback):
     def __init__(self):
-        self.ends = []
+        self.starts, self.ends = [], []
+
+    def on_epoch_start(self, trainer):
+        self.starts.append(trainer.state.epoch)
 
     def on_epoch_end(self, trainer):
         self.ends.append(trainer.state.epoch)
@@ -432,24 +439,27 @@ def epoch_run(tmp_path, cls=EpochEvents, **settings) -> EpochEvents:
 
 
 @pytest.mark.parametrize("mode", [EpochEvents, manual(EpochEvents)], ids=["automatic", "manual"])
-def test_on_epoch_end_runs_after_each_pass_before_the_epoch_schedulers_step(tmp_path, mode):
+def test_on_epoch_start_and_end_frame_each_pass_and_the_epoch_schedulers_step_after_the_end(tmp_path, mode):
     counts = CountsEpochs()
     trainer = epoch_run(tmp_path, mode, max_epochs=2, callbacks=[counts])
     trainer.fit()
-    assert trainer.events == [("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.1),
-                              ("step", 4), ("step", 5), ("step", 6), ("epoch end", 1, 3, 0.05)]
-    assert counts.ends == [0, 1]
+    assert trainer.events == [("epoch start", 0, 0), ("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.1),
+                              ("epoch start", 1, 0), ("step", 4), ("step", 5), ("step", 6),
+                              ("epoch end", 1, 3, 0.05)]
+    assert counts.starts == counts.ends == [0, 1]
 
 
-def test_a_pass_that_ends_where_a_run_stops_ends_when_training_goes_on(tmp_path):
-    """max_steps stops right after the first pass's last batch: its on_epoch_end runs once, at the start of
-    the resumed run (or of the next fit()), before step 4, as in the run that never stopped."""
+@pytest.mark.parametrize("stop", [3, 2], ids=["after-the-pass-s-last-batch", "within-the-pass"])
+def test_a_run_that_stops_and_goes_on_has_the_epoch_events_of_the_run_that_never_stopped(tmp_path, stop):
+    """Stopped right after the first pass's last batch (step 3), that pass's on_epoch_end runs once, at the
+    start of the resumed run (or of the next fit()), before step 4; stopped within it (step 2), neither the
+    resumed run nor the next fit() starts the pass again (no second on_epoch_start)."""
     straight = epoch_run(tmp_path, max_steps=6)
     straight.fit()
-    first = epoch_run(tmp_path, max_steps=3, checkpoint={"dir": str(tmp_path)})
+    first = epoch_run(tmp_path, max_steps=stop, checkpoint={"dir": str(tmp_path)})
     first.fit()
-    assert first.events == [("step", 1), ("step", 2), ("step", 3)]
-    resumed = epoch_run(tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "step-000000003.pt"))
+    assert first.events == [("epoch start", 0, 0)] + [("step", k) for k in range(1, stop + 1)]
+    resumed = epoch_run(tmp_path / "resumed", max_steps=6, resume=str(tmp_path / f"step-{stop:09d}.pt"))
     with warnings.catch_warnings():  # the epoch scheduler steps before this process's first optimizer step
         warnings.simplefilter("error")
         resumed.fit()
@@ -486,7 +496,8 @@ def test_the_last_step_of_a_pass_takes_the_batches_left_as_lightning_and_a_hand_
     trainer.events = []
     trainer.fit()
     per_pass = -(-len(data) // accum)  # the last step of a pass takes the batches left
-    assert trainer.events == [("step", k) for k in range(1, per_pass + 1)] + [("epoch end", 0, 5, 0.1)] + [
+    assert trainer.events == [("epoch start", 0, 0)] + [("step", k) for k in range(1, per_pass + 1)] + [
+        ("epoch end", 0, 5, 0.1), ("epoch start", 1, 0)] + [
         ("step", per_pass + k) for k in range(1, per_pass + 1)] + [("epoch end", 1, 5, 0.05)]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
