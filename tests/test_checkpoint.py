@@ -515,6 +515,35 @@ def test_a_stateful_data_iterable_is_saved_and_goes_on_from_its_own_position(tmp
     assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (straight.state.epoch, straight.state.batch_in_epoch)
 
 
+class RestartsUnlessLoaded(Numbered):
+    """As torchdata's StatefulDataLoader: a new iterator starts the epoch again unless a state was loaded."""
+
+    def __init__(self, n: int = 5):
+        super().__init__(n)
+        self.next_state = None
+
+    def __iter__(self):
+        self.batch, self.next_state = (self.next_state or {"batch": 0})["batch"], None
+        return super().__iter__()
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.next_state = state
+
+
+def test_a_stateful_data_iterable_trained_in_several_fit_calls_goes_on_where_the_last_stopped():
+    runs = []
+    for chunks in ((7,), (3, 4)):
+        trainer = Seen(torch.nn.Linear(8, 1), RestartsUnlessLoaded(), partial(torch.optim.SGD, lr=0.1), max_steps=1,
+                       device="cpu", progress=False, loggers=())
+        trainer.max_steps = 0
+        for n in chunks:
+            trainer.max_steps += n
+            trainer.fit()
+        runs.append(trainer)
+    assert runs[1].seen == runs[0].seen == [0, 1, 2, 3, 4, 0, 1]
+
+
 class Refusing(Numbered):
     def load_state_dict(self, state):
         raise ValueError("this loader's dataset changed since the checkpoint")
