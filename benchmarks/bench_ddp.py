@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import torch
 
 from safeloop import Trainer
 
-from .common import Median, interleaved, row
+from .common import interleaved, median, row
 from .workloads import HandLoop, TrainerLoop, batches, mid_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,12 +87,6 @@ def run(quick: bool) -> list[dict]:
         t = {name: median(rounds) for name, rounds in json.loads(out.read_text()).items()}
     return [row("2-process CPU DDP (gloo) vs hand DDP loop, mid MLP (8×512, batch 64/rank)",
                 t["safeloop"], t["ddp"], 1.05, steps)]
-
-
-def median(rounds: list[float]) -> Median:
-    value = Median(statistics.median(rounds))
-    value.rounds = rounds
-    return value
 
 
 if __name__ == "__main__":

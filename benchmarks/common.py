@@ -34,6 +34,13 @@ def interleaved(systems: dict[str, Callable[[], float | None]], rounds: int = 15
     return out
 
 
+def median(rounds: list[float]) -> Median:
+    """The ``Median`` of per-round seconds measured elsewhere (another process)."""
+    value = Median(statistics.median(rounds))
+    value.rounds = rounds
+    return value
+
+
 def row(name: str, ours: float, ref: float, target: float | None, unit_per: int = 1) -> dict:
     """One table row: per-step microseconds of both systems and their ratio.
 
