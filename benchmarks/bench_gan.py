@@ -33,10 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = 5
 
 
-def bce(logits, target: float):
-    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
-
-
 def adam(params):
     return torch.optim.Adam(params, lr=1e-3, betas=(0.5, 0.999))
 
@@ -48,7 +44,9 @@ def clear_directly(opt: torch.optim.Optimizer) -> None:
 
 
 class HandGAN:
-    """``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does)."""
+    """The recipe's ``training_step`` (``GANTrainer``), line for line, with PyTorch's own backward and step.
+
+    ``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does)."""
 
     def __init__(self, model: GAN, data, routed: bool, opts: dict, direct: bool = False):
         self.model, self.data, self.routed = model, data, routed
@@ -57,18 +55,23 @@ class HandGAN:
         self.clear = clear_directly if direct else lambda opt: opt.zero_grad(set_to_none=True)
 
     def __call__(self):
-        g, d = self.model.g, self.model.d
+        gan = self.model
         for (real,) in self.data:
-            fake = g(torch.randn(len(real), self.model.noise_dim))
+            fake = gan.sample(len(real))
             if not self.routed:  # the DCGAN example's G backward left gradients on D
                 self.opt_d.zero_grad(set_to_none=True)
-            (bce(d(real), 1.0) + bce(d(fake.detach()), 0.0)).backward()
+            d_real, d_fake = gan.d(real), gan.d(fake.detach())
+            d_loss = (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+                      + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
+            d_loss.backward()
             self.opt_d.step()
             if self.routed:  # zeroed right after each step, as the Trainer does (see workloads.HandLoop)
                 self.clear(self.opt_d)
             else:
                 self.opt_g.zero_grad(set_to_none=True)
-            bce(d(fake), 1.0).backward(inputs=self.g_params if self.routed else None)
+            d_fake = gan.d(fake)
+            g_loss = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
+            g_loss.backward(inputs=self.g_params if self.routed else None)
             self.opt_g.step()
             if self.routed:
                 self.clear(self.opt_g)
