@@ -202,6 +202,30 @@ def test_a_bad_training_step_return_is_named_and_nothing_is_trained(value, error
     assert all(not s for s in trainer.optimizers["optimizer"].state.values()) and trainer.state.step == 0
 
 
+@pytest.mark.parametrize("check", ["auto", "off"])
+def test_a_loss_without_a_graph_given_to_self_backward_is_named_on_a_step_the_guard_does_not_check(check):
+    """Manual mode, step 14: past the guard's warm-up (check=auto) or with no checks at all."""
+    class Manual(Trainer):
+        automatic = False
+
+        def training_step(self, batch):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.backward(loss.detach() if self.state.step == 13 else loss)
+            self.step()
+            return loss
+
+    trainer = small(Manual, max_steps=14, guard={"check": check})
+    trainer.max_steps = 13
+    trainer.fit()
+    before = [p.clone() for p in trainer.model.parameters()]
+    trainer.max_steps = 14
+    with pytest.raises(NoGraphError, match=r"loss has no autograd graph \(step 14, loss 'loss'\): it does not "
+                                           r"depend on any tensor that requires grad"):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 13
+
+
 def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():
     nan = returning(lambda loss: loss * float("nan"))
     trainer = small(nan, on_nonfinite="error")

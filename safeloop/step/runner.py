@@ -315,7 +315,8 @@ class Runner:
         name = optimizer or "loss"
         loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
-        guard.preflight({name: loss}, step, self.scope, None)
+        if guard.checking or loss.grad_fn is None:  # else the pre-flight has nothing to do: skip building its call
+            guard.preflight({name: loss}, step, self.scope, None)
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
@@ -326,7 +327,8 @@ class Runner:
             fn(name, loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
         self.backward(scaled, name, step, None, retain_graph, inputs, loss)
-        guard.backward_done(retain_graph, inputs)
+        if guard.checking:
+            guard.backward_done(retain_graph, inputs)
         if self.finite is not None:  # checked with the gradients at the next update
             self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.data
         for fn in self.hooks["on_after_backward"]:
