@@ -1,12 +1,14 @@
 """The GAN recipe's manual-mode step against the hand-written PyTorch GAN step.
 
 Same model (``safeloop.recipes.gan.GAN``), batches and optimizers. The safeloop step pays for the
-guard's pre-flight checks, the in-place check of the G loss after D's step, and the
-snapshot that lets a failed step undo D's update (``undo=auto``: G steps last, so its
-update is not snapshotted). Two references: the hand-written step
-with the same routing (G's backward into G's parameters only, ``inputs=``) is the same
-work, so the ratio is safeloop's overhead; the step as PyTorch's DCGAN example writes it
-(G's backward also computes D's gradients, then discarded) is what users usually run.
+guard's pre-flight checks, the in-place check of the G loss after D's step, D's backward limited to
+D's parameters, and the snapshot that lets a failed step undo D's update (``undo=auto``: G steps
+last, so its update is not snapshotted). Three references: the hand-written step with the same
+routing as the issue's target names it (G's backward into G's parameters only, ``inputs=``; D's loss
+kept off G by ``fake.detach()`` alone, nothing copied); the same step that also does by hand what
+the Trainer promises on top (D routed, D's state copied before its update), so that the ratio to it
+is the Trainer's own cost; and the step as PyTorch's DCGAN example writes it (G's backward also
+computes D's gradients, then discarded), which is what users usually run.
 
 The full run measures in ``PROCESSES`` fresh processes, each interleaving the systems as every
 benchmark does, and reports the median of their ratios with their range: the same code gave
@@ -46,13 +48,23 @@ def clear_directly(opt: torch.optim.Optimizer) -> None:
 class HandGAN:
     """The recipe's ``training_step`` (``GANTrainer``), line for line, with PyTorch's own backward and step.
 
-    ``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does)."""
+    ``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does).
+    ``undoable``: also what the Trainer's step promises on top, written by hand: D's backward limited to
+    D's parameters (``inputs=``) and a copy of D's parameters and Adam state before D's update (what a
+    failure later in the step would restore), one ``torch.cat`` into a buffer kept between steps."""
 
-    def __init__(self, model: GAN, data, routed: bool, opts: dict, direct: bool = False):
-        self.model, self.data, self.routed = model, data, routed
+    def __init__(self, model: GAN, data, routed: bool, opts: dict, direct: bool = False, undoable: bool = False):
+        self.model, self.data, self.routed, self.undoable = model, data, routed, undoable
         self.opt_d, self.opt_g = opts["d"], opts["g"]
-        self.g_params = list(model.g.parameters())
+        self.g_params, self.d_params = list(model.g.parameters()), list(model.d.parameters())
         self.clear = clear_directly if direct else lambda opt: opt.zero_grad(set_to_none=True)
+        self.copy: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def save_d(self) -> None:
+        if self.copy is None:  # after the first update, when Adam's state exists
+            live = self.d_params + [v for p in self.d_params for v in self.opt_d.state[p].values()]
+            self.copy = torch.empty(sum(t.numel() for t in live)), [t.detach().view(-1) for t in live]
+        torch.cat(self.copy[1], out=self.copy[0])
 
     def __call__(self):
         gan = self.model
@@ -63,7 +75,12 @@ class HandGAN:
             d_real, d_fake = gan.d(real), gan.d(fake.detach())
             d_loss = (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
                       + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
-            d_loss.backward()
+            if self.undoable:
+                d_loss.backward(inputs=self.d_params)
+                if self.opt_d.state:
+                    self.save_d()
+            else:
+                d_loss.backward()
             self.opt_d.step()
             if self.routed:  # zeroed right after each step, as the Trainer does (see workloads.HandLoop)
                 self.clear(self.opt_d)
@@ -108,7 +125,8 @@ def measure(rounds: int, steps: int) -> dict[str, Median]:
     systems = {"hand": HandGAN(model, data, routed=True, opts=opts),
                "dcgan": HandGAN(model, data, routed=False, opts=opts),
                "safeloop": TrainerGAN(model, data, opts),
-               "hand, p.grad = None": HandGAN(model, data, routed=True, opts=opts, direct=True)}
+               "hand, p.grad = None": HandGAN(model, data, routed=True, opts=opts, direct=True),
+               "hand, undoable": HandGAN(model, data, routed=True, opts=opts, undoable=True)}
     for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
         fn()
     return interleaved(systems, rounds=rounds)
@@ -147,6 +165,11 @@ def run(quick: bool) -> list[dict]:
         across("GAN step (manual mode) vs hand-written step clearing with p.grad = None, same routing", runs,
                "safeloop", "hand, p.grad = None", None, steps),
         across("GAN step (manual mode) vs DCGAN-example step", runs, "safeloop", "dcgan", None, steps),
+        across("GAN step (manual mode) vs hand-written step that also routes D's backward and copies D's state "
+               "before its update (the work undo=auto and routing add)", runs, "safeloop", "hand, undoable", None,
+               steps),
+        across("GAN: that hand-written step vs the hand-written step, same routing (the cost of those two)", runs,
+               "hand, undoable", "hand", None, steps),
     ]
 
 
