@@ -204,12 +204,14 @@ def test_a_bad_training_step_return_is_named_and_nothing_is_trained(value, error
 
 @pytest.mark.parametrize("check", ["auto", "off"])
 def test_a_loss_without_a_graph_given_to_self_backward_is_named_on_a_step_the_guard_does_not_check(check):
-    """Manual mode, step 14: past the guard's warm-up (check=auto) or with no checks at all."""
+    """Manual mode, step 14: past the guard's warm-up (check=auto) or with no checks at all. As in automatic
+    mode, the error says what cut the graph."""
     class Manual(Trainer):
         automatic = False
 
         def training_step(self, batch):
             x, y = batch
+            x = x + 0.01 * torch.randn_like(x)  # draws from the RNG
             loss = torch.nn.functional.mse_loss(self.model(x), y)
             self.backward(loss.detach() if self.state.step == 13 else loss)
             self.step()
@@ -220,9 +222,14 @@ def test_a_loss_without_a_graph_given_to_self_backward_is_named_on_a_step_the_gu
     trainer.fit()
     before = [p.clone() for p in trainer.model.parameters()]
     trainer.max_steps = 14
-    with pytest.raises(NoGraphError, match=r"loss has no autograd graph \(step 14, loss 'loss'\): it does not "
-                                           r"depend on any tensor that requires grad"):
-        trainer.fit()
+    rng = torch.get_rng_state()
+    with pytest.raises(NoGraphError, match=r"loss has no autograd graph \(step 14, loss 'loss'\): it was built from "
+                                           r"detached tensors \(.detach\(\)\)"):
+        trainer.fit()  # training_step ran again to see how the graph was cut, leaving the RNG as it was:
+    after = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    torch.randn(8, 4)  # the step's own draw, the only one
+    assert torch.equal(after, torch.get_rng_state())
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 13
 
 

@@ -113,6 +113,7 @@ class Runner:
         self.accumulators = accumulators(self.optimizers, previous.accumulators if previous is not None else ())
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
+        self.batch = None  # manual mode: the micro-batch training_step is running on (re-run to explain a lost graph)
 
     # -- the steps ---------------------------------------------------------------------------
     def steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool:
@@ -233,6 +234,8 @@ class Runner:
                 first = None
             else:
                 batch = batch if move is None else move(batch)
+                if not automatic:
+                    self.batch = batch
                 output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
             if not automatic:
                 losses = named_losses(output, step, ()) if output is not None else {}
@@ -244,6 +247,7 @@ class Runner:
                     self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == last)
             _add_values(total, losses)
             del output, losses, batch  # the step's graph must not outlive it (checked at its end)
+        self.batch = None
         return total
 
     def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
@@ -320,17 +324,17 @@ class Runner:
             loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
         if guard.checking or loss.grad_fn is None:  # else the pre-flight has nothing to do: skip building its call
-            guard.preflight({name: loss}, step, self.scope, None)
+            guard.preflight({name: loss}, step, self.scope, self.batch)
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
             if found is not None:
                 err, stepped = found
-                raise guard.explain(err, name, loss, step, self.scope, None, stepped) from err
+                raise guard.explain(err, name, loss, step, self.scope, self.batch, stepped) from err
         for fn in self.hooks["on_before_backward"]:
             fn(name, loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        self.backward(scaled, name, step, None, retain_graph, inputs, loss)
+        self.backward(scaled, name, step, self.batch, retain_graph, inputs, loss)
         if guard.checking:
             guard.backward_done(retain_graph, inputs)
         if self.finite is not None:  # checked with the gradients at the next update
@@ -541,6 +545,7 @@ class Runner:
         report = self.undo.restore()
         self.stepped.clear()
         self.fresh.clear()
+        self.batch = None
         if self.dist is not None:
             self.dist.reset()
         for opt in self.optimizers.values():

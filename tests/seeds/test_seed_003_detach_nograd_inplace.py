@@ -11,6 +11,16 @@ def step_of(body):
     return type("Step", (Trainer,), {"training_step": lambda self, batch: body(self, batch)})
 
 
+def manual_step_of(body):
+    """Manual mode: the same loss given to self.backward, then self.step."""
+    def training_step(self, batch):
+        loss = body(self, batch)
+        self.backward(loss)
+        self.step()
+        return loss
+    return type("ManualStep", (Trainer,), {"automatic": False, "training_step": training_step})
+
+
 def detached(self, batch):
     y = self.model(batch) * 3
     z = y.detach()
@@ -36,15 +46,16 @@ def inplace_on_unsaved(self, batch):
     return (y ** 2).mean()
 
 
+@pytest.mark.parametrize("make", [step_of, manual_step_of], ids=["automatic", "manual"])
 @pytest.mark.parametrize("body, why, fix", [
     (detached, r"built from detached tensors \(.detach\(\)\)", r"remove .detach\(\) on the path"),
     (under_no_grad, r"computed under torch.no_grad\(\)", r"compute the loss outside torch.no_grad\(\)"),
 ])
-def test_loss_without_graph_says_which_cut_it(fit, body, why, fix):
+def test_loss_without_graph_says_which_cut_it(fit, make, body, why, fix):
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(NoGraphError, match=f"step 1, loss 'loss'.*{why}.*To fix: {fix}"):
-        fit(step_of(body), model=model)
+        fit(make(body), model=model)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
