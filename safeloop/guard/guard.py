@@ -471,10 +471,12 @@ class Guard:
 
     # -- after a backward raised -------------------------------------------------------
     def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
-                scope: Scope | None = None, batch: Any = None, stepped: list[str] | None = None):
-        """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated)."""
+                scope: Scope | None = None, batch: Any = None, stepped: list[str] | None = None,
+                start: int | None = None):
+        """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated). ``start``: the node
+        counter where what the loss may reach stops being "built before the step" (default: the step's start)."""
         text = str(err)
-        start = self.start_seq
+        start = self.start_seq if start is None else start
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         if walk.is_freed(err):
             if before:
@@ -506,8 +508,8 @@ class Guard:
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
-                fixes = ["recompute the loss after the optimizer step (in a GAN: compute the generator loss "
-                         "from a fresh D(fake) after the discriminator step)",
+                fixes = ["recompute the loss after the optimizer step (in a GAN: the generator loss from a fresh "
+                         "D(fake) after the discriminator step; a gradient penalty from a fresh D(real))",
                          "step the optimizer after this backward"]
             else:
                 made_by = f", the output of {node_name}" if node_name else ""

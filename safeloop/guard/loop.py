@@ -112,6 +112,12 @@ class GraphGuard:
                            parameters=self._parameters)
         self._open = self._explicit = False
         self._frame = None  # the frame whose variables name tensors in this step's messages
+        # Steps ended by optimizer steps: how many began at each backward call site; the loop's first (a step
+        # beginning there begins an iteration: the site of the first step, until another begins more steps, as
+        # the loop's does past a backward run once before the loop) and the node counter when it last began one
+        self._begun: dict[tuple | None, int] = {}
+        self._first_site: tuple | None = None
+        self._iteration_seq: int | None = None
         self._main: dict | None = None  # more globals to search (a script's, under watch)
         self._timed, self._started, self._ended = False, 0.0, 0.0
         # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
@@ -157,6 +163,12 @@ class GraphGuard:
         self._site = _site(frame)  # where the step's first backward was called
         self._timed = self.guard.begin_step(self.steps)
         guard = self.guard
+        if not explicit:
+            begun = self._begun[self._site] = self._begun.get(self._site, 0) + 1
+            if self._first_site is None or begun > self._begun[self._first_site]:
+                self._first_site = self._site
+            if self._site == self._first_site:
+                self._iteration_seq = guard.start_seq
         if not explicit and len(self._recent) > 1 and guard.prev_seq is not None:
             # Several optimizers, a step ending at each one's update: the "last step" a value may come from
             # with its graph (see Guard's one-step lag: SAC's alpha = log_alpha.exp(), made after the last
@@ -315,7 +327,12 @@ class GraphGuard:
             nodes = walk.walk(loss.grad_fn, 0, step).nodes
             oldest = min(n._sequence_nr() for n in nodes)
             stepped = [n for n, seq in self._recent.items() if seq > oldest]
-        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped)
+        # A step that an update ended inside a loop iteration (StyleGAN2's lazy R1: D steps, then the penalty
+        # goes through the D(real) built before that step): the iteration's earlier graphs are not "kept across
+        # steps", the update came between the loss and its backward
+        within = stepped and not self._explicit and self._site != self._first_site
+        start = self._iteration_seq if within else None
+        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, start)
         if explained is None:
             return err
         explained = _in_loop_words(explained)

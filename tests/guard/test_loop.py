@@ -130,6 +130,53 @@ def test_an_update_between_a_loss_and_its_backward_is_named():
             guard.backward(second)
 
 
+def penalty_loop(stale: str, check: str, warmup: bool = False) -> None:
+    """D's loss and update, then a second loss (a gradient penalty's place) through D's output, each step
+    ended by the update: the output of this iteration, built before its update (StyleGAN2's lazy R1 as first
+    written; ``stale="iteration"``), or the one kept from the last iteration (``"carried"``). ``warmup``: one
+    backward and update before the loop, at a call site of its own."""
+    torch.manual_seed(0)
+    d = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1))
+    d_optim = torch.optim.SGD(d.parameters(), lr=0.1)
+    guard = GraphGuard(d, {"d": d_optim}, check=check)
+    if warmup:
+        guard.backward(d(torch.ones(2, 4)).mean())
+        d_optim.step()
+    kept = None
+    for x in setup()[2]:
+        pred = d(x)  # the last layer saves its weight for the gradient of its input
+        d_optim.zero_grad()
+        guard.backward(F.softplus(-pred).mean(), retain_graph=True)
+        d_optim.step()
+        stale_pred = pred if stale == "iteration" else kept
+        kept = pred
+        if stale_pred is not None:
+            d_optim.zero_grad()
+            guard.backward(stale_pred.pow(2).mean())
+            d_optim.step()
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["", "backward before the loop"])
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_an_update_inside_the_iteration_is_named_as_such_and_a_graph_from_the_last_iteration_as_kept(check, warmup):
+    """Steps end at each update: PyTorch's in-place error on the second loss is explained as the update between
+    the loss and its backward, not as a graph kept across steps (what it is one iteration later); an iteration
+    begins where the loop's first backward is called, also after a backward before the loop."""
+    first, carried = (3, 4) if warmup else (2, 3)
+    with pytest.raises(InplaceModificationError, match=re.escape(
+            f"(step {first}, loss 'loss'): optimizer 'd' stepped after this loss was built and before its backward, "
+            "changing parameters its graph saved ([torch.FloatTensor [8, 1]]). To fix: recompute the loss after "
+            "the optimizer step (in a GAN: the generator loss from a fresh D(fake) after the discriminator step; "
+            "a gradient penalty from a fresh D(real))")):
+        penalty_loop("iteration", check, warmup)
+    kept = (CarriedGraphError, rf"\(step {carried}, loss 'loss'\): the loss reaches AddmmBackward0, created during an "
+            r"earlier step and held by `local stale_pred`") if check != "off" else \
+        (InplaceModificationError, rf"\(step {carried}, loss 'loss'\): the loss reaches AddmmBackward0, built before "
+         r"the step and held by `local stale_pred`.*a graph kept across steps goes stale")
+    with pytest.raises(kept[0], match=kept[1]):
+        penalty_loop("carried", check, warmup)
+
+
 def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_variable_does_not():
     model, opt, data = setup()
     guard = GraphGuard(model, opt, check="always")

@@ -1,4 +1,4 @@
-"""``python -m safeloop.watch``: the seed scripts, run verbatim.
+"""``python -m safeloop.watch``: the seed scripts and a GAN with StyleGAN2's lazy R1 penalty, run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
 the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
@@ -32,6 +32,9 @@ BROKEN = {
                             r"the step \(before the loop\) and held by `global y`.*To fix: recompute `y` inside the loop",
     "seed002_backward_twice": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `global computed_loss`.*"
                               r"pass retain_graph=True to every backward but the last",
+    # a step ends at each optimizer step: the penalty's is the second of the iteration, not a graph kept across steps
+    "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
+                   r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
 }
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
