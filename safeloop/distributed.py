@@ -147,6 +147,7 @@ class Distributed:
         self.find_unused = False
         self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
+        self.seed = 0  # rank zero's, at ``share``: every shard of the data shuffles with it
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
         self._quieted: int | None = None
@@ -222,8 +223,13 @@ class Distributed:
         seed = train_data.generator.initial_seed() if getattr(train_data, "generator", None) else torch.initial_seed()
         shared = [str(run_dir) if run_dir is not None else None, seed]
         dist.broadcast_object_list(shared, src=0)
-        run_dir, seed = shared
-        return (Path(run_dir) if run_dir is not None else None), shard(train_data, self.rank, self.world, seed)
+        run_dir, self.seed = shared
+        return (Path(run_dir) if run_dir is not None else None), self.shard(train_data)
+
+    def shard(self, train_data):
+        """This rank's share of ``train_data`` (see ``shard``), shuffled with the seed ``share`` agreed on: no
+        collective call, so data replaced later (between fits, in ``on_epoch_start``) is sharded the same way."""
+        return shard(train_data, self.rank, self.world, self.seed)
 
     def forward(self, batch):
         """The Trainer's forward under DDP. Only this object holds the wrapper, so that ``close`` ends it:

@@ -214,6 +214,7 @@ class Trainer:
         self._said: str | None = None  # the last fit's line on where it writes
         self._unused: tuple[set, set] | None = None  # the runner's unreached optimizers and unused loss weights
         self._shared = False  # under torchrun: weights, run directory and data set up for the ranks
+        self._sharded = None  # under torchrun: the train_data this rank's share was made as (see _shard_again)
         self._runner: Runner | None = None  # the last setup's: it runs the steps
         # where the last fit() stopped: (its batches, train_data, grad_accum, step); the next goes on from there
         self._left: tuple | None = None
@@ -459,7 +460,8 @@ class Trainer:
                 self.run_dir, self.train_data = self.dist.share(self.model, self.run_dir, self.train_data)
                 if self.run_dir is not None:
                     self.guard.out_dir = self.run_dir / "graphs" / (f"rank{self.dist.rank}" if self.dist.rank else "")
-                self._shared = True
+                self._shared, self._sharded = True, self.train_data
+            self._shard_again()
             self.dist.attach(self, per_backward_hooks=bool(self._hooks["on_before_backward"]
                                                            or self._hooks["on_after_backward"]))
             self.guard.agree = self.dist.agree
@@ -546,6 +548,7 @@ class Trainer:
             start = self.state.batch_in_epoch  # > 0: resuming mid-epoch
             if not start:  # before the pass draws anything: its RNG states are taken after the hook
                 self._call("on_epoch_start")
+                self._shard_again()
             sampler = getattr(self.train_data, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.state.epoch)
@@ -585,6 +588,12 @@ class Trainer:
             for schedule in self.schedules.values():
                 if schedule.interval == "epoch" and schedule.monitor is None:
                     schedule.scheduler.step()
+
+    def _shard_again(self) -> None:
+        """Under torchrun, ``train_data`` replaced since this rank's share was made (between fits, or by
+        ``on_epoch_start``): this rank's share of the new data."""
+        if self.dist is not None and self.train_data is not self._sharded:
+            self.train_data = self._sharded = self.dist.shard(self.train_data)
 
     def _loop(self) -> None:
         if self.max_steps is not None and self.state.step >= self.max_steps:  # resumed from the end

@@ -225,6 +225,46 @@ def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
 
 
 @pytest.mark.distributed
+def test_train_data_replaced_in_on_epoch_start_or_between_fits_is_sharded_again(tmp_path):
+    """Each rank trains on its own half of every train_data it is given: the first; one assigned in
+    on_step_end halfway through the first pass, read from the second pass on; the one on_epoch_start puts in
+    its place at the third pass; and the one assigned before a second fit()."""
+    proc = torchrun_script(tmp_path, """
+        from torch.utils.data import DataLoader, TensorDataset
+
+        def loader(first):
+            return DataLoader(TensorDataset(torch.arange(first, first + 16.0).unsqueeze(1)), batch_size=2)
+
+        class Seen(safeloop.Trainer):
+            seen = []
+
+            def training_step(self, batch):
+                (x,) = batch
+                self.seen += x[:, 0].tolist()
+                return self.model(x).pow(2).mean()
+
+            def on_step_end(self, losses):
+                if self.state.step == 2:
+                    self.train_data = loader(100.0)
+
+            def on_epoch_start(self):
+                if self.state.epoch == 2:
+                    self.train_data = loader(300.0)
+
+        trainer = Seen(model=torch.nn.Linear(1, 1), train_data=loader(0.0), max_steps=12, device="cpu",
+                       optimizer=torch.optim.SGD, progress=False, loggers=())
+        trainer.fit()  # 3 passes of 16 samples / 2 ranks / 2 a batch = 4 steps
+        trainer.train_data = loader(200.0)
+        trainer.max_steps = 16
+        trainer.fit()
+        torch.save(trainer.seen, f"seen{os.environ['RANK']}.pt")
+        """)
+    seen = [torch.load(tmp_path / f"seen{rank}.pt") for rank in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 32, proc.stdout
+    assert sorted(seen[0] + seen[1]) == [float(v) for first in (0, 100, 200, 300) for v in range(first, first + 16)]
+
+
+@pytest.mark.distributed
 def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(tmp_path):
     proc = torchrun("-m", "safeloop", "trainer.max_steps=20", "trainer.log_every=10", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
