@@ -3,12 +3,12 @@
 Same model (``safeloop.recipes.gan.GAN``), batches and optimizers. The safeloop step pays for the
 guard's pre-flight checks, the in-place check of the G loss after D's step, D's backward limited to
 D's parameters, and the snapshot that lets a failed step undo D's update (``undo=auto``: G steps
-last, so its update is not snapshotted). Three references: the hand-written step with the same
-routing as the issue's target names it (G's backward into G's parameters only, ``inputs=``; D's loss
-kept off G by ``fake.detach()`` alone, nothing copied); the same step that also does by hand what
-the Trainer promises on top (D routed, D's state copied before its update), so that the ratio to it
-is the Trainer's own cost; and the step as PyTorch's DCGAN example writes it (G's backward also
-computes D's gradients, then discarded), which is what users usually run.
+last, so its update is not snapshotted). Three references: the hand-written step the target is set
+against (G's backward into G's parameters only, ``inputs=``; D's loss kept off G by ``fake.detach()``
+alone, nothing copied); the same step that also does by hand what the Trainer promises on top (D
+routed, D's state copied before its update), so that the ratio to it is the Trainer's own cost; and
+the step as PyTorch's DCGAN example writes it (G's backward also computes D's gradients, then
+discarded), which is what users usually run.
 
 The full run measures in ``PROCESSES`` fresh processes, each interleaving the systems as every
 benchmark does, and reports the median of their ratios with their range: the same code gave

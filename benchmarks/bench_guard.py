@@ -1,4 +1,4 @@
-"""Cost of the graph-lifecycle guard (issue targets: ≤ 1.5 µs per node; check=auto ≤ 1.02× of check=off)."""
+"""Cost of the graph-lifecycle guard (targets: ≤ 1.5 µs per node; check=auto ≤ 1.02× of check=off)."""
 from __future__ import annotations
 
 import statistics
