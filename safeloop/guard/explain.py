@@ -43,6 +43,13 @@ class Scope:
     rerun: Callable[[Any], set[str] | None] | None = None
 
 
+class Item(str):
+    """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``): ``tuple_of`` names the tuple,
+    which a fix must replace as a whole."""
+
+    tuple_of: str
+
+
 def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items."""
     if isinstance(obj, torch.Tensor):
@@ -54,7 +61,12 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
             yield from _items(val, f"{prefix}[{key!r}]", depth - 1)
     elif isinstance(obj, (list, tuple)):
         for i, val in enumerate(obj):
-            yield from _items(val, f"{prefix}[{i}]", depth - 1)
+            if type(obj) is tuple and isinstance(val, torch.Tensor):
+                item = Item(f"{prefix}[{i}]")
+                item.tuple_of = prefix
+                yield item, val
+            else:
+                yield from _items(val, f"{prefix}[{i}]", depth - 1)
 
 
 def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:

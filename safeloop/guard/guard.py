@@ -330,7 +330,7 @@ class Guard:
             if kept:
                 raise self._error(CarriedGraphError, carried[0], name, loss, step, scope, batch,
                     "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                    ["detach the carried state at the end of each step (`{code} = {code}.detach()`) "
+                    ["detach the carried state at the end of each step (`{detached}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      "recompute it inside training_step from its inputs"], trace_hint=True, holder=holder)
         # a one-step lag (made after the last update) is fine
@@ -662,9 +662,12 @@ class Guard:
         if holder is ...:
             holder = explain.find_holder(node, scope, batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
-        code = _code(holder)
+        code = _code(holder) or "tensor"
         names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
-                 "code": code or "tensor"}
+                 "code": code, "detached": f"{code} = {code}.detach()"}
+        if isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
+            whole = _code(holder.tuple_of)
+            names["detached"] = f"{whole} = tuple(t.detach() for t in {whole})"
         line = explain.traceback_of(node) if node is not None else None
         detail = detail.format(**names)
         if line:

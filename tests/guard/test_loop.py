@@ -72,6 +72,25 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
         carry(GraphGuard(model), model, opt, data, detach=False)
 
 
+def test_an_lstm_state_carried_across_steps_is_detached_as_a_whole_tuple_in_the_fix():
+    """word_language_model's loop without its ``repackage_hidden``: the state is the tuple ``(h, c)``, whose
+    items cannot be assigned one by one."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 4)
+    opt = torch.optim.SGD(lstm.parameters(), lr=0.1)
+    guard = GraphGuard(lstm, opt)
+    hidden = (torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "held by `local hidden[0]`; an earlier backward already freed the saved tensors of its graph") + ".*"
+            + re.escape("To fix: detach the carried state at the end of each step "
+                        "(`hidden = tuple(t.detach() for t in hidden)`)")):
+        for x in torch.randn(3, 2, 3, 4):
+            out, hidden = lstm(x, hidden)
+            guard.backward(out.pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+
+
 def test_a_step_the_guard_does_not_check_is_explained_when_its_backward_fails():
     """check=off: no pre-flight, but the autograd error of a carried graph still comes back explained."""
     model, opt, data = setup()
