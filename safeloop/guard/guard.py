@@ -227,11 +227,13 @@ class Guard:
     # -- before backward -----------------------------------------------------------
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
-        first: bool = False, summed: bool = False,
+        first: bool = False, summed: bool = False, iteration: int | None = None,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
-        back-propagated as their sum, so a constant term among them is fine).
+        back-propagated as their sum, so a constant term among them is fine; ``iteration``: in a plain
+        loop whose steps end at each optimizer step, the node counter where this step's loop iteration
+        began, when an earlier step of it came before: a graph made since is the iteration's, not carried).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -244,7 +246,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch)
+            retain = self._preflight(losses, step, scope, batch, iteration)
             if first and self.thorough and scope is not None and not self._off("consumed"):
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
@@ -262,7 +264,7 @@ class Guard:
                        "set automatic = False on your Trainer and call self.backward(loss) / "
                        "self.step() inside training_step"])
 
-    def _preflight(self, losses, step, scope, batch) -> list[bool]:
+    def _preflight(self, losses, step, scope, batch, iteration=None) -> list[bool]:
         seen: set = set()
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
         # Losses whose graphs share a node (directly or through another loss) form a group; a
@@ -300,7 +302,7 @@ class Guard:
                             group[find(i)] = find(j)
                         if id(nxt) in kept:
                             retain[i] = True
-            if found.before and self._before_step(found.before, name, loss, step, scope, batch):
+            if found.before and self._before_step(found.before, name, loss, step, scope, batch, iteration):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
@@ -316,8 +318,9 @@ class Guard:
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
-    def _before_step(self, nodes, name, loss, step, scope, batch) -> bool:
-        """Nodes made before the step: carried (earlier step) or reused (before training)."""
+    def _before_step(self, nodes, name, loss, step, scope, batch, iteration=None) -> bool:
+        """Nodes made before the step: carried (earlier step) or reused (before training); ``iteration``:
+        see ``preflight``."""
         def made_before_fit(node) -> bool:
             if self.fit_seq is not None and walk.HAS_SEQ:
                 return node._sequence_nr() < self.fit_seq
@@ -325,6 +328,15 @@ class Guard:
 
         carried = [n for n in nodes if not made_before_fit(n) and not self._off("carried", n)]
         why = _carried(carried, self.prev_seq if walk.HAS_SEQ else None) if carried else None
+        if why is _FREED and iteration is not None and carried[0]._sequence_nr() >= iteration:
+            # freed by an earlier backward of the same loop iteration (a GAN's D loss on an undetached fake)
+            raise self._error(DoubleBackwardError, carried[0], name, loss, step, scope, batch,
+                "the loss reaches {node}, made earlier in this loop iteration and held by {holder}; an earlier "
+                "backward of the iteration already freed its saved tensors, so this backward would fail with "
+                "'Trying to backward through the graph a second time'",
+                ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, as "
+                 "a GAN's discriminator loss uses the generator's output)",
+                 "if both losses need its gradient, pass retain_graph=True to the earlier backward"], trace_hint=True)
         if why is not None:
             kept, holder = self._kept(carried[0], loss, step, scope, batch)
             if kept:
@@ -472,17 +484,17 @@ class Guard:
     # -- after a backward raised -------------------------------------------------------
     def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
                 scope: Scope | None = None, batch: Any = None, stepped: list[str] | None = None,
-                start: int | None = None):
-        """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated). ``start``: the node
-        counter where what the loss may reach stops being "built before the step" (default: the step's start)."""
+                iteration: int | None = None):
+        """Turn an autograd RuntimeError into a GraphLifecycleError (or None if unrelated); ``iteration``: see
+        ``preflight``."""
         text = str(err)
-        start = self.start_seq if start is None else start
+        start = self.start_seq
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         if walk.is_freed(err):
             if before:
                 checking, self.checking = self.checking, True
                 try:
-                    self._before_step(before, name, loss, step, scope, batch)
+                    self._before_step(before, name, loss, step, scope, batch, iteration)
                 except GraphLifecycleError as explained:
                     return explained
                 finally:
@@ -497,7 +509,8 @@ class Guard:
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
-            saving = [n for n in before if walk.is_inplace(walk.unpack_error(n))]
+            saving = [n for n in before if (iteration is None or n._sequence_nr() < iteration)
+                      and walk.is_inplace(walk.unpack_error(n))]
             if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
                 return self._error(InplaceModificationError, saving[0], name, loss, step, scope, batch,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
@@ -717,6 +730,10 @@ def _leak_holder(sentinel, scope) -> str:
     return "a reference kept outside the step (a list, a global, a closure)"
 
 
+_FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
+          "'Trying to backward through the graph a second time'")
+
+
 def _carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
     """Why a graph made during an earlier step is a mistake, or None when it is a one-step lag: made
     during the last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``),
@@ -733,8 +750,7 @@ def _carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
         freed = walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
         stack.extend(n for n, _ in node.next_functions)
     if freed:
-        return ("an earlier backward already freed the saved tensors of its graph, so this backward would fail "
-                "with 'Trying to backward through the graph a second time'")
+        return _FREED
     if grows:
         return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "
                 "time with it)")

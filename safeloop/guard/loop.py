@@ -281,7 +281,7 @@ class GraphGuard:
                 for name, loss in losses.items():
                     if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:
                         self._check_freed(name, loss, step)
-            return guard.preflight(losses, step, self.scope)
+            return guard.preflight(losses, step, self.scope, iteration=self._iteration_start())
         except GraphLifecycleError as err:
             raise _in_loop_words(err) from err.__cause__
 
@@ -330,14 +330,17 @@ class GraphGuard:
         # A step that an update ended inside a loop iteration (StyleGAN2's lazy R1: D steps, then the penalty
         # goes through the D(real) built before that step): the iteration's earlier graphs are not "kept across
         # steps", the update came between the loss and its backward
-        within = stepped and not self._explicit and self._site != self._first_site
-        start = self._iteration_seq if within else None
-        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, start)
+        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, self._iteration_start())
         if explained is None:
             return err
         explained = _in_loop_words(explained)
         explained.__cause__ = err
         return explained
+
+    def _iteration_start(self) -> int | None:
+        """The node counter where this step's loop iteration began, when the step is not its first (steps
+        ended by optimizer steps); else None."""
+        return self._iteration_seq if not self._explicit and self._site != self._first_site else None
 
     # -- what messages may search --------------------------------------------------------------
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:

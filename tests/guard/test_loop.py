@@ -196,6 +196,29 @@ def test_an_update_inside_the_iteration_is_named_as_such_and_a_graph_from_the_la
         penalty_loop("carried", check, warmup)
 
 
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_graph_an_earlier_backward_of_the_iteration_freed_is_named_as_the_iterations(check):
+    """DCGAN's D step on ``netD(fake)`` without ``.detach()``: D's backward frees the generator's graph, and G's
+    loss after D's update goes through it. Steps end at each update, yet the graph is this iteration's, and the
+    fix is the detach (or retain_graph), not detaching a carried state."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh()), torch.nn.Linear(4, 1)
+    g_opt, d_opt = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    guard = GraphGuard(optimizers={"g": g_opt, "d": d_opt}, check=check)
+    with pytest.raises(DoubleBackwardError, match=re.escape(
+            "(step 2, loss 'loss'): the loss reaches TanhBackward0, made earlier in this loop iteration and held by "
+            "`local fake`; an earlier backward of the iteration already freed its saved tensors") + ".*" + re.escape(
+            "To fix: if the earlier loss must not reach it, detach it where that loss uses it (`fake.detach()`")):
+        for real in torch.randn(3, 5, 4):
+            fake = g(torch.randn(5, 2))
+            d_opt.zero_grad()
+            guard.backward(F.softplus(-d(real)).mean() + F.softplus(d(fake)).mean())  # meant: d(fake.detach())
+            d_opt.step()
+            g_opt.zero_grad()
+            guard.backward(F.softplus(-d(fake)).mean())
+            g_opt.step()
+
+
 def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_variable_does_not():
     model, opt, data = setup()
     guard = GraphGuard(model, opt, check="always")

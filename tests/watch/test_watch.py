@@ -1,4 +1,5 @@
-"""``python -m safeloop.watch``: the seed scripts and a GAN with StyleGAN2's lazy R1 penalty, run verbatim.
+"""``python -m safeloop.watch``: the seed scripts and two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D
+step on an undetached fake), run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
 the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
@@ -35,6 +36,8 @@ BROKEN = {
     # a step ends at each optimizer step: the penalty's is the second of the iteration, not a graph kept across steps
     "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
+    "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
+                             r"earlier in this loop iteration and held by `global fake`.*`fake.detach\(\)`",
 }
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
