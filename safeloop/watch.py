@@ -4,8 +4,9 @@
 Runs an unmodified training script (as ``__main__``, with ``sys.argv`` set, as ``python
 script.py args`` would) with the graph-lifecycle guard attached to every ``Tensor.backward``,
 ``torch.autograd.backward`` and ``torch.autograd.grad`` call. A step ends at each optimizer
-step (PyTorch's global optimizer step hook); until an optimizer has stepped, a backward on a
-new loss where the step's first backward was called starts a step. The tensor at fault is
+step (PyTorch's global optimizer step hooks; the backwards of an L-BFGS closure, run inside
+``step()``, are that step's); until an optimizer has begun to step, a backward on a new loss where
+the step's first backward was called starts a step. The tensor at fault is
 searched in the variables of the function that called backward and in the script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
 error, naming the tensor and the fix.
@@ -19,7 +20,7 @@ import types
 from pathlib import Path
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
 from .guard.loop import GraphGuard
@@ -63,11 +64,15 @@ class Watch:
         for new, old in zip((backward, backward_fn, grad), self.saved):
             new.__doc__, new.__wrapped__ = old.__doc__, old
         torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = backward, backward_fn, grad
-        self.hook = register_optimizer_step_post_hook(self.stepped)
+        # from an optimizer's step() on, a step ends at each optimizer step: the backwards an L-BFGS closure runs
+        # inside step() are that step's (the post hook ends it)
+        self.hooks = (register_optimizer_step_pre_hook(lambda *_: self.guard._optimizer_stepping()),
+                      register_optimizer_step_post_hook(self.stepped))
         return self
 
     def __exit__(self, *exc) -> None:
-        self.hook.remove()
+        for hook in self.hooks:
+            hook.remove()
         torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = self.saved
 
     def call(self, outputs, frame, run, retain_graph, create_graph, inputs):

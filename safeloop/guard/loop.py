@@ -190,6 +190,10 @@ class GraphGuard:
         if not lazily:
             guard.step_done()
 
+    def _optimizer_stepping(self) -> None:
+        """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
+        self._by_optimizer = True
+
     def _optimizer_stepped(self, name: str) -> None:
         self._recent[name] = walk.sequence_now()
         self._by_optimizer = True

@@ -1,5 +1,5 @@
-"""``python -m safeloop.watch``: the seed scripts and two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D
-step on an undetached fake), run verbatim.
+"""``python -m safeloop.watch``: the seed scripts, two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D step
+on an undetached fake) and an L-BFGS closure without its forward, run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
 the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
@@ -38,6 +38,9 @@ BROKEN = {
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
     "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
                              r"earlier in this loop iteration and held by `global fake`.*`fake.detach\(\)`",
+    # the closure's evaluations run inside one optimizer step(): one step, not a graph carried from another
+    "lbfgs_forward_outside_closure": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                     r"AddmmBackward0, held by `global out`.*compute `out` again",
 }
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
