@@ -447,7 +447,8 @@ class Guard:
                     [f"pass retain_graph=True to the backward of '{earlier}' (self.backward(loss, ..., "
                      "retain_graph=True)), as every backward through a shared graph but the last needs",
                      "compute `{code}` again for the second loss, if it must see the updated parameters"],
-                    holder=explain.find_holder(shared[0], scope, None, loss=loss))  # not the loss: what it shares
+                    holder=explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
+                    or explain.find_holder(shared[0], scope, None))
         self.spent += time.perf_counter() - t0
 
     def _check_consumed(self, nodes, name, loss, step, scope) -> None:
