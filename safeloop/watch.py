@@ -17,6 +17,7 @@ import argparse
 import dis
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -142,10 +143,13 @@ def loop_start(frame, filename: str) -> int | None:
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
-    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
-    held += [a for v in held if not isinstance(v, torch.Tensor) and isinstance(getattr(v, "__dict__", None), dict)
-             for k, a in list(vars(v).items()) if k not in attributes]
-    seqs = [v.grad_fn._sequence_nr() for v in held if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop),
+    # not of modules (`import torch.distributed as dist`)
+    held += [a for v in held if not isinstance(v, (torch.Tensor, types.ModuleType))
+             and isinstance(getattr(v, "__dict__", None), dict) for k, a in list(vars(v).items()) if k not in attributes]
+    with warnings.catch_warnings():  # looking at a deprecated object can warn (torch.distributed.reduce_op did)
+        warnings.simplefilter("ignore")
+        seqs = [v.grad_fn._sequence_nr() for v in held if isinstance(v, torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 
 
