@@ -17,7 +17,6 @@ import argparse
 import dis
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import torch
@@ -143,14 +142,24 @@ def loop_start(frame, filename: str) -> int | None:
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
-    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop),
-    # not of modules (`import torch.distributed as dist`)
-    held += [a for v in held if not isinstance(v, (torch.Tensor, types.ModuleType))
-             and isinstance(getattr(v, "__dict__", None), dict) for k, a in list(vars(v).items()) if k not in attributes]
-    with warnings.catch_warnings():  # looking at a deprecated object can warn (torch.distributed.reduce_op did)
-        warnings.simplefilter("ignore")
-        seqs = [v.grad_fn._sequence_nr() for v in held if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
+    held += [a for v in held for k, a in _fields(v).items() if k not in attributes]
+    seqs = [v.grad_fn._sequence_nr() for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
+
+
+def _fields(obj) -> dict:
+    """``vars(obj)`` of an object that is neither a tensor nor a module, else {}. Looked at through types only:
+    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op`, in the
+    globals of every script that imports torch.distributed), and silencing it would show the script's own
+    warnings a second time (changing the warning filters resets their once-only registry)."""
+    if issubclass(type(obj), (torch.Tensor, types.ModuleType)):
+        return {}
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return {}
+    return dict(fields) if type(fields) is dict else {}
 
 
 def _loop_around(code, offset: int) -> tuple[int, int] | None:

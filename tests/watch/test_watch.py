@@ -146,6 +146,20 @@ def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
     assert watched.stderr == plain.stderr  # the same traceback, no frame of safeloop's
 
 
+def test_a_scripts_own_warnings_are_shown_as_often_as_without_watch(tmp_path):
+    """Python shows a warning once per place; watch must not reset that (changing the warning filters does),
+    nor add any: the script imports torch.distributed, whose deprecated `reduce_op` warns when looked at."""
+    script = tmp_path / "train.py"
+    script.write_text("import warnings\nimport torch\nimport torch.distributed as dist\n"
+                      "model = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "for step in range(3):\n    warnings.warn('a warning of the script')\n"
+                      "    model(torch.ones(4, 2)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n")
+    plain, watched = run(str(script), cwd=tmp_path), run("-m", "safeloop.watch", str(script), cwd=tmp_path)
+    assert watched.returncode == plain.returncode == 0
+    assert plain.stderr.count("UserWarning: a warning of the script") == 1
+    assert watched.stderr == plain.stderr
+
+
 def test_watch_refuses_a_script_that_is_not_there(tmp_path):
     proc = run("-m", "safeloop.watch", "nothere.py", cwd=tmp_path)
     assert proc.returncode == 2 and "nothere.py: no such file (give the path of a Python script)" in proc.stderr
