@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 from contextlib import suppress
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -140,14 +139,11 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     if near is not None:
         return near
     if scan_gc:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # isinstance on some module objects warns
-            for obj in gc.get_objects():
-                try:
-                    if isinstance(obj, torch.Tensor) and obj.grad_fn is node:
-                        return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
-                except ReferenceError:  # a dead weakref.proxy
-                    continue
+        # by type only: isinstance looks an object's __class__ up, which some deprecated objects answer with a
+        # warning (and silencing warnings would show the program's own ones again: see watch._fields)
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
+                return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
 
 

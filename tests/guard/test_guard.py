@@ -1,6 +1,8 @@
 """The guard on its own cases: carried state, leaks, clean abandonment, policies, pictures, schedule."""
 import copy
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -11,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, Guard, InplaceModificationError,
                       Trainer)
 
-from ..conftest import manual
+from ..conftest import manual, subprocess_env
 
 
 def fit(cls, model=None, steps=4, optimizer=None, **kwargs):
@@ -418,3 +420,19 @@ def test_a_loss_built_before_fit_and_returned_as_it_is_is_named_by_its_attribute
     trainer_cls.stale = model(torch.randn(3, 4)).pow(2).mean()
     with pytest.raises(GraphReuseError, match=r"step 2, loss 'loss'.*built before the step .* held by `self\.stale`"):
         fit(trainer_cls, model=model, guard={"check": "always"})
+
+
+def test_a_holder_only_the_garbage_collector_finds_is_named_so_and_looking_warns_nothing():
+    """The last resort of naming: every object the garbage collector tracks, looked at by type only
+    (torch.distributed's deprecated ``reduce_op`` warns when ``isinstance`` looks at it, and silencing that reset
+    Python's once-per-place registry: the program's own warning showed again). In a process of its own, as Python
+    runs a script."""
+    code = ("import warnings, torch\nfrom safeloop.guard import explain\n"
+            "kept = [[[[torch.ones(2, requires_grad=True) * 2]]]]  # deeper than names are searched\n"
+            "for _ in range(2):\n    warnings.warn('a warning of the program')\n"
+            "    print(explain.find_holder(kept[0][0][0][0].grad_fn))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "an unnamed tensor (found by the garbage collector)\n" * 2
+    assert proc.stderr.count("UserWarning") == 1, proc.stderr
