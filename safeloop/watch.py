@@ -150,9 +150,9 @@ def loop_start(frame, filename: str) -> int | None:
 
 def _fields(obj) -> dict:
     """``vars(obj)`` of an object that is neither a tensor nor a module, else {}. Looked at through types only:
-    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op`, in the
-    globals of every script that imports torch.distributed), and silencing it would show the script's own
-    warnings a second time (changing the warning filters resets their once-only registry)."""
+    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op` does,
+    an attribute of the `dist` a script imports), and silencing it would show the script's own warnings a
+    second time (changing the warning filters resets their once-only registry)."""
     if issubclass(type(obj), (torch.Tensor, types.ModuleType)):
         return {}
     try:
