@@ -37,7 +37,7 @@ def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
                 f"({sorted(optimizer_names)}): return a dict {{optimizer name: loss}}, so that each loss's "
                 "gradient goes to its optimizer's parameters", step)
         output = {"loss": output}
-    elif type(output) is not dict and not isinstance(output, Mapping):  # dict first: no ABC check
+    elif not isinstance(output, Mapping):
         raise StepError(f"step {step}: training_step returned a {type(output).__name__}; {hint}", step)
     losses = {}
     for name, value in output.items():

@@ -98,9 +98,6 @@ class Runner:
                                                 "on_before_optimizer_step"))
                  and not self.closures)
         self.step_hooks = bool(hooks["on_step_start"] or hooks["on_step_end"])
-        # whether an update's gradients need unscaling, clipping or showing to a hook first (``prepare``)
-        self.prepares = (self.scaler is not None or self.grad_clip is not None
-                         or bool(hooks["on_before_optimizer_step"]))
         self.plain, self.simple = plain, plain and self.automatic and not self.step_hooks  # update, simple_steps
         self.only = (self.names[0], self.optimizers[self.names[0]]) if plain and self.names else None
         # what the Trainer warns about once: optimizers no gradient reached yet, loss_weights no loss had yet
@@ -320,8 +317,7 @@ class Runner:
             raise StepError(f"step {step}: self.backward(optimizer={optimizer!r}) names no optimizer; "
                             f"choose from {sorted(self.optimizers)}", step)
         name = optimizer or "loss"
-        if type(loss) is not torch.Tensor or loss.numel() != 1:  # else nothing to check: skip the call
-            loss = named_losses(loss, step, ())["loss"]
+        loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
         if guard.checking or loss.grad_fn is None:  # else the pre-flight has nothing to do: skip building its call
             guard.preflight({name: loss}, step, self.scope, self.batch)
@@ -407,8 +403,7 @@ class Runner:
         opt = self.optimizers[name]
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name, step)
-        if self.prepares:  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
-            self.prepare(name, opt)
+        self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
         if closure is not None:
