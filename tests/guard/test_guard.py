@@ -49,6 +49,28 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two():
     assert (info.value.step, info.value.holder, info.value.node_name) == (2, "self.h", "TanhBackward0")
 
 
+class CarriesLSTMState(Trainer):
+    """An LSTM's state ``(h, c)`` kept from step to step with its graph (word_language_model without its
+    ``repackage_hidden``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = (torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))
+
+    def training_step(self, batch):
+        out, self.hidden = self.model(batch[None], self.hidden)
+        return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("make", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_a_carried_lstm_state_is_detached_as_a_whole_tuple_in_the_fix(make):
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "held by `self.hidden[0]`") + ".*" + re.escape(
+            "To fix: detach the carried state at the end of each step "
+            "(`self.hidden = tuple(t.detach() for t in self.hidden)`)")):
+        fit(make(CarriesLSTMState), model=torch.nn.LSTM(4, 4))
+
+
 def test_detached_hidden_state_runs_clean():
     class Detaches(CarriesHidden):
         detach = True
