@@ -233,6 +233,39 @@ def test_a_loss_without_a_graph_given_to_self_backward_is_named_on_a_step_the_gu
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 13
 
 
+def test_with_several_optimizers_a_detached_loss_given_to_self_backward_is_named_and_the_step_undone():
+    """Manual mode, two optimizers: G's loss detached after D stepped. The error says what cut the graph (the
+    step re-run on its batch), and D's update is undone."""
+    class TwoParts(Trainer):
+        automatic = False
+
+        def configure_optimizers(self):
+            return {"d": torch.optim.Adam(self.model[0].parameters()),
+                    "g": torch.optim.Adam(self.model[1].parameters())}
+
+        def training_step(self, batch):
+            x, y = batch
+            d_loss = self.model[0](x).pow(2).mean()
+            self.backward(d_loss, optimizer="d")
+            self.step("d")
+            g_loss = torch.nn.functional.mse_loss(self.model[1](x), y)
+            self.backward(g_loss.detach() if self.state.step == 2 else g_loss, optimizer="g")
+            self.step("g")
+            return {"d": d_loss, "g": g_loss}
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    trainer = TwoParts(model=torch.nn.ModuleList([torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)]), max_steps=2,
+                       train_data=DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8), device="cpu",
+                       progress=False, loggers=())
+    trainer.fit()
+    before = [p.clone() for p in trainer.model.parameters()]
+    trainer.max_steps = 3
+    with pytest.raises(NoGraphError, match=r"\(step 3, loss 'g'\): it was built from detached tensors"):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 2
+
+
 def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():
     nan = returning(lambda loss: loss * float("nan"))
     trainer = small(nan, on_nonfinite="error")
