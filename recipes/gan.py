@@ -117,9 +117,8 @@ class GANTrainer(Trainer):
         self.samples, self.centers, self.std = samples, ring_modes(modes, radius), std
 
     def configure_optimizers(self):
-        # The configured optimizer (a callable taking parameters), once for each network.
-        make = self._optimizer
-        return {"d": make(self.model.d.parameters()), "g": make(self.model.g.parameters())}
+        # The configured optimizer, once for each network.
+        return {"d": self.make_optimizer(self.model.d.parameters()), "g": self.make_optimizer(self.model.g.parameters())}
 
     def training_step(self, batch):
         (real,) = batch

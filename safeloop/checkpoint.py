@@ -26,14 +26,16 @@ import socket
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
 import torch
 
 from .errors import CheckpointError, Interrupted
+from .settings import CheckpointSettings, read
 from .state import TrainState
 
 try:
@@ -249,6 +251,19 @@ def _a(value: Any) -> str:
     return f"{'an' if name[:1] in 'aeiouAEIOU' else 'a'} {name} ({repr(value)[:40]})"
 
 
+def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | None,
+               resume: str | Path | None) -> tuple[Checkpointer | None, list[str]]:
+    """The ``Checkpointer`` that ``Trainer(checkpoint=given, run_dir=...)`` asks for (None: no checkpoints,
+    when ``given`` is False or there is neither a ``dir`` nor a run directory), and every problem with it."""
+    settings, problems = read(CheckpointSettings, given if isinstance(given, Mapping) else {}, "checkpoint")
+    where = settings.dir or (Path(run_dir) / "checkpoints" if isinstance(run_dir, (str, Path)) else None)
+    saves = given is not False and where is not None
+    if str(resume) == "auto" and not saves:
+        problems.append("resume=auto looks in the checkpoint directory, and there is none: pass run_dir=... "
+                        "or checkpoint={'dir': ...}")
+    return (Checkpointer(where, settings.every, settings.keep) if saves and not problems else None), problems
+
+
 class Checkpointer:
     """Where and how often a Trainer saves, and which checkpoint it resumes from.
 
@@ -321,16 +336,17 @@ class Checkpointer:
             os.close(self._lock)  # closing releases the lock; the file stays, so that no one locks a stale inode
             self._lock = None
 
-    def save(self, trainer) -> Path | None:
-        checkpoint = trainer.state_dict()  # on every rank, so that on_save_checkpoint hooks run on every rank
+    def save(self, step: int, checkpoint: dict) -> Path | None:
+        """Write ``checkpoint`` (``Trainer.state_dict()``, made on every rank, so that ``on_save_checkpoint``
+        hooks run on every rank) as step ``step``'s, then delete the oldest beyond ``keep``. Rank zero writes."""
         if not is_rank_zero():  # the one place deciding who writes
             return None
-        path = self.path(trainer.state.step)
+        path = self.path(step)
         atomic_save(checkpoint, path)
         self.last = path
         for old in self.saved()[:-self.keep]:  # only once the new one is complete; the directory is this run's
             old.unlink(missing_ok=True)
-        log.info("step %d: checkpoint saved to %s", trainer.state.step, path)
+        log.info("step %d: checkpoint saved to %s", step, path)
         return path
 
     def find(self, resume: str | Path) -> tuple[Path, dict] | None:
@@ -370,7 +386,67 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# -- loading into a Trainer (Trainer.load_state_dict) -----------------------------------------
+# -- what a Trainer saves and loads (Trainer.state_dict / load_state_dict) ----------------------
+@dataclass
+class Parts:
+    """What a checkpoint holds, as the Trainer hands it down: its modules (``Trainer.modules()``) and their
+    named parameters, optimizers, schedulers, grad scaler, ``TrainState``, ``TrainData`` (where the data
+    stands), and, under torchrun in manual mode, ``gather``: the ``Distributed`` whose ranks' gradients differ."""
+
+    modules: dict[str, torch.nn.Module]
+    parameters: list[tuple[str, torch.nn.Parameter]]
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    scaler: Any
+    state: TrainState
+    data: Any
+    gather: Any = None
+
+
+def collect(parts: Parts, config: dict | None) -> dict:
+    """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
+    ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
+    mode accumulating over steps); under torchrun their mean over the ranks, and each rank's in
+    ``rank_gradients`` (gathered: every rank must call this)."""
+    checkpoint = {
+        "format": FORMAT,
+        "step": parts.state.step,
+        "modules": {name: module.state_dict() for name, module in parts.modules.items()},
+        "optimizers": {name: opt.state_dict() for name, opt in parts.optimizers.items()},
+        "optimizer_classes": optimizer_classes(parts.optimizers),
+        "schedulers": {name: sched.state_dict() for name, sched in parts.schedulers.items()},
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "state": parts.state.state_dict(),
+        "rng": rng_state(),
+        "data": parts.data.state_dict(),
+        "gradients": {name: p.grad.detach() for name, p in parts.parameters if p.grad is not None},
+        "config": config,
+    }
+    if parts.gather is not None:
+        every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
+        checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
+    return checkpoint
+
+
+def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
+    """Load ``checkpoint`` into ``parts`` once it is checked to fit them all (``dist``: under torchrun, whose
+    rank's saved gradients to take). The global RNG states are not set here (see ``Trainer.load_state_dict``)."""
+    check_payload(checkpoint, path)
+    check_fits(parts.modules, parts.parameters, parts.optimizers, parts.schedulers, parts.scaler, checkpoint, path)
+    # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
+    parts.data.load_state_dict(checkpoint["data"])
+    load_modules(parts.modules, checkpoint)
+    load_gradients(parts.parameters, gradients_for(checkpoint, dist))
+    load_optimizers(parts.optimizers, checkpoint, path)
+    load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
+    load_scaler(parts.scaler, checkpoint["scaler"])
+    parts.state.load_state_dict(checkpoint["state"])
+    if parts.state.step:  # what torch's "lr_scheduler.step() before optimizer.step()" warning looks at
+        for opt in parts.optimizers.values():
+            opt._opt_called = True
+
+
+# -- loading, piece by piece --------------------------------------------------------------------
 def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
                optimizers: dict[str, torch.optim.Optimizer], schedulers: dict, scaler, checkpoint: dict,
                path: Path | None) -> None:
@@ -662,21 +738,41 @@ _END = object()
 
 
 # -- SIGTERM / SIGINT ---------------------------------------------------------------------------
+class StopRequest:
+    """A stop asked for by SIGTERM or SIGINT: ``signum`` is its number (None: none yet)."""
+
+    signum: int | None = None
+    AGREE_EVERY = 8  # under torchrun: steps between the ranks' agreements on a stop
+
+    def agreed(self, step: int, dist) -> bool:
+        """Whether training stops after ``step``. Under torchrun (``dist``) a rank stops only together with
+        the others: signals reach ranks at different moments, so every ``AGREE_EVERY`` steps the ranks
+        share the signal any of them got (one small all-reduce) and all stop after that same step."""
+        if dist is None:
+            return self.signum is not None
+        if step % self.AGREE_EVERY:
+            return False
+        signum = dist.agree(self.signum or 0)
+        if signum and self.signum is None:
+            self.signum = signum
+        return bool(signum)
+
+
 @contextmanager
-def stop_signals(trainer) -> Iterator[None]:
-    """While training: SIGTERM or SIGINT asks the Trainer to finish its step, save and stop
-    (``trainer.stop_signal``); a second one stops at once, without saving: ``Interrupted``, whose
-    ``code`` (128 + the signal: 143, 130) ``python -m safeloop`` exits with. Older checkpoints are
-    left as they are, and a save cut short leaves no file."""
+def stop_signals(request: StopRequest, state: TrainState) -> Iterator[None]:
+    """While training: SIGTERM or SIGINT sets ``request``, and the Trainer finishes its step, saves and
+    stops; a second one stops at once, without saving: ``Interrupted``, whose ``code`` (128 + the
+    signal: 143, 130) ``python -m safeloop`` exits with. Older checkpoints are left as they are, and a
+    save cut short leaves no file."""
     second: list[int] = []
 
     def handler(signum, frame):
-        if trainer.stop_signal is not None:
+        if request.signum is not None:
             second.append(signum)
             raise Interrupted(signum)
-        trainer.stop_signal = signum
+        request.signum = signum
         log.warning("%s received: finishing step %d, saving a checkpoint, then stopping (send it again to "
-                    "stop at once, without saving)", signal.Signals(signum).name, trainer.state.step + 1)
+                    "stop at once, without saving)", signal.Signals(signum).name, state.step + 1)
 
     try:
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -6,12 +6,14 @@ matplotlib``); never on a display (the Agg backend).
 from __future__ import annotations
 
 import csv
+import logging
 from collections import defaultdict
 from pathlib import Path
 
 from lightning_utilities.core.imports import RequirementCache
 
 HAVE_MATPLOTLIB = RequirementCache("matplotlib")
+log = logging.getLogger("safeloop")
 
 
 def read(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -55,3 +57,20 @@ def draw(run_dir: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def draw_logged(run_dir: Path) -> None:
+    """``curves.png`` at the end of a run that logged metrics, when matplotlib is there to draw it;
+    a picture that fails is a warning, never a failed run."""
+    if not (run_dir / "metrics.csv").exists():
+        return
+    if not HAVE_MATPLOTLIB:
+        log.info("no loss curves: pip install matplotlib to have them drawn to %s", run_dir / "curves.png")
+        return
+    try:  # metrics.csv is flushed at every write
+        path = draw(run_dir)
+    except Exception as err:  # noqa: BLE001 - a picture never fails a finished run
+        log.warning("loss curves not drawn: %s: %s", type(err).__name__, err)
+        return
+    if path is not None:
+        log.info("loss curves: %s", path)

@@ -94,10 +94,10 @@ def hydra_overrides() -> list[str]:
 class _Step(torch.nn.Module):
     """What ``DistributedDataParallel`` wraps: the model, and the Trainer's ``training_step`` as its forward."""
 
-    def __init__(self, trainer):
+    def __init__(self, model: torch.nn.Module, training_step):
         super().__init__()
-        self.model = trainer.model
-        self.step = trainer.training_step  # a bound method, not a submodule
+        self.model = model
+        self.step = training_step  # a bound method, not a submodule
 
     def forward(self, batch):
         return self.step(batch)
@@ -184,7 +184,8 @@ class Distributed:
         return every
 
     # -- start of fit --------------------------------------------------------------------
-    def attach(self, trainer, per_backward_hooks: bool) -> None:
+    def attach(self, model, optimizers: dict, training_step, settings, automatic: bool,
+               per_backward_hooks: bool) -> None:
         """At every fit, after ``share``: the DDP wrapper for the usual run, otherwise the gradient hooks
         of safeloop's reducer. ``per_backward_hooks``: the Trainer calls hooks around each backward,
         which DDP's single summed backward cannot honour."""
@@ -199,14 +200,15 @@ class Distributed:
                 "start the job again; trainer.resume=auto continues from the last checkpoint" if self.owned else
                 "the process group this Trainer joined has ended (destroy_process_group): fit() needs it; "
                 "destroy it after the last fit()")
-        if not per_backward_hooks and _ddp_can_run(trainer):
-            self.find_unused = bool(trainer.find_unused_parameters)
-            self.ddp = DistributedDataParallel(_Step(trainer), device_ids=[self.device] if self.device.type == "cuda"
-                                               else None, find_unused_parameters=self.find_unused)
-            self.trained = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+        if automatic and not per_backward_hooks and _ddp_can_run(model, optimizers, settings):
+            self.find_unused = bool(settings.find_unused_parameters)
+            self.ddp = DistributedDataParallel(_Step(model, training_step), device_ids=[self.device]
+                                               if self.device.type == "cuda" else None,
+                                               find_unused_parameters=self.find_unused)
+            self.trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             return
         seen: set[int] = set()
-        for name, opt in trainer.optimizers.items():
+        for name, opt in optimizers.items():
             params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             group = self.groups[name] = _Group(_buckets(params))
@@ -214,9 +216,9 @@ class Distributed:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
 
-    def share(self, model, run_dir: Path | None, train_data):
-        """Once per Trainer, before ``attach``: rank zero's weights on every rank; returns rank zero's run
-        directory and this rank's shard of ``train_data``."""
+    def share(self, model, run_dir: Path | None, train_data) -> Path | None:
+        """Once per Trainer, before ``attach``: rank zero's weights on every rank, and its data seed (see
+        ``shard``); returns rank zero's run directory."""
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
         self._broadcast(tensors)
         self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
@@ -224,7 +226,7 @@ class Distributed:
         shared = [str(run_dir) if run_dir is not None else None, seed]
         dist.broadcast_object_list(shared, src=0)
         run_dir, self.seed = shared
-        return (Path(run_dir) if run_dir is not None else None), self.shard(train_data)
+        return Path(run_dir) if run_dir is not None else None
 
     def shard(self, train_data):
         """This rank's share of ``train_data`` (see ``shard``), shuffled with the seed ``share`` agreed on: no
@@ -383,16 +385,14 @@ def _end_group() -> None:
         dist.destroy_process_group()
 
 
-def _ddp_can_run(trainer) -> bool:
-    """The usual run: automatic, one optimizer over exactly the model's trainable parameters,
+def _ddp_can_run(model, optimizers: dict, settings) -> bool:
+    """The usual run (automatic mode): one optimizer over exactly the model's trainable parameters,
     no accumulation (it would need ``no_sync``) and no loss weights (losses are summed)."""
-    if not trainer.automatic or trainer.model is None or len(trainer.optimizers) != 1 or trainer.grad_accum != 1:
+    if model is None or len(optimizers) != 1 or settings.grad_accum != 1 or settings.loss_weights:
         return False
-    if trainer.loss_weights:
-        return False
-    opt, = trainer.optimizers.values()
+    opt, = optimizers.values()
     trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
-    return trained == {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    return trained == {id(p) for p in model.parameters() if p.requires_grad}
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

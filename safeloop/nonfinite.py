@@ -30,7 +30,7 @@ class FiniteCheck:
     """The fused test; its flag and scale tensors are kept from step to step, so a step allocates nothing."""
 
     def __init__(self):
-        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, losses: Iterable[torch.Tensor], grads: list[torch.Tensor]) -> bool:
         """True when every loss and every gradient element is finite. One host sync."""
@@ -42,9 +42,9 @@ class FiniteCheck:
             return True
         flags = []
         for device, tensors in by_device.items():
-            if device not in self._buffers:
-                self._buffers[device] = torch.zeros(1, device=device), torch.ones((), device=device)
-            found, one = self._buffers[device]
+            if device not in self._flags:
+                self._flags[device] = torch.zeros(1, device=device), torch.ones((), device=device)
+            found, one = self._flags[device]
             found.zero_()
             if tensors:  # multiplies in place by exactly 1.0: every value (NaN, -0.0) stays as it was
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)

@@ -36,6 +36,17 @@ def show_logs() -> None:
         log.setLevel(logging.INFO)
 
 
+def outputs_line(run_dir, checkpointer, logs: bool) -> str:
+    """Where a fit writes (``logs``: it has metric loggers), or that it writes nothing."""
+    ckpt_dir = checkpointer.dir if checkpointer is not None else None
+    if run_dir is None and ckpt_dir is None:
+        return ("no run_dir: no metrics file, no checkpoints and no graph pictures are written (pass "
+                "run_dir=... to keep them)")
+    parts = [f"metrics to {run_dir}" if logs else None,
+             f"checkpoints to {ckpt_dir}" if ckpt_dir is not None else "no checkpoints (checkpoint=False)"]
+    return "writing " + "; ".join(p for p in parts if p)
+
+
 class Progress:
     def __init__(self, total: int | None, enabled: bool = True, bar: bool | None = None):
         self.enabled = enabled

@@ -1,5 +1,6 @@
 """Learning-rate schedules: what ``configure_optimizers`` / ``configure_schedulers`` return, when
-each scheduler steps, and the learning rates that are logged with the losses.
+each scheduler steps (``Schedules``: every scheduler step of a run), and the learning rates that
+are logged with the losses.
 
 A scheduler is given as itself (stepped after every update of its optimizer) or as Lightning's
 dict ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}``. ``interval: epoch``
@@ -9,13 +10,14 @@ value, as ``ReduceLROnPlateau`` needs (its ``interval`` is then not used).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigWarning
 
 INTERVALS = ("step", "epoch")
 KEYS = ("scheduler", "interval", "monitor")
@@ -33,6 +35,35 @@ class Schedule:
     @property
     def every_step(self) -> bool:
         return self.interval == "step" and self.monitor is None
+
+
+class Schedules:
+    """Every scheduler step of a run, each kind in one method called from one place:
+    ``after_update`` (the step, after optimizer ``name`` stepped), ``after_epoch`` (the end of a
+    pass over ``train_data``) and ``after_validation`` (a validation during training)."""
+
+    def __init__(self, schedules: Mapping[str, Schedule] | None = None):
+        self.schedules = dict(schedules or {})
+        self.schedulers = {name: s.scheduler for name, s in self.schedules.items()}  # what checkpoints save
+
+    def after_update(self, name: str) -> None:
+        schedule = self.schedules.get(name)
+        if schedule is not None and schedule.every_step:
+            schedule.scheduler.step()
+
+    def after_epoch(self) -> None:
+        for schedule in self.schedules.values():
+            if schedule.interval == "epoch" and schedule.monitor is None:
+                schedule.scheduler.step()
+
+    def after_validation(self, metrics: Mapping[str, float]) -> None:
+        for name, schedule in self.schedules.items():
+            if schedule.monitor is None:
+                continue
+            if schedule.monitor not in metrics:
+                raise ConfigError(f"the scheduler of optimizer {name!r} monitors {schedule.monitor!r}, which "
+                                  f"validation does not report: it reports {', '.join(metrics) or 'nothing'}")
+            schedule.scheduler.step(metrics[schedule.monitor])
 
 
 def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
@@ -60,8 +91,8 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     return optimizers, schedulers
 
 
-def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates: bool) -> dict[str, Schedule]:
-    """``{name: Schedule}`` from ``{name: scheduler or its dict}``, every problem in one ``ConfigError``
+def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates: bool) -> Schedules:
+    """The ``Schedules`` of ``{name: scheduler or its dict}``, every problem in one ``ConfigError``
     (``validates``: there is ``val_data``, which a ``monitor`` needs)."""
     out, problems = {}, []
     for name, value in schedulers.items():
@@ -96,7 +127,35 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
         out[name] = schedule
     if problems:
         raise ConfigError(problems)
-    return out
+    return Schedules(out)
+
+
+def check_optimizers(model: torch.nn.Module | None, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """An optimizer set that holds none of the model's trainable parameters never changes the model
+    (a warning, not an error: optimizing an input through a fixed model is a real use)."""
+    if model is None:
+        return
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    held = {id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]}
+    if trained and not trained & held:
+        names = ", ".join(repr(n) for n in optimizers)
+        warnings.warn(
+            f"no optimizer holds any of the model's {len(trained)} trainable parameters, so training will not "
+            f"change the model: optimizer {names} holds {len(held)} other tensor(s) (built over another "
+            "model's parameters, or before the model was replaced?). Build it from self.model.parameters() "
+            "in configure_optimizers, or pass optimizer=lambda params: torch.optim.AdamW(params, ...), "
+            "which the Trainer calls with them; if the model is meant to stay fixed, "
+            "model.requires_grad_(False) says so", ConfigWarning, stacklevel=4)
+
+
+def for_each(given: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    """The Trainer's ``scheduler`` argument (a callable taking an optimizer, or a dict whose "scheduler" is
+    one) made for each optimizer."""
+    if given is None:
+        return {}
+    if isinstance(given, Mapping):
+        return {name: {**given, "scheduler": given["scheduler"](opt)} for name, opt in optimizers.items()}
+    return {name: given(opt) for name, opt in optimizers.items()}
 
 
 def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, float]:

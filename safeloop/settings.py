@@ -13,12 +13,16 @@ the Trainer's ``ConfigError`` uses; ``mistyped`` checks any call's arguments aga
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+import torch
 
 # The choices of the settings that take one of a few words.
 MULTI_LOSS = ("sequential", "sum")
@@ -163,9 +167,62 @@ class CheckpointSettings:
                 + mistyped(CheckpointSettings, {"dir": self.dir}, "checkpoint."))
 
 
+def argument_problems(model: Any, train_data: Any, val_data: Any) -> list[str]:
+    """What is wrong with a Trainer's model and data."""
+    out = []
+    if model is not None and not isinstance(model, torch.nn.Module):
+        out.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if train_data is None:
+        out.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
+    return out + [found for name, data in (("train_data", train_data), ("val_data", val_data))
+                  if (found := samples_problem(name, data))]
+
+
+def manual_problems(own_validation: bool, val_data: Any, settings: Settings) -> list[str]:
+    """What a manual-mode Trainer (``automatic = False``) cannot do with these arguments
+    (``own_validation``: it overrides ``validation_step``)."""
+    out = []
+    if val_data is not None and not own_validation:
+        out.append("val_data is given, and in manual mode (automatic = False) the default validation_step "
+                   "cannot re-run training_step (it calls self.backward and self.step): override "
+                   "validation_step(batch) to return the validation loss(es), or drop val_data")
+    if settings.loss_weights:
+        out.append(f"loss_weights={dict(settings.loss_weights)!r} weights the losses an automatic "
+                   "training_step returns; in manual mode (automatic = False) scale each loss "
+                   "before self.backward(...) instead")
+    return out
+
+
+def samples_problem(name: str, data) -> str | None:
+    """A map-style Dataset is a sequence of single samples: iterated, it would give unbatched steps."""
+    if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
+        return None
+    return (f"{name} is a {type(data).__name__}, a Dataset of single samples: each step would train on one "
+            f"unbatched sample. Pass DataLoader(dataset, batch_size=..., shuffle=True) (from torch.utils.data); "
+            "if each item already is a whole batch, DataLoader(dataset, batch_size=None)")
+
+
 # The defaults, for signatures: ``max_steps: int | None = DEFAULTS.max_steps``. Read them, never change them.
 DEFAULTS = Settings()
 GUARD_DEFAULTS = GuardSettings()
+
+
+def attach(cls: type, resolved: tuple[str, ...] = ()) -> None:
+    """Make ``Settings`` the keyword arguments and attributes of ``cls`` (the Trainer), which keeps them in
+    ``self.settings`` and takes them as ``**settings``: its signature lists each with its default (what
+    ``help()`` and notebooks show), and each is a property reading and writing ``self.settings``
+    (``trainer.max_steps = 500`` before a later ``fit()``), but those in ``resolved``, which ``cls`` keeps
+    resolved (``trainer.device`` is a ``torch.device``)."""
+    own = inspect.signature(cls.__init__)
+    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, f.name),
+                                 annotation=f.type) for f in fields(Settings)]
+    cls.__init__.__signature__ = own.replace(parameters=params)
+    for name in names(Settings):
+        if name not in resolved:
+            setattr(cls, name, property(lambda self, n=name: getattr(self.settings, n),
+                                        lambda self, value, n=name: setattr(self.settings, n, value),
+                                        doc=f"``self.settings.{name}`` (see ``safeloop.settings.Settings``)"))
 
 
 def names(cls) -> list[str]:
@@ -173,13 +230,19 @@ def names(cls) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
-def read(cls, values: Mapping[str, Any], section: str) -> tuple[Any, list[str]]:
+def read(cls, values: Mapping[str, Any], section: str, suggest: bool = False) -> tuple[Any, list[str]]:
     """``cls(**values)`` from a mapping (``guard={...}``), and every problem with it: each key that
-    is no setting, each bad value."""
+    is no setting (``suggest``: with the closest setting's name), each bad value."""
     known = names(cls)
-    unknown = [f"{section} has no setting {key!r}: use {', '.join(known)}" for key in values if key not in known]
+    unknown = [f"{section} has no setting {key!r}: use {', '.join(known)}" + (_did_you_mean(key, known) if suggest
+               else "") for key in values if key not in known]
     settings = cls(**{key: value for key, value in values.items() if key in known})
     return settings, unknown + settings.problems()
+
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def mistyped(call, values: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -1167,7 +1167,6 @@ def test_a_hook_failing_before_the_last_update_of_a_manual_step_is_reported_unch
     trainer.fit()
     saved = state_of(model, trainer)
     trainer.__class__ = FailsBeforeG
-    trainer._hooks = {}  # bound again by the next fit
     trainer.max_steps = 3
     with pytest.raises(StepError, match=re.escape(
             "step 3 failed and was abandoned (parameters and optimizer state are unchanged): ValueError: no update "

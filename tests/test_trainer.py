@@ -153,32 +153,6 @@ def test_no_step_graph_outlives_its_step_and_state_is_detached():
     assert all(v.grad_fn is None and not v.requires_grad for v in trainer.state.losses.values())
 
 
-@pytest.mark.parametrize("mode, check", [("automatic", "off"), ("automatic", "auto"), ("manual", "auto"),
-                                         ("gan", "auto")], ids=["simple-steps", "checked", "manual", "two-optimizers"])
-def test_parameters_keep_their_gradient_accumulators_from_step_to_step(mode, check):
-    """Every step's graph is freed at the end of the step; the parameters' AccumulateGrad nodes stay, so the
-    next forward does not make them again (that cost a few microseconds a step: see the Speed section)."""
-    seen = []
-    base = {"automatic": Trainer, "manual": manual(Trainer), "gan": GANTrainer}[mode]
-
-    class Marks(base):
-        def training_step(self, batch):
-            nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in self.model.parameters()]
-            seen.append(sum(node.metadata.setdefault("first step", self.state.step) == 0 for node in nodes))
-            return super().training_step(batch)
-
-        def on_fit_end(self) -> None:
-            """The GAN recipe's coverage line and picture are not this test's."""
-
-    model, data = (GAN(hidden=16), ring(n=256, batch_size=64).train) if mode == "gan" else \
-        (MLP(8, 16, 1), loader(dataset(64)))
-    trainer = Marks(model=model, train_data=data, max_steps=4, device="cpu", progress=False, loggers=(),
-                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), guard={"check": check})
-    trainer.fit()
-    count = len(list(model.parameters()))
-    assert seen == [count] * 4  # the nodes marked at the first step, at every step
-
-
 def test_bf16_autocast_on_cpu_trains():
     trainer = Trainer(model=MLP(8, 16, 1), train_data=loader(dataset(64)), precision="bf16", max_steps=3,
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False)

@@ -25,8 +25,6 @@ class Backward:
 
 def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
     """Check ``training_step``'s return value; a single tensor becomes ``{'loss': tensor}``."""
-    if type(output) is torch.Tensor and output.numel() == 1 and len(optimizer_names) <= 1:  # the common case
-        return {"loss": output}
     hint = "training_step must return the loss tensor, or a dict {name: loss tensor}"
     if output is None:
         raise StepError(f"step {step}: training_step returned None; {hint} (did you forget `return loss`?)", step)
@@ -77,9 +75,6 @@ def plan(
     ``inputs=`` where ``routes`` says they need it (without ``routes``: always).
     """
     routed = len(optimizers) > 1
-    if len(losses) == 1 and not routed and not weights:  # the common step: one loss, one optimizer
-        (name, loss), = losses.items()
-        return [Backward(name, loss, None, None, bool(retain and retain[0]))]
     weights = weights or {}
     if mode == "sum" and not routed and len(losses) > 1:
         total = None

@@ -4,39 +4,40 @@
     -> gradient sync -> non-finite policy -> (per optimizer: unscale -> clip
     -> on_before_optimizer_step -> undo snapshot -> step -> zero_grad -> scheduler)
 
-An optimizer whose ``step`` takes a closure (L-BFGS, SAM) gets one that evaluates the loss
-again through the same pieces: forward, backward(s), sync, non-finite policy, unscale, clip,
-hook (``closure``).
-
-Automatic mode runs all of it from ``run``; in manual mode ``training_step`` calls
-``backward`` and ``optimizer_step`` (the Trainer's ``self.backward`` / ``self.step``),
-which are the same two pieces the automatic step uses. What differs between runs (one
-loss or several, routing, accumulation, DDP, scaler, clipping, hooks) is decided once,
-when the ``Runner`` is made, so a plain step runs only what it needs: ``steps``, which the
-Trainer's fit loop hands its batches to, runs the steps the guard does not check
-of a run with one loss, one optimizer and nothing in between in one loop (``simple_steps``).
+``Runner.run`` runs one step. Every backward goes through ``_backward`` and every optimizer
+update through ``_update``: the automatic step calls them from ``run``; manual mode's
+``self.backward`` / ``self.step`` (``Runner.backward`` / ``Runner.step``) call them from inside
+``training_step``. An optimizer whose ``step`` takes a closure (L-BFGS, SAM) gets one that runs
+the same pieces again: forward, backward(s), sync, non-finite policy, unscale, clip, hook.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import nonfinite
-from ..errors import ConfigError, NonFiniteError, SafeloopError, StepError
+from ..callbacks import Hooks
+from ..errors import ConfigError, ConfigWarning, NonFiniteError, SafeloopError, StepError
 from ..guard.explain import Scope
+from ..guard.guard import Guard, Recorder
 from ..guard.walk import HAS_SEQ, sequence_now
+from ..schedules import Schedules
+from ..settings import Settings
+from ..state import TrainState
 from .plan import Backward, Routes, named_losses, plan
 from .undo import Undo
 
 log = logging.getLogger("safeloop")
-_perf_counter = time.perf_counter
-_zero_grad, _profiling = torch.optim.Optimizer.zero_grad, torch.autograd._profiler_enabled
+UNUSED_AFTER = 20  # steps after which an optimizer no gradient reached, or an unused loss weight, is reported
 
 
 class SkipStep(BaseException):
@@ -44,45 +45,57 @@ class SkipStep(BaseException):
     A BaseException, so that a user's ``except Exception`` in a manual step cannot swallow it."""
 
 
-class Runner:
-    """Runs the steps of one Trainer; made at ``setup``, from the Trainer's settings and parts.
+@dataclass
+class StepConfig:
+    """What the step is made of, handed down by the Trainer at each ``fit`` (never the Trainer itself).
 
-    Args:
-        trainer: its public settings, optimizers, state and guard are read here, once.
-        forward: ``training_step`` (or the DDP wrapper that calls it).
-        hooks: the bound hooks by name (empty lists for hooks nobody overrides).
-        scope: what the guard may search to explain a mistake; its parameters lose their
-            gradients when a step is abandoned.
-        autocast: a context-manager factory, or None (precision 32).
-        move: moves a batch to the device, or None (CPU).
-        undo: the Trainer's ``Undo`` (it lives as long as the optimizers: what it learned and its
-            snapshot buffers carry over to the next ``fit``).
+    Attributes:
+        settings: the run's settings (grad_accum, grad_clip, multi_loss, loss_weights, on_nonfinite...).
+        automatic: False in manual mode (``training_step`` calls ``self.backward`` / ``self.step``).
+        training_step: the user's ``training_step``; ``forward``: what runs it (DDP's wrapper under torchrun).
+        autocast: returns the forward's autocast context (a null context for precision 32).
+        move: moves a batch to the device, or None (the CPU: DataLoader batches are there already).
+        scope: what the guard may search to explain a mistake; its parameters lose their gradients
+            when a step is abandoned.
         named_parameters: ``(name, parameter)`` pairs, for naming non-finite gradients.
-        previous: the Runner of the last ``fit``, whose routes and gradient accumulators this one
-            takes over (so that a ``fit`` neither walks its first step's graphs again nor makes nodes).
+        model: its buffers are put back after a diagnosis re-run of ``training_step``.
     """
 
-    def __init__(self, trainer: Any, forward: Callable, hooks: Mapping[str, list], scope: Scope,
-                 autocast: Callable | None, move: Callable | None, undo: Undo, named_parameters: Callable,
-                 previous: Runner | None = None):
-        self.forward, self.hooks, self.scope, self.autocast, self.move = forward, hooks, scope, autocast, move
-        self.named_parameters = named_parameters
-        self.state, self.guard, self.dist = trainer.state, trainer.guard, trainer.dist
-        self.optimizers, self.scaler = trainer.optimizers, trainer.scaler
-        # stepped with their optimizer; those with interval "epoch" or a monitor the Trainer steps
-        self.schedulers = {name: s.scheduler for name, s in trainer.schedules.items() if s.every_step}
-        self.undo = undo
-        self.retain_plans = trainer.retain_plans
-        self.automatic, self.grad_clip, self.grad_accum = trainer.automatic, trainer.grad_clip, trainer.grad_accum
-        self.weights = dict(trainer.loss_weights)
-        self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else trainer.multi_loss
-        self.on_nonfinite, self.max_skipped = trainer.on_nonfinite, trainer.max_skipped
-        self.finite = nonfinite.FiniteCheck() if self.on_nonfinite != "off" else None
-        self.skipped_losses: dict[str, torch.Tensor] = {}
-        self.names = list(self.optimizers)
+    settings: Settings
+    automatic: bool
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedules: Schedules
+    undo: Undo
+    hooks: Hooks
+    guard: Guard
+    state: TrainState
+    training_step: Callable
+    forward: Callable
+    autocast: Callable
+    move: Callable | None
+    scope: Scope
+    named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]]
+    model: torch.nn.Module | None = None
+    precision: str = "32"  # resolved: 32, bf16 or 16
+    scaler: Any = None
+    dist: Any = None
+
+
+class Runner:
+    """Runs the steps of one ``fit``. ``previous``: the last fit's Runner over the same optimizers,
+    whose routes and what it has reported carry over (logged once per run, not once per fit)."""
+
+    def __init__(self, config: StepConfig, previous: Runner | None = None):
+        c = self.config = config
+        self.state, self.guard, self.hooks, self.dist = c.state, c.guard, c.hooks, c.dist
+        self.optimizers, self.scaler, self.undo, self.settings = c.optimizers, c.scaler, c.undo, c.settings
+        self.scope = dataclasses.replace(c.scope, rerun=self.rerun)
+        self.automatic, self.names = c.automatic, list(self.optimizers)
         self.routed = len(self.names) > 1
-        same = previous is not None and previous.optimizers is self.optimizers
-        self.routes = (previous.routes if same else Routes(self.optimizers)) if self.routed else None
+        self.weights = dict(c.settings.loss_weights or {})
+        # under DDP several losses are back-propagated as their sum (see safeloop.distributed)
+        self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else c.settings.multi_loss
+        self.finite = nonfinite.FiniteCheck() if c.settings.on_nonfinite != "off" else None
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -90,60 +103,34 @@ class Runner:
                               "GradScaler does not support: use precision=bf16 or 32")
         # manual mode steps inside training_step's autocast region, whose cached low-precision weights
         # must be dropped after every update (a later forward would use the old ones)
-        self.recast = autocast is not None and not self.automatic
-        # One loss into one optimizer with nothing in between: back-propagated and stepped directly.
-        plain = (not self.routed and self.scaler is None and self.dist is None and self.grad_clip is None
-                 and self.grad_accum == 1 and not self.weights
-                 and not any(hooks[h] for h in ("on_before_backward", "on_after_backward",
-                                                "on_before_optimizer_step"))
-                 and not self.closures)
-        self.step_hooks = bool(hooks["on_step_start"] or hooks["on_step_end"])
-        self.plain, self.simple = plain, plain and self.automatic and not self.step_hooks  # update, simple_steps
-        self.only = (self.names[0], self.optimizers[self.names[0]]) if plain and self.names else None
-        # what the Trainer warns about once: optimizers no gradient reached yet, loss_weights no loss had yet
-        self.unreached = set() if plain else set(self.names)
-        self.unweighted = set(self.weights)
-        # Each trained parameter's AccumulateGrad node, held for as long as the Runner lives. A step's
-        # graph is freed at its end, and with it the last reference to these nodes: the next forward
-        # would make them again, parameter by parameter (2-3 us a step on a 4-parameter MLP; a loop that
-        # keeps its `loss` until the next forward keeps them alive by accident). They belong to no step.
-        self.accumulators = accumulators(self.optimizers, previous.accumulators if previous is not None else ())
+        self.recast = c.precision != "32" and not self.automatic
+        same = previous is not None and previous.optimizers is self.optimizers
+        self.routes = previous.routes if same else Routes(self.optimizers)
+        # logged once per run: (the losses whose backward retained the graph, walked by the guard) -> first step
+        self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = previous.retain_plans if same else {}
+        # reported once: optimizers no gradient reached yet (of several: one optimizer is the loss's), loss_weights
+        # no loss had yet
+        self.unreached: set[str] = previous.unreached if same else set(self.names if self.routed else ())
+        self.unweighted: set[str] = previous.unweighted if same else set(self.weights)
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
-        self.batch = None  # manual mode: the micro-batch training_step is running on (re-run to explain a lost graph)
+        self.batch = None  # manual mode: the micro-batch training_step runs on (re-run to explain a lost graph)
+        self.skipped_losses: dict[str, torch.Tensor] = {}
+        self.diagnosing = False  # re-running training_step to explain a missing graph
 
-    # -- the steps ---------------------------------------------------------------------------
-    def steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool:
-        """Steps, each over the next list of micro-batches from ``groups``, until step ``until`` is done
-        or ``stopped()`` says so after a step (True), or ``groups`` runs out (False)."""
+    # -- the step ----------------------------------------------------------------------------
+    def run(self, batches: list) -> None:
+        """One optimizer step over ``batches`` (its micro-batches)."""
         state, guard = self.state, self.guard
-        while True:
-            if self.simple and state.step + 1 < guard.next_due:  # until the guard checks a step:
-                done = self.simple_steps(groups, until, stopped)
-                if done is not None:
-                    return done
-            batches = next(groups, None)
-            if batches is None:
-                return False
-            self.run(batches)
-            if stopped() or state.step >= until:
-                return True
-
-    def run(self, batches: list, first: tuple | None = None) -> None:
-        """One optimizer step over ``batches`` (its micro-batches); ``first``: see ``forward_backward``."""
-        state, guard, hooks = self.state, self.guard, self.hooks
         step = state.step + 1
         timed = guard.begin_step(step)
-        started = _perf_counter() if timed else 0.0
-        if self.step_hooks:
-            for fn in hooks["on_step_start"]:
-                fn()
+        started = time.perf_counter()
+        self.hooks("on_step_start")
         total: dict[str, torch.Tensor] = {}
         try:
-            total = self.forward_backward(batches, step, first=first)
+            total = self.forward_backward(batches, step)
             if self.automatic:
-                if self.unweighted:
-                    self.unweighted.difference_update(total)
+                self.unweighted.difference_update(total)
                 self.update(total, step, batches)
             elif self.scaler is not None and self.stepped:
                 self.scaler.update()
@@ -153,161 +140,66 @@ class Runner:
         except BaseException as err:
             raise self.abandoned(err, step)
         self.undo.end()
-        if self.stepped:
-            self.stepped.clear()
-        if self.fresh:
-            self.fresh.clear()
+        self.stepped.clear()
+        self.fresh.clear()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
-        if self.step_hooks:
-            for fn in hooks["on_step_end"]:
-                fn(state.losses)
+        self.hooks("on_step_end", state.losses)
         if timed:
             guard.end_step(step, self.scope)
-            guard.record_step_time(step, _perf_counter() - started)
+            guard.record_step_time(step, time.perf_counter() - started)
         guard.step_done()
 
-    def simple_steps(self, groups: Iterator[list], until: float, stopped: Callable[[], bool]) -> bool | None:
-        """The usual steps at their cheapest, in one loop: one batch whose one loss goes into one optimizer
-        with nothing in between, on steps the guard does not check (it explains a step only if its backward
-        fails; the step it times before a check is timed here, so that checks are measured against this
-        loop). The same pieces as ``run``'s step, in the same order. Returns as ``steps`` does, or None
-        before the step the guard checks. A ``training_step`` that returns anything but one loss tensor
-        makes every step from then on a general one, this one included."""
-        state, guard, forward, move, autocast = self.state, self.guard, self.forward, self.move, self.autocast
-        update, full = self.plain_update, self.undo.mode == "full"
-        timed_from, last = guard.next_timed, guard.next_due - 1
-        for batches in groups:
-            step = state.step + 1
-            started = _perf_counter() if step >= timed_from else 0.0
-            try:
-                batch = batches[0] if move is None else move(batches[0])
-                output = forward(batch) if autocast is None else self.forward_autocast(batch)
-            except BaseException as err:
-                raise self.abandoned(err, step)
-            if type(output) is not torch.Tensor or not output.requires_grad or output.numel() != 1:
-                self.simple = False
-                self.run(batches, first=(batch, output))
-            else:
-                timed = guard.begin_step(step)
-                try:
-                    self.backward(output, "loss", step, batch, False, None)
-                    total = {"loss": output.data}
-                    del output  # the step's graph must not outlive it (checked at its end)
-                    update(total, step)
-                except SkipStep:
-                    self.abandon()
-                except BaseException as err:
-                    raise self.abandoned(err, step)
-                if full:
-                    self.undo.end()
-                state.losses = total
-                state.step = step
-                if timed:
-                    guard.end_step(step, self.scope)
-                    guard.record_step_time(step, _perf_counter() - started)
-                guard.step_done()
-            if stopped() or state.step >= until:
-                return True
-            if state.step >= last or not self.simple:
-                return None
-        return False
-
-    def forward_autocast(self, batch):
-        with self.autocast():
-            return self.forward(batch)
-
-    def forward_backward(self, batches: list, step: int, only: str | None = None,
-                         first: tuple | None = None) -> dict[str, torch.Tensor]:
+    def forward_backward(self, batches: list, step: int, only: str | None = None) -> dict[str, torch.Tensor]:
         """Forward and backward(s) of every micro-batch; returns their losses' values, summed.
-        ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone.
-        ``first``: the first micro-batch, moved to the device, and what ``training_step`` returned for it."""
-        automatic, move = self.automatic, self.move
+        ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone."""
         total: dict[str, torch.Tensor] = {}
-        last = len(batches) - 1
         for i, batch in enumerate(batches):
-            if i == 0 and first is not None:
-                batch, output = first
-                first = None
-            else:
-                batch = batch if move is None else move(batch)
-                if not automatic:
-                    self.batch = batch
-                output = self.forward(batch) if self.autocast is None else self.forward_autocast(batch)
-            if not automatic:
+            batch = batch if self.config.move is None else self.config.move(batch)
+            self.batch = batch
+            with self.config.autocast():
+                output = self.config.forward(batch)
+            if not self.automatic:  # the losses training_step returns, if any, are logged
                 losses = named_losses(output, step, ()) if output is not None else {}
             else:
                 losses = named_losses(output, step, self.optimizers)
                 if only is not None and self.routed:
                     losses = {only: losses[only]} if only in losses else {}
                 if losses:
-                    self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == last)
-            _add_values(total, losses)
+                    self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == len(batches) - 1)
+            for name, loss in losses.items():
+                total[name] = total[name] + loss.detach() if name in total else loss.detach()
             del output, losses, batch  # the step's graph must not outlive it (checked at its end)
         self.batch = None
         return total
 
-    def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
-        """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
-        if self.plain:
-            self.plain_update(losses, step)
-            return
-        if self.dist is not None:  # every rank decides on the same averaged gradients
-            self.dist.sync_all(step)
-        names = [n for n in self.names if n in losses] if self.routed else self.names
-        if self.finite is not None:
-            self.check_finite(losses, step, None)
-        for name in names:
-            closure, current = self.recompute(name, step, batches, losses) if name in self.closures else (None, None)
-            self.optimizer_step(name, step, last=name is names[-1], closure=closure, current=current)
-        if self.scaler is not None:
-            self.scaler.update()
-
-    def plain_update(self, losses: Mapping[str, torch.Tensor], step: int) -> None:
-        """The update of a step with one optimizer and nothing to sync, clip, unscale or call in between:
-        the non-finite policy, ``step``, ``zero_grad``, the scheduler."""
-        if self.finite is not None:
-            self.check_finite(losses, step, None)
-        name, opt = self.only
-        if self.undo.mode == "full":
-            self.undo.before_update(name, True)
-        try:
-            opt.step()
-            zero_grad(opt)  # free gradient memory now; the next step starts from None
-            scheduler = self.schedulers.get(name)
-            if scheduler is not None:
-                scheduler.step()
-        except BaseException:
-            self.undo.before_update(name, True)  # the update began: the report says so unless undone
-            raise
-
     # -- backward ----------------------------------------------------------------------------
     def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
         """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
-        guard = self.guard
+        guard, dist = self.guard, self.dist
+        scale = 1.0 / self.settings.grad_accum if self.settings.grad_accum > 1 else None
         summed = self.multi_loss == "sum" and not self.routed and len(losses) > 1
         retain = guard.preflight(losses, step, self.scope, batch, first, summed)
-        todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights, self.routes, guard.start_seq, step)
+        todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights,
+                    self.routes if self.routed else None, guard.start_seq, step)
         if len(todo) > 1:
             self.note_retain(todo, retain is not None, step)
-        dist, scale = self.dist, (1.0 / self.grad_accum if self.grad_accum > 1 else None)
-        before, after = self.hooks["on_before_backward"], self.hooks["on_after_backward"]
         for k, item in enumerate(todo):
-            for fn in before:
-                fn(item.name, item.loss)
+            self.hooks("on_before_backward", item.name, item.loss)
             loss = item.loss * scale if scale is not None else item.loss
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
             # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
             armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
-            self.backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
+            self._backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
             if armed is not None:
                 dist.flush(armed)
-            for fn in after:
-                fn(item.name)
+            self.hooks("on_after_backward", item.name)
 
-    def manual_backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool) -> None:
         """Manual mode's ``self.backward``: one loss into one optimizer's parameters, through the guard."""
+        if self.diagnosing:
+            return
         step = self.state.step + 1
         if optimizer is None and self.routed:
             raise StepError(f"step {step}: self.backward(loss) needs optimizer=... when there are several "
@@ -319,40 +211,31 @@ class Runner:
         name = optimizer or "loss"
         loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
-        if guard.checking or loss.grad_fn is None:  # else the pre-flight has nothing to do: skip building its call
-            guard.preflight({name: loss}, step, self.scope, self.batch)
+        guard.preflight({name: loss}, step, self.scope, self.batch)
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
             if found is not None:
                 err, stepped = found
                 raise guard.explain(err, name, loss, step, self.scope, self.batch, stepped) from err
-        for fn in self.hooks["on_before_backward"]:
-            fn(name, loss)
+        self.hooks("on_before_backward", name, loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        self.backward(scaled, name, step, self.batch, retain_graph, inputs, loss)
-        if guard.checking:
-            guard.backward_done(retain_graph, inputs)
+        self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss)
+        guard.backward_done(retain_graph, inputs)
         if self.finite is not None:  # checked with the gradients at the next update
-            self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.data
-        for fn in self.hooks["on_after_backward"]:
-            fn(name)
+            self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.detach()
+        self.hooks("on_after_backward", name)
 
-    def backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
-                 original: torch.Tensor | None = None) -> None:
+    def _backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
+                  original: torch.Tensor) -> None:
         """The one ``backward`` call; an autograd error comes back explained by the guard."""
         try:
             loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
-            raise self.explained(err, loss if original is None else original, name, step, batch)
-
-    def explained(self, err: RuntimeError, loss: torch.Tensor, name: str, step: int, batch) -> Exception:
-        """What to raise for backward's ``err``: the guard's explanation, or ``err`` itself."""
-        explained = self.guard.explain(err, name, loss, step, self.scope, batch, list(self.stepped))
-        if explained is None:
-            return err
-        explained.__cause__ = err
-        return explained
+            explained = self.guard.explain(err, name, original, step, self.scope, batch, list(self.stepped))
+            if explained is None:
+                raise
+            raise explained from err
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
         """Log, once per pattern, which backwards kept the graph alive for a later loss."""
@@ -371,9 +254,24 @@ class Runner:
                      "last: %s", step, kept)
 
     # -- optimizer updates -------------------------------------------------------------------
-    def manual_step(self, optimizer: str | None, closure: Callable[[], torch.Tensor] | None = None) -> None:
+    def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
+        """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
+        if self.dist is not None:  # every rank decides on the same averaged gradients
+            self.dist.sync_all(step)
+        names = [n for n in self.names if n in losses] if self.routed else self.names
+        if self.finite is not None:
+            self.check_finite(losses, step, None)
+        for name in names:
+            closure, current = self.recompute(name, step, batches, losses) if name in self.closures else (None, None)
+            self._update(name, step, last=name is names[-1], closure=closure, current=current)
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def step(self, optimizer: str | None, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Manual mode's ``self.step``: one optimizer's update, as the automatic step makes it
         (``closure``: see ``closure``)."""
+        if self.diagnosing:
+            return
         step = self.state.step + 1
         if optimizer is None and self.routed:
             raise StepError(f"step {step}: self.step() needs the optimizer's name when there are several; "
@@ -394,12 +292,13 @@ class Runner:
         if self.finite is not None:
             self.check_finite(self.fresh, step, name)
             self.fresh.clear()
-        self.optimizer_step(name, step, last=None, closure=closure)
+        self._update(name, step, last=None, closure=closure)
 
-    def optimizer_step(self, name: str, step: int, last: bool | None, closure: Callable[[], torch.Tensor] | None = None,
-                       current: torch.Tensor | None = None) -> None:
-        """Sync, unscale, clip, hook, snapshot (if a failure must be able to undo it), step, zero, schedule
-        (``closure``, ``current``: see ``closure``)."""
+    def _update(self, name: str, step: int, last: bool | None, closure: Callable[[], torch.Tensor] | None = None,
+                current: torch.Tensor | None = None) -> None:
+        """The one optimizer update: sync, unscale, clip, hook, snapshot (if a later failure of the step
+        must be able to undo it; ``last``: whether it is the step's last update, None when unknown),
+        step, zero_grad, scheduler. ``closure``, ``current``: see ``closure``."""
         opt = self.optimizers[name]
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name, step)
@@ -412,13 +311,10 @@ class Runner:
             self.scaler.step(opt)
         else:
             opt.step()
-        if self.unreached and name in self.unreached and any(p.grad is not None for g in opt.param_groups
-                                                               for p in g["params"]):
+        if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
-        zero_grad(opt)  # free gradient memory now; the next step starts from None
-        scheduler = self.schedulers.get(name)
-        if scheduler is not None:
-            scheduler.step()
+        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+        self.config.schedules.after_update(name)
         self.stepped[name] = sequence_now()
         if self.recast:
             torch.clear_autocast_cache()
@@ -427,11 +323,10 @@ class Runner:
         """The gradients as the update must see them: unscaled, clipped, shown to the hook."""
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        if self.grad_clip is not None:
+        if self.settings.grad_clip is not None:
             params = [p for g in opt.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        for fn in self.hooks["on_before_optimizer_step"]:
-            fn(name, opt)
+            torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+        self.hooks("on_before_optimizer_step", name, opt)
 
     def closure(self, name: str, step: int, opt: torch.optim.Optimizer, evaluate: Callable[[], torch.Tensor],
                 current: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
@@ -493,27 +388,27 @@ class Runner:
         if self.finite(losses.values(), grads):
             self.state.skipped_in_row = 0
             return
-        what = nonfinite.describe(losses, self.named_parameters())
+        what = nonfinite.describe(losses, self.config.named_parameters())
         where = f"before optimizer {name!r} stepped" if name is not None and self.routed else \
             "before the optimizer step"
-        if self.on_nonfinite == "error":
+        if self.settings.on_nonfinite == "error":
             raise NonFiniteError(
                 f"step {step}: {what}. The step was abandoned {where} ({self.undo.report()}). To find the cause "
                 "run with debug=default (anomaly detection names the backward operation that made the first NaN), "
                 "lower the learning rate or set trainer.grad_clip; trainer.on_nonfinite=skip skips such steps "
                 "instead", step)
-        state = self.state
-        if state.skipped_in_row >= self.max_skipped:
+        state, most = self.state, self.settings.max_skipped
+        if state.skipped_in_row >= most:
             raise NonFiniteError(
                 f"step {step}: {what}, and the {state.skipped_in_row} steps before it were skipped for the same "
-                f"reason (trainer.max_skipped={self.max_skipped}): training diverged, this is not a rare bad "
+                f"reason (trainer.max_skipped={most}): training diverged, this is not a rare bad "
                 "batch. Resume from an earlier checkpoint with a lower learning rate or trainer.grad_clip", step)
         state.skipped_in_row += 1
         state.skipped += 1
         self.skipped_losses = dict(losses)  # what the step shows, in manual mode too (its step did not return)
         left = "nothing updated" if not self.undo.unsaved else self.undo.report()
         log.warning("step %d skipped, %s: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
-                    step, left, what, state.skipped, state.skipped_in_row, self.max_skipped)
+                    step, left, what, state.skipped, state.skipped_in_row, most)
         raise SkipStep
 
     # -- failure -------------------------------------------------------------------------------
@@ -523,7 +418,8 @@ class Runner:
         autograd call made after an optimizer update of the step: the guard's explanation)."""
         stepped = {name: self.optimizers[name] for name in self.stepped}
         # the parameters' versions before the undo changes them: they name the one an in-place error is about
-        versions = [(name, p, p._version) for name, p in self.named_parameters()] if stepped else []
+        named = self.config.named_parameters()
+        versions = [(name, p, p._version) for name, p in named] if stepped else []
         report = self.abandon()
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
@@ -545,49 +441,55 @@ class Runner:
             self.dist.reset()
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        for _, p in self.named_parameters():  # the model's parameters outside the optimizers too
+        for _, p in self.config.named_parameters():  # the model's parameters outside the optimizers too
             p.grad = None
         return report
 
+    def rerun(self, batch) -> set[str] | None:
+        """Re-run ``training_step`` on ``batch`` recording how the graph was lost (the error path only).
+        RNG state and module buffers are put back afterwards, and manual ``self.backward`` / ``self.step``
+        do nothing meanwhile, so the re-run changes nothing."""
+        if batch is None or self.diagnosing:
+            return None
+        model = self.config.model
+        rng = torch.get_rng_state()
+        buffers = {k: v.clone() for k, v in model.named_buffers()} if model is not None else {}
+        self.diagnosing = True
+        recorder = Recorder()
+        try:
+            # the re-run only records how the graph was lost; its own failure adds nothing
+            with suppress(Exception), recorder, self.config.autocast():
+                self.config.training_step(batch)
+        finally:
+            self.diagnosing = False
+            torch.set_rng_state(rng)
+            for k, v in model.named_buffers() if model is not None else ():
+                v.copy_(buffers[k])
+        return recorder.seen
 
-def _add_values(total: dict[str, torch.Tensor], losses: Mapping[str, torch.Tensor]) -> None:
-    for name, loss in losses.items():
-        value = loss.data  # the value without the graph (cheaper than detach())
-        total[name] = total[name] + value if name in total else value
-
-
-def zero_grad(opt: torch.optim.Optimizer) -> None:
-    """``opt.zero_grad(set_to_none=True)``. Where ``zero_grad`` is torch's own, what it does (every gradient
-    to None) without the profiler range it opens: that range alone costs ~5 µs a call on CPU, a few
-    percent of a small model's step. With a profiler running, ``zero_grad`` itself, so that traces show it."""
-    if type(opt).zero_grad is not _zero_grad or "zero_grad" in vars(opt) or _profiling():
-        opt.zero_grad(set_to_none=True)
-        return
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = None
-
-
-def accumulators(optimizers: Mapping[str, torch.optim.Optimizer], kept: Iterable) -> list:
-    """The AccumulateGrad node of every parameter the optimizers train; those in ``kept`` are reused
-    (getting a parameter's node makes another node to find it: ~4 µs each)."""
-    known = {id(node.variable): node for node in kept}  # a kept node holds its parameter: the id is its own
-    nodes = []
-    for opt in optimizers.values():
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    node = known.get(id(p))
-                    nodes.append(node if node is not None else torch.autograd.graph.get_gradient_edge(p).node)
-    return nodes
+    # -- what is reported once ---------------------------------------------------------------
+    def warn_unused(self, step: int, final: bool) -> None:
+        """After ``UNUSED_AFTER`` steps (or at the end), once: the optimizers no gradient reached and the
+        ``loss_weights`` keys that named no loss so far."""
+        if not (self.unreached or self.unweighted) or not (final or step >= UNUSED_AFTER):
+            return
+        for name in sorted(self.unreached):
+            if any(p.grad is not None for g in self.optimizers[name].param_groups for p in g["params"]):
+                continue  # reached: its gradients wait for a later self.step() (manual mode accumulating over steps)
+            warnings.warn(f"optimizer {name!r} has not updated anything in the {step} steps so far: no loss's "
+                          "gradient reached its parameters (is a loss returned, or self.backward(loss, "
+                          f"optimizer={name!r}) called, for it? are its parameters the ones the forward uses, "
+                          "with requires_grad?)", ConfigWarning, stacklevel=4)
+        if self.unweighted:
+            warnings.warn(f"loss_weights names {sorted(self.unweighted)}, but no loss of the {step} steps so "
+                          f"far had that name (the losses: {sorted(self.state.losses)}): the weight is not "
+                          "applied; fix the key", ConfigWarning, stacklevel=4)
+        self.unreached.clear()
+        self.unweighted.clear()
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS)."""
-    return _needs_closure(type(optimizer).step)
-
-
-@functools.lru_cache(maxsize=256)
-def _needs_closure(step: Callable) -> bool:
-    closure = inspect.signature(step).parameters.get("closure")
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
+

@@ -1,0 +1,95 @@
+"""``train_data`` and where a pass over it stands.
+
+``TrainData.steps`` gives each step its micro-batches (``grad_accum`` of them in a row; fewer at the
+end of a pass, as Lightning does: no update spans two passes), pass after pass, calling the epoch
+hooks and stepping the epoch schedulers at each pass's edges. After a resume it goes on mid-pass:
+an iterable that keeps its own position (``state_dict()`` / ``load_state_dict()``) from that
+position, any other re-drawn from the RNG states its pass started with and fast-forwarded past the
+batches already consumed (``safeloop.checkpoint.fast_forward``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+
+from . import checkpoint as ckpt
+from .callbacks import Hooks
+from .errors import ConfigError
+from .schedules import Schedules
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from .settings import Settings
+
+
+class TrainData:
+    """The Trainer's ``train_data`` (``data``), the pass it is in (``state.epoch``, ``state.batch_in_epoch``)
+    and, under torchrun, this rank's share of it (``shard``: see ``safeloop.distributed.Distributed.shard``)."""
+
+    def __init__(self, data: Iterable, state: TrainState):
+        self.data, self.state = data, state
+        self.epoch_rng: dict | None = None  # the RNG states the current pass's order was drawn from
+        self.shard: Callable[[Iterable], Iterable] | None = None
+        self._sharded: Iterable | None = None  # the data this rank's share was made as
+
+    def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
+        """Each step's micro-batches (``settings.grad_accum`` of them, as it was when this began), forever
+        or for ``settings.max_epochs`` passes."""
+        state, pending, grad_accum = self.state, [], settings.grad_accum
+        while settings.max_epochs is None or state.epoch < settings.max_epochs:
+            start = state.batch_in_epoch  # > 0: going on mid-pass (a resume)
+            if not start:  # before the pass draws anything: its RNG states are taken after the hook
+                hooks("on_epoch_start")
+                self.shard_again()
+            data = self.data
+            sampler = getattr(data, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(state.epoch)
+            if start and ckpt.stateful(data):  # it goes on from its own (loaded) position
+                batches = data
+            elif start:  # the order the pass had before the interruption, past the batches consumed
+                batches = ckpt.fast_forward(data, self.epoch_rng, start)
+            else:
+                self.epoch_rng = ckpt.epoch_start(data)
+                batches = data
+            empty = True
+            for i, batch in enumerate(batches, start):
+                empty = False
+                state.batch_in_epoch = i + 1
+                pending.append(batch)
+                if len(pending) == grad_accum:
+                    yield pending
+                    pending = []
+            if pending:
+                yield pending
+                pending = []
+            if empty and start == 0:
+                raise ConfigError(_no_batches(data, state.epoch))
+            # the pass is over (found when the next step asks for its batch): state.epoch is still its number
+            hooks("on_epoch_end")
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            schedules.after_epoch()
+
+    def shard_again(self) -> None:
+        """Under torchrun, data replaced since this rank's share was made (between fits, or by
+        ``on_epoch_start``): this rank's share of the new data."""
+        if self.shard is not None and self.data is not self._sharded:
+            self.data = self._sharded = self.shard(self.data)
+
+    def state_dict(self) -> dict:
+        return {"epoch_start": self.epoch_rng,
+                "iterable": self.data.state_dict() if ckpt.stateful(self.data) else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        ckpt.load_data(self.data, saved["iterable"])
+        self.epoch_rng = saved["epoch_start"]
+
+
+def _no_batches(data, epoch: int) -> str:
+    if epoch > 0 and iter(data) is data:
+        return (f"train_data is a {type(data).__name__}, an iterator that one pass uses up: epoch {epoch + 1} got "
+                "no batches. Pass something that can be iterated again (a DataLoader, a list, or an object whose "
+                "__iter__ returns a new generator each time), or set max_steps to at most the batches of one pass")
+    return "train_data yielded no batches: check the dataset and batch size"
