@@ -25,16 +25,18 @@ def main() -> None:
     """The ``safeloop`` command: ``run``, Hydra's entry point over ``configs/train.yaml`` (its ``--help``
     is ``hydra.help`` there). The overrides of a run or of ``--help`` are checked first, so that a bad one
     gets safeloop's words and exit code 2 rather than Hydra's report; the values are checked by the run
-    itself (``train``). Sweeps, ``--cfg`` and Hydra's other modes report their own errors.
+    itself (``train``), in the run directory Hydra has made. Sweeps, ``--cfg`` and Hydra's other modes
+    report their own errors.
     ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
     args = sys.argv[1:]
     if args[:1] == ["watch"]:  # no override is a bare word
         from .watch import main as watch
 
         sys.exit(watch(args[1:], prog="safeloop watch"))
-    if all(arg in ("-h", "--help") or not arg.startswith("-") and arg.split("=", 1)[0].lstrip("+~") != "hydra.mode"
-           for arg in args):
-        refusing(check_overrides, args)
+    flags = {arg for arg in args if arg.startswith("-")}
+    sweep = any(arg.split("=", 1)[0].lstrip("+~") == "hydra.mode" for arg in args)
+    if flags <= {"-h", "--help"} and not sweep:  # a run, or --help
+        refusing(check_overrides, [arg for arg in args if arg not in flags])
     run()
 
 
@@ -51,8 +53,8 @@ def refusing(func, *args):
         sys.exit(err.code)
 
 
-def check_overrides(args: list[str]) -> None:
-    problems, _ = composition([arg for arg in args if not arg.startswith("-")])
+def check_overrides(overrides: list[str]) -> None:
+    problems, _ = composition(overrides)
     if problems:
         raise ConfigError(problems)
 

@@ -45,8 +45,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     for group, schema in (("trainer", TrainerGroup), ("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         cs.store(group=group, name="schema", node=_schema(schema))
-    OmegaConf.register_new_resolver("safeloop.groups", replace=True, resolver=lambda: "".join(
-        f"  {group}: {', '.join(names)}\n" for group, names in options().items()))
+    OmegaConf.register_new_resolver("safeloop.groups", _options_text, replace=True)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
@@ -64,6 +63,10 @@ def _schema(cls) -> DictConfig:
 def options(config_dir: str | Path = CONFIG_DIR) -> dict[str, list[str]]:
     """Each config group and its options: the YAML files under ``config_dir`` (the schemas are no options)."""
     return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(Path(config_dir).iterdir()) if d.is_dir()}
+
+
+def _options_text() -> str:
+    return "".join(f"  {group}: {', '.join(names)}\n" for group, names in options().items())
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -244,12 +247,12 @@ def composition(overrides: Sequence[str], config_name: str = "train",
     """Every problem with the overrides themselves, and the config that those Hydra accepts make (None when
     one is no override or chooses no option: the others alone would compose a different run)."""
     register()
-    parsed, problems = [], []
-    for line in overrides:
+    parser, parsed, problems = OverridesParser.create(), [], []
+    for line in overrides:  # one at a time: every one that is no override is reported
         try:
-            parsed.append(OverridesParser.create().parse_override(line))
+            parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
-            problems.append(_first_lines(err))
+            problems.append(f"{line}: {_first_lines(err)}")
     groups = options(config_dir)
     problems += [problem for o in parsed for problem in _option_problems(o, groups)]
     if problems:
@@ -296,7 +299,8 @@ def _problem(o: Override, err: ConfigCompositionException, known: list[str]) -> 
         return (f"{o.input_line}: there is no config key {o.key_or_group!r}; {_closest(o.key_or_group, known)} "
                 f"(to add a new key on purpose, write +{o.input_line})")
     if isinstance(cause, ValidationError):
-        return f"{o.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of that type"
+        return (f"{o.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of "
+                "that type")
     return f"{o.input_line}: {_first_lines(err)}"
 
 
