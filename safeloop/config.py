@@ -212,18 +212,16 @@ def missing_values(cfg: DictConfig) -> list[str]:
     """One problem per required value (``???``) left unset (an interpolation of one is not reported again:
     resolving it would raise)."""
     return [f"{key} is required and not set (it is ??? in the config): give it, e.g. "
-            f"python -m safeloop {key}=VALUE" for key, value in _walk(cfg) if value == MISSING]
+            f"python -m safeloop {key}=VALUE" for key, value in _walk(OmegaConf.to_container(cfg, resolve=False))
+            if value == MISSING]
 
 
-def _walk(cfg: DictConfig) -> Iterator[tuple[str, Any]]:
-    """Every key path in ``cfg`` (``trainer``, ``trainer.max_steps``...) and its value, unresolved."""
-    def walk(tree: dict, prefix: str) -> Iterator[tuple[str, Any]]:
-        for key, value in tree.items():
-            yield f"{prefix}{key}", value
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-
-    return walk(OmegaConf.to_container(cfg, resolve=False), "")  # type: ignore[arg-type]
+def _walk(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every key path in a config as plain containers (``trainer``, ``trainer.max_steps``...) and its value."""
+    for key, value in tree.items():
+        yield f"{prefix}{key}", value
+        if isinstance(value, dict):
+            yield from _walk(value, f"{prefix}{key}.")
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train",
@@ -273,7 +271,7 @@ def composition(overrides: Sequence[str], config_name: str = "train",
                 kept.append(o.input_line)
             except ConfigCompositionException as err:
                 refused.append((o, err))
-    known = list(dict.fromkeys([key for key, _ in _walk(cfg)] + list(groups)))
+    known = list(dict.fromkeys([key for key, _ in _walk(OmegaConf.to_container(cfg, resolve=False))] + list(groups)))
     return [_problem(o, err, known) for o, err in refused], cfg
 
 
