@@ -1,4 +1,4 @@
-"""Config schemas (Hydra ConfigStore) and ``train(cfg)``, the run a config describes.
+"""Config schemas (Hydra ConfigStore), ``compose(overrides)`` with safeloop's errors, and ``train(cfg)``.
 
 The schemas (``safeloop.settings``, where every setting's default lives) make a typo or a
 wrong type fail at start-up with the key path (``trainer.max_stepz``); ``train`` is kept apart
@@ -12,22 +12,22 @@ import inspect
 import logging
 import pydoc
 import random
-import re
 import sys
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import ConfigCompositionException
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.utils import get_class, instantiate
 from lightning_utilities.core.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from . import distributed
 from .errors import ConfigError
@@ -40,9 +40,12 @@ _print = rank_zero_only(print)  # one report per job under torchrun
 
 
 def register() -> None:
+    """What composing safeloop's configs takes: the schemas of the ``trainer``, ``guard`` and ``checkpoint``
+    groups, and the ``safeloop.groups`` resolver that ``--help`` (``hydra.help`` in train.yaml) lists them with."""
     cs = ConfigStore.instance()
     for group, schema in (("trainer", TrainerGroup), ("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         cs.store(group=group, name="schema", node=_schema(schema))
+    OmegaConf.register_new_resolver("safeloop.groups", _options_text, replace=True)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
@@ -52,9 +55,18 @@ def _schema(cls) -> DictConfig:
     their keys are names the user chooses, their values keep their type)."""
     node = OmegaConf.structured(cls)
     for key in node:
-        if isinstance(node._get_node(key), DictConfig):
+        if isinstance(node[key], DictConfig):
             OmegaConf.set_struct(node[key], False)
     return node
+
+
+def options(config_dir: str | Path = CONFIG_DIR) -> dict[str, list[str]]:
+    """Each config group and its options: the YAML files under ``config_dir`` (the schemas are no options)."""
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(Path(config_dir).iterdir()) if d.is_dir()}
+
+
+def _options_text() -> str:
+    return "".join(f"  {group}: {', '.join(names)}\n" for group, names in options().items())
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -197,40 +209,30 @@ def _instantiate(node: DictConfig, where: str) -> Any:
 
 
 def missing_values(cfg: DictConfig) -> list[str]:
-    """One problem per required value (``???``) left unset."""
+    """One problem per required value (``???``) left unset (an interpolation of one is not reported again:
+    resolving it would raise)."""
     return [f"{key} is required and not set (it is ??? in the config): give it, e.g. "
-            f"python -m safeloop {key}=VALUE" for key in _missing(cfg)]
+            f"python -m safeloop {key}=VALUE" for key, value in _walk(OmegaConf.to_container(cfg, resolve=False))
+            if value == MISSING]
 
 
-def _missing(cfg: DictConfig, prefix: str = "") -> list[str]:
-    """Keys set to ``???`` (an interpolation of one is not reported again: resolving it would raise)."""
-    out = []
-    for key in cfg.keys():
-        node = cfg._get_node(key)
-        if node._is_interpolation():
-            continue
-        if node._is_missing():
-            out.append(f"{prefix}{key}")
-        elif isinstance(node, DictConfig) and not node._is_none():
-            out += _missing(node, f"{prefix}{key}.")
-    return out
+def _walk(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every key path in a config as plain containers (``trainer``, ``trainer.max_steps``...) and its value."""
+    for key, value in tree.items():
+        yield f"{prefix}{key}", value
+        if isinstance(value, dict):
+            yield from _walk(value, f"{prefix}{key}.")
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train",
             config_dir: str | Path = CONFIG_DIR) -> DictConfig:
     """``hydra.compose`` with safeloop's errors, for programs, notebooks and the command line.
 
-    Every bad override is reported in one ``ConfigError``: an unknown key with the closest
-    known keys ("did you mean"), a wrong type with the key and what was expected, a
-    required value left ``???``, a value its ``_target_`` does not take (``check``).
+    Every problem is reported in one ``ConfigError``: a group option that does not exist, an
+    unknown key with the closest known keys ("did you mean"), a wrong type with the key and what
+    was expected, a required value left ``???``, a value its ``_target_`` does not take (``check``).
     """
-    register()
-    overrides = list(overrides)
-    missing = unknown_options(overrides, config_dir)
-    if missing:  # Hydra would leave the optional group out without a word
-        raise ConfigError(missing)
-    with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        problems, cfg = _compose_reporting(config_name, overrides)
+    problems, cfg = composition(overrides, config_name, config_dir)
     if cfg is not None:
         problems += check(cfg)
     if problems:
@@ -238,92 +240,84 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train",
     return cfg
 
 
-def unknown_options(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> list[str]:
-    """``experiment=gann``: an option an optional group (``experiment``, ``debug``) does not have
-    (Hydra leaves such a group out silently; a group that is not optional it reports itself), and
-    ``optimizer=null`` (which Hydra answers with a bare ValueError)."""
-    config_dir = Path(config_dir)
-    defaults = OmegaConf.load(config_dir / "train.yaml").defaults
-    optional = [key.split()[1] for d in defaults if isinstance(d, DictConfig) for key in d
-                if key.startswith("optional ")]
-    groups = {d.name for d in config_dir.iterdir() if d.is_dir()}
-    problems = []
-    for o in OverridesParser.create().parse_overrides(list(overrides)):
-        value, group = o.value(), o.key_or_group
-        names = sorted(f.stem for f in (config_dir / group).glob("*.yaml")) if group in groups else []
-        if group in groups and value is None and not o.is_delete():
-            problems.append(f"{o.input_line}: a config group takes one of its options ({', '.join(names)})"
-                            + (f"; ~{group} leaves it out" if group in optional else ""))
-        if group in optional and not o.is_delete() and isinstance(value, str):
-            if value not in names:
-                close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
-                problems.append(f"{o.input_line}: {group} has no option {value!r}; "
-                                + (f"did you mean {group}={close[0]}? " if close else "")
-                                + f"options: {', '.join(names)}")
-    return problems
-
-
-def _compose_reporting(config_name: str, overrides: list[str]) -> tuple[list[str], DictConfig | None]:
-    """Compose, dropping each override Hydra rejects, until it works; a problem for each one dropped."""
-    failed: list[tuple[Any, ConfigCompositionException]] = []
-    remaining = OverridesParser.create().parse_overrides(overrides)
-    while True:
+def composition(overrides: Sequence[str], config_name: str = "train",
+                config_dir: str | Path = CONFIG_DIR) -> tuple[list[str], DictConfig | None]:
+    """Every problem with the overrides themselves, and the config that those Hydra accepts make (None when
+    one is no override or chooses no option: the others alone would compose a different run)."""
+    register()
+    parser, parsed, problems = OverridesParser.create(), [], []
+    for line in overrides:  # one at a time: every one that is no override is reported
         try:
-            cfg = hydra.compose(config_name, overrides=[o.input_line for o in remaining])
-            break
-        except ConfigCompositionException as err:
-            head = str(err).splitlines()[0] if str(err) else ""
-            # the override itself where the error quotes it (trainer.max_steps=2 ... trainer.max_steps=abc), else its key
-            culprit = next((o for o in remaining if o.input_line in head), None) or next(
-                (o for o in remaining if re.search(rf"\b{re.escape(o.key_or_group)}\b", head)), None)
-            if culprit is None:  # nothing to drop: report Hydra's own words
-                return [_first_lines(err)], None
-            failed.append((culprit, err))
-            remaining.remove(culprit)
-    known = list(dict.fromkeys(_paths(cfg) + [p.name for p in CONFIG_DIR.iterdir() if p.is_dir()]))
-    return [_problem(o, err, known) for o, err in failed], cfg
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as err:
+            problems.append(f"{line}: {_first_lines(err)}")
+    groups = options(config_dir)
+    problems += [problem for o in parsed for problem in _option_problems(o, groups)]
+    if problems:
+        return problems, None
+    # Hydra applies the group choices before the keys, whatever their order: a key that a chosen option
+    # brings (experiment=gan model.noise_dim=4) is then there when the key is tried alone, below.
+    parsed.sort(key=lambda o: o.key_or_group not in groups)
+    with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        try:
+            return [], hydra.compose(config_name, overrides=[o.input_line for o in parsed])
+        except ConfigCompositionException:
+            pass
+        # Every override at fault, not only the first: each one tried on the config of those that compose.
+        cfg, kept, refused = hydra.compose(config_name), [], []
+        for o in parsed:
+            try:
+                cfg = hydra.compose(config_name, overrides=[*kept, o.input_line])
+                kept.append(o.input_line)
+            except ConfigCompositionException as err:
+                refused.append((o, err))
+    known = list(dict.fromkeys([key for key, _ in _walk(OmegaConf.to_container(cfg, resolve=False))] + list(groups)))
+    return [_problem(o, err, known) for o, err in refused], cfg
 
 
-def _problem(override, err: ConfigCompositionException, known: list[str]) -> str:
+def _option_problems(o: Override, groups: dict[str, list[str]]) -> list[str]:
+    """``optimizer=adamm``: an option the group does not have (Hydra leaves an optional group such as
+    ``experiment`` out without a word), with the closest one; ``optimizer=null`` (a bare ValueError)."""
+    group, value = o.key_or_group, o.value()
+    if group not in groups or o.is_delete() or not (value is None or isinstance(value, str)) or value in groups[group]:
+        return []
+    names = ", ".join(groups[group])
+    if value is None:
+        return [f"{o.input_line}: a config group takes one of its options ({names})"]
+    close = difflib.get_close_matches(value, groups[group], n=1, cutoff=0.6)
+    return [f"{o.input_line}: {group} has no option {value!r}; "
+            + (f"did you mean {group}={close[0]}? " if close else "") + f"options: {names}"]
+
+
+def _problem(o: Override, err: ConfigCompositionException, known: list[str]) -> str:
+    """What OmegaConf found wrong with an override Hydra refused, in safeloop's words where they add
+    something (the closest keys, how to add a key on purpose); Hydra's own words otherwise."""
     cause = err.__cause__
-    key = override.key_or_group
-    if "not in" in str(cause) or "No match in the defaults list" in str(err):
-        # the same section first (a shared "trainer." prefix would make every sibling look close)
-        parent, _, leaf = key.rpartition(".")
-        siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
-        close = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
-        if not close:  # a key of another section: trainer.hidden -> model.hidden
-            leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in known}, n=3, cutoff=0.8)
-            close = [k for k in known if k.rpartition(".")[2] in leaves][:3]
-        hint = f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "") \
-            if close else "python -m safeloop --cfg job lists every key"
-        return (f"{override.input_line}: there is no config key {key!r}; {hint} "
-                f"(to add a new key on purpose, write +{override.input_line})")
-    options = re.search(r"Available options in '(.+)':\n((?:\t.*\n)+)", str(err))
-    if options:  # group=option with no such option: Hydra's list of the options, and the closest one
-        names = options[2].split()
-        close = difflib.get_close_matches(str(override.value()), names, n=1, cutoff=0.6)
-        return (f"{override.input_line}: {options[1]} has no option {override.value()!r}; "
-                + (f"did you mean {options[1]}={close[0]}? " if close else "") + f"options: {', '.join(names)}")
-    if isinstance(cause, OmegaConfBaseException):
-        return f"{override.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of that type"
-    return f"{override.input_line}: {_first_lines(err)}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return (f"{o.input_line}: there is no config key {o.key_or_group!r}; {_closest(o.key_or_group, known)} "
+                f"(to add a new key on purpose, write +{o.input_line})")
+    if isinstance(cause, ValidationError):
+        return (f"{o.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of "
+                "that type")
+    return f"{o.input_line}: {_first_lines(err)}"
+
+
+def _closest(key: str, known: list[str]) -> str:
+    """"did you mean" the known keys closest to ``key``: its own section's first (a shared ``trainer.``
+    prefix would make every sibling look close), then any section's (``trainer.lr`` -> ``optimizer.lr``)."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+    close = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
+    if not close:
+        leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in known}, n=3, cutoff=0.8)
+        close = [k for k in known if k.rpartition(".")[2] in leaves][:3]
+    if not close:
+        return "python -m safeloop --cfg job lists every key"
+    return f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "")
 
 
 def _first_lines(err: Exception) -> str:
     return " ".join(line.strip() for line in str(err).splitlines()[:3] if line.strip())
-
-
-def _paths(cfg, prefix: str = "") -> list[str]:
-    """Every key path in ``cfg`` (``trainer``, ``trainer.max_steps``...), values unresolved."""
-    out = []
-    for key in cfg.keys():
-        path = f"{prefix}{key}"
-        out.append(path)
-        node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            out += _paths(node, path + ".")
-    return out
 
 
 def train(cfg: DictConfig) -> Trainer:

@@ -4,7 +4,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from lightning_utilities.core.imports import RequirementCache
+
 from .errors import ConfigError
+
+HAVE_TENSORBOARD = RequirementCache("tensorboard")
 
 
 class CSVLogger:
@@ -30,10 +34,9 @@ class CSVLogger:
 
 class TensorBoardLogger:
     def __init__(self, run_dir: str | Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install tensorboard") from None
+        if not HAVE_TENSORBOARD:
+            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
         self.path = Path(run_dir) / "tensorboard"
         self._writer = SummaryWriter(str(self.path))
 

@@ -21,8 +21,9 @@ class SweepTable(Callback):
         self.runs: list[tuple[list[str], dict[str, float] | None]] = []
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        done = job_return.status == JobStatus.COMPLETED and isinstance(job_return._return_value, dict)
-        self.runs.append((list(job_return.overrides or []), job_return._return_value if done else None))
+        # a failed job's return_value raises its error: Hydra reports that error itself
+        value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        self.runs.append((list(job_return.overrides or []), value if isinstance(value, dict) else None))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.runs:
