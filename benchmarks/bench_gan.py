@@ -39,25 +39,17 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3, betas=(0.5, 0.999))
 
 
-def clear_directly(opt: torch.optim.Optimizer) -> None:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = None
-
-
 class HandGAN:
     """The recipe's ``training_step`` (``GANTrainer``), line for line, with PyTorch's own backward and step.
 
-    ``direct``: gradients cleared with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does).
     ``undoable``: also what the Trainer's step promises on top, written by hand: D's backward limited to
     D's parameters (``inputs=``) and a copy of D's parameters and Adam state before D's update (what a
     failure later in the step would restore), one ``torch.cat`` into a buffer kept between steps."""
 
-    def __init__(self, model: GAN, data, routed: bool, opts: dict, direct: bool = False, undoable: bool = False):
+    def __init__(self, model: GAN, data, routed: bool, opts: dict, undoable: bool = False):
         self.model, self.data, self.routed, self.undoable = model, data, routed, undoable
         self.opt_d, self.opt_g = opts["d"], opts["g"]
         self.g_params, self.d_params = list(model.g.parameters()), list(model.d.parameters())
-        self.clear = clear_directly if direct else lambda opt: opt.zero_grad(set_to_none=True)
         self.copy: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def save_d(self) -> None:
@@ -83,7 +75,7 @@ class HandGAN:
                 d_loss.backward()
             self.opt_d.step()
             if self.routed:  # zeroed right after each step, as the Trainer does (see workloads.HandLoop)
-                self.clear(self.opt_d)
+                self.opt_d.zero_grad(set_to_none=True)
             else:
                 self.opt_g.zero_grad(set_to_none=True)
             d_fake = gan.d(fake)
@@ -91,7 +83,7 @@ class HandGAN:
             g_loss.backward(inputs=self.g_params if self.routed else None)
             self.opt_g.step()
             if self.routed:
-                self.clear(self.opt_g)
+                self.opt_g.zero_grad(set_to_none=True)
         self.opt_d.zero_grad(set_to_none=True)  # the DCGAN step leaves D gradients; the next system starts clean
 
 
@@ -125,7 +117,6 @@ def measure(rounds: int, steps: int) -> dict[str, Median]:
     systems = {"hand": HandGAN(model, data, routed=True, opts=opts),
                "dcgan": HandGAN(model, data, routed=False, opts=opts),
                "safeloop": TrainerGAN(model, data, opts),
-               "hand, p.grad = None": HandGAN(model, data, routed=True, opts=opts, direct=True),
                "hand, undoable": HandGAN(model, data, routed=True, opts=opts, undoable=True)}
     for fn in systems.values():  # warm up: allocator, optimizer state, the guard's checked warm-up steps
         fn()
@@ -161,9 +152,7 @@ def run(quick: bool) -> list[dict]:
     steps = 10 if quick else 40  # rounds of about 0.2 s per system (see bench_overhead)
     runs = [measure(5, steps)] if quick else in_processes(PROCESSES, 21, steps)
     return [
-        across("GAN step (manual mode) vs hand-written step, same routing", runs, "safeloop", "hand", 1.03, steps),
-        across("GAN step (manual mode) vs hand-written step clearing with p.grad = None, same routing", runs,
-               "safeloop", "hand, p.grad = None", None, steps),
+        across("GAN step (manual mode) vs hand-written step, same routing", runs, "safeloop", "hand", 1.05, steps),
         across("GAN step (manual mode) vs DCGAN-example step", runs, "safeloop", "dcgan", None, steps),
         across("GAN step (manual mode) vs hand-written step that also routes D's backward and copies D's state "
                "before its update (the work undo=auto and routing add)", runs, "safeloop", "hand, undoable", None,

@@ -52,27 +52,20 @@ class HandLoop:
     It zeroes gradients right after the optimizer step, as the Trainer does: both then
     free gradient memory between steps, so neither pays for the other's allocations.
     The systems a benchmark compares share one model and optimizer (``opt``): the same
-    tensors at the same addresses, so that memory layout favours neither. ``direct``: clear the
-    gradients with ``p.grad = None`` instead of ``zero_grad`` (as the Trainer does, without the
-    profiler range ``zero_grad`` opens).
+    tensors at the same addresses, so that memory layout favours neither.
     """
 
-    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None, direct: bool = False):
+    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None):
         self.model, self.data = model, data
         self.opt = opt or sgd(model)
-        self.params = [p for g in self.opt.param_groups for p in g["params"]] if direct else None
 
     def __call__(self):
-        model, opt, params = self.model, self.opt, self.params
+        model, opt = self.model, self.opt
         for x, y in self.data:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
-            if params is None:
-                opt.zero_grad(set_to_none=True)
-            else:
-                for p in params:
-                    p.grad = None
+            opt.zero_grad(set_to_none=True)
 
 
 class TrainerLoop:

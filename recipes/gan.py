@@ -118,7 +118,8 @@ class GANTrainer(Trainer):
 
     def configure_optimizers(self):
         # The configured optimizer, once for each network.
-        return {"d": self.make_optimizer(self.model.d.parameters()), "g": self.make_optimizer(self.model.g.parameters())}
+        gan = self.model
+        return {"d": self.make_optimizer(gan.d.parameters()), "g": self.make_optimizer(gan.g.parameters())}
 
     def training_step(self, batch):
         (real,) = batch

@@ -286,8 +286,8 @@ class Trainer:
     def _finish(self) -> None:
         """The end of ``fit``: a last validation and checkpoint, ``on_fit_end`` and the loss curves
         (a run stopped by a signal saves, and does nothing else)."""
-        history = self.state.val_history
-        if self.stop_signal is None and self.val_data is not None and (not history or history[-1][0] != self.state.step):
+        last = self.state.val_history[-1][0] if self.state.val_history else None
+        if self.stop_signal is None and self.val_data is not None and last != self.state.step:
             # before the final checkpoint, so that it holds the last metrics; with the random state put
             # back (a DataLoader draws a seed), as a run that goes on would not have validated here
             rng = ckpt.rng_state()
@@ -295,15 +295,14 @@ class Trainer:
             ckpt.set_rng_state(rng)
         if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
             self.save_checkpoint()
-        if self.stop_signal is not None:
-            return
-        self._hooks("on_fit_end")
-        if self.run_dir is not None and self.loggers:
-            curves.draw_logged(self.run_dir)
+        if self.stop_signal is None:
+            self._hooks("on_fit_end")
+            if self.loggers:  # there are none without a run directory
+                curves.draw_logged(self.run_dir)
 
     @property
     def retain_plans(self) -> dict[tuple[tuple[str, ...], bool], int]:
-        """Which backwards of several losses retained the graph: ``{(their losses, walked by the guard): first step}``."""
+        """Which backwards of several losses retained the graph: ``{(those losses, walked): first step}``."""
         return self._runner.retain_plans if self._runner is not None else {}
 
     @property
@@ -393,9 +392,8 @@ class Trainer:
         self._hooks("on_load_checkpoint", checkpoint)
 
     def _parts(self) -> ckpt.Parts:
-        manual_ranks = self.dist if self.dist is not None and not self.automatic else None
         return ckpt.Parts(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
-                          self.state, self._data, gather=manual_ranks)
+                          self.state, self._data, gather=None if self.automatic else self.dist)
 
     def _need_setup(self, method: str) -> None:
         if not self.optimizers:
@@ -415,8 +413,7 @@ class Trainer:
             if self.precision == "16":
                 self.scaler = torch.amp.GradScaler("cuda")
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)
-        hooks = self._hooks
-        hooks.bind(self.callbacks)
+        self._hooks.bind(self.callbacks)
         forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
             if not self._shared:
@@ -426,7 +423,7 @@ class Trainer:
                 self._shared, self._data.shard = True, self.dist.shard
             self._data.shard_again()
             self.dist.attach(self.model, self.optimizers, self.training_step, self.settings, self.automatic,
-                             per_backward_hooks=hooks.has("on_before_backward", "on_after_backward"))
+                             per_backward_hooks=self._hooks.has("on_before_backward", "on_after_backward"))
             self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 forward = self.dist.forward  # training_step runs inside DDP's forward
@@ -438,13 +435,12 @@ class Trainer:
                       parameters=lambda: trained)
         self._runner = Runner(StepConfig(
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
-            undo=self._undo, hooks=hooks, guard=self.guard, state=self.state, training_step=self.training_step,
+            undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
             forward=forward, autocast=partial(autocast, self.precision, self.device),
             move=self.to_device if self.device.type != "cpu" else None,  # DataLoader batches are on the CPU
             scope=scope, named_parameters=self._named_parameters, model=self.model, precision=self.precision,
             scaler=self.scaler, dist=self.dist), previous=self._runner)
-        zero = self.dist is None or self.dist.is_zero
-        self.loggers = make_loggers(self.settings.loggers, self.run_dir) if zero else []
+        self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]
