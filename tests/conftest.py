@@ -57,8 +57,8 @@ def manual(cls):
 
 
 def unchecked(cls):
-    """``cls`` with the guard off unless a test sets it: from its second step on, every plain step (one loss,
-    one optimizer, nothing in between) runs in the Runner's loop of simple steps, not in the general step."""
+    """``cls`` with the guard off unless a test sets it: no step is walked, so each mistake must be explained
+    from backward's own error (or caught by checks that need no walk)."""
     class Unchecked(cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{"guard": {"check": "off"}, **kwargs})

@@ -253,7 +253,7 @@ class Interrupt(Callback):
 
 
 class InterruptedInStep(Trainer):
-    """Sends itself ``signum`` during step 3; no hooks, and with the guard off: a simple step."""
+    """Sends itself ``signum`` during step 3; no hooks, and with the guard off: an unchecked step."""
 
     signum = signal.SIGTERM
 
@@ -264,7 +264,7 @@ class InterruptedInStep(Trainer):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("where", ["callback", "simple step"])
+@pytest.mark.parametrize("where", ["callback", "unchecked step"])
 def test_a_signal_finishes_the_step_saves_and_stops(tmp_path, signum, where):
     before = signal.getsignal(signum)
     if where == "callback":

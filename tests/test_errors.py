@@ -132,7 +132,7 @@ class Returns(Trainer):
     (lambda loss: loss.detach(), "loss has no autograd graph (step {}, loss 'loss'): it was built from detached "
                                  "tensors (.detach()), which cuts the graph"),
 ])
-@pytest.mark.parametrize("at", [1, 3], ids=["first step", "a simple step"])  # the guard off: steps 2, 3 are simple
+@pytest.mark.parametrize("at", [1, 3], ids=["first step", "a later step"])  # the guard off: no step is walked
 def test_training_step_output_errors(output, message, at):
     t = Returns(output, at, guard={"check": "off"})
     with pytest.raises(SafeloopError, match=re.escape(message.format(at))):
@@ -153,9 +153,8 @@ def test_a_loss_key_naming_no_optimizer():
 # -- a failed step changes nothing (automatic and manual mode: one step cycle) ------------------
 @pytest.fixture(params=["automatic", "unchecked", "manual"])
 def mode(request):
-    """Makes a Trainer class run in the parametrized mode: automatic (the guard checks its first steps, which
-    run through the general step), automatic and unchecked (plain steps run in the loop of simple steps) or
-    manual."""
+    """Makes a Trainer class run in the parametrized mode: automatic (the guard checks its first steps),
+    automatic and unchecked (the guard walks no step) or manual."""
     return {"automatic": lambda cls: cls, "unchecked": unchecked, "manual": manual}[request.param]
 
 

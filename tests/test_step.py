@@ -492,10 +492,9 @@ class OneCycle(Trainer):
 ManualOneCycle = manual(OneCycle)
 
 
-# check=off: from its second step on, the automatic step runs in the Runner's loop of simple steps;
-# check=always: the general step
+# check=off: no step is walked; check=always: every step is
 @pytest.mark.parametrize("cls, check", [(OneCycle, "off"), (OneCycle, "always"), (ManualOneCycle, "auto")],
-                         ids=["automatic-simple", "automatic-checked", "manual"])
+                         ids=["automatic-unchecked", "automatic-checked", "manual"])
 def test_a_failing_scheduler_step_is_undone_in_full_and_reported_in_auto(cls, check):
     def fit(undo, steps):
         torch.manual_seed(0)

@@ -74,6 +74,23 @@ def test_hooks_fire_in_documented_order():
     assert calls == ["on_fit_start", "on_validation_end", *step, *step, "on_validation_end", "on_fit_end"]
 
 
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_a_hook_set_on_the_instance_is_called(mode):
+    """``trainer.on_step_end = fn`` (and any hook) works as an override in the class does, and a later fit
+    sees a hook set between fits."""
+    calls = []
+    cls = Trainer if mode == "automatic" else manual(Trainer)
+    trainer = cls(model=MLP(8, 8, 1), train_data=loader(dataset(32)), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                  max_steps=2, device="cpu", progress=False)
+    trainer.on_step_end = lambda losses: calls.append(("step end", trainer.state.step, sorted(losses)))
+    trainer.fit()
+    trainer.on_before_optimizer_step = lambda name, opt: calls.append(("before step", name))
+    trainer.max_steps = 3
+    trainer.fit()
+    assert calls == [("step end", 1, ["loss"]), ("step end", 2, ["loss"]), ("before step", "optimizer"),
+                     ("step end", 3, ["loss"])]
+
+
 def test_gradient_accumulation_equals_one_big_batch():
     ds = dataset(32)
     torch.manual_seed(4)
