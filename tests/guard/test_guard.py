@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, Guard, InplaceModificationError,
-                      Trainer)
+from safeloop import CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError, Trainer
+from safeloop.guard.guard import Guard
 
 from ..conftest import manual, subprocess_env
 
