@@ -41,14 +41,20 @@ def _probe_sequence_nr() -> int:
         return _probe.view(()).grad_fn._sequence_nr() + 1
 
 
-# The number the next node of this thread will get: 0.3 µs to read, against ~5 µs for a probe node.
+def _no_sequence_nr() -> int:
+    return 0  # no node numbers: nodes are told apart by the marks walks leave (see ``walk``)
+
+
+# sequence_now(): the autograd node counter of this thread now (the number the next node will get):
+# nodes made earlier have smaller numbers. Read directly where PyTorch offers it: 0.3 µs, against ~5 µs
+# for a probe node.
 CHEAP_PEEK = HAS_SEQ and hasattr(torch._C._autograd, "_get_sequence_nr")
-_peek = torch._C._autograd._get_sequence_nr if CHEAP_PEEK else _probe_sequence_nr
-
-
-def sequence_now() -> int:
-    """The autograd node counter of this thread now: nodes made earlier have smaller numbers."""
-    return _peek() if HAS_SEQ else 0
+if CHEAP_PEEK:
+    sequence_now = torch._C._autograd._get_sequence_nr
+elif HAS_SEQ:
+    sequence_now = _probe_sequence_nr
+else:
+    sequence_now = _no_sequence_nr
 
 
 def _saved(node) -> tuple[tuple[str, str], ...]:
