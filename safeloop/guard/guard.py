@@ -344,11 +344,13 @@ class Guard:
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
     def _before_step(self, nodes, case: Case, iteration: int | None = None) -> bool:
-        """The verdict on the nodes made before the step that a loss reaches: raises or warns by the
-        first rule below that applies; returns whether the loss's backward must retain the graph.
-        Made during an earlier step (carried): ``_freed_in_iteration``, ``_carried_and_kept``, else
-        a one-step lag (see ``_why_carried``). Built before training: ``_reused``, ``_shared_stale``.
-        ``iteration``: see ``preflight``."""
+        """Judge the nodes made before the step that the loss reaches, by the verdicts below in order (each
+        states its rule): raises or warns where one applies; returns whether the loss's backward must retain
+        the graph. ``iteration``: see ``preflight``.
+
+        Made during an earlier step: ``_freed_in_iteration``, ``_carried_and_kept``; a one-step lag is fine
+        (``_why_carried``). Built before training: ``_reused`` (saves tensors), ``_shared_stale`` (saves none).
+        """
         carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
         if carried:
             why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None)

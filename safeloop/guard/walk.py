@@ -115,8 +115,8 @@ def sequence_nr(node) -> int:
 
 
 def iter_nodes(*roots, stop: Callable[[Any], bool] | None = None, seen: set | None = None) -> Iterator:
-    """Each node below ``roots`` once (the roots first, each even if ``seen`` has it), depth first
-    through ``next_functions``. A node for which ``stop`` is true is neither yielded nor walked below.
+    """Each node below ``roots`` (and the roots, even one ``seen`` has) once, depth first through
+    ``next_functions``. A node for which ``stop`` is true is neither yielded nor walked below.
     ``seen``: the nodes met so far, shared with other walks (it grows); ``itertools.islice`` bounds a
     walk of a graph that may be huge."""
     seen = set() if seen is None else seen

@@ -287,8 +287,8 @@ def test_messages_speak_of_the_loop_and_of_training_step_once_a_trainer_sets_its
     scale = model(torch.ones(1, 4)).sum()  # built before the guard
     guard = GraphGuard(model)
     assert guard.guard.words is LOOP and Guard().words is TRAINER
-    with pytest.raises(GraphReuseError, match=r"built before the step \(before the loop\).*recompute `scale` inside the "
-                                              r"loop.*pass trace=True to GraphGuard"):
+    with pytest.raises(GraphReuseError, match=r"built before the step \(before the loop\).*recompute `scale` "
+                                              r"inside the loop.*pass trace=True to GraphGuard"):
         guard.check((model(data[0]) * scale).pow(2).mean())
     guard.guard.words = TRAINER
     with pytest.raises(GraphReuseError, match=r"built before the step \(in __init__, at module level or before fit\)"
