@@ -1,4 +1,6 @@
 """safeloop: a PyTorch training loop that keeps the autograd graph's lifecycle safe."""
+import warnings
+
 from .callbacks import Callback
 from .errors import (
     CarriedGraphError,
@@ -18,14 +20,25 @@ from .errors import (
     SafeloopError,
     StepError,
 )
-from .guard import GraphGuard, Guard
+from .guard import GraphGuard
 from .state import TrainState
 from .trainer import Trainer
 
 __all__ = [
-    "Callback", "GraphGuard", "Guard", "Trainer", "TrainState",
+    "Callback", "GraphGuard", "Trainer", "TrainState",
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "Guard":  # the guard's engine, once exported here
+        from .guard.guard import Guard
+
+        warnings.warn("safeloop.Guard is the guard's internal engine: use safeloop.GraphGuard in a plain loop, "
+                      "or Trainer(guard={...}) (or Trainer(guard=GraphGuard(...))) with the Trainer",
+                      DeprecationWarning, stacklevel=2)
+        return Guard
+    raise AttributeError(f"module 'safeloop' has no attribute {name!r}")

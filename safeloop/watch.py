@@ -66,7 +66,7 @@ class Watch:
         torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = backward, backward_fn, grad
         # from an optimizer's step() on, a step ends at each optimizer step: the backwards an L-BFGS closure runs
         # inside step() are that step's (the post hook ends it)
-        self.hooks = (register_optimizer_step_pre_hook(lambda *_: self.guard._optimizer_stepping()),
+        self.hooks = (register_optimizer_step_pre_hook(lambda *_: self.guard.optimizer_stepping()),
                       register_optimizer_step_post_hook(self.stepped))
         return self
 
@@ -97,7 +97,7 @@ class Watch:
             main = vars(sys.modules["__main__"])
             name = next((k for k, v in main.items() if v is optimizer), f"{type(optimizer).__name__} #{len(self.names) + 1}")
             self.names[id(optimizer)] = name
-        self.guard._optimizer_stepped(name)
+        self.guard.optimizer_stepped(name)
 
     def first_step(self, frame) -> None:
         """Where the first step began: after the tensors the script's training loop did not make.
@@ -107,11 +107,11 @@ class Watch:
         above the loop): the first step starts after the newest of them. Without such a loop, the
         first step is all the script did before its first backward.
         """
-        self.guard._main = vars(sys.modules["__main__"])
+        self.guard.search_globals(vars(sys.modules["__main__"]))
         start = loop_start(frame, self.script)
-        guard = self.guard.guard
-        if start is not None and start > guard.fit_seq:
-            guard.fit_seq = guard.next_start = start
+        engine = self.guard.guard
+        if start is not None and start > engine.fit_seq:
+            engine.start_fit(at=start)
 
 
 def loop_start(frame, filename: str) -> int | None:
@@ -144,7 +144,7 @@ def loop_start(frame, filename: str) -> int | None:
     held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
     held += [a for v in held for k, a in _fields(v).items() if k not in attributes]
-    seqs = [v.grad_fn._sequence_nr() for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
+    seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from safeloop import ConfigError, Guard, Trainer
+from safeloop import ConfigError, Trainer
 from safeloop.config import CONFIG_DIR, build, compose
+from safeloop.guard.guard import Guard
 from safeloop.settings import CheckpointSettings, GuardSettings, Settings, TrainerGroup, names
 
 

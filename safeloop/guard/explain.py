@@ -75,9 +75,8 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterato
             for key, val in vars(mod).items():
                 if not key.startswith("_"):
                     yield from _items(val, f"{base}.{key}")
-            for key, val in mod._buffers.items():
-                if val is not None:
-                    yield f"{base}.{key}", val
+            for key, val in mod.named_buffers(recurse=False):
+                yield f"{base}.{key}", val
         return
     fields = dict(vars(obj))
     for cls in type(obj).__mro__[:-1]:  # class-level state too (``history = []`` in the class body)

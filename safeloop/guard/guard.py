@@ -1,11 +1,12 @@
 """The graph-lifecycle guard: pre-flight checks before backward, explanations after.
 
-One ``Guard`` lives in a Trainer. It sees only what it is handed: the losses, the step
-number, the batch and a ``Scope`` (the roots to search for the tensor at fault, the
-trained parameters, a re-run for diagnosis). Per step the Trainer's step calls, in order:
-``begin_step`` (decides whether this step is checked and reads the node counter),
-``preflight`` (before any backward: raises or warns, and says which backwards must
-retain the graph), ``explain`` (only when a backward raised), ``end_step`` (leaks).
+The engine: one ``Guard`` lives in a Trainer, or in a ``GraphGuard`` (a plain loop's), and is
+internal to them. It sees only what it is handed: the losses, the step number, the batch and a
+``Scope`` (the roots to search for the tensor at fault, the trained parameters, a re-run for
+diagnosis). Per step its caller calls, in order: ``begin_step`` (decides whether this step is
+checked and reads the node counter), ``preflight`` (before any backward: raises or warns, and says
+which backwards must retain the graph), ``explain`` (only when a backward raised), ``end_step``
+(leaks). Its messages use the caller's ``words`` (see ``words.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -37,13 +40,13 @@ from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
 from .explain import Scope
 from .render import render
-from .walk import CHEAP_PEEK, _peek
+from .walk import CHEAP_PEEK, sequence_nr
+from .words import TRAINER, Words
 
 log = logging.getLogger("safeloop.guard")
 
 _SENTINEL = "safeloop_sentinel"
 _FIRST_SEEN = "safeloop_first_seen"  # node.metadata: the step that first found a node made before it
-_TRACE_HINT = "set guard.trace=true (anomaly mode) to have the error name the line that created it"
 
 
 def _average(mean: float | None, sample: float) -> float:
@@ -57,13 +60,26 @@ class _Sentinel:
     __slots__ = ("__weakref__",)
 
 
+@dataclass(frozen=True)
+class Case:
+    """The loss being judged, and what explaining a mistake in it may search."""
+
+    name: str
+    loss: torch.Tensor
+    step: int
+    scope: Scope | None = None
+    batch: Any = None
+
+
 class Guard:
-    """Checks the autograd graph of every loss the Trainer back-propagates.
+    """Checks the autograd graph of every loss its caller (a Trainer, a ``GraphGuard``) back-propagates.
 
     Args:
-        on_reuse / check / trace / warmup / budget: the guard's settings, each documented with
+        on_reuse / check / trace / warmup / budget / ignore: the guard's settings, each documented with
             its default in ``safeloop.settings.GuardSettings`` (also the ``guard`` config group).
         out_dir: where graph pictures are written on error.
+        words: how messages name the caller's code (``words.TRAINER``, ``words.LOOP``); the attribute
+            ``words`` may be set later, by a caller taking over a guard another one made.
     """
 
     def __init__(
@@ -75,8 +91,10 @@ class Guard:
         budget: float = GUARD_DEFAULTS.budget,
         out_dir: str | Path | None = None,
         ignore: tuple[str, ...] = (),
+        words: Words = TRAINER,
     ):
         self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)
+        self.words = words
         self.ignored = _check_names(ignore)
         self._regions: list[tuple[int, int, frozenset]] = []  # node numbers made inside ignore() regions
         self._active: list[frozenset] = []  # the ignore() regions running now
@@ -138,13 +156,13 @@ class Guard:
                     fit = self.fit_seq if self.fit_seq is not None else 0
                     self._regions = [r for r in self._regions[:-128] if r[0] < fit] + self._regions[-128:]
 
-    def _off(self, check: str, node=None) -> bool:
+    def is_off(self, check: str, node=None) -> bool:
         """Whether ``check`` is turned off: for the run, in the running region, or for ``node``."""
         if check in self.ignored or any(check in names for names in self._active):
             return True
         if node is None or not self._regions or not walk.HAS_SEQ:
             return False
-        seq = node._sequence_nr()
+        seq = sequence_nr(node)
         return any(a <= seq < b and check in names for a, b, names in self._regions)
 
     # -- schedule ------------------------------------------------------------------
@@ -152,13 +170,14 @@ class Guard:
         """Wraps the whole fit: anomaly mode when ``trace`` is on."""
         return torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext()
 
-    def start_fit(self) -> None:
-        self.fit_seq = self.next_start = walk.sequence_now()
+    def start_fit(self, at: int | None = None) -> None:
+        """Training starts now, or at node counter ``at``: a graph made before it was built before training."""
+        self.fit_seq = self.next_start = walk.sequence_now() if at is None else at
 
     def step_done(self) -> None:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
         if CHEAP_PEEK:
-            self.next_start = _peek()
+            self.next_start = walk.sequence_now()
         if self._held is not None:
             self._look_back()
 
@@ -167,7 +186,7 @@ class Guard:
         self.prev_seq = self.start_seq
         if CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             # where the last step ended (see ``step_done``): a graph made while fetching the batch is this step's
-            self.start_seq = _peek() if self.next_start is None else self.next_start
+            self.start_seq = walk.sequence_now() if self.next_start is None else self.next_start
         else:
             self.start_seq = None  # read below if checked
         if step < self.next_timed and not self.timed:  # most steps: neither checked nor timed, as the last
@@ -193,6 +212,12 @@ class Guard:
         else:
             self.thorough = False
         return True
+
+    def last_step_from(self, seq: int) -> None:
+        """The last step began at node counter ``seq`` if that is earlier than where it began (for the one-step
+        lag, see ``_why_carried``): a plain loop whose updates each end a step counts its iteration as one."""
+        if self.prev_seq is not None:
+            self.prev_seq = min(self.prev_seq, seq)
 
     def record_step_time(self, step: int, seconds: float) -> None:
         """Feed the measured time of a timed ``step``; after a checked one, plan the next check.
@@ -247,7 +272,7 @@ class Guard:
         t0 = time.perf_counter()
         try:
             retain = self._preflight(losses, step, scope, batch, iteration)
-            if first and self.thorough and scope is not None and not self._off("consumed"):
+            if first and self.thorough and scope is not None and not self.is_off("consumed"):
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
         finally:
@@ -289,7 +314,7 @@ class Guard:
                 group[find(i)] = find(owner[id(root)])
                 continue
             found = walk.walk(root, self.start_seq, step, seen)
-            if self._consumed and not self._off("consumed"):
+            if self._consumed and not self.is_off("consumed"):
                 self._check_ran(found.nodes, name, loss, step, scope)
             if len(losses) == 1:
                 self._walked = (name, root, found.nodes)
@@ -302,12 +327,12 @@ class Guard:
                             group[find(i)] = find(j)
                         if id(nxt) in kept:
                             retain[i] = True
-            if found.before and self._before_step(found.before, name, loss, step, scope, batch, iteration):
+            if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch), iteration):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
                 continue
-            if not self._off("consumed"):
+            if not self.is_off("consumed"):
                 self._check_consumed(found.nodes, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
                 sentinel = _Sentinel()
@@ -318,49 +343,71 @@ class Guard:
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
-    def _before_step(self, nodes, name, loss, step, scope, batch, iteration=None) -> bool:
-        """Nodes made before the step: carried (earlier step) or reused (before training); ``iteration``:
-        see ``preflight``."""
-        def made_before_fit(node) -> bool:
-            if self.fit_seq is not None and walk.HAS_SEQ:
-                return node._sequence_nr() < self.fit_seq
-            return walk.node_step(node) in (None, 1)  # fallback: first seen in the first step
+    def _before_step(self, nodes, case: Case, iteration: int | None = None) -> bool:
+        """Judge the nodes made before the step that the loss reaches, by the verdicts below in order (each
+        states its rule): raises or warns where one applies; returns whether the loss's backward must retain
+        the graph. ``iteration``: see ``preflight``.
 
-        carried = [n for n in nodes if not made_before_fit(n) and not self._off("carried", n)]
-        why = _carried(carried, self.prev_seq if walk.HAS_SEQ else None) if carried else None
-        if why is _FREED and iteration is not None and carried[0]._sequence_nr() >= iteration:
-            # freed by an earlier backward of the same loop iteration (a GAN's D loss on an undetached fake)
-            raise self._error(DoubleBackwardError, carried[0], name, loss, step, scope, batch,
+        Made during an earlier step: ``_freed_in_iteration``, ``_carried_and_kept``; a one-step lag is fine
+        (``_why_carried``). Built before training: ``_reused`` (saves tensors), ``_shared_stale`` (saves none).
+        """
+        carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
+        if carried:
+            why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None)
+            if why is not None:
+                self._freed_in_iteration(carried[0], why, case, iteration)
+                self._carried_and_kept(carried[0], why, case)
+        reused = [n for n in nodes if self._before_fit(n) and not self.is_off("reuse", n)]
+        if not reused:
+            return False
+        # A graph built before training is judged by everything below the node the step reaches: an
+        # operation that saves nothing (an add, a squeeze) can sit on top of one that does (a matmul).
+        below = [(n, *walk.below(n)) for n in reused]
+        saving = [(n, saver, leaves) for n, saver, leaves in below if saver is not None]
+        if saving:
+            return self._reused(*saving[0], case)
+        node, _, leaves = below[0]
+        self._shared_stale(node, leaves, case)
+        return False
+
+    def _before_fit(self, node) -> bool:
+        """Whether ``node`` was made before training started (or, without node numbers, first seen in step 1)."""
+        if self.fit_seq is not None and walk.HAS_SEQ:
+            return sequence_nr(node) < self.fit_seq
+        return walk.node_step(node) in (None, 1)
+
+    def _freed_in_iteration(self, node, why: str, case: Case, iteration: int | None) -> None:
+        """Freed in this loop iteration -> DoubleBackwardError. In a plain loop whose steps end at each
+        update, a graph made earlier in the same iteration, whose saved tensors an earlier backward of the
+        iteration freed (a GAN's D loss on an undetached fake), is the iteration's own, not carried."""
+        if why is _FREED and iteration is not None and sequence_nr(node) >= iteration:
+            raise self._error(DoubleBackwardError, node, case,
                 "the loss reaches {node}, made earlier in this loop iteration and held by {holder}; an earlier "
                 "backward of the iteration already freed its saved tensors, so this backward would fail with "
                 "'Trying to backward through the graph a second time'",
                 ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, as "
                  "a GAN's discriminator loss uses the generator's output)",
                  "if both losses need its gradient, pass retain_graph=True to the earlier backward"], trace_hint=True)
-        if why is not None:
-            kept, holder = self._kept(carried[0], loss, step, scope, batch)
-            if kept:
-                raise self._error(CarriedGraphError, carried[0], name, loss, step, scope, batch,
-                    "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                    ["detach the carried state at the end of each step (`{detached}`) "
-                     "so each step back-propagates through its own graph only (truncated BPTT)",
-                     "recompute it inside training_step from its inputs"], trace_hint=True, holder=holder)
-        # a one-step lag (made after the last update) is fine
-        nodes = [n for n in nodes if made_before_fit(n) and not self._off("reuse", n)]
-        if not nodes:
-            return False
-        # A graph built before training is judged by everything below the node the step reaches: an
-        # operation that saves nothing (an add, a squeeze) can sit on top of one that does (a matmul).
-        below = [(n, *walk.below(n)) for n in nodes]
-        saving = [(n, saver, leaves) for n, saver, leaves in below if saver is not None]
-        if not saving:
-            node, _, leaves = below[0]
-            self._stale(node, leaves, name, loss, step, scope, batch)
-            return False
-        node, saver, leaves = saving[0]
+
+    def _carried_and_kept(self, node, why: str, case: Case) -> None:
+        """Carried from an earlier step and kept -> CarriedGraphError (``why``: see ``_why_carried``). Not kept
+        (a node another thread made in this step, see ``_kept``): no verdict."""
+        kept, holder = self._kept(node, case)
+        if kept:
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
+                ["detach the carried state at the end of each step (`{detached}`) "
+                 "so each step back-propagates through its own graph only (truncated BPTT)",
+                 f"recompute it inside {self.words.place} from its inputs"], trace_hint=True, holder=holder)
+
+    def _reused(self, node, saver, leaves, case: Case) -> bool:
+        """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
+        with ``on_reuse=error`` or once its tensors are freed; else retained per ``on_reuse`` (returns True),
+        said once per node type (``warn``: a GraphSharingWarning; ``retain``: the log). Not kept (see
+        ``_kept``): no verdict."""
         freed = walk.is_freed(walk.unpack_error(saver))
         if self.on_reuse == "error" or freed:
-            kept, holder = self._kept(node, loss, step, scope, batch)
+            kept, holder = self._kept(node, case)
             if not kept:
                 return False
             state = ("an earlier backward already freed its saved tensors, so this backward would fail"
@@ -369,46 +416,49 @@ class Guard:
                      "'Trying to backward through the graph a second time'")
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
             # detaching stops the gradient into the leaves below: right only if that is what was meant
-            into = f" (no gradient through it into {explain.leaf_names(leaves, scope)})" if leaves else ""
-            fixes = ["recompute `{code}` inside training_step, so every step builds its own graph",
+            into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
+            fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                      f"if it is meant as a constant{into}, store `{{code}}.detach()` instead",
                      "do not pass retain_graph=True: it would back-propagate the same stale graph every step"]
-            raise self._error(GraphReuseError, node, name, loss, step, scope, batch,
-                "the loss reaches {node}, built before the step (in __init__, at module level or before "
-                "fit) and held by {holder}" + saves + "; " + state, fixes, trace_hint=True, holder=holder)
+            raise self._error(GraphReuseError, node, case,
+                f"the loss reaches {{node}}, built before the step ({self.words.before}) and held by {{holder}}"
+                + saves + "; " + state, fixes, trace_hint=True, holder=holder)
         key = f"retain:{type(node).__name__}"
         if key not in self._warned:
             self._warned.add(key)
             msg = (f"reusing a graph built before the step ({type(node).__name__}); guard.on_reuse={self.on_reuse} "
                    "retains it: it stays in memory and receives gradient every step")
             if self.on_reuse == "warn":
-                warnings.warn(GraphSharingWarning(msg, step=step, loss_name=name, node_name=type(node).__name__,
-                                                  holder=explain.find_holder(node, scope, batch, scan_gc=False)),
-                              stacklevel=4)
-            log.info("step %d, loss '%s': %s", step, name, msg)
+                warnings.warn(GraphSharingWarning(msg, step=case.step, loss_name=case.name,
+                                                  node_name=type(node).__name__,
+                                                  holder=explain.find_holder(node, case.scope, case.batch,
+                                                                             scan_gc=False)),
+                              stacklevel=5)
+            log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
 
-    def _stale(self, node, leaves, name, loss, step, scope, batch) -> None:
-        """A graph built before training that saves nothing: backward through it works every step. Only
-        when it was computed from trained parameters is it likely wrong: its value does not follow them.
-        (Built from inputs that require grad, it is a fixed input the program differentiates against.)"""
-        trained = _trained(leaves, scope)
+    def _shared_stale(self, node, leaves, case: Case) -> None:
+        """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
+        type). Backward through it works every step, but its value does not follow the parameters. (Built
+        from inputs that require grad, it is a fixed input the program differentiates against: no verdict.)"""
+        trained = _trained(leaves, case.scope)
         key = f"share:{type(node).__name__}"
         if not trained or key in self._warned:
             return
         self._warned.add(key)
-        holder = explain.find_holder(node, scope, batch, scan_gc=False)
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False)
         code = _code(holder)
         warnings.warn(GraphSharingWarning(
             f"the loss reaches {type(node).__name__}, built before training started from the trained "
-            f"{explain.leaf_names(trained, scope)} and held by {f'`{holder}`' if holder else 'a tensor made outside the step'}; "
-            "its value does not follow their updates. It saves no tensors, so backward works, but it is not "
-            "recomputed",
-            step=step, loss_name=name, node_name=type(node).__name__, holder=holder,
-            fixes=[f"compute `{code or 'it'}` inside training_step, so it follows the parameters it is made from"]),
+            f"{explain.leaf_names(trained, case.scope)} and held by "
+            f"{f'`{holder}`' if holder else 'a tensor made outside the step'}; its value does not follow their "
+            "updates. It saves no tensors, so backward works, but it is not recomputed",
+            step=case.step, loss_name=case.name, node_name=type(node).__name__, holder=holder,
+            fixes=[f"compute `{code or 'it'}` inside {self.words.place}, so it follows the parameters it is made "
+                   "from"]),
             stacklevel=5)
 
-    def _kept(self, node, loss, step, scope, batch) -> tuple[bool, str | None]:
+    def _kept(self, node, case: Case) -> tuple[bool, str | None]:
         """Whether ``node``, numbered before the step, really outlived an earlier step; and its holder.
 
         Node numbers are per thread: a node another thread made in this step (a thread pool,
@@ -417,11 +467,11 @@ class Guard:
         shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die.)
         """
-        holder = explain.find_holder(node, scope, batch, scan_gc=False, loss=loss)
-        first = node.metadata.setdefault(_FIRST_SEEN, step) == step
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss)
+        first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         if first and holder is None:
             return False, None
-        return True, holder or explain.find_holder(node, scope, batch)
+        return True, holder or explain.find_holder(node, case.scope, case.batch)
 
     def backward_done(self, retained: bool, inputs=None) -> None:
         """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the
@@ -435,17 +485,17 @@ class Guard:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
         t0 = time.perf_counter()
         for earlier, root, ran, inputs in self._consumed:
-            shared = [n for n in nodes if n in ran and walk.holds_tensors(n) and not self._off("consumed", n)]
+            shared = [n for n in nodes if n in ran and walk.holds_tensors(n) and not self.is_off("consumed", n)]
             if shared and inputs is not None:  # backward(inputs=...) runs only the paths to its inputs
                 ran = walk.runs(root, inputs)
                 shared = [n for n in shared if n in ran]
             if shared:
                 self.spent += time.perf_counter() - t0
-                raise self._error(DoubleBackwardError, shared[0], name, loss, step, scope, None,
+                raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope),
                     f"the loss reaches {{node}}, held by {{holder}}, which the backward of '{earlier}' in this step "
                     "already ran without retain_graph, freeing its saved tensors: both losses share that graph",
-                    [f"pass retain_graph=True to the backward of '{earlier}' (self.backward(loss, ..., "
-                     "retain_graph=True)), as every backward through a shared graph but the last needs",
+                    [f"pass retain_graph=True to the backward of '{earlier}' ({self.words.retain}), as every "
+                     "backward through a shared graph but the last needs",
                      "compute `{code}` again for the second loss, if it must see the updated parameters"],
                     holder=explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
                     or explain.find_holder(shared[0], scope, None))
@@ -457,28 +507,38 @@ class Guard:
             if walk.holds_tensors(node):
                 err = walk.unpack_error(node, first=True)
                 if walk.is_freed(err):
-                    raise self._error(DoubleBackwardError, node, name, loss, step, scope, None,
+                    raise self._error(DoubleBackwardError, node, Case(name, loss, step, scope),
                         "its graph was already back-propagated without retain_graph (its saved tensors are "
-                        "freed): training_step, a hook or an earlier loss called backward on it",
-                        ["do not call loss.backward() in training_step: return the loss and the Trainer "
-                         "runs backward (or drive the step yourself with self.backward / self.step)",
-                         "if two losses share a graph, return them together as a dict and the Trainer "
-                         "retains the graph where needed"])
+                        f"freed): {self.words.consumed_by}", [self.words.once, self.words.shared])
                 return  # the first node that saves tensors tells: a backward frees them all
+
+    def check_again(self, name: str, loss: torch.Tensor, step: int, scope: Scope | None, done: int) -> None:
+        """Before another backward on ``loss``, whose graph a backward without retain_graph ran in step
+        ``done``: a DoubleBackwardError when that backward freed tensors the graph saved (nothing saved,
+        nothing freed: a second backward through it works)."""
+        saver, _ = walk.below(loss.grad_fn)
+        if saver is None or self.is_off("consumed") or not walk.is_freed(walk.unpack_error(saver, first=True)):
+            return
+        when = "earlier in this step" if done == step else f"in step {done}"
+        raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope),
+            f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
+            "retain_graph, which freed the saved tensors of its graph",
+            [self.words.once, "if a second backward through the same graph is meant, pass retain_graph=True to "
+             "every backward but the last"])
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
         params = list(scope.parameters()) if scope is not None else []
         if loss.is_inference():
             why = "it was computed under torch.inference_mode()"
-            fixes = ["remove torch.inference_mode() from training_step (keep it for evaluation)"]
+            fixes = [f"remove torch.inference_mode() from {self.words.place} (keep it for evaluation)"]
         elif params and not any(p.requires_grad for p in params):
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
                      "leave the frozen model out of training"]
         else:
             seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
-            why, fixes = _why_detached(seen)
+            why, fixes = _why_detached(seen, self.words)
         return NoGraphError(
             f"{why}, so backward has nothing to differentiate (loss is a {loss.dtype} tensor with "
             "requires_grad=False and no grad_fn)", step=step, loss_name=name, fixes=fixes)
@@ -492,33 +552,32 @@ class Guard:
         text = str(err)
         start = self.start_seq
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
+        case = Case(name, loss, step, scope, batch)
         if walk.is_freed(err):
             if before:
                 checking, self.checking = self.checking, True
                 try:
-                    self._before_step(before, name, loss, step, scope, batch, iteration)
+                    self._before_step(before, case, iteration)
                 except GraphLifecycleError as explained:
                     return explained
                 finally:
                     self.checking = checking
-            return self._error(DoubleBackwardError, None, name, loss, step, scope, batch,
+            return self._error(DoubleBackwardError, None, case,
                 "backward reached a graph whose saved tensors an earlier backward already freed (" +
                 text.split(".")[0] + ")",
-                ["do not call backward on the same loss twice, nor in training_step; return the loss",
-                 "if several losses share a graph, return them together as a dict and the Trainer retains "
-                 "the graph where needed",
-                 "compute tensors used by every step inside training_step, or store them detached"])
+                [self.words.twice, self.words.shared,
+                 f"compute tensors used by every step inside {self.words.place}, or store them detached"])
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
-            saving = [n for n in before if (iteration is None or n._sequence_nr() < iteration)
+            saving = [n for n in before if (iteration is None or sequence_nr(n) < iteration)
                       and walk.is_inplace(walk.unpack_error(n))]
             if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
-                return self._error(InplaceModificationError, saving[0], name, loss, step, scope, batch,
+                return self._error(InplaceModificationError, saving[0], case,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
                     f"saved ({tensor}) was since changed in place (optimizer steps update parameters in place), "
                     "so a graph kept across steps goes stale and retain_graph cannot help",
-                    ["recompute `{code}` inside training_step, so every step builds its own graph",
+                    [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                      "if it is a constant input, store `{code}.detach()` instead"])
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
@@ -533,9 +592,9 @@ class Guard:
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
                          ".clone() the tensor before changing it"]
                 if not self.trace:
-                    fixes.append("set guard.trace=true (anomaly mode): PyTorch then prints the traceback of the "
-                                 "forward call whose saved tensor was changed")
-            err = self._error(InplaceModificationError, None, name, loss, step, scope, batch, detail, fixes)
+                    fixes.append(f"{self.words.trace}: PyTorch then prints the traceback of the forward call whose "
+                                 "saved tensor was changed")
+            err = self._error(InplaceModificationError, None, case, detail, fixes)
             err.node_name = node_name
             return err
         if "does not require grad" in text:
@@ -583,15 +642,15 @@ class Guard:
         with ``inputs`` only those backward will run (on a path to an input).
         Returns PyTorch's error and the optimizers that stepped after that node was made.
         """
-        if self._off("inplace"):
+        if self.is_off("inplace"):
             return None
         newest = max(stepped.values())
         t0 = time.perf_counter()
         try:
             ran = None
             for node in walk.walk(loss.grad_fn, start_seq, 0).nodes:
-                made = node._sequence_nr()
-                if made < newest and walk.holds_tensors(node) and not self._off("inplace", node):
+                made = sequence_nr(node)
+                if made < newest and walk.holds_tensors(node) and not self.is_off("inplace", node):
                     if inputs is not None:
                         ran = walk.runs(loss.grad_fn, inputs) if ran is None else ran
                         if node not in ran:
@@ -635,7 +694,7 @@ class Guard:
         """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
         step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
         holder was named then). A holder whose earlier graph is gone replaced it: this step's is its new one."""
-        if not refs or self._off("leak"):
+        if not refs or self.is_off("leak"):
             return []
         out = []
         for ref in refs:
@@ -672,10 +731,13 @@ class Guard:
                                    module_globals=frame.f_globals)
 
     # -- messages ------------------------------------------------------------------------
-    def _error(self, cls, node, name, loss, step, scope, batch, detail, fixes,
-               trace_hint: bool = False, holder: str | None = ...) -> GraphLifecycleError:
+    def _error(self, cls, node, case: Case, detail: str, fixes: list[str], trace_hint: bool = False,
+               holder: str | None = ...) -> GraphLifecycleError:
+        """The error ``cls`` about ``node`` (None: no node in particular) in ``case``'s loss, with its picture.
+        ``detail`` and ``fixes`` may name ``{node}``, ``{holder}`` (``holder``: found when not given),
+        ``{code}`` (the holder's expression) and ``{detached}`` (the statement that detaches it)."""
         if holder is ...:
-            holder = explain.find_holder(node, scope, batch) if node is not None else None
+            holder = explain.find_holder(node, case.scope, case.batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
         code = _code(holder) or "tensor"
         names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
@@ -688,12 +750,12 @@ class Guard:
         if line:
             detail += f"; it was created at {line}"
         elif trace_hint and not self.trace:
-            fixes = fixes + [_TRACE_HINT]
+            fixes = fixes + [f"{self.words.trace} to have the error name the line that created it"]
         picture = None
         with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
-            picture = render(loss.grad_fn, self.out_dir / f"step{step}_{name}.dot", [node] if node is not None else (),
-                             holder)
-        return cls(detail, step=step, loss_name=name, node_name=node_name, holder=holder,
+            picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
+                             [node] if node is not None else (), holder)
+        return cls(detail, step=case.step, loss_name=case.name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
 
 
@@ -719,16 +781,8 @@ def _trained(leaves, scope) -> list:
 
 def _leak_holder(sentinel, scope) -> str:
     for name, tensor in explain.candidates(scope):
-        fn = tensor.grad_fn
-        stack, seen = [fn], set()
-        while stack and len(seen) < 20_000:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.metadata.get(_SENTINEL) is sentinel:
-                return f"`{name}`"
-            stack.extend(n for n, _ in node.next_functions)
+        if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
+            return f"`{name}`"
     return "a reference kept outside the step (a list, a global, a closure)"
 
 
@@ -736,23 +790,19 @@ _FREED = ("an earlier backward already freed the saved tensors of its graph, so 
           "'Trying to backward through the graph a second time'")
 
 
-def _carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
-    """Why a graph made during an earlier step is a mistake, or None when it is a one-step lag: made
-    during the last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``),
-    from nothing older, with no buffer freed yet, so this step's backward is its first and only one."""
-    freed = grows = False
-    old = prev_seq is None or any(n._sequence_nr() < prev_seq for n in nodes)
-    stack, seen = list(nodes), set()
-    while stack and len(seen) < limit and not freed:
-        node = stack.pop()
-        if node is None or type(node) is walk.ACCUMULATE or node in seen:
+def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
+    """Why a graph made during an earlier step is a mistake: its saved tensors are freed (``_FREED``), it grows
+    every step, or every step back-propagates it again. None for a one-step lag, which is fine: made during the
+    last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``), from nothing older, with
+    no buffer freed yet, so this step's backward is its first and only one."""
+    old = prev_seq is None or any(sequence_nr(n) < prev_seq for n in nodes)
+    grows = False
+    for node in islice(walk.iter_nodes(*nodes), limit):
+        if type(node) is walk.ACCUMULATE:
             continue
-        seen.add(node)
-        grows = grows or (prev_seq is not None and node._sequence_nr() < prev_seq and node not in nodes)
-        freed = walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
-        stack.extend(n for n, _ in node.next_functions)
-    if freed:
-        return _FREED
+        if walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True)):
+            return _FREED
+        grows = grows or (prev_seq is not None and sequence_nr(node) < prev_seq and node not in nodes)
     if grows:
         return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "
                 "time with it)")
@@ -781,7 +831,7 @@ class Recorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _why_detached(seen: set[str] | None) -> tuple[str, list[str]]:
+def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
     if seen and "no_grad" in seen:
         return ("it was computed under torch.no_grad() (or with grad mode disabled)",
                 ["compute the loss outside torch.no_grad(); keep no_grad for evaluation only"])
@@ -794,4 +844,4 @@ def _why_detached(seen: set[str] | None) -> tuple[str, list[str]]:
                  "(detach only what must not receive gradient, e.g. fake samples in a GAN's D step)"])
     return ("it does not depend on any tensor that requires grad (computed under no_grad, from detached "
             "or .item() values, or from inputs only)",
-            ["make sure the loss is computed from the model's output inside training_step, with grad enabled"])
+            [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled"])

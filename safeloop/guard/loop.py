@@ -20,7 +20,6 @@ script through one of these.
 """
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -28,44 +27,16 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, DoubleBackwardError, GraphLifecycleError, StepError
+from ..errors import ConfigError, StepError
 from ..settings import GUARD_DEFAULTS, GuardSettings, read
 from . import walk
 from .explain import Scope
 from .guard import Guard
+from .words import LOOP
 
 _perf_counter = time.perf_counter
 _SEEN = "safeloop_backward_step"  # node.metadata of a loss's root: the last step that back-propagated it
 _DONE = "safeloop_freed_step"  # ... the step whose backward ran without retaining its graph
-
-# The Guard's messages speak of the Trainer; in a loop, the same advice in the loop's words.
-_LOOP_WORDS = [(re.compile(a), b) for a, b in (
-    (r"do not call loss\.backward\(\) in training_step: return the loss and the Trainer runs backward.*",
-     "call backward once per loss (compute the loss again for another backward)"),
-    (r"if (two|several) losses share a graph, return them together as a dict and the Trainer retains the graph "
-     r"where needed", "if several losses share a graph, pass retain_graph=True to every backward through it but "
-                      "the last"),
-    (r"do not call backward on the same loss twice, nor in training_step; return the loss",
-     "do not call backward on the same loss twice"),
-    (r"\(self\.backward\(loss, \.\.\., retain_graph=True\)\)", "(loss.backward(retain_graph=True))"),
-    (r"training_step, a hook or an earlier loss called backward on it", "an earlier backward of the step ran"),
-    (r"in __init__, at module level or before fit", "before the loop"),
-    (r"(inside|in|from) training_step", r"\1 the loop"),
-    (r"set guard\.trace=true \(anomaly mode\)",
-     "pass trace=True to GraphGuard (python -m safeloop.watch --trace; anomaly mode)"),
-)]
-
-
-def _in_loop_words(err: GraphLifecycleError) -> GraphLifecycleError:
-    def say(text: str) -> str:
-        for pattern, repl in _LOOP_WORDS:
-            text = pattern.sub(repl, text)
-        return text
-
-    err.detail, err.fixes = say(err.detail), [say(f) for f in err.fixes]
-    err.args = (err._message(),)
-    return err
-
 
 class GraphGuard:
     """Checks the autograd graph of the losses a plain training loop back-propagates.
@@ -81,6 +52,7 @@ class GraphGuard:
         out_dir: where graph pictures are written on error (default ``safeloop_graphs``).
 
     The ``Guard`` it drives is ``graph_guard.guard``; ``Trainer(guard=graph_guard)`` uses it too.
+    Its messages speak of the loop (``words.LOOP``).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizers: Any = None, *,
@@ -102,7 +74,7 @@ class GraphGuard:
         if problems:
             raise ConfigError(problems)
         self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
-                           ignore=tuple(settings.ignore), out_dir=out_dir)
+                           ignore=tuple(settings.ignore), out_dir=out_dir, words=LOOP)
         if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
             torch.autograd.set_detect_anomaly(True, check_nan=False)
         self.model = model
@@ -118,7 +90,7 @@ class GraphGuard:
         self._begun: dict[tuple | None, int] = {}
         self._first_site: tuple | None = None
         self._iteration_seq: int | None = None
-        self._main: dict | None = None  # more globals to search (a script's, under watch)
+        self._globals: dict | None = None  # more globals to search (a script's, under watch)
         self._timed, self._started, self._ended = False, 0.0, 0.0
         # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
         # hold the last step's loss until the next step replaces it, and a script's variables hold its
@@ -130,7 +102,7 @@ class GraphGuard:
         # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
         for name, opt in optimizers.items():
-            opt.register_step_post_hook(lambda *_, _name=name: self._optimizer_stepped(_name))
+            opt.register_step_post_hook(lambda *_, _name=name: self.optimizer_stepped(_name))
         # Before the first step: anything made until then was built before training. A
         # ``with guard.step()`` moves this to where it opens.
         self.guard.start_fit()
@@ -169,12 +141,12 @@ class GraphGuard:
                 self._first_site = self._site
             if self._site == self._first_site:
                 self._iteration_seq = guard.start_seq
-        if not explicit and len(self._recent) > 1 and guard.prev_seq is not None:
+        if not explicit and len(self._recent) > 1:
             # Several optimizers, a step ending at each one's update: the "last step" a value may come from
             # with its graph (see Guard's one-step lag: SAC's alpha = log_alpha.exp(), made after the last
             # update of an iteration, used by the next iteration's second loss) is the last loop iteration,
             # since the earliest of their last updates.
-            guard.prev_seq = min(guard.prev_seq, *self._recent.values())
+            guard.last_step_from(min(self._recent.values()))
         if self._timed:
             self._started = self._ended = _perf_counter()
 
@@ -190,11 +162,12 @@ class GraphGuard:
         if not lazily:
             guard.step_done()
 
-    def _optimizer_stepping(self) -> None:
+    def optimizer_stepping(self) -> None:
         """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
         self._by_optimizer = True
 
-    def _optimizer_stepped(self, name: str) -> None:
+    def optimizer_stepped(self, name: str) -> None:
+        """Optimizer ``name`` stepped: a step not marked by ``with guard.step()`` ends here."""
         self._recent[name] = walk.sequence_now()
         self._by_optimizer = True
         if self._open and not self._explicit:
@@ -246,8 +219,7 @@ class GraphGuard:
                 (name, loss), = losses.items()
                 found = guard.inplace_check(loss, stepped, guard.start_seq, _tensors(inputs))
                 if found is not None:
-                    raise _in_loop_words(guard.explain(found[0], name, loss, step, self.scope, None, found[1])) \
-                        from found[0]
+                    raise guard.explain(found[0], name, loss, step, self.scope, None, found[1]) from found[0]
         try:
             out = call(retain_graph)
         except RuntimeError as err:
@@ -280,14 +252,12 @@ class GraphGuard:
             done, refs = self._graphs.pop(0)
             for first, holder in guard.piled(done, refs, self.scope):
                 guard.warn_leak(first, done, holder, frame)
-        try:
-            if guard.checking:  # marks are made on checked steps (see _mark)
-                for name, loss in losses.items():
-                    if loss.grad_fn is not None and _DONE in loss.grad_fn.metadata:
-                        self._check_freed(name, loss, step)
-            return guard.preflight(losses, step, self.scope, iteration=self._iteration_start())
-        except GraphLifecycleError as err:
-            raise _in_loop_words(err) from err.__cause__
+        if guard.checking:  # marks are made on checked steps (see _mark)
+            for name, loss in losses.items():
+                done = loss.grad_fn.metadata.get(_DONE) if loss.grad_fn is not None else None
+                if done is not None:
+                    guard.check_again(name, loss, step, self.scope, done)
+        return guard.preflight(losses, step, self.scope, iteration=self._iteration_start())
 
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed
@@ -308,28 +278,13 @@ class GraphGuard:
             if self._timed:
                 self._ended = _perf_counter()
 
-    def _check_freed(self, name: str, loss: torch.Tensor, step: int) -> None:
-        """Backward again on a loss whose graph an earlier backward freed (without retain_graph)."""
-        saver, _ = walk.below(loss.grad_fn)
-        if saver is None or self.guard._off("consumed") or not walk.is_freed(walk.unpack_error(saver, first=True)):
-            return  # nothing saved, nothing freed: a second backward through it works
-        done = loss.grad_fn.metadata[_DONE]
-        when = "earlier in this step" if done == step else f"in step {done}"
-        raise self.guard._error(
-            DoubleBackwardError, loss.grad_fn, name, loss, step, self.scope, None,
-            f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
-            "retain_graph, which freed the saved tensors of its graph",
-            ["call backward once per loss (compute the loss again for another backward)",
-             "if a second backward through the same graph is meant, pass retain_graph=True to every backward "
-             "but the last"])
-
     def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int) -> Exception:
         """What to raise for backward's ``err``: the guard's explanation (caused by ``err``), or ``err``."""
         name, loss = next((n, t) for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad)
         stepped = []
         if self._recent and loss.grad_fn is not None and walk.HAS_SEQ:  # updates after the loss's graph began
             nodes = walk.walk(loss.grad_fn, 0, step).nodes
-            oldest = min(n._sequence_nr() for n in nodes)
+            oldest = min(walk.sequence_nr(n) for n in nodes)
             stepped = [n for n, seq in self._recent.items() if seq > oldest]
         # A step that an update ended inside a loop iteration (StyleGAN2's lazy R1: D steps, then the penalty
         # goes through the D(real) built before that step): the iteration's earlier graphs are not "kept across
@@ -337,7 +292,6 @@ class GraphGuard:
         explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, self._iteration_start())
         if explained is None:
             return err
-        explained = _in_loop_words(explained)
         explained.__cause__ = err
         return explained
 
@@ -347,6 +301,10 @@ class GraphGuard:
         return self._iteration_seq if not self._explicit and self._site != self._first_site else None
 
     # -- what messages may search --------------------------------------------------------------
+    def search_globals(self, namespace: Mapping[str, Any]) -> None:
+        """Search ``namespace`` too (a script's globals, under ``python -m safeloop.watch``) for the tensor at fault."""
+        self._globals = namespace
+
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
         out = []
         frame = self._frame
@@ -354,8 +312,8 @@ class GraphGuard:
             if frame.f_locals is not frame.f_globals:
                 out.append(("local", frame.f_locals))
             out.append(("global", frame.f_globals))
-        if self._main is not None and (frame is None or self._main is not frame.f_globals):
-            out.append(("global", self._main))
+        if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
+            out.append(("global", self._globals))
         return out
 
     def _parameters(self) -> list[torch.Tensor]:

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, Guard, InplaceModificationError,
-                      Trainer)
+import safeloop
+from safeloop import CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError, Trainer
+from safeloop.guard import walk
+from safeloop.guard.guard import Guard
 
 from ..conftest import manual, subprocess_env
 
@@ -458,3 +460,30 @@ def test_a_holder_only_the_garbage_collector_finds_is_named_so_and_looking_warns
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "an unnamed tensor (found by the garbage collector)\n" * 2
     assert proc.stderr.count("UserWarning") == 1, proc.stderr
+
+
+def test_one_walk_meets_each_node_once_and_not_below_where_it_is_told_to_stop():
+    w = torch.ones(3, requires_grad=True)
+    shared = w.exp()  # reached through both branches
+    loss = (shared.sin() + shared.cos()).sum()
+    names = [type(n).__name__ for n in walk.iter_nodes(loss.grad_fn)]
+    assert sorted(names) == sorted(["SumBackward0", "AddBackward0", "SinBackward0", "CosBackward0", "ExpBackward0",
+                                    walk.ACCUMULATE.__name__])
+    assert names[0] == "SumBackward0"
+    stopped = walk.iter_nodes(loss.grad_fn, stop=lambda n: type(n).__name__ == "ExpBackward0")
+    assert sorted(type(n).__name__ for n in stopped) == ["AddBackward0", "CosBackward0", "SinBackward0", "SumBackward0"]
+    seen = set()
+    assert len(list(walk.iter_nodes(shared.grad_fn, seen=seen))) == 2
+    again = [type(n).__name__ for n in walk.iter_nodes(loss.grad_fn, seen=seen)]
+    assert sorted(again) == ["AddBackward0", "CosBackward0", "SinBackward0", "SumBackward0"]  # exp's met already
+    assert walk.reachable(loss.grad_fn, shared.grad_fn) and not walk.reachable(shared.grad_fn, loss.grad_fn)
+    add = loss.grad_fn.next_functions[0][0]
+    on_path = {loss.grad_fn, add, *(n for n, _ in add.next_functions), shared.grad_fn}
+    assert walk.runs(loss.grad_fn, [shared]) == on_path  # backward(inputs=[shared]) runs all but w's leaf
+
+
+def test_safeloop_Guard_is_a_deprecated_name_of_the_engine():
+    assert "Guard" not in safeloop.__all__ and "GraphGuard" in safeloop.__all__
+    with pytest.warns(DeprecationWarning, match=r"safeloop\.GraphGuard.*Trainer\(guard=\{\.\.\.\}\)"):
+        engine = safeloop.Guard
+    assert engine is Guard

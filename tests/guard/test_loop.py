@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from safeloop import (CarriedGraphError, ConfigError, DoubleBackwardError, GraphGuard, GraphLeakWarning,
                       GraphReuseError, InplaceModificationError, NoGraphError, Trainer)
+from safeloop.guard.guard import Guard
+from safeloop.guard.words import LOOP, TRAINER
 
 
 def setup(seed: int = 0):
@@ -277,6 +279,21 @@ def test_the_trainer_given_a_graph_guard_drives_the_same_guard():
     trainer = Trainer(model=model, train_data=data, max_steps=2, device="cpu", progress=False, loggers=(),
                       guard=guard)
     assert trainer.guard is guard.guard
+
+
+def test_messages_speak_of_the_loop_and_of_training_step_once_a_trainer_sets_its_words():
+    """A Trainer handed a GraphGuard drives its engine, and sets the engine's words to its own."""
+    model, _, data = setup()
+    scale = model(torch.ones(1, 4)).sum()  # built before the guard
+    guard = GraphGuard(model)
+    assert guard.guard.words is LOOP and Guard().words is TRAINER
+    with pytest.raises(GraphReuseError, match=r"built before the step \(before the loop\).*recompute `scale` "
+                                              r"inside the loop.*pass trace=True to GraphGuard"):
+        guard.check((model(data[0]) * scale).pow(2).mean())
+    guard.guard.words = TRAINER
+    with pytest.raises(GraphReuseError, match=r"built before the step \(in __init__, at module level or before fit\)"
+                                              r".*recompute `scale` inside training_step.*set guard.trace=true"):
+        guard.check((model(data[1]) * scale).pow(2).mean())
 
 
 def several_optimizers_loop(data, carried: bool):
