@@ -16,12 +16,12 @@ from .callbacks import Callback, Hooks
 from .devices import autocast, resolve_device, resolve_precision
 from .errors import ConfigError, SafeloopError
 from .evaluate import mean_losses
-from .guard import GraphGuard
+from .guard import GraphGuard, for_trainer
 from .guard.explain import Scope
 from .guard.guard import Guard
 from .loggers import make_loggers
 from .progress import Progress, outputs_line, show_logs
-from .settings import GuardSettings, Settings, argument_problems, attach, manual_problems, mistyped, read
+from .settings import Settings, argument_problems, attach, manual_problems, mistyped, read
 from .state import TrainState
 from .epochs import TrainData
 from .step import Runner, StepConfig, Undo
@@ -104,11 +104,8 @@ class Trainer:
         problems += mistyped(Trainer, {k: v for k, v in given.items() if v is not None})
         self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume)
         problems += found
-        if isinstance(guard, GraphGuard):  # the guard of a plain loop, now driven by this Trainer
-            guard = guard.guard
-        if isinstance(guard, Mapping):
-            guard, found = read(GuardSettings, guard, "guard")
-            problems += found
+        self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
+        problems += found
         try:
             self.device = resolve_device(self.settings.device)
             self.precision = resolve_precision(self.settings.precision, self.device)
@@ -126,9 +123,6 @@ class Trainer:
         self.loss_fn = loss_fn or torch.nn.functional.mse_loss
         self._optimizer, self._scheduler = optimizer, scheduler  # as given; configure_* make them
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        if not isinstance(guard, Guard):
-            guard = Guard(**vars(guard or GuardSettings()), out_dir=self.run_dir / "graphs" if self.run_dir else None)
-        self.guard = guard
         self.callbacks = list(callbacks)
         self._hooks = Hooks(self, Trainer)
         self.config = dict(config) if config is not None else None

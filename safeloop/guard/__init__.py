@@ -3,8 +3,28 @@
 ``GraphGuard`` is the public guard (a plain loop's, and the Trainer's when handed one); ``Guard`` is
 the engine it and the Trainer drive.
 """
-from ..settings import CHECKS, REUSE_POLICIES
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..settings import CHECKS, REUSE_POLICIES, GuardSettings, read
 from .guard import Guard
 from .loop import GraphGuard
+from .words import TRAINER
 
-__all__ = ["GraphGuard", "Guard", "CHECKS", "REUSE_POLICIES"]
+__all__ = ["GraphGuard", "Guard", "CHECKS", "REUSE_POLICIES", "for_trainer"]
+
+
+def for_trainer(given: GraphGuard | Guard | Mapping[str, Any] | None, out_dir: Path | None) -> tuple[Guard, list[str]]:
+    """The engine a Trainer drives for its ``guard=`` argument, speaking of ``training_step``: a ``GraphGuard``'s
+    (``Trainer(guard=graph_guard)``), or one made from settings (a dict, or None: the defaults), writing its
+    pictures to ``out_dir``; and every problem with those settings."""
+    if isinstance(given, GraphGuard):
+        given = given.guard
+    if isinstance(given, Guard):
+        given.words = TRAINER
+        return given, []
+    settings, problems = read(GuardSettings, given if isinstance(given, Mapping) else {}, "guard")
+    return (None if problems else Guard(**vars(settings), out_dir=out_dir)), problems

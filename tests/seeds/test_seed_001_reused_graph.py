@@ -194,3 +194,16 @@ def test_retain_policy_keeps_a_reused_graph_that_two_losses_reach(fit):
 
     trainer = fit(TwoLossesOnY, model=Seed001(), steps=3, guard={"on_reuse": "retain", "check": "always"})
     assert trainer.state.step == 3
+
+
+def test_a_graph_guard_handed_to_the_trainer_speaks_of_training_step():
+    """``Trainer(guard=GraphGuard(...))``: the same engine, and its messages in the Trainer's words."""
+    from safeloop import GraphGuard
+
+    model = Seed001()
+    trainer = ReusesY(model=model, train_data=[0] * 3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), max_steps=3,
+                      device="cpu", progress=False, guard=GraphGuard(model, check="always"))
+    with pytest.raises(GraphReuseError) as info:
+        trainer.fit()
+    assert "recompute `self.y` inside training_step" in info.value.fixes[0]
+    assert "in __init__, at module level or before fit" in str(info.value)
