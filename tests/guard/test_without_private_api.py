@@ -31,3 +31,6 @@ def test_the_guard_degrades_to_a_working_guard_without_the_private_api(tmp_path)
         assert out[f"Stale {check}"].startswith(
             "InplaceModificationError: a tensor saved for backward was modified in place (step 1, loss 'g'): "
             "optimizer 'd' stepped after this loss was built and before its backward")
+    # a plain loop whose steps end at its optimizers' steps: no false alarm, and a mistake is a guard error
+    assert out["GAN loop detached"] == "trained"
+    assert out["GAN loop not detached"].split(":")[0] in ("DoubleBackwardError", "GraphReuseError")

@@ -30,7 +30,7 @@ hide(torch._C._autograd, "_get_sequence_nr")
 hide(torch._C._functions, "AccumulateGrad")
 assert not hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn, "_sequence_nr")
 
-from safeloop import Trainer  # noqa: E402  (after hiding)
+from safeloop import GraphGuard, Trainer  # noqa: E402  (after hiding)
 from safeloop.guard import walk  # noqa: E402
 from tests.test_step import GAN, ManualGAN, bce, gan_batches  # noqa: E402
 
@@ -76,6 +76,27 @@ class Stale(ManualGAN):
         self.backward(g_loss, optimizer="g")
 
 
+def gan_loop(detach: bool) -> str:
+    """A plain GAN loop under GraphGuard, its steps ended by the optimizers: G steps first, then D's loss
+    goes through G's output, detached or not (then G's backward freed what D's backward needs)."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    guard = GraphGuard(optimizers={"g": og, "d": od}, check="always")
+    try:
+        for _ in range(3):
+            fake = g(torch.randn(4, 2))
+            og.zero_grad()
+            guard.backward(-d(fake).mean())
+            og.step()
+            od.zero_grad()
+            guard.backward(d(fake.detach() if detach else fake).mean())
+            od.step()
+    except Exception as err:  # the outcome is what is printed
+        return f"{type(err).__name__}: {err}"
+    return "trained"
+
+
 def run(cls, check: str) -> str:
     gan = issubclass(cls, ManualGAN)
     data = gan_batches(4) if gan else [torch.randn(3, 4) for _ in range(8)]
@@ -95,3 +116,5 @@ print(f"private API: sequence numbers {walk.HAS_SEQ}, cheap peek {walk.CHEAP_PEE
 for cls in (Plain, Reuses, Carries, Leaks, ManualGAN, Stale):
     for check in ("always", "auto"):
         print(f"{cls.__name__} {check}: {run(cls, check)}".replace("\n", " "))
+for detach in (True, False):
+    print(f"GAN loop {'detached' if detach else 'not detached'}: {gan_loop(detach)}".replace("\n", " "))
