@@ -116,3 +116,15 @@ def test_every_bad_keyword_argument_is_reported_at_once():
 def test_a_zero_guard_budget_from_the_command_line_is_refused_before_training():
     with pytest.raises(ConfigError, match=re.escape("guard.budget must be a number in (0, 1]")):
         build(compose(["guard.budget=0", "guard.warmup=1", "device=cpu"]))
+
+
+def test_a_misspelt_setting_names_the_closest_one_and_the_settings_stay_attributes():
+    with pytest.raises(ConfigError, match=re.escape("Trainer has no setting 'max_stepz': use max_steps, max_epochs")) \
+            as info:
+        construct(max_stepz=5)
+    assert info.value.problems[0].endswith("(did you mean max_steps?)")
+    trainer = construct(max_steps=3, grad_clip=1.0)
+    assert trainer.settings.max_steps == trainer.max_steps == 3
+    trainer.max_steps = 7  # read by a later fit()
+    assert trainer.settings.max_steps == 7 and trainer.grad_clip == 1.0
+    assert inspect.signature(Trainer).parameters["undo"].default == "auto"

@@ -14,8 +14,8 @@ before the step. ``trainer.undo`` says which updates are snapshotted:
   and ``scheduler.step()`` included, is undone.
 - ``off``: none (no snapshot memory).
 
-A snapshot costs one ``torch.cat`` per device and dtype: every parameter and state tensor
-copied into one flat buffer kept from step to step (memory: parameters + optimizer state, once more).
+A snapshot costs one ``torch._foreach_copy_``: every parameter and state tensor copied into a copy
+kept from step to step (memory: parameters + optimizer state, once more).
 """
 from __future__ import annotations
 
@@ -32,44 +32,30 @@ class Snapshot:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None):
         self.optimizer, self.scheduler = optimizer, scheduler
-        # one flat copy per device and dtype, kept from step to step: a fresh multi-MB tensor every
-        # step would fault its pages in again
-        self._flat: dict[tuple, torch.Tensor] = {}
+        # a copy of each tensor, kept from step to step while the tensors keep their shapes and types: a fresh
+        # multi-MB copy every step would fault its pages in again
+        self._saved: list[torch.Tensor] = []
 
     def take(self) -> None:
         opt = self.optimizer
         self._params = [p for g in opt.param_groups for p in g["params"]]
         # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry
         self._state = [(p, dict(opt.state[p])) for p in self._params if p in opt.state]
-        tensors = self._params + [v for _, entry in self._state for v in entry.values() if isinstance(v, torch.Tensor)]
-        self._saved = self._copy(tensors)
+        live = self._params + [v for _, entry in self._state for v in entry.values() if isinstance(v, torch.Tensor)]
+        if len(live) == len(self._saved) and all(
+                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(live, self._saved)):
+            with torch.no_grad():
+                torch._foreach_copy_(self._saved, live)  # one call for them all
+        else:
+            self._saved = [t.detach().clone() for t in live]
         self._groups = [dict(g) for g in opt.param_groups]
         # a tensor hyperparameter (lr=torch.tensor(...)) is changed in place by schedulers: keep its value
         self._group_tensors = [(value, value.clone()) for group in opt.param_groups
                                for value in group.values() if type(value) is torch.Tensor]
         self._schedule = self.scheduler.state_dict() if self.scheduler is not None else None
 
-    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A copy of each tensor: a view into the flat copy of its device and dtype (one ``torch.cat`` each)."""
-        kinds: dict[tuple, list[int]] = {}
-        for i, t in enumerate(tensors):
-            kinds.setdefault((t.device, t.dtype), []).append(i)
-        saved: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for kind, index in kinds.items():
-            size = sum(tensors[i].numel() for i in index)
-            flat = self._flat.get(kind)
-            if flat is None or flat.numel() != size:
-                flat = self._flat[kind] = torch.empty(size, device=kind[0], dtype=kind[1])
-            torch.cat([tensors[i].detach().reshape(-1) for i in index], out=flat)
-            start = 0
-            for i in index:
-                n = tensors[i].numel()
-                saved[i] = flat[start:start + n].view(tensors[i].shape)
-                start += n
-        return saved
-
     def nbytes(self) -> int:
-        return sum(flat.nbytes for flat in self._flat.values())
+        return sum(t.nbytes for t in self._saved)
 
     def restore(self) -> None:
         opt, params = self.optimizer, self._params
