@@ -245,6 +245,41 @@ def test_manual_gan_step_matches_the_hand_written_step():
     assert set(trainer.state.losses) == {"d", "g"}
 
 
+class GFirst(ManualGAN):
+    """G steps first; D's loss then goes through G's output without ``.detach()``. D's backward, routed to
+    D's parameters, never runs the nodes of G that G's backward freed: correct code."""
+
+    def training_step(self, batch):
+        real, z = batch
+        fake = self.model.g(z)
+        g_loss = bce(self.model.d(fake), 1.0)
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        d_loss = bce(self.model.d(real), 1.0) + bce(self.model.d(fake), 0.0)
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        return {"g": g_loss, "d": d_loss}
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_routed_manual_backward_is_checked_on_the_nodes_it_runs_only(check):
+    torch.manual_seed(0)
+    ref, ours = GAN(), GAN()
+    ours.load_state_dict(ref.state_dict())
+    opt_d, opt_g = torch.optim.Adam(ref.d.parameters(), lr=0.01), torch.optim.Adam(ref.g.parameters(), lr=0.01)
+    for real, z in gan_batches():
+        fake = ref.g(z)
+        opt_g.zero_grad()
+        bce(ref.d(fake), 1.0).backward(inputs=list(ref.g.parameters()))
+        opt_g.step()
+        opt_d.zero_grad()
+        (bce(ref.d(real), 1.0) + bce(ref.d(fake), 0.0)).backward(inputs=list(ref.d.parameters()))
+        opt_d.step()
+    GFirst(model=ours, train_data=gan_batches(), max_steps=4, device="cpu", progress=False, loggers=(),
+           guard={"check": check}).fit()
+    assert_same_params(ref, ours, exact=True)
+
+
 def test_manual_backward_and_step_need_the_optimizer_name_when_there_are_several():
     class NoName(ManualGAN):
         def training_step(self, batch):

@@ -252,13 +252,15 @@ class Guard:
     # -- before backward -----------------------------------------------------------
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
-        first: bool = False, summed: bool = False, iteration: int | None = None,
+        first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
         back-propagated as their sum, so a constant term among them is fine; ``iteration``: in a plain
         loop whose steps end at each optimizer step, the node counter where this step's loop iteration
-        began, when an earlier step of it came before: a graph made since is the iteration's, not carried).
+        began, when an earlier step of it came before: a graph made since is the iteration's, not carried;
+        ``inputs``: the ``backward(inputs=...)`` of one loss's backward, which runs only the nodes on paths
+        to them, so only those can meet saved tensors an earlier backward freed).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -271,7 +273,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs)
             if first and self.thorough and scope is not None and not self.is_off("consumed"):
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
@@ -289,7 +291,7 @@ class Guard:
                        "set automatic = False on your Trainer and call self.backward(loss) / "
                        "self.step() inside training_step"])
 
-    def _preflight(self, losses, step, scope, batch, iteration=None) -> list[bool]:
+    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None) -> list[bool]:
         seen: set = set()
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
         # Losses whose graphs share a node (directly or through another loss) form a group; a
@@ -314,8 +316,11 @@ class Guard:
                 group[find(i)] = find(owner[id(root)])
                 continue
             found = walk.walk(root, self.start_seq, step, seen)
+            # the nodes this backward runs: with inputs=..., only those on paths to them
+            ran = walk.runs(root, inputs) if inputs is not None else None
+            runs = found.nodes if ran is None else [n for n in found.nodes if n in ran]
             if self._consumed and not self.is_off("consumed"):
-                self._check_ran(found.nodes, name, loss, step, scope)
+                self._check_ran(runs, name, loss, step, scope)
             if len(losses) == 1:
                 self._walked = (name, root, found.nodes)
             if len(losses) > 1:  # which earlier losses' graphs does this one reach?
@@ -333,7 +338,7 @@ class Guard:
             if not self.thorough:
                 continue
             if not self.is_off("consumed"):
-                self._check_consumed(found.nodes, name, loss, step, scope)
+                self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
                 sentinel = _Sentinel()
                 root.metadata[_SENTINEL] = sentinel

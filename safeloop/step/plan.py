@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import StepError
-from ..guard.walk import ACCUMULATE, HAS_SEQ
+from ..guard.walk import ACCUMULATE, HAS_SEQ, iter_nodes, sequence_nr
 
 REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(..., use_reentrant=True)
 
@@ -125,7 +125,7 @@ class Routes:
         """``inputs=`` for ``loss``'s backward into optimizer ``name``'s parameters, or None (plain)."""
         if not HAS_SEQ or start_seq is None or loss.grad_fn is None:
             return trained(self.optimizers[name])
-        key = (name, loss.grad_fn._sequence_nr() - start_seq)
+        key = (name, sequence_nr(loss.grad_fn) - start_seq)
         reentrant = self.reentrant.get(key)
         if reentrant is None:
             if len(self.reentrant) >= self.LIMIT:
@@ -140,21 +140,14 @@ class Routes:
         plainly; raises if it also reaches a leaf optimizer ``name`` does not own (it needs ``inputs=``)."""
         own = {id(p) for g in self.optimizers[name].param_groups for p in g["params"]}  # now: groups can be added
         reentrant, hidden, other = None, False, False
-        seen, stack = {loss.grad_fn}, [loss.grad_fn]
-        while stack:
-            node = stack.pop()
+        for node in iter_nodes(loss.grad_fn):
             if type(node) is ACCUMULATE:
                 other = other or id(node.variable) not in own
-                continue
-            if type(node).__name__ == REENTRANT:  # the parameters used inside are not in the graph
+            elif type(node).__name__ == REENTRANT:  # the parameters used inside are not in the graph
                 reentrant = node
                 inner = _parameters(getattr(node, "run_function", None))
                 hidden = hidden or inner is None
                 other = other or any(id(p) not in own for p in inner or ())
-            for nxt, _ in node.next_functions:
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
         if reentrant is not None and (other or hidden):
             what = f"{getattr(reentrant, 'run_function', None)!r}"
             why = (f"its graph reaches tensors that are not optimizer {name!r}'s parameters, so its backward must "

@@ -211,8 +211,8 @@ class Runner:
         name = optimizer or "loss"
         loss = named_losses(loss, step, ())["loss"]
         guard = self.guard
-        guard.preflight({name: loss}, step, self.scope, self.batch)
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
+        guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs)
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
             if found is not None:
