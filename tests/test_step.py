@@ -3,6 +3,7 @@ import copy
 import logging
 import re
 import warnings
+from collections import defaultdict
 from functools import partial
 
 import pytest
@@ -1207,3 +1208,71 @@ def test_a_hook_failing_before_the_last_update_of_a_manual_step_is_reported_unch
             "for g")):
         trainer.fit()
     assert_state(model, trainer, saved)
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead as its authors published it (k fast steps of an inner optimizer, then the weights move
+    alpha of the way back towards the slow ones): a wrapper whose ``zero_grad`` takes no argument."""
+
+    def __init__(self, optimizer, k=3, alpha=0.5):
+        self.optimizer, self.k, self.alpha, self.steps = optimizer, k, alpha, 0
+        self.state = defaultdict(dict)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.state[p]["slow"] = p.detach().clone()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self.steps += 1
+        if self.steps % self.k == 0:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        slow = self.state[p]["slow"]
+                        slow.add_(p - slow, alpha=self.alpha)
+                        p.copy_(slow)
+        return loss
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+
+class Fails(Trainer):
+    def training_step(self, batch):
+        if self.state.step + 1 == 3:
+            raise ValueError("bad batch")
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_an_optimizer_whose_zero_grad_takes_no_argument_trains_and_a_failure_is_reported(mode):
+    torch.manual_seed(0)
+    ref, ours = net(), net()
+    ours.load_state_dict(ref.state_dict())
+    opt = Lookahead(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    for x, y in regression_batches(6):
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    cls = Trainer if mode == "automatic" else manual(Trainer)
+    mine = Lookahead(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))
+    cls(model=ours, train_data=regression_batches(6), optimizer=mine, max_steps=6, device="cpu", progress=False,
+        loggers=()).fit()
+    assert_same_params(ref, ours, exact=True)
+    cls = Fails if mode == "automatic" else manual(Fails)
+    trainer = cls(model=net(), train_data=regression_batches(6), max_steps=6, device="cpu", progress=False,
+                  loggers=(), optimizer=lambda p: Lookahead(torch.optim.SGD(p, lr=0.1)))
+    with pytest.raises(StepError, match=re.escape("step 3 failed and was abandoned (parameters and optimizer "
+                                                  "state are unchanged): ValueError: bad batch")):
+        trainer.fit()
+    assert all(p.grad is None for p in trainer.model.parameters())

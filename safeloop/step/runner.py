@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -96,6 +97,7 @@ class Runner:
         # under DDP several losses are back-propagated as their sum (see safeloop.distributed)
         self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else c.settings.multi_loss
         self.finite = nonfinite.FiniteCheck() if c.settings.on_nonfinite != "off" else None
+        self.clear = {name: clearing(opt) for name, opt in self.optimizers.items()}
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -313,7 +315,7 @@ class Runner:
             opt.step()
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
-        opt.zero_grad(set_to_none=True)  # free gradient memory now; the next step starts from None
+        self.clear[name]()  # free gradient memory now; the next step starts from None
         self.config.schedules.after_update(name)
         self.stepped[name] = sequence_now()
         if self.recast:
@@ -348,7 +350,7 @@ class Runner:
                 versions = None
                 return current
             versions = None
-            opt.zero_grad(set_to_none=True)
+            self.clear[name]()
             if self.recast:  # the weights changed inside training_step's autocast region
                 torch.clear_autocast_cache()
             with torch.enable_grad():
@@ -439,8 +441,8 @@ class Runner:
         self.batch = None
         if self.dist is not None:
             self.dist.reset()
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
+        for clear in self.clear.values():
+            clear()
         for _, p in self.config.named_parameters():  # the model's parameters outside the optimizers too
             p.grad = None
         return report
@@ -492,4 +494,15 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS)."""
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def clearing(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What clears ``optimizer``'s gradients: ``zero_grad(set_to_none=True)``, or ``zero_grad()`` where it
+    takes no argument (Lookahead as its authors published it, older wrappers), as a hand-written loop calls it."""
+    try:
+        params = inspect.signature(optimizer.zero_grad).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): torch's own
+        return partial(optimizer.zero_grad, set_to_none=True)
+    takes = any(p.name == "set_to_none" or p.kind is p.VAR_KEYWORD for p in params)
+    return partial(optimizer.zero_grad, set_to_none=True) if takes else optimizer.zero_grad
 
