@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import InplaceModificationError, NoGraphError, NonFiniteError, StepError, Trainer
+from safeloop import ConfigError, InplaceModificationError, NoGraphError, NonFiniteError, StepError, Trainer
 from safeloop import step as steps
 
 from .conftest import manual
@@ -1276,3 +1276,61 @@ def test_an_optimizer_whose_zero_grad_takes_no_argument_trains_and_a_failure_is_
                                                   "state are unchanged): ValueError: bad batch")):
         trainer.fit()
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+class InfoGAN(Trainer):
+    """InfoGAN's three optimizers: D, G, and an info loss trained through both networks."""
+
+    def configure_optimizers(self):
+        gan = self.model
+        return {"d": torch.optim.Adam(gan.d.parameters(), lr=0.01), "g": torch.optim.Adam(gan.g.parameters(), lr=0.01),
+                "info": torch.optim.Adam([*gan.g.parameters(), *gan.d.parameters()], lr=0.01)}
+
+    def losses(self, batch):
+        real, z = batch
+        fake = self.model.g(z)
+        yield "d", bce(self.model.d(real), 1.0) + bce(self.model.d(fake.detach()), 0.0)
+        yield "g", bce(self.model.d(self.model.g(z)), 1.0)
+        yield "info", (self.model.d(self.model.g(z)) - z[:, :1]).pow(2).mean()  # recover a code from fake
+
+    def training_step(self, batch):
+        return dict(self.losses(batch))
+
+
+class ManualInfoGAN(InfoGAN):
+    automatic = False
+
+    def training_step(self, batch):
+        out = {}
+        for name, loss in self.losses(batch):  # each loss made after the update before it, as by hand
+            self.backward(loss, optimizer=name)
+            self.step(name)
+            out[name] = loss
+        return out
+
+
+def test_optimizers_sharing_parameters_are_refused_in_automatic_mode_and_train_in_manual_mode():
+    torch.manual_seed(0)
+    model = GAN()
+    before = copy.deepcopy(model.state_dict())
+    trainer = InfoGAN(model=model, train_data=gan_batches(), max_steps=4, device="cpu", progress=False, loggers=())
+    with pytest.raises(ConfigError, match=re.escape(
+            "optimizers 'd' and 'info' both hold 4 parameter(s) (model.d.0.weight, model.d.0.bias, model.d.2.weight, "
+            "...): in automatic mode every loss is back-propagated before any optimizer steps, so 'd' would also step "
+            "with the gradient of the loss for 'info', and 'info' would find it cleared")) as info:
+        trainer.fit()
+    assert "set automatic = False" in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    ref, ours = GAN(), GAN()
+    ours.load_state_dict(ref.state_dict())
+    hand = InfoGAN(model=ref, train_data=[], max_steps=1, device="cpu")
+    opts = hand.configure_optimizers()
+    for batch in gan_batches():
+        for name, loss in hand.losses(batch):
+            opts[name].zero_grad()
+            loss.backward()
+            opts[name].step()
+    ManualInfoGAN(model=ours, train_data=gan_batches(), max_steps=4, device="cpu", progress=False, loggers=(),
+                  guard={"check": "always"}).fit()
+    assert_same_params(ref, ours, exact=True)

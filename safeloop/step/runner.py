@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import time
 import warnings
@@ -97,6 +98,8 @@ class Runner:
         # under DDP several losses are back-propagated as their sum (see safeloop.distributed)
         self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else c.settings.multi_loss
         self.finite = nonfinite.FiniteCheck() if c.settings.on_nonfinite != "off" else None
+        if self.automatic and self.routed:
+            shared_parameters(self.optimizers, c.named_parameters())
         self.clear = {name: clearing(opt) for name, opt in self.optimizers.items()}
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
@@ -506,3 +509,19 @@ def clearing(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     takes = any(p.name == "set_to_none" or p.kind is p.VAR_KEYWORD for p in params)
     return partial(optimizer.zero_grad, set_to_none=True) if takes else optimizer.zero_grad
 
+
+def shared_parameters(optimizers: Mapping[str, torch.optim.Optimizer], named: list[tuple[str, torch.Tensor]]) -> None:
+    """Automatic mode back-propagates every loss of a step before any optimizer steps: two optimizers
+    holding the same parameter would each step with both losses' gradients on it, and the one that steps
+    second would find it cleared. Refused, naming them (a hand-written loop steps each in turn)."""
+    held = {name: {id(p) for g in opt.param_groups for p in g["params"]} for name, opt in optimizers.items()}
+    for (a, in_a), (b, in_b) in itertools.combinations(held.items(), 2):
+        both = in_a & in_b
+        if both:
+            shown = [name for name, p in named if id(p) in both] or ["tensors outside the model"]
+            raise ConfigError(
+                f"optimizers {a!r} and {b!r} both hold {len(both)} parameter(s) ({', '.join(shown[:3])}"
+                f"{', ...' if len(shown) > 3 else ''}): in automatic mode every loss is back-propagated before "
+                f"any optimizer steps, so {a!r} would also step with the gradient of the loss for {b!r}, and {b!r} "
+                "would find it cleared. Give each parameter to one optimizer, or set automatic = False and call "
+                "self.backward(loss, optimizer=name) and self.step(name) in the order the updates must happen")
