@@ -207,19 +207,19 @@ DEFAULTS = Settings()
 GUARD_DEFAULTS = GuardSettings()
 
 
-def attach(cls: type, resolved: tuple[str, ...] = ()) -> None:
+def attach(cls: type, made: tuple[str, ...] = ()) -> None:
     """Make ``Settings`` the keyword arguments and attributes of ``cls`` (the Trainer), which keeps them in
     ``self.settings`` and takes them as ``**settings``: its signature lists each with its default (what
     ``help()`` and notebooks show), and each is a property reading and writing ``self.settings``
-    (``trainer.max_steps = 500`` before a later ``fit()``), but those in ``resolved``, which ``cls`` keeps
-    resolved (``trainer.device`` is a ``torch.device``)."""
+    (``trainer.max_steps = 500`` before a later ``fit()``), but those in ``made``, whose attribute holds
+    what ``cls`` made of them (``trainer.device`` is a ``torch.device``)."""
     own = inspect.signature(cls.__init__)
     params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
     params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, f.name),
                                  annotation=f.type) for f in fields(Settings)]
     cls.__init__.__signature__ = own.replace(parameters=params)
     for name in names(Settings):
-        if name not in resolved:
+        if name not in made:
             setattr(cls, name, property(lambda self, n=name: getattr(self.settings, n),
                                         lambda self, value, n=name: setattr(self.settings, n, value),
                                         doc=f"``self.settings.{name}`` (see ``safeloop.settings.Settings``)"))

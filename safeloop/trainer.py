@@ -127,6 +127,8 @@ class Trainer:
         self._hooks = Hooks(self, Trainer)
         self.config = dict(config) if config is not None else None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.logged: dict[str, torch.Tensor | float] = {}  # self.log's values, until the next log point
+        self.loggers: list = []  # made at each setup (rank zero's)
         self.schedules = schedules.Schedules()  # the schedulers and when each steps
         self.scaler = None
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
@@ -179,6 +181,12 @@ class Trainer:
     def on_save_checkpoint(self, checkpoint: dict) -> None: ...
     def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
+    def log(self, name: str, value: torch.Tensor | float) -> None:
+        """Log a metric (Lightning's ``self.log``), from ``training_step`` or a hook: written with the losses at
+        the next log point (every ``log_every`` steps), to the loggers and the progress line. A tensor is
+        detached, and read as a float only then; ``self.logged`` holds what waits."""
+        self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
+
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False) -> None:
         """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters only (required with several
@@ -196,22 +204,17 @@ class Trainer:
     # -- the run -----------------------------------------------------------------------------
     def fit(self) -> TrainState:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
-        try:
-            self.setup()
-        except BaseException:
-            if self.dist is not None:
-                self.dist.close(failed=True)
-            raise
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, self.settings.progress and zero)
-        if zero:
-            show_logs()
-            outputs = outputs_line(self.run_dir, self.checkpointer, bool(self.loggers))
-            if outputs != self._said:  # once, not at every fit() of a run trained in several calls
-                log.info(outputs)
-                self._said = outputs
         failed = False
         try:
+            self.setup()
+            if zero:
+                show_logs()
+                outputs = outputs_line(self.run_dir, self.checkpointer, bool(self.loggers))
+                if outputs != self._said:  # once, not at every fit() of a run trained in several calls
+                    log.info(outputs)
+                    self._said = outputs
             if self.checkpointer is not None:
                 self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
             if self.settings.resume is not None:
@@ -261,7 +264,8 @@ class Trainer:
         end = step == s.max_steps
         self._runner.warn_unused(step, final=end)
         if step % s.log_every == 0 or end:
-            metrics = self.state.floats()
+            metrics = {**self.state.floats(), **{name: float(v) for name, v in self.logged.items()}}
+            self.logged.clear()
             if self.state.skipped:
                 metrics["skipped"] = self.state.skipped
             self.progress.update(step, metrics)
@@ -440,5 +444,6 @@ class Trainer:
         return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]
 
 
-# Each setting is a keyword argument (help() lists it with its default) and an attribute (trainer.max_steps).
-attach(Trainer, resolved=("device", "precision"))
+# Each setting is a keyword argument (help() lists it with its default) and an attribute (trainer.max_steps), but
+# those the Trainer holds made: self.device (a torch.device), self.precision, self.loggers (the logger objects).
+attach(Trainer, made=("device", "precision", "loggers"))

@@ -2,8 +2,10 @@
 outputs go, or that none are written (the command line's lines: tests/test_config.py)."""
 import subprocess
 import sys
+import re
 import textwrap
 
+import pytest
 import torch
 
 from safeloop import Trainer, curves
@@ -68,3 +70,63 @@ def test_a_run_trained_in_several_fit_calls_says_where_its_outputs_go_once(caplo
         trainer.fit()
     assert trainer.state.step == 4
     assert sum(r.getMessage().startswith("no run_dir: ") for r in caplog.records) == 1
+
+
+class LogsMae(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.log("mae", (out - y).abs().mean())
+        self.log("step_seen", self.state.step + 1)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+class ReturnsLossAndMae(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        return {"loss": torch.nn.functional.mse_loss(out, y), "mae": (out - y).abs().mean()}
+
+
+def data(n=4):
+    torch.manual_seed(0)
+    return [(x, x.sum(1, keepdim=True)) for x in torch.randn(n, 8, 4)]
+
+
+def test_self_log_writes_metrics_with_the_losses_at_each_log_point(tmp_path, caplog):
+    """Lightning's ``self.log(name, value)``: the value of the log step goes to metrics.csv and the progress
+    line next to the losses, in automatic and manual mode; only the loss is trained."""
+    from .conftest import manual
+
+    for cls in (LogsMae, manual(LogsMae)):
+        run_dir = tmp_path / cls.__name__
+        with caplog.at_level("INFO", logger="safeloop"):
+            trainer = cls(model=torch.nn.Linear(4, 1), train_data=data(), max_steps=4, log_every=2, device="cpu",
+                          run_dir=run_dir, checkpoint=False,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+            trainer.fit()
+            trainer.max_steps = 6  # a later fit writes to the same file: trainer.loggers are the logger objects
+            trainer.fit()
+        rows = (run_dir / "metrics.csv").read_text().splitlines()
+        assert "2,step_seen,2" in rows and "6,step_seen,6" in rows and "3,step_seen,3" not in rows
+        assert any(r.startswith("2,mae,") for r in rows) and any(r.startswith("2,loss,") for r in rows)
+        assert any("step 4/4 loss" in r.getMessage() and "mae" in r.getMessage() for r in caplog.records)
+        assert [type(logger).__name__ for logger in trainer.loggers] == ["CSVLogger"]
+        assert trainer.logged == {} and set(trainer.state.losses) == {"loss"}
+
+
+def test_a_returned_dict_with_loss_and_other_keys_is_an_error_pointing_to_self_log():
+    """In Lightning, ``{"loss": loss, "mae": mae}`` trains ``loss`` and logs the rest; here every entry
+    would be trained, so the step stops before any backward and says what to do."""
+    from safeloop import StepError
+
+    model = torch.nn.Linear(4, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = ReturnsLossAndMae(model=model, train_data=data(), max_steps=2, device="cpu", progress=False,
+                                loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(StepError, match=re.escape(
+            "step 1: training_step returned a dict with 'loss' and ['loss', 'mae']: every entry of a returned dict "
+            "is a loss the Trainer back-propagates, so 'mae' would be trained too (Lightning trains 'loss' and only "
+            "logs the rest). Return the loss alone and log the others with self.log('mae', value)")):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -23,8 +23,9 @@ class Backward:
     retain: bool
 
 
-def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
-    """Check ``training_step``'s return value; a single tensor becomes ``{'loss': tensor}``."""
+def named_losses(output, step: int, optimizer_names, trained: bool = True) -> dict[str, torch.Tensor]:
+    """Check ``training_step``'s return value; a single tensor becomes ``{'loss': tensor}``. ``trained``: the
+    losses are back-propagated (automatic mode; manual mode's returned losses are only logged)."""
     hint = "training_step must return the loss tensor, or a dict {name: loss tensor}"
     if output is None:
         raise StepError(f"step {step}: training_step returned None; {hint} (did you forget `return loss`?)", step)
@@ -37,6 +38,13 @@ def named_losses(output, step: int, optimizer_names) -> dict[str, torch.Tensor]:
         output = {"loss": output}
     elif not isinstance(output, Mapping):
         raise StepError(f"step {step}: training_step returned a {type(output).__name__}; {hint}", step)
+    elif trained and "loss" in output and len(output) > 1 and "loss" not in optimizer_names:
+        other = next(str(k) for k in output if k != "loss")
+        raise StepError(
+            f"step {step}: training_step returned a dict with 'loss' and {sorted(map(str, output))[:4]}: every "
+            f"entry of a returned dict is a loss the Trainer back-propagates, so {other!r} would be trained too "
+            f"(Lightning trains 'loss' and only logs the rest). Return the loss alone and log the others with "
+            f"self.log({other!r}, value); if every entry is a loss to train, name none of them 'loss'", step)
     losses = {}
     for name, value in output.items():
         if not isinstance(value, torch.Tensor):

@@ -165,7 +165,7 @@ class Runner:
             with self.config.autocast():
                 output = self.config.forward(batch)
             if not self.automatic:  # the losses training_step returns, if any, are logged
-                losses = named_losses(output, step, ()) if output is not None else {}
+                losses = named_losses(output, step, (), trained=False) if output is not None else {}
             else:
                 losses = named_losses(output, step, self.optimizers)
                 if only is not None and self.routed:
