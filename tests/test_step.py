@@ -1334,3 +1334,44 @@ def test_optimizers_sharing_parameters_are_refused_in_automatic_mode_and_train_i
     ManualInfoGAN(model=ours, train_data=gan_batches(), max_steps=4, device="cpu", progress=False, loggers=(),
                   guard={"check": "always"}).fit()
     assert_same_params(ref, ours, exact=True)
+
+
+class SAMNeedsClosure(SAM):
+    """SAM whose ``step`` takes ``closure=None`` and refuses to run without one, as published implementations do."""
+
+    def step(self, closure=None):
+        assert closure is not None, "Sharpness Aware Minimization requires closure, but it was not provided"
+        return super().step(closure)
+
+
+class FirstStepByHand(Trainer):
+    """A port of the two-step SAM loop: the first step called by hand, then self.step() without the closure."""
+
+    automatic = False
+
+    def configure_optimizers(self):
+        return SAMNeedsClosure(self.model.parameters())
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.backward(loss)
+        self.optimizers["optimizer"].first_step()
+        self.step()
+        return loss
+
+
+def test_a_failed_step_names_the_parameters_changed_outside_the_trainers_updates():
+    """What the undo cannot restore is said: parameters first_step moved by hand before the update began."""
+    torch.manual_seed(0)
+    model = net()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = FirstStepByHand(model=model, train_data=regression_batches(2), max_steps=2, device="cpu",
+                              progress=False, loggers=())
+    with pytest.raises(StepError, match=re.escape(
+            "step 1 failed and was abandoned (parameters and optimizer state are unchanged; but `model.0.weight`, "
+            "`model.0.bias`, `model.2.weight` and 1 more changed in this step other than by self.step or the "
+            "Trainer's update (by hand, as SAM's first_step does), and stay changed): AssertionError: Sharpness "
+            "Aware Minimization requires closure")):
+        trainer.fit()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # as the report says

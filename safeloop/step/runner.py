@@ -121,6 +121,11 @@ class Runner:
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
         self.batch = None  # manual mode: the micro-batch training_step runs on (re-run to explain a lost graph)
         self.skipped_losses: dict[str, torch.Tensor] = {}
+        # version counters, to tell what a failed step changed other than by the Trainer's updates: the trained
+        # parameters' at the step's start, and each updated optimizer's parameters' when its update began
+        self.params = list(c.scope.parameters())
+        self.versions: list[int] = []
+        self.began: dict[str, list[int]] = {}
         self.diagnosing = False  # re-running training_step to explain a missing graph
 
     # -- the step ----------------------------------------------------------------------------
@@ -130,6 +135,7 @@ class Runner:
         step = state.step + 1
         timed = guard.begin_step(step)
         started = time.perf_counter()
+        self.versions, self.began = [p._version for p in self.params], {}
         self.hooks("on_step_start")
         total: dict[str, torch.Tensor] = {}
         try:
@@ -308,6 +314,7 @@ class Runner:
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name, step)
         self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
+        self.began[name] = [p._version for g in opt.param_groups for p in g["params"]]
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
         if closure is not None:
@@ -398,7 +405,7 @@ class Runner:
             "before the optimizer step"
         if self.settings.on_nonfinite == "error":
             raise NonFiniteError(
-                f"step {step}: {what}. The step was abandoned {where} ({self.undo.report()}). To find the cause "
+                f"step {step}: {what}. The step was abandoned {where} ({self.left()}). To find the cause "
                 "run with debug=default (anomaly detection names the backward operation that made the first NaN), "
                 "lower the learning rate or set trainer.grad_clip; trainer.on_nonfinite=skip skips such steps "
                 "instead", step)
@@ -411,7 +418,7 @@ class Runner:
         state.skipped_in_row += 1
         state.skipped += 1
         self.skipped_losses = dict(losses)  # what the step shows, in manual mode too (its step did not return)
-        left = "nothing updated" if not self.undo.unsaved else self.undo.report()
+        left = "nothing updated" if not (self.undo.unsaved or self.changed_outside()) else self.left()
         log.warning("step %d skipped, %s: %s (%d skipped so far, %d in a row; trainer.max_skipped=%d)",
                     step, left, what, state.skipped, state.skipped_in_row, most)
         raise SkipStep
@@ -425,7 +432,8 @@ class Runner:
         # the parameters' versions before the undo changes them: they name the one an in-place error is about
         named = self.config.named_parameters()
         versions = [(name, p, p._version) for name, p in named] if stepped else []
-        report = self.abandon()
+        report = self.left()
+        self.abandon()
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)
@@ -435,6 +443,23 @@ class Runner:
         wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}", step)
         wrapped.__cause__ = err
         return wrapped
+
+    def left(self) -> str:
+        """What abandoning the step now leaves as it was before the step, and what it does not."""
+        changed = self.changed_outside()
+        if not changed:
+            return self.undo.report()
+        return (f"{self.undo.report()}; but {', '.join(f'`{n}`' for n in changed[:3])}"
+                f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed in this step other than by "
+                "self.step or the Trainer's update (by hand, as SAM's first_step does), and stay changed")
+
+    def changed_outside(self) -> list[str]:
+        """The trained parameters this step changed other than by the Trainer's own updates (their version
+        counters moved since the step began, or, for an optimizer the Trainer updated, before its update began)."""
+        began = {id(p): v for name, versions in self.began.items()
+                 for p, v in zip((p for g in self.optimizers[name].param_groups for p in g["params"]), versions)}
+        moved = {id(p) for p, v in zip(self.params, self.versions) if began.get(id(p), p._version) != v}
+        return [name for name, p in self.config.named_parameters() if id(p) in moved] if moved else []
 
     def abandon(self) -> str:
         """Drop the step's gradients and undo what ``undo`` can; returns what was left as it was."""
