@@ -1375,3 +1375,101 @@ def test_a_failed_step_names_the_parameters_changed_outside_the_trainers_updates
             "Aware Minimization requires closure")):
         trainer.fit()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # as the report says
+
+
+def pgd_batches(n=3):
+    gen = torch.Generator().manual_seed(11)
+    return [(torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)) for _ in range(n)]
+
+
+def pgd_delta(model, x, y, eps=0.1, alpha=0.05, clear=None):
+    """One step of an L-inf PGD attack (fast adversarial training's): the input's gradient by loss.backward()."""
+    delta = torch.zeros_like(x).uniform_(-eps, eps).requires_grad_(True)
+    F.cross_entropy(model(x + delta), y).backward()  # also writes the parameters' .grad
+    if clear is not None:
+        clear()
+    return (delta + alpha * delta.grad.sign()).clamp(-eps, eps).detach()
+
+
+class PGDTraining(Trainer):
+    automatic = False
+    clears = False  # the fix: clear the attack's gradient before the training backward
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def training_step(self, batch):
+        x, y = batch
+        opt = self.optimizers["optimizer"]
+        delta = pgd_delta(self.model, x, y, clear=opt.zero_grad if self.clears else None)
+        loss = F.cross_entropy(self.model(x + delta), y)
+        self.backward(loss)
+        self.step()
+        return loss
+
+
+def classifier():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_gradient_an_outside_backward_left_on_the_parameters_is_named_before_the_manual_backward_adds_to_it():
+    torch.manual_seed(0)
+    model = classifier()
+    before = copy.deepcopy(model.state_dict())
+    trainer = PGDTraining(model=model, train_data=pgd_batches(), max_steps=3, device="cpu", progress=False,
+                          loggers=(), guard={"check": "always"})
+    with pytest.raises(StepError, match=re.escape(
+            "step 1: `model.0.weight`, `model.0.bias`, `model.2.weight` and more hold gradient from a backward run "
+            "outside self.backward in this step (loss.backward() in training_step: an attack taking an input's "
+            "gradient, say), which self.backward(loss, optimizer='optimizer') would add to")):
+        trainer.fit()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    # the fix named in the message: bit-identical to the hand-written loop, in every guard mode
+    for check in ("always", "auto", "off"):
+        torch.manual_seed(0)
+        ref, ours = classifier(), classifier()
+        ours.load_state_dict(ref.state_dict())
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        for x, y in pgd_batches():
+            delta = pgd_delta(ref, x, y, clear=opt.zero_grad)
+            F.cross_entropy(ref(x + delta), y).backward()
+            opt.step()
+            opt.zero_grad()
+        fixed = type("Fixed", (PGDTraining,), {"clears": True})
+        torch.manual_seed(1)
+        fixed(model=ours, train_data=pgd_batches(), max_steps=3, device="cpu", progress=False, loggers=(),
+              guard={"check": check}).fit()
+        assert_same_params(ref, ours, exact=True)
+
+
+class AssignsGradient(Trainer):
+    """Gradient written by hand (implicit MAML's meta-gradient), then a regularizer's through self.backward."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        params = list(self.model.parameters())
+        for p, g in zip(params, torch.autograd.grad(F.mse_loss(self.model(x), y), params)):
+            p.grad = g
+        self.backward(sum(p.pow(2).sum() for p in params) * 1e-3)
+        self.step()
+
+
+def test_gradient_assigned_by_hand_is_not_taken_for_an_outside_backward():
+    torch.manual_seed(0)
+    ref, ours = net(), net()
+    ours.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in regression_batches():
+        params = list(ref.parameters())
+        for p, g in zip(params, torch.autograd.grad(F.mse_loss(ref(x), y), params)):
+            p.grad = g
+        (sum(p.pow(2).sum() for p in params) * 1e-3).backward()
+        opt.step()
+        opt.zero_grad()
+    AssignsGradient(model=ours, train_data=regression_batches(), max_steps=4, device="cpu", progress=False,
+                    loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), guard={"check": "always"}).fit()
+    assert_same_params(ref, ours, exact=True)

@@ -35,7 +35,7 @@ from ..guard.walk import HAS_SEQ, sequence_now
 from ..schedules import Schedules
 from ..settings import Settings
 from ..state import TrainState
-from .plan import Backward, Routes, named_losses, plan
+from .plan import Backward, Routes, named_losses, plan, trained
 from .undo import Undo
 
 log = logging.getLogger("safeloop")
@@ -126,6 +126,11 @@ class Runner:
         self.params = list(c.scope.parameters())
         self.versions: list[int] = []
         self.began: dict[str, list[int]] = {}
+        # manual mode, on the steps the guard checks: the parameters a backward other than the Trainer's wrote
+        # gradient into (see ``watch_outside``)
+        self.outside: set[int] = set()
+        self.outside_hooks: list = []
+        self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
 
     # -- the step ----------------------------------------------------------------------------
@@ -136,6 +141,8 @@ class Runner:
         timed = guard.begin_step(step)
         started = time.perf_counter()
         self.versions, self.began = [p._version for p in self.params], {}
+        if guard.checking and not self.automatic:
+            self.watch_outside()
         self.hooks("on_step_start")
         total: dict[str, torch.Tensor] = {}
         try:
@@ -153,6 +160,7 @@ class Runner:
         self.undo.end()
         self.stepped.clear()
         self.fresh.clear()
+        self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
         self.hooks("on_step_end", state.losses)
@@ -221,6 +229,8 @@ class Runner:
                             f"choose from {sorted(self.optimizers)}", step)
         name = optimizer or "loss"
         loss = named_losses(loss, step, ())["loss"]
+        if self.outside:
+            self.check_outside(optimizer or self.names[0], step)
         guard = self.guard
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
         guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs)
@@ -240,6 +250,7 @@ class Runner:
     def _backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
                   original: torch.Tensor) -> None:
         """The one ``backward`` call; an autograd error comes back explained by the guard."""
+        self.own = True
         try:
             loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
@@ -247,6 +258,40 @@ class Runner:
             if explained is None:
                 raise
             raise explained from err
+        finally:
+            self.own = False
+
+    def watch_outside(self) -> None:
+        """Manual mode, on a step the guard checks: note each parameter a backward other than the Trainer's
+        accumulates gradient into (a post-accumulate hook per parameter, removed at the step's end). Gradient
+        assigned by hand (``p.grad = g``, implicit MAML) is no backward's and is not noted."""
+        def written(param: torch.Tensor) -> None:
+            if not self.own:
+                self.outside.add(id(param))
+
+        self.outside_hooks = [p.register_post_accumulate_grad_hook(written) for p in self.params if p.requires_grad]
+
+    def unwatch_outside(self) -> None:
+        for handle in self.outside_hooks:
+            handle.remove()
+        self.outside_hooks.clear()
+        self.outside.clear()
+
+    def check_outside(self, name: str, step: int) -> None:
+        """Before the Trainer's backward into optimizer ``name``'s parameters: gradient an outside backward of
+        this step left there would be added to the update (an attack's ``loss.backward()``, say)."""
+        # still there: not cleared since (None, or zeros: read only on this rare path)
+        held = {id(p) for p in trained(self.optimizers[name])
+                if id(p) in self.outside and p.grad is not None and bool(p.grad.any())}
+        if held:
+            names = [n for n, p in self.config.named_parameters() if id(p) in held]
+            raise StepError(
+                f"step {step}: {', '.join(f'`{n}`' for n in names[:3])}{' and more' if len(names) > 3 else ''} hold "
+                "gradient from a backward run outside self.backward in this step (loss.backward() in "
+                "training_step: an attack taking an input's gradient, say), which self.backward(loss, "
+                f"optimizer={name!r}) would add to, changing the update. Clear it after that backward "
+                f"(self.optimizers[{name!r}].zero_grad()), or take that gradient with torch.autograd.grad(loss, "
+                "[x]), which writes no .grad", step)
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
         """Log, once per pattern, which backwards kept the graph alive for a later loss."""
@@ -464,6 +509,7 @@ class Runner:
     def abandon(self) -> str:
         """Drop the step's gradients and undo what ``undo`` can; returns what was left as it was."""
         report = self.undo.restore()
+        self.unwatch_outside()
         self.stepped.clear()
         self.fresh.clear()
         self.batch = None
