@@ -10,6 +10,7 @@ gets the same metrics over the whole set.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -72,7 +73,7 @@ def counted(out: tuple) -> tuple:
     losses, n = out if len(out) == 2 else (None, None)
     if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
         n = int(n)
-    if not isinstance(n, int):
+    if not isinstance(n, numbers.Integral):  # an int, or numpy's
         raise TypeError(f"validation_step returned a tuple of {', '.join(type(v).__name__ for v in out)}: a tuple "
                         "is (losses, number of samples), the number an int; several losses go in a dict")
     return losses, n
