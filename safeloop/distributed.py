@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from .checkpoint import stateful
 from .errors import SafeloopError
@@ -151,6 +151,7 @@ class Distributed:
         self.step = 0  # the step being synced, for error messages
         self._hooks: list = []
         self._quieted: int | None = None
+        self._val: tuple | None = None  # (val_data, this rank's share of it), made at its first validation
 
     @property
     def is_zero(self) -> bool:
@@ -173,6 +174,15 @@ class Distributed:
         except RuntimeError as err:
             raise self._lost(err) from err
         return value.div_(self.world)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` added up over all ranks, the same on every rank (validation's sums and sample counts)."""
+        values = values.to(self.device)
+        try:
+            dist.all_reduce(values)
+        except RuntimeError as err:
+            raise self._lost(err, "validation metrics") from err
+        return values.cpu()
 
     def gather(self, value: Any) -> list:
         """Every rank's ``value`` (plain containers of CPU tensors), in rank order."""
@@ -232,6 +242,13 @@ class Distributed:
         """This rank's share of ``train_data`` (see ``shard``), shuffled with the seed ``share`` agreed on: no
         collective call, so data replaced later (between fits, in ``on_epoch_start``) is sharded the same way."""
         return shard(train_data, self.rank, self.world, self.seed)
+
+    def shard_val(self, val_data):
+        """This rank's share of ``val_data`` (see ``shard_in_order``), made once per data object: a loader with
+        persistent workers keeps them from one validation to the next."""
+        if self._val is None or self._val[0] is not val_data:
+            self._val = val_data, shard_in_order(val_data, self.rank, self.world)
+        return self._val[1]
 
     def forward(self, batch):
         """The Trainer's forward under DDP. Only this object holds the wrapper, so that ``close`` ends it:
@@ -353,9 +370,9 @@ class Distributed:
             for bucket in group.buckets:
                 bucket.ready, bucket.flat, bucket.work = 0, None, None
 
-    def _lost(self, err: Exception) -> DistributedError:
+    def _lost(self, err: Exception, what: str = "gradients") -> DistributedError:
         return DistributedError(
-            f"step {self.step}: rank {self.rank} of {self.world} could not all-reduce gradients ({err}). Another "
+            f"step {self.step}: rank {self.rank} of {self.world} could not all-reduce {what} ({err}). Another "
             "rank most likely failed: its error is printed in its own output (torchrun prints the first "
             "failure's rank and traceback at the end)")
 
@@ -429,32 +446,74 @@ def shard(data, rank: int, world: int, seed: int):
     (it must give every rank the same number of batches); anything else safeloop cannot
     rebuild is returned as is, with a warning.
     """
+    if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
+        return data
+    return _split(data, rank, world, "train_data", lambda loader: DistributedSampler(
+        loader.dataset, num_replicas=world, rank=rank, shuffle=type(loader.sampler).__name__ == "RandomSampler",
+        seed=seed, drop_last=loader.drop_last))
+
+
+def shard_in_order(data, rank: int, world: int):
+    """This rank's part of ``val_data``: samples ``rank``, ``rank + world``, ... in order.
+
+    Nothing is padded: ``DistributedSampler`` repeats samples so that every rank gets as many, and
+    a validation would count those twice. So shares differ by one sample, and ranks may validate
+    different numbers of batches (validation communicates once, at its end). A loader's own
+    ``DistributedSampler`` is replaced for the same reason. With fewer samples than ranks, every rank
+    validates them all. Anything else as ``shard`` does: a ``shard(rank, world)`` method, or the data
+    as it is, with a warning; each rank then validates what it is given, and since validation adds up
+    every rank's sums and counts, the metrics are still the mean over samples.
+    """
+    if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and len(data.dataset) < world:
+        return data  # a share of nothing would leave a rank without a batch
+    return _split(data, rank, world, "val_data", lambda loader: _InOrder(len(loader.dataset), rank, world),
+                  replaces=("DistributedSampler",))
+
+
+# what every rank does with data it is given as it is, by the argument's name
+_AS_GIVEN = {"train_data": "trains on the batches it is given, so shard them yourself and give every rank the same "
+                           "number (or give it a shard(rank, world) method)",
+             "val_data": "validates the batches it is given: all of them, unless you shard them yourself or give "
+                         "it a shard(rank, world) method (the metrics are the mean over samples either way)"}
+
+
+def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str, ...] = ()):
+    """``data`` (the argument ``name``) split for ``rank``: by its own ``shard(rank, world)``, or a DataLoader
+    rebuilt with ``sampler(data)`` in place of the sampler ``shuffle=...`` made (or one named in ``replaces``).
+    Anything else as it is, with a warning."""
     if not isinstance(data, DataLoader) and callable(getattr(data, "shard", None)):
         return data.shard(rank, world)
     if not isinstance(data, DataLoader):
-        warnings.warn(f"train_data is a {type(data).__name__}, not a DataLoader: every rank trains on the batches "
-                      "it is given, so shard them yourself and give every rank the same number (or give it a "
-                      "shard(rank, world) method)", stacklevel=3)
-        return data
-    if isinstance(data.sampler, DistributedSampler):
+        warnings.warn(f"{name} is a {type(data).__name__}, not a DataLoader: every rank {_AS_GIVEN[name]}",
+                      stacklevel=4)
         return data
     # the samplers a loader makes itself from shuffle=..., torch's or a stateful loader's own versions
     # of them (torchdata's StatefulDataLoader), by name: any other was the user's choice
-    shuffled = type(data.sampler).__name__ == "RandomSampler"
-    custom = type(data.sampler).__name__ not in ("SequentialSampler", "RandomSampler") or \
+    custom = type(data.sampler).__name__ not in ("SequentialSampler", "RandomSampler", *replaces) or \
         (data.batch_sampler is not None and type(data.batch_sampler).__name__ != "BatchSampler")
     if isinstance(data.dataset, IterableDataset) or custom:
-        warnings.warn("train_data uses an IterableDataset or a custom sampler that safeloop cannot shard: every "
+        warnings.warn(f"{name} uses an IterableDataset or a custom sampler that safeloop cannot shard: every "
                       "rank gets the same batches unless your dataset shards by torch.distributed.get_rank()",
-                      stacklevel=3)
+                      stacklevel=4)
         return data
-    sampler = DistributedSampler(data.dataset, num_replicas=world, rank=rank,
-                                 shuffle=shuffled, seed=seed, drop_last=data.drop_last)
     # a loader that keeps its own position (torchdata's StatefulDataLoader) stays one, so that checkpoints
     # save where it stands; it takes DataLoader's arguments
     loader = type(data) if stateful(data) else DataLoader
-    return loader(data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,
-                      collate_fn=data.collate_fn, pin_memory=data.pin_memory, drop_last=data.drop_last,
-                      timeout=data.timeout, worker_init_fn=data.worker_init_fn,
-                      multiprocessing_context=data.multiprocessing_context, generator=data.generator,
-                      prefetch_factor=data.prefetch_factor, persistent_workers=data.persistent_workers)
+    return loader(data.dataset, batch_size=data.batch_size, sampler=sampler(data), num_workers=data.num_workers,
+                  collate_fn=data.collate_fn, pin_memory=data.pin_memory, drop_last=data.drop_last,
+                  timeout=data.timeout, worker_init_fn=data.worker_init_fn,
+                  multiprocessing_context=data.multiprocessing_context, generator=data.generator,
+                  prefetch_factor=data.prefetch_factor, persistent_workers=data.persistent_workers)
+
+
+class _InOrder(Sampler):
+    """Samples ``rank``, ``rank + world``, ... of ``size``: every sample on exactly one rank."""
+
+    def __init__(self, size: int, rank: int, world: int):
+        self.indices = range(rank, size, world)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

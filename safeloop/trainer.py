@@ -324,9 +324,11 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Run ``validation_step`` over ``val_data`` in eval mode, without gradients; returns and logs the
-        mean losses (``val_<name>``)."""
+        mean losses over samples (``val_<name>``): each batch counts by its first tensor's leading size, or by
+        the ``n`` of a ``validation_step`` that returns ``(losses, n)``; under torchrun every rank validates its
+        own share (``safeloop.evaluate``). The random generators training draws from are left as they were."""
         means = mean_losses(self.model, self.val_data, self.validation_step, partial(autocast, self.precision,
-                            self.device), self.to_device, self.state.step)
+                            self.device), self.to_device, self.state.step, self.dist)
         metrics = {f"val_{name}": value for name, value in means.items()}
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)

@@ -24,12 +24,17 @@ from safeloop.models import MLP
 
 GLOBAL_BATCH = 16
 STEPS = 4
+VAL_SAMPLES = 37  # odd: on 2 ranks, shares of 19 and 18 samples in batches of 4, the last smaller
 
 
-def dataset() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(GLOBAL_BATCH * STEPS * 2, 8, generator=gen)
+def dataset(n: int = GLOBAL_BATCH * STEPS * 2, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
     return TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
+
+
+def val_dataset() -> TensorDataset:
+    return dataset(VAL_SAMPLES, seed=1)
 
 
 class Recording(Trainer):
@@ -42,6 +47,17 @@ class Recording(Trainer):
             self.first_grads = getattr(self, "first_grads", {})
             for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
                 self.first_grads[f"{name}.{i}"] = None if p.grad is None else p.grad.clone()
+
+
+class Validating(Recording):
+    """Keeps, for each validation, the step it follows and the first input of every sample it validated."""
+
+    def validation_step(self, batch):
+        self.validated = getattr(self, "validated", [])
+        if not self.validated or self.validated[-1][0] != self.state.step:
+            self.validated.append((self.state.step, []))
+        self.validated[-1][1].extend(batch[0][:, 0].tolist())
+        return super().validation_step(batch)
 
 
 class TwoLosses(Recording):
@@ -229,6 +245,8 @@ def build(case: str, world: int, **settings) -> Trainer:
         common["find_unused_parameters"] = True
     if case == "sam":
         common["grad_clip"] = 0.5
+    if case == "validation":  # before training, at steps 2 and 4
+        common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2)
     if case == "schedule":  # long enough for the auto schedule to space its checks
         common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.1})
     common.update(settings)
@@ -236,7 +254,8 @@ def build(case: str, world: int, **settings) -> Trainer:
         cls = Gan if case == "gan" else ManualGan
         return cls(model=GanLike(), **common)
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
-           "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation}.get(case, Recording)
+           "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation,
+           "validation": Validating}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     optimizer = OPTIMIZERS.get(case, partial(torch.optim.Adam, lr=1e-2))(model.parameters())
     trainer = cls(model=model, optimizer=optimizer, **common)
@@ -251,7 +270,8 @@ def result(case: str, world: int = 1, **settings) -> dict:
     return {"params": [p.detach().clone() for p in trainer.model.parameters()],
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),
-            "checked": getattr(trainer, "checked", None)}
+            "checked": getattr(trainer, "checked", None), "val_history": trainer.state.val_history,
+            "validated": getattr(trainer, "validated", None)}
 
 
 def halfway(case: str, world: int, directory: Path) -> None:

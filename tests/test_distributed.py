@@ -44,7 +44,8 @@ def ranks(tmp_path_factory) -> Path:
     for case in RESUMED:
         ddp_cases.halfway(case, 1, out / f"one-process-{case}")
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", *resumed, cwd=out)
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", *resumed,
+                    cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -74,6 +75,26 @@ def test_ranks_check_the_same_steps_though_their_timings_differ(ranks):
     checked0, checked1 = (torch.load(ranks / f"schedule_rank{r}.pt")["checked"] for r in (0, 1))
     assert checked0 == checked1
     assert checked0[:2] == [1, 2] and 4 <= len(checked0) < 60  # warm-up, then spaced, several times
+
+
+@pytest.mark.distributed
+def test_each_rank_validates_its_own_share_and_every_rank_gets_the_mean_over_all_samples(ranks):
+    rank0, rank1 = (torch.load(ranks / f"validation_rank{r}.pt") for r in (0, 1))
+    samples = sorted(ddp_cases.val_dataset().tensors[0][:, 0].tolist())
+    # before training, at steps 2 and 4, and none after (step 4 is the last): each of the 37 samples on one rank
+    assert [s for s, _ in rank0["validated"]] == [s for s, _ in rank1["validated"]] == [0, 2, 4]
+    for (_, seen0), (_, seen1) in zip(rank0["validated"], rank1["validated"]):
+        assert (len(seen0), len(seen1)) == (19, 18) and sorted(seen0 + seen1) == samples
+    # the same metrics on both ranks: the mean over all samples, by hand before training, as one process gets after
+    assert rank0["val_history"] == rank1["val_history"]
+    x, y = ddp_cases.val_dataset().tensors
+    with torch.no_grad():
+        by_hand = torch.nn.functional.mse_loss(ddp_cases.build("validation", world=1).model(x), y).item()
+    assert rank0["val_history"][0] == (0, {"val_loss": pytest.approx(by_hand, rel=1e-6)})
+    single = ddp_cases.result("validation")["val_history"]
+    assert [s for s, _ in single] == [0, 2, 4]
+    for (_, ours), (_, theirs) in zip(rank0["val_history"], single, strict=True):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
 
 
 def params(path: Path) -> list[torch.Tensor]:
@@ -423,3 +444,20 @@ def test_a_loader_that_keeps_its_position_stays_one_when_sharded_for_the_ranks(l
     assert all(type(r) is loader and callable(r.state_dict) for r in ranks)  # checkpoints save its position
     seen = [torch.cat([b[0] for b in r]).tolist() for r in ranks]
     assert sorted(seen[0] + seen[1]) == [float(i) for i in range(12)] and not set(seen[0]) & set(seen[1])
+
+
+def test_val_data_is_split_across_ranks_in_order_with_no_sample_repeated():
+    """DistributedSampler pads the shares to equal sizes by repeating samples, which a validation would
+    count twice: val_data's shares are not padded, a val loader's own DistributedSampler included."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from safeloop.distributed import shard_in_order
+
+    data = TensorDataset(torch.arange(5.0))
+    padded = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
+    for loader in (DataLoader(data, batch_size=2, shuffle=True), padded):
+        seen = [torch.cat([b[0] for b in shard_in_order(loader, rank, 2)]).tolist() for rank in (0, 1)]
+        assert seen == [[0.0, 2.0, 4.0], [1.0, 3.0]]
+    # fewer samples than ranks: every rank validates them all (the ranks' sums and counts keep the mean)
+    small = DataLoader(TensorDataset(torch.arange(3.0)), batch_size=2)
+    assert shard_in_order(small, 2, 4) is small

@@ -1,0 +1,157 @@
+"""Validation: the metrics are means over samples, and validating changes nothing the training draws.
+
+Under torchrun (each rank its own share of val_data, the same metrics on every rank): test_distributed.
+"""
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from safeloop import ConfigWarning, StepError, Trainer
+from safeloop.models import MLP
+
+from .conftest import manual
+
+
+def dataset(n, d=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+def validating(cls=Trainer, **kwargs):
+    """A Trainer of ``cls`` set up to validate ``kwargs["val_data"]``; ``trainer.validate()`` runs it."""
+    return cls(model=MLP(8, 16, 1), train_data=DataLoader(dataset(16), batch_size=4), max_steps=1,
+               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=(), **kwargs)
+
+
+def per_sample_mean(model, ds) -> float:
+    """Every sample's squared error, averaged: the hand computation the metrics must match."""
+    x, y = ds.tensors
+    with torch.no_grad():
+        return F.mse_loss(model(x), y, reduction="none").mean().item()
+
+
+def test_the_validation_loss_is_the_mean_over_samples_when_the_last_batch_is_smaller():
+    val = dataset(100, seed=5)  # batches of 32, 32, 32 and 4
+    trainer = validating(val_data=DataLoader(val, batch_size=32))
+    metrics = trainer.validate()
+    expected = per_sample_mean(trainer.model, val)
+    assert metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
+    # the mean of the four batch means weighs the last 4 samples as much as each 32
+    x, y = val.tensors
+    with torch.no_grad():
+        batch_means = [F.mse_loss(trainer.model(x[i:i + 32]), y[i:i + 32]).item() for i in range(0, 100, 32)]
+    assert abs(sum(batch_means) / 4 - expected) > 1e-3
+
+
+def test_validation_step_returns_the_sample_count_where_the_first_tensor_does_not_hold_it():
+    """Sequence-first batches, (time, batch, features): the first tensor's leading size is the time."""
+    val = dataset(36, seed=5)
+    x, y = val.tensors
+    seq = x.unsqueeze(0).expand(5, -1, -1)  # 5 time steps of the same features
+    batches = [(seq[:, :32], y[:32]), (seq[:, 32:], y[32:])]
+
+    class SequenceFirst(Trainer):
+        def validation_step(self, batch):
+            x, y = batch
+            out = self.model(x.mean(0))
+            return {"loss": F.mse_loss(out, y), "abs": F.l1_loss(out, y)}, y.shape[0]
+
+    trainer = validating(SequenceFirst, val_data=batches)
+    metrics = trainer.validate()
+    assert metrics["val_loss"] == pytest.approx(per_sample_mean(trainer.model, val), rel=1e-6)
+    with torch.no_grad():
+        assert metrics["val_abs"] == pytest.approx(F.l1_loss(trainer.model(x), y).item(), rel=1e-6)
+
+
+def test_two_losses_returned_as_a_tuple_are_not_taken_for_a_loss_and_its_count():
+    class Two(Trainer):
+        def validation_step(self, batch):
+            x, y = batch
+            out = self.model(x)
+            return F.mse_loss(out, y), F.l1_loss(out, y)
+
+    trainer = validating(Two, val_data=DataLoader(dataset(8), batch_size=4))
+    with pytest.raises(StepError, match=re.escape(
+            "failed on batch 1 of val_data (training is unchanged): TypeError: validation_step returned a tuple of "
+            "Tensor, Tensor: a tuple is (losses, number of samples), the number an int; several losses go in a "
+            "dict")):
+        trainer.validate()
+
+
+def test_a_batch_without_a_tensor_to_count_its_samples_by_says_how_to_give_the_count():
+    class Text(Trainer):
+        def validation_step(self, batch):
+            lengths = torch.tensor([[float(len(s))] for s in batch])
+            return F.mse_loss(self.model(lengths.expand(-1, 8)), lengths)
+
+    trainer = validating(Text, val_data=[["a b", "c"], ["d e f"]])
+    with pytest.raises(StepError, match=re.escape(
+            "validation at step 0 failed on batch 1 of val_data (training is unchanged): ValueError: the batch "
+            "holds no tensor to count its samples by (each batch's losses count as many times as it has samples: "
+            "the leading size of its first tensor); return (losses, number of samples) from validation_step")):
+        trainer.validate()
+
+
+def test_a_batch_whose_tensors_differ_in_leading_size_is_counted_by_the_first_with_a_warning():
+    val = dataset(40, seed=5)
+    x, y = val.tensors
+    weights = torch.ones(3)  # not per sample
+    batches = [(x[:32], y[:32], weights), (x[32:], y[32:], weights)]
+
+    class Weighted(Trainer):
+        def validation_step(self, batch):
+            x, y, _ = batch
+            return F.mse_loss(self.model(x), y)
+
+    trainer = validating(Weighted, val_data=batches)
+    with pytest.warns(ConfigWarning, match=re.escape(
+            "a val_data batch holds tensors of different leading sizes: its losses count as many times as the "
+            "first tensor's leading size; if that is not its number of samples, return (losses, number of "
+            "samples) from validation_step")):
+        metrics = trainer.validate()
+    assert metrics["val_loss"] == pytest.approx(per_sample_mean(trainer.model, val), rel=1e-6)
+
+
+# -- validating draws nothing the training draws ----------------------------------------------------------
+class Noisy(Trainer):
+    """A step and a validation that both draw from torch's, Python's and numpy's global generators."""
+
+    def training_step(self, batch):
+        x, y = batch
+        x = x + 0.01 * (random.random() + float(np.random.rand()))
+        return F.mse_loss(self.model(x), y)
+
+    def validation_step(self, batch):
+        x, y = batch
+        x = x + 0.01 * (random.random() + float(np.random.rand()))
+        return F.mse_loss(F.dropout(self.model(x), 0.5, training=True), y)  # Monte Carlo dropout
+
+
+def trained(cls, val_data) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+    # shuffled from the global torch generator, reshuffled every pass (4 batches a pass)
+    train = DataLoader(dataset(64), batch_size=16, shuffle=True)
+    cls(model=model, train_data=train, val_data=val_data, val_every=3, max_steps=10, device="cpu", progress=False,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).fit()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_training_with_validation_is_bit_identical_to_training_without(mode):
+    """Validations before, during (every 3 steps) and after training: the data order, the dropout masks and
+    the step's own random draws are those of the same training without val_data."""
+    cls = Noisy if mode == "automatic" else manual(Noisy)
+    # a DataLoader draws a seed from the global torch generator each time it is iterated
+    val = DataLoader(dataset(24, seed=5), batch_size=8)
+    with_val, without = trained(cls, val), trained(cls, None)
+    assert all(torch.equal(a, b) for a, b in zip(with_val, without, strict=True))
