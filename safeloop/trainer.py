@@ -145,9 +145,10 @@ class Trainer:
         x, y = batch
         return self.loss_fn(self.model(x), y)
 
-    def validation_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
-        """The validation loss(es) of one batch; runs under ``torch.no_grad()`` in eval mode.
-        Default: ``training_step``'s (automatic mode; manual mode needs its own)."""
+    def validation_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor] | tuple:
+        """The validation loss(es) of one batch, or ``(losses, n)`` when the batch's samples are not its first
+        tensor's leading size; runs under ``torch.no_grad()`` in eval mode. Default: ``training_step``'s
+        (automatic mode; manual mode needs its own)."""
         return self.training_step(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
@@ -286,11 +287,7 @@ class Trainer:
         (a run stopped by a signal saves, and does nothing else)."""
         last = self.state.val_history[-1][0] if self.state.val_history else None
         if self.stop_signal is None and self.val_data is not None and last != self.state.step:
-            # before the final checkpoint, so that it holds the last metrics; with the random state put
-            # back (a DataLoader draws a seed), as a run that goes on would not have validated here
-            rng = ckpt.rng_state()
-            self.validate()
-            ckpt.set_rng_state(rng)
+            self.validate()  # before the final checkpoint, so that it holds the last metrics
         if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
             self.save_checkpoint()
         if self.stop_signal is None:
