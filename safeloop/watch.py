@@ -17,6 +17,8 @@ import argparse
 import dis
 import sys
 import types
+from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -108,16 +110,17 @@ class Watch:
         first step is all the script did before its first backward.
         """
         self.guard.search_globals(vars(sys.modules["__main__"]))
-        start = loop_start(frame, self.script)
+        start = loop_start(frame, self.script, self.guard.variables)
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
 
 
-def loop_start(frame, filename: str) -> int | None:
+def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals")) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
     caller's loop in ``filename``) began, by a variable that the loop does not assign (or an attribute,
-    not assigned in the loop, of an object such a variable holds); None if none."""
+    not assigned in the loop, of an object such a variable holds); None if none. ``variables``: reads a
+    frame's variables (``GraphGuard.variables``)."""
     if not walk.HAS_SEQ:
         return None
     module = None
@@ -141,7 +144,7 @@ def loop_start(frame, filename: str) -> int | None:
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
-    held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
+    held = [v for k, v in list(variables(frame).items()) if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
     held += [a for v in held for k, a in _fields(v).items() if k not in attributes]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]

@@ -55,7 +55,8 @@ def _average(mean: float | None, sample: float) -> float:
 
 
 class _Sentinel:
-    """Put in a loss node's metadata: it dies with the node, so a live one means a leak."""
+    """Put in the metadata of a step's nodes: it dies with the last of them, so a live one means some of
+    that step's graph outlived it."""
 
     __slots__ = ("__weakref__",)
 
@@ -335,13 +336,26 @@ class Guard:
             if not self.is_off("consumed"):
                 self._check_consumed(found.nodes, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
-                sentinel = _Sentinel()
-                root.metadata[_SENTINEL] = sentinel
-                self._sentinels.append(weakref.ref(sentinel))
+                self._sentinels.append(weakref.ref(self._watch(root, found.nodes)))
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def _watch(self, root, nodes) -> _Sentinel:
+        """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
+        any of them, not only the loss back-propagated (the loss itself while the step back-propagates
+        ``loss / n``, as gradient accumulation does; an output; a running sum). Not on nodes whose carried check
+        is off: a graph carried from step to step on purpose is alive for several steps by design."""
+        sentinel = _Sentinel()
+        if self.is_off("carried"):
+            nodes = ()
+        elif self._regions:
+            nodes = [node for node in nodes if not self.is_off("carried", node)]
+        root.metadata[_SENTINEL] = sentinel
+        for node in nodes:
+            node.metadata[_SENTINEL] = sentinel
+        return sentinel
 
     def _before_step(self, nodes, case: Case, iteration: int | None = None) -> bool:
         """Judge the nodes made before the step that the loss reaches, by the verdicts below in order (each

@@ -91,6 +91,7 @@ class GraphGuard:
         self._first_site: tuple | None = None
         self._iteration_seq: int | None = None
         self._globals: dict | None = None  # more globals to search (a script's, under watch)
+        self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
         self._timed, self._started, self._ended = False, 0.0, 0.0
         # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
         # hold the last step's loss until the next step replaces it, and a script's variables hold its
@@ -246,8 +247,13 @@ class GraphGuard:
         guard, step = self.guard, self.steps
         if self._graphs and self._graphs[0][0] <= step - 2 and sys.version_info < (3, 13):
             # Before 3.13 reading a function's variables (a search for a name did) leaves a copy of them
-            # on its frame, whose references outlive the variables: read afresh, it holds no old loss
-            frame.f_locals  # noqa: B018
+            # on its frame, whose references outlive the variables: read afresh, the copies on the frames
+            # still running (the loop's, when backward is called in a function it calls) hold no old graph
+            running = frame
+            while running is not None:
+                if running is frame or running.f_code in self._read:
+                    running.f_locals  # noqa: B018
+                running = running.f_back
         while self._graphs and self._graphs[0][0] <= step - 2:
             done, refs = self._graphs.pop(0)
             for first, holder in guard.piled(done, refs, self.scope):
@@ -305,12 +311,19 @@ class GraphGuard:
         """Search ``namespace`` too (a script's globals, under ``python -m safeloop.watch``) for the tensor at fault."""
         self._globals = namespace
 
+    def variables(self, frame) -> Mapping[str, Any]:
+        """The variables of the function running ``frame``, read for a search. Before 3.13 reading them
+        leaves a copy on the frame, which the guard reads afresh before it looks for kept graphs."""
+        self._read.add(frame.f_code)
+        return frame.f_locals
+
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
         out = []
         frame = self._frame
         if frame is not None:
-            if frame.f_locals is not frame.f_globals:
-                out.append(("local", frame.f_locals))
+            variables = self.variables(frame)
+            if variables is not frame.f_globals:
+                out.append(("local", variables))
             out.append(("global", frame.f_globals))
         if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
             out.append(("global", self._globals))

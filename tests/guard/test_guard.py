@@ -109,6 +109,36 @@ def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder, mode):
 
 
 @pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("returns", ["loss * 1.0", "loss / 2"])
+def test_graphs_kept_of_the_loss_while_the_step_back_propagates_another_tensor_warn_naming_the_holder(returns, mode):
+    """What Lightning's and Accelerate's gradient accumulation do: the loss kept (``self.total = self.total +
+    loss``) is not the tensor back-propagated (``loss / 2``), whose graph dies with the step. Keeping the last
+    step's output, replaced every step, is still no leak."""
+    class KeepsTheLoss(Trainer):
+        total = 0.0
+
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            self.total = self.total + loss  # meant: loss.item()
+            return eval(returns)
+
+    with pytest.warns(GraphLeakWarning, match=re.escape("steps 1 and 2: the autograd graphs of both steps are "
+                                                        "still alive, held by `self.total`")):
+        fit(mode(KeepsTheLoss))
+
+    class KeepsTheLastOutput(Trainer):
+        def training_step(self, batch):
+            out = self.model(batch)
+            self.last_out = out  # one step's graph at a time
+            return eval(returns, {"loss": out.pow(2).mean()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = fit(mode(KeepsTheLastOutput), steps=8, guard={"check": "always"})
+    assert trainer.last_out.grad_fn is not None  # the last step's graph outlived it: looked at, no leak
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
 @pytest.mark.parametrize("keep", ["self.last_loss = loss", "self.last = {'loss': loss, 'step': self.state.step}",
                                   "if self.state.step % 3 == 0: self.last_loss = loss"])  # kept for a few steps
 def test_keeping_the_last_loss_until_the_next_step_replaces_it_does_not_warn(keep, mode):

@@ -244,6 +244,39 @@ def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_va
             opt.zero_grad()
 
 
+def accumulating_loop(keep: str) -> None:
+    """Two micro-batches per update, each loss divided by two before its backward (what Lightning's and
+    Accelerate's gradient accumulation do); ``keep``: what the loop keeps of each micro-batch."""
+    model, opt, data = setup()
+    guard = GraphGuard(model, opt, check="always")
+    running, last_out = 0.0, None
+    for i, x in enumerate(data * 2):
+        out = model(x)
+        loss = out.pow(2).mean()
+        if keep == "running":
+            running = running + loss  # meant: loss.item()
+        else:
+            last_out = out  # replaced every micro-batch: one graph at a time
+        guard.backward(loss / 2)
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_running_sum_of_losses_is_warned_about_when_the_loop_back_propagates_each_loss_divided():
+    """The graphs kept are not those of the tensors back-propagated; keeping one graph at a time, or carrying a
+    state on purpose (the carried check off), is no leak."""
+    with pytest.warns(GraphLeakWarning, match=re.escape("the autograd graphs of both steps are still alive, held by "
+                                                        "`local running`")):
+        accumulating_loop("running")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumulating_loop("last output")
+        model, opt, data = setup()  # a state carried on purpose keeps several steps' graphs by design
+        carry(GraphGuard(model, check="always", ignore=["carried"]), model, opt, data * 2, detach=False,
+              retain_graph=True)
+
+
 def test_an_ignored_check_lets_a_deliberate_carried_graph_through():
     model, opt, data = setup()
     carry(GraphGuard(model, ignore=["carried"]), model, opt, data[:3], detach=False, retain_graph=True)
