@@ -537,8 +537,7 @@ class Guard:
         raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope),
             f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
             "retain_graph, which freed the saved tensors of its graph",
-            [self.words.once, "if a second backward through the same graph is meant, pass retain_graph=True to "
-             "every backward but the last"])
+            [self.words.twice, self.words.shared])
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:

@@ -129,6 +129,44 @@ def test_backward_twice_on_one_loss_is_caught_before_it_runs():
     guard.backward(loss)
 
 
+def seed000_loop(second: str | None) -> list[torch.Tensor]:
+    """Seed 000's first example: backward, update, then ``second``: ``"backward"`` on the same loss again (the
+    mistake), ``"retained"``: again, the first backward retaining the graph so that it runs (the advice the
+    seed texts warn about), None: no second backward (the guard's advice). Returns the trained parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Tanh(), torch.nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt)
+    for x in torch.randn(3, 1, 4):
+        loss = model(x)
+        guard.backward(loss, retain_graph=second == "retained")
+        opt.step()
+        opt.zero_grad()
+        if second is not None:
+            guard.backward(loss)
+    return state(model)
+
+
+def test_backward_twice_on_one_loss_is_advised_away_and_the_advice_trains_as_the_intended_loop():
+    """Retaining the graph would let the second backward run and add the same gradient again."""
+    with pytest.raises(DoubleBackwardError) as info:
+        seed000_loop("backward")
+    assert info.value.fixes == [
+        "call backward once on each loss: delete the second backward on it (made to run with retain_graph=True, it "
+        "would add the same gradient to .grad again)",
+        "retain the graph only for a second, different loss through it: then pass retain_graph=True to every "
+        "backward but the last"]
+    torch.manual_seed(0)  # the loop as meant, by hand
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Tanh(), torch.nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in torch.randn(3, 1, 4):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(seed000_loop(None), state(model)))
+    assert not all(torch.equal(a, b) for a, b in zip(seed000_loop("retained"), state(model)))
+
+
 def test_a_loss_without_a_graph_is_named_with_its_cause():
     model, opt, data = setup()
     guard = GraphGuard(model)
