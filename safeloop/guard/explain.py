@@ -8,12 +8,17 @@ Only runs on the error path.
 from __future__ import annotations
 
 import gc
+import os
+import re
 from contextlib import suppress
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+import safeloop
 
 from .walk import reachable
 
@@ -158,10 +163,20 @@ def leaf_names(leaves, scope: Scope | None = None, most: int = 3) -> str:
     return ", ".join(f"`{n}`" if n in names.values() else n for n in said) + more
 
 
+# the frames of these packages are never the user's line (a user's own directory may be named safeloop: a clone)
+_LIBRARIES = tuple(str(Path(package.__file__).parent) + os.sep for package in (torch, safeloop))
+_FILE = re.compile(r'File "([^"]*)"')
+
+
 def traceback_of(node) -> str | None:
     """The line that created ``node``, when anomaly mode (``guard.trace=true``) was on."""
     stack = node.metadata.get("traceback_")
     if not stack:
         return None
-    frames = [line for line in stack if "site-packages/torch" not in line and "safeloop/" not in line]
+    frames = [line for line in stack if not _in_library(line)]
     return (frames or stack)[-1].strip()
+
+
+def _in_library(frame: str) -> bool:
+    found = _FILE.search(frame)
+    return found is not None and found.group(1).startswith(_LIBRARIES)

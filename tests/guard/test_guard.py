@@ -1,5 +1,6 @@
 """The guard on its own cases: carried state, leaks, clean abandonment, policies, pictures, schedule."""
 import copy
+import importlib.util
 import re
 import subprocess
 import sys
@@ -86,6 +87,22 @@ def test_trace_names_the_line_that_made_the_carried_tensor():
     with pytest.raises(CarriedGraphError, match=r"it was created at .*test_guard.py.*in training_step") as info:
         fit(CarriesHidden, guard={"trace": True})
     assert not any("guard.trace" in f for f in info.value.fixes)
+
+
+def test_trace_names_the_users_line_in_a_directory_named_safeloop(tmp_path):
+    """``git clone`` makes a directory named safeloop: the user's files there are still the user's."""
+    (tmp_path / "safeloop").mkdir()
+    user = tmp_path / "safeloop" / "carries.py"
+    user.write_text("import torch\nfrom safeloop import Trainer\n\n\nclass Carries(Trainer):\n"
+                    "    def training_step(self, batch):\n"
+                    "        self.h = torch.tanh(self.model(batch) + getattr(self, 'h', 0))\n"
+                    "        return self.h.pow(2).mean()\n")
+    spec = importlib.util.spec_from_file_location("carries", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(CarriedGraphError, match=re.escape(f'it was created at File "{user}", line 7, in '
+                                                          'training_step')):
+        fit(module.Carries, guard={"trace": True})
 
 
 @pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
