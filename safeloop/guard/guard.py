@@ -78,7 +78,7 @@ class Guard:
     Args:
         on_reuse / check / trace / warmup / budget / ignore: the guard's settings, each documented with
             its default in ``safeloop.settings.GuardSettings`` (also the ``guard`` config group).
-        out_dir: where graph pictures are written on error.
+        out_dir: where graph pictures are written on error (None: no picture).
         words: how messages name the caller's code (``words.TRAINER``, ``words.LOOP``); the attribute
             ``words`` may be set later, by a caller taking over a guard another one made.
     """
@@ -100,7 +100,7 @@ class Guard:
         self._regions: list[tuple[int, int, frozenset]] = []  # node numbers made inside ignore() regions
         self._active: list[frozenset] = []  # the ignore() regions running now
         self.warmup, self.budget = warmup, budget
-        self.out_dir = Path(out_dir) if out_dir else Path("safeloop_graphs")
+        self.out_dir = Path(out_dir) if out_dir else None
         self.fit_seq: int | None = None  # node counter when training started
         self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
         # the counter when the last step ended (or the fit started): the next step starts there, so
@@ -765,9 +765,10 @@ class Guard:
         elif trace_hint and not self.trace:
             fixes = fixes + [f"{self.words.trace} to have the error name the line that created it"]
         picture = None
-        with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
-            picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
-                             [node] if node is not None else (), holder)
+        if self.out_dir is not None:
+            with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
+                picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
+                                 [node] if node is not None else (), holder)
         return cls(detail, step=case.step, loss_name=case.name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
 

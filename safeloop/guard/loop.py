@@ -49,7 +49,8 @@ class GraphGuard:
             backward is named.
         check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
             (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here.
-        out_dir: where graph pictures are written on error (default ``safeloop_graphs``).
+        out_dir: where graph pictures are written on error (default ``safeloop_graphs``; a Trainer handed
+            this guard writes them where its own would, under its run directory or nowhere, unless given).
 
     The ``Guard`` it drives is ``graph_guard.guard``; ``Trainer(guard=graph_guard)`` uses it too.
     Its messages speak of the loop (``words.LOOP``).
@@ -73,8 +74,9 @@ class GraphGuard:
                      for name, opt in optimizers.items() if not isinstance(opt, torch.optim.Optimizer)]
         if problems:
             raise ConfigError(problems)
+        self.out_dir = out_dir  # as given (None: the default)
         self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
-                           ignore=tuple(settings.ignore), out_dir=out_dir, words=LOOP)
+                           ignore=tuple(settings.ignore), out_dir=out_dir or "safeloop_graphs", words=LOOP)
         if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
             torch.autograd.set_detect_anomaly(True, check_nan=False)
         self.model = model

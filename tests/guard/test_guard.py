@@ -255,6 +255,25 @@ def test_check_off_still_explains_the_failure_after_the_fact():
         fit(ReusesExp, guard={"check": "off"})
 
 
+def test_without_a_run_dir_the_trainer_writes_no_picture_and_a_plain_loops_guard_does(tmp_path):
+    """The Trainer says "no graph pictures are written" without a run_dir: nothing lands in the working
+    directory (the test's own), also from a GraphGuard handed to it; a plain loop's writes to safeloop_graphs, and
+    a Trainer with a run_dir under it."""
+    for guard in ({"check": "always"}, safeloop.GraphGuard()):
+        with pytest.raises(GraphReuseError) as info:
+            fit(ReusesExp, guard=guard)
+        assert info.value.picture is None and "Graph picture" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    model = torch.nn.Linear(4, 4)
+    y = model.weight.sum(0).exp()
+    with pytest.raises(GraphReuseError, match=re.escape("Graph picture: safeloop_graphs/step1_loss.dot")):
+        safeloop.GraphGuard(model).backward((model(torch.randn(3, 4)) + y).pow(2).mean())
+    assert (tmp_path / "safeloop_graphs" / "step1_loss.dot").exists()
+    with pytest.raises(GraphReuseError) as info:  # handed to a Trainer with a run_dir: under it, as the Trainer's
+        fit(ReusesExp, guard=safeloop.GraphGuard(), run_dir=tmp_path / "run")
+    assert info.value.picture.startswith(str(tmp_path / "run" / "graphs"))
+
+
 def test_error_writes_a_picture_with_the_node_highlighted(tmp_path):
     with pytest.raises(GraphReuseError) as info:
         fit(ReusesExp, run_dir=tmp_path)
