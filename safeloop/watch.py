@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
                 err.with_traceback(tb)
             sys.excepthook(type(err), err, err.__traceback__)
             return 1
+        finally:
+            guard.close()
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -48,7 +49,8 @@ class GraphGuard:
             step when no ``with guard.step()`` marks it, and an update between a loss and its
             backward is named.
         check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
-            (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here.
+            (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here until
+            ``close()``, or until the guard is garbage-collected.
         out_dir: where graph pictures are written on error (default ``safeloop_graphs``; a Trainer handed
             this guard writes them where its own would, under its run directory or nowhere, unless given).
 
@@ -77,7 +79,11 @@ class GraphGuard:
         self.out_dir = out_dir  # as given (None: the default)
         self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
                            ignore=tuple(settings.ignore), out_dir=out_dir or "safeloop_graphs", words=LOOP)
+        self._untrace = None
         if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
+            # anomaly mode is the whole process's: put back as it was once this guard is done
+            self._untrace = weakref.finalize(self, torch.autograd.set_detect_anomaly, torch.is_anomaly_enabled(),
+                                             torch.is_anomaly_check_nan_enabled())
             torch.autograd.set_detect_anomaly(True, check_nan=False)
         self.model = model
         self.optimizers = optimizers
@@ -109,6 +115,13 @@ class GraphGuard:
         # Before the first step: anything made until then was built before training. A
         # ``with guard.step()`` moves this to where it opens.
         self.guard.start_fit()
+
+    def close(self) -> None:
+        """Anomaly mode back as it was before ``trace=True`` turned it on (also done when the guard is
+        garbage-collected). The checks go on; errors no longer name the line that made a tensor."""
+        if self._untrace is not None:
+            self._untrace()
+            self.guard.trace = False
 
     # -- steps -------------------------------------------------------------------------------
     def step(self) -> GraphGuard:

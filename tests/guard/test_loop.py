@@ -1,4 +1,5 @@
 """``GraphGuard``: the guard's cases in a hand-written loop, with the same errors and fields."""
+import gc
 import re
 import warnings
 from pathlib import Path
@@ -335,6 +336,22 @@ def test_check_runs_the_pre_flight_for_a_backward_someone_else_calls(tmp_path):
     guard.check({"mse": F.mse_loss(out, data[2]), "l1": out.abs().mean()})  # several named losses of one step
     with pytest.raises(GraphReuseError, match=r"loss 'reg'.*held by `local scale`"):
         guard.check({"mse": F.mse_loss(model(data[3]), data[3]), "reg": scale * 0.1})
+
+
+def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed_or_collected():
+    """Anomaly mode is the whole process's and slows every step: a guard done with it puts it back."""
+    assert not torch.is_anomaly_enabled()
+    model, opt, data = setup()
+    scale = model(torch.ones(1, 4)).sum()  # built before the loop
+    guard = GraphGuard(model, trace=True)
+    assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
+    guard.close()
+    assert not torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+    with pytest.raises(GraphReuseError, match="pass trace=True to GraphGuard"):  # closed: it checks on, untraced
+        guard.backward((model(data[0]) * scale).pow(2).mean())
+    GraphGuard(model, trace=True)
+    gc.collect()
+    assert not torch.is_anomaly_enabled()
 
 
 def test_bad_settings_are_named():
