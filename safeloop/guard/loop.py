@@ -50,7 +50,7 @@ class GraphGuard:
             backward is named.
         check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
             (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here until
-            ``close()``, or until the guard is garbage-collected.
+            ``close()``.
         out_dir: where graph pictures are written on error (default ``safeloop_graphs``; a Trainer handed
             this guard writes them where its own would, under its run directory or nowhere, unless given).
 
@@ -79,12 +79,8 @@ class GraphGuard:
         self.out_dir = out_dir  # as given (None: the default)
         self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
                            ignore=tuple(settings.ignore), out_dir=out_dir or "safeloop_graphs", words=LOOP)
-        self._untrace = None
         if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
-            # anomaly mode is the whole process's: put back as it was once this guard is done
-            self._untrace = weakref.finalize(self, torch.autograd.set_detect_anomaly, torch.is_anomaly_enabled(),
-                                             torch.is_anomaly_check_nan_enabled())
-            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            _ANOMALY.on(self)
         self.model = model
         self.optimizers = optimizers
         self.steps = 0  # steps begun
@@ -117,10 +113,10 @@ class GraphGuard:
         self.guard.start_fit()
 
     def close(self) -> None:
-        """Anomaly mode back as it was before ``trace=True`` turned it on (also done when the guard is
-        garbage-collected). The checks go on; errors no longer name the line that made a tensor."""
-        if self._untrace is not None:
-            self._untrace()
+        """Anomaly mode back as it was before ``trace=True`` turned it on, unless another open ``GraphGuard``
+        traces. The checks go on; errors no longer name the line that made a tensor."""
+        if self.guard.trace:
+            _ANOMALY.off(self)
             self.guard.trace = False
 
     # -- steps -------------------------------------------------------------------------------
@@ -359,6 +355,30 @@ class GraphGuard:
                 (p for g in h.param_groups for p in g["params"])
             params.update((id(p), p) for p in ps)
         return list(params.values())
+
+
+class _Anomaly:
+    """Anomaly mode is the whole process's: on while a ``GraphGuard(trace=True)`` is open (neither closed nor
+    garbage), then as it was before the first of them."""
+
+    def __init__(self):
+        self.open: weakref.WeakSet = weakref.WeakSet()
+        self.before: tuple[bool, bool] | None = None
+
+    def on(self, guard: GraphGuard) -> None:
+        if not self.open:
+            self.before = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+        self.open.add(guard)
+        torch.autograd.set_detect_anomaly(True, check_nan=False)
+
+    def off(self, guard: GraphGuard) -> None:
+        self.open.discard(guard)
+        if not self.open and self.before is not None:
+            torch.autograd.set_detect_anomaly(*self.before)
+            self.before = None
+
+
+_ANOMALY = _Anomaly()
 
 
 def _site(frame) -> tuple | None:

@@ -338,8 +338,9 @@ def test_check_runs_the_pre_flight_for_a_backward_someone_else_calls(tmp_path):
         guard.check({"mse": F.mse_loss(model(data[3]), data[3]), "reg": scale * 0.1})
 
 
-def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed_or_collected():
-    """Anomaly mode is the whole process's and slows every step: a guard done with it puts it back."""
+def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed():
+    """Anomaly mode is the whole process's and slows every step: a guard done with it puts it back, once no
+    other guard traces (one made again in a notebook's cell, the first left to the garbage collector)."""
     assert not torch.is_anomaly_enabled()
     model, opt, data = setup()
     scale = model(torch.ones(1, 4)).sum()  # built before the loop
@@ -349,8 +350,13 @@ def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed_or_collected():
     assert not torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
     with pytest.raises(GraphReuseError, match="pass trace=True to GraphGuard"):  # closed: it checks on, untraced
         guard.backward((model(data[0]) * scale).pow(2).mean())
-    GraphGuard(model, trace=True)
+    first, second = GraphGuard(model, trace=True), GraphGuard(model, trace=True)
+    first.close()
+    assert torch.is_anomaly_enabled()  # the second still traces
+    third = GraphGuard(model, trace=True)
+    del second
     gc.collect()
+    third.close()
     assert not torch.is_anomaly_enabled()
 
 
