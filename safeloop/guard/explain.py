@@ -152,9 +152,13 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
 
 
 def leaf_names(leaves, scope: Scope | None = None, most: int = 3) -> str:
-    """How to name leaf tensors in a message: the parameters' names where a root module has them."""
+    """How to name leaf tensors in a message: the parameters' names where a root module has them, or a module
+    in the scope's variables (``self.layer.weight`` in a LightningModule's hook)."""
     names = {}
-    for root_name, root in (scope.roots.items() if scope is not None else ()):
+    modules = list(scope.roots.items()) if scope is not None else []
+    if scope is not None:
+        modules += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    for root_name, root in modules:
         if isinstance(root, torch.nn.Module):
             for name, param in root.named_parameters():
                 names.setdefault(id(param), f"{root_name}.{name}")

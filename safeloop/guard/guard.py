@@ -416,18 +416,23 @@ class Guard:
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
-        with ``on_reuse=error`` or once its tensors are freed; else retained per ``on_reuse`` (returns True),
+        with ``on_reuse=error`` (saying whether a saved tensor has changed since) or once its tensors are
+        freed; else retained per ``on_reuse`` (returns True),
         said once per node type (``warn``: a GraphSharingWarning; ``retain``: the log). Not kept (see
         ``_kept``): no verdict."""
-        freed = walk.is_freed(walk.unpack_error(saver))
+        unpacked = walk.unpack_error(saver)
+        freed, changed = walk.is_freed(unpacked), walk.is_inplace(unpacked)
         if self.on_reuse == "error" or freed:
             kept, holder = self._kept(node, case)
             if not kept:
                 return False
-            state = ("an earlier backward already freed its saved tensors, so this backward would fail"
-                     if freed else
-                     "this step's backward will free its saved tensors, and the next step would fail with "
-                     "'Trying to backward through the graph a second time'")
+            if freed:
+                state = "an earlier backward already freed its saved tensors, so this backward would fail"
+            elif changed:
+                state = f"a tensor it saved was since changed in place ({_WRITES}), so this backward would fail"
+            else:
+                state = ("this step's backward will free its saved tensors, and the next step would fail with "
+                         "'Trying to backward through the graph a second time'")
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
             # detaching stops the gradient into the leaves below: right only if that is what was meant
             into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
@@ -583,15 +588,29 @@ class Guard:
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
+            # (what backward meets first under a node made before the step: an add over a matmul)
             saving = [n for n in before if (iteration is None or sequence_nr(n) < iteration)
-                      and walk.is_inplace(walk.unpack_error(n))]
-            if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
+                      and walk.below(n)[0] is not None and walk.is_inplace(walk.unpack_error(walk.below(n)[0]))]
+            if saving:  # a graph kept across steps (on_reuse=retain), or built before training, saw its weights change
                 return self._error(InplaceModificationError, saving[0], case,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
-                    f"saved ({tensor}) was since changed in place (optimizer steps update parameters in place), "
-                    "so a graph kept across steps goes stale and retain_graph cannot help",
+                    f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
+                    "stale and retain_graph cannot help",
                     [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                      "if it is a constant input, store `{code}.detach()` instead"])
+            written = None if stepped else _written_leaf(loss, text, tensor)
+            if written is not None:
+                node, leaf = written
+                holder = explain.find_holder(node, scope, batch)
+                code = f"`{_code(holder)}`" if _code(holder) else "the tensors made from it"
+                return self._error(InplaceModificationError, node, case,
+                    f"the loss reaches {{node}}, held by {{holder}}, whose graph saved "
+                    f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, with no "
+                    f"optimizer step in between ({_WRITES})",
+                    [f"compute {code} inside {self.words.place}, after the weights are written, so that its graph "
+                     "saves them as they are",
+                     "write the weights (load, initialize, wrap in DDP) before computing anything from them"],
+                    holder=holder)
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
@@ -798,6 +817,33 @@ def _leak_holder(sentinel, scope) -> str:
         if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
             return f"`{name}`"
     return "a reference kept outside the step (a list, a global, a closure)"
+
+
+_WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
+           "such as DDP's broadcast of the weights at start-up")
+
+
+def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[Any, torch.Tensor] | None:
+    """For PyTorch's in-place error ``text`` naming ``tensor``: the first node of the loss's graph whose saved
+    tensors fail so, and a leaf it takes as input (directly or through a view, a transposed weight) whose
+    version and size are those PyTorch names: a parameter written in place after the graph saved it. None
+    when there is no such pair: then it was a tensor the program made."""
+    version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
+    if version is None or sizes is None:
+        return None
+    shape = tuple(int(n) for n in re.findall(r"\d+", sizes.group(1)))
+    for node in islice(walk.iter_nodes(loss.grad_fn), limit):
+        if type(node) is walk.ACCUMULATE or not walk.holds_tensors(node):
+            continue
+        if not walk.is_inplace(walk.unpack_error(node)):
+            continue
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        inputs += [m for n in inputs for m, _ in n.next_functions if m is not None]
+        for leaf in (n.variable for n in inputs if type(n) is walk.ACCUMULATE):
+            if leaf._version == int(version.group(1)) and tuple(leaf.shape) in (shape, shape[::-1]):
+                return node, leaf
+        return None
+    return None
 
 
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
