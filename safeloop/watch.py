@@ -9,7 +9,8 @@ step (PyTorch's global optimizer step hooks; the backwards of an L-BFGS closure,
 the step's first backward was called starts a step. The tensor at fault is
 searched in the variables of the function that called backward and in the script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
-error, naming the tensor and the fix.
+error, naming the tensor and the fix. The Python scripts it starts (the ranks of Lightning's DDP
+launcher) run under watch too, with the same options.
 """
 from __future__ import annotations
 
