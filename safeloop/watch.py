@@ -98,6 +98,7 @@ class Watch:
             self.busy = False
 
     def stepping(self, *_) -> None:
+        """An optimizer's step() begins (before any backward: where the first step may begin, see ``first_step``)."""
         if not self.started and self.first_update is None:
             self.first_update = walk.sequence_now()
         self.guard.optimizer_stepping()

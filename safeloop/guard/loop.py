@@ -358,15 +358,15 @@ class GraphGuard:
 
 
 class _Anomaly:
-    """Anomaly mode is the whole process's: on while a ``GraphGuard(trace=True)`` is open (neither closed nor
-    garbage), then as it was before the first of them."""
+    """Anomaly mode is the whole process's: on from the first ``GraphGuard(trace=True)``; at the close of a
+    guard when no other is open (neither closed nor garbage), back as it was before that first one."""
 
     def __init__(self):
         self.open: weakref.WeakSet = weakref.WeakSet()
-        self.before: tuple[bool, bool] | None = None
+        self.before: tuple[bool, bool] | None = None  # None: as it was, no tracing guard since
 
     def on(self, guard: GraphGuard) -> None:
-        if not self.open:
+        if self.before is None:
             self.before = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
         self.open.add(guard)
         torch.autograd.set_detect_anomaly(True, check_nan=False)

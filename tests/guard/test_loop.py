@@ -358,6 +358,11 @@ def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed():
     gc.collect()
     third.close()
     assert not torch.is_anomaly_enabled()
+    GraphGuard(model, trace=True)  # left to the garbage collector, never closed: on until a later guard closes
+    gc.collect()
+    assert torch.is_anomaly_enabled()
+    GraphGuard(model, trace=True).close()
+    assert not torch.is_anomaly_enabled()
 
 
 def test_bad_settings_are_named():
