@@ -9,14 +9,19 @@ step (PyTorch's global optimizer step hooks; the backwards of an L-BFGS closure,
 the step's first backward was called starts a step. The tensor at fault is
 searched in the variables of the function that called backward and in the script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
-error, naming the tensor and the fix.
+error, naming the tensor and the fix. The Python scripts it starts (the ranks of Lightning's DDP
+launcher) run under watch too, with the same options.
 """
 from __future__ import annotations
 
 import argparse
 import dis
+import json
+import os
 import sys
 import types
+from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from .guard import walk
 from .guard.loop import GraphGuard
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
+STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
 _LOOP_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"}
 _STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
            "DELETE_GLOBAL", "DELETE_DEREF"}
@@ -39,6 +45,7 @@ class Watch:
         self.busy = False  # inside a guarded call: backward calls made by it (Tensor.backward's own) pass
         self.names: dict[int, str] = {}  # optimizer -> its name in messages
         self.started = False
+        self.first_update: int | None = None  # the node counter when an optimizer step began before any backward
 
     def __enter__(self) -> Watch:
         self.saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
@@ -66,8 +73,7 @@ class Watch:
         torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = backward, backward_fn, grad
         # from an optimizer's step() on, a step ends at each optimizer step: the backwards an L-BFGS closure runs
         # inside step() are that step's (the post hook ends it)
-        self.hooks = (register_optimizer_step_pre_hook(lambda *_: self.guard.optimizer_stepping()),
-                      register_optimizer_step_post_hook(self.stepped))
+        self.hooks = (register_optimizer_step_pre_hook(self.stepping), register_optimizer_step_post_hook(self.stepped))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,6 +97,12 @@ class Watch:
         finally:
             self.busy = False
 
+    def stepping(self, *_) -> None:
+        """An optimizer's step() begins (before any backward: where the first step may begin, see ``first_step``)."""
+        if not self.started and self.first_update is None:
+            self.first_update = walk.sequence_now()
+        self.guard.optimizer_stepping()
+
     def stepped(self, optimizer, args, kwargs) -> None:
         name = self.names.get(id(optimizer))
         if name is None:  # its variable's name in the script, once
@@ -104,20 +116,25 @@ class Watch:
 
         A script has no ``with guard.step()``; the loop around the first backward tells. Tensors
         with a graph held by variables that its body never assigns were built before it (``y = t @ a``
-        above the loop): the first step starts after the newest of them. Without such a loop, the
-        first step is all the script did before its first backward.
+        above the loop): the first step starts after the newest of them. Without such a loop the training
+        loop is a library's (Lightning's): when the first backward runs inside an optimizer step begun before
+        it, that step's closure builds the step's graph (Lightning's automatic optimization runs training_step
+        there), so the first step starts with that optimizer step; otherwise it is all the script did before
+        its first backward.
         """
         self.guard.search_globals(vars(sys.modules["__main__"]))
-        start = loop_start(frame, self.script)
+        start = loop_start(frame, self.script, self.guard.variables, outside=self.first_update)
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
 
 
-def loop_start(frame, filename: str) -> int | None:
+def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"),
+               outside: int | None = None) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
     caller's loop in ``filename``) began, by a variable that the loop does not assign (or an attribute,
-    not assigned in the loop, of an object such a variable holds); None if none."""
+    not assigned in the loop, of an object such a variable holds); None if none; ``outside`` if no loop of
+    ``filename`` runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
     if not walk.HAS_SEQ:
         return None
     module = None
@@ -133,7 +150,7 @@ def loop_start(frame, filename: str) -> int | None:
                 module = code
         frame = frame.f_back
     if found is None:
-        return None
+        return outside
     frame, (first, last) = found
     body = [i for i in dis.get_instructions(frame.f_code) if first <= i.offset <= last]
     assigned = {i.argval for i in body if i.opname in _STORES}
@@ -141,7 +158,7 @@ def loop_start(frame, filename: str) -> int | None:
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
-    held = [v for k, v in list(frame.f_locals.items()) if k not in assigned]
+    held = [v for k, v in list(variables(frame).items()) if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
     held += [a for v in held for k, a in _fields(v).items() if k not in attributes]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
@@ -179,6 +196,15 @@ def _codes(code):
             yield from _codes(const)
 
 
+def watch_children(options: list[str]) -> None:
+    """The Python processes the script starts (and theirs) run their scripts under watch too, with ``options``:
+    Lightning's DDP launcher starts rank 1 as ``python script.py`` (see ``guard/startup/sitecustomize.py``)."""
+    os.environ["SAFELOOP_WATCH"] = json.dumps(options)
+    path = os.environ.get("PYTHONPATH", "")
+    if STARTUP not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, path]) if path else STARTUP
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,6 +219,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
     if not Path(script).is_file():
         parser.error(f"{script}: no such file (give the path of a Python script)")
     guard = GraphGuard(check=args.check, on_reuse=args.on_reuse, trace=args.trace, ignore=args.ignore)
+    watch_children(["--check", args.check, "--on-reuse", args.on_reuse, *(["--trace"] if args.trace else []),
+                    *(word for name in args.ignore for word in ("--ignore", name))])
     sys.argv = [script, *args.args]
     script = str(Path(script).resolve())  # as `python script.py` names it in tracebacks
     sys.path[0] = str(Path(script).parent)
@@ -214,6 +242,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
                 err.with_traceback(tb)
             sys.excepthook(type(err), err, err.__traceback__)
             return 1
+        finally:
+            guard.close()
     return 0
 
 

@@ -1,3 +1,4 @@
+import logging
 import os
 import random
 import sys
@@ -5,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # recipes/ and benchmarks/ importable from the checkout
@@ -19,6 +21,29 @@ def _fresh_state(tmp_path, monkeypatch):
     torch.set_grad_enabled(True)
     yield
     torch.set_grad_enabled(True)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_put_back():
+    """What a test changes for the whole process is put back after it, so that no test passes or fails for
+    what an earlier one left: anomaly mode (``GraphGuard(trace=True)``), the "safeloop" logger's level and
+    handlers (a fit shows its logs), ``sys.argv`` (a CLI run), the rank ``rank_zero_only`` prints from."""
+    anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    logger = logging.getLogger("safeloop")
+    level, handlers = logger.level, list(logger.handlers)
+    argv = sys.argv
+    argv_items = list(argv)
+    rank = getattr(rank_zero_only, "rank", None)
+    yield
+    torch.autograd.set_detect_anomaly(*anomaly)
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    sys.argv = argv
+    argv[:] = argv_items
+    if rank is None:
+        vars(rank_zero_only).pop("rank", None)
+    else:
+        rank_zero_only.rank = rank
 
 
 @pytest.fixture

@@ -19,9 +19,12 @@ __all__ = ["GraphGuard", "Guard", "CHECKS", "REUSE_POLICIES", "for_trainer"]
 
 def for_trainer(given: GraphGuard | Guard | Mapping[str, Any] | None, out_dir: Path | None) -> tuple[Guard, list[str]]:
     """The engine a Trainer drives for its ``guard=`` argument, speaking of ``training_step``: a ``GraphGuard``'s
-    (``Trainer(guard=graph_guard)``), or one made from settings (a dict, or None: the defaults), writing its
-    pictures to ``out_dir``; and every problem with those settings."""
+    (``Trainer(guard=graph_guard)``), or one made from settings (a dict, or None: the defaults); and every problem
+    with those settings. Its pictures go to ``out_dir`` (None, a Trainer without a run directory: no picture),
+    unless the ``GraphGuard`` was given its own ``out_dir``."""
     if isinstance(given, GraphGuard):
+        if given.out_dir is None:
+            given.guard.out_dir = out_dir
         given = given.guard
     if isinstance(given, Guard):
         given.words = TRAINER

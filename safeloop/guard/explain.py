@@ -8,12 +8,17 @@ Only runs on the error path.
 from __future__ import annotations
 
 import gc
+import os
+import re
 from contextlib import suppress
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+import safeloop
 
 from .walk import reachable
 
@@ -147,10 +152,14 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
 
 
 def leaf_names(leaves, scope: Scope | None = None, most: int = 3) -> str:
-    """How to name leaf tensors in a message: the parameters' names where a root module has them."""
+    """How to name leaf tensors in a message: the parameters' names where a root module has them, or a module
+    in the scope's variables (``self.layer.weight`` in a LightningModule's hook)."""
     names = {}
-    for root_name, root in (scope.roots.items() if scope is not None else ()):
-        if isinstance(root, torch.nn.Module):
+    modules = list(scope.roots.items()) if scope is not None else []
+    if scope is not None:
+        modules += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    for root_name, root in modules:
+        if issubclass(type(root), torch.nn.Module):  # by type: see find_holder
             for name, param in root.named_parameters():
                 names.setdefault(id(param), f"{root_name}.{name}")
     said = [names.get(id(t), f"a tensor of shape {list(t.shape)} with requires_grad=True") for t in leaves[:most]]
@@ -158,10 +167,20 @@ def leaf_names(leaves, scope: Scope | None = None, most: int = 3) -> str:
     return ", ".join(f"`{n}`" if n in names.values() else n for n in said) + more
 
 
+# the frames of these packages are never the user's line (a user's own directory may be named safeloop: a clone)
+_LIBRARIES = tuple(str(Path(package.__file__).parent) + os.sep for package in (torch, safeloop))
+_FILE = re.compile(r'File "([^"]*)"')
+
+
 def traceback_of(node) -> str | None:
     """The line that created ``node``, when anomaly mode (``guard.trace=true``) was on."""
     stack = node.metadata.get("traceback_")
     if not stack:
         return None
-    frames = [line for line in stack if "site-packages/torch" not in line and "safeloop/" not in line]
+    frames = [line for line in stack if not _in_library(line)]
     return (frames or stack)[-1].strip()
+
+
+def _in_library(frame: str) -> bool:
+    found = _FILE.search(frame)
+    return found is not None and found.group(1).startswith(_LIBRARIES)

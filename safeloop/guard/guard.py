@@ -55,7 +55,8 @@ def _average(mean: float | None, sample: float) -> float:
 
 
 class _Sentinel:
-    """Put in a loss node's metadata: it dies with the node, so a live one means a leak."""
+    """Put in the metadata of a step's nodes: it dies with the last of them, so a live one means some of
+    that step's graph outlived it."""
 
     __slots__ = ("__weakref__",)
 
@@ -77,7 +78,7 @@ class Guard:
     Args:
         on_reuse / check / trace / warmup / budget / ignore: the guard's settings, each documented with
             its default in ``safeloop.settings.GuardSettings`` (also the ``guard`` config group).
-        out_dir: where graph pictures are written on error.
+        out_dir: where graph pictures are written on error (None: no picture).
         words: how messages name the caller's code (``words.TRAINER``, ``words.LOOP``); the attribute
             ``words`` may be set later, by a caller taking over a guard another one made.
     """
@@ -99,7 +100,7 @@ class Guard:
         self._regions: list[tuple[int, int, frozenset]] = []  # node numbers made inside ignore() regions
         self._active: list[frozenset] = []  # the ignore() regions running now
         self.warmup, self.budget = warmup, budget
-        self.out_dir = Path(out_dir) if out_dir else Path("safeloop_graphs")
+        self.out_dir = Path(out_dir) if out_dir else None
         self.fit_seq: int | None = None  # node counter when training started
         self.start_seq: int | None = None  # node counter at the start of this step (None: unknown)
         # the counter when the last step ended (or the fit started): the next step starts there, so
@@ -340,13 +341,26 @@ class Guard:
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
-                sentinel = _Sentinel()
-                root.metadata[_SENTINEL] = sentinel
-                self._sentinels.append(weakref.ref(sentinel))
+                self._sentinels.append(weakref.ref(self._watch(root, found.nodes)))
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def _watch(self, root, nodes) -> _Sentinel:
+        """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
+        any of them, not only the loss back-propagated (the loss itself while the step back-propagates
+        ``loss / n``, as gradient accumulation does; an output; a running sum). Not on nodes whose carried check
+        is off: a graph carried from step to step on purpose is alive for several steps by design."""
+        sentinel = _Sentinel()
+        if self.is_off("carried"):
+            nodes = ()
+        elif self._regions:
+            nodes = [node for node in nodes if not self.is_off("carried", node)]
+        root.metadata[_SENTINEL] = sentinel
+        for node in nodes:
+            node.metadata[_SENTINEL] = sentinel
+        return sentinel
 
     def _before_step(self, nodes, case: Case, iteration: int | None = None) -> bool:
         """Judge the nodes made before the step that the loss reaches, by the verdicts below in order (each
@@ -407,18 +421,23 @@ class Guard:
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
-        with ``on_reuse=error`` or once its tensors are freed; else retained per ``on_reuse`` (returns True),
+        with ``on_reuse=error`` (saying whether a saved tensor has changed since) or once its tensors are
+        freed; else retained per ``on_reuse`` (returns True),
         said once per node type (``warn``: a GraphSharingWarning; ``retain``: the log). Not kept (see
         ``_kept``): no verdict."""
-        freed = walk.is_freed(walk.unpack_error(saver))
+        unpacked = walk.unpack_error(saver)
+        freed, changed = walk.is_freed(unpacked), walk.is_inplace(unpacked)
         if self.on_reuse == "error" or freed:
             kept, holder = self._kept(node, case)
             if not kept:
                 return False
-            state = ("an earlier backward already freed its saved tensors, so this backward would fail"
-                     if freed else
-                     "this step's backward will free its saved tensors, and the next step would fail with "
-                     "'Trying to backward through the graph a second time'")
+            if freed:
+                state = "an earlier backward already freed its saved tensors, so this backward would fail"
+            elif changed:
+                state = f"a tensor it saved was since changed in place ({_WRITES}), so this backward would fail"
+            else:
+                state = ("this step's backward will free its saved tensors, and the next step would fail with "
+                         "'Trying to backward through the graph a second time'")
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
             # detaching stops the gradient into the leaves below: right only if that is what was meant
             into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
@@ -528,8 +547,7 @@ class Guard:
         raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope),
             f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
             "retain_graph, which freed the saved tensors of its graph",
-            [self.words.once, "if a second backward through the same graph is meant, pass retain_graph=True to "
-             "every backward but the last"])
+            [self.words.twice, self.words.shared])
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
@@ -575,15 +593,29 @@ class Guard:
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
             node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
+            # (what backward meets first under a node made before the step: an add over a matmul)
             saving = [n for n in before if (iteration is None or sequence_nr(n) < iteration)
-                      and walk.is_inplace(walk.unpack_error(n))]
-            if saving:  # a graph kept across steps (on_reuse=retain) saw its parameters updated
+                      and walk.below(n)[0] is not None and walk.is_inplace(walk.unpack_error(walk.below(n)[0]))]
+            if saving:  # a graph kept across steps (on_reuse=retain), or built before training, saw its weights change
                 return self._error(InplaceModificationError, saving[0], case,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
-                    f"saved ({tensor}) was since changed in place (optimizer steps update parameters in place), "
-                    "so a graph kept across steps goes stale and retain_graph cannot help",
+                    f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
+                    "stale and retain_graph cannot help",
                     [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                      "if it is a constant input, store `{code}.detach()` instead"])
+            written = None if stepped else _written_leaf(loss, text, tensor)
+            if written is not None:
+                node, leaf = written
+                holder = explain.find_holder(node, scope, batch)
+                code = f"`{_code(holder)}`" if _code(holder) else "the tensors made from it"
+                return self._error(InplaceModificationError, node, case,
+                    f"the loss reaches {{node}}, held by {{holder}}, whose graph saved "
+                    f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, with no "
+                    f"optimizer step in between ({_WRITES})",
+                    [f"compute {code} inside {self.words.place}, after the weights are written, so that its graph "
+                     "saves them as they are",
+                     "write the weights (load, initialize, wrap in DDP) before computing anything from them"],
+                    holder=holder)
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
@@ -757,9 +789,10 @@ class Guard:
         elif trace_hint and not self.trace:
             fixes = fixes + [f"{self.words.trace} to have the error name the line that created it"]
         picture = None
-        with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
-            picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
-                             [node] if node is not None else (), holder)
+        if self.out_dir is not None:
+            with suppress(OSError):  # an unwritable directory costs the picture, never the error itself
+                picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
+                                 [node] if node is not None else (), holder)
         return cls(detail, step=case.step, loss_name=case.name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
 
@@ -789,6 +822,33 @@ def _leak_holder(sentinel, scope) -> str:
         if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
             return f"`{name}`"
     return "a reference kept outside the step (a list, a global, a closure)"
+
+
+_WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
+           "such as DDP's broadcast of the weights at start-up")
+
+
+def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[Any, torch.Tensor] | None:
+    """For PyTorch's in-place error ``text`` naming ``tensor``: the first node of the loss's graph whose saved
+    tensors fail so, and a leaf it takes as input (directly or through a view, a transposed weight) whose
+    version and size are those PyTorch names: a parameter written in place after the graph saved it. None
+    when there is no such pair: then it was a tensor the program made."""
+    version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
+    if version is None or sizes is None:
+        return None
+    shape = tuple(int(n) for n in re.findall(r"\d+", sizes.group(1)))
+    for node in islice(walk.iter_nodes(loss.grad_fn), limit):
+        if type(node) is walk.ACCUMULATE or not walk.holds_tensors(node):
+            continue
+        if not walk.is_inplace(walk.unpack_error(node)):
+            continue
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        inputs += [m for n in inputs for m, _ in n.next_functions if m is not None]
+        for leaf in (n.variable for n in inputs if type(n) is walk.ACCUMULATE):
+            if leaf._version == int(version.group(1)) and tuple(leaf.shape) in (shape, shape[::-1]):
+                return node, leaf
+        return None
+    return None
 
 
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "

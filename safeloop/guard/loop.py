@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -48,8 +49,10 @@ class GraphGuard:
             step when no ``with guard.step()`` marks it, and an update between a loss and its
             backward is named.
         check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
-            (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here.
-        out_dir: where graph pictures are written on error (default ``safeloop_graphs``).
+            (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here until
+            ``close()``.
+        out_dir: where graph pictures are written on error (default ``safeloop_graphs``; a Trainer handed
+            this guard writes them where its own would, under its run directory or nowhere, unless given).
 
     The ``Guard`` it drives is ``graph_guard.guard``; ``Trainer(guard=graph_guard)`` uses it too.
     Its messages speak of the loop (``words.LOOP``).
@@ -73,10 +76,11 @@ class GraphGuard:
                      for name, opt in optimizers.items() if not isinstance(opt, torch.optim.Optimizer)]
         if problems:
             raise ConfigError(problems)
+        self.out_dir = out_dir  # as given (None: the default)
         self.guard = Guard(**{k: v for k, v in vars(settings).items() if k != "ignore"},
-                           ignore=tuple(settings.ignore), out_dir=out_dir, words=LOOP)
+                           ignore=tuple(settings.ignore), out_dir=out_dir or "safeloop_graphs", words=LOOP)
         if settings.trace:  # on now: the line that builds a tensor is recorded only while it is on
-            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            _ANOMALY.on(self)
         self.model = model
         self.optimizers = optimizers
         self.steps = 0  # steps begun
@@ -91,6 +95,7 @@ class GraphGuard:
         self._first_site: tuple | None = None
         self._iteration_seq: int | None = None
         self._globals: dict | None = None  # more globals to search (a script's, under watch)
+        self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
         self._timed, self._started, self._ended = False, 0.0, 0.0
         # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
         # hold the last step's loss until the next step replaces it, and a script's variables hold its
@@ -106,6 +111,13 @@ class GraphGuard:
         # Before the first step: anything made until then was built before training. A
         # ``with guard.step()`` moves this to where it opens.
         self.guard.start_fit()
+
+    def close(self) -> None:
+        """Anomaly mode back as it was before ``trace=True`` turned it on, unless another open ``GraphGuard``
+        traces. The checks go on; errors no longer name the line that made a tensor."""
+        if self.guard.trace:
+            _ANOMALY.off(self)
+            self.guard.trace = False
 
     # -- steps -------------------------------------------------------------------------------
     def step(self) -> GraphGuard:
@@ -246,8 +258,13 @@ class GraphGuard:
         guard, step = self.guard, self.steps
         if self._graphs and self._graphs[0][0] <= step - 2 and sys.version_info < (3, 13):
             # Before 3.13 reading a function's variables (a search for a name did) leaves a copy of them
-            # on its frame, whose references outlive the variables: read afresh, it holds no old loss
-            frame.f_locals  # noqa: B018
+            # on its frame, whose references outlive the variables: read afresh, the copies on the frames
+            # still running (the loop's, when backward is called in a function it calls) hold no old graph
+            running = frame
+            while running is not None:
+                if running is frame or running.f_code in self._read:
+                    running.f_locals  # noqa: B018
+                running = running.f_back
         while self._graphs and self._graphs[0][0] <= step - 2:
             done, refs = self._graphs.pop(0)
             for first, holder in guard.piled(done, refs, self.scope):
@@ -305,12 +322,19 @@ class GraphGuard:
         """Search ``namespace`` too (a script's globals, under ``python -m safeloop.watch``) for the tensor at fault."""
         self._globals = namespace
 
+    def variables(self, frame) -> Mapping[str, Any]:
+        """The variables of the function running ``frame``, read for a search. Before 3.13 reading them
+        leaves a copy on the frame, which the guard reads afresh before it looks for kept graphs."""
+        self._read.add(frame.f_code)
+        return frame.f_locals
+
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
         out = []
         frame = self._frame
         if frame is not None:
-            if frame.f_locals is not frame.f_globals:
-                out.append(("local", frame.f_locals))
+            variables = self.variables(frame)
+            if variables is not frame.f_globals:
+                out.append(("local", variables))
             out.append(("global", frame.f_globals))
         if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
             out.append(("global", self._globals))
@@ -331,6 +355,30 @@ class GraphGuard:
                 (p for g in h.param_groups for p in g["params"])
             params.update((id(p), p) for p in ps)
         return list(params.values())
+
+
+class _Anomaly:
+    """Anomaly mode is the whole process's: on from the first ``GraphGuard(trace=True)``; at the close of a
+    guard when no other is open (neither closed nor garbage), back as it was before that first one."""
+
+    def __init__(self):
+        self.open: weakref.WeakSet = weakref.WeakSet()
+        self.before: tuple[bool, bool] | None = None  # None: as it was, no tracing guard since
+
+    def on(self, guard: GraphGuard) -> None:
+        if self.before is None:
+            self.before = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+        self.open.add(guard)
+        torch.autograd.set_detect_anomaly(True, check_nan=False)
+
+    def off(self, guard: GraphGuard) -> None:
+        self.open.discard(guard)
+        if not self.open and self.before is not None:
+            torch.autograd.set_detect_anomaly(*self.before)
+            self.before = None
+
+
+_ANOMALY = _Anomaly()
 
 
 def _site(frame) -> tuple | None:

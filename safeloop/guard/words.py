@@ -17,8 +17,8 @@ class Words:
     trace: str  # how to turn anomaly mode on
     retain: str  # a backward that retains the graph
     once: str  # the fix for a second backward on a graph already consumed
-    twice: str  # the fix for backward on one loss twice
-    shared: str  # the fix for several losses sharing one graph
+    twice: str  # the fix for backward on one loss twice (never retain_graph: the gradient would be added twice)
+    shared: str  # the fix for several different losses sharing one graph
     consumed_by: str  # who consumed the graph before the guard saw the loss
 
 
@@ -40,8 +40,10 @@ LOOP = Words(
     before="before the loop",
     trace="pass trace=True to GraphGuard (python -m safeloop.watch --trace; anomaly mode)",
     retain="loss.backward(retain_graph=True)",
-    once="call backward once per loss (compute the loss again for another backward)",
-    twice="do not call backward on the same loss twice",
-    shared="if several losses share a graph, pass retain_graph=True to every backward through it but the last",
+    once="call backward once per loss: a second backward on it adds the same gradient to .grad again",
+    twice="call backward once on each loss: delete the second backward on it (made to run with retain_graph=True, "
+          "it would add the same gradient to .grad again)",
+    shared="retain the graph only for a second, different loss through it: then pass retain_graph=True to every "
+           "backward but the last",
     consumed_by="an earlier backward of the step ran",
 )

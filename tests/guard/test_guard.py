@@ -1,5 +1,6 @@
 """The guard on its own cases: carried state, leaks, clean abandonment, policies, pictures, schedule."""
 import copy
+import importlib.util
 import re
 import subprocess
 import sys
@@ -88,6 +89,22 @@ def test_trace_names_the_line_that_made_the_carried_tensor():
     assert not any("guard.trace" in f for f in info.value.fixes)
 
 
+def test_trace_names_the_users_line_in_a_directory_named_safeloop(tmp_path):
+    """``git clone`` makes a directory named safeloop: the user's files there are still the user's."""
+    (tmp_path / "safeloop").mkdir()
+    user = tmp_path / "safeloop" / "carries.py"
+    user.write_text("import torch\nfrom safeloop import Trainer\n\n\nclass Carries(Trainer):\n"
+                    "    def training_step(self, batch):\n"
+                    "        self.h = torch.tanh(self.model(batch) + getattr(self, 'h', 0))\n"
+                    "        return self.h.pow(2).mean()\n")
+    spec = importlib.util.spec_from_file_location("carries", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(CarriedGraphError, match=re.escape(f'it was created at File "{user}", line 7, in '
+                                                          'training_step')):
+        fit(module.Carries, guard={"trace": True})
+
+
 @pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
 @pytest.mark.parametrize("keep, holder", [
     ("self.running = self.running + loss", "self.running"),
@@ -106,6 +123,36 @@ def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder, mode):
     with pytest.warns(GraphLeakWarning, match=re.escape(f"steps 1 and 2: the autograd graphs of both steps are "
                                                         f"still alive, held by `{holder}`") + ".*loss.item\\(\\)"):
         fit(mode(Keeps))
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("returns", ["loss * 1.0", "loss / 2"])
+def test_graphs_kept_of_the_loss_while_the_step_back_propagates_another_tensor_warn_naming_the_holder(returns, mode):
+    """What Lightning's and Accelerate's gradient accumulation do: the loss kept (``self.total = self.total +
+    loss``) is not the tensor back-propagated (``loss / 2``), whose graph dies with the step. Keeping the last
+    step's output, replaced every step, is still no leak."""
+    class KeepsTheLoss(Trainer):
+        total = 0.0
+
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            self.total = self.total + loss  # meant: loss.item()
+            return eval(returns)
+
+    with pytest.warns(GraphLeakWarning, match=re.escape("steps 1 and 2: the autograd graphs of both steps are "
+                                                        "still alive, held by `self.total`")):
+        fit(mode(KeepsTheLoss))
+
+    class KeepsTheLastOutput(Trainer):
+        def training_step(self, batch):
+            out = self.model(batch)
+            self.last_out = out  # one step's graph at a time
+            return eval(returns, {"loss": out.pow(2).mean()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = fit(mode(KeepsTheLastOutput), steps=8, guard={"check": "always"})
+    assert trainer.last_out.grad_fn is not None  # the last step's graph outlived it: looked at, no leak
 
 
 @pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
@@ -206,6 +253,25 @@ def test_check_off_still_explains_the_failure_after_the_fact():
     with pytest.raises(GraphReuseError, match=r"step 2.*reaches ExpBackward0.*held by `self.y`.*an earlier "
                        "backward already freed its saved tensors"):
         fit(ReusesExp, guard={"check": "off"})
+
+
+def test_without_a_run_dir_the_trainer_writes_no_picture_and_a_plain_loops_guard_does(tmp_path):
+    """The Trainer says "no graph pictures are written" without a run_dir: nothing lands in the working
+    directory (the test's own), also from a GraphGuard handed to it; a plain loop's writes to safeloop_graphs, and
+    a Trainer with a run_dir under it."""
+    for guard in ({"check": "always"}, safeloop.GraphGuard()):
+        with pytest.raises(GraphReuseError) as info:
+            fit(ReusesExp, guard=guard)
+        assert info.value.picture is None and "Graph picture" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    model = torch.nn.Linear(4, 4)
+    y = model.weight.sum(0).exp()
+    with pytest.raises(GraphReuseError, match=re.escape("Graph picture: safeloop_graphs/step1_loss.dot")):
+        safeloop.GraphGuard(model).backward((model(torch.randn(3, 4)) + y).pow(2).mean())
+    assert (tmp_path / "safeloop_graphs" / "step1_loss.dot").exists()
+    with pytest.raises(GraphReuseError) as info:  # handed to a Trainer with a run_dir: under it, as the Trainer's
+        fit(ReusesExp, guard=safeloop.GraphGuard(), run_dir=tmp_path / "run")
+    assert info.value.picture.startswith(str(tmp_path / "run" / "graphs"))
 
 
 def test_error_writes_a_picture_with_the_node_highlighted(tmp_path):

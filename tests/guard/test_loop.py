@@ -1,4 +1,5 @@
 """``GraphGuard``: the guard's cases in a hand-written loop, with the same errors and fields."""
+import gc
 import re
 import warnings
 from pathlib import Path
@@ -129,6 +130,44 @@ def test_backward_twice_on_one_loss_is_caught_before_it_runs():
     guard.backward(loss)
 
 
+def seed000_loop(second: str | None) -> list[torch.Tensor]:
+    """Seed 000's first example: backward, update, then ``second``: ``"backward"`` on the same loss again (the
+    mistake), ``"retained"``: again, the first backward retaining the graph so that it runs (the advice the
+    seed texts warn about), None: no second backward (the guard's advice). Returns the trained parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Tanh(), torch.nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt)
+    for x in torch.randn(3, 1, 4):
+        loss = model(x)
+        guard.backward(loss, retain_graph=second == "retained")
+        opt.step()
+        opt.zero_grad()
+        if second is not None:
+            guard.backward(loss)
+    return state(model)
+
+
+def test_backward_twice_on_one_loss_is_advised_away_and_the_advice_trains_as_the_intended_loop():
+    """Retaining the graph would let the second backward run and add the same gradient again."""
+    with pytest.raises(DoubleBackwardError) as info:
+        seed000_loop("backward")
+    assert info.value.fixes == [
+        "call backward once on each loss: delete the second backward on it (made to run with retain_graph=True, it "
+        "would add the same gradient to .grad again)",
+        "retain the graph only for a second, different loss through it: then pass retain_graph=True to every "
+        "backward but the last"]
+    torch.manual_seed(0)  # the loop as meant, by hand
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Tanh(), torch.nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in torch.randn(3, 1, 4):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(seed000_loop(None), state(model)))
+    assert not all(torch.equal(a, b) for a, b in zip(seed000_loop("retained"), state(model)))
+
+
 def test_a_loss_without_a_graph_is_named_with_its_cause():
     model, opt, data = setup()
     guard = GraphGuard(model)
@@ -244,6 +283,39 @@ def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_va
             opt.zero_grad()
 
 
+def accumulating_loop(keep: str) -> None:
+    """Two micro-batches per update, each loss divided by two before its backward (what Lightning's and
+    Accelerate's gradient accumulation do); ``keep``: what the loop keeps of each micro-batch."""
+    model, opt, data = setup()
+    guard = GraphGuard(model, opt, check="always")
+    running, last_out = 0.0, None
+    for i, x in enumerate(data * 2):
+        out = model(x)
+        loss = out.pow(2).mean()
+        if keep == "running":
+            running = running + loss  # meant: loss.item()
+        else:
+            last_out = out  # replaced every micro-batch: one graph at a time
+        guard.backward(loss / 2)
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_running_sum_of_losses_is_warned_about_when_the_loop_back_propagates_each_loss_divided():
+    """The graphs kept are not those of the tensors back-propagated; keeping one graph at a time, or carrying a
+    state on purpose (the carried check off), is no leak."""
+    with pytest.warns(GraphLeakWarning, match=re.escape("the autograd graphs of both steps are still alive, held by "
+                                                        "`local running`")):
+        accumulating_loop("running")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumulating_loop("last output")
+        model, opt, data = setup()  # a state carried on purpose keeps several steps' graphs by design
+        carry(GraphGuard(model, check="always", ignore=["carried"]), model, opt, data * 2, detach=False,
+              retain_graph=True)
+
+
 def test_an_ignored_check_lets_a_deliberate_carried_graph_through():
     model, opt, data = setup()
     carry(GraphGuard(model, ignore=["carried"]), model, opt, data[:3], detach=False, retain_graph=True)
@@ -264,6 +336,33 @@ def test_check_runs_the_pre_flight_for_a_backward_someone_else_calls(tmp_path):
     guard.check({"mse": F.mse_loss(out, data[2]), "l1": out.abs().mean()})  # several named losses of one step
     with pytest.raises(GraphReuseError, match=r"loss 'reg'.*held by `local scale`"):
         guard.check({"mse": F.mse_loss(model(data[3]), data[3]), "reg": scale * 0.1})
+
+
+def test_trace_turns_anomaly_mode_on_until_the_guard_is_closed():
+    """Anomaly mode is the whole process's and slows every step: a guard done with it puts it back, once no
+    other guard traces (one made again in a notebook's cell, the first left to the garbage collector)."""
+    assert not torch.is_anomaly_enabled()
+    model, opt, data = setup()
+    scale = model(torch.ones(1, 4)).sum()  # built before the loop
+    guard = GraphGuard(model, trace=True)
+    assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
+    guard.close()
+    assert not torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+    with pytest.raises(GraphReuseError, match="pass trace=True to GraphGuard"):  # closed: it checks on, untraced
+        guard.backward((model(data[0]) * scale).pow(2).mean())
+    first, second = GraphGuard(model, trace=True), GraphGuard(model, trace=True)
+    first.close()
+    assert torch.is_anomaly_enabled()  # the second still traces
+    third = GraphGuard(model, trace=True)
+    del second
+    gc.collect()
+    third.close()
+    assert not torch.is_anomaly_enabled()
+    GraphGuard(model, trace=True)  # left to the garbage collector, never closed: on until a later guard closes
+    gc.collect()
+    assert torch.is_anomaly_enabled()
+    GraphGuard(model, trace=True).close()
+    assert not torch.is_anomaly_enabled()
 
 
 def test_bad_settings_are_named():

@@ -170,3 +170,20 @@ def test_the_safeloop_command_runs_a_script_under_watch(tmp_path):
     assert proc.returncode == 1 and "held by `global y`" in proc.stderr.splitlines()[-1]
     proc = run("-m", "safeloop", "watch", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: safeloop watch")
+
+
+def test_a_running_sum_of_the_losses_is_warned_about_when_each_backward_is_of_the_loss_divided(tmp_path):
+    """Gradient accumulation written by hand: each micro-batch back-propagates ``loss / accumulate`` while
+    ``running`` sums the losses themselves, with their graphs (meant: ``loss.item()``)."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\naccumulate, running = 2, 0.0\n"
+                      "for i in range(8):\n    loss = model(torch.randn(3, 4)).pow(2).mean()\n"
+                      "    running = running + loss\n    (loss / accumulate).backward()\n"
+                      "    if i % accumulate == 1:\n        opt.step()\n        opt.zero_grad()\n"
+                      "print(f'mean loss {running.item() / 8:.6f}')\n")
+    plain, watched = run(str(script), cwd=tmp_path), run("-m", "safeloop.watch", str(script), cwd=tmp_path)
+    assert watched.returncode == plain.returncode == 0
+    assert watched.stdout == plain.stdout
+    assert f"{script}:9: GraphLeakWarning: autograd graph kept alive after its step: steps 1 and 2: the autograd " \
+           "graphs of both steps are still alive, held by `global running`" in watched.stderr
