@@ -1473,3 +1473,20 @@ def test_gradient_assigned_by_hand_is_not_taken_for_an_outside_backward():
     AssignsGradient(model=ours, train_data=regression_batches(), max_steps=4, device="cpu", progress=False,
                     loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), guard={"check": "always"}).fit()
     assert_same_params(ref, ours, exact=True)
+
+
+def test_an_automatic_step_that_fails_after_moving_a_parameter_by_hand_says_so():
+    class NudgesThenFails(Trainer):
+        def training_step(self, batch):
+            with torch.no_grad():
+                self.model[2].bias.add_(1.0)  # by hand, outside any update
+            raise ValueError("bad batch")
+
+    torch.manual_seed(0)
+    model = net()
+    trainer = NudgesThenFails(model=model, train_data=regression_batches(2), max_steps=2, device="cpu",
+                              progress=False, loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(StepError, match=re.escape(
+            "step 1 failed and was abandoned (parameters and optimizer state are unchanged; but `model.2.bias` "
+            "changed in this step other than by self.step or the Trainer's update")):
+        trainer.fit()
