@@ -262,7 +262,7 @@ def composition(overrides: Sequence[str], config_name: str = "train",
         try:
             return [], hydra.compose(config_name, overrides=[o.input_line for o in parsed])
         except ConfigCompositionException:
-            pass
+            pass  # an override is at fault: found below
         # Every override at fault, not only the first: each one tried on the config of those that compose.
         cfg, kept, refused = hydra.compose(config_name), [], []
         for o in parsed:
