@@ -115,8 +115,6 @@ class Undo:
 
     def end(self) -> None:
         """The step is over (done or undone): learn the order of its updates, start the next one clean."""
-        if not (self.order or self.saved or self.unsaved):
-            return
         self._seen.update(self.order)
         self._followed.update(self.order[:-1])
         self.order.clear()
