@@ -71,9 +71,10 @@ class HandLoop:
 class TrainerLoop:
     """Runs ``len(data)`` more steps of one long-lived Trainer per call."""
 
-    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None, cls: type[Trainer] = Trainer, **kwargs):
+    def __init__(self, model, data, opt: torch.optim.Optimizer | None = None, cls: type[Trainer] = Trainer,
+                 device: str = "cpu", **kwargs):
         self.trainer = cls(model=model, train_data=data, optimizer=opt or sgd(model),
-                           max_steps=len(data), device="cpu", progress=False, loggers=(), **kwargs)
+                           max_steps=len(data), device=device, progress=False, loggers=(), **kwargs)
         self.steps = len(data)
         self.trainer.max_steps = 0
 
