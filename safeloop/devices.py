@@ -26,9 +26,9 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
                 f"device={spec!r} asks for CUDA, but torch.cuda.is_available() is False on this machine "
                 f"(torch {torch.__version__}). Use device=cpu, or device=auto to take CUDA only when present")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"device={spec!r}: there are {torch.cuda.device_count()} CUDA devices (0.."
-                f"{torch.cuda.device_count() - 1}); pick one of them or use device=cuda")
+            count = torch.cuda.device_count()
+            raise ConfigError(f"device={spec!r}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                              f"(cuda:0..cuda:{count - 1}); choose one of them, or use device=cuda")
     elif device.type != "cpu":
         raise ConfigError(f"device={spec!r} is not supported: use auto, cpu, cuda or cuda:N")
     return device

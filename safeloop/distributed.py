@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from .checkpoint import stateful
-from .errors import SafeloopError
+from .errors import ConfigError, SafeloopError
 
 log = logging.getLogger("safeloop")
 
@@ -132,6 +132,13 @@ class Distributed:
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             self.device = torch.device("cuda", self.local_rank) if device.type == "cuda" else torch.device("cpu")
             if self.device.type == "cuda":
+                gpus = torch.cuda.device_count()
+                if self.local_rank >= gpus:
+                    raise ConfigError(
+                        f"torchrun started this process as LOCAL_RANK={self.local_rank}, but this machine has {gpus} "
+                        f"CUDA device{'s' * (gpus != 1)}: each process trains on the GPU of its local rank. Launch "
+                        f"at most {gpus} process{'es' * (gpus != 1)} per machine (--nproc-per-node={gpus}), or "
+                        "use device=cpu (gloo)")
                 torch.cuda.set_device(self.device)
             timeout = timedelta(seconds=timeout_s or float(os.environ.get("SAFELOOP_DIST_TIMEOUT", 1800)))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dis
+import importlib.machinery
 import json
 import os
 import sys
@@ -226,7 +227,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
     sys.path[0] = str(Path(script).parent)
     # What `python script.py` does (runpy.run_path would change sys.argv[0] to the full path)
     main = types.ModuleType("__main__")
-    main.__file__, main.__builtins__, main.__loader__, main.__spec__ = script, __builtins__, None, None
+    # its loader too: Python 3.12's warnings (linecache) refuse module globals with neither loader nor spec
+    main.__file__, main.__builtins__, main.__spec__ = script, __builtins__, None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
     sys.modules["__main__"] = main
     code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
     with Watch(guard, script):

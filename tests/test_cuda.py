@@ -2,6 +2,7 @@
 a step does not wait for the GPU except where the docs say, the guard names the same mistakes, a failed step
 changes nothing, a checkpoint made on the GPU resumes on the GPU and on the CPU, and the commands run."""
 import copy
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import GraphReuseError, NonFiniteError, Trainer
+from safeloop import CarriedGraphError, ConfigError, GraphReuseError, NonFiniteError, Trainer
 from safeloop.models import MLP
 
 from .checkpoint_job import make
@@ -152,7 +153,7 @@ def test_the_command_line_trains_on_cuda(tmp_path, args):
     done = subprocess.run([sys.executable, "-m", "safeloop", "trainer.device=cuda", *args], cwd=tmp_path,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "at step 20" in done.stdout
+    assert "step-000000020.pt" in done.stdout  # the last checkpoint
 
 
 SCRIPT = """
@@ -185,3 +186,35 @@ def test_watch_leaves_a_cuda_script_bit_identical_and_catches_its_reused_graph(t
     assert watched.stdout == plain.stdout
     caught = run("-m", "safeloop.watch", str(broken))
     assert caught.returncode != 0 and "shift" in caught.stderr, caught.stderr[-3000:]
+
+
+def test_a_carried_cudnn_gru_state_is_named_before_backward():
+    """cuDNN's GRU node saves no cell state: the guard looks past that empty slot to the buffers backward freed."""
+    from safeloop.recipes.tbptt import SequenceModel, TBPTTTrainer, signal
+
+    trainer = TBPTTTrainer(model=SequenceModel(hidden=16), train_data=signal(length=4000, chunk=20).train,
+                           optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), max_steps=3, detach_hidden=False,
+                           device="cuda", progress=False, loggers=())
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\): the loss reaches CudnnRnnBackward0, "
+                                                r"created during an earlier step and held by `self\.hidden`"):
+        trainer.fit()
+    assert trainer.state.step == 1
+
+
+def test_a_gpu_this_machine_does_not_have_is_named_with_the_ones_it_has():
+    count = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=re.escape(f"device='cuda:{count}': this machine has {count} CUDA device")
+                       + r"s? \(cuda:0\.\.cuda:" + str(count - 1) + r"\); choose one of them, or use device=cuda"):
+        cuda_trainer(device=f"cuda:{count}")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs fewer GPUs than torchrun's processes")
+def test_torchrun_with_more_processes_than_gpus_says_how_many_to_launch(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "safeloop", "trainer.device=cuda", "trainer.max_steps=2"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert ("torchrun started this process as LOCAL_RANK=1, but this machine has 1 CUDA device: each process trains "
+            "on the GPU of its local rank. Launch at most 1 process per machine (--nproc-per-node=1), or use "
+            "device=cpu (gloo)") in done.stderr, done.stderr[-3000:]

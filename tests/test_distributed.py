@@ -31,8 +31,13 @@ RESUMED = ("plain", "manual_gan", "manual_accum")  # through DistributedDataPara
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
+def cpu_env() -> dict:
+    """These runs are 2 CPU processes (gloo): CUDA hidden, so that device=auto is the CPU on a GPU machine too."""
+    return {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}
+
+
 def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*TORCHRUN, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+    return subprocess.run([*TORCHRUN, *args], cwd=cwd, env=cpu_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -138,7 +143,7 @@ def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) 
     ``target`` (``module.Class``) whose module's ``source`` is written into ``tmp_path``."""
     module = target.split(".")[0]
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-    env = subprocess_env()
+    env = cpu_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     return [*TORCHRUN, "-m", "safeloop", f"trainer._target_={target}", *overrides], env
 
@@ -349,7 +354,7 @@ def test_a_parameter_left_without_gradient_under_ddp_stops_before_the_optimizer_
 def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
     cmd = [sys.executable, "-m", "safeloop", "-m", "optimizer.lr=1e-2,1e-3", "trainer.max_steps=20",
            "trainer.val_every=null"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = sorted(p.parent for p in (tmp_path / "multirun").glob("*/*/*/metrics.csv"))
     assert [r.name for r in runs] == ["0", "1"], runs

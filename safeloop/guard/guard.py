@@ -592,7 +592,9 @@ class Guard:
                  f"compute tensors used by every step inside {self.words.place}, or store them detached"])
         if walk.is_inplace(err):
             tensor = text.split("inplace operation: ")[-1].split(", which is")[0].split(" is at version")[0]
-            node_name = text.split("output 0 of ")[-1].split(",")[0] if "output 0 of " in text else None
+            # "output 0 of SigmoidBackward0" (torch 2.11) or "output 0 of Sigmoid" (2.13): the operation's name
+            node_name = (re.sub(r"Backward\d*$", "", text.split("output 0 of ")[-1].split(",")[0])
+                         if "output 0 of " in text else None)
             # (what backward meets first under a node made before the step: an add over a matmul)
             saving = [n for n in before if (iteration is None or sequence_nr(n) < iteration)
                       and walk.below(n)[0] is not None and walk.is_inplace(walk.unpack_error(walk.below(n)[0]))]

@@ -82,18 +82,23 @@ def _hooked(raw) -> bool:
 
 
 def unpack_error(node, first: bool = False) -> RuntimeError | None:
-    """Unpack the node's saved tensors (``first``: only one); return the error PyTorch raises, if any.
+    """Unpack the node's saved tensors (``first``: up to the first one that was given); return the error
+    PyTorch raises, if any.
 
     A tensor whose unpacking would run a hook is left packed: it cannot have been freed (backward
-    drops the hook with the tensor), and whether it changed in place is left to backward to say.
+    drops the hook with the tensor), and whether it changed in place is left to backward to say. An
+    optional tensor that was not given (layer_norm's bias, a GRU's cell state) unpacks as None even
+    after backward freed the node's buffers: it says nothing, so ``first`` goes on to the next one.
     """
-    for name, raw_name in _saved(node)[:1] if first else _saved(node):
+    for name, raw_name in _saved(node):
         try:
             if _hooked(getattr(node, raw_name)):
                 continue
-            getattr(node, name)
+            value = getattr(node, name)
         except RuntimeError as err:
             return err
+        if first and value is not None and not (isinstance(value, (tuple, list)) and not value):
+            return None
     return None
 
 

@@ -52,6 +52,25 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two():
     assert (info.value.step, info.value.holder, info.value.node_name) == (2, "self.h", "TanhBackward0")
 
 
+class CarriesNormalized(Trainer):
+    """The carried graph's top node saves an optional tensor that was not given (layer_norm without bias, as
+    cuDNN's GRU without a cell state): it unpacks as None after backward freed the node, the others raise."""
+
+    h = None
+
+    def training_step(self, batch):
+        self.h = F.layer_norm(self.model.bias + (0 if self.h is None else self.h), (4,))  # nothing else saved
+        return (self.model(batch) * self.h).pow(2).mean()
+
+
+@pytest.mark.parametrize("make", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_a_carried_graph_whose_first_saved_tensor_was_not_given_is_named_before_backward(make):
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "(step 2, loss 'loss'): the loss reaches NativeLayerNormBackward0, created during an earlier step and "
+            "held by `self.h`; an earlier backward already freed the saved tensors")):
+        fit(make(CarriesNormalized))
+
+
 class CarriesLSTMState(Trainer):
     """An LSTM's state ``(h, c)`` kept from step to step with its graph (word_language_model without its
     ``repackage_hidden``)."""

@@ -160,6 +160,18 @@ def test_a_scripts_own_warnings_are_shown_as_often_as_without_watch(tmp_path):
     assert watched.stderr == f"{script}:7: UserWarning: a warning of the script\n  warnings.warn('a warning of the script')\n"
 
 
+def test_the_script_runs_as_the_same_main_module_as_without_watch(tmp_path):
+    """``__name__``, ``__spec__`` and ``__loader__`` as ``python train.py`` sets them (Python 3.12's warnings read
+    the loader of the module a warning points at: without one, a warning about the script failed)."""
+    script = tmp_path / "train.py"
+    script.write_text("import warnings\nprint(__name__, __spec__, type(__loader__).__name__, __loader__.name)\n"
+                      "warnings.warn_explicit('said', UserWarning, __file__, 2, module_globals=globals())\n")
+    plain, watched = run(str(script), cwd=tmp_path), run("-m", "safeloop.watch", str(script), cwd=tmp_path)
+    assert watched.returncode == plain.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout == "__main__ None SourceFileLoader __main__\n"
+    assert watched.stderr == plain.stderr
+
+
 def test_watch_refuses_a_script_that_is_not_there(tmp_path):
     proc = run("-m", "safeloop.watch", "nothere.py", cwd=tmp_path)
     assert proc.returncode == 2 and "nothere.py: no such file (give the path of a Python script)" in proc.stderr
