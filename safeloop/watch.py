@@ -123,8 +123,12 @@ class Watch:
         there), so the first step starts with that optimizer step; otherwise it is all the script did before
         its first backward.
         """
-        self.guard.search_globals(vars(sys.modules["__main__"]))
+        namespace = vars(sys.modules["__main__"])
+        self.guard.search_globals(namespace)
         start = loop_start(frame, self.script, self.guard.variables, outside=self.first_update)
+        seen = [namespace, *(f.f_locals for f in _frames(frame) if f.f_code.co_filename == self.script)]
+        self.guard.expect_optimizers(len({id(v) for names in seen for v in names.values()
+                                          if issubclass(type(v), torch.optim.Optimizer)}))
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
@@ -133,9 +137,10 @@ class Watch:
 def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"),
                outside: int | None = None) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
-    caller's loop in ``filename``) began, by a variable that the loop does not assign (or an attribute,
-    not assigned in the loop, of an object such a variable holds); None if none; ``outside`` if no loop of
-    ``filename`` runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
+    caller's loop in ``filename``; the outermost loop of that function) began, by a variable that the loop
+    does not assign (or an attribute, assigned neither in the loop nor by a method of its object other than
+    ``__init__``, of an object such a variable holds); None if none; ``outside`` if no loop of ``filename``
+    runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
     if not walk.HAS_SEQ:
         return None
     module = None
@@ -160,8 +165,9 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     held = [v for k, v in list(variables(frame).items()) if k not in assigned]
-    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop)
-    held += [a for v in held for k, a in _fields(v).items() if k not in attributes]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop),
+    # but not those the loop or the object's own methods assign
+    held += [a for v in held for k, a in _fields(v).items() if k not in attributes and k not in _set_by_methods(v)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 
@@ -181,13 +187,35 @@ def _fields(obj) -> dict:
 
 
 def _loop_around(code, offset: int) -> tuple[int, int] | None:
-    """The innermost loop body (first, last instruction offset) containing ``offset``."""
+    """The outermost loop body (first, last instruction offset) containing ``offset``: a tensor that an outer
+    loop makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not
+    built before the loop."""
     best = None
     for ins in dis.get_instructions(code):
         if ins.opname in _LOOP_ENDS and isinstance(ins.argval, int) and ins.argval <= offset <= ins.offset:
-            if best is None or ins.offset - ins.argval < best[1] - best[0]:
+            if best is None or ins.offset - ins.argval > best[1] - best[0]:
                 best = ins.argval, ins.offset
     return best
+
+
+def _set_by_methods(obj) -> set[str]:
+    """The attributes that methods of ``obj``'s class, other than ``__init__``, assign (classes of torch
+    itself left out): a ``forward`` that keeps its last output (``self.last_out = out``) sets one every step."""
+    names = set()
+    for cls in type(obj).__mro__:
+        if cls is object or cls.__module__.split(".")[0] == "torch":
+            continue
+        for name, member in vars(cls).items():
+            code = getattr(member, "__code__", None)
+            if code is not None and name != "__init__":
+                names.update(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname == "STORE_ATTR")
+    return names
+
+
+def _frames(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def _codes(code):

@@ -103,6 +103,7 @@ class GraphGuard:
         # steps at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
         self._graphs: list[tuple[int, list]] = []
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
+        self._expected = len(optimizers)  # the optimizers the loop will step (``expect_optimizers``)
         # Until a step's end is known (an optimizer step), a backward on a new loss where the step's first
         # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
@@ -153,12 +154,14 @@ class GraphGuard:
                 self._first_site = self._site
             if self._site == self._first_site:
                 self._iteration_seq = guard.start_seq
-        if not explicit and len(self._recent) > 1:
+        waiting = self._expected > len(self._recent)  # an optimizer that has not stepped yet
+        if not explicit and len(self._recent) + waiting > 1:
             # Several optimizers, a step ending at each one's update: the "last step" a value may come from
             # with its graph (see Guard's one-step lag: SAC's alpha = log_alpha.exp(), made after the last
             # update of an iteration, used by the next iteration's second loss) is the last loop iteration,
-            # since the earliest of their last updates.
-            guard.last_step_from(min(self._recent.values()))
+            # since the earliest of their last updates; one that has not stepped yet, since the loop began
+            # (WGAN-GP's fake, made before the critic's steps, used by the generator's first step).
+            guard.last_step_from(min([*self._recent.values(), *([guard.fit_seq] if waiting else [])]))
         if self._timed:
             self._started = self._ended = _perf_counter()
 
@@ -316,6 +319,11 @@ class GraphGuard:
         """The node counter where this step's loop iteration began, when the step is not its first (steps
         ended by optimizer steps); else None."""
         return self._iteration_seq if not self._explicit and self._site != self._first_site else None
+
+    def expect_optimizers(self, count: int) -> None:
+        """The loop steps ``count`` optimizers (found in a script's variables, under watch), some perhaps
+        not yet stepped."""
+        self._expected = max(self._expected, count)
 
     # -- what messages may search --------------------------------------------------------------
     def search_globals(self, namespace: Mapping[str, Any]) -> None:
