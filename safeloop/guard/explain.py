@@ -54,6 +54,13 @@ class Item(str):
     tuple_of: str
 
 
+class Element(str):
+    """A holder's name that is an element of a list (``losses[0]``): ``list_of`` names the list, where a fix
+    detaches what is added, since the next element would hold the next step's graph."""
+
+    list_of: str
+
+
 def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items."""
     if isinstance(obj, torch.Tensor):
@@ -69,6 +76,10 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
                 item = Item(f"{prefix}[{i}]")
                 item.tuple_of = prefix
                 yield item, val
+            elif isinstance(obj, list) and isinstance(val, torch.Tensor):
+                element = Element(f"{prefix}[{i}]")
+                element.list_of = prefix
+                yield element, val
             else:
                 yield from _items(val, f"{prefix}[{i}]", depth - 1)
 

@@ -412,6 +412,14 @@ class Guard:
         """Carried from an earlier step and kept -> CarriedGraphError (``why``: see ``_why_carried``). Not kept
         (a node another thread made in this step, see ``_kept``): no verdict."""
         kept, holder = self._kept(node, case)
+        if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
+            listed = _code(holder.list_of)
+            if why not in (_FREED, _AGAIN):
+                why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
+                [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` "
+                 "for a number to log), so that no step's graph stays alive in it"], trace_hint=True, holder=holder)
         if kept:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
@@ -855,6 +863,7 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
 
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
           "'Trying to backward through the graph a second time'")
+_AGAIN = "the same graph is back-propagated again by every step since it was made"
 
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
@@ -874,7 +883,7 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
         return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "
                 "time with it)")
     if old:
-        return "the same graph is back-propagated again by every step since it was made"
+        return _AGAIN
     return None
 
 

@@ -71,6 +71,28 @@ def test_a_carried_graph_whose_first_saved_tensor_was_not_given_is_named_before_
         fit(make(CarriesNormalized))
 
 
+class KeepsReturns(Trainer):
+    """A moving-average baseline over past values kept in a list with their graphs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.returns = []
+
+    def training_step(self, batch):
+        value = self.model(batch).mean()
+        baseline = torch.stack(self.returns[-3:]).mean() if self.returns else torch.zeros(())
+        self.returns.append(value)
+        return (value - baseline).pow(2)
+
+
+@pytest.mark.parametrize("make", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_a_list_keeping_graphs_is_fixed_where_values_are_added_not_at_one_element(make):
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "held by `self.returns[0]`") + ".*" + re.escape(
+            "To fix: detach what is added to `self.returns` where it is added (`self.returns.append(x.detach())`")):
+        fit(make(KeepsReturns))
+
+
 class CarriesLSTMState(Trainer):
     """An LSTM's state ``(h, c)`` kept from step to step with its graph (word_language_model without its
     ``repackage_hidden``)."""
