@@ -318,6 +318,25 @@ def test_an_optimizer_no_loss_reaches_is_named_once():
         "parameters the ones the forward uses, with requires_grad?)"]
 
 
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_the_only_optimizer_no_gradient_reaches_is_named_too(mode):
+    class DifferentiatesACopy(Trainer):  # the loss's gradient goes into a detached copy of the weights
+        def training_step(self, batch):
+            x, y = batch
+            w = self.model.weight.detach().requires_grad_()
+            return F.mse_loss(x @ w.t(), y)
+
+    model = torch.nn.Linear(8, 1, bias=False)
+    before = model.weight.detach().clone()
+    cls = DifferentiatesACopy if mode == "automatic" else manual(DifferentiatesACopy)
+    trainer = cls(model=model, train_data=loader(dataset()), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                  max_steps=25, device="cpu", progress=False, loggers=())
+    with pytest.warns(ConfigWarning, match=re.escape("optimizer 'optimizer' has not updated anything in the 20 "
+                                                     "steps so far: no loss's gradient reached its parameters")):
+        trainer.fit()
+    assert torch.equal(model.weight, before)
+
+
 def test_gradients_waiting_for_a_later_update_are_not_taken_for_an_unreached_optimizer():
     class EveryThirdStep(Trainer):  # manual mode accumulating over steps; the run stops before the first update
         automatic = False

@@ -113,9 +113,12 @@ class Runner:
         self.routes = previous.routes if same else Routes(self.optimizers)
         # logged once per run: (the losses whose backward retained the graph, walked by the guard) -> first step
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = previous.retain_plans if same else {}
-        # reported once: optimizers no gradient reached yet (of several: one optimizer is the loss's), loss_weights
+        # reported once: optimizers no gradient reached yet (and whose parameters nothing changed since these
+        # version counters: manual mode may update them its own way, SAM's first_step and second_step), loss_weights
         # no loss had yet
-        self.unreached: set[str] = previous.unreached if same else set(self.names if self.routed else ())
+        self.unreached: set[str] = previous.unreached if same else set(self.names)
+        self.unreached_versions = previous.unreached_versions if same else {
+            name: _versions(opt) for name, opt in self.optimizers.items()}
         self.unweighted: set[str] = previous.unweighted if same else set(self.weights)
         self.stepped: dict[str, int] = {}  # optimizers updated in this step -> node counter at the update
         self.fresh: dict[str, torch.Tensor] = {}  # manual mode: losses back-propagated since the last update
@@ -359,7 +362,7 @@ class Runner:
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name, step)
         self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
-        self.began[name] = [p._version for g in opt.param_groups for p in g["params"]]
+        self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
         if closure is not None:
@@ -550,8 +553,11 @@ class Runner:
         if not (self.unreached or self.unweighted) or not (final or step >= UNUSED_AFTER):
             return
         for name in sorted(self.unreached):
-            if any(p.grad is not None for g in self.optimizers[name].param_groups for p in g["params"]):
+            opt = self.optimizers[name]
+            if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
                 continue  # reached: its gradients wait for a later self.step() (manual mode accumulating over steps)
+            if _versions(opt) != self.unreached_versions[name]:
+                continue  # its parameters changed: updated another way
             warnings.warn(f"optimizer {name!r} has not updated anything in the {step} steps so far: no loss's "
                           "gradient reached its parameters (is a loss returned, or self.backward(loss, "
                           f"optimizer={name!r}) called, for it? are its parameters the ones the forward uses, "
@@ -562,6 +568,10 @@ class Runner:
                           "applied; fix the key", ConfigWarning, stacklevel=4)
         self.unreached.clear()
         self.unweighted.clear()
+
+
+def _versions(opt: torch.optim.Optimizer) -> list[int]:
+    return [p._version for g in opt.param_groups for p in g["params"]]
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
