@@ -94,7 +94,10 @@ class Trainer:
                  run_dir: str | Path | None = None, checkpoint: Mapping[str, Any] | bool | None = None,
                  config: Mapping[str, Any] | None = None, **settings: Any):
         self.settings, found = read(Settings, settings, "Trainer", suggest=True)
-        problems = argument_problems(model, train_data, val_data) + found
+        defaults = type(self).training_step is Trainer.training_step or (
+            type(self).configure_optimizers is Trainer.configure_optimizers and optimizer is not None)
+        problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config,
+                                     needs_model=defaults) + found
         if not self.automatic:
             problems += manual_problems(type(self).validation_step is not Trainer.validation_step, val_data,
                                         self.settings)
@@ -161,7 +164,17 @@ class Trainer:
         if self._optimizer is None:
             raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
                               "or override configure_optimizers()")
-        return self._optimizer if isinstance(self._optimizer, torch.optim.Optimizer) else self._optimizer(params)
+        if isinstance(self._optimizer, torch.optim.Optimizer):
+            return self._optimizer
+        params = list(params)
+        if not params:
+            raise ConfigError("optimizer: there are no parameters to optimize (a model without parameters?): give a "
+                              "model with parameters, or override configure_optimizers")
+        try:
+            return self._optimizer(params)
+        except (TypeError, ValueError) as err:  # torch checks its arguments with these: say it is the optimizer's
+            raise ConfigError(f"optimizer: making it over the parameters failed: {type(err).__name__}: {err}; fix "
+                              "its arguments (a learning rate is a number: lr=0.01, not '0.01')") from err
 
     def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
         """``{optimizer name: scheduler}``, or ``{name: {"scheduler": s, "interval": "step" | "epoch",
@@ -223,7 +236,7 @@ class Trainer:
             with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
-                    self.validate()
+                    self.schedules.check_monitors(self.validate())
                 self.guard.start_fit()
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
@@ -326,6 +339,8 @@ class Trainer:
         own share (``safeloop.evaluate``). The random generators training draws from are left as they were."""
         means = mean_losses(self.model, self.val_data, self.validation_step, partial(autocast, self.precision,
                             self.device), self.to_device, self.state.step, self.dist)
+        if not means:
+            raise ConfigError("val_data yielded no batches: check the dataset and batch size, or pass no val_data")
         metrics = {f"val_{name}": value for name, value in means.items()}
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)
