@@ -1,6 +1,7 @@
 """Bad input, every kind a user can give, and what each gets: a safeloop error that names the key (or
 the thing) at fault and says what to do, never a traceback from deep inside torch or Hydra, and
 nothing lost. The count of each outcome is what the README's Reliability section reports."""
+import functools
 import re
 import shutil
 import warnings
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import CheckpointError, ConfigError, NonFiniteError, NoGraphError, StepError, Trainer
+from safeloop import CheckpointError, ConfigError, GraphGuard, NonFiniteError, NoGraphError, StepError, Trainer
 from safeloop.checkpoint import Checkpointer
 from safeloop.config import build, compose
 
@@ -99,6 +100,7 @@ OVERRIDES = [
     ('data.n_train=0', ConfigError),
     ('data.n_train=-10', ConfigError),
     ('data.n_val=-1', ConfigError),
+    ('data.n_val=0', ConfigError),
     ('data.seed=abc', ConfigError),
     ('data=regresion', ConfigError),
     ('scheduler=abc', ConfigError),
@@ -113,6 +115,15 @@ OVERRIDES = [
     ('recipe.nothere=1', ConfigError),
     ('+trainer.foo=1', ConfigError),
     ('trainer.max_steps=', ConfigError),
+    # a recipe's own arguments, model and data: "experiment=NAME override"
+    ('experiment=gan recipe.samples=0', ConfigError),
+    ('experiment=gan recipe.samples=-1', ConfigError),
+    ('experiment=gan recipe.std=-1', ConfigError),
+    ('experiment=gan model.noise_dim=0', ConfigError),
+    ('experiment=gan model.hidden=0', ConfigError),
+    ('experiment=gan data.batch_size=0', ConfigError),
+    ('experiment=multi_loss data.batch_size=0', ConfigError),
+    ('experiment=tbptt data.chunk=0', ConfigError),
 ]
 # accepted on purpose: a valid value of the right type, whatever it looks like
 ACCEPTED = [
@@ -126,14 +137,14 @@ ACCEPTED = [
 
 def key_of(override: str) -> str:
     """What the message must name: the key's last part (``max_steps``), or the group (``optimizer``)."""
-    return override.split("=", 1)[0].lstrip("+~").rsplit(".", 1)[-1]
+    return override.split()[-1].split("=", 1)[0].lstrip("+~").rsplit(".", 1)[-1]
 
 
 @pytest.mark.parametrize("override, error", OVERRIDES, ids=[o for o, _ in OVERRIDES])
 def test_a_bad_override_is_one_clear_error_naming_its_key(tmp_path, monkeypatch, override, error):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(error) as info:
-        build(compose([*BASE, f"checkpoint.dir={tmp_path / 'ckpt'}", override])).fit()
+        build(compose([*BASE, f"checkpoint.dir={tmp_path / 'ckpt'}", *override.split()])).fit()
     message = str(info.value)
     assert re.search(re.escape(key_of(override)), message), message
     assert ADVICE.search(message), message
@@ -164,9 +175,63 @@ def small(cls=Trainer, data=None, **kwargs) -> Trainer:
     torch.manual_seed(0)
     x = torch.randn(32, 4)
     data = data if data is not None else DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    settings = dict(max_steps=2, device="cpu", progress=False, loggers=(), optimizer=lambda p: torch.optim.Adam(p))
+    settings = dict(model=torch.nn.Linear(4, 1), max_steps=2, device="cpu", progress=False, loggers=(),
+                    optimizer=lambda p: torch.optim.Adam(p))
     settings.update(kwargs)
-    return cls(model=torch.nn.Linear(4, 1), train_data=data, **settings)
+    return cls(train_data=data, **settings)
+
+
+class Unplain:
+    pass
+
+
+# Trainer arguments -> the error's text, raised before anything is trained or written (test below)
+ARGUMENTS = [
+    (dict(callbacks="cb"), r"callbacks='cb' is a str; give an Iterable\[Callback\]"),
+    (dict(model=None), r"model is required: the default training_step and configure_optimizers use self.model"),
+    (dict(data="data.csv"), r"train_data='data.csv' is a str; give an Iterable"),
+    (dict(data={"x": torch.ones(2)}), r"train_data=\{'x': .* is a dict; give an Iterable"),
+    (dict(data=torch.ones(8, 5)), r"train_data is a Tensor: iterated, it gives one unbatched row per step. Pass "
+                                  r"batches: DataLoader\(TensorDataset\(x, y\)"),
+    (dict(loss_fn=torch.nn.MSELoss), r"loss_fn=MSELoss is a class, not a loss: give an instance, loss_fn=MSELoss\(\)"),
+    (dict(optimizer=functools.partial(torch.optim.Adam, lr="0.01")), r"optimizer.lr='0.01' is a str; give a number"),
+    (dict(optimizer=lambda p: torch.optim.Adam(p, lr="0.01")), r"optimizer: making it over the parameters failed: "
+                                                                r"TypeError: .*a learning rate is a number"),
+    (dict(model=torch.nn.ReLU()), r"optimizer: there are no parameters to optimize \(a model without parameters\?\)"),
+    (dict(optimizer=torch.optim.Adam(torch.nn.Linear(4, 1).parameters())),
+     r"no optimizer holds any of the model's 2 trainable parameters, so training would not change the model"),
+    (dict(loss_weights={"loss": float("nan")}), r"loss_weights\['loss'\]=nan is not a finite number"),
+    (dict(config={"act": lambda x: x}), r"config\['act'\]=<function .* is a function: checkpoints store config, and "
+                                        r"one holding this could not be loaded"),
+    (dict(config={"a": [Unplain()]}), r"config\['a'\]\[0\]=.* is an Unplain: checkpoints store config"),
+    (dict(scheduler=functools.partial(torch.optim.lr_scheduler.StepLR)),
+     r"scheduler: StepLR cannot be called with the optimizer alone \(missing a required argument: 'step_size'\)"),
+    (dict(val_data=[]), r"val_data yielded no batches"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", ARGUMENTS, ids=[str(a)[:40] for a, _ in ARGUMENTS])
+def test_a_bad_argument_is_one_clear_error_naming_it_before_anything_is_trained_or_written(tmp_path, arguments,
+                                                                                            message):
+    with pytest.raises(ConfigError, match=message):
+        small(checkpoint={"dir": str(tmp_path)}, **arguments).fit()
+    assert not list(tmp_path.glob("step-*.pt"))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: GraphGuard(optimizers=42), ConfigError, r"optimizers=42 is of type int: give an optimizer, a list or "
+                                                     r"a dict of them"),
+    (lambda: GraphGuard(out_dir=123), ConfigError, r"out_dir=123 is of type int: give a directory path"),
+    (lambda: GraphGuard(ignore="carried"), ConfigError, r"^invalid configuration: guard.ignore='carried' is a str; "
+                                                        r"give a list\[str\]$"),
+    (lambda: GraphGuard().backward(None), StepError, r"guard.backward\(\) takes the loss, got NoneType"),
+    (lambda: GraphGuard().backward(3.0), StepError, r"guard.backward\(\) takes the loss, got float"),
+    (lambda: GraphGuard().check([torch.ones(1, requires_grad=True).sum()]), StepError,
+     r"guard.check\(\) takes the loss \(a tensor, or a dict of named loss tensors\), got list"),
+])
+def test_a_bad_graph_guard_argument_is_one_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def returning(value):
