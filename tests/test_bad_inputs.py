@@ -210,7 +210,8 @@ ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize("arguments, message", ARGUMENTS, ids=[str(a)[:40] for a, _ in ARGUMENTS])
+@pytest.mark.parametrize("arguments, message", ARGUMENTS, ids=[f"{k}-{type(v).__name__}" for (k, v), in
+                                                               (tuple(a.items()) for a, _ in ARGUMENTS)])
 def test_a_bad_argument_is_one_clear_error_naming_it_before_anything_is_trained_or_written(tmp_path, arguments,
                                                                                             message):
     with pytest.raises(ConfigError, match=message):
