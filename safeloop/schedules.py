@@ -10,7 +10,7 @@ value, as ``ReduceLROnPlateau`` needs (its ``interval`` is then not used).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,25 @@ def check_optimizers(model: torch.nn.Module | None, optimizers: Mapping[str, tor
             "in configure_optimizers, or pass optimizer=lambda params: torch.optim.AdamW(params, ...), "
             "which the Trainer calls with them; if the model is meant to stay fixed, "
             "model.requires_grad_(False) says so")
+
+
+def make_optimizer(given: Any, params: Iterable) -> torch.optim.Optimizer:
+    """The Trainer's ``optimizer`` argument over ``params`` (``Trainer.make_optimizer``): a callable is called with
+    them, an ``Optimizer`` returned as it is; a ``ConfigError`` says what keeps it from being made."""
+    if given is None:
+        raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
+                          "or override configure_optimizers()")
+    if isinstance(given, torch.optim.Optimizer):
+        return given
+    params = list(params)
+    if not params:
+        raise ConfigError("optimizer: there are no parameters to optimize (a model without parameters?): give a "
+                          "model with parameters, or override configure_optimizers")
+    try:
+        return given(params)
+    except (TypeError, ValueError) as err:  # torch checks its arguments with these: say it is the optimizer's
+        raise ConfigError(f"optimizer: making it over the parameters failed: {type(err).__name__}: {err}; fix "
+                          "its arguments (a learning rate is a number: lr=0.01, not '0.01')") from err
 
 
 def for_each(given: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, Any]:

@@ -175,15 +175,11 @@ class CheckpointSettings:
 
 
 def argument_problems(model: Any, train_data: Any, val_data: Any, loss_fn: Any = None, optimizer: Any = None,
-                      scheduler: Any = None, config: Any = None, needs_model: bool = False) -> list[str]:
-    """What is wrong with a Trainer's model, data, loss, optimizer, scheduler and config (``needs_model``: the
-    default ``training_step`` or ``configure_optimizers`` will use ``self.model``)."""
+                      scheduler: Any = None, config: Any = None) -> list[str]:
+    """What is wrong with a Trainer's model, data, loss, optimizer, scheduler and config."""
     out = []
     if model is not None and not isinstance(model, torch.nn.Module):
         out.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    elif model is None and needs_model:
-        out.append("model is required: the default training_step and configure_optimizers use self.model; pass "
-                   "model=..., or override both")
     if train_data is None:
         out.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
     out += [found for name, data in (("train_data", train_data), ("val_data", val_data))

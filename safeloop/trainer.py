@@ -94,10 +94,7 @@ class Trainer:
                  run_dir: str | Path | None = None, checkpoint: Mapping[str, Any] | bool | None = None,
                  config: Mapping[str, Any] | None = None, **settings: Any):
         self.settings, found = read(Settings, settings, "Trainer", suggest=True)
-        defaults = type(self).training_step is Trainer.training_step or (
-            type(self).configure_optimizers is Trainer.configure_optimizers and optimizer is not None)
-        problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config,
-                                     needs_model=defaults) + found
+        problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config) + found
         if not self.automatic:
             problems += manual_problems(type(self).validation_step is not Trainer.validation_step, val_data,
                                         self.settings)
@@ -161,20 +158,7 @@ class Trainer:
     def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:
         """The configured ``optimizer`` over ``params``: a callable (a Hydra ``_partial_``) is called with them;
         an ``Optimizer`` given as one is returned as it is."""
-        if self._optimizer is None:
-            raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
-                              "or override configure_optimizers()")
-        if isinstance(self._optimizer, torch.optim.Optimizer):
-            return self._optimizer
-        params = list(params)
-        if not params:
-            raise ConfigError("optimizer: there are no parameters to optimize (a model without parameters?): give a "
-                              "model with parameters, or override configure_optimizers")
-        try:
-            return self._optimizer(params)
-        except (TypeError, ValueError) as err:  # torch checks its arguments with these: say it is the optimizer's
-            raise ConfigError(f"optimizer: making it over the parameters failed: {type(err).__name__}: {err}; fix "
-                              "its arguments (a learning rate is a number: lr=0.01, not '0.01')") from err
+        return schedules.make_optimizer(self._optimizer, params)
 
     def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
         """``{optimizer name: scheduler}``, or ``{name: {"scheduler": s, "interval": "step" | "epoch",
@@ -339,8 +323,6 @@ class Trainer:
         own share (``safeloop.evaluate``). The random generators training draws from are left as they were."""
         means = mean_losses(self.model, self.val_data, self.validation_step, partial(autocast, self.precision,
                             self.device), self.to_device, self.state.step, self.dist)
-        if not means:
-            raise ConfigError("val_data yielded no batches: check the dataset and batch size, or pass no val_data")
         metrics = {f"val_{name}": value for name, value in means.items()}
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)
@@ -415,6 +397,10 @@ class Trainer:
     def setup(self) -> None:
         """Place the model; build optimizers, schedulers and the undo once; hooks, loggers and the step
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
+        defaults = [m for m in ("training_step", "configure_optimizers") if getattr(type(self), m) is getattr(Trainer, m)]
+        if self.model is None and defaults:
+            raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass model=..., "
+                              "or override them")
         if self.model is not None:
             self.model.to(self.device)
         if not self.optimizers:

@@ -188,7 +188,7 @@ class Unplain:
 # Trainer arguments -> the error's text, raised before anything is trained or written (test below)
 ARGUMENTS = [
     (dict(callbacks="cb"), r"callbacks='cb' is a str; give an Iterable\[Callback\]"),
-    (dict(model=None), r"model is required: the default training_step and configure_optimizers use self.model"),
+    (dict(model=None), r"model is None, and the default training_step and configure_optimizers use self.model: pass model=\.\.\."),
     (dict(data="data.csv"), r"train_data='data.csv' is a str; give an Iterable"),
     (dict(data={"x": torch.ones(2)}), r"train_data=\{'x': .* is a dict; give an Iterable"),
     (dict(data=torch.ones(8, 5)), r"train_data is a Tensor: iterated, it gives one unbatched row per step. Pass "
@@ -395,12 +395,22 @@ def test_a_damaged_checkpoint_is_named_and_nothing_is_changed(tmp_path, how):
     assert path.read_bytes() == kept
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, r"optimizer 'optimizer' was saved from torch.optim.Adam and this run's is torch.optim.SGD"),
-    ({"model": torch.nn.Linear(4, 2)}, r"size mismatch|shape"),
-])
-def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, change, message):
-    small(checkpoint={"dir": str(tmp_path)}).fit()
+STEP_LR = {"scheduler": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)}
+
+
+@pytest.mark.parametrize("saved, change, message", [
+    ({}, {"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, r"optimizer 'optimizer' was saved from torch.optim.Adam "
+                                                              r"and this run's is torch.optim.SGD"),
+    ({}, {"model": torch.nn.Linear(4, 2)}, r"size mismatch|shape"),
+    ({}, {"optimizer": lambda p: torch.optim.Adam(p[::-1])}, re.escape(
+        "optimizer 'optimizer' saved state of shape (1, 4) for its parameter 0, and this run's parameter 0 "
+        "(model.bias) has shape (1,): its parameters are in another order, or are others")),
+    (STEP_LR, {"scheduler": functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.9)}, re.escape(
+        "scheduler 'optimizer' was saved from another class of scheduler (with step_size; this run's ExponentialLR "
+        "has no others): a scheduler's state does not carry over to another class")),
+], ids=["optimizer class", "model", "parameter order", "scheduler class"])
+def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, saved, change, message):
+    small(checkpoint={"dir": str(tmp_path)}, **saved).fit()
     args = dict(max_steps=4, checkpoint={"dir": str(tmp_path)}, resume="auto")
     model = change.pop("model", None)
     trainer = small(**args, **change)
