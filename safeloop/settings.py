@@ -185,8 +185,9 @@ def argument_problems(model: Any, train_data: Any, val_data: Any, loss_fn: Any =
     out += [found for name, data in (("train_data", train_data), ("val_data", val_data))
             if (found := samples_problem(name, data))]
     if isinstance(loss_fn, type):
-        out.append(f"loss_fn={_typename(loss_fn)} is a class, not a loss: give an instance, loss_fn={_typename(loss_fn)}"
-                   "(), or a function such as torch.nn.functional.mse_loss")
+        name = _typename(loss_fn)
+        out.append(f"loss_fn={name} is a class, not a loss: give an instance, loss_fn={name}(), or a function such "
+                   "as torch.nn.functional.mse_loss")
     if isinstance(scheduler, Mapping):
         scheduler = scheduler.get("scheduler")
     out += _call_problems("optimizer", optimizer, "the parameters") + _call_problems("scheduler", scheduler,

@@ -397,10 +397,10 @@ class Trainer:
     def setup(self) -> None:
         """Place the model; build optimizers, schedulers and the undo once; hooks, loggers and the step
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
-        defaults = [m for m in ("training_step", "configure_optimizers") if getattr(type(self), m) is getattr(Trainer, m)]
+        defaults = [m for m in ("training_step", "configure_optimizers") if getattr(type(self), m) is vars(Trainer)[m]]
         if self.model is None and defaults:
-            raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass model=..., "
-                              "or override them")
+            raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass "
+                              "model=..., or override them")
         if self.model is not None:
             self.model.to(self.device)
         if not self.optimizers:

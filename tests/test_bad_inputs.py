@@ -188,7 +188,8 @@ class Unplain:
 # Trainer arguments -> the error's text, raised before anything is trained or written (test below)
 ARGUMENTS = [
     (dict(callbacks="cb"), r"callbacks='cb' is a str; give an Iterable\[Callback\]"),
-    (dict(model=None), r"model is None, and the default training_step and configure_optimizers use self.model: pass model=\.\.\."),
+    (dict(model=None), r"model is None, and the default training_step and configure_optimizers use self.model: "
+                       r"pass model=\.\.\."),
     (dict(data="data.csv"), r"train_data='data.csv' is a str; give an Iterable"),
     (dict(data={"x": torch.ones(2)}), r"train_data=\{'x': .* is a dict; give an Iterable"),
     (dict(data=torch.ones(8, 5)), r"train_data is a Tensor: iterated, it gives one unbatched row per step. Pass "
@@ -330,6 +331,23 @@ def test_with_several_optimizers_a_detached_loss_given_to_self_backward_is_named
     with pytest.raises(NoGraphError, match=r"\(step 3, loss 'g'\): it was built from detached tensors"):
         trainer.fit()
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 2
+
+
+def test_an_error_in_on_step_end_says_the_update_was_applied_and_leaves_it():
+    seen = {}
+
+    class FailsAtStep3(Trainer):
+        def on_step_end(self, losses):
+            if self.state.step == 3:
+                seen["after update"] = [p.detach().clone() for p in self.model.parameters()]
+                raise ValueError("logging server unreachable")
+
+    trainer = small(FailsAtStep3, max_steps=5)
+    with pytest.raises(StepError, match=re.escape("step 3's update was applied; the error came after it, in "
+                                                  "on_step_end: ValueError: logging server unreachable")):
+        trainer.fit()
+    assert trainer.state.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(seen["after update"], trainer.model.parameters()))
 
 
 def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():

@@ -69,7 +69,8 @@ class GraphGuard:
         if model is not None and not isinstance(model, torch.nn.Module):
             problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
-            problems.append(f"out_dir={out_dir!r} is of type {type(out_dir).__name__}: give a directory path (a str or Path)")
+            problems.append(f"out_dir={out_dir!r} is of type {type(out_dir).__name__}: give a directory path (a str "
+                            "or Path)")
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = {"optimizer": optimizers}
         elif optimizers is not None and not isinstance(optimizers, Mapping):
