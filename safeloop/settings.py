@@ -20,7 +20,7 @@ import math
 import os
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -201,7 +201,11 @@ def _call_problems(where: str, fn: Any, argument: str) -> list[str]:
     fit its target's annotation (``lr='0.01'``)."""
     if not callable(fn) or isinstance(fn, torch.optim.Optimizer):
         return []
-    out = mistyped(fn.func, fn.keywords, f"{where}.") if isinstance(fn, functools.partial) else []
+    out = []
+    if isinstance(fn, functools.partial):  # a Hydra _partial_ holds a list as a ListConfig: checked as a list
+        given = {key: list(value) if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) else value
+                 for key, value in fn.keywords.items()}
+        out += mistyped(fn.func, given, f"{where}.")
     try:
         inspect.signature(fn).bind(None)
     except TypeError as err:
