@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import Trainer
-from safeloop.data import Data
+from safeloop import ConfigError, Trainer
+from safeloop.data import Data, positive
 
 
 def ring_modes(modes: int = 8, radius: float = 2.0) -> torch.Tensor:
@@ -72,6 +72,7 @@ class Batches:
 def ring(n: int = 32768, modes: int = 8, radius: float = 2.0, std: float = 0.05,
          batch_size: int = 256, seed: int = 0) -> Data:
     """``n`` points from ``modes`` Gaussians (std ``std``) evenly spaced on a circle."""
+    positive(n=n, modes=modes, radius=radius, std=std, batch_size=batch_size)
     gen = torch.Generator().manual_seed(seed)
     centers = ring_modes(modes, radius)
     which = torch.randint(modes, (n,), generator=gen)
@@ -88,6 +89,7 @@ class GAN(nn.Module):
 
     def __init__(self, noise_dim: int = 8, hidden: int = 128):
         super().__init__()
+        positive(noise_dim=noise_dim, hidden=hidden)
         self.noise_dim = noise_dim
         self.g = mlp(noise_dim, hidden, 2)
         self.d = mlp(2, hidden, 1)
@@ -113,6 +115,10 @@ class GANTrainer(Trainer):
 
     def __init__(self, *args, samples: int = 4000, modes: int = 8, radius: float = 2.0, std: float = 0.05,
                  **kwargs):
+        try:
+            positive(samples=samples, modes=modes, radius=radius, std=std)
+        except ValueError as err:  # the recipe's own arguments: recipe.KEY on the command line
+            raise ConfigError(f"{err} (recipe.KEY=VALUE on the command line)") from None
         super().__init__(*args, **kwargs)
         self.samples, self.centers, self.std = samples, ring_modes(modes, radius), std
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import Trainer
-from safeloop.data import Data
+from safeloop.data import Data, positive
 
 
 class Batches:
@@ -52,6 +52,7 @@ def tasks(n_train: int = 8192, n_val: int = 1024, in_dim: int = 16, classes: int
           seed: int = 0) -> Data:
     """Batches ``(x, y_reg, y_cls, x_unlabelled)``: a smooth regression target and a class
     (which of ``classes`` directions ``x`` points to most) for ``x``, and unlabelled inputs."""
+    positive(n_train=n_train, n_val=n_val, in_dim=in_dim, classes=classes, batch_size=batch_size)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(in_dim, 32, generator=gen) / in_dim**0.5
     b = torch.randn(32, 1, generator=gen) / 32**0.5
@@ -70,6 +71,7 @@ class MultiTask(nn.Module):
 
     def __init__(self, in_dim: int = 16, hidden: int = 128, classes: int = 4):
         super().__init__()
+        positive(in_dim=in_dim, hidden=hidden, classes=classes)
         self.trunk = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
         self.reg = nn.Linear(hidden, 1)
         self.cls = nn.Linear(hidden, classes)

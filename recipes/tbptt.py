@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import Trainer
-from safeloop.data import Data
+from safeloop.data import Data, positive
 
 
 class Chunks:
@@ -60,6 +60,7 @@ class Chunks:
 
 def signal(length: int = 200_000, streams: int = 16, chunk: int = 50, noise: float = 0.05, seed: int = 0) -> Data:
     """A long 1-D signal: two incommensurate sines plus noise, read as chunks of parallel streams."""
+    positive(length=length, streams=streams, chunk=chunk)
     gen = torch.Generator().manual_seed(seed)
     t = torch.arange(length, dtype=torch.float32)
     s = torch.sin(0.05 * t) + 0.5 * torch.sin(0.05 * math.sqrt(2) * 7 * t + 1.0)
@@ -71,6 +72,7 @@ class SequenceModel(nn.Module):
 
     def __init__(self, hidden: int = 64, layers: int = 1):
         super().__init__()
+        positive(hidden=hidden, layers=layers)
         self.rnn = nn.GRU(1, hidden, num_layers=layers, batch_first=True)
         self.out = nn.Linear(hidden, 1)
 

@@ -453,8 +453,9 @@ def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, 
     """Raise the ``CheckpointError`` that loading ``checkpoint`` would raise part way, before anything is
     loaded: a checkpoint that does not fit leaves the modules, the optimizers and the rest as they were."""
     check_modules(modules, parameters, checkpoint, path)
-    check_optimizers(optimizers, checkpoint, path)
+    check_optimizers(optimizers, checkpoint, path, {id(p): name for name, p in parameters})
     check_names("scheduler", schedulers, checkpoint["schedulers"], path)
+    check_schedulers(schedulers, checkpoint["schedulers"], path)
     check_scaler(scaler, checkpoint["scaler"], path)
 
 
@@ -533,8 +534,10 @@ def optimizer_classes(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str,
     return {name: _class_name(type(opt)) for name, opt in optimizers.items()}
 
 
-def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
-    """Each optimizer is of the class it was saved from, with as many parameters in each group."""
+def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None,
+                     names: dict[int, str] | None = None) -> None:
+    """Each optimizer is of the class it was saved from, with as many parameters in each group, each of the
+    shape its saved state has (``names``: the parameters' names by ``id``, for the message)."""
     saved, classes = checkpoint["optimizers"], checkpoint.get("optimizer_classes") or {}
     check_names("optimizer", optimizers, saved, path)
     for name, opt in optimizers.items():
@@ -551,6 +554,29 @@ def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: d
             raise CheckpointError(f"{_named(path)}: optimizer {name!r} does not fit this run's (parameters per group: "
                                   f"{sizes[0]} saved, {sizes[1]} now): resume with the same configure_optimizers",
                                   path)
+        live = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(live):  # the state is saved by position: a parameter in another place gets another's
+            shapes = {tuple(v.shape) for v in saved[name]["state"].get(i, {}).values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0}
+            if shapes and shapes != {tuple(p.shape)}:
+                raise CheckpointError(
+                    f"{_named(path)}: optimizer {name!r} saved state of shape {sorted(shapes)[0]} for its parameter "
+                    f"{i}, and this run's parameter {i} ({(names or {}).get(id(p), 'unnamed')}) has shape "
+                    f"{tuple(p.shape)}: its parameters are in another order, or are others. Resume with "
+                    "configure_optimizers listing the parameters as when it was saved", path)
+
+
+def check_schedulers(schedulers: dict, saved: dict, path: Path | None) -> None:
+    """Each scheduler has the settings it was saved with (a state dict does not name its class)."""
+    for name, scheduler in schedulers.items():
+        keys = [{k for k in state if not k.startswith("_")} for state in (saved[name], scheduler.state_dict())]
+        if keys[0] != keys[1]:
+            raise CheckpointError(
+                f"{_named(path)}: scheduler {name!r} was saved from another class of scheduler (with "
+                f"{', '.join(sorted(keys[0] - keys[1])) or 'fewer settings'}; this run's {type(scheduler).__name__} "
+                f"has {', '.join(sorted(keys[1] - keys[0])) or 'no others'}): a scheduler's state does not carry over "
+                "to another class. Resume with the scheduler it was saved with, or start a new run without resume",
+                path)
 
 
 def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:

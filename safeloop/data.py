@@ -8,6 +8,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def positive(**values) -> None:
+    """Raise a ValueError naming each of ``values`` that is not a number above zero: a size of zero makes an empty
+    dataset or layer (which trains nothing without a word from torch), a negative one fails deep inside it."""
+    bad = [f"{key}={value!r}" for key, value in values.items()
+           if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: {', '.join(values)} must be positive")
+
+
 @dataclass
 class Data:
     train: Iterable
@@ -17,6 +26,7 @@ class Data:
 def regression(n_train: int = 4096, n_val: int = 512, in_dim: int = 16, out_dim: int = 1,
                batch_size: int = 64, noise: float = 0.05, seed: int = 0) -> Data:
     """A smooth nonlinear target, y = sin(x A) B + noise, that a small MLP can learn."""
+    positive(n_train=n_train, n_val=n_val, in_dim=in_dim, out_dim=out_dim, batch_size=batch_size)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(in_dim, 32, generator=gen) / in_dim**0.5
     b = torch.randn(32, out_dim, generator=gen) / 32**0.5

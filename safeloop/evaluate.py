@@ -20,7 +20,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import rng_state, set_rng_state
-from .errors import ConfigWarning, SafeloopError, StepError
+from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
 
 if TYPE_CHECKING:
     from .distributed import Distributed
@@ -53,6 +53,8 @@ def mean_losses(model: torch.nn.Module | None, data: Iterable, step_fn: Callable
                 total[0] += float(value) * float(n)
                 total[1] += float(n)
             done += 1
+        if not done and dist is None:  # (under torchrun a rank may have none of a small val_data)
+            raise ConfigError("val_data yielded no batches: check the dataset and batch size, or pass no val_data")
     except Exception as err:
         if isinstance(err, SafeloopError):
             raise

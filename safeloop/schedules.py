@@ -10,14 +10,13 @@ value, as ``ReduceLROnPlateau`` needs (its ``interval`` is then not used).
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import ConfigError, ConfigWarning
+from .errors import ConfigError
 
 INTERVALS = ("step", "epoch")
 KEYS = ("scheduler", "interval", "monitor")
@@ -57,13 +56,19 @@ class Schedules:
                 schedule.scheduler.step()
 
     def after_validation(self, metrics: Mapping[str, float]) -> None:
-        for name, schedule in self.schedules.items():
-            if schedule.monitor is None:
-                continue
-            if schedule.monitor not in metrics:
-                raise ConfigError(f"the scheduler of optimizer {name!r} monitors {schedule.monitor!r}, which "
-                                  f"validation does not report: it reports {', '.join(metrics) or 'nothing'}")
-            schedule.scheduler.step(metrics[schedule.monitor])
+        self.check_monitors(metrics)
+        for schedule in self.schedules.values():
+            if schedule.monitor is not None:
+                schedule.scheduler.step(metrics[schedule.monitor])
+
+    def check_monitors(self, metrics: Mapping[str, float]) -> None:
+        """Every monitored metric is one validation reports (the Trainer checks at its first validation too,
+        before anything is trained)."""
+        problems = [f"the scheduler of optimizer {name!r} monitors {s.monitor!r}, which validation does not report: "
+                    f"it reports {', '.join(metrics) or 'nothing'}; give monitor=<one of those>"
+                    for name, s in self.schedules.items() if s.monitor is not None and s.monitor not in metrics]
+        if problems:
+            raise ConfigError(problems)
 
 
 def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
@@ -131,21 +136,40 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
 
 
 def check_optimizers(model: torch.nn.Module | None, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
-    """An optimizer set that holds none of the model's trainable parameters never changes the model
-    (a warning, not an error: optimizing an input through a fixed model is a real use)."""
+    """An optimizer set that holds none of the model's trainable parameters never changes the model: an error
+    (optimizing an input through a fixed model is a real use: ``model.requires_grad_(False)`` says so)."""
     if model is None:
         return
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     held = {id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]}
     if trained and not trained & held:
         names = ", ".join(repr(n) for n in optimizers)
-        warnings.warn(
-            f"no optimizer holds any of the model's {len(trained)} trainable parameters, so training will not "
+        raise ConfigError(
+            f"no optimizer holds any of the model's {len(trained)} trainable parameters, so training would not "
             f"change the model: optimizer {names} holds {len(held)} other tensor(s) (built over another "
             "model's parameters, or before the model was replaced?). Build it from self.model.parameters() "
             "in configure_optimizers, or pass optimizer=lambda params: torch.optim.AdamW(params, ...), "
             "which the Trainer calls with them; if the model is meant to stay fixed, "
-            "model.requires_grad_(False) says so", ConfigWarning, stacklevel=4)
+            "model.requires_grad_(False) says so")
+
+
+def make_optimizer(given: Any, params: Iterable) -> torch.optim.Optimizer:
+    """The Trainer's ``optimizer`` argument over ``params`` (``Trainer.make_optimizer``): a callable is called with
+    them, an ``Optimizer`` returned as it is; a ``ConfigError`` says what keeps it from being made."""
+    if given is None:
+        raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
+                          "or override configure_optimizers()")
+    if isinstance(given, torch.optim.Optimizer):
+        return given
+    params = list(params)
+    if not params:
+        raise ConfigError("optimizer: there are no parameters to optimize (a model without parameters?): give a "
+                          "model with parameters, or override configure_optimizers")
+    try:
+        return given(params)
+    except (TypeError, ValueError) as err:  # torch checks its arguments with these: say it is the optimizer's
+        raise ConfigError(f"optimizer: making it over the parameters failed: {type(err).__name__}: {err}; fix "
+                          "its arguments (a learning rate is a number: lr=0.01, not '0.01')") from err
 
 
 def for_each(given: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, Any]:

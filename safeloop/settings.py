@@ -14,10 +14,13 @@ the Trainer's ``ConfigError`` uses; ``mistyped`` checks any call's arguments aga
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
+import math
 import os
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -92,6 +95,9 @@ class Settings:
         out += _choice("multi_loss", self.multi_loss, MULTI_LOSS)
         out += _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         out += _positive("max_skipped", self.max_skipped)
+        if isinstance(self.loss_weights, Mapping):
+            out += [f"loss_weights[{k!r}]={w!r} is not a finite number: give each loss a finite weight"
+                    for k, w in self.loss_weights.items() if _number(w) and not math.isfinite(w)]
         out += _choice("undo", self.undo, UNDO)
         if not (self.resume is None or isinstance(self.resume, (str, os.PathLike))):
             out.append(f"resume={self.resume!r} is {_a(type(self.resume).__name__)}: give auto, or the path of a "
@@ -139,9 +145,10 @@ class GuardSettings:
 
     def problems(self) -> list[str]:
         out = _choice("guard.check", self.check, CHECKS) + _choice("guard.on_reuse", self.on_reuse, REUSE_POLICIES)
+        listed = isinstance(self.ignore, (list, tuple))  # a str is one name, not a list of letters
         out += [f"guard.ignore: {name!r} is not one of {', '.join(GUARD_CHECKS)}"
-                for name in self.ignore if name not in GUARD_CHECKS]
-        out += mistyped(GuardSettings, {"trace": self.trace}, "guard.")
+                for name in (self.ignore if listed else ()) if name not in GUARD_CHECKS]
+        out += mistyped(GuardSettings, {"trace": self.trace, "ignore": self.ignore}, "guard.")
         if not (isinstance(self.warmup, int) and not isinstance(self.warmup, bool) and self.warmup >= 0):
             out.append(f"guard.warmup must be an integer >= 0, got {self.warmup!r}")
         if not (_number(self.budget) and 0 < self.budget <= 1):
@@ -167,15 +174,65 @@ class CheckpointSettings:
                 + mistyped(CheckpointSettings, {"dir": self.dir}, "checkpoint."))
 
 
-def argument_problems(model: Any, train_data: Any, val_data: Any) -> list[str]:
-    """What is wrong with a Trainer's model and data."""
+def argument_problems(model: Any, train_data: Any, val_data: Any, loss_fn: Any = None, optimizer: Any = None,
+                      scheduler: Any = None, config: Any = None) -> list[str]:
+    """What is wrong with a Trainer's model, data, loss, optimizer, scheduler and config."""
     out = []
     if model is not None and not isinstance(model, torch.nn.Module):
         out.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if train_data is None:
         out.append("train_data is required: pass an iterable of batches (e.g. a DataLoader)")
-    return out + [found for name, data in (("train_data", train_data), ("val_data", val_data))
-                  if (found := samples_problem(name, data))]
+    out += [found for name, data in (("train_data", train_data), ("val_data", val_data))
+            if (found := samples_problem(name, data))]
+    if isinstance(loss_fn, type):
+        name = _typename(loss_fn)
+        out.append(f"loss_fn={name} is a class, not a loss: give an instance, loss_fn={name}(), or a function such "
+                   "as torch.nn.functional.mse_loss")
+    if isinstance(scheduler, Mapping):
+        scheduler = scheduler.get("scheduler")
+    out += _call_problems("optimizer", optimizer, "the parameters") + _call_problems("scheduler", scheduler,
+                                                                                      "the optimizer")
+    return out + (plain_problems(config, "config") if isinstance(config, Mapping) else [])
+
+
+def _call_problems(where: str, fn: Any, argument: str) -> list[str]:
+    """What keeps ``fn`` (an optimizer or scheduler given as a callable, or a Hydra ``_partial_``) from being
+    called with ``argument`` alone: a required argument it lacks, a ``functools.partial``'s value that does not
+    fit its target's annotation (``lr='0.01'``)."""
+    if not callable(fn) or isinstance(fn, torch.optim.Optimizer):
+        return []
+    out = []
+    if isinstance(fn, functools.partial):  # a Hydra _partial_ holds a list as a ListConfig: checked as a list
+        given = {key: list(value) if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) else value
+                 for key, value in fn.keywords.items()}
+        out += mistyped(fn.func, given, f"{where}.")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError as err:
+        name = _typename(fn.func if isinstance(fn, functools.partial) else fn)
+        out.append(f"{where}: {name} cannot be called with {argument} alone ({err}): give it, e.g. "
+                   f"functools.partial({name}, ...), or {where}.KEY=VALUE in a config")
+    except ValueError:  # no signature to read (a builtin)
+        pass
+    return out
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))  # what torch.load(weights_only=True) reads
+
+
+def plain_problems(value: Any, where: str) -> list[str]:
+    """Each place in ``value`` holding anything but tensors, numbers, strings and lists, tuples and dicts of them:
+    a checkpoint holding it could not be loaded (``torch.load(weights_only=True)``)."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return []
+    if type(value) in (dict, OrderedDict):
+        return [p for key, item in value.items() for p in plain_problems(key, f"a key of {where}")
+                + plain_problems(item, f"{where}[{key!r}]")]
+    if type(value) in (list, tuple):
+        return [p for i, item in enumerate(value) for p in plain_problems(item, f"{where}[{i}]")]
+    return [f"{where}={_short(value)} is {_a(_typename(type(value)))}: checkpoints store config, and one holding "
+            "this could not be loaded (torch.load(weights_only=True) reads tensors, numbers, strings, and lists, "
+            "tuples and dicts of them); give a plain value (a name, a number) or leave it out"]
 
 
 def manual_problems(own_validation: bool, val_data: Any, settings: Settings) -> list[str]:
@@ -194,7 +251,10 @@ def manual_problems(own_validation: bool, val_data: Any, settings: Settings) -> 
 
 
 def samples_problem(name: str, data) -> str | None:
-    """A map-style Dataset is a sequence of single samples: iterated, it would give unbatched steps."""
+    """A map-style Dataset or a tensor is a sequence of single samples: iterated, it would give unbatched steps."""
+    if isinstance(data, torch.Tensor):
+        return (f"{name} is a Tensor: iterated, it gives one unbatched row per step. Pass batches: "
+                "DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True) (from torch.utils.data)")
     if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
         return None
     return (f"{name} is a {type(data).__name__}, a Dataset of single samples: each step would train on one "
@@ -308,7 +368,7 @@ def _fits_outside(value: Any, hint: Any) -> bool:
         return isinstance(value, (str, os.PathLike))
     if origin is tuple:
         return isinstance(value, (list, tuple))
-    if origin is list:  # any iterable of items (loggers={"csv"}); strings are not lists of letters
+    if origin in (list, Iterable):  # any iterable of items (loggers={"csv"}); not a string's letters, a dict's keys
         return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
     if origin is dict:
         return isinstance(value, Mapping)

@@ -94,7 +94,7 @@ class Trainer:
                  run_dir: str | Path | None = None, checkpoint: Mapping[str, Any] | bool | None = None,
                  config: Mapping[str, Any] | None = None, **settings: Any):
         self.settings, found = read(Settings, settings, "Trainer", suggest=True)
-        problems = argument_problems(model, train_data, val_data) + found
+        problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config) + found
         if not self.automatic:
             problems += manual_problems(type(self).validation_step is not Trainer.validation_step, val_data,
                                         self.settings)
@@ -158,10 +158,7 @@ class Trainer:
     def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:
         """The configured ``optimizer`` over ``params``: a callable (a Hydra ``_partial_``) is called with them;
         an ``Optimizer`` given as one is returned as it is."""
-        if self._optimizer is None:
-            raise ConfigError("no optimizer: pass optimizer=... (an Optimizer or a callable taking parameters) "
-                              "or override configure_optimizers()")
-        return self._optimizer if isinstance(self._optimizer, torch.optim.Optimizer) else self._optimizer(params)
+        return schedules.make_optimizer(self._optimizer, params)
 
     def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
         """``{optimizer name: scheduler}``, or ``{name: {"scheduler": s, "interval": "step" | "epoch",
@@ -223,7 +220,7 @@ class Trainer:
             with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
-                    self.validate()
+                    self.schedules.check_monitors(self.validate())
                 self.guard.start_fit()
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
@@ -400,6 +397,10 @@ class Trainer:
     def setup(self) -> None:
         """Place the model; build optimizers, schedulers and the undo once; hooks, loggers and the step
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
+        defaults = [m for m in ("training_step", "configure_optimizers") if getattr(type(self), m) is vars(Trainer)[m]]
+        if self.model is None and defaults:
+            raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass "
+                              "model=..., or override them")
         if self.model is not None:
             self.model.to(self.device)
         if not self.optimizers:

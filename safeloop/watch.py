@@ -259,23 +259,37 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
     main.__file__, main.__builtins__, main.__spec__ = script, __builtins__, None
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
     sys.modules["__main__"] = main
-    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
+    try:
+        code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
+    except SyntaxError as err:  # as python prints it: no traceback, the line and the caret
+        sys.excepthook(type(err), err.with_traceback(None), None)
+        return 1
     with Watch(guard, script):
         try:
             exec(code, vars(main))
-        except (SystemExit, KeyboardInterrupt):
+        except SystemExit:
+            raise
+        except KeyboardInterrupt:
+            # Left to python, which prints it (sys.excepthook: here from the script's first frame on, as `python
+            # script.py` shows it) and then ends by SIGINT, after the usual clean-up
+            hook = sys.excepthook
+            sys.excepthook = lambda kind, value, tb: hook(kind, value.with_traceback(_from(script, tb)),
+                                                          value.__traceback__)
             raise
         except BaseException as err:  # the script's own traceback, as python would print it
-            tb = err.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != script:
-                tb = tb.tb_next
-            if tb is not None:
-                err.with_traceback(tb)
-            sys.excepthook(type(err), err, err.__traceback__)
+            sys.excepthook(type(err), err.with_traceback(_from(script, err.__traceback__)), err.__traceback__)
             return 1
         finally:
             guard.close()
     return 0
+
+
+def _from(script: str, tb):
+    """The traceback ``tb`` from the first frame of ``script`` on (all of it if none is)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != script:
+        first = first.tb_next
+    return first if first is not None else tb
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Bad input, every kind a user can give, and what each gets: a safeloop error that names the key (or
 the thing) at fault and says what to do, never a traceback from deep inside torch or Hydra, and
 nothing lost. The count of each outcome is what the README's Reliability section reports."""
+import functools
 import re
 import shutil
 import warnings
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import CheckpointError, ConfigError, NonFiniteError, NoGraphError, StepError, Trainer
+from safeloop import CheckpointError, ConfigError, GraphGuard, NonFiniteError, NoGraphError, StepError, Trainer
 from safeloop.checkpoint import Checkpointer
 from safeloop.config import build, compose
 
@@ -99,6 +100,7 @@ OVERRIDES = [
     ('data.n_train=0', ConfigError),
     ('data.n_train=-10', ConfigError),
     ('data.n_val=-1', ConfigError),
+    ('data.n_val=0', ConfigError),
     ('data.seed=abc', ConfigError),
     ('data=regresion', ConfigError),
     ('scheduler=abc', ConfigError),
@@ -113,6 +115,15 @@ OVERRIDES = [
     ('recipe.nothere=1', ConfigError),
     ('+trainer.foo=1', ConfigError),
     ('trainer.max_steps=', ConfigError),
+    # a recipe's own arguments, model and data: "experiment=NAME override"
+    ('experiment=gan recipe.samples=0', ConfigError),
+    ('experiment=gan recipe.samples=-1', ConfigError),
+    ('experiment=gan recipe.std=-1', ConfigError),
+    ('experiment=gan model.noise_dim=0', ConfigError),
+    ('experiment=gan model.hidden=0', ConfigError),
+    ('experiment=gan data.batch_size=0', ConfigError),
+    ('experiment=multi_loss data.batch_size=0', ConfigError),
+    ('experiment=tbptt data.chunk=0', ConfigError),
 ]
 # accepted on purpose: a valid value of the right type, whatever it looks like
 ACCEPTED = [
@@ -126,14 +137,14 @@ ACCEPTED = [
 
 def key_of(override: str) -> str:
     """What the message must name: the key's last part (``max_steps``), or the group (``optimizer``)."""
-    return override.split("=", 1)[0].lstrip("+~").rsplit(".", 1)[-1]
+    return override.split()[-1].split("=", 1)[0].lstrip("+~").rsplit(".", 1)[-1]
 
 
 @pytest.mark.parametrize("override, error", OVERRIDES, ids=[o for o, _ in OVERRIDES])
 def test_a_bad_override_is_one_clear_error_naming_its_key(tmp_path, monkeypatch, override, error):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(error) as info:
-        build(compose([*BASE, f"checkpoint.dir={tmp_path / 'ckpt'}", override])).fit()
+        build(compose([*BASE, f"checkpoint.dir={tmp_path / 'ckpt'}", *override.split()])).fit()
     message = str(info.value)
     assert re.search(re.escape(key_of(override)), message), message
     assert ADVICE.search(message), message
@@ -164,9 +175,65 @@ def small(cls=Trainer, data=None, **kwargs) -> Trainer:
     torch.manual_seed(0)
     x = torch.randn(32, 4)
     data = data if data is not None else DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    settings = dict(max_steps=2, device="cpu", progress=False, loggers=(), optimizer=lambda p: torch.optim.Adam(p))
+    settings = dict(model=torch.nn.Linear(4, 1), max_steps=2, device="cpu", progress=False, loggers=(),
+                    optimizer=lambda p: torch.optim.Adam(p))
     settings.update(kwargs)
-    return cls(model=torch.nn.Linear(4, 1), train_data=data, **settings)
+    return cls(train_data=data, **settings)
+
+
+class Unplain:
+    pass
+
+
+# Trainer arguments -> the error's text, raised before anything is trained or written (test below)
+ARGUMENTS = [
+    (dict(callbacks="cb"), r"callbacks='cb' is a str; give an Iterable\[Callback\]"),
+    (dict(model=None), r"model is None, and the default training_step and configure_optimizers use self.model: "
+                       r"pass model=\.\.\."),
+    (dict(data="data.csv"), r"train_data='data.csv' is a str; give an Iterable"),
+    (dict(data={"x": torch.ones(2)}), r"train_data=\{'x': .* is a dict; give an Iterable"),
+    (dict(data=torch.ones(8, 5)), r"train_data is a Tensor: iterated, it gives one unbatched row per step. Pass "
+                                  r"batches: DataLoader\(TensorDataset\(x, y\)"),
+    (dict(loss_fn=torch.nn.MSELoss), r"loss_fn=MSELoss is a class, not a loss: give an instance, loss_fn=MSELoss\(\)"),
+    (dict(optimizer=functools.partial(torch.optim.Adam, lr="0.01")), r"optimizer.lr='0.01' is a str; give a number"),
+    (dict(optimizer=lambda p: torch.optim.Adam(p, lr="0.01")), r"optimizer: making it over the parameters failed: "
+                                                                r"TypeError: .*a learning rate is a number"),
+    (dict(model=torch.nn.ReLU()), r"optimizer: there are no parameters to optimize \(a model without parameters\?\)"),
+    (dict(optimizer=torch.optim.Adam(torch.nn.Linear(4, 1).parameters())),
+     r"no optimizer holds any of the model's 2 trainable parameters, so training would not change the model"),
+    (dict(loss_weights={"loss": float("nan")}), r"loss_weights\['loss'\]=nan is not a finite number"),
+    (dict(config={"act": lambda x: x}), r"config\['act'\]=<function .* is a function: checkpoints store config, and "
+                                        r"one holding this could not be loaded"),
+    (dict(config={"a": [Unplain()]}), r"config\['a'\]\[0\]=.* is an Unplain: checkpoints store config"),
+    (dict(scheduler=functools.partial(torch.optim.lr_scheduler.StepLR)),
+     r"scheduler: StepLR cannot be called with the optimizer alone \(missing a required argument: 'step_size'\)"),
+    (dict(val_data=[]), r"val_data yielded no batches"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", ARGUMENTS, ids=[f"{k}-{type(v).__name__}" for (k, v), in
+                                                               (tuple(a.items()) for a, _ in ARGUMENTS)])
+def test_a_bad_argument_is_one_clear_error_naming_it_before_anything_is_trained_or_written(tmp_path, arguments,
+                                                                                            message):
+    with pytest.raises(ConfigError, match=message):
+        small(checkpoint={"dir": str(tmp_path)}, **arguments).fit()
+    assert not list(tmp_path.glob("step-*.pt"))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: GraphGuard(optimizers=42), ConfigError, r"optimizers=42 is of type int: give an optimizer, a list or "
+                                                     r"a dict of them"),
+    (lambda: GraphGuard(out_dir=123), ConfigError, r"out_dir=123 is of type int: give a directory path"),
+    (lambda: GraphGuard(ignore="carried"), ConfigError, r"^invalid configuration: guard.ignore='carried' is a str; "
+                                                        r"give a list\[str\]$"),
+    (lambda: GraphGuard().backward(None), StepError, r"guard.backward\(\) takes the loss, got NoneType"),
+    (lambda: GraphGuard().backward(3.0), StepError, r"guard.backward\(\) takes the loss, got float"),
+    (lambda: GraphGuard().check([torch.ones(1, requires_grad=True).sum()]), StepError,
+     r"guard.check\(\) takes the loss \(a tensor, or a dict of named loss tensors\), got list"),
+])
+def test_a_bad_graph_guard_argument_is_one_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def returning(value):
@@ -266,6 +333,23 @@ def test_with_several_optimizers_a_detached_loss_given_to_self_backward_is_named
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())) and trainer.state.step == 2
 
 
+def test_an_error_in_on_step_end_says_the_update_was_applied_and_leaves_it():
+    seen = {}
+
+    class FailsAtStep3(Trainer):
+        def on_step_end(self, losses):
+            if self.state.step == 3:
+                seen["after update"] = [p.detach().clone() for p in self.model.parameters()]
+                raise ValueError("logging server unreachable")
+
+    trainer = small(FailsAtStep3, max_steps=5)
+    with pytest.raises(StepError, match=re.escape("step 3's update was applied; the error came after it, in "
+                                                  "on_step_end: ValueError: logging server unreachable")):
+        trainer.fit()
+    assert trainer.state.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(seen["after update"], trainer.model.parameters()))
+
+
 def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():
     nan = returning(lambda loss: loss * float("nan"))
     trainer = small(nan, on_nonfinite="error")
@@ -329,12 +413,22 @@ def test_a_damaged_checkpoint_is_named_and_nothing_is_changed(tmp_path, how):
     assert path.read_bytes() == kept
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, r"optimizer 'optimizer' was saved from torch.optim.Adam and this run's is torch.optim.SGD"),
-    ({"model": torch.nn.Linear(4, 2)}, r"size mismatch|shape"),
-])
-def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, change, message):
-    small(checkpoint={"dir": str(tmp_path)}).fit()
+STEP_LR = {"scheduler": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)}
+
+
+@pytest.mark.parametrize("saved, change, message", [
+    ({}, {"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, r"optimizer 'optimizer' was saved from torch.optim.Adam "
+                                                              r"and this run's is torch.optim.SGD"),
+    ({}, {"model": torch.nn.Linear(4, 2)}, r"size mismatch|shape"),
+    ({}, {"optimizer": lambda p: torch.optim.Adam(p[::-1])}, re.escape(
+        "optimizer 'optimizer' saved state of shape (1, 4) for its parameter 0, and this run's parameter 0 "
+        "(model.bias) has shape (1,): its parameters are in another order, or are others")),
+    (STEP_LR, {"scheduler": functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.9)}, re.escape(
+        "scheduler 'optimizer' was saved from another class of scheduler (with step_size; this run's ExponentialLR "
+        "has no others): a scheduler's state does not carry over to another class")),
+], ids=["optimizer class", "model", "parameter order", "scheduler class"])
+def test_a_checkpoint_of_another_run_shape_is_refused_by_name(tmp_path, saved, change, message):
+    small(checkpoint={"dir": str(tmp_path)}, **saved).fit()
     args = dict(max_steps=4, checkpoint={"dir": str(tmp_path)}, resume="auto")
     model = change.pop("model", None)
     trainer = small(**args, **change)

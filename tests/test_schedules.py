@@ -137,3 +137,4 @@ def test_a_monitor_that_validation_does_not_report_is_named():
     with pytest.raises(ConfigError, match=re.escape("the scheduler of optimizer 'optimizer' monitors 'val_acc', "
                                                     "which validation does not report: it reports val_loss")):
         trainer.fit()
+    assert trainer.state.step == 0  # found at the validation before training

@@ -286,10 +286,11 @@ def test_an_optimizer_over_another_models_parameters_is_named_at_start():
     model, other = MLP(8, 16, 1, 2), MLP(8, 16, 1, 2)
     trainer = Trainer(model=model, train_data=loader(dataset()), optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
                       max_steps=2, device="cpu", progress=False, loggers=())
-    with pytest.warns(ConfigWarning, match=re.escape(
-            "no optimizer holds any of the model's 4 trainable parameters, so training will not change the "
+    with pytest.raises(ConfigError, match=re.escape(
+            "no optimizer holds any of the model's 4 trainable parameters, so training would not change the "
             "model: optimizer 'optimizer' holds 4 other tensor(s)")):
-        trainer.setup()
+        trainer.fit()
+    assert trainer.state.step == 0
     with warnings.catch_warnings():  # a model meant to stay fixed (an input is optimized) says so
         warnings.simplefilter("error")
         model.requires_grad_(False)

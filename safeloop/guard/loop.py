@@ -20,6 +20,7 @@ script through one of these.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
@@ -62,14 +63,21 @@ class GraphGuard:
                  check: str = GUARD_DEFAULTS.check, on_reuse: str = GUARD_DEFAULTS.on_reuse,
                  trace: bool = GUARD_DEFAULTS.trace, warmup: int = GUARD_DEFAULTS.warmup,
                  budget: float = GUARD_DEFAULTS.budget, ignore: Iterable[str] = (), out_dir=None):
+        ignore = ignore if isinstance(ignore, str) else list(ignore)  # a str: refused whole, not letter by letter
         settings, problems = read(GuardSettings, {"check": check, "on_reuse": on_reuse, "trace": trace,
-                                                  "warmup": warmup, "budget": budget, "ignore": list(ignore)},
-                                  "guard")
+                                                  "warmup": warmup, "budget": budget, "ignore": ignore}, "guard")
         if model is not None and not isinstance(model, torch.nn.Module):
             problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+            problems.append(f"out_dir={out_dir!r} is of type {type(out_dir).__name__}: give a directory path (a str "
+                            "or Path)")
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = {"optimizer": optimizers}
         elif optimizers is not None and not isinstance(optimizers, Mapping):
+            if not isinstance(optimizers, Iterable) or isinstance(optimizers, str):
+                problems.append(f"optimizers={optimizers!r} is of type {type(optimizers).__name__}: give an optimizer, "
+                                "a list or a dict of them")
+                optimizers = ()
             optimizers = {f"optimizer {i}": opt for i, opt in enumerate(optimizers)}
         optimizers = dict(optimizers or {})
         problems += [f"optimizers[{name!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}"
@@ -192,6 +200,8 @@ class GraphGuard:
     def backward(self, loss: torch.Tensor, gradient=None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs=None) -> None:
         """``loss.backward(...)`` after the pre-flight checks; an autograd error comes back explained."""
+        if not isinstance(loss, torch.Tensor):
+            _need_tensors("backward", {"loss": loss})
         if self._open and self._explicit and not self.guard.checking and loss.grad_fn is not None \
                 and not self._graphs:
             # most steps: inside ``with guard.step()`` and unchecked, where every check would pass
@@ -206,6 +216,7 @@ class GraphGuard:
         """The pre-flight checks only, for a backward someone else runs (a Lightning ``on_before_backward``
         hook, before ``accelerator.backward(loss)``). ``loss``: a tensor, or a dict of named losses."""
         losses = dict(loss) if isinstance(loss, Mapping) else {"loss": loss}
+        _need_tensors("check", losses)
         losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
         if not losses:
             return
@@ -401,3 +412,12 @@ def _tensors(inputs) -> list | None:
     if isinstance(inputs, torch.Tensor):
         return [inputs]
     return list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+
+
+def _need_tensors(method: str, losses: Mapping[str, Any]) -> None:
+    """``guard.backward(loss)`` takes a tensor, ``guard.check`` a tensor or a dict of them."""
+    for name, loss in losses.items():
+        if not isinstance(loss, torch.Tensor):
+            what = "loss" if method == "backward" else "loss (a tensor, or a dict of named loss tensors)"
+            raise StepError(f"guard.{method}() takes the {what}, got {'' if name == 'loss' else f'{name!r}: '}"
+                            f"{type(loss).__name__}: pass the tensor your loss computation returned")

@@ -166,11 +166,16 @@ class Runner:
         self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
-        self.hooks("on_step_end", state.losses)
-        if timed:
-            guard.end_step(step, self.scope)
-            guard.record_step_time(step, time.perf_counter() - started)
-        guard.step_done()
+        try:
+            self.hooks("on_step_end", state.losses)
+        except Exception as err:  # the update was made, and was right: it stays, and the error says so
+            raise StepError(f"step {step}'s update was applied; the error came after it, in on_step_end: "
+                            f"{type(err).__name__}: {err}", step) from err
+        finally:
+            if timed:
+                guard.end_step(step, self.scope)
+                guard.record_step_time(step, time.perf_counter() - started)
+            guard.step_done()
 
     def forward_backward(self, batches: list, step: int, only: str | None = None) -> dict[str, torch.Tensor]:
         """Forward and backward(s) of every micro-batch; returns their losses' values, summed.

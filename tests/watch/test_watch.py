@@ -206,3 +206,31 @@ def test_a_running_sum_of_the_losses_is_warned_about_when_each_backward_is_of_th
     assert watched.stdout == plain.stdout
     assert f"{script}:9: GraphLeakWarning: autograd graph kept alive after its step: steps 1 and 2: the autograd " \
            "graphs of both steps are still alive, held by `global running`" in watched.stderr
+
+
+
+# scripts whose run under watch must match `python script.py` in exit code, stdout and stderr
+AS_WITHOUT_WATCH = {
+    # multiprocessing's spawn start method runs the script's module-level code again in each worker, as
+    # __mp_main__ (it finds the script from sys.modules['__main__'])
+    "spawn": "import multiprocessing\nimport random\n\nrandom.seed(0)\nscale = random.random()  # made again in each "
+             "worker\n\n\ndef work(rank):\n    return f'worker {rank} loss {scale * (rank + 1):.6f} as {__name__}'\n\n"
+             "\nif __name__ == '__main__':\n    with multiprocessing.get_context('spawn').Pool(2) as pool:\n"
+             "        print('\\n'.join(pool.map(work, range(2))))\n",
+    "syntax_error": "print('start')\nx = (1,\n",  # its line and caret, no traceback, exit code 1
+    "keyboard_interrupt": "print('start')\n\n\ndef load():\n    raise KeyboardInterrupt\n\n\nload()\n",  # ends by SIGINT
+}
+
+
+def test_a_script_that_spawns_workers_or_stops_by_syntax_error_or_ctrl_c_shows_as_without_watch(tmp_path):
+    scripts = []
+    for name, source in AS_WITHOUT_WATCH.items():
+        scripts.append(tmp_path / f"{name}.py")
+        scripts[-1].write_text(source)
+    with ThreadPoolExecutor(2) as pool:
+        plain = list(pool.map(lambda s: run(str(s), cwd=tmp_path), scripts))
+        watched = list(pool.map(lambda s: run("-m", "safeloop.watch", str(s), cwd=tmp_path), scripts))
+    assert [p.returncode for p in plain] == [0, 1, -2]
+    assert plain[0].stdout == "worker 0 loss 0.844422 as __mp_main__\nworker 1 loss 1.688844 as __mp_main__\n"
+    for script, p, w in zip(scripts, plain, watched):
+        assert (w.returncode, w.stdout, w.stderr) == (p.returncode, p.stdout, p.stderr), script.name
