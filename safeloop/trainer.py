@@ -353,6 +353,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.last = path
         state = self.state
+        for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
+            logger.resume(state.step)
         log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, state.step, state.epoch,
                  state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 
