@@ -48,6 +48,10 @@ def outputs_line(run_dir, checkpointer, logs: bool) -> str:
 
 
 class Progress:
+    """A line every ``log_every`` steps (``step 500/10000 loss 0.31 ... steps/s``) through the "safeloop"
+    logger, or a tqdm bar in its place: ``bar`` None shows one on a terminal, False never. Nothing when not
+    ``enabled`` (the ranks other than zero)."""
+
     def __init__(self, total: int | None, enabled: bool = True, bar: bool | None = None):
         self.enabled = enabled
         self.bar = None

@@ -61,7 +61,7 @@ class Settings:
     loss_weights: Optional[dict[str, float]] = field(default_factory=dict)
     # Where metrics go, under the run directory: csv (metrics.csv), tensorboard.
     loggers: list[str] = field(default_factory=lambda: ["csv"])
-    # A progress bar in a terminal, log lines otherwise.
+    # A progress bar in a terminal, log lines otherwise; false: the log lines, never a bar.
     progress: bool = True
     # null | auto | PATH: auto resumes from the newest readable checkpoint in the checkpoint
     # directory, if any (the same command starts and restarts a run); PATH: a checkpoint file or directory.

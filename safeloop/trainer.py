@@ -206,7 +206,7 @@ class Trainer:
     def fit(self) -> TrainState:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
-        self.progress = Progress(self.settings.max_steps, self.settings.progress and zero)
+        self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
         failed = False
         try:
             self.setup()
