@@ -458,7 +458,8 @@ class Guard:
                                                   holder=explain.find_holder(node, case.scope, case.batch,
                                                                              scan_gc=False)),
                               stacklevel=5)
-            log.info("step %d, loss '%s': %s", case.step, case.name, msg)
+            else:  # said once: as a warning, or in the log
+                log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
 
     def _shared_stale(self, node, leaves, case: Case) -> None:

@@ -294,11 +294,15 @@ class Runner:
                 "[x]), which writes no .grad", step)
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
-        """Log, once per pattern, which backwards kept the graph alive for a later loss."""
+        """Log, once per set of losses, which backwards kept the graph alive for a later loss (a step the
+        guard does not walk that retains the same ones is recorded in ``retain_plans``, not logged again)."""
         key = (tuple(item.name for item in todo if item.retain), walked)
         if key in self.retain_plans:
             return
+        said = any(kept == key[0] for kept, _ in self.retain_plans)
         self.retain_plans[key] = step
+        if said:
+            return
         kept = ", ".join(key[0]) or "none"
         if walked:
             freed = ", ".join(item.name for item in todo[:-1] if not item.retain) or "none"
