@@ -28,7 +28,7 @@ import torch
 
 from .. import nonfinite
 from ..callbacks import Hooks
-from ..errors import ConfigError, ConfigWarning, NonFiniteError, SafeloopError, StepError
+from ..errors import ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
 from ..guard.explain import Scope
 from ..guard.guard import Guard, Recorder
 from ..guard.walk import HAS_SEQ, sequence_now
@@ -483,6 +483,8 @@ class Runner:
         versions = [(name, p, p._version) for name, p in named] if stepped else []
         report = self.left()
         self.abandon()
+        if isinstance(err, GraphLifecycleError) and err.abandoned is None:
+            err.abandon(report)  # in manual mode updates of this step may have run before it: say what is left
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)
