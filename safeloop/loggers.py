@@ -69,6 +69,7 @@ class TensorBoardLogger:
             self._writer = SummaryWriter(str(self.path), purge_step=self._purge_step)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
+        self._writer.flush()  # on disk at every log point, as metrics.csv: a killed run keeps what it logged
 
     def close(self) -> None:
         if self._writer is not None:

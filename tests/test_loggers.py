@@ -1,5 +1,6 @@
 """Metric loggers: a run killed and resumed in the same run directory reads as one run."""
 import csv
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,7 @@ def last_step(path) -> int:
 
 
 @pytest.mark.parametrize("names", ["csv", "csv,tensorboard"])
-def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names):
+def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names, monkeypatch):
     if "tensorboard" in names and not loggers.HAVE_TENSORBOARD:
         pytest.skip("tensorboard is not installed (an optional logger)")
     script, run_dir = tmp_path / "job.py", tmp_path / "run"
@@ -59,8 +60,8 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names):
     saved = int(ckpt.saved()[-1].stem[5:])
     assert last_step(run_dir / "metrics.csv") > saved  # rows the resumed run will write again
 
-    subprocess.run([sys.executable, str(script), str(run_dir), str(saved + 7), names], env=subprocess_env(),
-                   check=True, capture_output=True)
+    monkeypatch.setattr(sys, "argv", [str(script), str(run_dir), str(saved + 7), names])
+    runpy.run_path(str(script), run_name="__main__")  # the same job resumed, here
     logged = rows(run_dir / "metrics.csv")
     assert len(logged) == len(set(logged)), "a (step, metric) row written twice"
     losses = [step for step, metric in logged if metric == "loss"]
