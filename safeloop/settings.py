@@ -104,8 +104,7 @@ class Settings:
                        "checkpoint directory, or auto)")
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
         return out + mistyped(Settings, {key: getattr(self, key) for key in
-                                         ("loss_weights", "loggers", "progress", "find_unused_parameters",
-                                                     "seed")})
+                                         ("loss_weights", "loggers", "progress", "find_unused_parameters", "seed")})
 
 
 @dataclass

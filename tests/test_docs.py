@@ -168,7 +168,7 @@ NOT_RUN = {
 USER_CODE = {
     "mypackage/__init__.py": "",
     "mypackage/train.py": "import safeloop\n\n\nclass Classifier(safeloop.Trainer):\n    pass\n",
-    "mypackage/nets.py": "import torch\nfrom safeloop.models import MLP as MyMLP  # in_dim, hidden, out_dim, depth\n\n\n"
+    "mypackage/nets.py": "import torch\nfrom safeloop.models import MLP as MyMLP  # in_dim, hidden, out_dim, depth\n\n"
                          "class Wide(torch.nn.Sequential):\n"
                          "    def __init__(self, in_dim: int, out_dim: int, width: int = 256):\n"
                          "        super().__init__(torch.nn.Linear(in_dim, width), torch.nn.Linear(width, out_dim))\n",

@@ -32,7 +32,8 @@ def rows(path) -> list[tuple[int, str]]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return [(int(row["step"]), row["metric"]) for row in csv.DictReader(f) if row["step"].isdigit() and row["value"]]
+        return [(int(row["step"]), row["metric"]) for row in csv.DictReader(f)
+                if row["step"].isdigit() and row["value"]]
 
 
 def last_step(path) -> int:

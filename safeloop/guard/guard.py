@@ -733,7 +733,8 @@ class Guard:
     def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None) -> list[tuple[int, str | None]]:
         """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
         step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
-        holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this step's is its new one."""
+        holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this
+        step's is its new one."""
         if not refs or self.is_off("leak"):
             return []
         out = []
