@@ -21,11 +21,12 @@ from .errors import (
     StepError,
 )
 from .guard import GraphGuard
+from .seed import seed_everything
 from .state import TrainState
 from .trainer import Trainer
 
 __all__ = [
-    "Callback", "GraphGuard", "Trainer", "TrainState",
+    "Callback", "GraphGuard", "Trainer", "TrainState", "seed_everything",
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",

@@ -56,7 +56,8 @@ class Interrupted(KeyboardInterrupt):
 
 class _Report:
     """Where (``step``, ``loss_name``), what (``node_name``, ``holder``) and what to do (``fixes``):
-    the fields of every guard error and warning; the message is one paragraph built from them."""
+    the fields of every guard error and warning; the message is one paragraph built from them. Raised from
+    a Trainer's step, ``abandoned`` says what abandoning the step left as it was."""
 
     what = "autograd graph problem"
 
@@ -70,6 +71,7 @@ class _Report:
         holder: str | None = None,
         fixes: list[str] | None = None,
         picture: str | None = None,
+        abandoned: str | None = None,
     ):
         self.detail = detail
         self.step = step
@@ -78,6 +80,7 @@ class _Report:
         self.holder = holder
         self.fixes = list(fixes or [])
         self.picture = picture
+        self.abandoned = abandoned
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -88,11 +91,18 @@ class _Report:
             where.append(f"loss '{self.loss_name}'")
         text = f"{self.what} ({', '.join(where)}): " if where else f"{self.what}: "
         text += self.detail.rstrip(".") + "."
+        if self.abandoned:
+            text += f" The step was abandoned ({self.abandoned})."
         if self.fixes:
             text += " To fix: " + "; or ".join(f.rstrip(".") for f in self.fixes) + "."
         if self.picture:
             text += f" Graph picture: {self.picture}"
         return text
+
+    def abandon(self, report: str) -> None:
+        """Say what abandoning the step it was raised in left as it was (``report``), in the message too."""
+        self.abandoned = report
+        self.args = (self._message(),)
 
     def __reduce__(self):  # keep fields across pickling (torchrun, multiprocessing)
         return (_rebuild, (type(self), self.detail, self.__dict__))

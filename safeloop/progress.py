@@ -47,7 +47,18 @@ def outputs_line(run_dir, checkpointer, logs: bool) -> str:
     return "writing " + "; ".join(p for p in parts if p)
 
 
+def say_once(line: str, said: str | None) -> str:
+    """Log ``line`` unless it is what was ``said`` last (a run trained in several fit() calls); returns it."""
+    if line != said:
+        log.info(line)
+    return line
+
+
 class Progress:
+    """A line every ``log_every`` steps (``step 500/10000 loss 0.31 ... steps/s``) through the "safeloop"
+    logger, or a tqdm bar in its place: ``bar`` None shows one on a terminal, False never. Nothing when not
+    ``enabled`` (the ranks other than zero)."""
+
     def __init__(self, total: int | None, enabled: bool = True, bar: bool | None = None):
         self.enabled = enabled
         self.bar = None

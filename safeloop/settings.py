@@ -64,7 +64,7 @@ class Settings:
     loss_weights: Optional[dict[str, float]] = field(default_factory=dict)
     # Where metrics go, under the run directory: csv (metrics.csv), tensorboard.
     loggers: list[str] = field(default_factory=lambda: ["csv"])
-    # A progress bar in a terminal, log lines otherwise.
+    # A progress bar in a terminal, log lines otherwise; false: the log lines, never a bar.
     progress: bool = True
     # null | auto | PATH: auto resumes from the newest readable checkpoint in the checkpoint
     # directory, if any (the same command starts and restarts a run); PATH: a checkpoint file or directory.
@@ -81,6 +81,9 @@ class Settings:
     # What a failed step undoes: auto (optimizers that step before a later one in the same step),
     # full (every optimizer and scheduler of the step), off (nothing; no snapshot memory).
     undo: str = "auto"
+    # Seeds Python's random, NumPy's and torch's generators when a run starts (step 0), after the model is
+    # built (null: nothing is seeded). The command line's own `seed` seeds before the model is built.
+    seed: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Every problem with these values at once (none: an empty list)."""
@@ -107,7 +110,7 @@ class Settings:
                        "checkpoint directory, or auto)")
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
         return out + mistyped(Settings, {key: getattr(self, key) for key in
-                                         ("loss_weights", "loggers", "progress", "find_unused_parameters")})
+                                         ("loss_weights", "loggers", "progress", "find_unused_parameters", "seed")})
 
 
 @dataclass

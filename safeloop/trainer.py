@@ -20,7 +20,8 @@ from .guard import GraphGuard, for_trainer
 from .guard.explain import Scope
 from .guard.guard import Guard
 from .loggers import make_loggers
-from .progress import Progress, outputs_line, show_logs
+from .progress import Progress, outputs_line, say_once, show_logs
+from .seed import seed_everything
 from .settings import Settings, argument_problems, attach, manual_problems, mistyped, read
 from .state import TrainState
 from .epochs import TrainData
@@ -203,16 +204,15 @@ class Trainer:
     def fit(self) -> TrainState:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
-        self.progress = Progress(self.settings.max_steps, self.settings.progress and zero)
+        self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
         failed = False
         try:
+            if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
+                seed_everything(self.settings.seed)
             self.setup()
             if zero:
                 show_logs()
-                outputs = outputs_line(self.run_dir, self.checkpointer, bool(self.loggers))
-                if outputs != self._said:  # once, not at every fit() of a run trained in several calls
-                    log.info(outputs)
-                    self._said = outputs
+                self._said = say_once(outputs_line(self.run_dir, self.checkpointer, bool(self.loggers)), self._said)
             if self.checkpointer is not None:
                 self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
             if self.settings.resume is not None:
@@ -350,6 +350,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.last = path
         state = self.state
+        for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
+            logger.resume(state.step)
         log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, state.step, state.epoch,
                  state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 

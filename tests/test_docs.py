@@ -7,12 +7,18 @@ repeated headings.
 """
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import re
+import shlex
 import sys
 from pathlib import Path
 
+import hydra
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from safeloop import ConfigError, config
 from tests.conftest import ROOT
 
 README_MAX_LINES = 300
@@ -136,3 +142,149 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path, monkeypatch):
         "[web](https://example.org/x.md#y)\n")
     problems = broken_links(page)
     assert [p.split(": ", 2)[1] for p in problems] == ["docs/b.md", "docs/a.md#nowhere", "#nothing"], problems
+
+
+# -- every command of the docs runs as written ----------------------------------------------------
+# The command lines of README.md's and docs/*.md's ```bash blocks (not inline code, not the ``` blocks
+# that show a run's output, such as a bad override's error). Each ``python -m safeloop`` / ``safeloop`` /
+# ``python recipes/...`` / ``torchrun ...`` command is composed with its overrides as the command line
+# does it (a sweep's every combination; a torchrun command's safeloop part, which is composed, not
+# launched: tests/test_distributed.py launches torchrun). That is quick, and finds a key, a value or a
+# path the config refuses. A block with a ``trainer.resume=`` command is also run, in order, so that a
+# resume finds what the commands before it wrote: composed and trained in this process, as
+# ``python -m safeloop`` does (``safeloop.config.train``), each shortened to a fiftieth of its steps.
+# The commands below are left alone, each for its reason; any other command fails the test until it
+# gets a rule here.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = {
+    ("pip",): "installs packages",
+    ("python3", "-m", "venv"): "makes a virtualenv",
+    (".",): "activates a virtualenv",
+    ("python", "-m", "pytest"): "the test command: this is one of its tests",
+    ("python", "-m", "safeloop.watch"): "runs the user's own script (train.py [args]); tests/watch/ runs watch",
+    ("safeloop", "watch"): "runs the user's own script (train.py [args]); tests/watch/ runs watch",
+}
+# The user's own code that the docs' commands name (docs/configuration.md says what each takes).
+USER_CODE = {
+    "mypackage/__init__.py": "",
+    "mypackage/train.py": "import safeloop\n\n\nclass Classifier(safeloop.Trainer):\n    pass\n",
+    "mypackage/nets.py": "import torch\nfrom safeloop.models import MLP as MyMLP  # in_dim, hidden, out_dim, depth\n\n"
+                         "class Wide(torch.nn.Sequential):\n"
+                         "    def __init__(self, in_dim: int, out_dim: int, width: int = 256):\n"
+                         "        super().__init__(torch.nn.Linear(in_dim, width), torch.nn.Linear(width, out_dim))\n",
+}
+LAUNCHERS = {"submitit_slurm": "hydra_plugins.hydra_submitit_launcher",  # the plugins the docs install first
+             "submitit_local": "hydra_plugins.hydra_submitit_launcher"}
+
+
+def shell_blocks(path: Path) -> list[tuple[str, list[tuple[int, str]]]]:
+    """``(language, [(line number, line)])`` of each fenced block of ``path``; continued lines joined."""
+    blocks, block = [], None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence and block is None:
+            block = (fence.group(1), [])
+        elif fence:
+            blocks.append(block)
+            block = None
+        elif block is None:
+            continue
+        elif block[1] and block[1][-1][1].endswith("\\"):
+            block[1][-1] = (block[1][-1][0], block[1][-1][1][:-1] + " " + line.strip())
+        else:
+            block[1].append((number, line))
+    return blocks
+
+
+def commands(path: Path) -> list[list[tuple[int, list[str]]]]:
+    """The commands of each bash block of ``path``, as words, comments dropped, ``a && b`` split."""
+    out = []
+    for language, lines in shell_blocks(path):
+        if language in ("bash", "sh", "shell"):
+            out.append([(number, shlex.split(part, comments=True)) for number, line in lines
+                        for part in line.split("&&") if shlex.split(part, comments=True)])
+    return out
+
+
+def safeloop_args(words: list[str]) -> tuple[list[str], list[str]] | None:
+    """What a command gives safeloop's Hydra: ``(flags, overrides)``; None for a command in ``NOT_RUN``."""
+    if any(tuple(words[:len(start)]) == start for start in NOT_RUN):
+        return None
+    if words[0] == "torchrun":  # its own options, then -m MODULE or a script
+        at = next(i for i, w in enumerate(words) if w == "-m" or w.endswith(".py"))
+        words = ["python", *words[at:]]
+    if words[:3] == ["python", "-m", "safeloop"] or words[0] == "safeloop":
+        args = words[3:] if words[0] == "python" else words[1:]
+    elif words[0] == "python" and words[1].startswith("recipes/"):  # recipes/gan.py is experiment=gan
+        args = words[2:]
+        if not any(a.split("=")[0].lstrip("+~") == "experiment" for a in args):
+            args.insert(0, f"experiment={Path(words[1]).stem}")
+    else:
+        raise AssertionError(f"no rule for the command {shlex.join(words)!r}: compose or run it here, or add it to "
+                             "NOT_RUN with its reason")
+    args = [a for a in args if a != "..."]  # "and more overrides"
+    for a in args:  # a launcher plugin the docs install first is only there where it was installed
+        launcher = re.match(r"hydra/launcher=(\w+)", a)
+        if launcher and importlib.util.find_spec(LAUNCHERS[launcher.group(1)].split(".")[0]) is None:
+            args = [b for b in args if not b.startswith(("hydra/launcher=", "hydra.launcher."))]
+    return [a for a in args if a.startswith("-")], [a for a in args if not a.startswith("-")]
+
+
+def compose_problems(flags: list[str], overrides: list[str]) -> list[str]:
+    """The problems the command line would find composing ``overrides``: a sweep (``-m``) in each of its
+    combinations; ``--config-dir`` as Hydra adds it (a search path), then the values checked as a run does."""
+    assert set(f.split("=")[0] for f in flags) <= {"-m", "--config-dir"}, f"no rule for the flags {flags}"
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+               else [o.input_line] for o in parsed]
+    problems = []
+    for combination in itertools.product(*choices):
+        dirs = [f.split("=", 1)[1] for f in flags if f.startswith("--config-dir=")]
+        try:
+            if dirs:
+                config.register()
+                search = f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in dirs)}]"
+                with hydra.initialize_config_dir(config_dir=str(config.CONFIG_DIR), version_base=None):
+                    problems += config.check(hydra.compose("train", overrides=[search, *combination]))
+            else:
+                config.compose(list(combination))
+        except (ConfigError, hydra.errors.HydraException) as err:
+            problems.append(str(err))
+    return problems
+
+
+def shortened(overrides: list[str]) -> list[str]:
+    """The same run with a fiftieth of its steps (the default job's 1000 when it sets none)."""
+    steps = next((int(o.split("=")[1]) for o in overrides if o.startswith("trainer.max_steps=")), 1000)
+    return [o for o in overrides if not o.startswith("trainer.max_steps=")] + [f"trainer.max_steps={steps // 50}"]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_of_the_docs_runs_as_written(page, tmp_path, monkeypatch, caplog):
+    for name, text in USER_CODE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for language, lines in shell_blocks(page):  # a config file the page shows, under the path it names
+        named = re.match(r"#\s*(\S+\.ya?ml)$", lines[0][1].strip()) if language in ("yaml", "yml") and lines else None
+        if named:
+            (tmp_path / named.group(1)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / named.group(1)).write_text("\n".join(line for _, line in lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = []
+    for block in commands(page):
+        run = any(o.startswith("trainer.resume=") for _, words in block for o in words)
+        for number, words in block:
+            args = safeloop_args(words)
+            if args is None:
+                continue
+            where = f"{page.relative_to(ROOT)}:{number}: {shlex.join(words)}"
+            problems += [f"{where}: {p}" for p in compose_problems(*args)]
+            if run and not problems:  # what python -m safeloop runs, here (tests/test_cli.py runs the command)
+                assert not args[0], f"{where}: no rule to run the flags {args[0]}"
+                caplog.clear()
+                with caplog.at_level("INFO", logger="safeloop"):
+                    config.train(config.compose(shortened(args[1])))
+                resume = next((o.split("=", 1)[1] for o in args[1] if o.startswith("trainer.resume=")), None)
+                if resume not in (None, "auto"):
+                    assert f"resumed from {Path(resume)}" in caplog.text, where
+    assert problems == []

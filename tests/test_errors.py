@@ -205,6 +205,44 @@ def test_an_exception_in_training_step_leaves_parameters_and_optimizer_state_as_
     assert all(p.grad is None for p in t.model.parameters())
 
 
+class StaleGeneratorLoss(Trainer):
+    """A GAN step's mistake: the generator's loss built before the discriminator's update, back-propagated
+    after it (the guard raises before that backward, once optimizer 'd' has stepped)."""
+
+    automatic = False
+
+    def configure_optimizers(self):
+        return {"d": torch.optim.SGD(self.model[1].parameters(), lr=0.1),
+                "g": torch.optim.SGD(self.model[0].parameters(), lr=0.1)}
+
+    def training_step(self, batch):
+        x, _ = batch
+        self.before = copy.deepcopy(self.model.state_dict())
+        d_out = self.model[1](torch.tanh(self.model[0](x)))
+        d_loss = d_out.pow(2).mean()
+        self.backward(d_loss, optimizer="d", retain_graph=True)
+        self.step("d")
+        g_loss = (d_out - 1).pow(2).mean()
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        return {"d": d_loss, "g": g_loss}
+
+
+@pytest.mark.parametrize("undo, left", [
+    ("auto", "parameters and optimizer state are unchanged"),
+    ("off", "optimizer 'd' had already updated its parameters, which trainer.undo=off leaves"),
+])
+def test_a_guard_error_in_a_manual_step_says_what_abandoning_the_step_left(undo, left):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    t = StaleGeneratorLoss(model, data(), max_steps=2, device="cpu", progress=False, loggers=(), undo=undo)
+    with pytest.raises(InplaceModificationError, match=re.escape(
+            "(step 1, loss 'g'): optimizer 'd' stepped after this loss was built and before its backward, changing "
+            f"parameters its graph saved ([torch.FloatTensor [4, 1]]). The step was abandoned ({left}). To fix: ")):
+        t.fit()
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, t.before[k])]
+    assert changed == ([] if undo == "auto" else ["1.weight", "1.bias"])
+
+
 class ChangesASavedTensorAtStep(Trainer):
     """No hooks, one loss, one optimizer: the plain step. At step ``bad`` a tensor that backward needs is
     changed in place, so backward fails half way, after some gradients were written."""

@@ -72,6 +72,17 @@ def test_a_run_trained_in_several_fit_calls_says_where_its_outputs_go_once(caplo
     assert sum(r.getMessage().startswith("no run_dir: ") for r in caplog.records) == 1
 
 
+def test_progress_false_turns_off_the_bar_only_not_the_log_lines(caplog):
+    trainer = Trainer(model=torch.nn.Linear(4, 1), train_data=data(), val_data=data(), max_steps=4, log_every=2,
+                      progress=False, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", loggers=())
+    with caplog.at_level("INFO", logger="safeloop"):
+        trainer.fit()
+    lines = [r.getMessage() for r in caplog.records]
+    assert trainer.progress.bar is None
+    assert [line.split(" loss ")[0] for line in lines if line.startswith("step ")] == ["step 2/4", "step 4/4"]
+    assert any(line.startswith("validation at step 4: val_loss ") for line in lines)
+
+
 class LogsMae(Trainer):
     def training_step(self, batch):
         x, y = batch

@@ -119,6 +119,23 @@ def test_auto_retain_keeps_the_graph_only_where_a_later_loss_shares_it(caplog):
     assert set(trainer.state.losses) == {"other", "a", "b"}  # each loss logged by name
 
 
+def test_the_retain_line_is_logged_once_when_steps_the_guard_does_not_walk_retain_the_same(caplog):
+    class TwoHeads(Trainer):
+        def training_step(self, batch):
+            x, y, _ = batch
+            h = self.model.trunk(x)
+            return {"a": F.mse_loss(self.model.a(h), y), "b": F.mse_loss(self.model.b(h), y)}
+
+    with caplog.at_level(logging.INFO, logger="safeloop"):
+        trainer = TwoHeads(model=ThreeHeads(), train_data=batches(), optimizer=partial(torch.optim.SGD, lr=0.1),
+                           max_steps=30, device="cpu", progress=False, loggers=(), guard={"budget": 1e-9})
+        trainer.fit()
+    assert trainer.retain_plans == {(("a",), True): 1, (("a",), False): 11}  # after the guard's 10 warm-up steps
+    lines = [r.getMessage() for r in caplog.records if "retained the graph" in r.getMessage()]
+    assert lines == ["step 1: backward retained the graph for a (a later loss shares nodes with it); freed it "
+                     "for none (no later loss shares it) and for the last loss, b"]
+
+
 def test_steps_not_walked_retain_on_all_but_last():
     torch.manual_seed(0)
     ref, ours = ThreeHeads(), ThreeHeads()

@@ -1,4 +1,5 @@
 """The Trainer's step cycle: parity with plain PyTorch, hooks, accumulation, validation, state."""
+import random
 import re
 import warnings
 import weakref
@@ -13,6 +14,11 @@ from safeloop.models import MLP
 from safeloop.recipes.gan import GAN, GANTrainer, ring
 
 from .conftest import manual
+
+try:
+    import numpy
+except ImportError:  # optional: seed_everything seeds it when it is there
+    numpy = None
 
 
 def dataset(n=256, d=8, seed=1):
@@ -543,3 +549,33 @@ def test_with_two_optimizers_the_last_step_of_a_pass_takes_the_batches_left_too(
     trainer.fit()
     assert trainer.state.step == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+# -- seed ------------------------------------------------------------------------------------------
+class Noisy(Trainer):
+    """Draws from every generator a training step may use: torch's, Python's random and NumPy's."""
+
+    def training_step(self, batch):
+        x, y = batch
+        noise = random.random() + (float(numpy.random.rand()) if numpy is not None else 0.0)
+        return torch.nn.functional.mse_loss(self.model(x + torch.randn_like(x)), y) * (1 + noise)
+
+
+def test_seed_seeds_every_generator_when_a_run_starts_and_none_seeds_nothing():
+    data = [(torch.ones(4, 3), torch.zeros(4, 1))] * 3
+
+    def weights_after(run_seed, drawn_before: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)  # the same initial weights
+        torch.manual_seed(drawn_before)
+        random.seed(drawn_before)
+        if numpy is not None:
+            numpy.random.seed(drawn_before)
+        Noisy(model=model, train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), max_steps=3, seed=run_seed,
+              device="cpu", progress=False, loggers=()).fit()
+        return model.weight.detach().clone()
+
+    assert torch.equal(weights_after(7, drawn_before=1), weights_after(7, drawn_before=2))
+    assert not torch.equal(weights_after(None, drawn_before=1), weights_after(None, drawn_before=2))
+    with pytest.raises(ConfigError, match=re.escape("seed='7' is a str; give an integer")):
+        Trainer(model=torch.nn.Linear(3, 1), train_data=data, max_steps=1, seed="7")

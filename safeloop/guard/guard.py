@@ -466,7 +466,8 @@ class Guard:
                                                   holder=explain.find_holder(node, case.scope, case.batch,
                                                                              scan_gc=False)),
                               stacklevel=5)
-            log.info("step %d, loss '%s': %s", case.step, case.name, msg)
+            else:  # said once: as a warning, or in the log
+                log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
@@ -737,10 +738,11 @@ class Guard:
         for first, holder in self.piled(step, refs, scope):
             self.warn_leak(first, step, holder)
 
-    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None) -> list[tuple[int, str]]:
+    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None) -> list[tuple[int, str | None]]:
         """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
         step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
-        holder was named then). A holder whose earlier graph is gone replaced it: this step's is its new one."""
+        holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this
+        step's is its new one."""
         if not refs or self.is_off("leak"):
             return []
         out = []
@@ -758,19 +760,21 @@ class Guard:
         return out
 
     @staticmethod
-    def leak_key(holder: str) -> str:
-        return "leak:" + re.sub(r"\[\d+\]", "[]", holder)  # self.history[3] is self.history[0] again
+    def leak_key(holder: str | None) -> str:
+        return "leak:" + re.sub(r"\[\d+\]", "[]", holder or "")  # self.history[3] is self.history[0] again
 
-    def warn_leak(self, first: int, step: int, holder: str, frame=None) -> None:
-        """Warn once per holder; ``frame``: the user's code to point at (default: the Trainer's caller)."""
+    def warn_leak(self, first: int, step: int, holder: str | None, frame=None) -> None:
+        """Warn once per holder (None: not found by name); ``frame``: the user's code to point at (default:
+        the Trainer's caller). The warning's ``step`` is the later of the two steps, its ``holder`` the name."""
         key = self.leak_key(holder)
         if key in self._warned:
             return
         self._warned.add(key)
+        held = f"`{holder}`" if holder else "a reference kept outside the step (a list, a global, a closure)"
         warning = GraphLeakWarning(
-            f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {holder}: such "
+            f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
             "graphs pile up step after step (their nodes, and any tensors they still hold). Store loss.item() or "
-            "loss.detach() instead of the loss tensor")
+            "loss.detach() instead of the loss tensor", step=step, holder=holder)
         if frame is None:
             warnings.warn(warning, stacklevel=4)
         else:
@@ -827,11 +831,12 @@ def _trained(leaves, scope) -> list:
     return [leaf for leaf in leaves if id(leaf) in ids]
 
 
-def _leak_holder(sentinel, scope) -> str:
+def _leak_holder(sentinel, scope) -> str | None:
+    """The name of the tensor whose graph holds ``sentinel``'s node, None when none is found."""
     for name, tensor in explain.candidates(scope):
         if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
-            return f"`{name}`"
-    return "a reference kept outside the step (a list, a global, a closure)"
+            return name
+    return None
 
 
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "

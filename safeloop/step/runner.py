@@ -28,7 +28,7 @@ import torch
 
 from .. import nonfinite
 from ..callbacks import Hooks
-from ..errors import ConfigError, ConfigWarning, NonFiniteError, SafeloopError, StepError
+from ..errors import ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
 from ..guard.explain import Scope
 from ..guard.guard import Guard, Recorder
 from ..guard.walk import HAS_SEQ, sequence_now
@@ -302,11 +302,15 @@ class Runner:
                 "[x]), which writes no .grad", step)
 
     def note_retain(self, todo: list[Backward], walked: bool, step: int) -> None:
-        """Log, once per pattern, which backwards kept the graph alive for a later loss."""
+        """Log, once per set of losses, which backwards kept the graph alive for a later loss (a step the
+        guard does not walk that retains the same ones is recorded in ``retain_plans``, not logged again)."""
         key = (tuple(item.name for item in todo if item.retain), walked)
         if key in self.retain_plans:
             return
+        said = any(kept == key[0] for kept, _ in self.retain_plans)
         self.retain_plans[key] = step
+        if said:
+            return
         kept = ", ".join(key[0]) or "none"
         if walked:
             freed = ", ".join(item.name for item in todo[:-1] if not item.retain) or "none"
@@ -487,6 +491,8 @@ class Runner:
         versions = [(name, p, p._version) for name, p in named] if stepped else []
         report = self.left()
         self.abandon()
+        if isinstance(err, GraphLifecycleError) and err.abandoned is None:
+            err.abandon(report)  # in manual mode updates of this step may have run before it: say what is left
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)

@@ -166,6 +166,22 @@ def test_graph_kept_after_its_step_warns_naming_the_holder(keep, holder, mode):
         fit(mode(Keeps))
 
 
+def test_the_leak_warning_carries_its_step_and_holder_as_the_errors_do():
+    class Keeps(Trainer):
+        running = 0.0
+
+        def training_step(self, batch):
+            loss = self.model(batch).pow(2).mean()
+            self.running = self.running + loss
+            return loss
+
+    with pytest.warns(GraphLeakWarning, match=re.escape("autograd graph kept alive after its step (step 2): steps 1 "
+                                                        "and 2: the autograd graphs")) as caught:
+        fit(Keeps)
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert (leak.step, leak.holder) == (2, "self.running")
+
+
 @pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
 @pytest.mark.parametrize("returns", ["loss * 1.0", "loss / 2"])
 def test_graphs_kept_of_the_loss_while_the_step_back_propagates_another_tensor_warn_naming_the_holder(returns, mode):

@@ -109,11 +109,13 @@ def test_retain_policy_cannot_keep_a_graph_whose_parameters_the_optimizer_change
     assert info.value.holder == "self.y" and info.value.step == 2
 
 
-def test_warn_policy_warns_once_and_trains(fit):
-    with pytest.warns(GraphSharingWarning, match="reusing a graph built before the step") as record:
+def test_warn_policy_warns_once_and_trains(fit, caplog):
+    with pytest.warns(GraphSharingWarning, match="reusing a graph built before the step") as record, \
+            caplog.at_level(logging.INFO, logger="safeloop"):
         trainer = fit(ReusesYOfConstantT, model=Seed001(), steps=4, guard={"on_reuse": "warn", "check": "always"})
     assert trainer.state.step == 4
     assert len([w for w in record if issubclass(w.category, GraphSharingWarning)]) == 1
+    assert "reusing a graph" not in caplog.text  # said once: the warning, not a log line too
 
 
 def test_graph_without_saved_tensors_is_a_warning_not_an_error(fit):

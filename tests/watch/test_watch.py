@@ -204,7 +204,7 @@ def test_a_running_sum_of_the_losses_is_warned_about_when_each_backward_is_of_th
     plain, watched = run(str(script), cwd=tmp_path), run("-m", "safeloop.watch", str(script), cwd=tmp_path)
     assert watched.returncode == plain.returncode == 0
     assert watched.stdout == plain.stdout
-    assert f"{script}:9: GraphLeakWarning: autograd graph kept alive after its step: steps 1 and 2: the autograd " \
+    assert f"{script}:9: GraphLeakWarning: autograd graph kept alive after its step (step 2): steps 1 and 2: the autograd " \
            "graphs of both steps are still alive, held by `global running`" in watched.stderr
 
 

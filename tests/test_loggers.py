@@ -1,0 +1,85 @@
+"""Metric loggers: a run killed and resumed in the same run directory reads as one run."""
+import csv
+import runpy
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from safeloop import loggers
+from safeloop.checkpoint import Checkpointer
+
+from .conftest import subprocess_env
+
+JOB = textwrap.dedent("""
+    import sys
+    import torch
+    import safeloop
+
+    torch.manual_seed(0)
+    data = [(x, x.sum(1, keepdim=True)) for x in torch.randn(8, 4, 3)]
+    safeloop.Trainer(model=torch.nn.Linear(3, 1), train_data=data, val_data=data[:2], max_steps=int(sys.argv[2]),
+                     log_every=1, val_every=3, checkpoint={"every": 5}, resume="auto", run_dir=sys.argv[1],
+                     loggers=sys.argv[3].split(","), optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
+                     progress=False).fit()
+""")
+
+
+def rows(path) -> list[tuple[int, str]]:
+    """``(step, metric)`` of every complete row (a running writer may be half-way through one)."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [(int(row["step"]), row["metric"]) for row in csv.DictReader(f)
+                if row["step"].isdigit() and row["value"]]
+
+
+def last_step(path) -> int:
+    return max((step for step, _ in rows(path)), default=0)
+
+
+@pytest.mark.parametrize("names", ["csv", "csv,tensorboard"])
+def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names, monkeypatch):
+    if "tensorboard" in names and not loggers.HAVE_TENSORBOARD:
+        pytest.skip("tensorboard is not installed (an optional logger)")
+    script, run_dir = tmp_path / "job.py", tmp_path / "run"
+    script.write_text(JOB)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    proc = subprocess.Popen([sys.executable, str(script), str(run_dir), "1000000", names], env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:  # SIGKILL once a checkpoint is written and steps after it are logged
+        end = time.monotonic() + 60
+        while not (ckpt.saved() and last_step(run_dir / "metrics.csv") > int(ckpt.saved()[-1].stem[5:])):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < end, "the training process made no progress"
+            time.sleep(0.005)
+    finally:
+        proc.kill()
+        proc.communicate()
+    saved = int(ckpt.saved()[-1].stem[5:])
+    assert last_step(run_dir / "metrics.csv") > saved  # rows the resumed run will write again
+
+    monkeypatch.setattr(sys, "argv", [str(script), str(run_dir), str(saved + 7), names])
+    runpy.run_path(str(script), run_name="__main__")  # the same job resumed, here
+    logged = rows(run_dir / "metrics.csv")
+    assert len(logged) == len(set(logged)), "a (step, metric) row written twice"
+    losses = [step for step, metric in logged if metric == "loss"]
+    assert losses == list(range(1, saved + 8))  # one run: every step once, in order
+    if "tensorboard" in names:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+        assert [e.step for e in events.Scalars("loss")] == losses
+
+
+def test_resume_rewrites_metrics_csv_keeping_the_rows_up_to_the_resumed_step(tmp_path):
+    logger = loggers.CSVLogger(tmp_path)
+    for step in (1, 2, 3):
+        logger.log({"loss": step / 10, "lr": 0.1}, step)
+    logger.resume(2)
+    logger.log({"loss": 0.25}, 3)
+    logger.close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [
+        "step,metric,value", "1,loss,0.1", "1,lr,0.1", "2,loss,0.2", "2,lr,0.1", "3,loss,0.25"]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temporary file left
