@@ -157,8 +157,7 @@ class Trainer:
         return self.make_optimizer(self.model.parameters())
 
     def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:
-        """The configured ``optimizer`` over ``params``: a callable (a Hydra ``_partial_``) is called with them;
-        an ``Optimizer`` given as one is returned as it is."""
+        """The configured ``optimizer`` over ``params`` (a callable, a Hydra ``_partial_``, or an ``Optimizer``)."""
         return schedules.make_optimizer(self._optimizer, params)
 
     def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
