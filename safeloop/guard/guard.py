@@ -564,6 +564,11 @@ class Guard:
         if loss.is_inference():
             why = "it was computed under torch.inference_mode()"
             fixes = [f"remove torch.inference_mode() from {self.words.place} (keep it for evaluation)"]
+        elif loss.requires_grad:  # a leaf: torch.tensor(x.item(), requires_grad=True)
+            why = ("it is a leaf tensor made with requires_grad=True (torch.tensor(loss.item(), requires_grad=True), "
+                   "say), whose graph begins and ends at itself")
+            fixes = ["compute the loss from the model's output and keep it a tensor: no .item(), no torch.tensor() "
+                     "around it"]
         elif params and not any(p.requires_grad for p in params):
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
@@ -572,8 +577,8 @@ class Guard:
             seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
             why, fixes = _why_detached(seen, self.words)
         return NoGraphError(
-            f"{why}, so backward has nothing to differentiate (loss is a {loss.dtype} tensor with "
-            "requires_grad=False and no grad_fn)", step=step, loss_name=name, fixes=fixes)
+            f"{why}, so backward has no parameter to differentiate (loss is a {loss.dtype} tensor with "
+            f"requires_grad={loss.requires_grad} and no grad_fn)", step=step, loss_name=name, fixes=fixes)
 
     # -- after a backward raised -------------------------------------------------------
     def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
@@ -902,6 +907,7 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         grads = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        out = func(*args, **(kwargs or {}))
         if grads:
             if name in ("detach", "detach_"):
                 self.seen.add("detach")
@@ -909,7 +915,9 @@ class Recorder(TorchFunctionMode):
                 self.seen.add("item")
             elif not torch.is_grad_enabled():
                 self.seen.add("no_grad")
-        return func(*args, **(kwargs or {}))
+            elif isinstance(out, torch.Tensor) and not out.requires_grad:  # argmax, a comparison, .long()
+                self.seen.add(f"op:{name}")
+        return out
 
 
 def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
@@ -923,6 +931,12 @@ def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
         return ("it was built from detached tensors (.detach()), which cuts the graph",
                 ["remove .detach() on the path from the parameters to the loss "
                  "(detach only what must not receive gradient, e.g. fake samples in a GAN's D step)"])
+    cut = sorted(n[3:] for n in seen or () if n.startswith("op:"))
+    if cut:
+        return (f"it was computed through {cut[0]}, whose result has no gradient (an index, a comparison, an "
+                "integer), which cuts the graph",
+                [f"use a differentiable form on the way to the loss (the logits with cross_entropy rather than "
+                 f"argmax, a sigmoid rather than a hard comparison); keep {cut[0]} for metrics"])
     return ("it does not depend on any tensor that requires grad (computed under no_grad, from detached "
             "or .item() values, or from inputs only)",
             [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled"])

@@ -231,9 +231,13 @@ class GraphGuard:
             retain_graph: bool | None, create_graph: bool = False, inputs=None) -> Any:
         """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward); its autograd error explained."""
         guard = self.guard
-        if len(losses) > 1 or next(iter(losses.values())).grad_fn is None:
+        if len(losses) == 1:
+            (loss,) = losses.values()
+            if loss.grad_fn is None and loss.requires_grad and (loss.dim() > 0 or self._trained(loss)):
+                return call(retain_graph)  # backward on a parameter itself: nothing to check
+        else:
             losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
-            if not losses:  # a leaf that requires grad: nothing to check
+            if not losses:  # leaves that require grad: nothing to check
                 return call(retain_graph)
         retain = self._preflight(losses, frame)
         step = self.steps
@@ -358,6 +362,11 @@ class GraphGuard:
         if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
             out.append(("global", self._globals))
         return out
+
+    def _trained(self, leaf: torch.Tensor) -> bool:
+        """Whether ``leaf`` is a parameter the model or an optimizer holds (a scalar leaf that is not is a loss
+        made with requires_grad=True: backward reaches no parameter from it)."""
+        return isinstance(leaf, torch.nn.Parameter) or any(p is leaf for p in self._parameters())
 
     def _parameters(self) -> list[torch.Tensor]:
         """The trained parameters: the model's, the optimizers', else those of the modules and

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import safeloop
-from safeloop import CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError, Trainer
+from safeloop import (CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError, NoGraphError,
+                      Trainer)
 from safeloop.guard import walk
 from safeloop.guard.guard import Guard
 
@@ -91,6 +92,33 @@ def test_a_list_keeping_graphs_is_fixed_where_values_are_added_not_at_one_elemen
             "held by `self.returns[0]`") + ".*" + re.escape(
             "To fix: detach what is added to `self.returns` where it is added (`self.returns.append(x.detach())`")):
         fit(make(KeepsReturns))
+
+
+class LeafLoss(Trainer):
+    def training_step(self, batch):
+        return torch.tensor(self.model(batch).pow(2).mean().item(), requires_grad=True)
+
+
+class ArgmaxLoss(Trainer):
+    def training_step(self, batch):
+        return (self.model(batch).argmax(1).float() - 1).pow(2).mean()
+
+
+@pytest.mark.parametrize("make", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("cls, why, fix", [
+    (LeafLoss, "it is a leaf tensor made with requires_grad=True (torch.tensor(loss.item(), requires_grad=True), "
+               "say), whose graph begins and ends at itself, so backward has no parameter to differentiate (loss is "
+               "a torch.float32 tensor with requires_grad=True and no grad_fn)",
+     "To fix: compute the loss from the model's output and keep it a tensor"),
+    (ArgmaxLoss, "it was computed through argmax, whose result has no gradient (an index, a comparison, an integer), "
+                 "which cuts the graph", "the logits with cross_entropy rather than argmax"),
+], ids=["leaf", "argmax"])
+def test_a_loss_that_reaches_no_parameter_says_how_it_lost_its_graph(make, cls, why, fix):
+    model = torch.nn.Linear(4, 4)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NoGraphError, match=re.escape(why) + ".*" + re.escape(fix)):
+        fit(make(cls), model=model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 class CarriesLSTMState(Trainer):

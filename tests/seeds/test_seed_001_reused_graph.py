@@ -68,7 +68,8 @@ def test_module_level_tensor_is_named_as_a_global(fit):
             return measure(t @ (x + y), x)
 
     with pytest.raises(GraphReuseError, match=r"held by `global y`.*recompute `y` inside training_step"):
-        fit(Seed, optimizer=lambda p: torch.optim.SGD([t, a], lr=0.1))
+        # the model stays fixed (the seed trains t and a, tensors of its own)
+        fit(Seed, model=torch.nn.Linear(4, 2).requires_grad_(False), optimizer=lambda p: torch.optim.SGD([t, a], lr=0.1))
 
 
 def test_the_fixed_versions_train_cleanly(fit):

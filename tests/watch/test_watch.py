@@ -41,6 +41,7 @@ BROKEN = {
     # the fix is where values are added to the list, not one element of it
     "baseline_list": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global returns\[0\]`.*To fix: detach "
                      r"what is added to `returns` where it is added \(`returns.append\(x.detach\(\)\)`",
+    "leaf_loss": r"NoGraphError: .*\(step 1, loss 'loss'\): it is a leaf tensor made with requires_grad=True",
     # made once before the loop, used by the first generator step after two critic steps
     "wgan_fake_before_loop": r"GraphReuseError: .*\(step 3, loss 'loss'\): the loss reaches AddmmBackward0, built "
                              r"before the step \(before the loop\) and held by `global fake`.*recompute `fake` inside "
