@@ -17,9 +17,9 @@ def cli(*args, cwd, prefix=("-m", "safeloop")) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("override, message", [
-    pytest.param("device=cuda", "device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
+    pytest.param("device=cuda", "trainer.device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-    pytest.param("trainer.precision=16", "precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 "
+    pytest.param("trainer.precision=16", "trainer.precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 "
                  "or 32", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
     ("guard.check=sometimes", "guard.check='sometimes' is not one of auto, always, off"),
 ])
@@ -29,6 +29,7 @@ def test_a_trainer_configuration_error_is_one_message_and_exit_code_2(tmp_path, 
     assert out.stderr.startswith(f"safeloop: invalid configuration: {message}"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no traceback, no Hydra report
     assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "outputs").exists()  # refused by the Trainer, in the run directory: removed
 
 
 def test_a_group_option_that_does_not_exist_lists_the_options(tmp_path):
