@@ -35,9 +35,9 @@ register()
 def main() -> None:
     """The ``safeloop`` command: ``run``, Hydra's entry point over ``configs/train.yaml`` (its ``--help``
     is ``hydra.help`` there). The overrides of a run or of ``--help`` are checked first, so that a bad one
-    gets safeloop's words and exit code 2 rather than Hydra's report; the values are checked by the run
-    itself (``train``), in the run directory Hydra has made. Sweeps, ``--cfg`` and Hydra's other modes
-    report their own errors.
+    gets safeloop's words and exit code 2 rather than Hydra's report, with the values and the run directory
+    (``check_overrides``), before Hydra makes it. Sweeps, ``--cfg`` and Hydra's other modes report their
+    own errors. The current directory is importable, as under ``python -m``, for ``_target_`` of your own.
     ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
     args = sys.argv[1:]
     if os.getcwd() not in sys.path:  # the user's modules (model._target_=cnn.Net), as `python -m` has them
@@ -130,16 +130,17 @@ def task(cfg: DictConfig) -> dict[str, float]:
 
 
 def discard_run_dir() -> None:
-    """A run refused at start-up leaves no output directory: what Hydra made for it (``.hydra/``, the log)
-    is deleted, then the run directory and its parents up to the current directory while they are empty."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-    (run_dir / "safeloop.log").unlink(missing_ok=True)
-    cwd = Path.cwd()
-    for path in (run_dir, *run_dir.parents):
-        if path == cwd or (path != run_dir and not path.is_relative_to(cwd)) or any(path.iterdir()):
+    """A run refused at start-up leaves no output directory: the run directory, when it holds only what Hydra
+    wrote for this run (``.hydra/``, the log), is deleted, then its parents up to the current directory
+    while they are empty (``outputs/DATE/``)."""
+    run_dir, cwd = Path(HydraConfig.get().runtime.output_dir), Path.cwd()
+    if run_dir == cwd or {p.name for p in run_dir.iterdir()} - {".hydra", "safeloop.log"}:
+        return  # the user's directory, or a run's: not made for this one alone
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
             break
-        path.rmdir()
+        parent.rmdir()
 
 
 if __name__ == "__main__":
