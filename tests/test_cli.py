@@ -127,6 +127,7 @@ def test_the_safeloop_command_trains_your_model_and_data_from_your_configs_dir(p
               f"hydra.run.dir={project}/run", cwd=project, prefix=())  # the current directory is importable
     assert out.returncode == 0, out.stderr
     assert re.search(r"val_loss: [\d.]+ at step 0 -> [\d.]+ at step 4", out.stdout), out.stdout
+    assert (project / "run" / "metrics.csv").exists()
 
 
 def test_a_model_that_takes_none_of_the_groups_keys_is_one_problem_saying_what_to_do(project, monkeypatch):
