@@ -116,8 +116,9 @@ def problems_of(*overrides) -> list[str]:
 
 def test_values_of_groups_without_a_schema_are_named_by_their_key_path():
     assert problems_of("optimizer.lr=abc", "seed=abc", "model.hidden=abc", "+model.width=3",
-                       "+optimizer.betas=[0.9]", "data.batch_size=1.5") == [
+                       "+optimizer.betas=[0.9]", "data.batch_size=1.5", "threads=0") == [
         "seed='abc' is not an integer: give one (seed=0), or null not to seed",
+        "threads=0 is not a positive integer: give torch's CPU thread count (threads=4), or null for torch's default",
         "data.batch_size=1.5 is a float; give an integer",
         "data.seed='abc' is a str; give an integer",  # data.seed is ${seed}
         "model.width: safeloop.models.MLP takes no argument 'width' (it takes in_dim, hidden, out_dim, depth); fix the "
