@@ -10,13 +10,9 @@ import sys
 
 
 def main(experiment: str) -> None:
-    """Hydra's entry point over ``configs/train.yaml``, with ``experiment=<experiment>`` selected."""
-    import hydra
-
-    from safeloop.config import CONFIG_DIR, register, train
+    """``python -m safeloop experiment=<experiment> [overrides]``: the same checks, messages and exit codes."""
+    from safeloop.__main__ import main as cli
 
     if not any(arg.split("=", 1)[0].lstrip("+~") == "experiment" for arg in sys.argv[1:]):
         sys.argv.insert(1, f"experiment={experiment}")
-    register()
-    # An absolute config path: relative ones resolve against the calling module's package.
-    hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")(train)()
+    cli()

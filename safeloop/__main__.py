@@ -4,19 +4,30 @@ With no arguments it trains the embedded default (an MLP on seeded synthetic dat
 Stopped by SIGTERM or SIGINT, it saves a checkpoint and exits with 128 + the signal
 number (143, 130), so that a job script can tell a preempted run from a finished one.
 A configuration error (a bad override, ``device=cuda`` without CUDA, a bad guard setting)
-is one message and exit code 2.
+is one message and exit code 2, and leaves no output directory. An error at run time (a
+``SafeloopError`` such as ``CarriedGraphError``, or an ``OSError``: a full disk) is its message and
+the frames of the user's own code, and exit code 1.
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
+import sysconfig
+import traceback
+from pathlib import Path
 
 import hydra
+import lightning_utilities
+import omegaconf
+import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import CONFIG_DIR, composition, register, train
-from .errors import ConfigError, Interrupted
+from .config import CONFIG_DIR, compose, register, train
+from .errors import ConfigError, Interrupted, SafeloopError
 
 register()
 
@@ -24,11 +35,13 @@ register()
 def main() -> None:
     """The ``safeloop`` command: ``run``, Hydra's entry point over ``configs/train.yaml`` (its ``--help``
     is ``hydra.help`` there). The overrides of a run or of ``--help`` are checked first, so that a bad one
-    gets safeloop's words and exit code 2 rather than Hydra's report; the values are checked by the run
-    itself (``train``), in the run directory Hydra has made. Sweeps, ``--cfg`` and Hydra's other modes
-    report their own errors.
+    gets safeloop's words and exit code 2 rather than Hydra's report, with the values and the run directory
+    (``check_overrides``), before Hydra makes it. Sweeps, ``--cfg`` and Hydra's other modes report their
+    own errors. The current directory is importable, as under ``python -m``, for ``_target_`` of your own.
     ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
     args = sys.argv[1:]
+    if os.getcwd() not in sys.path:  # the user's modules (model._target_=cnn.Net), as `python -m` has them
+        sys.path.insert(0, os.getcwd())
     if args[:1] == ["watch"]:  # no override is a bare word
         from .watch import main as watch
 
@@ -42,7 +55,8 @@ def main() -> None:
 
 def refusing(func, *args):
     """``func(*args)``, a ``ConfigError`` ending the program with its message and exit code 2, a second
-    SIGTERM/SIGINT (``Interrupted``) with the signal's exit code (143, 130)."""
+    SIGTERM/SIGINT (``Interrupted``) with the signal's exit code (143, 130), any other ``SafeloopError``
+    or an ``OSError`` with its message, the user's own frames (``your_frames``) and exit code 1."""
     try:
         return func(*args)
     except ConfigError as err:
@@ -51,25 +65,60 @@ def refusing(func, *args):
     except Interrupted as err:
         print(f"safeloop: {err}", file=sys.stderr)
         sys.exit(err.code)
+    except (SafeloopError, OSError) as err:
+        hint = (" (free some space, or give the run another directory: hydra.run.dir=PATH, checkpoint.dir=PATH)"
+                if isinstance(err, OSError) and err.errno in DISK_ERRORS else "")
+        print(f"safeloop: {type(err).__name__}: {err}{hint}", file=sys.stderr)
+        frames = your_frames(err)
+        if frames:
+            print("Traceback of your code (safeloop's, Hydra's and torch's frames left out):", *frames, sep="\n",
+                  end="", file=sys.stderr)
+        sys.exit(1)
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+# Frames from these directories are not the user's code (a user's own directory may be named safeloop: a clone).
+_LIBRARIES = tuple(str(path) + os.sep for path in (
+    Path(__file__).parent, *(Path(m.__file__).parent for m in (hydra, omegaconf, torch, lightning_utilities)),
+    sysconfig.get_paths()["stdlib"]))
+
+
+def your_frames(err: BaseException) -> list[str]:
+    """The frames of ``err``'s traceback in the user's own files, formatted as a traceback prints them."""
+    return traceback.format_list([f for f in traceback.extract_tb(err.__traceback__)
+                                  if not f.filename.startswith(_LIBRARIES)])
 
 
 def check_overrides(overrides: list[str]) -> None:
-    problems, _ = composition(overrides)
-    if problems:
-        raise ConfigError(problems)
+    """Everything the command line can get wrong before a run directory is made: the overrides and the
+    values (``compose``), and a run directory that cannot be made (``hydra.run.dir``, or ``outputs/``)."""
+    compose(overrides)
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+    path = Path(given[-1] if given else "outputs").absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        why = "is not a directory" if not there.is_dir() else "is not writable"
+        raise ConfigError(f"the run directory {path} cannot be made: {there} {why}; give a directory you can write "
+                          "to with hydra.run.dir=PATH")
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")
 def run(cfg: DictConfig) -> dict[str, float]:
-    # Under torchrun, record() also puts the error in torchrun's failure summary (through Hydra
-    # alone it would read error_file: <N/A>); elsewhere Hydra's own report is left as it is.
-    return (record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task)(cfg)
+    # Under torchrun, record() also puts the error in torchrun's failure summary (without it the summary
+    # would read error_file: <N/A>), before ``refusing`` reports it.
+    return refusing(record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task, cfg)
 
 
 def task(cfg: DictConfig) -> dict[str, float]:
     """One training run of the composed config; returns its final losses and last validation metrics
     (a sweep's table shows them)."""
-    trainer = refusing(train, cfg)
+    if cfg.get("threads") is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        trainer = train(cfg)
+    except ConfigError:
+        discard_run_dir()
+        raise
     if trainer.stop_signal is not None:
         where = trainer.checkpointer.last if trainer.checkpointer is not None else None
         print(f"stopped by signal {trainer.stop_signal} at step {trainer.state.step}; checkpoint: {where}. "
@@ -78,6 +127,20 @@ def task(cfg: DictConfig) -> dict[str, float]:
         sys.exit(128 + trainer.stop_signal)
     history = trainer.state.val_history
     return {**trainer.state.floats(), **(history[-1][1] if history else {})}
+
+
+def discard_run_dir() -> None:
+    """A run refused at start-up leaves no output directory: the run directory, when it holds only what Hydra
+    wrote for this run (``.hydra/``, the log), is deleted, then its parents up to the current directory
+    while they are empty (``outputs/DATE/``)."""
+    run_dir, cwd = Path(HydraConfig.get().runtime.output_dir), Path.cwd()
+    if run_dir == cwd or {p.name for p in run_dir.iterdir()} - {".hydra", "safeloop.log"}:
+        return  # the user's directory, or a run's: not made for this one alone
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 if __name__ == "__main__":

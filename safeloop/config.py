@@ -12,7 +12,9 @@ import inspect
 import logging
 import pydoc
 import random
+import re
 import sys
+import warnings
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -36,6 +38,7 @@ from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/, shipped in the package
+USER_CONFIG_DIR = "configs"  # the user's own options: configs/ in the current directory (train.yaml's search path)
 _print = rank_zero_only(print)  # one report per job under torchrun
 
 
@@ -46,6 +49,9 @@ def register() -> None:
     for group, schema in (("trainer", TrainerGroup), ("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         cs.store(group=group, name="schema", node=_schema(schema))
     OmegaConf.register_new_resolver("safeloop.groups", _options_text, replace=True)
+    # train.yaml's search path names the current directory's configs/ (the user's own options), there or not
+    warnings.filterwarnings("ignore", message=f"provider=hydra.searchpath in main, path={USER_CONFIG_DIR} is not "
+                            "available", category=UserWarning)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
@@ -61,8 +67,14 @@ def _schema(cls) -> DictConfig:
 
 
 def options(config_dir: str | Path = CONFIG_DIR) -> dict[str, list[str]]:
-    """Each config group and its options: the YAML files under ``config_dir`` (the schemas are no options)."""
-    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(Path(config_dir).iterdir()) if d.is_dir()}
+    """Each config group and its options: the YAML files under ``config_dir`` and under the current directory's
+    ``configs/`` (the user's own; the schemas are no options)."""
+    found: dict[str, set[str]] = {}
+    for root in (Path(config_dir), Path(USER_CONFIG_DIR)):
+        for d in root.iterdir() if root.is_dir() else ():
+            if d.is_dir():
+                found.setdefault(d.name, set()).update(f.stem for f in d.glob("*.yaml"))
+    return {group: sorted(names) for group, names in sorted(found.items())}
 
 
 def _options_text() -> str:
@@ -89,19 +101,22 @@ def build(cfg: DictConfig) -> Trainer:
         torch.manual_seed(seed)
     made = {group: _instantiate(cfg[group], group) if cfg.get(group) is not None else None for group in OBJECTS}
     data = made["data"]
-    return cls(
-        model=made["model"],
-        train_data=getattr(data, "train", data),
-        val_data=getattr(data, "val", None),
-        optimizer=made["optimizer"],
-        scheduler=made["scheduler"],
-        guard=OmegaConf.to_container(cfg.guard, resolve=True) if cfg.get("guard") else None,
-        checkpoint=OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None,
-        config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
-        run_dir=run_dir(cfg),
-        **settings,
-        **recipe,
-    )
+    try:
+        return cls(
+            model=made["model"],
+            train_data=getattr(data, "train", data),
+            val_data=getattr(data, "val", None),
+            optimizer=made["optimizer"],
+            scheduler=made["scheduler"],
+            guard=OmegaConf.to_container(cfg.guard, resolve=True) if cfg.get("guard") else None,
+            checkpoint=OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None,
+            config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
+            run_dir=run_dir(cfg),
+            **settings,
+            **recipe,
+        )
+    except ConfigError as err:  # the Trainer's own checks (device, precision...), named by their key path
+        raise ConfigError([keyed(p) for p in err.problems]) from None
 
 
 def check(cfg: DictConfig) -> list[str]:
@@ -115,6 +130,10 @@ def check(cfg: DictConfig) -> list[str]:
     seed = cfg.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         problems.append(f"seed={seed!r} is not an integer: give one (seed=0), or null not to seed")
+    threads = cfg.get("threads")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        problems.append(f"threads={threads!r} is not a positive integer: give torch's CPU thread count (threads=4), "
+                        "or null for torch's default")
     target = cfg.trainer._target_
     try:
         cls = get_class(target)
@@ -143,11 +162,18 @@ def check(cfg: DictConfig) -> list[str]:
     problems += [f"trainer.{k} is not a setting of {target} (+trainer.{k} added it): drop it, or give the Trainer "
                  f"subclass a keyword argument {k}" for k in settings if k != "_target_" and k not in known
                  and k not in takes]
-    problems += Settings(**{k: v for k, v in settings.items() if k in known}).problems()  # type: ignore[union-attr]
+    problems += [keyed(p) for p in Settings(**{k: v for k, v in settings.items() if k in known}).problems()]
     for group, schema in (("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         if cfg.get(group) is not None:
             problems += read(schema, OmegaConf.to_container(cfg[group], resolve=True), group)[1]
     return problems
+
+
+def keyed(problem: str) -> str:
+    """A Trainer setting's problem as the command line names the setting: ``val_every must be...`` ->
+    ``trainer.val_every must be...`` (``Trainer(...)``'s keyword arguments have no prefix)."""
+    word = re.match(r"\w+", problem)
+    return f"trainer.{problem}" if word and word[0] in names(Settings) else problem
 
 
 OBJECTS = ("data", "model", "optimizer", "scheduler")  # groups without a schema: checked against their _target_
@@ -179,10 +205,18 @@ def call_problems(node: Any, where: str) -> list[str]:
         return []
     args = {k: v for k, v in values.items() if not k.startswith("_")}
     out = []
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        takes = [name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        out += [f"{where}.{key}: {target} takes no argument {key!r} (it takes {', '.join(takes)}); fix the key or "
-                "drop it" for key in args if key not in params]
+    unknown = [key for key in args if key not in params]
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        takes = ", ".join(name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if len(unknown) == 1:
+            out.append(f"{where}.{unknown[0]}: {target} takes no argument {unknown[0]!r} (it takes "
+                       f"{takes or 'none'}); fix the key or drop it")
+        else:  # model._target_=cnn.Net keeps the keys of model=mlp: say once how to leave them behind
+            out.append(f"{where}: {target} takes none of {', '.join(unknown)} (it takes {takes or 'no arguments'}). "
+                       + (f"For your own {where}, write its config, configs/{where}/NAME.yaml in the current "
+                          f"directory (_target_: {target} and its arguments), and run with {where}=NAME (see "
+                          f"docs/own-model.md); or drop each key: '~{where}.{unknown[0]}'..." if "." not in where
+                          else "Fix the keys or drop them"))
     nested = {k for k, v in args.items() if isinstance(v, dict) and "_target_" in v}
     for key in nested:
         out += call_problems(node[key], f"{where}.{key}")

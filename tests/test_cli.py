@@ -1,6 +1,9 @@
 """What ``python -m safeloop`` says at the command line: real subprocesses."""
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,14 +15,16 @@ from .conftest import subprocess_env
 
 
 def cli(*args, cwd, prefix=("-m", "safeloop")) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *prefix, *args], cwd=cwd, env=subprocess_env(), capture_output=True,
+    """``python -m safeloop ARGS``; ``prefix=()``: the ``safeloop`` console script."""
+    command = [sys.executable, *prefix] if prefix else [str(Path(sys.executable).with_name("safeloop"))]
+    return subprocess.run([*command, *args], cwd=cwd, env=subprocess_env(), capture_output=True,
                           text=True, timeout=180)
 
 
 @pytest.mark.parametrize("override, message", [
-    pytest.param("device=cuda", "device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
+    pytest.param("device=cuda", "trainer.device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-    pytest.param("trainer.precision=16", "precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 "
+    pytest.param("trainer.precision=16", "trainer.precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 "
                  "or 32", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
     ("guard.check=sometimes", "guard.check='sometimes' is not one of auto, always, off"),
 ])
@@ -29,6 +34,7 @@ def test_a_trainer_configuration_error_is_one_message_and_exit_code_2(tmp_path, 
     assert out.stderr.startswith(f"safeloop: invalid configuration: {message}"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no traceback, no Hydra report
     assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "outputs").exists()  # refused by the Trainer, in the run directory: removed
 
 
 def test_a_group_option_that_does_not_exist_lists_the_options(tmp_path):
@@ -82,3 +88,107 @@ def test_a_run_composes_its_config_three_times_and_logs_to_safeloop_log(tmp_path
     assert out.returncode == 0, out.stderr
     assert "composed 3" in out.stdout
     assert (tmp_path / "run" / "safeloop.log").exists() and not (tmp_path / "run" / "__main__.log").exists()
+
+
+# -- your own model, data and Trainer from the command line ---------------------------------------
+PROJECT = {  # a user's directory: modules of their own, and configs/ naming them
+    "cnn.py": "import torch\n\n\nclass Net(torch.nn.Module):  # takes none of model=mlp's keys\n"
+              "    def __init__(self):\n        super().__init__()\n        self.layer = torch.nn.Linear(16, 1)\n\n"
+              "    def forward(self, x):\n        return self.layer(x)\n",
+    "mydata.py": "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n\n"
+                 "class Data:\n    def __init__(self):\n        x = torch.randn(256, 16)\n"
+                 "        ds = TensorDataset(x, x.sum(1, keepdim=True))\n"
+                 "        self.train, self.val = DataLoader(ds, batch_size=32, shuffle=True), DataLoader(ds, batch_size=64)\n",
+    "mytrain.py": "import torch.nn.functional as F\n\nimport safeloop\n\n\nclass Twice(safeloop.Trainer):\n"
+                  "    automatic = False\n\n    def training_step(self, batch):\n"
+                  "        loss = super().training_step(batch)\n        self.backward(loss)\n"
+                  "        self.backward(loss)  # the graph is freed\n        self.step()\n        return loss\n\n"
+                  "    def validation_step(self, batch):\n        x, y = batch\n"
+                  "        return F.mse_loss(self.model(x), y)\n",
+    "configs/model/cnn.yaml": "_target_: cnn.Net\n",
+    "configs/data/mine.yaml": "_target_: mydata.Data\n",
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("project")
+    for name, text in PROJECT.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_safeloop_command_trains_your_model_and_data_from_your_configs_dir(project):
+    script = Path(sys.executable).with_name("safeloop")
+    if not script.exists():
+        pytest.skip("the project is not installed in this environment (pip install -e .)")
+    out = cli("model=cnn", "data=mine", "trainer.max_steps=4", "trainer.val_every=2", "trainer.progress=false",
+              f"hydra.run.dir={project}/run", cwd=project, prefix=())  # the current directory is importable
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"val_loss: [\d.]+ at step 0 -> [\d.]+ at step 4", out.stdout), out.stdout
+    assert (project / "run" / "metrics.csv").exists()
+
+
+def test_a_model_that_takes_none_of_the_groups_keys_is_one_problem_saying_what_to_do(project, monkeypatch):
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    with pytest.raises(ConfigError) as info:
+        compose(["model._target_=cnn.Net"])
+    assert info.value.problems == [
+        "model: cnn.Net takes none of in_dim, hidden, out_dim, depth (it takes no arguments). For your own model, "
+        "write its config, configs/model/NAME.yaml in the current directory (_target_: cnn.Net and its arguments), "
+        "and run with model=NAME (see docs/own-model.md); or drop each key: '~model.in_dim'..."]
+    assert compose(["model=cnn"]).model == {"_target_": "cnn.Net"}
+
+
+def test_a_safeloop_error_at_run_time_is_its_message_and_your_frames_only(project):
+    out = cli("model=cnn", "trainer._target_=mytrain.Twice", "trainer.max_steps=3", "trainer.progress=false",
+              f"hydra.run.dir={project}/twice", cwd=project)
+    assert out.returncode == 1
+    assert out.stderr.startswith("safeloop: DoubleBackwardError: backward through a graph that was already consumed "
+                                 "(step 1, loss 'loss')"), out.stderr
+    assert f"Graph picture: {project}/twice/graphs/step1_loss.dot" in out.stderr
+    assert out.stderr.endswith(f'File "{project}/mytrain.py", line 12, in training_step\n'
+                               "    self.backward(loss)  # the graph is freed\n    ^^^^^^^^^^^^^^^^^^^\n")
+    assert "HYDRA_FULL_ERROR" not in out.stderr
+    assert not library_frames(out.stderr)
+
+
+def library_frames(text: str) -> list[str]:
+    """The traceback lines of ``text`` in safeloop's or Hydra's own files."""
+    import hydra
+
+    import safeloop
+    packages = tuple(str(Path(m.__file__).parent) + os.sep for m in (safeloop, hydra))
+    return [line for line in text.splitlines() if line.strip().startswith('File "')
+            and line.split('"')[1].startswith(packages)]
+
+
+# -- configuration errors leave nothing; disks that refuse writes ----------------------------------
+def test_an_invalid_command_line_leaves_no_output_directory_and_names_the_full_key(tmp_path):
+    out = cli("trainer.val_every=0", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == "safeloop: invalid configuration: trainer.val_every must be a positive integer, got 0\n"
+    assert not (tmp_path / "outputs").exists()  # nor does one the Trainer refuses: see the test of trainer.device
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_before_anything_is_written(tmp_path):
+    (tmp_path / "afile").write_text("")  # a directory cannot be made under a file, even by root
+    out = cli(f"hydra.run.dir={tmp_path}/afile/run", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"safeloop: invalid configuration: the run directory {tmp_path}/afile/run cannot be made: "
+                          f"{tmp_path}/afile is not a directory; give a directory you can write to with "
+                          "hydra.run.dir=PATH\n")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device every write to fails on")
+def test_a_full_disk_at_run_time_is_one_line_and_no_checkpoint(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.csv").symlink_to("/dev/full")  # writing metrics fails: no space left on device
+    out = cli("trainer.max_steps=2", "trainer.val_every=null", "trainer.progress=false", f"hydra.run.dir={tmp_path}/run",
+              f"checkpoint.dir={tmp_path}/ckpt", cwd=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr == ("safeloop: OSError: [Errno 28] No space left on device (free some space, or give the run "
+                          "another directory: hydra.run.dir=PATH, checkpoint.dir=PATH)\n")
+    assert not list(tmp_path.glob("ckpt/*.pt"))

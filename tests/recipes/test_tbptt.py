@@ -6,6 +6,7 @@ import torch
 
 from safeloop import CarriedGraphError
 from tests.recipes._run import assert_same, run, straight_and_resumed
+from tests.test_cli import library_frames
 
 
 def test_tbptt_script_trains_with_the_detached_hidden_state(tmp_path):
@@ -18,9 +19,14 @@ def test_tbptt_script_trains_with_the_detached_hidden_state(tmp_path):
 def test_carrying_the_hidden_state_with_its_graph_is_a_carried_graph_error_from_the_cli(tmp_path):
     proc = run(["-m", "safeloop", "experiment=tbptt", "recipe.detach_hidden=false", "trainer.max_steps=5"],
                tmp_path, check=False)
-    assert proc.returncode != 0
-    assert "CarriedGraphError: graph carried over from an earlier step (step 2, loss 'loss')" in proc.stderr
-    assert "held by `self.hidden`" in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("safeloop: CarriedGraphError: graph carried over from an earlier step (step 2, "
+                                  "loss 'loss'): the loss reaches StackBackward0, created during an earlier step and "
+                                  "held by `self.hidden`"), proc.stderr[-3000:]
+    assert f"Graph picture: {tmp_path / 'run' / 'graphs'}" in proc.stderr
+    # its message, not a traceback through safeloop and Hydra: the error is raised outside the user's code
+    assert "HYDRA_FULL_ERROR" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not library_frames(proc.stderr)
 
 
 def test_carried_graph_error_names_the_hidden_state_and_the_fix():
