@@ -339,9 +339,10 @@ class Checkpointer:
     def save(self, step: int, checkpoint: dict) -> Path | None:
         """Write ``checkpoint`` (``Trainer.state_dict()``, made on every rank, so that ``on_save_checkpoint``
         hooks run on every rank) as step ``step``'s, then delete the oldest beyond ``keep``. Rank zero writes."""
-        if not is_rank_zero():  # the one place deciding who writes
-            return None
         path = self.path(step)
+        if not is_rank_zero():  # the one place deciding who writes
+            self.last = path  # on every rank: the end of fit saves again only where this differs, on all alike
+            return None
         atomic_save(checkpoint, path)
         self.last = path
         for old in self.saved()[:-self.keep]:  # only once the new one is complete; the directory is this run's
