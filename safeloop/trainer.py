@@ -220,6 +220,8 @@ class Trainer:
                 self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
             if self.settings.resume is not None:
                 self._resume()
+            if self.checkpointer is not None:
+                self.checkpointer.prune()  # to checkpoint.keep, counting only those not found damaged
             with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
