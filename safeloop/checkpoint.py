@@ -27,7 +27,7 @@ import socket
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any, get_origin, get_type_hints
 
 import torch
 
-from .errors import CheckpointError, Interrupted
+from .errors import CheckpointError, Interrupted, SafeloopError
 from .settings import CheckpointSettings, read
 from .state import TrainState
 
@@ -345,25 +345,13 @@ class Checkpointer:
         if self._lock is not None or not is_rank_zero():
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock = lock(self.dir, lambda holder: CheckpointError(
+                f"checkpoint directory {self.dir} is in use by another run ({holder}): two runs saving there would "
+                "overwrite and delete each other's checkpoints. Give this run its own directory (checkpoint.dir=...), "
+                "or wait until that run ends", self.dir))
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.dir} cannot be used: {_cause(err)}", self.dir) from err
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the system when the process dies
-            except OSError:
-                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process that is just starting"
-                os.close(fd)
-                raise CheckpointError(
-                    f"checkpoint directory {self.dir} is in use by another run ({holder}): two runs saving there "
-                    "would overwrite and delete each other's checkpoints. Give this run its own directory "
-                    "(checkpoint.dir=...), or wait until that run ends", self.dir) from None
-        self._lock = fd
         try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, since "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
             probe = self.dir / f".write-test.{os.getpid()}.tmp"
             with open(probe, "wb") as f:
                 f.write(b"0" * 4096)
@@ -436,6 +424,43 @@ class Checkpointer:
                 log.warning("resume: %s; falling back to the previous checkpoint", err)
         raise CheckpointError(f"none of the {len(candidates)} checkpoints in {self.dir} can be read (see the "
                               "warnings above); move them away to start from scratch", self.dir)
+
+
+def lock(directory: Path, in_use: Callable[[str], Exception]) -> int:
+    """Hold ``directory`` for this run (its checkpoint directory, its run directory): an exclusive ``flock`` on
+    ``<directory>/.lock``, which the system releases when the process dies, even by SIGKILL, the file naming
+    the holder. Returns the open file (closing it lets go). While another run holds it, raises
+    ``in_use(that run, in words)``; an ``OSError`` (the directory cannot be made or written) is the caller's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise in_use(os.read(fd, 200).decode(errors="replace").strip() or "a process that is just starting") \
+                    from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int | None:
+    """``lock`` on the run directory, where metrics.csv and graph pictures go (none when there is no run
+    directory, or it is the checkpoint directory, which the ``Checkpointer`` holds)."""
+    if run_dir is None or (checkpointer is not None and checkpointer.dir.resolve() == run_dir.resolve()):
+        return None
+    try:
+        return lock(run_dir, lambda holder: SafeloopError(
+            f"run directory {run_dir} is in use by another run ({holder}): two runs writing there would interleave "
+            "their metrics.csv. Give this run its own run directory (run_dir=..., or hydra.run.dir=... on the "
+            "command line), or wait until that run ends"))
+    except OSError as err:
+        raise SafeloopError(f"run directory {run_dir} cannot be used: {err.strerror or err} ({err.filename})") from err
 
 
 def _alive(pid: int) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -207,7 +208,7 @@ class Trainer:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, self.settings.progress and zero)
-        failed = False
+        failed, held = False, None
         try:
             self.setup()
             if zero:
@@ -216,8 +217,10 @@ class Trainer:
                 if outputs != self._said:  # once, not at every fit() of a run trained in several calls
                     log.info(outputs)
                     self._said = outputs
+            if zero:  # before anything is trained: the directories are this run's (metrics.csv, checkpoints)
+                held = ckpt.lock_run_dir(self.run_dir, self.checkpointer)
             if self.checkpointer is not None:
-                self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
+                self.checkpointer.open()  # and writable
             if self.settings.resume is not None:
                 self._resume()
             if self.checkpointer is not None:
@@ -238,6 +241,8 @@ class Trainer:
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()
+            if held is not None:
+                os.close(held)  # lets the run directory go
             self.progress.close()
             for logger in self.loggers:
                 logger.close()

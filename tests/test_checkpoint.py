@@ -795,16 +795,30 @@ def job(directory: Path, steps: int, resume: str | None = None, limit: str = "")
                             stderr=subprocess.STDOUT, text=True)
 
 
-def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(tmp_path):
-    other = job(tmp_path, 1_000_000)
+def test_a_second_run_on_the_same_checkpoint_or_run_directory_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    other = subprocess.Popen(  # saves in tmp_path, logs every step to run_dir/metrics.csv
+        [sys.executable, "-c", "import sys, torch; from tests.checkpoint_job import make; torch.set_num_threads(1); "
+         "make(sys.argv[1], 10**6, run_dir=sys.argv[2], loggers=('csv',), log_every=1).fit()", str(tmp_path),
+         str(run_dir)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    holder = rf"\(process {other.pid} on \S+, since [\d-]+ [\d:]+\)"
     try:
         wait_for(lambda: Checkpointer(tmp_path).saved(), other)
         second = make(tmp_path, 100, resume="auto")
         with pytest.raises(CheckpointError, match=rf"checkpoint directory {re.escape(str(tmp_path))} is in use by "
-                                                  rf"another run \(process {other.pid} on \S+, since [\d-]+ [\d:]+\): "
-                                                  "two runs saving there would overwrite"):
+                                                  rf"another run {holder}: two runs saving there would overwrite"):
             second.fit()
         assert second.state.step == 0  # refused before training
+        # its own checkpoint directory, the same run directory: metrics.csv would get both runs' rows
+        third = make(tmp_path / "elsewhere", 100, run_dir=run_dir, loggers=("csv",), log_every=1)
+        with pytest.raises(SafeloopError, match=rf"^run directory {re.escape(str(run_dir))} is in use by another run "
+                                                rf"{holder}: two runs writing there would interleave their "
+                                                r"metrics\.csv\. Give this run its own run directory \(run_dir=\.\.\., "
+                                                r"or hydra\.run\.dir=\.\.\. on the command line\), or wait until "
+                                                r"that run ends"):
+            third.fit()
+        assert third.state.step == 0
         seen = Checkpointer(tmp_path).saved()[-1]
         wait_for(lambda: Checkpointer(tmp_path).saved()[-1] != seen, other)  # the other run goes on saving
     finally:
@@ -813,7 +827,10 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(tmp_pat
     assert other.returncode == 0, output
     for path in Checkpointer(tmp_path).saved():
         load(path)
-    make(tmp_path, 1, resume="auto").fit()  # the directory is free once that run has ended
+    with open(run_dir / "metrics.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["metric"] == "loss"]
+    assert steps == list(range(1, len(steps) + 1))  # one run's rows
+    make(tmp_path, 1, resume="auto", run_dir=run_dir).fit()  # both are free once that run has ended
 
 
 def test_temporary_files_of_dead_writers_are_removed_at_start_up_and_live_ones_kept(tmp_path):
