@@ -387,10 +387,16 @@ class Checkpointer:
         log.info("step %d: checkpoint saved to %s", step, path)
         return path
 
+    def resumed(self, path: Path) -> None:
+        """The run resumed from ``path``: the newest checkpoint it has; and the directory is pruned to ``keep``
+        (a run killed between a save and its pruning left more)."""
+        self.last = path
+        self.prune()
+
     def prune(self) -> None:
-        """Delete the checkpoints older than the newest ``keep`` that are not known to be damaged (after each
-        save, and at start-up once resumed: a run killed between a save and its pruning left more). A damaged
-        one newer than those stays: it does not count, and is not deleted. Rank zero; the directory is this run's."""
+        """Delete the checkpoints older than the newest ``keep`` that are not known to be damaged (after each save,
+        and on resuming). A damaged one newer than those stays: it does not count, and is not deleted. Rank zero;
+        the directory is this run's."""
         if not is_rank_zero():
             return
         saved = self.saved()
@@ -450,9 +456,10 @@ def lock(directory: Path, in_use: Callable[[str], Exception]) -> int:
 
 
 def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int | None:
-    """``lock`` on the run directory, where metrics.csv and graph pictures go (none when there is no run
-    directory, or it is the checkpoint directory, which the ``Checkpointer`` holds)."""
-    if run_dir is None or (checkpointer is not None and checkpointer.dir.resolve() == run_dir.resolve()):
+    """``lock`` on the run directory, where metrics.csv and graph pictures go; rank zero, which writes them
+    (none when there is no run directory, or it is the checkpoint directory, which the ``Checkpointer`` holds)."""
+    if run_dir is None or not is_rank_zero() or (checkpointer is not None and
+                                                 checkpointer.dir.resolve() == run_dir.resolve()):
         return None
     try:
         return lock(run_dir, lambda holder: SafeloopError(
@@ -461,6 +468,12 @@ def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int
             "command line), or wait until that run ends"))
     except OSError as err:
         raise SafeloopError(f"run directory {run_dir} cannot be used: {err.strerror or err} ({err.filename})") from err
+
+
+def release(held: int | None) -> None:
+    """Let go of what ``lock_run_dir`` returned (the end of ``fit``)."""
+    if held is not None:
+        os.close(held)
 
 
 def _alive(pid: int) -> bool:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -217,14 +216,11 @@ class Trainer:
                 if outputs != self._said:  # once, not at every fit() of a run trained in several calls
                     log.info(outputs)
                     self._said = outputs
-            if zero:  # before anything is trained: the directories are this run's (metrics.csv, checkpoints)
-                held = ckpt.lock_run_dir(self.run_dir, self.checkpointer)
+            held = ckpt.lock_run_dir(self.run_dir, self.checkpointer)  # metrics.csv: a second run there is refused
             if self.checkpointer is not None:
-                self.checkpointer.open()  # and writable
+                self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
             if self.settings.resume is not None:
                 self._resume()
-            if self.checkpointer is not None:
-                self.checkpointer.prune()  # to checkpoint.keep, counting only those not found damaged
             with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
@@ -241,8 +237,7 @@ class Trainer:
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()
-            if held is not None:
-                os.close(held)  # lets the run directory go
+            ckpt.release(held)
             self.progress.close()
             for logger in self.loggers:
                 logger.close()
@@ -358,7 +353,7 @@ class Trainer:
         path, data = found
         self.load_state_dict(data, path)
         if self.checkpointer is not None:
-            self.checkpointer.last = path
+            self.checkpointer.resumed(path)
         state = self.state
         log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, state.step, state.epoch,
                  state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
