@@ -444,8 +444,8 @@ def lock(directory: Path, in_use: Callable[[str], Exception]) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                raise in_use(os.read(fd, 200).decode(errors="replace").strip() or "a process that is just starting") \
-                    from None
+                holder = os.read(fd, 200).decode(errors="replace").strip()
+                raise in_use(holder or "a process that is just starting") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
