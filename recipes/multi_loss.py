@@ -30,10 +30,16 @@ from safeloop.data import Data, positive
 
 
 class Batches:
-    """Batches of fixed tensors, reshuffled every epoch."""
+    """Batches of fixed tensors, reshuffled every epoch.
+
+    The order depends on the epoch, so it knows where it stands (``epoch``, and ``batch``: batches
+    taken in it), and checkpoints save that (``state_dict``): a resumed run goes on with the same
+    batches in the same order.
+    """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int, seed: int, shuffle: bool = True):
-        self.tensors, self.batch_size, self.seed, self.shuffle, self.epoch = tensors, batch_size, seed, shuffle, 0
+        self.tensors, self.batch_size, self.seed, self.shuffle = tensors, batch_size, seed, shuffle
+        self.epoch = self.batch = 0
 
     def __len__(self) -> int:
         return len(self.tensors[0]) // self.batch_size
@@ -42,10 +48,17 @@ class Batches:
         n = len(self.tensors[0])
         gen = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
-        self.epoch += 1
-        for i in range(len(self)):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+        while self.batch < len(self):
+            idx = order[self.batch * self.batch_size:(self.batch + 1) * self.batch_size]
+            self.batch += 1
             yield tuple(t[idx] for t in self.tensors)
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = state["epoch"], state["batch"]
 
 
 def tasks(n_train: int = 8192, n_val: int = 1024, in_dim: int = 16, classes: int = 4, batch_size: int = 128,

@@ -3,7 +3,7 @@
 What a checkpoint holds is listed by ``Trainer.state_dict()`` / ``Trainer.load_state_dict()``;
 this module writes and reads it. A checkpoint is one ``torch.save`` file,
 ``<dir>/step-000001000.pt``, holding only tensors and plain containers, so that it loads with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``, and sealed with the SHA-256 of its bytes in the zip's comment.
 
 Exact resume rests on two things: everything that decides the next step is in the file, and
 the interrupted epoch goes on where it stopped. A data iterable with ``state_dict()`` /
@@ -15,6 +15,7 @@ already consumed (``fast_forward``), so a shuffled epoch continues in the same o
 from __future__ import annotations
 
 import errno
+import hashlib
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ import socket
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any, get_origin, get_type_hints
 
 import torch
 
-from .errors import CheckpointError, Interrupted
+from .errors import CheckpointError, Interrupted, SafeloopError
 from .settings import CheckpointSettings, read
 from .state import TrainState
 
@@ -67,19 +68,19 @@ def atomic_save(obj: Any, path: Path) -> None:
     The temporary file is in the same directory because ``os.replace`` is atomic only
     within one file system. The data is fsynced before the rename, so the name never points
     at blocks not yet on disk, and the directory after it, so the rename survives a power cut.
+    The file is ``torch.save``'s zip, sealed: its comment holds the SHA-256 of every byte before it
+    (``load`` verifies it), so the checksum is written, and renamed, with the file it covers.
     A write the system refuses (no space, a file-size limit, read-only) is a ``CheckpointError``
     naming the file and the cause; the temporary file is removed and nothing else is touched.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
     writer = None
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "w+b") as f:
             writer = _Recording(f)
-            if not crc:  # the zip's checksums are what load() verifies
-                torch.serialization.set_crc32_options(True)
             torch.save(obj, writer)
+            _seal(f, writer.digest)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,9 +92,6 @@ def atomic_save(obj: Any, path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} could not be saved: {_cause(refused)}. The checkpoints "
                                   f"saved before it are intact", path) from refused
         raise
-    finally:
-        if not crc:
-            torch.serialization.set_crc32_options(False)
     if os.name == "posix":  # a directory cannot be opened for fsync on Windows
         fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -103,20 +101,40 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 
 class _Recording:
-    """A file's ``write`` that keeps the ``OSError`` it raised: torch replaces it with its own message."""
+    """A file's ``write`` that hashes what it writes, and keeps the ``OSError`` it raised: torch replaces it
+    with its own message."""
 
     def __init__(self, file):
-        self.file, self.error = file, None
+        self.file, self.error, self.digest = file, None, hashlib.sha256()
 
     def write(self, data) -> int:
         try:
-            return self.file.write(data)
+            written = self.file.write(data)
         except OSError as err:
             self.error = err
             raise
+        self.digest.update(data)
+        return written
 
     def flush(self) -> None:
         self.file.flush()
+
+
+# The seal: the zip comment, which torch.load and zipfile read past. Its length (the last field of the zip's
+# end record, 0 as torch.save writes it), then _SEAL and the SHA-256, in hex, of the file as torch.save wrote it.
+_SEAL = b"safeloop sha256 "
+_SEALED = 2 + len(_SEAL) + 64  # the bytes the seal takes at the end of the file
+_ZIP_END = b"PK\x05\x06"  # the zip's end record (22 bytes with no comment): the last thing torch.save writes
+
+
+def _seal(f, digest) -> None:
+    f.seek(-22, os.SEEK_END)
+    end = f.read(22)
+    if end[:4] != _ZIP_END or end[-2:] != b"\0\0":  # torch.save's zip always ends so; a change must not go unseen
+        raise RuntimeError(f"torch.save ended its zip with {end!r}, not an end record without comment: safeloop "
+                           "cannot seal this file")
+    f.seek(-2, os.SEEK_END)
+    f.write((_SEALED - 2).to_bytes(2, "little") + _SEAL + digest.hexdigest().encode())
 
 
 _FIXES = {
@@ -139,8 +157,8 @@ def _cause(err: OSError) -> str:
 
 
 def load(path: str | Path) -> dict:
-    """Read a checkpoint with ``weights_only=True`` after verifying the zip's checksums, and check what it
-    holds; a ``CheckpointError`` naming the file otherwise (a damaged file never loads)."""
+    """Read a checkpoint with ``weights_only=True`` after verifying its checksum (``_verify``), and check what
+    it holds; a ``CheckpointError`` naming the file otherwise (a damaged file never loads)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist (resume=PATH takes a checkpoint file or "
@@ -168,12 +186,42 @@ def load(path: str | Path) -> dict:
 
 
 def _verify(path: Path) -> None:
-    """Every entry of the file against the CRC-32 ``torch.save`` wrote with it: one flipped bit in a
-    tensor would otherwise load as a wrong number. Reads the file once more (CRC-32 runs at GB/s)."""
+    """Every byte of the file against the checksum ``atomic_save`` sealed it with: one flipped bit anywhere
+    (a tensor, the pickle, the zip's headers or directory) would otherwise load as a wrong number, or fail
+    in the zip reader. A file without the seal, as ``torch.save`` writes it (``torch.save(trainer.state_dict(),
+    path)``), has each entry checked against its CRC-32 instead, which leaves the zip's directory unchecked."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - _SEALED))
+            tail = f.read()
+            if tail[2:2 + len(_SEAL)] != _SEAL:
+                _verify_entries(path)
+                if tail[-22:-18] != _ZIP_END or tail[-2:] != b"\0\0":
+                    raise _corrupt(path, "its end, where safeloop seals the file with a checksum, is damaged")
+                return
+            f.seek(0)
+            digest, left = hashlib.sha256(), size - _SEALED
+            while left > 0:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                left -= len(chunk)
+    except OSError as err:
+        raise _corrupt(path, f"{type(err).__name__}: {err}") from None
+    digest.update(b"\0\0")  # the comment length as torch.save wrote it
+    if tail != (_SEALED - 2).to_bytes(2, "little") + _SEAL + digest.hexdigest().encode():
+        raise CheckpointError(f"checkpoint {path} is corrupt: it does not match the checksum saved with it (a bit "
+                              "changed on disk or in a copy), so its values cannot be trusted", path)
+
+
+def _verify_entries(path: Path) -> None:
+    """Every entry of an unsealed file against the CRC-32 ``torch.save`` wrote with it."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as err:  # cut short, not a zip, ...
+    except Exception as err:  # cut short, not a zip, a damaged directory (zlib.error, NotImplementedError...)
         raise _corrupt(path, f"not a complete zip archive, as torch.save writes: {err}" if str(err)
                        else "empty file") from None
     if bad is not None:
@@ -276,6 +324,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, every: int | None = None, keep: int = 3):
         self.dir, self.every, self.keep = Path(directory), every, keep
         self.last: Path | None = None  # the newest checkpoint this run wrote or resumed from
+        self.damaged: set[Path] = set()  # checkpoints that failed to load here: not counted toward keep
         self._lock: int | None = None  # the open lock file while this run holds the directory
 
     def path(self, step: int) -> Path:
@@ -296,25 +345,13 @@ class Checkpointer:
         if self._lock is not None or not is_rank_zero():
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock = lock(self.dir, lambda holder: CheckpointError(
+                f"checkpoint directory {self.dir} is in use by another run ({holder}): two runs saving there would "
+                "overwrite and delete each other's checkpoints. Give this run its own directory (checkpoint.dir=...), "
+                "or wait until that run ends", self.dir))
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.dir} cannot be used: {_cause(err)}", self.dir) from err
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the system when the process dies
-            except OSError:
-                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process that is just starting"
-                os.close(fd)
-                raise CheckpointError(
-                    f"checkpoint directory {self.dir} is in use by another run ({holder}): two runs saving there "
-                    "would overwrite and delete each other's checkpoints. Give this run its own directory "
-                    "(checkpoint.dir=...), or wait until that run ends", self.dir) from None
-        self._lock = fd
         try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, since "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
             probe = self.dir / f".write-test.{os.getpid()}.tmp"
             with open(probe, "wb") as f:
                 f.write(b"0" * 4096)
@@ -339,15 +376,34 @@ class Checkpointer:
     def save(self, step: int, checkpoint: dict) -> Path | None:
         """Write ``checkpoint`` (``Trainer.state_dict()``, made on every rank, so that ``on_save_checkpoint``
         hooks run on every rank) as step ``step``'s, then delete the oldest beyond ``keep``. Rank zero writes."""
-        if not is_rank_zero():  # the one place deciding who writes
-            return None
         path = self.path(step)
+        if not is_rank_zero():  # the one place deciding who writes
+            self.last = path  # on every rank: the end of fit saves again only where this differs, on all alike
+            return None
         atomic_save(checkpoint, path)
         self.last = path
-        for old in self.saved()[:-self.keep]:  # only once the new one is complete; the directory is this run's
-            old.unlink(missing_ok=True)
+        self.damaged.discard(path)
+        self.prune()  # only once the new one is complete
         log.info("step %d: checkpoint saved to %s", step, path)
         return path
+
+    def resumed(self, path: Path) -> None:
+        """The run resumed from ``path``: the newest checkpoint it has; and the directory is pruned to ``keep``
+        (a run killed between a save and its pruning left more)."""
+        self.last = path
+        self.prune()
+
+    def prune(self) -> None:
+        """Delete the checkpoints older than the newest ``keep`` that are not known to be damaged (after each save,
+        and on resuming). A damaged one newer than those stays: it does not count, and is not deleted. Rank zero;
+        the directory is this run's."""
+        if not is_rank_zero():
+            return
+        saved = self.saved()
+        good = [p for p in saved if p not in self.damaged]
+        if len(good) > self.keep:
+            for old in saved[:saved.index(good[-self.keep])]:
+                old.unlink(missing_ok=True)
 
     def find(self, resume: str | Path) -> tuple[Path, dict] | None:
         """The checkpoint ``resume`` names, loaded: ``auto`` (the newest readable one in this
@@ -370,9 +426,72 @@ class Checkpointer:
             try:
                 return path, load(path)
             except CheckpointError as err:
+                self.damaged.add(path)
                 log.warning("resume: %s; falling back to the previous checkpoint", err)
         raise CheckpointError(f"none of the {len(candidates)} checkpoints in {self.dir} can be read (see the "
                               "warnings above); move them away to start from scratch", self.dir)
+
+
+def lock(directory: Path, in_use: Callable[[str], Exception]) -> int:
+    """Hold ``directory`` for this run (its checkpoint directory, its run directory): an exclusive ``flock`` on
+    ``<directory>/.lock``, which the system releases when the process dies, even by SIGKILL, the file naming
+    the holder. Returns the open file (closing it lets go). While another run holds it, raises
+    ``in_use(that run, in words)``; an ``OSError`` (the directory cannot be made or written) is the caller's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 200).decode(errors="replace").strip()
+                raise in_use(holder or "a process that is just starting") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int | None:
+    """``lock`` on the run directory, where metrics.csv and graph pictures go; rank zero, which writes them
+    (none when there is no run directory, or it is the checkpoint directory, which the ``Checkpointer`` holds)."""
+    if run_dir is None or not is_rank_zero() or (checkpointer is not None and
+                                                 checkpointer.dir.resolve() == run_dir.resolve()):
+        return None
+    try:
+        return lock(run_dir, lambda holder: SafeloopError(
+            f"run directory {run_dir} is in use by another run ({holder}): two runs writing there would interleave "
+            "their metrics.csv. Give this run its own run directory (run_dir=..., or hydra.run.dir=... on the "
+            "command line), or wait until that run ends"))
+    except OSError as err:
+        raise SafeloopError(f"run directory {run_dir} cannot be used: {err.strerror or err} ({err.filename})") from err
+
+
+def release(held: int | None) -> None:
+    """Let go of what ``lock_run_dir`` returned (the end of ``fit``)."""
+    if held is not None:
+        os.close(held)
+
+
+def take(run_dir: Path | None, checkpointer: Checkpointer | None) -> Callable[[], None]:
+    """Before anything is trained: take the run directory and the checkpoint directory for this run (a second
+    run writing there is refused); returns what lets them go at the end of ``fit``."""
+    held = lock_run_dir(run_dir, checkpointer)
+    try:
+        if checkpointer is not None:
+            checkpointer.open()
+    except BaseException:
+        release(held)
+        raise
+
+    def let_go() -> None:
+        if checkpointer is not None:
+            checkpointer.close()
+        release(held)
+    return let_go
 
 
 def _alive(pid: int) -> bool:

@@ -170,7 +170,7 @@ class Distributed:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         except RuntimeError as err:
-            raise self._lost(err) from err
+            raise self._lost(err, "agree with the other ranks on a stop signal or the guard's next check") from err
         return int(flag.item())
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ class Distributed:
         try:
             dist.all_reduce(value)
         except RuntimeError as err:
-            raise self._lost(err) from err
+            raise self._lost(err, "average a closure's loss over the ranks") from err
         return value.div_(self.world)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -188,7 +188,7 @@ class Distributed:
         try:
             dist.all_reduce(values)
         except RuntimeError as err:
-            raise self._lost(err, "validation metrics") from err
+            raise self._lost(err, "add up the ranks' validation metrics") from err
         return values.cpu()
 
     def gather(self, value: Any) -> list:
@@ -197,7 +197,8 @@ class Distributed:
         try:
             dist.all_gather_object(every, value)
         except RuntimeError as err:
-            raise self._lost(err) from err
+            raise self._lost(err, "gather every rank's gradients for a checkpoint (in manual mode, every rank calls "
+                             "Trainer.state_dict() together, as the Trainer's saves do: not under `if rank == 0`)") from err
         return every
 
     # -- start of fit --------------------------------------------------------------------
@@ -377,11 +378,14 @@ class Distributed:
             for bucket in group.buckets:
                 bucket.ready, bucket.flat, bucket.work = 0, None, None
 
-    def _lost(self, err: Exception, what: str = "gradients") -> DistributedError:
+    def _lost(self, err: Exception, what: str = "all-reduce gradients") -> DistributedError:
+        """``what``: the collective, in words. Every rank must make it at the same point; this one waited in
+        vain, because another rank failed or went on without making it."""
         return DistributedError(
-            f"step {self.step}: rank {self.rank} of {self.world} could not all-reduce {what} ({err}). Another "
-            "rank most likely failed: its error is printed in its own output (torchrun prints the first "
-            "failure's rank and traceback at the end)")
+            f"step {self.step}: rank {self.rank} of {self.world} could not {what} ({err}). Every rank makes this "
+            "call at the same point, and another did not: it most likely failed, and its error is printed in its "
+            "own output (torchrun prints the first failure's rank and traceback at the end); or it went on "
+            "without making the call")
 
     # -- end of fit -------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:

@@ -204,7 +204,7 @@ class Trainer:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
-        failed = False
+        failed, let_go = False, None
         try:
             if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
                 seed_everything(self.settings.seed)
@@ -212,8 +212,7 @@ class Trainer:
             if zero:
                 show_logs()
                 self._said = say_once(outputs_line(self.run_dir, self.checkpointer, bool(self.loggers)), self._said)
-            if self.checkpointer is not None:
-                self.checkpointer.open()  # before anything is trained: the directory is this run's and writable
+            let_go = ckpt.take(self.run_dir, self.checkpointer)  # this run's: a second run writing there is refused
             if self.settings.resume is not None:
                 self._resume()
             with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
@@ -230,8 +229,8 @@ class Trainer:
             failed = True
             raise
         finally:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
+            if let_go is not None:
+                let_go()
             self.progress.close()
             for logger in self.loggers:
                 logger.close()
@@ -347,7 +346,7 @@ class Trainer:
         path, data = found
         self.load_state_dict(data, path)
         if self.checkpointer is not None:
-            self.checkpointer.last = path
+            self.checkpointer.resumed(path)
         state = self.state
         for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
             logger.resume(state.step)

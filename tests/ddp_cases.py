@@ -5,7 +5,8 @@ shard and saves every rank's parameters and first-step gradients to ``OUT_DIR/CA
 ``result(case, world=1)`` runs the same case in one process over the same global batches.
 ``resume-CASE`` stops halfway (a checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new
 Trainer; ``from-one-process-CASE`` resumes from ``OUT_DIR/one-process-CASE``, written by
-``halfway(CASE, 1, ...)`` before the launch.
+``halfway(CASE, 1, ...)`` before the launch. ``lone_save`` (the last case) has rank 1 alone call
+``state_dict()`` in manual mode, which gathers every rank's gradients, and keeps the error it gets.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from safeloop import Trainer
+from safeloop.distributed import DistributedError
 from safeloop.models import MLP
 
 GLOBAL_BATCH = 16
@@ -295,6 +297,15 @@ if __name__ == "__main__":
         elif case.startswith("from-one-process-"):
             name = case.removeprefix("from-one-process-")
             done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "lone_save":  # last: rank 1 alone saves, in manual mode, and rank 0 ends
+            trainer = build("manual_gan", world)
+            trainer.fit()
+            done = None
+            if rank == 1:
+                try:
+                    trainer.state_dict()
+                except DistributedError as err:
+                    done = str(err)
         else:
             done = result(case, world)
         torch.save(done, out / f"{case}_rank{rank}.pt")

@@ -571,32 +571,54 @@ def first_tensor_at(path: Path) -> int:
     return entry.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
 
 
-def test_a_flipped_byte_anywhere_is_an_error_or_changes_nothing(tmp_path):
-    """One byte flipped at any of 200 places across the file (tensor data, the pickle, the zip's
-    headers): either the load fails naming the file, or every value loads as it was saved."""
-    make(tmp_path, 7).fit()
-    path = tmp_path / "step-000000007.pt"
-    good, original, start = path.read_bytes(), load(path), first_tensor_at(path)
-    places = [start + 3] + random.Random(0).sample(range(len(good)), 199)
-    refused = 0
-    for place in places:
-        damaged = bytearray(good)
-        damaged[place] ^= 0x55
-        path.write_bytes(damaged)
-        try:
-            loaded = load(path)
-        except CheckpointError as err:
-            assert str(path) in str(err) and ("corrupt" in str(err) or "refused" in str(err)), err
-            refused += 1
-            continue
-        assert all(torch.equal(a, b) for a, b in zip(params(loaded), params(original))), f"byte {place} loaded changed"
-    assert refused >= 150  # nearly every byte is data or checksummed; the rest are padding and zip fields not read
-    damaged = bytearray(good)
-    damaged[start + 3] ^= 0x55
-    path.write_bytes(damaged)
-    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))} is corrupt: its entry \S+/data/\d+ does not "
-                                              r"match the checksum saved with it"):
+def tiny_checkpoint(directory: Path) -> Path:
+    """A checkpoint of a 1x1 linear model (20 KB, most of it the RNG states)."""
+    torch.manual_seed(0)
+    Trainer(torch.nn.Linear(1, 1), [(torch.ones(2, 1), torch.zeros(2, 1))], torch.optim.SGD, max_steps=1,
+            checkpoint={"dir": str(directory)}, progress=False, loggers=(), device="cpu").fit()
+    return directory / "step-000000001.pt"
+
+
+def zip_structure(path: Path) -> set[int]:
+    """The offsets of the bytes that are no entry's data: headers, the zip's directory and end record, the seal."""
+    data = set()
+    for entry in zipfile.ZipFile(path).infolist():
+        header = path.read_bytes()[entry.header_offset:entry.header_offset + 30]
+        start = entry.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
+            int.from_bytes(header[28:30], "little")
+        data.update(range(start, start + entry.compress_size))
+    return set(range(path.stat().st_size)) - data
+
+
+def test_a_flipped_bit_anywhere_is_refused_naming_the_file(tmp_path):
+    """The file carries the SHA-256 of all its bytes: every bit of the zip's headers, directory, end record
+    and seal flipped one at a time (where a flip used to load other values, or fail in zlib), and one bit of
+    every other byte, is a CheckpointError naming the file. Nothing loads."""
+    path = tiny_checkpoint(tmp_path)
+    good = path.read_bytes()
+    structure = zip_structure(path)
+    assert torch.load(path, weights_only=True)["step"] == 1  # still opens as torch.save wrote it
+    flips = [(i, bit) for i in range(len(good)) for bit in (range(8) if i in structure else [i % 8])]
+    with open(path, "r+b") as f:
+        for i, bit in flips:
+            f.seek(i)
+            f.write(bytes([good[i] ^ 1 << bit]))
+            f.flush()
+            with pytest.raises(CheckpointError, match=rf"^checkpoint {re.escape(str(path))} is (truncated or )?corrupt"):
+                load(path)
+            f.seek(i)
+            f.write(good[i:i + 1])
+    assert len(flips) > len(good) + 7 * 1000  # (about 21 KB, 1.9 KB of it structure: about 34,000 flips)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))} is corrupt: it does not match the checksum "
+                                              r"saved with it \(a bit changed on disk or in a copy\)"):
+        path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
         load(path)
+
+
+def directory_record(path: Path, name: str) -> int:
+    """Where the zip's central directory describes entry ``name`` (46 bytes of fields, then the name)."""
+    data = path.read_bytes()
+    return data.index(name.encode(), data.index(b"PK\x01\x02")) - 46
 
 
 def test_a_damaged_checkpoint_is_passed_over_by_resume_auto(tmp_path, caplog):
@@ -612,6 +634,35 @@ def test_a_damaged_checkpoint_is_passed_over_by_resume_auto(tmp_path, caplog):
         trainer.fit()
     assert "step-000000021.pt is corrupt" in caplog.text and "falling back to the previous checkpoint" in caplog.text
     assert "step-000000014.pt: step 14" in caplog.text and trainer.state.step == 22
+
+
+def test_resume_auto_falls_back_past_a_newest_file_whose_zip_directory_is_damaged(tmp_path, caplog):
+    make(tmp_path, 21).fit()  # saves at 7, 14, 21
+    newest = tmp_path / "step-000000021.pt"
+    damaged = bytearray(newest.read_bytes())
+    damaged[directory_record(newest, "archive/data/0") + 10] ^= 8  # its compression: stored -> deflated
+    newest.write_bytes(damaged)
+    trainer = make(tmp_path, 22, resume="auto")
+    with caplog.at_level(logging.INFO, logger="safeloop"):
+        trainer.fit()  # not zlib's "Error -3 while decompressing data"
+    assert "step-000000021.pt is corrupt: it does not match the checksum saved with it" in caplog.text
+    assert "step-000000014.pt: step 14" in caplog.text and trainer.state.step == 22
+
+
+def test_a_damaged_checkpoint_does_not_count_toward_keep(tmp_path):
+    make(tmp_path, 14, checkpoint={"dir": str(tmp_path), "every": 7, "keep": 2}).fit()  # saves at 7, 14
+    newest = tmp_path / "step-000000014.pt"
+    newest.write_bytes(newest.read_bytes()[:-1])
+    make(tmp_path, 10, resume="auto", checkpoint={"dir": str(tmp_path), "every": 7, "keep": 2}).fit()  # from 7
+    good = [p.name for p in Checkpointer(tmp_path).saved() if p != newest and load(p)]
+    assert good == ["step-000000007.pt", "step-000000010.pt"]  # two, as keep=2 says; the damaged one is left
+
+
+def test_a_restart_prunes_the_checkpoints_a_kill_between_save_and_pruning_left(tmp_path):
+    make(tmp_path, 8, checkpoint={"dir": str(tmp_path), "every": 2, "keep": 4}).fit()  # as kills would leave them
+    trainer = make(tmp_path, 8, resume="auto", checkpoint={"dir": str(tmp_path), "every": 2, "keep": 2})
+    trainer.fit()  # resumed at max_steps: nothing to train or save
+    assert [p.name for p in Checkpointer(tmp_path).saved()] == ["step-000000006.pt", "step-000000008.pt"]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -744,16 +795,30 @@ def job(directory: Path, steps: int, resume: str | None = None, limit: str = "")
                             stderr=subprocess.STDOUT, text=True)
 
 
-def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(tmp_path):
-    other = job(tmp_path, 1_000_000)
+def test_a_second_run_on_the_same_checkpoint_or_run_directory_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    other = subprocess.Popen(  # saves in tmp_path, logs every step to run_dir/metrics.csv
+        [sys.executable, "-c", "import sys, torch; from tests.checkpoint_job import make; torch.set_num_threads(1); "
+         "make(sys.argv[1], 10**6, run_dir=sys.argv[2], loggers=('csv',), log_every=1).fit()", str(tmp_path),
+         str(run_dir)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    holder = rf"\(process {other.pid} on \S+, since [\d-]+ [\d:]+\)"
     try:
         wait_for(lambda: Checkpointer(tmp_path).saved(), other)
         second = make(tmp_path, 100, resume="auto")
         with pytest.raises(CheckpointError, match=rf"checkpoint directory {re.escape(str(tmp_path))} is in use by "
-                                                  rf"another run \(process {other.pid} on \S+, since [\d-]+ [\d:]+\): "
-                                                  "two runs saving there would overwrite"):
+                                                  rf"another run {holder}: two runs saving there would overwrite"):
             second.fit()
         assert second.state.step == 0  # refused before training
+        # its own checkpoint directory, the same run directory: metrics.csv would get both runs' rows
+        third = make(tmp_path / "elsewhere", 100, run_dir=run_dir, loggers=("csv",), log_every=1)
+        with pytest.raises(SafeloopError, match=rf"^run directory {re.escape(str(run_dir))} is in use by another run "
+                                                rf"{holder}: two runs writing there would interleave their "
+                                                r"metrics\.csv\. Give this run its own run directory \(run_dir=\.\.\., "
+                                                r"or hydra\.run\.dir=\.\.\. on the command line\), or wait until "
+                                                r"that run ends"):
+            third.fit()
+        assert third.state.step == 0
         seen = Checkpointer(tmp_path).saved()[-1]
         wait_for(lambda: Checkpointer(tmp_path).saved()[-1] != seen, other)  # the other run goes on saving
     finally:
@@ -762,7 +827,10 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(tmp_pat
     assert other.returncode == 0, output
     for path in Checkpointer(tmp_path).saved():
         load(path)
-    make(tmp_path, 1, resume="auto").fit()  # the directory is free once that run has ended
+    with open(run_dir / "metrics.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["metric"] == "loss"]
+    assert steps == list(range(1, len(steps) + 1))  # one run's rows
+    make(tmp_path, 1, resume="auto", run_dir=run_dir).fit()  # both are free once that run has ended
 
 
 def test_temporary_files_of_dead_writers_are_removed_at_start_up_and_live_ones_kept(tmp_path):

@@ -50,7 +50,7 @@ def ranks(tmp_path_factory) -> Path:
         ddp_cases.halfway(case, 1, out / f"one-process-{case}")
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
     proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", *resumed,
-                    cwd=out)
+                    "lone_save", cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -72,6 +72,15 @@ def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
         torch.testing.assert_close(rank1["grads"][name], grad, rtol=1e-5, atol=1e-7)
     # a NaN on one rank reaches every rank through the all-reduce: all skip the same step
     assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
+
+
+@pytest.mark.distributed
+def test_a_rank_left_alone_in_a_collective_says_which_and_why(ranks):
+    # rank 1 alone saves (manual mode: state_dict() gathers every rank's gradients); rank 0 has ended
+    error = torch.load(ranks / "lone_save_rank1.pt")
+    assert re.match(r"step 4: rank 1 of 2 could not gather every rank's gradients for a checkpoint \(in manual mode, "
+                    r"every rank calls Trainer\.state_dict\(\) together, as the Trainer's saves do: not under `if "
+                    r"rank == 0`\) \(.*\)\. Every rank makes this call at the same point, and another did not", error), error
 
 
 @pytest.mark.distributed
@@ -383,10 +392,14 @@ def test_resume_under_torchrun_rank_zero_writes_every_rank_loads(tmp_path):
 
 
 @pytest.mark.distributed
-def test_gan_recipe_runs_under_torchrun(tmp_path):
-    proc = torchrun(str(ROOT / "recipes" / "gan.py"), "trainer.max_steps=5", "trainer.log_every=5", cwd=tmp_path)
+def test_gan_recipe_runs_under_torchrun_with_max_steps_a_multiple_of_checkpoint_every(tmp_path):
+    # as the README's command (2000 steps, a save every 1000): the last step's save is the final one on
+    # every rank, so no rank starts another alone (in manual mode a save gathers every rank's gradients)
+    proc = torchrun(str(ROOT / "recipes" / "gan.py"), "trainer.max_steps=4", "checkpoint.every=2",
+                    "trainer.log_every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("outputs: ") == 1, proc.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt")) == ["step-000000002.pt", "step-000000004.pt"]
 
 
 @pytest.mark.distributed

@@ -1,5 +1,5 @@
 """recipes/multi_loss.py: three losses on a shared trunk, sequential with auto retain, and sum."""
-from tests.recipes._run import run
+from tests.recipes._run import assert_same, run, straight_and_resumed
 
 
 def test_sequential_retains_only_for_the_loss_that_shares_the_trunk(tmp_path):
@@ -22,3 +22,15 @@ def test_multi_loss_trains_under_bf16(tmp_path):
     proc = run(["recipes/multi_loss.py", "trainer.max_steps=15", "trainer.val_every=15", "trainer.log_every=5",
                 "trainer.precision=bf16"], tmp_path)
     assert "validation: val_recon" in proc.stdout
+
+
+def test_multi_loss_resumed_in_a_new_process_is_bit_identical_to_a_run_that_never_stopped(tmp_path, one_thread):
+    # 4 batches an epoch: stopped 2 batches into the second epoch, whose order depends on the epoch
+    straight, resumed = straight_and_resumed(tmp_path, "multi_loss", 12, "data.n_train=512", "data.n_val=128",
+                                             "trainer.val_every=null", "model.hidden=16")
+    for key in ("modules", "optimizers", "data"):  # weights, Adam's moments, position
+        assert_same(resumed[key], straight[key], key)
+    assert resumed["state"]["step"] == 12 and resumed["data"]["iterable"] == {"epoch": 2, "batch": 4}
+    assert [v[0] for v in resumed["state"]["val_history"]] == [0, 6, 12]  # the stopped run validated at its end
+    del resumed["state"]["val_history"][1]
+    assert_same(resumed["state"], straight["state"], "state")
