@@ -168,6 +168,7 @@ NOT_RUN = {
 USER_CODE = {
     "mypackage/__init__.py": "",
     "mypackage/train.py": "import safeloop\n\n\nclass Classifier(safeloop.Trainer):\n    pass\n",
+    "mytrain.py": "import safeloop\n\n\nclass Classifier(safeloop.Trainer):\n    pass\n",
     "mypackage/nets.py": "import torch\nfrom safeloop.models import MLP as MyMLP  # in_dim, hidden, out_dim, depth\n\n"
                          "class Wide(torch.nn.Sequential):\n"
                          "    def __init__(self, in_dim: int, out_dim: int, width: int = 256):\n"
@@ -264,8 +265,9 @@ def test_every_command_of_the_docs_runs_as_written(page, tmp_path, monkeypatch, 
     for name, text in USER_CODE.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    for language, lines in shell_blocks(page):  # a config file the page shows, under the path it names
-        named = re.match(r"#\s*(\S+\.ya?ml)$", lines[0][1].strip()) if language in ("yaml", "yml") and lines else None
+    for language, lines in shell_blocks(page):  # a config file or module the page shows, under the path it names
+        named = re.match(r"#\s*(\S+\.(?:ya?ml|py))$", lines[0][1].strip()) if language in ("yaml", "yml", "python") \
+            and lines else None
         if named:
             (tmp_path / named.group(1)).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / named.group(1)).write_text("\n".join(line for _, line in lines) + "\n")
