@@ -15,12 +15,19 @@ from .conftest import subprocess_env
 
 JOB = textwrap.dedent("""
     import sys
+    import time
     import torch
     import safeloop
 
+
+    class Paced(safeloop.Trainer):  # 10 ms a step: the test's kill lands within a step of when it decides
+        def on_step_end(self, losses):
+            time.sleep(0.01)
+
+
     torch.manual_seed(0)
     data = [(x, x.sum(1, keepdim=True)) for x in torch.randn(8, 4, 3)]
-    safeloop.Trainer(model=torch.nn.Linear(3, 1), train_data=data, val_data=data[:2], max_steps=int(sys.argv[2]),
+    Paced(model=torch.nn.Linear(3, 1), train_data=data, val_data=data[:2], max_steps=int(sys.argv[2]),
                      log_every=1, val_every=3, checkpoint={"every": 5}, resume="auto", run_dir=sys.argv[1],
                      loggers=sys.argv[3].split(","), optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
                      progress=False).fit()
@@ -49,9 +56,9 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names, monkeypat
     ckpt = Checkpointer(run_dir / "checkpoints")
     proc = subprocess.Popen([sys.executable, str(script), str(run_dir), "1000000", names], env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:  # SIGKILL once a checkpoint is written and steps after it are logged
+    try:  # SIGKILL once a checkpoint is written and two steps after it are logged (the next is 5 steps on)
         end = time.monotonic() + 60
-        while not (ckpt.saved() and last_step(run_dir / "metrics.csv") > int(ckpt.saved()[-1].stem[5:])):
+        while not (ckpt.saved() and last_step(run_dir / "metrics.csv") > int(ckpt.saved()[-1].stem[5:]) + 1):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < end, "the training process made no progress"
             time.sleep(0.005)
