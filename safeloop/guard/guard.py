@@ -136,6 +136,10 @@ class Guard:
         # inputs); a later backward of the step reaching a node they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any]] = []
         self._walked: tuple[str, Any, list] | None = None  # the last loss pre-flighted alone
+        # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
+        # step reaching one back-propagates a graph a second time (retain_graph=True on a carried state)
+        self._ran_now: set[int] = set()
+        self._ran_last: set[int] = set()
 
     # -- turning checks off --------------------------------------------------------
     @contextmanager
@@ -185,6 +189,7 @@ class Guard:
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
         self.prev_seq = self.start_seq
+        self._ran_last, self._ran_now = self._ran_now, set()
         if CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             # where the last step ended (see ``step_done``): a graph made while fetching the batch is this step's
             self.start_seq = walk.sequence_now() if self.next_start is None else self.next_start
@@ -373,6 +378,9 @@ class Guard:
         carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
         if carried:
             why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None)
+            if why is None and any(sequence_nr(n) in self._ran_last and (iteration is None or sequence_nr(n) < iteration)
+                                   for n in carried):  # not a one-step lag: the last step's backward ran it already
+                why = _RAN_AGAIN
             if why is not None:
                 self._freed_in_iteration(carried[0], why, case, iteration)
                 self._carried_and_kept(carried[0], why, case)
@@ -509,9 +517,12 @@ class Guard:
     def backward_done(self, retained: bool, inputs=None) -> None:
         """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the
         graph, the nodes that backward ran are freed for the rest of the step (manual mode)."""
-        if self.checking and not retained and self._walked is not None:
+        if self.checking and self._walked is not None:
             name, root, nodes = self._walked
-            self._consumed.append((name, root, set(nodes), inputs))
+            if not retained:
+                self._consumed.append((name, root, set(nodes), inputs))
+            elif walk.HAS_SEQ and inputs is None:
+                self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
@@ -874,6 +885,8 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
           "'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
+_RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
+              "again: its gradient is added a second time, through weights the update has since changed")
 
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:

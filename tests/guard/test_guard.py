@@ -121,6 +121,28 @@ def test_a_loss_that_reaches_no_parameter_says_how_it_lost_its_graph(make, cls, 
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+class RetainsCarriedState(Trainer):
+    """Manual mode, a recurrent state carried with its graph and retain_graph=True on every backward."""
+
+    automatic = False
+    h = None
+
+    def training_step(self, batch):
+        self.h = torch.tanh(self.model(batch) + (0 if self.h is None else self.h))
+        loss = self.h.pow(2).mean()
+        self.backward(loss, retain_graph=True)
+        self.step()
+        return loss
+
+
+def test_a_carried_state_whose_graph_was_retained_is_caught_at_step_two_with_the_reason():
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "(step 2, loss 'loss'): the loss reaches TanhBackward0, created during an earlier step and held by "
+            "`self.h`; the last step's backward already ran its graph (retain_graph=True kept it)") + ".*"
+            + re.escape("(`self.h = self.h.detach()`)")):
+        fit(RetainsCarriedState)
+
+
 class CarriesLSTMState(Trainer):
     """An LSTM's state ``(h, c)`` kept from step to step with its graph (word_language_model without its
     ``repackage_hidden``)."""

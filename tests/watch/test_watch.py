@@ -42,6 +42,9 @@ BROKEN = {
     "baseline_list": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global returns\[0\]`.*To fix: detach "
                      r"what is added to `returns` where it is added \(`returns.append\(x.detach\(\)\)`",
     "leaf_loss": r"NoGraphError: .*\(step 1, loss 'loss'\): it is a leaf tensor made with requires_grad=True",
+    # caught at step 2, where PyTorch fails at step 3, with a reason retain_graph=True does not mislead
+    "rnn_state_retained": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global h`; the last step's "
+                          r"backward already ran its graph \(retain_graph=True kept it\).*`h = h.detach\(\)`",
     # made once before the loop, used by the first generator step after two critic steps
     "wgan_fake_before_loop": r"GraphReuseError: .*\(step 3, loss 'loss'\): the loss reaches AddmmBackward0, built "
                              r"before the step \(before the loop\) and held by `global fake`.*recompute `fake` inside "
