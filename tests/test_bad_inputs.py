@@ -1,6 +1,6 @@
 """Bad input, every kind a user can give, and what each gets: a safeloop error that names the key (or
 the thing) at fault and says what to do, never a traceback from deep inside torch or Hydra, and
-nothing lost. The count of each outcome is what the README's Reliability section reports."""
+nothing lost. The count of each outcome is what docs/checkpoints.md's Bad input section reports."""
 import functools
 import re
 import shutil
