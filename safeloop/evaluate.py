@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import rng_state, set_rng_state
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
+from .seed import seeded_workers
 
 if TYPE_CHECKING:
     from .distributed import Distributed
@@ -100,6 +101,7 @@ class Evaluator:
             self.model.to(self.device).eval()
         rng = rng_state()
         done = 0
+        data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data) if self.dist is not None else data:
                 with self.autocast():
