@@ -21,12 +21,12 @@ from .errors import (
     StepError,
 )
 from .guard import GraphGuard
-from .seed import seed_everything
+from .seed import seed_everything, seed_worker
 from .state import TrainState
 from .trainer import Trainer
 
 __all__ = [
-    "Callback", "GraphGuard", "Trainer", "TrainState", "seed_everything",
+    "Callback", "GraphGuard", "Trainer", "TrainState", "seed_everything", "seed_worker",
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",

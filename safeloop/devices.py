@@ -53,6 +53,16 @@ def resolve_precision(precision: str | int, device: torch.device) -> str:
     return precision
 
 
+def resolve(device: str | torch.device | None, precision: str | int) -> tuple[torch.device, str, list[str]]:
+    """``resolve_device`` and ``resolve_precision``, their problems returned (for a start-up check that reports
+    every problem at once) rather than raised."""
+    try:
+        resolved = resolve_device(device)
+        return resolved, resolve_precision(precision, resolved), []
+    except ConfigError as err:
+        return torch.device("cpu"), "32", err.problems
+
+
 _NO_AUTOCAST = nullcontext()  # stateless, so one instance serves every step
 
 

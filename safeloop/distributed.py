@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,10 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 
 from .checkpoint import stateful
 from .errors import ConfigError, SafeloopError
+
+if TYPE_CHECKING:
+    from .epochs import TrainData
+    from .guard.guard import Guard
 
 log = logging.getLogger("safeloop")
 
@@ -159,6 +163,7 @@ class Distributed:
         self._hooks: list = []
         self._quieted: int | None = None
         self._val: tuple | None = None  # (val_data, this rank's share of it), made at its first validation
+        self.joined = False  # weights, run directory and data seed shared by the ranks (``join``)
 
     @property
     def is_zero(self) -> bool:
@@ -233,6 +238,19 @@ class Distributed:
             for index, bucket in enumerate(group.buckets):
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
+
+    def join(self, model, run_dir: Path | None, data: TrainData, guard: Guard) -> Path | None:
+        """At every fit, before ``attach``: the first time, rank zero's weights, run directory and data seed
+        (``share``); every time, this rank's share of the training data, which may have been replaced since,
+        and the guard's agreement with the other ranks on the steps it checks. Returns the run directory."""
+        if not self.joined:
+            run_dir = self.share(model, run_dir, data.data)
+            if run_dir is not None:
+                guard.out_dir = run_dir / "graphs" / (f"rank{self.rank}" if self.rank else "")
+            self.joined, data.shard = True, self.shard
+        data.shard_again()
+        guard.agree = self.agree
+        return run_dir
 
     def share(self, model, run_dir: Path | None, train_data) -> Path | None:
         """Once per Trainer, before ``attach``: rank zero's weights on every rank, and its data seed (see

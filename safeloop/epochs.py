@@ -17,6 +17,7 @@ from . import checkpoint as ckpt
 from .callbacks import Hooks
 from .errors import ConfigError
 from .schedules import Schedules
+from .seed import seeded_workers
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class TrainData:
             if not start:  # before the pass draws anything: its RNG states are taken after the hook
                 hooks("on_epoch_start")
                 self.shard_again()
-            data = self.data
+            data = seeded_workers(self.data)  # seed_everything(..., workers=True)
             sampler = getattr(data, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(state.epoch)

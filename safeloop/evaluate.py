@@ -1,19 +1,22 @@
-"""Evaluation loops: a model's mean loss(es) per sample over a data set, without gradients, in eval mode.
+"""The evaluation loop of ``validate``, ``test`` and ``predict``: a step over a data set, without gradients, in
+eval mode; the mean loss(es) per sample (validation, test) or each batch's output (predict).
 
 Each batch's losses count as many times as the batch has samples, so that the result is the mean over
 samples whatever the batch sizes (a smaller last batch weighs less). A batch's number of samples is the
 leading size of its first tensor, as Lightning infers ``batch_size``; a ``validation_step`` that knows
 better returns ``(losses, n)``. Under torchrun each rank evaluates its own share of the data
 (``Distributed.shard_val``) and one all-reduce adds up the ranks' sums and counts, so that every rank
-gets the same metrics over the whole set.
+gets the same metrics over the whole set; predictions are not gathered: each rank keeps its own share's.
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,88 +24,140 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import rng_state, set_rng_state
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
+from .seed import seeded_workers
 
 if TYPE_CHECKING:
     from .distributed import Distributed
 
+log = logging.getLogger("safeloop")
 
-@torch.no_grad()
-def mean_losses(model: torch.nn.Module | None, data: Iterable, step_fn: Callable[[object], torch.Tensor | Mapping],
-                autocast: Callable[[], AbstractContextManager], move: Callable, step: int,
-                dist: Distributed | None = None) -> dict[str, float]:
-    """``step_fn``'s loss (or dict of losses) over the samples of ``data`` (each batch moved by ``move``),
-    ``model`` in eval mode meanwhile; under torchrun (``dist``) over every rank's share. Each module's own
-    mode comes back afterwards: a part frozen in eval (BatchNorm statistics) stays frozen. So do the global
-    random generators: a DataLoader's iterator draws a seed from torch's, a step may use dropout or
-    Python's and numpy's, and training must draw what it would have drawn without this evaluation.
-    A failure is a ``StepError`` naming the batch (``step``: the training step it follows)."""
-    modes = [(m, m.training) for m in model.modules()] if model is not None else []
-    if model is not None:
-        model.eval()
-    rng = rng_state()
-    totals: dict[str, list[float]] = {}  # name: [sum of loss * samples, samples]
-    done = 0
-    try:
-        for batch in dist.shard_val(data) if dist is not None else data:
-            with autocast():
-                out = step_fn(move(batch))
-            losses, n = counted(out) if isinstance(out, tuple) else (out, samples(batch))
+
+@dataclass(frozen=True)
+class Kind:
+    """An evaluation pass as its messages name it."""
+
+    name: str  # validation, test, predict
+    data: str  # what holds its batches
+    step: str  # the Trainer's method run on each batch
+    prefix: str = ""  # of its metrics' names
+
+
+VALIDATION = Kind("validation", "val_data", "validation_step", "val_")
+TEST = Kind("test", "test data", "test_step", "test_")  # Trainer.test(data)
+PREDICT = Kind("predict", "predict data", "predict_step")  # Trainer.predict(data)
+
+
+@dataclass
+class Evaluator:
+    """One loop over a data set in eval mode and without gradients, for ``validate``, ``test`` and ``predict``:
+    ``model`` on ``device`` (``test`` and ``predict`` may come before any ``fit``), each batch moved by ``move``
+    and passed to a step under ``autocast``; under torchrun (``dist``) over this rank's share. ``step`` is the
+    training step the pass follows, named in its errors."""
+
+    model: torch.nn.Module | None
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager]
+    move: Callable
+    step: int
+    dist: Distributed | None = None
+
+    def means(self, data: Iterable, step_fn: Callable[[object], torch.Tensor | Mapping],
+              kind: Kind = VALIDATION) -> dict[str, float]:
+        """``step_fn``'s loss (or dict of losses) over the samples of ``data``, named ``<kind.prefix><name>``
+        (``val_loss``) and logged; under torchrun over every rank's share, the same on every rank."""
+        totals: dict[str, list[float]] = {}  # name: [sum of loss * samples, samples]
+
+        def add(batch, out) -> None:
+            losses, n = counted(out, kind) if isinstance(out, tuple) else (out, samples(batch, kind))
             losses = {"loss": losses} if isinstance(losses, torch.Tensor) else dict(losses)
             for name, value in losses.items():
                 total = totals.setdefault(name, [0.0, 0.0])
                 total[0] += float(value) * float(n)
                 total[1] += float(n)
-            done += 1
-        if not done and dist is None:  # (under torchrun a rank may have none of a small val_data)
-            raise ConfigError("val_data yielded no batches: check the dataset and batch size, or pass no val_data")
-    except Exception as err:
-        if isinstance(err, SafeloopError):
-            raise
-        raise StepError(f"validation at step {step} failed on batch {done + 1} of val_data (training is "
-                        f"unchanged): {type(err).__name__}: {err}", step) from err
-    finally:
-        for module, training in modes:
-            module.training = training
-        set_rng_state(rng)
-    if dist is not None:
-        totals = summed(totals, done, dist)
-    return {name: total / count if count else math.nan for name, (total, count) in totals.items()}
+
+        done = self.run(data, step_fn, add, kind)
+        if self.dist is not None:
+            totals = summed(totals, done, self.dist, kind)
+        metrics = {kind.prefix + name: total / count if count else math.nan for name, (total, count) in totals.items()}
+        log.info("%s at step %d: %s", kind.name, self.step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics
+
+    def outputs(self, data: Iterable, step_fn: Callable[[object], object]) -> list:
+        """What ``step_fn`` returns for each batch of ``data``, in order, as it returns it; under torchrun
+        this rank's share only (nothing is gathered)."""
+        out: list = []
+        self.run(data, step_fn, lambda batch, value: out.append(value), PREDICT)
+        return out
+
+    @torch.no_grad()
+    def run(self, data: Iterable, step_fn: Callable, collect: Callable[[object, object], None], kind: Kind) -> int:
+        """``collect(batch, step_fn(batch))`` for each batch; returns how many there were. ``model`` is in eval
+        mode meanwhile, and each module's own mode comes back afterwards: a part frozen in eval (BatchNorm
+        statistics) stays frozen. So do the global random generators: a DataLoader's iterator draws a seed
+        from torch's, a step may use dropout or Python's and numpy's, and training must draw what it would
+        have drawn without this pass. A failure is a ``StepError`` naming the batch."""
+        modes = [(m, m.training) for m in self.model.modules()] if self.model is not None else []
+        if self.model is not None:
+            self.model.to(self.device).eval()
+        rng = rng_state()
+        done = 0
+        data = seeded_workers(data)  # seed_everything(..., workers=True)
+        try:
+            for batch in self.dist.shard_val(data) if self.dist is not None else data:
+                with self.autocast():
+                    out = step_fn(self.move(batch))
+                collect(batch, out)
+                done += 1
+            if not done and self.dist is None:  # (under torchrun a rank may have none of a small data set)
+                raise ConfigError(f"{kind.data} yielded no batches: check the dataset and batch size"
+                                  + (", or pass no val_data" if kind is VALIDATION else ""))
+        except Exception as err:
+            if isinstance(err, SafeloopError):
+                raise
+            raise StepError(f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training "
+                            f"is unchanged): {type(err).__name__}: {err}", self.step) from err
+        finally:
+            for module, training in modes:
+                module.training = training
+            set_rng_state(rng)
+        return done
 
 
-def counted(out: tuple) -> tuple:
-    """``validation_step``'s ``(losses, n)``, checked: a tuple of two losses would pass for one loss counted
-    by the other's value."""
+def counted(out: tuple, kind: Kind = VALIDATION) -> tuple:
+    """``validation_step``'s (``kind.step``'s) ``(losses, n)``, checked: a tuple of two losses would pass for one
+    loss counted by the other's value."""
     losses, n = out if len(out) == 2 else (None, None)
     if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
         n = int(n)
     if not isinstance(n, numbers.Integral):  # an int, or numpy's
-        raise TypeError(f"validation_step returned a tuple of {', '.join(type(v).__name__ for v in out)}: a tuple "
+        raise TypeError(f"{kind.step} returned a tuple of {', '.join(type(v).__name__ for v in out)}: a tuple "
                         "is (losses, number of samples), the number an int; several losses go in a dict")
     return losses, n
 
 
-def samples(batch) -> int:
+def samples(batch, kind: Kind = VALIDATION) -> int:
     """The number of samples in ``batch``: the leading size of its first tensor (of any nesting of lists,
     tuples, dicts, dataclasses). Tensors of other leading sizes beside it get a warning: the count may be
-    wrong, and only ``validation_step`` can say."""
+    wrong, and only ``validation_step`` (``kind.step``) can say."""
     sizes: list[int] = []
     apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
     if not sizes:
-        raise ValueError("the batch holds no tensor to count its samples by (each batch's losses count as many "
+        raise ValueError(f"the batch holds no tensor to count its samples by (each batch's losses count as many "
                          "times as it has samples: the leading size of its first tensor); return (losses, number "
-                         "of samples) from validation_step")
+                         f"of samples) from {kind.step}")
     if len(set(sizes)) > 1:
-        warnings.warn("a val_data batch holds tensors of different leading sizes: its losses count as many times as "
-                      "the first tensor's leading size; if that is not its number of samples, return (losses, "
-                      "number of samples) from validation_step", ConfigWarning, stacklevel=3)
+        warnings.warn(f"a {kind.data} batch holds tensors of different leading sizes: its losses count as many times "
+                      "as the first tensor's leading size; if that is not its number of samples, return (losses, "
+                      f"number of samples) from {kind.step}", ConfigWarning, stacklevel=5)
     return sizes[0]
 
 
-def summed(totals: dict[str, list[float]], batches: int, dist: Distributed) -> dict[str, list[float]]:
+def summed(totals: dict[str, list[float]], batches: int, dist: Distributed,
+           kind: Kind = VALIDATION) -> dict[str, list[float]]:
     """Every rank's ``totals`` added up, in one all-reduce: the same on every rank."""
     if not batches:  # its all-reduce would not match the others' (it knows no loss names)
-        raise SafeloopError(f"val_data gave rank {dist.rank} of {dist.world} no batch to validate: each rank "
-                            "validates its own share, so give val_data at least one batch per rank")
+        raise SafeloopError(f"{kind.data} gave rank {dist.rank} of {dist.world} no batch for {kind.name}: each rank "
+                            f"runs {kind.step} over its own share, so give {kind.data} at least one batch per rank")
     names = sorted(totals)  # the same order on every rank
     flat = dist.sum(torch.tensor([totals[name] for name in names], dtype=torch.float64))
     return dict(zip(names, flat.tolist()))

@@ -84,6 +84,14 @@ class Settings:
     # Seeds Python's random, NumPy's and torch's generators when a run starts (step 0), after the model is
     # built (null: nothing is seeded). The command line's own `seed` seeds before the model is built.
     seed: Optional[int] = None
+    # torch.use_deterministic_algorithms(True) while fit runs (and CUBLAS_WORKSPACE_CONFIG set for CUDA): an
+    # operation without a deterministic implementation raises instead of varying from run to run.
+    deterministic: bool = False
+    # torch.compile the model for training (in place, nn.Module.compile: checkpoints hold its usual keys).
+    compile: bool = False
+    # Write a torch.profiler Chrome trace of N steps, after one warm-up step, to <run dir>/trace.json; or
+    # torch.profiler.schedule's {wait: W, warmup: U, active: N} (null: no profiling).
+    profile: Any = None
 
     def problems(self) -> list[str]:
         """Every problem with these values at once (none: an empty list)."""
@@ -108,9 +116,10 @@ class Settings:
         elif self.resume is not None and str(self.resume) != "auto" and not Path(self.resume).exists():
             out.append(f"resume={str(self.resume)!r}: no such file or directory (give a checkpoint file, a "
                        "checkpoint directory, or auto)")
+        out += profile_problems(self.profile)
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
-        return out + mistyped(Settings, {key: getattr(self, key) for key in
-                                         ("loss_weights", "loggers", "progress", "find_unused_parameters", "seed")})
+        return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "loggers", "progress",
+                                         "find_unused_parameters", "seed", "deterministic", "compile")})
 
 
 @dataclass
@@ -175,6 +184,24 @@ class CheckpointSettings:
     def problems(self) -> list[str]:
         return (_positive("checkpoint.every", self.every, optional=True) + _positive("checkpoint.keep", self.keep)
                 + mistyped(CheckpointSettings, {"dir": self.dir}, "checkpoint."))
+
+
+PROFILE_KEYS = ("wait", "warmup", "active")  # torch.profiler.schedule's
+
+
+def profile_problems(profile: Any) -> list[str]:
+    """What is wrong with a ``profile`` setting: N > 0 steps, or a mapping of ``PROFILE_KEYS`` to integers
+    (``active`` > 0, the others >= 0)."""
+    if profile is None or (type(profile) is int and profile > 0):
+        return []
+    how = "give the number of steps to trace (profile=3), or {active: N, wait: W, warmup: U}, or null"
+    if not isinstance(profile, Mapping):
+        return [f"profile={profile!r}: {how}"]
+    values = dict(profile.items())
+    if set(values) - set(PROFILE_KEYS) or "active" not in values or not all(
+            type(v) is int and v >= (key == "active") for key, v in values.items()):
+        return [f"profile={values!r}: {how} (active > 0, the others >= 0)"]
+    return []
 
 
 def argument_problems(model: Any, train_data: Any, val_data: Any, loss_fn: Any = None, optimizer: Any = None,

@@ -34,6 +34,13 @@ class TrainState:
         """The last losses as Python floats (a device sync on CUDA)."""
         return {name: float(value) for name, value in self.losses.items()}
 
+    def metrics(self, logged: dict[str, torch.Tensor | float]) -> dict[str, float]:
+        """What a log point writes, as floats: the last losses, the values ``Trainer.log`` kept in ``logged``
+        (which this empties), and the steps skipped so far, if any."""
+        out = {**self.floats(), **{name: float(value) for name, value in logged.items()}}
+        logged.clear()
+        return {**out, "skipped": self.skipped} if self.skipped else out
+
     def state_dict(self) -> dict:
         out = asdict(self)
         out["losses"] = self.floats()

@@ -11,11 +11,11 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
-from . import curves, distributed, schedules
+from . import curves, distributed, runmodes, schedules
 from .callbacks import Callback, Hooks
-from .devices import autocast, resolve_device, resolve_precision
+from .devices import autocast, resolve
 from .errors import ConfigError, SafeloopError
-from .evaluate import mean_losses
+from .evaluate import TEST, Evaluator
 from .guard import GraphGuard, for_trainer
 from .guard.explain import Scope
 from .guard.guard import Guard
@@ -107,17 +107,12 @@ class Trainer:
         problems += found
         self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
         problems += found
-        try:
-            self.device = resolve_device(self.settings.device)
-            self.precision = resolve_precision(self.settings.precision, self.device)
-        except ConfigError as err:
-            problems.extend(err.problems)
+        self.device, self.precision, found = resolve(self.settings.device, self.settings.precision)
+        problems += found
         if problems:
             raise ConfigError(problems)
-        # Under torchrun: join the process group; this rank trains on cuda:LOCAL_RANK or the CPU.
-        self.dist = distributed.from_env(self.device)
-        if self.dist is not None:
-            self.device = self.dist.device
+        self.dist = distributed.from_env(self.device)  # under torchrun: this process joins the group
+        self.device = self.dist.device if self.dist is not None else self.device  # cuda:LOCAL_RANK or the CPU
         self.state = TrainState()
         self._data = TrainData(train_data, self.state)
         self.model, self.val_data = model, val_data
@@ -135,7 +130,6 @@ class Trainer:
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._said: str | None = None  # the last fit's line on where it writes
-        self._shared = False  # under torchrun: weights, run directory and data seed shared by the ranks
         self._runner: Runner | None = None  # the last setup's: it runs the steps
         # where the last fit() stopped: (its batches, train_data, grad_accum, step); the next goes on from there
         self._left: tuple | None = None
@@ -151,6 +145,14 @@ class Trainer:
         tensor's leading size; runs under ``torch.no_grad()`` in eval mode. Default: ``training_step``'s
         (automatic mode; manual mode needs its own)."""
         return self.training_step(batch)
+
+    def test_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor] | tuple:
+        """``test()``'s loss(es) of one batch, returned as ``validation_step``'s. Default: ``validation_step``."""
+        return self.validation_step(batch)
+
+    def predict_step(self, batch) -> Any:
+        """``predict()``'s output for one batch. Default: ``model(x)`` of a batch ``(x, ...)``, or ``model(batch)``."""
+        return self.model(batch if isinstance(batch, torch.Tensor) else batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
         """Default: the configured ``optimizer`` over ``self.model.parameters()``."""
@@ -215,7 +217,8 @@ class Trainer:
             let_go = ckpt.take(self.run_dir, self.checkpointer)  # this run's: a second run writing there is refused
             if self.settings.resume is not None:
                 self._resume()
-            with self.guard.context(), ckpt.stop_signals(self._stop, self.state):
+            with self.guard.context(), ckpt.stop_signals(self._stop, self.state), runmodes.during_fit(
+                    self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
                     self.schedules.check_monitors(self.validate())
@@ -223,7 +226,7 @@ class Trainer:
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
                     self._loaded_rng = None
-                self._loop()
+                self._loop(step_done)
                 self._finish()
         except BaseException:
             failed = True
@@ -238,7 +241,7 @@ class Trainer:
                 self.dist.close(failed)
         return self.state
 
-    def _loop(self) -> None:
+    def _loop(self, step_done: Callable[[], None]) -> None:
         """The steps, each followed by what is due after it, until ``_after_step`` says to stop."""
         if self._done():  # resumed from the end
             return
@@ -249,6 +252,7 @@ class Trainer:
             batches = self._data.steps(self.settings, self._hooks, self.schedules)
         for group in batches:
             self._runner.run(group)
+            step_done()  # the profiler's step
             if self._after_step():
                 self._left = batches, self.train_data, self.settings.grad_accum, self.state.step
                 return
@@ -260,10 +264,7 @@ class Trainer:
         end = step == s.max_steps
         self._runner.warn_unused(step, final=end)
         if step % s.log_every == 0 or end:
-            metrics = {**self.state.floats(), **{name: float(v) for name, v in self.logged.items()}}
-            self.logged.clear()
-            if self.state.skipped:
-                metrics["skipped"] = self.state.skipped
+            metrics = self.state.metrics(self.logged)  # empties self.logged
             self.progress.update(step, metrics)
             self.log_metrics({**metrics, **schedules.learning_rates(self.optimizers)})
         if self.val_data is not None and s.val_every and step % s.val_every == 0:
@@ -315,18 +316,26 @@ class Trainer:
             logger.log(dict(metrics), self.state.step)
 
     def validate(self) -> dict[str, float]:
-        """Run ``validation_step`` over ``val_data`` in eval mode, without gradients; returns and logs the
-        mean losses over samples (``val_<name>``): each batch counts by its first tensor's leading size, or by
-        the ``n`` of a ``validation_step`` that returns ``(losses, n)``; under torchrun every rank validates its
-        own share (``safeloop.evaluate``). The random generators training draws from are left as they were."""
-        means = mean_losses(self.model, self.val_data, self.validation_step, partial(autocast, self.precision,
-                            self.device), self.to_device, self.state.step, self.dist)
-        metrics = {f"val_{name}": value for name, value in means.items()}
+        """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean
+        over samples, under torchrun over every rank's share, training's random streams left as they were); logs
+        and returns ``val_<name>``."""
+        metrics = self._evaluator().means(self.val_data, self.validation_step)
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)
-        log.info("validation at step %d: %s", self.state.step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self._hooks("on_validation_end", metrics)
         return metrics
+
+    def test(self, data: Iterable) -> dict[str, float]:
+        """``test_step`` over ``data`` as ``validate()`` runs ``validation_step``; logs and returns ``test_<name>``."""
+        return self._evaluator().means(data, self.test_step, TEST)
+
+    def predict(self, data: Iterable) -> list:
+        """``predict_step``'s output for each batch (eval mode, no gradients); under torchrun, this rank's share's."""
+        return self._evaluator().outputs(data, self.predict_step)
+
+    def _evaluator(self) -> Evaluator:
+        return Evaluator(self.model, self.device, partial(autocast, self.precision, self.device), self.to_device,
+                         self.state.step, self.dist)
 
     def to_device(self, batch):
         """Move every tensor in ``batch`` (any nesting of lists, tuples, dicts) to the device."""
@@ -414,15 +423,9 @@ class Trainer:
         self._hooks.bind(self.callbacks)
         forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
-            if not self._shared:
-                self.run_dir = self.dist.share(self.model, self.run_dir, self.train_data)
-                if self.run_dir is not None:
-                    self.guard.out_dir = self.run_dir / "graphs" / (f"rank{self.dist.rank}" if self.dist.rank else "")
-                self._shared, self._data.shard = True, self.dist.shard
-            self._data.shard_again()
+            self.run_dir = self.dist.join(self.model, self.run_dir, self._data, self.guard)
             self.dist.attach(self.model, self.optimizers, self.training_step, self.settings, self.automatic,
                              per_backward_hooks=self._hooks.has("on_before_backward", "on_after_backward"))
-            self.guard.agree = self.dist.agree
             if self.dist.ddp is not None:
                 forward = self.dist.forward  # training_step runs inside DDP's forward
         # listed once per fit, for the guard (on checked steps): a parameter added later by add_param_group can
@@ -444,6 +447,4 @@ class Trainer:
         return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]
 
 
-# Each setting is a keyword argument (help() lists it with its default) and an attribute (trainer.max_steps), but
-# those the Trainer holds made: self.device (a torch.device), self.precision, self.loggers (the logger objects).
 attach(Trainer, made=("device", "precision", "loggers"))

@@ -155,3 +155,59 @@ def test_training_with_validation_is_bit_identical_to_training_without(mode):
     val = DataLoader(dataset(24, seed=5), batch_size=8)
     with_val, without = trained(cls, val), trained(cls, None)
     assert all(torch.equal(a, b) for a, b in zip(with_val, without, strict=True))
+
+
+# -- test() and predict(): validation's loop with another step ----------------------------------------------
+def by_hand(model, loader) -> dict[str, float]:
+    """The hand-written test loop: eval mode, no gradients, each batch's mean counted by its size."""
+    model.eval()
+    total = absolute = n = 0.0
+    with torch.no_grad():
+        for x, y in loader:
+            out = model(x)
+            total += F.mse_loss(out, y).item() * len(x)
+            absolute += F.l1_loss(out, y).item() * len(x)
+            n += len(x)
+    model.train()
+    return {"test_loss": total / n, "test_abs": absolute / n}
+
+
+def test_test_returns_the_means_over_samples_a_hand_written_loop_gets():
+    class Tested(Trainer):
+        def test_step(self, batch):
+            x, y = batch
+            out = self.model(x)
+            return {"loss": F.mse_loss(out, y), "abs": F.l1_loss(out, y)}
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 1))  # dropout: eval mode matters
+    trainer = validating(Tested)
+    trainer.model = model
+    loader = DataLoader(dataset(50, seed=7), batch_size=16)  # 16, 16, 16 and 2
+    metrics = trainer.test(loader)
+    assert metrics == pytest.approx(by_hand(model, loader), rel=1e-6)
+    assert model.training  # its own mode again
+    # the default test_step is validation_step's loss
+    assert validating().test(loader).keys() == {"test_loss"}
+
+
+def test_predict_returns_each_batchs_output_as_model_x_under_no_grad():
+    trainer = validating()
+    x, y = dataset(10, seed=3).tensors
+    with torch.no_grad():
+        expected = [trainer.model(x[i:i + 4]) for i in range(0, 10, 4)]
+    out = trainer.predict(DataLoader(TensorDataset(x, y), batch_size=4))  # (x, y) batches: model(x)
+    assert len(out) == 3 and all(torch.equal(o, e) and not o.requires_grad for o, e in zip(out, expected))
+    out = trainer.predict([x[i:i + 4] for i in range(0, 10, 4)])  # tensor batches: model(batch)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
+
+
+def test_a_failing_test_step_names_the_batch_of_the_test_data():
+    class Broken(Trainer):
+        def test_step(self, batch):
+            x, y = batch
+            return F.mse_loss(self.model(x), y), F.l1_loss(self.model(x), y)
+
+    with pytest.raises(StepError, match=re.escape(
+            "test at step 0 failed on batch 1 of test data (training is unchanged): TypeError: test_step returned "
+            "a tuple of Tensor, Tensor")):
+        validating(Broken).test(DataLoader(dataset(8), batch_size=4))
