@@ -44,7 +44,7 @@ class TrainData:
         return self.steps(settings, hooks, schedules)
 
     def keep(self, batches: Iterator[list], grad_accum: int) -> None:
-        """A fit stopped after this step: the next one goes on with ``batches`` (``batches``)."""
+        """A fit stopped after this step: the next one goes on with ``batches``, its iterator, from here."""
         self.left = batches, grad_accum, self.data, self.state.step
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
