@@ -1,7 +1,7 @@
 """safeloop: a PyTorch training loop that keeps the autograd graph's lifecycle safe."""
 import warnings
 
-from .callbacks import Callback
+from .callbacks import Callback, EarlyStopping
 from .errors import (
     CarriedGraphError,
     CheckpointError,
@@ -26,7 +26,7 @@ from .state import TrainState
 from .trainer import Trainer
 
 __all__ = [
-    "Callback", "GraphGuard", "Trainer", "TrainState", "seed_everything", "seed_worker",
+    "Callback", "EarlyStopping", "GraphGuard", "Trainer", "TrainState", "seed_everything", "seed_worker",
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",

@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import CONFIG_DIR, compose, register, train
 from .errors import ConfigError, Interrupted, SafeloopError
+from .sweeps import Result
 
 register()
 
@@ -103,15 +104,17 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig) -> float:
     # Under torchrun, record() also puts the error in torchrun's failure summary (without it the summary
     # would read error_file: <N/A>), before ``refusing`` reports it.
     return refusing(record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task, cfg)
 
 
-def task(cfg: DictConfig) -> dict[str, float]:
-    """One training run of the composed config; returns its final losses and last validation metrics
-    (a sweep's table shows them)."""
+def task(cfg: DictConfig) -> float:
+    """One training run of the composed config; returns the metric ``monitor`` names (``val_loss``: the last
+    validation's), the float a sweeper optimises; the final training loss for a run that did not validate.
+    The float carries the run's final losses and last validation metrics, which a sweep's table shows
+    (``safeloop.sweeps.Result``)."""
     if cfg.get("threads") is not None:
         torch.set_num_threads(cfg.threads)
     try:
@@ -125,8 +128,7 @@ def task(cfg: DictConfig) -> dict[str, float]:
               "Run the same command with trainer.resume=auto (and the same checkpoint.dir) to continue",
               file=sys.stderr)
         sys.exit(128 + trainer.stop_signal)
-    history = trainer.state.val_history
-    return {**trainer.state.floats(), **(history[-1][1] if history else {})}
+    return Result.of(trainer.state, cfg.get("monitor", "val_loss"))
 
 
 def discard_run_dir() -> None:

@@ -4,13 +4,21 @@ A callback's hook receives the trainer first: ``on_step_end(self, trainer, losse
 Only hooks a callback overrides are called. ``on_save_checkpoint`` puts what the callback needs
 saved into the checkpoint dict under a key of its own (tensors and plain containers);
 ``on_load_checkpoint`` reads it back when a run resumes.
+
+``EarlyStopping`` is Lightning's: it stops a run whose validation metric stopped improving.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import math
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from lightning_utilities.core.overrides import is_overridden
+
+from .errors import ConfigError
+
+log = logging.getLogger("safeloop")
 
 HOOKS = (
     "on_fit_start",
@@ -65,3 +73,81 @@ class Hooks:
     def has(self, *names: str) -> bool:
         """Whether any of these hooks is overridden anywhere."""
         return any(self.bound[name] for name in names)
+
+
+MODES = ("min", "max")
+
+
+def check_monitor(who: str, name: str | None, metrics: Mapping[str, float]) -> None:
+    """A ``ConfigError`` naming the metrics a validation reports, unless ``name`` (what ``who`` monitors; None:
+    nothing) is one."""
+    if name is not None and name not in metrics:
+        raise ConfigError(f"{who} monitors {name!r}, which validation does not report: it reports "
+                          f"{', '.join(metrics) or 'nothing'}; give monitor=<one of those>")
+
+
+def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` is better than ``best`` by more than ``min_delta`` (``mode``: min or max; NaN never is)."""
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` (a validation metric) has not improved for ``patience`` validations.
+
+    Lightning's names and rule: a validation improves on the best so far when its value is lower (``mode="min"``)
+    or higher (``"max"``) by more than ``min_delta``; after ``patience`` validations in a row without improvement,
+    training stops after that step, as at ``max_steps`` (``Trainer.request_stop``): the checkpoint is saved and
+    ``on_fit_end`` runs. The validation before training only checks that ``monitor`` is a metric validation
+    reports; every later one counts. The best value, its step and the count are saved in checkpoints, so a resumed
+    run counts on exactly, and one resumed after the stop trains nothing (unless ``patience`` was raised).
+    """
+
+    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        problems = [] if mode in MODES else [f"EarlyStopping(mode={mode!r}): give {' or '.join(MODES)}"]
+        if not (isinstance(patience, int) and not isinstance(patience, bool) and patience > 0):
+            problems.append(f"EarlyStopping(patience={patience!r}): give a positive integer (validations)")
+        if not (isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool) and min_delta >= 0):
+            problems.append(f"EarlyStopping(min_delta={min_delta!r}): give a number >= 0")
+        if problems:
+            raise ConfigError(problems)
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_step: int | None = None  # the step of the best validation
+        self.wait = 0  # validations since the best
+
+    @property
+    def stopped(self) -> bool:
+        return self.wait >= self.patience
+
+    def reason(self) -> str:
+        return (f"early stopping: {self.monitor} did not improve by more than {self.min_delta:g} over the last "
+                f"{self.wait} validations (best {self.best:.4g} at step {self.best_step})")
+
+    def on_fit_start(self, trainer) -> None:
+        if self.stopped:  # resumed after the stop: nothing to train
+            trainer.request_stop(self.reason())
+
+    def on_validation_end(self, trainer, metrics) -> None:
+        check_monitor("EarlyStopping", self.monitor, metrics)
+        step = trainer.state.step
+        if step == 0:  # before training: a check only
+            return
+        value = metrics[self.monitor]
+        if improved(value, self.best, self.mode, self.min_delta):
+            self.best, self.best_step, self.wait = value, step, 0
+        else:
+            self.wait += 1
+        if self.stopped:
+            trainer.request_stop(self.reason())
+
+    def on_save_checkpoint(self, trainer, checkpoint) -> None:
+        checkpoint.setdefault("early_stopping", {})[self.monitor] = {
+            "mode": self.mode, "best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def on_load_checkpoint(self, trainer, checkpoint) -> None:
+        saved = checkpoint.get("early_stopping", {}).get(self.monitor)
+        if saved is None or saved["mode"] != self.mode:
+            log.info("resume: the checkpoint holds no early-stopping state for %s (mode %s): counting starts afresh",
+                     self.monitor, self.mode)
+            return
+        self.best, self.best_step, self.wait = saved["best"], saved["best_step"], saved["wait"]

@@ -18,6 +18,7 @@ import errno
 import hashlib
 import itertools
 import logging
+import math
 import os
 import pickle
 import random
@@ -35,6 +36,7 @@ from typing import Any, get_origin, get_type_hints
 
 import torch
 
+from .callbacks import check_monitor
 from .errors import CheckpointError, Interrupted, SafeloopError
 from .settings import CheckpointSettings, read
 from .state import TrainState
@@ -299,17 +301,23 @@ def _a(value: Any) -> str:
     return f"{'an' if name[:1] in 'aeiouAEIOU' else 'a'} {name} ({repr(value)[:40]})"
 
 
-def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | None,
-               resume: str | Path | None) -> tuple[Checkpointer | None, list[str]]:
+def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | None, resume: str | Path | None,
+               validates: bool = True) -> tuple[Checkpointer | None, list[str]]:
     """The ``Checkpointer`` that ``Trainer(checkpoint=given, run_dir=...)`` asks for (None: no checkpoints,
-    when ``given`` is False or there is neither a ``dir`` nor a run directory), and every problem with it."""
+    when ``given`` is False or there is neither a ``dir`` nor a run directory), and every problem with it
+    (``validates``: there is ``val_data``, which a ``monitor`` needs)."""
     settings, problems = read(CheckpointSettings, given if isinstance(given, Mapping) else {}, "checkpoint")
+    if settings.monitor is not None and not validates:
+        problems.append(f"checkpoint.monitor={settings.monitor!r} ranks checkpoints by a validation metric, and "
+                        "there is no val_data: pass val_data=... (and val_every=N), or drop checkpoint.monitor")
     where = settings.dir or (Path(run_dir) / "checkpoints" if isinstance(run_dir, (str, Path)) else None)
     saves = given is not False and where is not None
     if str(resume) == "auto" and not saves:
         problems.append("resume=auto looks in the checkpoint directory, and there is none: pass run_dir=... "
                         "or checkpoint={'dir': ...}")
-    return (Checkpointer(where, settings.every, settings.keep) if saves and not problems else None), problems
+    if not saves or problems:
+        return None, problems
+    return Checkpointer(where, settings.every, settings.keep, settings.monitor, settings.mode), problems
 
 
 class Checkpointer:
@@ -319,16 +327,50 @@ class Checkpointer:
         directory: where ``step-NNNNNNNNN.pt`` files go.
         every: steps between saves (None: only at the end of ``fit`` and on SIGTERM/SIGINT).
         keep: how many of the newest checkpoints to keep; older ones are deleted.
+        monitor: a validation metric (None: keep the newest). Then a checkpoint is also saved at every
+            validation during training, ranked by the metric of the validation at its step; the ``keep`` best
+            and the newest (what ``resume=auto`` takes) are kept, and ``best.txt`` names the best.
+        mode: ``min`` or ``max``: whether a lower or a higher ``monitor`` is better.
     """
 
-    def __init__(self, directory: str | Path, every: int | None = None, keep: int = 3):
-        self.dir, self.every, self.keep = Path(directory), every, keep
+    def __init__(self, directory: str | Path, every: int | None = None, keep: int = 3, monitor: str | None = None,
+                 mode: str = "min"):
+        self.dir, self.every, self.keep, self.monitor, self.mode = Path(directory), every, keep, monitor, mode
+        self.scores: dict[Path, float] = {}  # with a monitor: each checkpoint's metric, by its step's validation
         self.last: Path | None = None  # the newest checkpoint this run wrote or resumed from
         self.damaged: set[Path] = set()  # checkpoints that failed to load here: not counted toward keep
         self._lock: int | None = None  # the open lock file while this run holds the directory
 
     def path(self, step: int) -> Path:
         return self.dir / f"step-{step:09d}.pt"
+
+    def due(self, step: int, validated: bool) -> bool:
+        """Whether the Trainer saves after ``step``: every ``every`` steps, and with a ``monitor`` after every
+        validation (``validated``), so that the checkpoint has its metric."""
+        return bool(self.every and step % self.every == 0) or (validated and self.monitor is not None)
+
+    @property
+    def best(self) -> Path | None:
+        """With a ``monitor``: the best checkpoint in the directory (``best.txt`` names it too)."""
+        ranked = self.ranked([p for p in self.saved() if p not in self.damaged])
+        return ranked[0] if ranked else None
+
+    def ranked(self, paths: list[Path]) -> list[Path]:
+        """Those of ``paths`` with a ``monitor`` value, best first (a tie: the older first; NaN last)."""
+        sign = 1 if self.mode == "min" else -1
+        scored = [p for p in paths if p in self.scores]
+        return sorted(scored, key=lambda p: (math.isnan(self.scores[p]), sign * self.scores[p]))
+
+    def score(self, checkpoint: Mapping) -> None:
+        """Read each checkpoint's ``monitor`` value from ``checkpoint``'s validation history (every validation
+        of the run so far, the one at its own step last); a ``ConfigError`` if that one lacks the metric."""
+        history = checkpoint["state"]["val_history"] if self.monitor is not None else None
+        if not history:
+            return
+        step, metrics = history[-1]
+        if step == checkpoint["step"]:
+            check_monitor("checkpoint", self.monitor, metrics)
+        self.scores = {self.path(s): m[self.monitor] for s, m in history if self.monitor in m}
 
     def saved(self) -> list[Path]:
         """Checkpoints in the directory, oldest (lowest step) first. Renamed into place only when
@@ -377,6 +419,7 @@ class Checkpointer:
         """Write ``checkpoint`` (``Trainer.state_dict()``, made on every rank, so that ``on_save_checkpoint``
         hooks run on every rank) as step ``step``'s, then delete the oldest beyond ``keep``. Rank zero writes."""
         path = self.path(step)
+        self.score(checkpoint)
         if not is_rank_zero():  # the one place deciding who writes
             self.last = path  # on every rank: the end of fit saves again only where this differs, on all alike
             return None
@@ -387,23 +430,43 @@ class Checkpointer:
         log.info("step %d: checkpoint saved to %s", step, path)
         return path
 
-    def resumed(self, path: Path) -> None:
-        """The run resumed from ``path``: the newest checkpoint it has; and the directory is pruned to ``keep``
-        (a run killed between a save and its pruning left more)."""
+    def resumed(self, path: Path, checkpoint: Mapping) -> None:
+        """The run resumed from ``path`` (``checkpoint``, loaded): the newest checkpoint it has; and the directory
+        is pruned to ``keep`` (a run killed between a save and its pruning left more)."""
         self.last = path
+        self.score(checkpoint)
         self.prune()
 
     def prune(self) -> None:
         """Delete the checkpoints older than the newest ``keep`` that are not known to be damaged (after each save,
-        and on resuming). A damaged one newer than those stays: it does not count, and is not deleted. Rank zero;
-        the directory is this run's."""
+        and on resuming). A damaged one newer than those stays: it does not count, and is not deleted. With a
+        ``monitor``: delete those older than the newest good one but the ``keep`` best, and name the best in
+        ``best.txt``. Rank zero; the directory is this run's."""
         if not is_rank_zero():
             return
         saved = self.saved()
         good = [p for p in saved if p not in self.damaged]
-        if len(good) > self.keep:
+        if self.monitor is not None and good:
+            best = self.ranked(good)[:self.keep]
+            for old in saved[:saved.index(good[-1])]:
+                if old not in best:
+                    old.unlink(missing_ok=True)
+            if best:
+                self.name_best(best[0])
+        elif len(good) > self.keep:
             for old in saved[:saved.index(good[-self.keep])]:
                 old.unlink(missing_ok=True)
+
+    def name_best(self, path: Path) -> None:
+        """Write ``path``'s file name to ``best.txt`` (a text file rather than a link: links need privileges on
+        Windows), atomically, when it changes."""
+        pointer = self.dir / "best.txt"
+        if pointer.is_file() and pointer.read_text().strip() == path.name:
+            return
+        tmp = pointer.with_name(f".best.txt.{os.getpid()}.tmp")
+        tmp.write_text(path.name + "\n")
+        os.replace(tmp, pointer)
+        log.info("best checkpoint: %s (%s %.4g)", path, self.monitor, self.scores[path])
 
     def find(self, resume: str | Path) -> tuple[Path, dict] | None:
         """The checkpoint ``resume`` names, loaded: ``auto`` (the newest readable one in this
@@ -884,15 +947,26 @@ _END = object()
 
 # -- SIGTERM / SIGINT ---------------------------------------------------------------------------
 class StopRequest:
-    """A stop asked for by SIGTERM or SIGINT: ``signum`` is its number (None: none yet)."""
+    """A stop asked for: by SIGTERM or SIGINT (``signum`` is its number), or by the run itself (``reason``, from
+    ``Trainer.request_stop``: ``EarlyStopping``). None: none yet."""
 
     signum: int | None = None
+    reason: str | None = None
     AGREE_EVERY = 8  # under torchrun: steps between the ranks' agreements on a stop
 
+    def ask(self, reason: str, step: int) -> None:
+        if self.reason is None:
+            log.info("%s: stopping after step %d", reason, step)
+        self.reason = reason
+
     def agreed(self, step: int, dist) -> bool:
-        """Whether training stops after ``step``. Under torchrun (``dist``) a rank stops only together with
-        the others: signals reach ranks at different moments, so every ``AGREE_EVERY`` steps the ranks
-        share the signal any of them got (one small all-reduce) and all stop after that same step."""
+        """Whether training stops after ``step``. A stop the run asked for is asked for on every rank alike
+        (``EarlyStopping`` decides on validation metrics, which are the same on every rank). Under torchrun
+        (``dist``) a rank stops for a signal only together with the others: signals reach ranks at different
+        moments, so every ``AGREE_EVERY`` steps the ranks share the signal any of them got (one small
+        all-reduce) and all stop after that same step."""
+        if self.reason is not None:
+            return True
         if dist is None:
             return self.signum is not None
         if step % self.AGREE_EVERY:
@@ -908,7 +982,9 @@ def stop_signals(request: StopRequest, state: TrainState) -> Iterator[None]:
     """While training: SIGTERM or SIGINT sets ``request``, and the Trainer finishes its step, saves and
     stops; a second one stops at once, without saving: ``Interrupted``, whose ``code`` (128 + the
     signal: 143, 130) ``python -m safeloop`` exits with. Older checkpoints are left as they are, and a
-    save cut short leaves no file."""
+    save cut short leaves no file. A stop the run asked for (``request.reason``) lasts one fit: it is cleared
+    here, as a fit starts."""
+    request.reason = None
     second: list[int] = []
 
     def handler(signum, frame):

@@ -100,6 +100,7 @@ def build(cfg: DictConfig) -> Trainer:
         random.seed(seed)
         torch.manual_seed(seed)
     made = {group: _instantiate(cfg[group], group) if cfg.get(group) is not None else None for group in OBJECTS}
+    callbacks = [_instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
     data = made["data"]
     try:
         return cls(
@@ -108,6 +109,7 @@ def build(cfg: DictConfig) -> Trainer:
             val_data=getattr(data, "val", None),
             optimizer=made["optimizer"],
             scheduler=made["scheduler"],
+            callbacks=callbacks,
             guard=OmegaConf.to_container(cfg.guard, resolve=True) if cfg.get("guard") else None,
             checkpoint=OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None,
             config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
@@ -155,6 +157,13 @@ def check(cfg: DictConfig) -> list[str]:
         if group == "scheduler" and isinstance(node, DictConfig) and "scheduler" in node:  # {scheduler, interval, monitor}
             node, group = node.scheduler, "scheduler.scheduler"
         problems += call_problems(node, group)
+    callbacks = cfg.get("callbacks")  # {name: a _target_ config} (configs/callbacks/)
+    for name, node in callbacks.items() if isinstance(callbacks, DictConfig) else ():
+        problems += call_problems(node, f"callbacks.{name}")
+    monitor = cfg.get("monitor", "val_loss")
+    if not (isinstance(monitor, str) and monitor):
+        problems.append(f"monitor={monitor!r} is not a metric's name: give the metric the run returns to a sweeper, "
+                        "e.g. monitor=val_loss")
     # the settings' own checks, which the Trainer runs again, so that one report holds everything
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
     known = set(names(Settings))

@@ -33,6 +33,20 @@ class TrainData:
         self.epoch_rng: dict | None = None  # the RNG states the current pass's order was drawn from
         self.shard: Callable[[Iterable], Iterable] | None = None
         self._sharded: Iterable | None = None  # the data this rank's share was made as
+        # where the last fit() stopped: (its step iterator, grad_accum, data, step); the next goes on from there
+        self.left: tuple | None = None
+
+    def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
+        """The steps of a fit: the last fit's iterator where it stopped (so that nothing is read again) when
+        ``data`` and ``grad_accum`` are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
+        left, self.left = self.left, None
+        if left is not None and left[1] == settings.grad_accum and left[2:] == (self.data, self.state.step):
+            return left[0]
+        return self.steps(settings, hooks, schedules)
+
+    def keep(self, batches: Iterator[list], grad_accum: int) -> None:
+        """A fit stopped after this step: the next one goes on with ``batches``, its iterator, from here."""
+        self.left = batches, grad_accum, self.data, self.state.step
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
         """Each step's micro-batches (``settings.grad_accum`` of them, as it was when this began), forever
@@ -84,6 +98,7 @@ class TrainData:
                 "iterable": self.data.state_dict() if ckpt.stateful(self.data) else None}
 
     def load_state_dict(self, saved: dict) -> None:
+        self.left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.load_data(self.data, saved["iterable"])
         self.epoch_rng = saved["epoch_start"]
 

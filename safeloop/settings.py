@@ -180,10 +180,16 @@ class CheckpointSettings:
     keep: int = 3
     # Where they go (null: <run dir>/checkpoints; no run dir: no checkpoints).
     dir: Optional[str] = None
+    # A validation metric to rank them by (null: keep the newest): then a checkpoint is saved at every validation
+    # too, the `keep` best by it are kept plus the newest (for resume), and best.txt names the best.
+    monitor: Optional[str] = None
+    # min | max: whether a lower or a higher `monitor` is better.
+    mode: str = "min"
 
     def problems(self) -> list[str]:
         return (_positive("checkpoint.every", self.every, optional=True) + _positive("checkpoint.keep", self.keep)
-                + mistyped(CheckpointSettings, {"dir": self.dir}, "checkpoint."))
+                + _choice("checkpoint.mode", self.mode, ("min", "max"))
+                + mistyped(CheckpointSettings, {"dir": self.dir, "monitor": self.monitor}, "checkpoint."))
 
 
 PROFILE_KEYS = ("wait", "warmup", "active")  # torch.profiler.schedule's

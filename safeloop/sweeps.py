@@ -1,10 +1,11 @@
 """After a sweep (``python -m safeloop -m optimizer.lr=1e-2,1e-3``): one table of its runs.
 
+A job returns its monitored metric as a float (``Result``), which a sweeper such as Optuna's
+optimises; the float also carries the run's final losses and last validation metrics.
 ``SweepTable`` is a Hydra callback (``hydra.callbacks`` in ``configs/train.yaml``): each job's
-return value (its final losses and last validation metrics) is collected as the job ends, and
-when the sweep ends the table — the overrides that differ between runs, then the metrics — is
-printed and written to ``summary.md`` in the sweep directory. It sees the jobs of Hydra's basic
-launcher, which runs them in this process.
+metrics are collected as the job ends, and when the sweep ends the table — the overrides that
+differ between runs, then the metrics — is printed and written to ``summary.md`` in the sweep
+directory. It sees the jobs of Hydra's basic launcher, which runs them in this process.
 """
 from __future__ import annotations
 
@@ -15,6 +16,28 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .callbacks import check_monitor
+from .state import TrainState
+
+
+class Result(float):
+    """A run's monitored metric, the float a sweeper optimises; ``metrics`` holds all its final metrics."""
+
+    metrics: dict[str, float]
+
+    @classmethod
+    def of(cls, state: TrainState, monitor: str) -> Result:
+        """``monitor``'s value among the final losses and the last validation's metrics (a ``ConfigError``
+        naming those if it is none of them); without a validation, the final training loss (the sum of the
+        losses, when training_step returns several)."""
+        history = state.val_history
+        metrics = {**state.floats(), **(history[-1][1] if history else {})}
+        if history:
+            check_monitor("the run", monitor, metrics)
+        out = cls(metrics.get(monitor, sum(state.floats().values())))
+        out.metrics = metrics
+        return out
+
 
 class SweepTable(Callback):
     def __init__(self) -> None:
@@ -23,7 +46,7 @@ class SweepTable(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         # a failed job's return_value raises its error: Hydra reports that error itself
         value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
-        self.runs.append((list(job_return.overrides or []), value if isinstance(value, dict) else None))
+        self.runs.append((list(job_return.overrides or []), getattr(value, "metrics", None)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.runs:

@@ -103,7 +103,7 @@ class Trainer:
                      scheduler=scheduler, guard=guard, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint,
                      config=config)
         problems += mistyped(Trainer, {k: v for k, v in given.items() if v is not None})
-        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume)
+        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
         problems += found
         self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
         problems += found
@@ -131,8 +131,6 @@ class Trainer:
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._said: str | None = None  # the last fit's line on where it writes
         self._runner: Runner | None = None  # the last setup's: it runs the steps
-        # where the last fit() stopped: (its batches, train_data, grad_accum, step); the next goes on from there
-        self._left: tuple | None = None
 
     # -- what users override ---------------------------------------------------------------
     def training_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor]:
@@ -221,7 +219,9 @@ class Trainer:
                     self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
-                    self.schedules.check_monitors(self.validate())
+                    metrics = self.validate()
+                    self.schedules.check_monitors(metrics)
+                    ckpt.check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
                 self.guard.start_fit()
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
@@ -243,18 +243,14 @@ class Trainer:
 
     def _loop(self, step_done: Callable[[], None]) -> None:
         """The steps, each followed by what is due after it, until ``_after_step`` says to stop."""
-        if self._done():  # resumed from the end
+        if self._done() or self._stop.reason is not None:  # resumed from the end, or asked to stop
             return
-        left, self._left = self._left, None
-        if left is not None and left[1:] == (self.train_data, self.settings.grad_accum, self.state.step):
-            batches = left[0]  # the last fit's iterator, where it stopped: nothing is read again
-        else:
-            batches = self._data.steps(self.settings, self._hooks, self.schedules)
+        batches = self._data.batches(self.settings, self._hooks, self.schedules)
         for group in batches:
             self._runner.run(group)
             step_done()  # the profiler's step
             if self._after_step():
-                self._left = batches, self.train_data, self.settings.grad_accum, self.state.step
+                self._data.keep(batches, self.settings.grad_accum)  # the next fit goes on from here
                 return
 
     def _after_step(self) -> bool:
@@ -267,11 +263,11 @@ class Trainer:
             metrics = self.state.metrics(self.logged)  # empties self.logged
             self.progress.update(step, metrics)
             self.log_metrics({**metrics, **schedules.learning_rates(self.optimizers)})
-        if self.val_data is not None and s.val_every and step % s.val_every == 0:
+        validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
+        if validated:
             self.schedules.after_validation(self.validate())
         stop = self._stop.agreed(step, self.dist)
-        every = self.checkpointer.every if self.checkpointer is not None else None
-        if stop or (every and step % every == 0):
+        if stop or (self.checkpointer is not None and self.checkpointer.due(step, validated)):
             self.save_checkpoint()
         return stop or self._done()
 
@@ -295,6 +291,11 @@ class Trainer:
     def retain_plans(self) -> dict[tuple[tuple[str, ...], bool], int]:
         """Which backwards of several losses retained the graph: ``{(those losses, walked): first step}``."""
         return self._runner.retain_plans if self._runner is not None else {}
+
+    def request_stop(self, reason: str) -> None:
+        """End ``fit`` after this step as ``max_steps`` does (checkpoint, ``on_fit_end``), logging ``reason``, for one
+        fit (before its first step: nothing is trained). Under torchrun every rank must ask after the same step."""
+        self._stop.ask(reason, self.state.step)
 
     @property
     def stop_signal(self) -> int | None:
@@ -355,7 +356,7 @@ class Trainer:
         path, data = found
         self.load_state_dict(data, path)
         if self.checkpointer is not None:
-            self.checkpointer.resumed(path)
+            self.checkpointer.resumed(path, data)
         state = self.state
         for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
             logger.resume(state.step)
@@ -389,7 +390,6 @@ class Trainer:
         ``on_load_checkpoint``. The global RNG states are set when ``fit()`` starts its next step, so
         that nothing before it draws from them. Needs ``setup()`` first (``fit()`` calls it)."""
         self._need_setup("load_state_dict")
-        self._left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.restore(self._parts(), checkpoint, path, self.dist)
         self._loaded_rng = checkpoint["rng"]
         self._hooks("on_load_checkpoint", checkpoint)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from safeloop import Callback, CheckpointError, SafeloopError, Trainer, checkpoint
+from safeloop import Callback, CheckpointError, ConfigError, SafeloopError, Trainer, checkpoint
 from safeloop.checkpoint import FORMAT, Checkpointer, atomic_save, load
 from safeloop.config import compose, train
 from safeloop.recipes.gan import GAN, GANTrainer, ring
@@ -288,6 +288,61 @@ def test_keeps_the_newest_and_resumes_where_it_stopped(tmp_path):
     from_dir = make(tmp_path / "elsewhere", 32, resume=tmp_path)  # a directory: its newest checkpoint
     from_dir.fit()
     assert from_dir.state.step == 32 and Checkpointer(tmp_path / "elsewhere").saved()[-1].name == "step-000000032.pt"
+
+
+class ScriptedVal(Trainer):
+    """Validates every 2 steps; the validation at step s reports ``val_loss`` = ``values[s // 2 - 1]`` (100 before
+    training)."""
+
+    def __init__(self, values, **kwargs):
+        data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+        super().__init__(model=torch.nn.Linear(2, 1), train_data=data, val_data=data[:1], val_every=2,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.01), progress=False, loggers=[], **kwargs)
+        self.values, self.trained = values, 0
+
+    def validation_step(self, batch):
+        step = self.state.step
+        return torch.tensor(float(self.values[step // 2 - 1]) if step else 100.0)
+
+    def on_step_end(self, losses):
+        self.trained += 1
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_with_a_monitor_the_k_best_and_the_newest_are_kept_and_best_txt_names_the_best(tmp_path, mode):
+    values = [5, 3, 4, 1, 6, 2, 7, 0.5, 8, 9]  # steps 2, 4, ..., 20
+    by_step = {2 * (i + 1): v for i, v in enumerate(values)}
+
+    def expected(last: int) -> list[str]:
+        ranked = sorted((s for s in by_step if s <= last), key=by_step.get, reverse=mode == "max")
+        return sorted(f"step-{s:09d}.pt" for s in {*ranked[:3], last}), f"step-{ranked[0]:09d}.pt\n"
+
+    ckpt = {"dir": str(tmp_path), "every": 3, "keep": 3, "monitor": "val_loss", "mode": mode}
+    ScriptedVal(values, max_steps=10, checkpoint=ckpt).fit()  # saves at every validation, and at 3 and 9
+    names, best = expected(10)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == names and (tmp_path / "best.txt").read_text() == best
+    resumed = ScriptedVal(values, max_steps=20, checkpoint=ckpt, resume="auto")
+    resumed.fit()
+    assert resumed.trained == 10  # from the newest (step 10), not from the best
+    names, best = expected(20)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == names and (tmp_path / "best.txt").read_text() == best
+    assert resumed.checkpointer.best == tmp_path / best.strip()
+    assert names == (["step-000000008.pt", "step-000000012.pt", "step-000000016.pt", "step-000000020.pt"]
+                     if mode == "min" else ["step-000000014.pt", "step-000000018.pt", "step-000000020.pt"])
+
+
+def test_a_checkpoint_monitor_that_cannot_be_read_is_a_config_error_before_training(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("checkpoint.monitor='val_loss' ranks checkpoints by a validation "
+                                                    "metric, and there is no val_data")):
+        Trainer(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(1, 2), torch.ones(1, 1))], optimizer=torch.optim.SGD,
+                max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_loss"})
+    with pytest.raises(ConfigError, match=re.escape("checkpoint.mode='lowest' is not one of min, max")):
+        ScriptedVal([1], max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_loss", "mode": "lowest"})
+    trainer = ScriptedVal([1], max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_acc"})
+    with pytest.raises(ConfigError, match=re.escape("checkpoint monitors 'val_acc', which validation does not report: "
+                                                    "it reports val_loss; give monitor=<one of those>")):
+        trainer.fit()
+    assert trainer.trained == 0 and not list(tmp_path.glob("*.pt"))
 
 
 def test_truncated_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, caplog):

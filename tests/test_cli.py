@@ -1,4 +1,5 @@
 """What ``python -m safeloop`` says at the command line: real subprocesses."""
+import csv
 import os
 import re
 import subprocess
@@ -192,3 +193,35 @@ def test_a_full_disk_at_run_time_is_one_line_and_no_checkpoint(tmp_path):
     assert out.stderr == ("safeloop: OSError: [Errno 28] No space left on device (free some space, or give the run "
                           "another directory: hydra.run.dir=PATH, checkpoint.dir=PATH)\n")
     assert not list(tmp_path.glob("ckpt/*.pt"))
+
+
+def test_the_entry_point_returns_the_monitored_metric_as_a_float_for_a_sweeper():
+    from safeloop.__main__ import task
+    from safeloop.state import TrainState
+    from safeloop.sweeps import Result
+
+    small = ["trainer.max_steps=6", "trainer.val_every=3", "data.n_train=256", "data.n_val=64", "threads=null",
+             "device=cpu"]
+    value = task(compose(small))
+    assert isinstance(value, float) and value.metrics.keys() == {"loss", "val_loss"}
+    logged = [row for row in csv.DictReader(open("safeloop_runs/latest/metrics.csv")) if row["metric"] == "val_loss"]
+    assert logged[-1]["step"] == "6" and value == pytest.approx(float(logged[-1]["value"]), rel=1e-5)
+    with pytest.raises(ConfigError, match=re.escape("the run monitors 'val_acc', which validation does not report: it "
+                                                    "reports loss, val_loss; give monitor=<one of those>")):
+        task(compose([*small, "monitor=val_acc"]))
+    # a run that did not validate: its final training loss (their sum, for several losses)
+    state = TrainState(losses={"g": torch.tensor(1.5), "d": torch.tensor(0.25)})
+    assert Result.of(state, "val_loss") == 1.75 and Result.of(state, "d") == 0.25  # or the loss it names
+
+
+def test_callbacks_early_stopping_watches_the_runs_monitor():
+    from safeloop import EarlyStopping
+    from safeloop.config import build
+
+    trainer = build(compose(["callbacks=early_stopping", "monitor=val_mae", "callbacks.early_stopping.patience=5",
+                             "device=cpu"]))
+    [stopper] = trainer.callbacks
+    assert isinstance(stopper, EarlyStopping) and (stopper.monitor, stopper.patience) == ("val_mae", 5)
+    with pytest.raises(ConfigError, match=re.escape("callbacks.early_stopping.patience='many' is a str; give an "
+                                                    "integer")):
+        compose(["callbacks=early_stopping", "callbacks.early_stopping.patience=many"])

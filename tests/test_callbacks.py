@@ -1,0 +1,125 @@
+"""EarlyStopping against the hand-written patience loop Lightning's EarlyStopping is: real Trainers, real checkpoint
+files, a validation metric scripted by step."""
+import logging
+import math
+import re
+
+import pytest
+import torch
+
+from safeloop import Callback, ConfigError, EarlyStopping, Trainer
+
+VAL_EVERY = 2
+
+
+class Scripted(Trainer):
+    """Validation reports ``val_loss`` = ``values[i]`` at its i-th validation during training (step
+    ``VAL_EVERY * (i + 1)``); the one before training reports 100."""
+
+    def __init__(self, values, **kwargs):
+        data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+        super().__init__(model=torch.nn.Linear(2, 1), train_data=data, val_data=data[:1], val_every=VAL_EVERY,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.01), progress=False, loggers=[], **kwargs)
+        self.values, self.trained, self.ended = values, 0, False
+
+    def validation_step(self, batch):
+        step = self.state.step
+        return torch.tensor(self.values[step // VAL_EVERY - 1] if step else 100.0)
+
+    def on_step_end(self, losses):
+        self.trained += 1
+
+    def on_fit_end(self):
+        self.ended = True
+
+
+def hand_written(values, mode, patience, min_delta):
+    """The usual patience loop: the validation (its index) after which it stops, the best value and its index."""
+    best, at, wait = (math.inf if mode == "min" else -math.inf), None, 0
+    for i, value in enumerate(values):
+        if (value < best - min_delta) if mode == "min" else (value > best + min_delta):
+            best, at, wait = value, i, 0
+        else:
+            wait += 1
+        if wait >= patience:
+            return i, best, at
+    return None, best, at
+
+
+SEQUENCES = [
+    ([5, 4, 3, 3.5, 3.2, 3.1, 2, 1], "min", 3, 0.0),  # stops at the 6th validation: 3 without a new low
+    ([5, 4, 3, 2.95, 2.91, 2.9, 1], "min", 3, 0.1),  # improvements smaller than min_delta do not count
+    ([5, 4, 3, 2.95, 2.91, 2.9, 2.9, 2.95, 3], "min", 3, 0.0),  # ... and without min_delta they do
+    ([1, 2, 2, 1.5, 3, 2, 2, 2, 2], "max", 2, 0.0),  # max: a tie is no improvement
+    ([3, 3, 2, 1], "min", 1, 0.0),  # patience 1: the first validation that is not better
+]
+
+
+@pytest.mark.parametrize("values, mode, patience, min_delta", SEQUENCES)
+def test_it_stops_at_the_validation_the_hand_written_patience_loop_stops_at(tmp_path, caplog, values, mode, patience,
+                                                                            min_delta):
+    stop, best, at = hand_written(values, mode, patience, min_delta)
+    trainer = Scripted(values, max_steps=VAL_EVERY * (len(values) + 3), run_dir=tmp_path,
+                       callbacks=[EarlyStopping("val_loss", mode, patience, min_delta)])
+    with caplog.at_level(logging.INFO, logger="safeloop"):
+        trainer.fit()
+    assert stop is not None and trainer.state.step == VAL_EVERY * (stop + 1) == trainer.trained
+    assert trainer.ended  # a clean end: on_fit_end, and no validation after the one that decided it
+    assert [s for s, _ in trainer.state.val_history] == [VAL_EVERY * i for i in range(stop + 2)]
+    assert trainer.checkpointer.last.name == f"step-{trainer.state.step:09d}.pt" and trainer.checkpointer.last.exists()
+    assert (f"early stopping: val_loss did not improve by more than {min_delta:g} over the last {patience} "
+            f"validations (best {best:.4g} at step {VAL_EVERY * (at + 1)}): stopping after step {trainer.state.step}"
+            in caplog.text)
+
+
+def test_the_first_sequence_stops_at_step_12():
+    assert hand_written(*SEQUENCES[0]) == (5, 3, 2)  # the 6th validation, step 12; the best 3 at step 6
+
+
+def test_a_resumed_run_counts_on_exactly_and_one_resumed_after_the_stop_trains_nothing(tmp_path):
+    values = [5, 4, 3, 3.5, 3.2, 3.1, 2, 1] + [1] * 10  # stops after step 12
+    ckpt = {"dir": str(tmp_path / "ckpt"), "every": 2}
+    first = Scripted(values, max_steps=8, checkpoint=ckpt, callbacks=[EarlyStopping(patience=3)])
+    first.fit()  # stopped by max_steps one validation after the best (step 6)
+    assert first.state.step == 8 and first.callbacks[0].wait == 1
+    resumed = Scripted(values, max_steps=40, checkpoint=ckpt, resume="auto", callbacks=[EarlyStopping(patience=3)])
+    resumed.fit()
+    assert resumed.state.step == 12 and resumed.trained == 4  # as the run that never stopped
+    stopper = resumed.callbacks[0]
+    assert (stopper.best, stopper.best_step, stopper.wait) == (3, 6, 3)
+    again = Scripted(values, max_steps=40, checkpoint=ckpt, resume="auto", callbacks=[EarlyStopping(patience=3)])
+    again.fit()
+    assert again.state.step == 12 and again.trained == 0 and again.ended
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt"))[-1] == "step-000000012.pt"
+    patient = Scripted(values, max_steps=40, checkpoint=ckpt, resume="auto", callbacks=[EarlyStopping(patience=5)])
+    patient.fit()  # a larger patience trains on, counting from the saved state: 2 then 1 are new bests
+    assert patient.state.step == 26
+
+
+class Stops(Callback):
+    def on_step_end(self, trainer, losses):
+        if trainer.state.step == 3:
+            trainer.request_stop("enough")
+
+
+def test_a_stop_asked_for_lasts_one_fit(tmp_path):
+    trainer = Scripted([1] * 20, max_steps=10, callbacks=[Stops()])
+    trainer.fit()
+    assert trainer.state.step == 3
+    trainer.fit()  # asked for again at no step of this fit: it trains on
+    assert trainer.state.step == 10
+
+
+def test_a_monitored_name_no_validation_reports_is_an_error_at_the_first_validation():
+    trainer = Scripted([1, 2], max_steps=10, callbacks=[EarlyStopping(monitor="val_acc")])
+    with pytest.raises(ConfigError, match=re.escape("EarlyStopping monitors 'val_acc', which validation does not "
+                                                    "report: it reports val_loss; give monitor=<one of those>")):
+        trainer.fit()
+    assert trainer.trained == 0
+
+
+def test_bad_arguments_are_one_config_error():
+    with pytest.raises(ConfigError, match=r"(?s)EarlyStopping\(mode='mini'\): give min or max.*"
+                                          r"EarlyStopping\(patience=0\): give a positive integer.*"
+                                          r"EarlyStopping\(min_delta=-1\): give a number >= 0"):
+        EarlyStopping(mode="mini", patience=0, min_delta=-1)
