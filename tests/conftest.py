@@ -14,13 +14,17 @@ sys.path.insert(0, str(ROOT))  # recipes/ and benchmarks/ importable from the ch
 
 @pytest.fixture(autouse=True)
 def _fresh_state(tmp_path, monkeypatch):
-    """Every test starts from the same RNG state, in its own directory, grad mode on."""
+    """Every test starts from the same RNG state, in its own directory, grad mode on; the modules it imported
+    from its directory (a user's ``cnn.py``) are forgotten after it, so that another test's are found afresh."""
     torch.manual_seed(0)
     random.seed(0)
     monkeypatch.chdir(tmp_path)
     torch.set_grad_enabled(True)
     yield
     torch.set_grad_enabled(True)
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
 
 
 @pytest.fixture(autouse=True)
