@@ -35,6 +35,7 @@ from ..errors import (
     GraphSharingWarning,
     InplaceModificationError,
     NoGraphError,
+    UnusedGradientWarning,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
@@ -132,6 +133,8 @@ class Guard:
         # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
         self._keeping: dict[str, tuple[int, str, weakref.ref]] = {}
         self._warned: set[str] = set()
+        self._unused: set[int] = set()  # the Parameters found getting gradient for no optimizer (ids)
+        self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs); a later backward of the step reaching a node they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any]] = []
@@ -253,7 +256,7 @@ class Guard:
     # -- before backward -----------------------------------------------------------
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
-        first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None,
+        first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None, updates: bool = True,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
@@ -261,7 +264,8 @@ class Guard:
         loop whose steps end at each optimizer step, the node counter where this step's loop iteration
         began, when an earlier step of it came before: a graph made since is the iteration's, not carried;
         ``inputs``: the ``backward(inputs=...)`` of one loss's backward, which runs only the nodes on paths
-        to them, so only those can meet saved tensors an earlier backward freed).
+        to them, so only those can meet saved tensors an earlier backward freed; ``updates``: the backward writes
+        the ``.grad`` of the leaves it reaches, which ``torch.autograd.grad`` does not).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -274,7 +278,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration, inputs)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None)
             if first and self.thorough and scope is not None and not self.is_off("consumed"):
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
@@ -292,8 +296,9 @@ class Guard:
                        "set automatic = False on your Trainer and call self.backward(loss) / "
                        "self.step() inside training_step"])
 
-    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None) -> list[bool]:
+    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False) -> list[bool]:
         seen: set = set()
+        reached: list[tuple[str, Any, list]] = []  # (loss name, root, the leaves its walk met first)
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
         # Losses whose graphs share a node (directly or through another loss) form a group; a
         # non-retaining backward frees every buffer it passes, so in a group every loss but the
@@ -338,14 +343,87 @@ class Guard:
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
                 continue
+            reached.append((name, root, found.leaves))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes)))
+        if reached and updates and scope is not None:
+            self._unused_gradients(reached, step, scope)
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def _unused_gradients(self, reached, step: int, scope: Scope) -> None:
+        """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
+        per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
+        and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
+        for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
+        params = scope.optimized()
+        if params is None:
+            return
+        held = {id(p) for p in params}
+        more = None  # the optimizers the scope holds too: looked for only when something looks unheld
+
+        def unheld(leaves) -> list:
+            nonlocal more
+            out = [t for t in leaves if id(t) not in held]
+            if out and more is None:
+                more = {id(p) for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]}
+                held.update(more)
+                out = [t for t in out if id(t) not in held]
+            return out
+
+        for name, root, leaves in reached:
+            key = f"untrained:{name}"
+            if key in self._warned or len(unheld([n.variable for n in leaves])) < len(leaves):
+                continue
+            # its walk stopped at what earlier losses' walks met: the whole graph tells
+            every = [n.variable for n in islice(walk.iter_nodes(root), 100_000) if type(n) is walk.ACCUMULATE]
+            if every and len(unheld(every)) == len(every):
+                self._warned.add(key)
+                self._warn(UnusedGradientWarning(
+                    f"the loss reaches none of the parameters the optimizers update, only "
+                    f"{explain.leaf_names(every, scope)}: backward gives the optimizers nothing, so this loss trains "
+                    "nothing", step=step, loss_name=name,
+                    fixes=["if it goes through copies of the parameters (fast weights made with "
+                           ".detach().requires_grad_(), copy.deepcopy), make them from the parameters themselves: "
+                           "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
+                           "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
+                           "if the tensors it reaches are the ones to train, give them to an optimizer"]))
+        leaves = {id(n.variable): n.variable for _, _, found in reached for n in found if id(n.variable) not in self._unused}
+        wasted = unheld([t for t in leaves.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad])
+        self._unused.update(id(t) for t in wasted)  # (a Parameter made anew every step is named again, said once)
+        wasted = [t for t in wasted if f"unused:{explain.leaf_names([t], scope)}" not in self._warned]
+        if not wasted:
+            return
+        self._warned.update(f"unused:{explain.leaf_names([t], scope)}" for t in wasted)
+        known = explain.registered(scope)
+        fixes = []
+        if any(id(t) not in known for t in wasted):
+            fixes.append("keep layers in an nn.ModuleList (an nn.ModuleDict for a dict), not a plain list: a plain "
+                         "list's layers are not registered, so model.parameters(), and the optimizer built from it, "
+                         "miss them")
+        if any(id(t) in known for t in wasted):
+            fixes += ["create layers and Parameters once, in __init__: one made in forward is a new tensor every "
+                      "step, which no optimizer holds",
+                      "build the optimizer after replacing a layer (one built before updates the old layer's "
+                      "parameters), or add the new ones with optimizer.add_param_group({'params': ...})"]
+        fixes.append("if they are meant to stay fixed, p.requires_grad_(False): backward then skips them")
+        self._warn(UnusedGradientWarning(
+            f"the loss reaches {explain.leaf_names(wasted, scope)}, which require grad but which no optimizer "
+            "updates: their gradient goes nowhere and they keep their initial values",
+            step=step, loss_name=reached[0][0], fixes=fixes))
+
+    def _warn(self, warning: Warning) -> None:
+        """Warn at the loop's line (``frame``), else at the caller of ``preflight``."""
+        frame = self.frame
+        if frame is None:
+            warnings.warn(warning, stacklevel=5)
+        else:
+            warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
+                                   module_globals=frame.f_globals)
 
     def _watch(self, root, nodes) -> _Sentinel:
         """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
