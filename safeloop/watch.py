@@ -166,8 +166,10 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     held = [v for k, v in list(variables(frame).items()) if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
-    # a module and its submodules: `model[0].scaled`), but not those the loop or the object's own methods assign
-    objects = [o for v in held for o in (v.modules() if issubclass(type(v), torch.nn.Module) else (v,))]
+    # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
+    # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
+    objects = held + [m for v in held if issubclass(type(v), torch.nn.Module) for m in list(v.modules())[1:]
+                      if not (m._forward_pre_hooks or m._forward_hooks)]
     held += [a for o in objects for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None

@@ -170,25 +170,31 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     if scope is None:
         return []
     found = list(scope.roots.items()) + [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in _fields(root).items()
+              if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, mod) for name, mod in found if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
 
 
-def _parameters_of(name: str, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, parameter) of a module, and of the layers its attributes keep in plain lists and dicts (which
-    ``named_parameters`` misses: they are not registered)."""
-    yield from ((f"{name}.{key}", p) for key, p in module.named_parameters())
+def _parameters_of(name: str, module: torch.nn.Module, listed: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, parameter, whether a plain list or dict keeps its layer) of a module, and of the layers its attributes
+    keep in plain lists and dicts (which ``named_parameters`` misses: they are not registered)."""
+    yield from ((f"{name}.{key}", p, listed) for key, p in module.named_parameters())
     for mod_name, mod in module.named_modules():
         base = f"{name}.{mod_name}" if mod_name else name
         for key, val in vars(mod).items():
             items = val.items() if type(val) is dict else enumerate(val) if type(val) in (list, tuple) else ()
             for i, sub in items:
                 if not key.startswith("_") and issubclass(type(sub), torch.nn.Module):
-                    yield from _parameters_of(f"{base}.{key}[{i!r}]", sub)
+                    yield from _parameters_of(f"{base}.{key}[{i!r}]", sub, True)
 
 
-def registered(scope: Scope | None) -> set[int]:
-    """The ids of the parameters the scope's modules register (``model.parameters()`` lists them)."""
-    return {id(p) for _, mod in _modules(scope) for p in mod.parameters()}
+def parameter_names(scope: Scope | None) -> dict[int, tuple[str, bool]]:
+    """id -> (name, whether a plain list or dict keeps its layer) of every parameter of the scope's modules."""
+    names: dict[int, tuple[str, bool]] = {}
+    for root_name, root in _modules(scope):
+        for name, param, listed in _parameters_of(root_name, root):
+            names.setdefault(id(param), (name, listed))
+    return names
 
 
 def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
@@ -197,41 +203,40 @@ def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
     if scope is None:
         return []
     values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
-    values += [a for v in values for a in _fields(v)]
+    values += [a for v in values for a in _fields(v).values()]
     values += [i for v in values for i in (v.values() if type(v) is dict else v if type(v) in (list, tuple) else ())]
     return list({id(v): v for v in values if issubclass(type(v), torch.optim.Optimizer)}.values())
 
 
-def _fields(obj) -> list:
-    """The attribute values of an object that is neither a tensor nor a Python module, read by type only."""
+def _fields(obj) -> dict:
+    """The attributes of an object that is neither a tensor nor a Python module, read by type only."""
     if issubclass(type(obj), (torch.Tensor, type(os))):
-        return []
+        return {}
     try:
         fields = object.__getattribute__(obj, "__dict__")
     except (AttributeError, TypeError):
-        return []
-    return list(fields.values()) if type(fields) is dict else []
+        return {}
+    return dict(fields) if type(fields) is dict else {}
 
 
 def leaf_names(leaves, scope: Scope | None = None, most: int = 3, batch: Any = None) -> str:
     """How to name leaf tensors in a message: the parameters' names where a root module has them, or a module
     in the scope's variables (``self.layer.weight`` in a LightningModule's hook; ``model.layers[0].weight`` for a
-    layer kept in a plain list), else the variable that holds the tensor (``local fast[0]``)."""
-    names = {}
-    for root_name, root in _modules(scope):
-        for name, param in _parameters_of(root_name, root):
-            names.setdefault(id(param), f"`{name}`")
+    layer kept in a plain list), else the variable that holds the tensor (``local fast[0]``), else a parameter of
+    the same shape (of which it may be a copy)."""
+    found = parameter_names(scope)
+    names = {key: f"`{name}`" for key, (name, _) in found.items()}
     shown = leaves[:most]
     if any(id(t) not in names for t in shown):
         wanted = {id(t) for t in shown}
         for name, tensor in candidates(scope, batch):
             if id(tensor) in wanted:
                 names.setdefault(id(tensor), f"`{name}`")
-    shapes = {}  # an unnamed tensor shaped as a parameter may be a copy of it (fast weights)
-    for root_name, root in _modules(scope):
-        for name, param in _parameters_of(root_name, root):
-            shapes.setdefault(tuple(param.shape), name)
-    said = [names.get(id(t)) or (f"an unnamed tensor shaped as `{shapes[tuple(t.shape)]}`" if tuple(t.shape) in shapes
+    shapes = {}
+    for _, mod in _modules(scope):
+        for param in mod.parameters():
+            shapes.setdefault(tuple(param.shape), names[id(param)])
+    said = [names.get(id(t)) or (f"an unnamed tensor shaped as {shapes[tuple(t.shape)]}" if tuple(t.shape) in shapes
                                  else f"a tensor of shape {list(t.shape)} with requires_grad=True") for t in shown]
     more = f" and {len(leaves) - most} more" if len(leaves) > most else ""
     return ", ".join(said) + more

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from ..errors import (
@@ -133,7 +134,10 @@ class Guard:
         # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
         self._keeping: dict[str, tuple[int, str, weakref.ref]] = {}
         self._warned: set[str] = set()
-        self._unused: set[int] = set()  # the Parameters found getting gradient for no optimizer (ids)
+        # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
+        # each name (one found again under its name as another tensor is made anew every step)
+        self._unused: dict[int, weakref.ref] = {}
+        self._named: dict[str, weakref.ref] = {}
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs); a later backward of the step reaching a node they ran would find it freed
@@ -379,9 +383,12 @@ class Guard:
             key = f"untrained:{name}"
             if key in self._warned or len(unheld([n.variable for n in leaves])) < len(leaves):
                 continue
-            # its walk stopped at what earlier losses' walks met: the whole graph tells
-            every = [n.variable for n in islice(walk.iter_nodes(root), 100_000) if type(n) is walk.ACCUMULATE]
-            if every and len(unheld(every)) == len(every):
+            # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
+            # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
+            nodes = list(islice(walk.iter_nodes(root), 100_000))
+            every = [n.variable for n in nodes if type(n) is walk.ACCUMULATE]
+            hidden = any(isinstance(n, BackwardCFunction) for n in nodes)
+            if every and not hidden and len(unheld(every)) == len(every):
                 self._warned.add(key)
                 self._warn(UnusedGradientWarning(
                     f"the loss reaches none of the parameters the optimizers update, only "
@@ -392,27 +399,45 @@ class Guard:
                            "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
                            "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
                            "if the tensors it reaches are the ones to train, give them to an optimizer"]))
-        leaves = {id(n.variable): n.variable for _, _, found in reached for n in found if id(n.variable) not in self._unused}
-        wasted = unheld([t for t in leaves.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad])
-        self._unused.update(id(t) for t in wasted)  # (a Parameter made anew every step is named again, said once)
-        wasted = [t for t in wasted if f"unused:{explain.leaf_names([t], scope)}" not in self._warned]
+        # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
+        # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
+        # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
+        leaves = {id(n.variable): n.variable for _, _, found in reached for n in found}
+        fresh = [t for i, t in leaves.items() if isinstance(t, torch.nn.Parameter) and t.requires_grad
+                 and (i not in self._unused or self._unused[i]() is not t)]
+        wasted = unheld(fresh) if fresh else []
         if not wasted:
             return
-        self._warned.update(f"unused:{explain.leaf_names([t], scope)}" for t in wasted)
-        known = explain.registered(scope)
+        self._unused.update((id(t), weakref.ref(t)) for t in wasted)  # one kept across steps is judged once
+        names = explain.parameter_names(scope)
+        listed = {id(t) for t in wasted if names.get(id(t), ("", False))[1]}
+        for t in wasted:
+            if id(t) in names:
+                self._named.setdefault(names[id(t)][0], weakref.ref(t))
+        remade = {id(t) for t in wasted if id(t) in names and self._named[names[id(t)][0]]() is not t}
+        optimized = list(scope.optimized() or ()) + [p for o in explain.optimizers(scope) for g in o.param_groups
+                                                     for p in g["params"]]
+        known = {id(t) for _, t in explain.candidates(scope)} | set(names)
+        stale = any(id(p) not in known for p in optimized)  # held by the optimizer only: a replaced layer's
+        replaced = {id(t) for t in wasted if id(t) in names and id(t) not in listed} if stale else set()
         fixes = []
-        if any(id(t) not in known for t in wasted):
+        if listed:
             fixes.append("keep layers in an nn.ModuleList (an nn.ModuleDict for a dict), not a plain list: a plain "
                          "list's layers are not registered, so model.parameters(), and the optimizer built from it, "
                          "miss them")
-        if any(id(t) in known for t in wasted):
-            fixes += ["create layers and Parameters once, in __init__: one made in forward is a new tensor every "
-                      "step, which no optimizer holds",
-                      "build the optimizer after replacing a layer (one built before updates the old layer's "
-                      "parameters), or add the new ones with optimizer.add_param_group({'params': ...})"]
+        if remade:
+            fixes.append("create layers and Parameters once, in __init__: one made in forward is a new tensor every "
+                         "step, which no optimizer holds")
+        if replaced:
+            fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
+                         "parameters (or add the new ones: optimizer.add_param_group({'params': new_layer.parameters()}))")
+        said = [t for t in wasted if id(t) in listed | remade | replaced and f"unused:{names[id(t)][0]}" not in self._warned]
+        if not said:
+            return
+        self._warned.update(f"unused:{names[id(t)][0]}" for t in said)
         fixes.append("if they are meant to stay fixed, p.requires_grad_(False): backward then skips them")
         self._warn(UnusedGradientWarning(
-            f"the loss reaches {explain.leaf_names(wasted, scope)}, which require grad but which no optimizer "
+            f"the loss reaches {explain.leaf_names(said, scope)}, which require grad but which no optimizer "
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes))
 
