@@ -1041,5 +1041,7 @@ def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
                 [f"use a differentiable form on the way to the loss (the logits with cross_entropy rather than "
                  f"argmax, a sigmoid rather than a hard comparison); keep {cut[0]} for metrics"])
     return ("it does not depend on any tensor that requires grad (computed under no_grad, from detached "
-            "or .item() values, or from inputs only)",
-            [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled"])
+            "or .item() values, from gradients torch.autograd.grad returned without create_graph=True, or from "
+            "inputs only)",
+            [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled",
+             "for a penalty on gradients (a gradient penalty, R1), pass create_graph=True to torch.autograd.grad"])
