@@ -169,13 +169,14 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     """The modules of the scope by name: its roots, and those in its variables."""
     if scope is None:
         return []
-    found = list(scope.roots.items()) + [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    found = list(scope.roots.items())
+    found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
     found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in _fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, mod) for name, mod in found if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
 
 
-def _parameters_of(name: str, module: torch.nn.Module, listed: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
+def _parameters_of(name: str, module: torch.nn.Module, listed: bool = False) -> Iterator[tuple[str, Any, bool]]:
     """(name, parameter, whether a plain list or dict keeps its layer) of a module, and of the layers its attributes
     keep in plain lists and dicts (which ``named_parameters`` misses: they are not registered)."""
     yield from ((f"{name}.{key}", p, listed) for key, p in module.named_parameters())

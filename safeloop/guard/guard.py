@@ -367,7 +367,7 @@ class Guard:
         params = scope.optimized()
         if params is None:
             return
-        held = {id(p) for p in params}
+        held = set(map(id, params))
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld
 
         def unheld(leaves) -> list:
@@ -379,9 +379,10 @@ class Guard:
                 out = [t for t in out if id(t) not in held]
             return out
 
+        reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
         for name, root, leaves in reached:
             key = f"untrained:{name}"
-            if key in self._warned or len(unheld([n.variable for n in leaves])) < len(leaves):
+            if key in self._warned or any(id(t) in held for t in leaves) or len(unheld(leaves)) < len(leaves):
                 continue
             # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
             # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
@@ -402,10 +403,9 @@ class Guard:
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
-        leaves = {id(n.variable): n.variable for _, _, found in reached for n in found}
-        fresh = [t for i, t in leaves.items() if isinstance(t, torch.nn.Parameter) and t.requires_grad
-                 and (i not in self._unused or self._unused[i]() is not t)]
-        wasted = unheld(fresh) if fresh else []
+        fresh = [t for _, _, leaves in reached for t in leaves
+                 if id(t) not in held and isinstance(t, torch.nn.Parameter) and t.requires_grad and (id(t) not in self._unused or self._unused[id(t)]() is not t)]
+        wasted = list({id(t): t for t in unheld(fresh)}.values()) if fresh else []
         if not wasted:
             return
         self._unused.update((id(t), weakref.ref(t)) for t in wasted)  # one kept across steps is judged once
@@ -430,8 +430,10 @@ class Guard:
                          "step, which no optimizer holds")
         if replaced:
             fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
-                         "parameters (or add the new ones: optimizer.add_param_group({'params': new_layer.parameters()}))")
-        said = [t for t in wasted if id(t) in listed | remade | replaced and f"unused:{names[id(t)][0]}" not in self._warned]
+                         "parameters (or add the new ones: optimizer.add_param_group({'params': "
+                         "new_layer.parameters()}))")
+        mistaken = listed | remade | replaced
+        said = [t for t in wasted if id(t) in mistaken and f"unused:{names[id(t)][0]}" not in self._warned]
         if not said:
             return
         self._warned.update(f"unused:{names[id(t)][0]}" for t in said)

@@ -61,8 +61,8 @@ WARNED = {
                          r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
     "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "
                         r"`model.layer2.weight`, `model.layer2.bias`.*create layers and Parameters once, in __init__",
-    "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, loss 'loss'\): "
-                                  r"the loss reaches none of the parameters the optimizers update, only an unnamed "
+    "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
+                                  r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
 }
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
