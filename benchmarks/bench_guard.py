@@ -51,7 +51,7 @@ def per_node(make, rounds: int) -> tuple[float, float, int, int]:
         t0 = time.perf_counter()
         found = walk.walk(loss.grad_fn, start, step)
         walks.append(time.perf_counter() - t0)
-        nodes, leaves = len(found.nodes), found.leaves
+        nodes, leaves = len(found.nodes), len(found.leaves)
         del found, loss
     on, off = times["always"], times["off"]
     cycles = [(sum(on[i:i + 4]) - sum(off[i:i + 4])) / 4 for i in range(0, len(on), 4)]

@@ -19,6 +19,7 @@ from .errors import (
     NonFiniteError,
     SafeloopError,
     StepError,
+    UnusedGradientWarning,
 )
 from .guard import GraphGuard
 from .seed import seed_everything, seed_worker
@@ -30,6 +31,7 @@ __all__ = [
     "SafeloopError", "ConfigError", "ConfigWarning", "StepError", "NonFiniteError", "CheckpointError", "Interrupted",
     "GraphLifecycleError", "GraphLifecycleWarning", "GraphReuseError", "DoubleBackwardError", "CarriedGraphError",
     "NoGraphError", "InplaceModificationError", "GraphSharingWarning", "GraphLeakWarning",
+    "UnusedGradientWarning",
 ]
 __version__ = "0.1.0"
 

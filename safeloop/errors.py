@@ -155,6 +155,15 @@ class ConfigWarning(UserWarning):
     unused loss weight); said once."""
 
 
+class UnusedGradientWarning(GraphLifecycleWarning):
+    """A loss reaches parameters that require grad but that no optimizer updates, so their gradient goes nowhere
+    (layers kept in a plain list, a Parameter made in ``forward``, an optimizer built before a layer was
+    replaced); or it reaches none of the optimizers' parameters, so it trains nothing (a meta-loss through
+    detached copies of the weights). Said once per loss and per parameter."""
+
+    what = "gradient that no optimizer uses"
+
+
 class GraphLeakWarning(GraphLifecycleWarning):
     """A step's autograd graph is still alive after the step ended."""
 

@@ -67,7 +67,7 @@ class Watch:
                  allow_unused=None, is_grads_batched=False, materialize_grads=False):
             return watch.call(outputs, sys._getframe(1), lambda retain: autograd_grad(
                 outputs, inputs, grad_outputs, retain, create_graph, only_inputs, allow_unused, is_grads_batched,
-                materialize_grads), retain_graph, create_graph, None)
+                materialize_grads), retain_graph, create_graph, None, updates=False)
 
         for new, old in zip((backward, backward_fn, grad), self.saved):
             new.__doc__, new.__wrapped__ = old.__doc__, old
@@ -82,7 +82,7 @@ class Watch:
             hook.remove()
         torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = self.saved
 
-    def call(self, outputs, frame, run, retain_graph, create_graph, inputs):
+    def call(self, outputs, frame, run, retain_graph, create_graph, inputs, updates=True):
         if self.busy:
             return run(retain_graph)
         tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
@@ -94,7 +94,7 @@ class Watch:
             self.first_step(frame)
         self.busy = True
         try:
-            return self.guard.run(losses, frame, run, retain_graph, create_graph, inputs)
+            return self.guard.run(losses, frame, run, retain_graph, create_graph, inputs, updates)
         finally:
             self.busy = False
 
@@ -110,7 +110,7 @@ class Watch:
             main = vars(sys.modules["__main__"])
             name = next((k for k, v in main.items() if v is optimizer), f"{type(optimizer).__name__} #{len(self.names) + 1}")
             self.names[id(optimizer)] = name
-        self.guard.optimizer_stepped(name)
+        self.guard.optimizer_stepped(name, optimizer)
 
     def first_step(self, frame) -> None:
         """Where the first step began: after the tensors the script's training loop did not make.
@@ -165,9 +165,12 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     held = [v for k, v in list(variables(frame).items()) if k not in assigned]
-    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop),
-    # but not those the loop or the object's own methods assign
-    held += [a for v in held for k, a in _fields(v).items() if k not in attributes and k not in _set_by_methods(v)]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
+    # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
+    # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
+    objects = held + [m for v in held if issubclass(type(v), torch.nn.Module) for m in list(v.modules())[1:]
+                      if not (m._forward_pre_hooks or m._forward_hooks)]
+    held += [a for o in objects for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 

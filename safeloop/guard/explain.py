@@ -38,6 +38,8 @@ class Scope:
             them before the first backward: the step ran backward itself).
         rerun: re-runs the step on a batch recording how its graph was lost (a set of
             ``no_grad``, ``detach``, ``item``), changing nothing; None when it cannot.
+        optimized: the parameters the optimizers update, or None while the optimizers are not known (a plain
+            loop given none, before one steps): a loss's leaves are judged against them only when known.
     """
 
     roots: Mapping[str, Any] = field(default_factory=dict)
@@ -45,6 +47,7 @@ class Scope:
     namespaces: Callable[[], Iterable[tuple[str, Mapping[str, Any]]]] = tuple
     parameters: Callable[[], Iterable[torch.Tensor]] = tuple
     rerun: Callable[[Any], set[str] | None] | None = None
+    optimized: Callable[[], Iterable[torch.Tensor] | None] = lambda: None
 
 
 class Item(str):
@@ -162,20 +165,82 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     return None
 
 
-def leaf_names(leaves, scope: Scope | None = None, most: int = 3) -> str:
+def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of the scope by name: its roots, and those in its variables."""
+    if scope is None:
+        return []
+    found = list(scope.roots.items())
+    found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in _fields(root).items()
+              if not key.startswith("_")]  # a Trainer's other modules (self.critic)
+    return [(name, mod) for name, mod in found if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
+
+
+def _parameters_of(name: str, module: torch.nn.Module, listed: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """(name, parameter, whether a plain list or dict keeps its layer) of a module, and of the layers its attributes
+    keep in plain lists and dicts (which ``named_parameters`` misses: they are not registered)."""
+    yield from ((f"{name}.{key}", p, listed) for key, p in module.named_parameters())
+    for mod_name, mod in module.named_modules():
+        base = f"{name}.{mod_name}" if mod_name else name
+        for key, val in vars(mod).items():
+            items = val.items() if type(val) is dict else enumerate(val) if type(val) in (list, tuple) else ()
+            for i, sub in items:
+                if not key.startswith("_") and issubclass(type(sub), torch.nn.Module):
+                    yield from _parameters_of(f"{base}.{key}[{i!r}]", sub, True)
+
+
+def parameter_names(scope: Scope | None) -> dict[int, tuple[str, bool]]:
+    """id -> (name, whether a plain list or dict keeps its layer) of every parameter of the scope's modules."""
+    names: dict[int, tuple[str, bool]] = {}
+    for root_name, root in _modules(scope):
+        for name, param, listed in _parameters_of(root_name, root):
+            names.setdefault(id(param), (name, listed))
+    return names
+
+
+def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
+    """The optimizers the scope's roots and variables hold, directly, in a dict or list, or as an attribute of an
+    object they hold (``trainer.opt_d``)."""
+    if scope is None:
+        return []
+    values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
+    values += [a for v in values for a in _fields(v).values()]
+    values += [i for v in values for i in (v.values() if type(v) is dict else v if type(v) in (list, tuple) else ())]
+    return list({id(v): v for v in values if issubclass(type(v), torch.optim.Optimizer)}.values())
+
+
+def _fields(obj) -> dict:
+    """The attributes of an object that is neither a tensor nor a Python module, read by type only."""
+    if issubclass(type(obj), (torch.Tensor, type(os))):
+        return {}
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return {}
+    return dict(fields) if type(fields) is dict else {}
+
+
+def leaf_names(leaves, scope: Scope | None = None, most: int = 3, batch: Any = None) -> str:
     """How to name leaf tensors in a message: the parameters' names where a root module has them, or a module
-    in the scope's variables (``self.layer.weight`` in a LightningModule's hook)."""
-    names = {}
-    modules = list(scope.roots.items()) if scope is not None else []
-    if scope is not None:
-        modules += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
-    for root_name, root in modules:
-        if issubclass(type(root), torch.nn.Module):  # by type: see find_holder
-            for name, param in root.named_parameters():
-                names.setdefault(id(param), f"{root_name}.{name}")
-    said = [names.get(id(t), f"a tensor of shape {list(t.shape)} with requires_grad=True") for t in leaves[:most]]
+    in the scope's variables (``self.layer.weight`` in a LightningModule's hook; ``model.layers[0].weight`` for a
+    layer kept in a plain list), else the variable that holds the tensor (``local fast[0]``), else a parameter of
+    the same shape (of which it may be a copy)."""
+    found = parameter_names(scope)
+    names = {key: f"`{name}`" for key, (name, _) in found.items()}
+    shown = leaves[:most]
+    if any(id(t) not in names for t in shown):
+        wanted = {id(t) for t in shown}
+        for name, tensor in candidates(scope, batch):
+            if id(tensor) in wanted:
+                names.setdefault(id(tensor), f"`{name}`")
+    shapes = {}
+    for _, mod in _modules(scope):
+        for param in mod.parameters():
+            shapes.setdefault(tuple(param.shape), names[id(param)])
+    said = [names.get(id(t)) or (f"an unnamed tensor shaped as {shapes[tuple(t.shape)]}" if tuple(t.shape) in shapes
+                                 else f"a tensor of shape {list(t.shape)} with requires_grad=True") for t in shown]
     more = f" and {len(leaves) - most} more" if len(leaves) > most else ""
-    return ", ".join(f"`{n}`" if n in names.values() else n for n in said) + more
+    return ", ".join(said) + more
 
 
 # the frames of these packages are never the user's line (a user's own directory may be named safeloop: a clone)

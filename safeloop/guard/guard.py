@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from ..errors import (
@@ -35,6 +36,7 @@ from ..errors import (
     GraphSharingWarning,
     InplaceModificationError,
     NoGraphError,
+    UnusedGradientWarning,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
@@ -132,6 +134,11 @@ class Guard:
         # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
         self._keeping: dict[str, tuple[int, str, weakref.ref]] = {}
         self._warned: set[str] = set()
+        # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
+        # each name (one found again under its name as another tensor is made anew every step)
+        self._unused: dict[int, weakref.ref] = {}
+        self._named: dict[str, weakref.ref] = {}
+        self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs); a later backward of the step reaching a node they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any]] = []
@@ -258,7 +265,7 @@ class Guard:
     # -- before backward -----------------------------------------------------------
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
-        first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None,
+        first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None, updates: bool = True,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
@@ -266,7 +273,8 @@ class Guard:
         loop whose steps end at each optimizer step, the node counter where this step's loop iteration
         began, when an earlier step of it came before: a graph made since is the iteration's, not carried;
         ``inputs``: the ``backward(inputs=...)`` of one loss's backward, which runs only the nodes on paths
-        to them, so only those can meet saved tensors an earlier backward freed).
+        to them, so only those can meet saved tensors an earlier backward freed; ``updates``: the backward writes
+        the ``.grad`` of the leaves it reaches, which ``torch.autograd.grad`` does not).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -279,7 +287,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration, inputs)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None)
             if first and self.thorough and scope is not None and not self.is_off("consumed"):
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
@@ -297,8 +305,9 @@ class Guard:
                        "set automatic = False on your Trainer and call self.backward(loss) / "
                        "self.step() inside training_step"])
 
-    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None) -> list[bool]:
+    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False) -> list[bool]:
         seen: set = set()
+        reached: list[tuple[str, Any, list]] = []  # (loss name, root, the leaves its walk met first)
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
         # Losses whose graphs share a node (directly or through another loss) form a group; a
         # non-retaining backward frees every buffer it passes, so in a group every loss but the
@@ -343,14 +352,110 @@ class Guard:
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
                 continue
+            reached.append((name, root, found.leaves))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes)))
+        if reached and updates and scope is not None:
+            self._unused_gradients(reached, step, scope)
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def _unused_gradients(self, reached, step: int, scope: Scope) -> None:
+        """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
+        per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
+        and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
+        for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
+        params = scope.optimized()
+        if params is None:
+            return
+        held = set(map(id, params))
+        more = None  # the optimizers the scope holds too: looked for only when something looks unheld
+
+        def unheld(leaves) -> list:
+            nonlocal more
+            out = [t for t in leaves if id(t) not in held]
+            if out and more is None:
+                more = {id(p) for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]}
+                held.update(more)
+                out = [t for t in out if id(t) not in held]
+            return out
+
+        reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
+        for name, root, leaves in reached:
+            key = f"untrained:{name}"
+            if key in self._warned or any(id(t) in held for t in leaves) or len(unheld(leaves)) < len(leaves):
+                continue
+            # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
+            # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
+            nodes = list(islice(walk.iter_nodes(root), 100_000))
+            every = [n.variable for n in nodes if type(n) is walk.ACCUMULATE]
+            hidden = any(isinstance(n, BackwardCFunction) for n in nodes)
+            if every and not hidden and len(unheld(every)) == len(every):
+                self._warned.add(key)
+                self._warn(UnusedGradientWarning(
+                    f"the loss reaches none of the parameters the optimizers update, only "
+                    f"{explain.leaf_names(every, scope)}: backward gives the optimizers nothing, so this loss trains "
+                    "nothing", step=step, loss_name=name,
+                    fixes=["if it goes through copies of the parameters (fast weights made with "
+                           ".detach().requires_grad_(), copy.deepcopy), make them from the parameters themselves: "
+                           "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
+                           "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
+                           "if the tensors it reaches are the ones to train, give them to an optimizer"]))
+        # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
+        # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
+        # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
+        fresh = [t for _, _, leaves in reached for t in leaves
+                 if id(t) not in held and isinstance(t, torch.nn.Parameter) and t.requires_grad and (id(t) not in self._unused or self._unused[id(t)]() is not t)]
+        wasted = list({id(t): t for t in unheld(fresh)}.values()) if fresh else []
+        if not wasted:
+            return
+        self._unused.update((id(t), weakref.ref(t)) for t in wasted)  # one kept across steps is judged once
+        names = explain.parameter_names(scope)
+        listed = {id(t) for t in wasted if names.get(id(t), ("", False))[1]}
+        for t in wasted:
+            if id(t) in names:
+                self._named.setdefault(names[id(t)][0], weakref.ref(t))
+        remade = {id(t) for t in wasted if id(t) in names and self._named[names[id(t)][0]]() is not t}
+        optimized = list(scope.optimized() or ()) + [p for o in explain.optimizers(scope) for g in o.param_groups
+                                                     for p in g["params"]]
+        known = {id(t) for _, t in explain.candidates(scope)} | set(names)
+        stale = any(id(p) not in known for p in optimized)  # held by the optimizer only: a replaced layer's
+        replaced = {id(t) for t in wasted if id(t) in names and id(t) not in listed} if stale else set()
+        fixes = []
+        if listed:
+            fixes.append("keep layers in an nn.ModuleList (an nn.ModuleDict for a dict), not a plain list: a plain "
+                         "list's layers are not registered, so model.parameters(), and the optimizer built from it, "
+                         "miss them")
+        if remade:
+            fixes.append("create layers and Parameters once, in __init__: one made in forward is a new tensor every "
+                         "step, which no optimizer holds")
+        if replaced:
+            fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
+                         "parameters (or add the new ones: optimizer.add_param_group({'params': "
+                         "new_layer.parameters()}))")
+        mistaken = listed | remade | replaced
+        said = [t for t in wasted if id(t) in mistaken and f"unused:{names[id(t)][0]}" not in self._warned]
+        if not said:
+            return
+        self._warned.update(f"unused:{names[id(t)][0]}" for t in said)
+        fixes.append("if they are meant to stay fixed, p.requires_grad_(False): backward then skips them")
+        self._warn(UnusedGradientWarning(
+            f"the loss reaches {explain.leaf_names(said, scope)}, which require grad but which no optimizer "
+            "updates: their gradient goes nowhere and they keep their initial values",
+            step=step, loss_name=reached[0][0], fixes=fixes))
+
+    def _warn(self, warning: Warning) -> None:
+        """Warn at the loop's line (``frame``), else at the caller of ``preflight``."""
+        frame = self.frame
+        if frame is None:
+            warnings.warn(warning, stacklevel=5)
+        else:
+            warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
+                                   module_globals=frame.f_globals)
 
     def _watch(self, root, nodes) -> _Sentinel:
         """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
@@ -951,5 +1056,7 @@ def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
                 [f"use a differentiable form on the way to the loss (the logits with cross_entropy rather than "
                  f"argmax, a sigmoid rather than a hard comparison); keep {cut[0]} for metrics"])
     return ("it does not depend on any tensor that requires grad (computed under no_grad, from detached "
-            "or .item() values, or from inputs only)",
-            [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled"])
+            "or .item() values, from gradients torch.autograd.grad returned without create_graph=True, or from "
+            "inputs only)",
+            [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled",
+             "for a penalty on gradients (a gradient penalty, R1), pass create_graph=True to torch.autograd.grad"])

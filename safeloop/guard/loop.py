@@ -93,7 +93,7 @@ class GraphGuard:
         self.optimizers = optimizers
         self.steps = 0  # steps begun
         self.scope = Scope(roots={"model": model} if model is not None else {}, namespaces=self._namespaces,
-                           parameters=self._parameters)
+                           parameters=self._parameters, optimized=self._optimized)
         self._open = self._explicit = False
         self._frame = None  # the frame whose variables name tensors in this step's messages
         # Steps ended by optimizer steps: how many began at each backward call site; the loop's first (a step
@@ -111,6 +111,7 @@ class GraphGuard:
         # steps at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
         self._graphs: list[tuple[int, list]] = []
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
+        self._stepping: weakref.WeakSet = weakref.WeakSet()  # the optimizers seen stepping (under watch)
         self._expected = len(optimizers)  # the optimizers the loop will step (``expect_optimizers``)
         # Until a step's end is known (an optimizer step), a backward on a new loss where the step's first
         # backward was called starts a step.
@@ -189,9 +190,11 @@ class GraphGuard:
         """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
         self._by_optimizer = True
 
-    def optimizer_stepped(self, name: str) -> None:
+    def optimizer_stepped(self, name: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Optimizer ``name`` stepped: a step not marked by ``with guard.step()`` ends here."""
         self._recent[name] = walk.sequence_now()
+        if optimizer is not None:
+            self._stepping.add(optimizer)
         self._by_optimizer = True
         if self._open and not self._explicit:
             self._end()
@@ -228,8 +231,9 @@ class GraphGuard:
         return self.guard.ignore(*checks)
 
     def run(self, losses: dict[str, torch.Tensor], frame, call: Callable[[bool | None], Any],
-            retain_graph: bool | None, create_graph: bool = False, inputs=None) -> Any:
-        """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward); its autograd error explained."""
+            retain_graph: bool | None, create_graph: bool = False, inputs=None, updates: bool = True) -> Any:
+        """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward; ``updates``: False for
+        ``torch.autograd.grad``, which writes no ``.grad``); its autograd error explained."""
         guard = self.guard
         if len(losses) == 1:
             (loss,) = losses.values()
@@ -239,7 +243,7 @@ class GraphGuard:
             losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
             if not losses:  # leaves that require grad: nothing to check
                 return call(retain_graph)
-        retain = self._preflight(losses, frame)
+        retain = self._preflight(losses, frame, updates)
         step = self.steps
         if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
             retain_graph = True  # on_reuse=warn/retain keeps a graph built before training
@@ -260,7 +264,7 @@ class GraphGuard:
         self._mark(losses, retained)
         return out
 
-    def _preflight(self, losses: dict[str, torch.Tensor], frame) -> list[bool] | None:
+    def _preflight(self, losses: dict[str, torch.Tensor], frame, updates: bool = True) -> list[bool] | None:
         if not self._open:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
@@ -292,7 +296,11 @@ class GraphGuard:
                 done = loss.grad_fn.metadata.get(_DONE) if loss.grad_fn is not None else None
                 if done is not None:
                     guard.check_again(name, loss, step, self.scope, done)
-        return guard.preflight(losses, step, self.scope, iteration=self._iteration_start())
+        guard.frame = frame
+        try:
+            return guard.preflight(losses, step, self.scope, iteration=self._iteration_start(), updates=updates)
+        finally:
+            guard.frame = None  # a frame holds every variable of its function: never kept
 
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed
@@ -367,6 +375,14 @@ class GraphGuard:
         """Whether ``leaf`` is a parameter the model or an optimizer holds (a scalar leaf that is not is a loss
         made with requires_grad=True: backward reaches no parameter from it)."""
         return isinstance(leaf, torch.nn.Parameter) or any(p is leaf for p in self._parameters())
+
+    def _optimized(self) -> list[torch.Tensor] | None:
+        """The parameters of the loop's optimizers: those given, else (python -m safeloop.watch) those seen
+        stepping once every optimizer found in the script's variables has stepped; None before: not known."""
+        held = list(self.optimizers.values())
+        if not held and self._stepping and len(self._recent) >= self._expected:
+            held = list(self._stepping)
+        return [p for opt in held for g in opt.param_groups for p in g["params"]] if held else None
 
     def _parameters(self) -> list[torch.Tensor]:
         """The trained parameters: the model's, the optimizers', else those of the modules and

@@ -144,7 +144,7 @@ class Walk:
 
     nodes: list = field(default_factory=list)  # this step's nodes (AccumulateGrad excluded)
     before: list = field(default_factory=list)  # nodes made before the step, not descended into
-    leaves: int = 0
+    leaves: list = field(default_factory=list)  # the AccumulateGrad nodes met (their ``variable``: the leaf)
 
 
 def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Walk:
@@ -162,7 +162,7 @@ def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Wal
     def stop(node) -> bool:
         """A leaf (a parameter: shared by every step, by design) or a node made before the step."""
         if type(node) is ACCUMULATE:
-            found.leaves += 1
+            found.leaves.append(node)
             return True
         if use_seq:
             made_before = node._sequence_nr() < start_seq

@@ -91,7 +91,8 @@ class Runner:
         c = self.config = config
         self.state, self.guard, self.hooks, self.dist = c.state, c.guard, c.hooks, c.dist
         self.optimizers, self.scaler, self.undo, self.settings = c.optimizers, c.scaler, c.undo, c.settings
-        self.scope = dataclasses.replace(c.scope, rerun=self.rerun)
+        self.scope = dataclasses.replace(c.scope, rerun=self.rerun, optimized=lambda: [
+            p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]])
         self.automatic, self.names = c.automatic, list(self.optimizers)
         self.routed = len(self.names) > 1
         self.weights = dict(c.settings.loss_weights or {})

@@ -1,5 +1,6 @@
 """``python -m safeloop.watch``: the seed scripts, two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D step
-on an undetached fake) and an L-BFGS closure without its forward, run verbatim.
+on an undetached fake), an L-BFGS closure without its forward, and gradients that go nowhere (layers in a plain
+list or made in forward, a meta-loss through detached fast weights), run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
 the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
@@ -52,10 +53,24 @@ BROKEN = {
     # the closure's evaluations run inside one optimizer step(): one step, not a graph carried from another
     "lbfgs_forward_outside_closure": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
                                      r"AddmmBackward0, held by `global out`.*compute `out` again",
+    # seed 001's graph held by a submodule of a model that a function's loop trains
+    "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
+                             r"the step \(before the loop\) and held by `model.0.scaled`.*recompute `model.0.scaled` "
+                             r"inside the loop",
+}
+# scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
+WARNED = {
+    "plain_list_layers": r"plain_list_layers.py:27: UnusedGradientWarning: .*\(step 2, loss 'loss'\): the loss reaches "
+                         r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
+    "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "
+                        r"`model.layer2.weight`, `model.layer2.bias`.*create layers and Parameters once, in __init__",
+    "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
+                                  r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
+                                  r"tensor shaped as `model.2.weight`.*create_graph=True",
 }
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
-FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in BROKEN and p.stem not in NO_GRAPH)
+FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in {*BROKEN, *WARNED, *NO_GRAPH})
 
 # Runs every fixed script without watch in one process, each from the RNG state a fresh process has.
 PLAIN = """
@@ -128,6 +143,14 @@ def test_a_broken_seed_script_stops_at_the_first_iteration_naming_the_tensor_and
 
 def test_seed_001_stops_before_its_first_iteration_ends(runs):
     assert runs[0]["seed001_reused_graph"].stdout == ""  # without watch: "iteration 0: ..." then the crash
+
+
+@pytest.mark.parametrize("name", sorted(WARNED))
+def test_a_script_whose_gradients_go_nowhere_runs_as_without_watch_and_says_so_once(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall("UnusedGradientWarning", proc.stderr)) == 1, proc.stderr
+    assert re.search(WARNED[name], proc.stderr), proc.stderr
 
 
 @pytest.mark.parametrize("name", NO_GRAPH)

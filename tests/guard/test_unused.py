@@ -1,0 +1,189 @@
+"""Gradients that go nowhere, and a graph built from parameters before training, in the Trainer and in a
+``GraphGuard`` loop (``python -m safeloop.watch`` runs the same mistakes in tests/watch/scripts): each is said
+at the first step that can tell, naming the parameter and the fix; the fixed program is quiet."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import GraphGuard, GraphReuseError, Trainer, UnusedGradientWarning
+
+DATA = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+
+
+class Regression(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+
+def fit(cls, model, check="always", **kwargs):
+    kwargs.setdefault("optimizer", lambda p: torch.optim.SGD(p, lr=0.05))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cls(model=model, train_data=DATA, max_steps=len(DATA), guard={"check": check}, device="cpu",
+            progress=False, loggers=(), **kwargs).fit()
+    return [w.message for w in said if issubclass(w.category, UnusedGradientWarning)]
+
+
+class ListMLP(nn.Module):
+    """The plain list of layers of engineermaxxing.com/micro/lessons/pytorch-internals.html
+    (``self.layers = [nn.Linear(64, 32), nn.Linear(32, 10)]``), with a registered output layer."""
+
+    def __init__(self, layers=list):
+        super().__init__()
+        self.layers = layers([nn.Linear(4, 8), nn.Linear(8, 8)])
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_layers_in_a_plain_list_are_named_with_the_module_list_fix_at_the_first_step(check):
+    said = fit(Regression, ListMLP(), check)
+    assert len(said) == 1 and said[0].step == 1
+    assert "reaches `self.model.layers[1].weight`, `self.model.layers[0].weight`" in str(said[0])
+    assert "keep layers in an nn.ModuleList" in str(said[0])
+    assert fit(Regression, ListMLP(nn.ModuleList), check) == []
+
+
+def test_an_optimizer_built_before_the_head_was_replaced_is_named():
+    """The transfer-learning recipe of theneuralbase.com ("Replacing the classification head": ``model.fc =
+    nn.Linear(in_features, num_classes)``), with the optimizer built one line too early."""
+    for fixed in (False, True):
+        model = nn.Sequential()
+        model.body, model.fc = nn.Linear(4, 8), nn.Linear(8, 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model.fc = nn.Linear(model.fc.in_features, 1)
+        if fixed:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        said = fit(Regression, model, optimizer=optimizer)
+        if fixed:
+            assert said == []
+        else:
+            assert len(said) == 1 and "reaches `self.model.fc.weight`, `self.model.fc.bias`" in str(said[0])
+            assert "build the optimizer after replacing a layer" in str(said[0])
+
+
+def test_a_meta_loss_through_detached_fast_weights_trains_nothing_and_is_said_before_the_update():
+    """MAML with fast weights copied from the parameters (discuss.pytorch.org/t/164439, "Another way to implement
+    MAML"), in manual mode; made from the parameters with create_graph=True it reaches them and is quiet."""
+
+    class MAML(Trainer):
+        automatic = False
+        detached = True
+
+        def training_step(self, batch):
+            x, y = batch
+            params = dict(self.model.named_parameters())
+            fast = {n: p.detach().requires_grad_() if self.detached else p for n, p in params.items()}
+            inner = F.mse_loss(torch.func.functional_call(self.model, fast, (x[:4],)), y[:4])
+            grads = torch.autograd.grad(inner, list(fast.values()), create_graph=not self.detached)
+            fast = {n: w - 0.01 * g for (n, w), g in zip(fast.items(), grads)}
+            meta = F.mse_loss(torch.func.functional_call(self.model, fast, (x[4:],)), y[4:])
+            self.backward(meta)
+            self.step()
+            return meta
+
+    model = nn.Linear(4, 1)
+    before = model.weight.clone()
+    said = fit(MAML, model)
+    assert len(said) == 1 and said[0].step == 1
+    assert "reaches none of the parameters the optimizers update, only an unnamed tensor shaped as " \
+           "`self.model.weight`" in str(said[0]) and "create_graph=True" in str(said[0])
+    assert torch.equal(model.weight, before)  # what it says: nothing was trained
+    MAML.detached = False
+    assert fit(MAML, model) == []
+
+
+def layer_in_forward(fixed=False):
+    """``self.layer2 = nn.Conv2d(...)`` in forward: Code_1 of "Can I instantiate layers in forward function?"
+    (discuss.pytorch.org/t/105054), with linear layers."""
+
+    class MyNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = nn.Linear(4, 8)
+            if fixed:
+                self.layer2 = nn.Linear(8, 1)
+
+        def forward(self, x):
+            if not fixed:
+                self.layer2 = nn.Linear(8, 1)
+            return self.layer2(torch.relu(self.layer1(x)))
+
+    return MyNet()
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_loop_that_makes_a_layer_in_forward_is_told_at_its_second_step(explicit):
+    for fixed in (False, True):
+        torch.manual_seed(0)
+        model = layer_in_forward(fixed)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        guard = GraphGuard(model, opt, check="always")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for x, y in DATA:
+                with guard.step() if explicit else warnings.catch_warnings():
+                    loss = F.mse_loss(model(x), y)
+                    guard.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+        said = [w for w in said if issubclass(w.category, UnusedGradientWarning)]
+        if fixed:
+            assert said == []
+        else:  # the first step cannot tell a layer made every step from one left out of the optimizer on purpose
+            assert len(said) == 1 and said[0].message.step == 2 and said[0].filename == __file__
+            assert "reaches `model.layer2.weight`, `model.layer2.bias`" in str(said[0].message)
+            assert "create layers and Parameters once, in __init__" in str(said[0].message)
+
+
+def test_input_gradients_and_an_optimizer_over_part_of_the_model_are_quiet():
+    """FGSM adversarial training (an input with requires_grad_(), its gradient from a backward) with the
+    encoder left out of the optimizer on purpose: leaves no optimizer holds, none a mistake."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.05)
+    guard = GraphGuard(model, opt, check="always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in DATA:
+            x = x.clone().requires_grad_()
+            guard.backward(F.mse_loss(model(x), y))
+            adversarial = (x + 0.1 * x.grad.sign()).detach()
+            opt.zero_grad()
+            guard.backward(F.mse_loss(model(adversarial), y))
+            opt.step()
+            opt.zero_grad()
+
+
+class ScaledLinear(nn.Module):
+    """A learned scale times the weight, the product made once in __init__ (seed 001's graph, inside a module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, 4) * 0.1)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.scaled = self.scale * self.weight
+
+    def forward(self, x):
+        return x @ self.scaled.t()
+
+
+def test_a_weight_made_from_parameters_in_init_is_a_reuse_error_at_the_first_step():
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss 'loss'\).*held by `self.model.0.scaled`"):
+        fit(Regression, nn.Sequential(ScaledLinear()))
+    model = nn.Sequential(ScaledLinear())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = GraphGuard(optimizers=opt)
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss 'loss'\).*held by `model.0.scaled`.*recompute "
+                                              r"`model.0.scaled` inside the loop"):
+        for x, y in DATA:
+            guard.backward(F.mse_loss(model(x), y))
+            opt.step()
