@@ -150,6 +150,7 @@ def test_a_safeloop_error_at_run_time_is_its_message_and_your_frames_only(projec
     assert out.stderr.startswith("safeloop: DoubleBackwardError: backward through a graph that was already consumed "
                                  "(step 1, loss 'loss')"), out.stderr
     assert f"Graph picture: {project}/twice/graphs/step1_loss.dot" in out.stderr
+    assert "held by an unnamed tensor" in out.stderr and "`an unnamed" not in out.stderr  # a description, not code
     assert out.stderr.endswith(f'File "{project}/mytrain.py", line 12, in training_step\n'
                                "    self.backward(loss)  # the graph is freed\n    ^^^^^^^^^^^^^^^^^^^\n")
     assert "HYDRA_FULL_ERROR" not in out.stderr

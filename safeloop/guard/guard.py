@@ -912,7 +912,7 @@ class Guard:
             holder = explain.find_holder(node, case.scope, case.batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
         code = _code(holder) or "tensor"
-        names = {"node": node_name, "holder": f"`{holder}`" if holder else "a tensor made outside the step",
+        names = {"node": node_name, "holder": f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step",
                  "code": code, "detached": f"{code} = {code}.detach()"}
         if isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
             whole = _code(holder.tuple_of)
