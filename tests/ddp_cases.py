@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import Trainer
+from safeloop import EarlyStopping, Trainer
 from safeloop.distributed import DistributedError
 from safeloop.models import MLP
 
@@ -247,8 +247,10 @@ def build(case: str, world: int, **settings) -> Trainer:
         common["find_unused_parameters"] = True
     if case == "sam":
         common["grad_clip"] = 0.5
-    if case == "validation":  # before training, at steps 2 and 4
+    if case in ("validation", "early_stop"):  # before training, at steps 2 and 4
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2)
+    if case == "early_stop":  # after the best at step 2, no validation improves by 10: step 4's stops the run
+        common.update(max_steps=8, callbacks=[EarlyStopping(patience=1, min_delta=10.0)])
     if case == "schedule":  # long enough for the auto schedule to space its checks
         common.update(max_steps=120, guard={"check": "auto", "warmup": 2, "budget": 0.1})
     common.update(settings)
@@ -257,7 +259,7 @@ def build(case: str, world: int, **settings) -> Trainer:
         return cls(model=GanLike(), **common)
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
            "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation,
-           "validation": Validating}.get(case, Recording)
+           "validation": Validating, "early_stop": Validating}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     optimizer = OPTIMIZERS.get(case, partial(torch.optim.Adam, lr=1e-2))(model.parameters())
     trainer = cls(model=model, optimizer=optimizer, **common)
@@ -269,11 +271,17 @@ def build(case: str, world: int, **settings) -> Trainer:
 def result(case: str, world: int = 1, **settings) -> dict:
     trainer = build(case, world, **settings)
     trainer.fit()
-    return {"params": [p.detach().clone() for p in trainer.model.parameters()],
+    tested = predicted = None
+    validated = [(step, list(seen)) for step, seen in getattr(trainer, "validated", [])] or None  # test runs it too
+    if case == "validation":  # after training: test and predict over the validation data
+        tested = trainer.test(DataLoader(val_dataset(), batch_size=4))
+        predicted = torch.cat(trainer.predict(DataLoader(val_dataset(), batch_size=4)))
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "step": trainer.state.step,
+            "tested": tested, "predicted": predicted,
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),
             "checked": getattr(trainer, "checked", None), "val_history": trainer.state.val_history,
-            "validated": getattr(trainer, "validated", None)}
+            "validated": validated}
 
 
 def halfway(case: str, world: int, directory: Path) -> None:

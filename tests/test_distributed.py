@@ -49,7 +49,7 @@ def ranks(tmp_path_factory) -> Path:
     for case in RESUMED:
         ddp_cases.halfway(case, 1, out / f"one-process-{case}")
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", *resumed,
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", "early_stop", *resumed,
                     "lone_save", cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -109,6 +109,25 @@ def test_each_rank_validates_its_own_share_and_every_rank_gets_the_mean_over_all
     assert [s for s, _ in single] == [0, 2, 4]
     for (_, ours), (_, theirs) in zip(rank0["val_history"], single, strict=True):
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_test_reduces_over_every_sample_and_predict_gives_each_rank_its_own_share(ranks):
+    rank0, rank1 = (torch.load(ranks / f"validation_rank{r}.pt") for r in (0, 1))
+    single = ddp_cases.result("validation")
+    assert rank0["tested"] == rank1["tested"]  # the mean over all 37 samples, on every rank
+    assert rank0["tested"]["test_loss"] == pytest.approx(single["tested"]["test_loss"], rel=1e-5)
+    # every second sample from the rank's own on, in order (19 and 18 of 37); nothing gathered
+    assert (len(rank0["predicted"]), len(rank1["predicted"])) == (19, 18)
+    torch.testing.assert_close(rank0["predicted"], single["predicted"][0::2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rank1["predicted"], single["predicted"][1::2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_early_stopping_stops_every_rank_after_the_same_validation(ranks):
+    rank0, rank1 = (torch.load(ranks / f"early_stop_rank{r}.pt") for r in (0, 1))
+    assert rank0["step"] == rank1["step"] == ddp_cases.result("early_stop")["step"] == 4  # of max_steps=8
+    assert [s for s, _ in rank0["val_history"]] == [0, 2, 4]
 
 
 def params(path: Path) -> list[torch.Tensor]:
