@@ -8,7 +8,10 @@ import torch
 
 from .errors import ConfigError
 
-PRECISIONS = ("32", "bf16", "16")
+# each accepted name -> the precision it stands for (Lightning's names, and the short ones)
+PRECISIONS = {"32": "32", "32-true": "32", "fp32": "32", "bf16": "bf16", "bf16-mixed": "bf16",
+              "bf16-true": "bf16-true", "16": "16", "16-mixed": "16"}
+AUTOCAST = {"bf16": torch.bfloat16, "16": torch.float16}  # the mixed precisions: autocast's dtype
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:
@@ -42,15 +45,12 @@ def placed(module: torch.nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in chain(module.parameters(), module.buffers()))
 
 
-def resolve_precision(precision: str | int, device: torch.device) -> str:
-    precision = str(precision)
-    if precision in ("32-true", "fp32"):
-        precision = "32"
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is not one of 32, bf16, 16")
-    if precision == "16" and device.type != "cuda":
-        raise ConfigError("precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 or 32")
-    return precision
+def resolve_precision(precision: str | int) -> str:
+    """The precision ``precision`` names: ``32``, ``bf16`` (autocast), ``bf16-true`` (bf16 parameters) or ``16``
+    (autocast and a GradScaler, on CPU or CUDA)."""
+    if str(precision) not in PRECISIONS:
+        raise ConfigError(f"precision={str(precision)!r} is not one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[str(precision)]
 
 
 def resolve(device: str | torch.device | None, precision: str | int) -> tuple[torch.device, str, list[str]]:
@@ -58,7 +58,7 @@ def resolve(device: str | torch.device | None, precision: str | int) -> tuple[to
     every problem at once) rather than raised."""
     try:
         resolved = resolve_device(device)
-        return resolved, resolve_precision(precision, resolved), []
+        return resolved, resolve_precision(precision), []
     except ConfigError as err:
         return torch.device("cpu"), "32", err.problems
 
@@ -67,8 +67,24 @@ _NO_AUTOCAST = nullcontext()  # stateless, so one instance serves every step
 
 
 def autocast(precision: str, device: torch.device):
-    """The forward's autocast context for ``precision`` (none for 32)."""
-    if precision == "32":
+    """The forward's autocast context for ``precision`` (none for 32 and bf16-true)."""
+    if precision not in AUTOCAST:
         return _NO_AUTOCAST
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=AUTOCAST[precision])
+
+
+def place(module: torch.nn.Module, device: torch.device, precision: str) -> torch.nn.Module:
+    """``module`` moved to ``device``; under bf16-true its floating parameters and buffers cast to bf16 as well
+    (at every ``fit``, ``test`` and ``predict``, as Lightning does at their start)."""
+    return module.to(device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
+
+
+def moved(tensor: torch.Tensor, device: torch.device, precision: str) -> torch.Tensor:
+    """A batch's tensor on ``device``; under bf16-true a floating one in bf16, as the parameters are."""
+    dtype = torch.bfloat16 if precision == "bf16-true" and tensor.is_floating_point() else None
+    return tensor.to(device, dtype=dtype, non_blocking=True)
+
+
+def moves(device: torch.device, precision: str) -> bool:
+    """Whether batches need ``moved``: DataLoader batches are on the CPU, in float32, already."""
+    return device.type != "cpu" or precision == "bf16-true"

@@ -15,7 +15,6 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import rng_state, set_rng_state
+from .devices import autocast, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
 from .seed import seeded_workers
 
@@ -50,13 +50,13 @@ PREDICT = Kind("predict", "predict data", "predict_step")  # Trainer.predict(dat
 @dataclass
 class Evaluator:
     """One loop over a data set in eval mode and without gradients, for ``validate``, ``test`` and ``predict``:
-    ``model`` on ``device`` (``test`` and ``predict`` may come before any ``fit``), each batch moved by ``move``
-    and passed to a step under ``autocast``; under torchrun (``dist``) over this rank's share. ``step`` is the
-    training step the pass follows, named in its errors."""
+    ``model`` on ``device`` in ``precision`` (``test`` and ``predict`` may come before any ``fit``), each batch
+    moved by ``move`` and passed to a step under the precision's autocast; under torchrun (``dist``) over this
+    rank's share. ``step`` is the training step the pass follows, named in its errors."""
 
     model: torch.nn.Module | None
     device: torch.device
-    autocast: Callable[[], AbstractContextManager]
+    precision: str
     move: Callable
     step: int
     dist: Distributed | None = None
@@ -98,13 +98,13 @@ class Evaluator:
         have drawn without this pass. A failure is a ``StepError`` naming the batch."""
         modes = [(m, m.training) for m in self.model.modules()] if self.model is not None else []
         if self.model is not None:
-            self.model.to(self.device).eval()
+            place(self.model, self.device, self.precision).eval()
         rng = rng_state()
         done = 0
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data) if self.dist is not None else data:
-                with self.autocast():
+                with autocast(self.precision, self.device):
                     out = step_fn(self.move(batch))
                 collect(batch, out)
                 done += 1

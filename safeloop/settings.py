@@ -51,7 +51,8 @@ class Settings:
     grad_accum: int = 1
     # Max gradient norm (null: no clipping).
     grad_clip: Optional[float] = None
-    # "32", "bf16" (autocast, CPU or CUDA) or "16" (CUDA, with a GradScaler).
+    # On CPU or CUDA: "32" (or "32-true"), "bf16" (or "bf16-mixed": autocast), "bf16-true" (the parameters and
+    # batches in bf16, no autocast) or "16" (or "16-mixed": autocast to float16 and a GradScaler).
     precision: str = "32"
     # auto (CUDA when present), cpu, cuda or cuda:N.
     device: str = "auto"

@@ -13,7 +13,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from . import checkpoint as ckpt
 from . import curves, distributed, runmodes, schedules
 from .callbacks import Callback, Hooks
-from .devices import autocast, resolve
+from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
 from .guard import GraphGuard, for_trainer
@@ -335,12 +335,12 @@ class Trainer:
         return self._evaluator().outputs(data, self.predict_step)
 
     def _evaluator(self) -> Evaluator:
-        return Evaluator(self.model, self.device, partial(autocast, self.precision, self.device), self.to_device,
-                         self.state.step, self.dist)
+        return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist)
 
     def to_device(self, batch):
-        """Move every tensor in ``batch`` (any nesting of lists, tuples, dicts) to the device."""
-        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+        """Move every tensor in ``batch`` (any nesting of lists, tuples, dicts) to the device (in bf16 under
+        ``precision="bf16-true"``, a floating one)."""
+        return apply_to_collection(batch, torch.Tensor, partial(moved, device=self.device, precision=self.precision))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
@@ -411,14 +411,14 @@ class Trainer:
             raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass "
                               "model=..., or override them")
         if self.model is not None:
-            self.model.to(self.device)
+            place(self.model, self.device, self.precision)
         if not self.optimizers:
             self.optimizers, given = schedules.split(self.configure_optimizers())
             schedules.check_optimizers(self.model, self.optimizers)
             self.schedules = schedules.read({**self.configure_schedulers(self.optimizers), **given},
                                             self.optimizers, self.val_data is not None)
             if self.precision == "16":
-                self.scaler = torch.amp.GradScaler("cuda")
+                self.scaler = torch.amp.GradScaler(self.device.type)
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)
         self._hooks.bind(self.callbacks)
         forward = self.training_step
@@ -438,7 +438,7 @@ class Trainer:
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
             undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
             forward=forward, autocast=partial(autocast, self.precision, self.device),
-            move=self.to_device if self.device.type != "cpu" else None,  # DataLoader batches are on the CPU
+            move=self.to_device if moves(self.device, self.precision) else None,
             scope=scope, named_parameters=self._named_parameters, model=self.model, precision=self.precision,
             scaler=self.scaler, dist=self.dist), previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []

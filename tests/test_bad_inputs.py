@@ -35,7 +35,6 @@ OVERRIDES = [
     ('trainer.grad_clip=0', ConfigError),
     ('trainer.precision=64', ConfigError),
     ('trainer.precision=fp16', ConfigError),
-    ('trainer.precision=16', ConfigError),
     ('trainer.device=tpu', ConfigError),
     ('trainer.device=cuda:99', ConfigError),  # no such GPU, with or without CUDA
     ('trainer.log_every=0', ConfigError),
@@ -132,6 +131,7 @@ ACCEPTED = [
     "guard.trace=yes",  # YAML's yes is true: anomaly mode on (PyTorch warns that it is slow)
     "checkpoint.dir=123",  # on the command line 123 is a directory name
     "seed=-1",  # any integer seeds torch
+    "trainer.precision=16",  # on the CPU too: autocast to float16 and a GradScaler
 ]
 
 

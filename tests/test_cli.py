@@ -25,8 +25,8 @@ def cli(*args, cwd, prefix=("-m", "safeloop")) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("override, message", [
     pytest.param("device=cuda", "trainer.device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-    pytest.param("trainer.precision=16", "trainer.precision=16 needs CUDA (it uses a GradScaler); on CPU use precision=bf16 "
-                 "or 32", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    ("trainer.precision=64", "trainer.precision='64' is not one of 32, 32-true, fp32, bf16, bf16-mixed, bf16-true, "
+     "16, 16-mixed"),
     ("guard.check=sometimes", "guard.check='sometimes' is not one of auto, always, off"),
 ])
 def test_a_trainer_configuration_error_is_one_message_and_exit_code_2(tmp_path, override, message):

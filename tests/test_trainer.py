@@ -185,7 +185,7 @@ def test_bf16_autocast_on_cpu_trains():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_steps": 0}, "max_steps must be a positive integer, got 0"),
-    ({"precision": "16", "device": "cpu"}, "precision=16 needs CUDA"),
+    ({"precision": "fp16", "device": "cpu"}, "precision='fp16' is not one of 32, 32-true, fp32, bf16, "),
     ({"multi_loss": "avg"}, "multi_loss='avg' is not one of sequential, sum"),
     ({"guard": {"check": "sometimes"}}, "guard.check='sometimes' is not one of auto, always, off"),
     ({"train_data": None, "max_steps": None}, "train_data is required.*\n.*set max_steps or max_epochs"),

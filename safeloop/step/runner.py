@@ -28,6 +28,7 @@ import torch
 
 from .. import nonfinite
 from ..callbacks import Hooks
+from ..devices import AUTOCAST
 from ..errors import ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
 from ..guard.explain import Scope
 from ..guard.guard import Guard, Recorder
@@ -78,7 +79,7 @@ class StepConfig:
     scope: Scope
     named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]]
     model: torch.nn.Module | None = None
-    precision: str = "32"  # resolved: 32, bf16 or 16
+    precision: str = "32"  # resolved: 32, bf16, bf16-true or 16
     scaler: Any = None
     dist: Any = None
 
@@ -109,7 +110,7 @@ class Runner:
                               "GradScaler does not support: use precision=bf16 or 32")
         # manual mode steps inside training_step's autocast region, whose cached low-precision weights
         # must be dropped after every update (a later forward would use the old ones)
-        self.recast = c.precision != "32" and not self.automatic
+        self.recast = c.precision in AUTOCAST and not self.automatic
         same = previous is not None and previous.optimizers is self.optimizers
         self.routes = previous.routes if same else Routes(self.optimizers)
         # logged once per run: (the losses whose backward retained the graph, walked by the guard) -> first step
