@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import time
+import uuid
 from pathlib import Path
 
 from lightning_utilities.core.imports import RequirementCache
@@ -95,9 +96,8 @@ class WandbLogger:
     The ``WANDB_*`` variables apply (``WANDB_MODE=offline``: nothing leaves the machine; ``WANDB_PROJECT``)."""
 
     def __init__(self, run_dir: str | Path):
-        import wandb
         self.dir = Path(run_dir)
-        self.id = _kept_id(self.dir / "wandb_id", wandb.util.generate_id)
+        self.id = _kept_id(self.dir / "wandb_id", lambda: uuid.uuid4().hex[:8])
         self._run = None
 
     def resume(self, step: int) -> None:
@@ -116,7 +116,8 @@ class WandbLogger:
 
 
 class MLflowLogger:
-    """An MLflow run in ``run_dir/mlruns`` (a file store; ``MLFLOW_TRACKING_URI`` names another), in the experiment
+    """An MLflow run in ``run_dir/mlflow.db`` (MLflow's SQLite store: recent MLflow refuses a new file store;
+    ``MLFLOW_TRACKING_URI`` names another), in the experiment
     ``MLFLOW_EXPERIMENT_NAME`` (default safeloop). Its id is kept in ``run_dir/mlflow_id``: a run resumed in the same
     run directory goes on in the same MLflow run. MLflow keeps every value logged at a step (a metric's history), so
     a resumed run skips the steps the stopped one logged: each keeps its first value."""
@@ -124,7 +125,7 @@ class MLflowLogger:
     def __init__(self, run_dir: str | Path):
         from mlflow.tracking import MlflowClient
         self.dir = Path(run_dir)
-        self._client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or (self.dir / "mlruns").resolve().as_uri())
+        self._client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.dir.resolve()}/mlflow.db")
         self.id = _kept_id(self.dir / "mlflow_id", self._new_run)
         self._logged: dict[str, int] = {}  # after a resume: each metric's last step in the run
 
