@@ -122,8 +122,11 @@ class Settings:
         out += profile_problems(self.profile)
         if isinstance(self.loggers, Iterable) and not isinstance(self.loggers, (str, bytes, Mapping)):
             out += logger_problems(self.loggers)
+        else:
+            out.append(f"loggers={_short(self.loggers)} is {_a(type(self.loggers).__name__)}: give a list of logger "
+                       "names and logger objects (loggers=['csv'])")
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
-        return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "loggers", "progress",
+        return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "progress",
                                          "find_unused_parameters", "seed", "deterministic", "compile")})
 
 
