@@ -14,7 +14,7 @@ from .errors import ConfigError
 
 HAVE_TENSORBOARD = RequirementCache("tensorboard")
 HAVE_WANDB = RequirementCache(module="wandb")
-HAVE_MLFLOW = RequirementCache(module="mlflow")  # mlflow or mlflow-skinny
+HAVE_MLFLOW = RequirementCache(module="mlflow")
 INSTALL = {"tensorboard": (HAVE_TENSORBOARD, "pip install tensorboard"),
            "wandb": (HAVE_WANDB, "pip install 'safeloop[wandb]'"),
            "mlflow": (HAVE_MLFLOW, "pip install 'safeloop[mlflow]'")}
@@ -117,15 +117,16 @@ class WandbLogger:
 
 class MLflowLogger:
     """An MLflow run in ``run_dir/mlflow.db`` (MLflow's SQLite store: recent MLflow refuses a new file store;
-    ``MLFLOW_TRACKING_URI`` names another), in the experiment
-    ``MLFLOW_EXPERIMENT_NAME`` (default safeloop). Its id is kept in ``run_dir/mlflow_id``: a run resumed in the same
-    run directory goes on in the same MLflow run. MLflow keeps every value logged at a step (a metric's history), so
-    a resumed run skips the steps the stopped one logged: each keeps its first value."""
+    ``MLFLOW_TRACKING_URI`` names another), in the experiment ``MLFLOW_EXPERIMENT_NAME`` (default safeloop).
+    Its id is kept in ``run_dir/mlflow_id``: a run resumed in the same run directory goes on in the same MLflow
+    run. MLflow keeps every value logged at a step (a metric's history), so a resumed run skips the steps the
+    stopped one logged: each keeps its first value."""
 
     def __init__(self, run_dir: str | Path):
         from mlflow.tracking import MlflowClient
         self.dir = Path(run_dir)
-        self._client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.dir.resolve()}/mlflow.db")
+        store = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.dir.resolve()}/mlflow.db"
+        self._client = MlflowClient(store)
         self.id = _kept_id(self.dir / "mlflow_id", self._new_run)
         self._logged: dict[str, int] = {}  # after a resume: each metric's last step in the run
 
