@@ -59,10 +59,10 @@ def draw(run_dir: Path) -> Path | None:
     return path
 
 
-def draw_logged(run_dir: Path) -> None:
+def draw_logged(run_dir: Path | None) -> None:
     """``curves.png`` at the end of a run that logged metrics, when matplotlib is there to draw it;
     a picture that fails is a warning, never a failed run."""
-    if not (run_dir / "metrics.csv").exists():
+    if run_dir is None or not (run_dir / "metrics.csv").exists():  # a logger object's run may have no run_dir
         return
     if not HAVE_MATPLOTLIB:
         log.info("no loss curves: pip install matplotlib to have them drawn to %s", run_dir / "curves.png")

@@ -1,8 +1,11 @@
-"""Metric loggers: CSV always available, TensorBoard when installed."""
+"""Metric loggers. A logger is any object with ``log_metrics(metrics: dict, step: int)``; by name: csv (always
+available), tensorboard, wandb and mlflow (when installed). Each by name also has ``resume(step)`` and ``close()``."""
 from __future__ import annotations
 
 import csv
 import os
+import time
+import uuid
 from pathlib import Path
 
 from lightning_utilities.core.imports import RequirementCache
@@ -10,6 +13,11 @@ from lightning_utilities.core.imports import RequirementCache
 from .errors import ConfigError
 
 HAVE_TENSORBOARD = RequirementCache("tensorboard")
+HAVE_WANDB = RequirementCache(module="wandb")
+HAVE_MLFLOW = RequirementCache(module="mlflow")
+INSTALL = {"tensorboard": (HAVE_TENSORBOARD, "pip install tensorboard"),
+           "wandb": (HAVE_WANDB, "pip install 'safeloop[wandb]'"),
+           "mlflow": (HAVE_MLFLOW, "pip install 'safeloop[mlflow]'")}
 
 
 class CSVLogger:
@@ -24,7 +32,7 @@ class CSVLogger:
         if new:
             self._csv.writerow(["step", "metric", "value"])
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
             self._csv.writerow([step, name, f"{value:.6g}"])
         self._file.flush()
@@ -54,8 +62,6 @@ class TensorBoardLogger:
     resumed run's writer can purge what the stopped run logged after the checkpoint (``purge_step``)."""
 
     def __init__(self, run_dir: str | Path):
-        if not HAVE_TENSORBOARD:
-            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install tensorboard")
         self.path = Path(run_dir) / "tensorboard"
         self._writer = None
         self._purge_step: int | None = None
@@ -63,7 +69,7 @@ class TensorBoardLogger:
     def resume(self, step: int) -> None:
         self._purge_step = step + 1  # TensorBoard drops the earlier events from this step on
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
             self._writer = SummaryWriter(str(self.path), purge_step=self._purge_step)
@@ -76,14 +82,118 @@ class TensorBoardLogger:
             self._writer.close()
 
 
-LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+def _kept_id(path: Path, make) -> str:
+    """The id in ``path``, or ``make()``'s, written there: a run resumed in the same run directory finds it."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(make())
+    return path.read_text().strip()
 
 
-def make_loggers(names, run_dir) -> list:
-    if run_dir is None:
-        return []
-    names = [names] if isinstance(names, str) else list(names or [])
-    unknown = [n for n in names if n not in LOGGERS]
-    if unknown:
-        raise ConfigError(f"loggers: unknown logger {unknown[0]!r}: choose from {sorted(LOGGERS)}")
-    return [LOGGERS[n](run_dir) for n in names]
+class WandbLogger:
+    """A Weights & Biases run, its files under ``run_dir/wandb``, started at the first write. Its id is kept in
+    ``run_dir/wandb_id``: a run resumed in the same run directory goes on in the same wandb run (``resume="allow"``).
+    The ``WANDB_*`` variables apply (``WANDB_MODE=offline``: nothing leaves the machine; ``WANDB_PROJECT``)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.id = _kept_id(self.dir / "wandb_id", lambda: uuid.uuid4().hex[:8])
+        self._run = None
+
+    def resume(self, step: int) -> None:
+        """Nothing to do: online, the resumed wandb run goes on from its last step, and wandb ignores (with a
+        warning) the values of a lower step. Offline, see docs/trainer.md#loggers."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._run is None:
+            import wandb
+            self._run = wandb.init(dir=self.dir, id=self.id, resume="allow")
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+
+
+class MLflowLogger:
+    """An MLflow run in ``run_dir/mlflow.db`` (MLflow's SQLite store: recent MLflow refuses a new file store;
+    ``MLFLOW_TRACKING_URI`` names another), in the experiment ``MLFLOW_EXPERIMENT_NAME`` (default safeloop).
+    Its id is kept in ``run_dir/mlflow_id``: a run resumed in the same run directory goes on in the same MLflow
+    run. MLflow keeps every value logged at a step (a metric's history), so a resumed run skips the steps the
+    stopped one logged: each keeps its first value."""
+
+    def __init__(self, run_dir: str | Path):
+        from mlflow.tracking import MlflowClient
+        self.dir = Path(run_dir)
+        store = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.dir.resolve()}/mlflow.db"
+        self._client = MlflowClient(store)
+        self.id = _kept_id(self.dir / "mlflow_id", self._new_run)
+        self._logged: dict[str, int] = {}  # after a resume: each metric's last step in the run
+
+    def _new_run(self) -> str:
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "safeloop")
+        experiment = self._client.get_experiment_by_name(name)
+        return self._client.create_run(experiment.experiment_id if experiment else
+                                       self._client.create_experiment(name)).info.run_id
+
+    def resume(self, step: int) -> None:
+        history = self._client.get_metric_history
+        self._logged = {name: max(m.step for m in history(self.id, name))
+                        for name in self._client.get_run(self.id).data.metrics}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        new = [Metric(name, float(value), now, step) for name, value in metrics.items()
+               if step > self._logged.get(name, -1)]
+        if new:
+            self._client.log_batch(self.id, metrics=new)
+
+    def close(self) -> None:
+        self._client.set_terminated(self.id)
+
+
+class GivenLogger:
+    """A logger object of the user's: its ``log_metrics``, and its ``resume(step)`` if it has one. Never closed:
+    whoever made it owns it (and the next ``fit`` logs to it again)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(metrics, step)
+
+    def resume(self, step: int) -> None:
+        if callable(getattr(self.logger, "resume", None)):
+            self.logger.resume(step)
+
+    def close(self) -> None:
+        pass
+
+
+LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+
+
+def problems(loggers) -> list[str]:
+    """What is wrong with ``loggers`` (names and logger objects), every problem at once."""
+    out = []
+    for i, logger in enumerate([loggers] if isinstance(loggers, str) else loggers):
+        if isinstance(logger, str) and logger not in LOGGERS:
+            out.append(f"loggers[{i}]={logger!r} is no logger: choose from {sorted(LOGGERS)}, or give an object "
+                       "with a log_metrics(metrics: dict, step: int) method")
+        elif isinstance(logger, str) and logger in INSTALL and not INSTALL[logger][0]:
+            out.append(f"loggers[{i}]={logger!r} needs the {logger} package: {INSTALL[logger][1]}")
+        elif not isinstance(logger, str) and not callable(getattr(logger, "log_metrics", None)):
+            out.append(f"loggers[{i}] is {type(logger).__name__!r}, which has no log_metrics method: give a logger "
+                       f"name ({', '.join(LOGGERS)}) or an object with a log_metrics(metrics: dict, step: int) method")
+    return out
+
+
+def make_loggers(loggers, run_dir) -> list:
+    """The loggers ``loggers`` lists: a name's made in ``run_dir`` (none without one), an object taken as it is."""
+    found = problems(loggers or [])
+    if found:
+        raise ConfigError(found)
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    return [GivenLogger(logger) if not isinstance(logger, str) else LOGGERS[logger](run_dir) for logger in loggers
+            if not isinstance(logger, str) or run_dir is not None]

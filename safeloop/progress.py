@@ -42,7 +42,7 @@ def outputs_line(run_dir, checkpointer, logs: bool) -> str:
     if run_dir is None and ckpt_dir is None:
         return ("no run_dir: no metrics file, no checkpoints and no graph pictures are written (pass "
                 "run_dir=... to keep them)")
-    parts = [f"metrics to {run_dir}" if logs else None,
+    parts = [f"metrics to {run_dir}" if logs and run_dir is not None else None,
              f"checkpoints to {ckpt_dir}" if ckpt_dir is not None else "no checkpoints (checkpoint=False)"]
     return "writing " + "; ".join(p for p in parts if p)
 

@@ -27,6 +27,8 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 
 import torch
 
+from .loggers import problems as logger_problems
+
 # The choices of the settings that take one of a few words.
 MULTI_LOSS = ("sequential", "sum")
 ON_NONFINITE = ("error", "skip", "off")
@@ -63,8 +65,9 @@ class Settings:
     multi_loss: str = "sequential"
     # An optional weight per loss name: {name: weight}.
     loss_weights: Optional[dict[str, float]] = field(default_factory=dict)
-    # Where metrics go, under the run directory: csv (metrics.csv), tensorboard.
-    loggers: list[str] = field(default_factory=lambda: ["csv"])
+    # Where metrics go: csv (metrics.csv in the run directory), tensorboard, wandb, mlflow (the optional ones when
+    # installed), and any object with a log_metrics(metrics: dict, step: int) method.
+    loggers: list[Any] = field(default_factory=lambda: ["csv"])
     # A progress bar in a terminal, log lines otherwise; false: the log lines, never a bar.
     progress: bool = True
     # null | auto | PATH: auto resumes from the newest readable checkpoint in the checkpoint
@@ -118,8 +121,13 @@ class Settings:
             out.append(f"resume={str(self.resume)!r}: no such file or directory (give a checkpoint file, a "
                        "checkpoint directory, or auto)")
         out += profile_problems(self.profile)
+        if isinstance(self.loggers, Iterable) and not isinstance(self.loggers, (str, bytes, Mapping)):
+            out += logger_problems(self.loggers)
+        else:
+            out.append(f"loggers={_short(self.loggers)} is {_a(type(self.loggers).__name__)}: give a list of logger "
+                       "names and logger objects (loggers=['csv'])")
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
-        return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "loggers", "progress",
+        return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "progress",
                                          "find_unused_parameters", "seed", "deterministic", "compile")})
 
 

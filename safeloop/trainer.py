@@ -314,7 +314,7 @@ class Trainer:
 
     def log_metrics(self, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:
-            logger.log(dict(metrics), self.state.step)
+            logger.log_metrics(dict(metrics), self.state.step)
 
     def validate(self) -> dict[str, float]:
         """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean

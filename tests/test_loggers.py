@@ -1,5 +1,6 @@
 """Metric loggers: a run killed and resumed in the same run directory reads as one run."""
 import csv
+import re
 import runpy
 import subprocess
 import sys
@@ -7,9 +8,12 @@ import textwrap
 import time
 
 import pytest
+import torch
 
+import safeloop
 from safeloop import loggers
 from safeloop.checkpoint import Checkpointer
+from safeloop.errors import ConfigError
 
 from .conftest import subprocess_env
 
@@ -83,10 +87,86 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names, monkeypat
 def test_resume_rewrites_metrics_csv_keeping_the_rows_up_to_the_resumed_step(tmp_path):
     logger = loggers.CSVLogger(tmp_path)
     for step in (1, 2, 3):
-        logger.log({"loss": step / 10, "lr": 0.1}, step)
+        logger.log_metrics({"loss": step / 10, "lr": 0.1}, step)
     logger.resume(2)
-    logger.log({"loss": 0.25}, 3)
+    logger.log_metrics({"loss": 0.25}, 3)
     logger.close()
     assert (tmp_path / "metrics.csv").read_text().splitlines() == [
         "step,metric,value", "1,loss,0.1", "1,lr,0.1", "2,loss,0.2", "2,lr,0.1", "3,loss,0.25"]
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temporary file left
+
+
+class Rows:
+    """A logger object: only ``log_metrics``."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step):
+        self.rows += [(str(step), name, f"{value:.6g}") for name, value in metrics.items()]
+
+
+class Logs(safeloop.Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.log("mae", (out - y).abs().mean())
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def fit_logging_to(loggers_, run_dir, **kwargs):
+    torch.manual_seed(0)
+    data = [(x, x.sum(1, keepdim=True)) for x in torch.randn(4, 4, 3)]
+    Logs(model=torch.nn.Linear(3, 1), train_data=data, val_data=data[:1], max_steps=4, log_every=1, val_every=2,
+         loggers=loggers_, run_dir=run_dir, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
+         progress=False, checkpoint=False, **kwargs).fit()
+
+
+def test_a_logger_object_receives_the_rows_of_metrics_csv_self_log_values_included(tmp_path):
+    given, unnamed = Rows(), Rows()
+    fit_logging_to(["csv", given], tmp_path)
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        written = [tuple(row) for row in csv.reader(f)][1:]
+    assert given.rows == written
+    assert {metric for _, metric, _ in written} == {"loss", "mae", "lr", "val_loss"}
+    fit_logging_to([unnamed], None)  # no run directory: no file, the object still logs
+    assert unnamed.rows == written
+
+
+def test_bad_loggers_are_refused_at_start_up_all_at_once(monkeypatch):
+    monkeypatch.setitem(loggers.INSTALL, "wandb", (False, loggers.INSTALL["wandb"][1]))  # as where it is not installed
+    with pytest.raises(ConfigError) as info:
+        fit_logging_to(["wandb", "tb", object()], None)
+    assert re.search(re.escape("loggers[0]='wandb' needs the wandb package: pip install 'safeloop[wandb]'"),
+                     str(info.value))
+    assert "loggers[1]='tb' is no logger: choose from ['csv', 'mlflow', 'tensorboard', 'wandb']" in str(info.value)
+    assert "loggers[2] is 'object', which has no log_metrics method" in str(info.value)
+
+
+@pytest.mark.skipif(not loggers.HAVE_MLFLOW, reason="mlflow is not installed (pip install 'safeloop[mlflow]')")
+def test_mlflow_resumed_goes_on_in_the_same_run_logging_each_step_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    logger = loggers.MLflowLogger(tmp_path)
+    for step in (1, 2, 3):  # the stopped run: its checkpoint at step 2
+        logger.log_metrics({"loss": step / 10}, step)
+    logger.close()
+    logger = loggers.MLflowLogger(tmp_path)
+    logger.resume(2)
+    logger.log_metrics({"loss": 0.35}, 3)  # logged already: skipped
+    logger.log_metrics({"loss": 0.4}, 4)
+    logger.close()
+    history = logger._client.get_metric_history(logger.id, "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.skipif(not loggers.HAVE_WANDB, reason="wandb is not installed (pip install 'safeloop[wandb]')")
+def test_wandb_offline_logs_in_the_run_directory_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    fit_logging_to(["wandb"], tmp_path)
+    fit_logging_to(["wandb"], tmp_path)
+    run_id = (tmp_path / "wandb_id").read_text()
+    offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(d.name.endswith(run_id) for d in offline)
+    assert all(list(d.glob("*.wandb")) for d in offline)
