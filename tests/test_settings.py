@@ -94,7 +94,7 @@ class NotACallback:
     ({"callbacks": [NotACallback()]}, "callbacks[0]=NotACallback() is a NotACallback; give a Callback"),
     ({"max_steps": True}, "max_steps must be a positive integer, got True"),
     ({"loss_weights": {"loss": "2"}}, "loss_weights['loss']='2' is a str; give a number"),
-    ({"loggers": "csv"}, "loggers='csv' is a str; give a list[str]"),
+    ({"loggers": "csv"}, "loggers='csv' is a str: give a list of logger names and logger objects (loggers=['csv'])"),
     ({"progress": "no"}, "progress='no' is a str; give True or False"),
     ({"train_data": 5}, "train_data=5 is an int; give an Iterable or None"),
     ({"loss_fn": 5}, "loss_fn=5 is an int; give a callable or None"),
