@@ -10,6 +10,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # recipes/ and benchmarks/ importable from the checkout
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one worker per core already: torch's own thread per core would have each worker's ops wait for cores the
+    # others hold (a 200-step test took 12 s instead of 1); subprocesses get OMP_NUM_THREADS=1 (subprocess_env)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
