@@ -211,7 +211,8 @@ def _set_by_methods(obj) -> set[str]:
         for name, member in vars(cls).items():
             code = getattr(member, "__code__", None)
             if code is not None and name != "__init__":
-                names.update(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname == "STORE_ATTR")
+                names.update(i.argval for c in _codes(code) for i in dis.get_instructions(c)
+                             if i.opname == "STORE_ATTR")
     return names
 
 

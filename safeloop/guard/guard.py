@@ -408,8 +408,9 @@ class Guard:
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
-        fresh = [t for _, _, leaves in reached for t in leaves
-                 if id(t) not in held and isinstance(t, torch.nn.Parameter) and t.requires_grad and (id(t) not in self._unused or self._unused[id(t)]() is not t)]
+        judged = {i for i, ref in self._unused.items() if ref() is not None}  # still alive: judged already
+        fresh = [t for _, _, leaves in reached for t in leaves if id(t) not in held and id(t) not in judged
+                 and isinstance(t, torch.nn.Parameter) and t.requires_grad]
         wasted = list({id(t): t for t in unheld(fresh)}.values()) if fresh else []
         if not wasted:
             return
@@ -483,8 +484,9 @@ class Guard:
         carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
         if carried:
             why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None)
-            if why is None and any(sequence_nr(n) in self._ran_last and (iteration is None or sequence_nr(n) < iteration)
-                                   for n in carried):  # not a one-step lag: the last step's backward ran it already
+            # the nodes the last step's backward ran already (retain_graph=True): not a one-step lag
+            ran = [sequence_nr(n) for n in carried if self._ran_last and sequence_nr(n) in self._ran_last]
+            if why is None and any(iteration is None or seq < iteration for seq in ran):
                 why = _RAN_AGAIN
             if why is not None:
                 self._freed_in_iteration(carried[0], why, case, iteration)
@@ -912,8 +914,8 @@ class Guard:
             holder = explain.find_holder(node, case.scope, case.batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
         code = _code(holder) or "tensor"
-        names = {"node": node_name, "holder": f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step",
-                 "code": code, "detached": f"{code} = {code}.detach()"}
+        described = f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step"  # code in backticks
+        names = {"node": node_name, "holder": described, "code": code, "detached": f"{code} = {code}.detach()"}
         if isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
             whole = _code(holder.tuple_of)
             names["detached"] = f"{whole} = tuple(t.detach() for t in {whole})"
