@@ -168,7 +168,7 @@ class GivenLogger:
             self.logger.resume(step)
 
     def close(self) -> None:
-        pass
+        """Nothing: the user's logger is theirs to close."""
 
 
 LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
