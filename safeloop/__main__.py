@@ -135,6 +135,8 @@ def discard_run_dir() -> None:
     """A run refused at start-up leaves no output directory: the run directory, when it holds only what Hydra
     wrote for this run (``.hydra/``, the log), is deleted, then its parents up to the current directory
     while they are empty (``outputs/DATE/``)."""
+    if not HydraConfig.initialized():  # called as a function (a program, a test), not from the command line
+        return
     run_dir, cwd = Path(HydraConfig.get().runtime.output_dir), Path.cwd()
     if run_dir == cwd or {p.name for p in run_dir.iterdir()} - {".hydra", "safeloop.log"}:
         return  # the user's directory, or a run's: not made for this one alone

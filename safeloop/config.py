@@ -34,6 +34,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from . import distributed
 from .errors import ConfigError
 from .settings import CheckpointSettings, GuardSettings, Settings, TrainerGroup, mistyped, names, read
+from .sweeps import MonitorCheck
 from .trainer import Trainer
 
 log = logging.getLogger("safeloop")
@@ -101,6 +102,7 @@ def build(cfg: DictConfig) -> Trainer:
         torch.manual_seed(seed)
     made = {group: _instantiate(cfg[group], group) if cfg.get(group) is not None else None for group in OBJECTS}
     callbacks = [_instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
+    callbacks.append(MonitorCheck(cfg.get("monitor", "val_loss")))
     data = made["data"]
     try:
         return cls(

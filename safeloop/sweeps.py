@@ -16,6 +16,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .callbacks import Callback as TrainerCallback
 from .callbacks import check_monitor
 from .state import TrainState
 
@@ -37,6 +38,18 @@ class Result(float):
         out = cls(metrics.get(monitor, sum(state.floats().values())))
         out.metrics = metrics
         return out
+
+
+class MonitorCheck(TrainerCallback):
+    """The command line's ``monitor`` (what the run returns to a sweeper), checked at the validation before
+    training: a ``val_`` name validation does not report is a ``ConfigError`` then, not once the run is over."""
+
+    def __init__(self, monitor: str):
+        self.monitor = monitor
+
+    def on_validation_end(self, trainer, metrics) -> None:
+        if trainer.state.step == 0 and self.monitor.startswith("val_"):
+            check_monitor("the run", self.monitor, metrics)
 
 
 class SweepTable(Callback):

@@ -208,8 +208,11 @@ def test_the_entry_point_returns_the_monitored_metric_as_a_float_for_a_sweeper()
     logged = [row for row in csv.DictReader(open("safeloop_runs/latest/metrics.csv")) if row["metric"] == "val_loss"]
     assert logged[-1]["step"] == "6" and value == pytest.approx(float(logged[-1]["value"]), rel=1e-5)
     with pytest.raises(ConfigError, match=re.escape("the run monitors 'val_acc', which validation does not report: it "
-                                                    "reports loss, val_loss; give monitor=<one of those>")):
-        task(compose([*small, "monitor=val_acc"]))
+                                                    "reports val_loss; give monitor=<one of those>")):
+        task(compose([*small, "monitor=val_acc"]))  # at the validation before training: nothing trained
+    with pytest.raises(ConfigError, match=re.escape("the run monitors 'los', which validation does not report: it "
+                                                    "reports loss, val_loss")):
+        task(compose([*small, "monitor=los"]))  # a training loss's name is only known once the run has one
     # a run that did not validate: its final training loss (their sum, for several losses)
     state = TrainState(losses={"g": torch.tensor(1.5), "d": torch.tensor(0.25)})
     assert Result.of(state, "val_loss") == 1.75 and Result.of(state, "d") == 0.25  # or the loss it names
@@ -221,7 +224,7 @@ def test_callbacks_early_stopping_watches_the_runs_monitor():
 
     trainer = build(compose(["callbacks=early_stopping", "monitor=val_mae", "callbacks.early_stopping.patience=5",
                              "device=cpu"]))
-    [stopper] = trainer.callbacks
+    [stopper] = [c for c in trainer.callbacks if isinstance(c, EarlyStopping)]
     assert isinstance(stopper, EarlyStopping) and (stopper.monitor, stopper.patience) == ("val_mae", 5)
     with pytest.raises(ConfigError, match=re.escape("callbacks.early_stopping.patience='many' is a str; give an "
                                                     "integer")):
