@@ -36,6 +36,7 @@ from typing import Any, get_origin, get_type_hints
 
 import torch
 
+from . import fsdp
 from .callbacks import check_monitor
 from .errors import CheckpointError, Interrupted, SafeloopError
 from .settings import CheckpointSettings, read
@@ -593,15 +594,16 @@ def collect(parts: Parts, config: dict | None) -> dict:
     checkpoint = {
         "format": FORMAT,
         "step": parts.state.step,
-        "modules": {name: module.state_dict() for name, module in parts.modules.items()},
-        "optimizers": {name: opt.state_dict() for name, opt in parts.optimizers.items()},
+        # under FSDP2 the full tensors, gathered from every rank's shards (safeloop.fsdp)
+        "modules": {name: fsdp.full(module.state_dict()) for name, module in parts.modules.items()},
+        "optimizers": {name: fsdp.full(opt.state_dict()) for name, opt in parts.optimizers.items()},
         "optimizer_classes": optimizer_classes(parts.optimizers),
         "schedulers": {name: sched.state_dict() for name, sched in parts.schedulers.items()},
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "state": parts.state.state_dict(),
         "rng": rng_state(),
         "data": parts.data.state_dict(),
-        "gradients": {name: p.grad.detach() for name, p in parts.parameters if p.grad is not None},
+        "gradients": {name: fsdp.full(p.grad.detach()) for name, p in parts.parameters if p.grad is not None},
         "config": config,
     }
     if parts.gather is not None:
@@ -666,7 +668,7 @@ def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[st
 def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict) -> None:
     """Load the saved state dicts into ``modules`` (``Trainer.modules()``; ``check_fits`` first)."""
     for name, module in modules.items():
-        module.load_state_dict(checkpoint["modules"][name])
+        module.load_state_dict(fsdp.shards(module, checkpoint["modules"][name]))
 
 
 def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict) -> None:
@@ -674,7 +676,7 @@ def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict
     several steps; ``check_fits`` first); every other parameter's gradient is None, as after the step."""
     for name, p in parameters:
         grad = saved.get(name)
-        p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+        p.grad = None if grad is None else fsdp.like(grad.to(device=p.device, dtype=p.dtype), p)
 
 
 def mean_gradients(every: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -775,7 +777,8 @@ def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: di
             log.warning("resume: optimizer %r of %s has %s: the checkpoint's values are used, so the run goes on as "
                         "it was. To use this run's, set them in on_load_checkpoint (trainer.optimizers[%r]"
                         ".param_groups)", name, _named(path), ", ".join(differ), name)
-    load_named("optimizer", optimizers, saved, path)
+    load_named("optimizer", optimizers, {name: fsdp.optimizer_shards(opt, saved[name]) for name, opt in
+                                         optimizers.items()}, path)
 
 
 def _class_name(cls: type) -> str:

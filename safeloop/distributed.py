@@ -45,6 +45,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
+from . import fsdp
 from .checkpoint import stateful
 from .errors import ConfigError, SafeloopError
 
@@ -155,6 +156,7 @@ class Distributed:
         rank_zero_only.rank = self.rank
         self.groups: dict[str, _Group] = {}
         self.ddp: DistributedDataParallel | None = None  # the usual run's forward (see the module docstring)
+        self.sharded = False  # the model is sharded with FSDP2, which averages gradients itself (safeloop.fsdp)
         self.find_unused = False
         self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
@@ -215,7 +217,9 @@ class Distributed:
         if self.rank != 0 and self._quieted is None:  # progress and validation lines come from rank zero only
             self._quieted = log.level
             log.setLevel(logging.WARNING)
-        if self.groups:  # a later fit() in a group the caller made: the reducer's hooks are in place
+        self.sharded = fsdp.is_sharded(model)
+        # a later fit() in a group the caller made: the reducer's hooks are in place; FSDP2 needs neither
+        if self.groups or self.sharded:
             return
         if not dist.is_initialized():
             raise DistributedError(
@@ -251,6 +255,21 @@ class Distributed:
         data.shard_again()
         guard.agree = self.agree
         return run_dir
+
+    def shard_model(self, model, strategy: str, precision: str, wrap) -> None:
+        """``strategy=fsdp``, once, before the optimizers are made: rank zero's weights on every rank, then
+        ``wrap(model)`` shards them (``Trainer.configure_sharding``). A model already sharded is left as it is."""
+        if strategy == "fsdp" and not fsdp.AVAILABLE:
+            raise ConfigError(f"trainer.strategy=fsdp needs torch 2.6 or later (FSDP2); this is {torch.__version__}")
+        if model is not None and strategy == "fsdp" and not fsdp.is_sharded(model):
+            self._broadcast(list(model.parameters()) + list(model.buffers()))
+            wrap(model)
+            if not fsdp.is_sharded(model):
+                raise ConfigError("trainer.strategy=fsdp: configure_sharding(model) left no parameter sharded; call "
+                                  "torch.distributed.fsdp.fully_shard on the model's blocks and on the model itself")
+        if fsdp.is_sharded(model) and precision == "16":
+            raise ConfigError("precision=16 (a GradScaler) does not work with a model sharded by FSDP2: use "
+                              "precision=bf16-mixed (FSDP2 computes in bf16 and reduces gradients in float32) or 32")
 
     def share(self, model, run_dir: Path | None, train_data) -> Path | None:
         """Once per Trainer, before ``attach``: rank zero's weights on every rank, and its data seed (see
@@ -288,6 +307,7 @@ class Distributed:
         return self.ddp is not None
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        tensors = [t for t in tensors if fsdp.local(t) is t]  # a sharded tensor is one tensor over all ranks
         with torch.no_grad():
             for same in _by_dtype(tensors):
                 flat = torch._utils._flatten_dense_tensors(same)

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .fsdp import local
+
 
 def gradients(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     grads = []
@@ -22,7 +24,7 @@ def gradients(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    grads.append(p.grad._values() if p.grad.is_sparse else p.grad)
+                    grads.append(p.grad._values() if p.grad.is_sparse else local(p.grad))  # a shard under FSDP2
     return grads
 
 
@@ -62,7 +64,7 @@ def describe(losses: Mapping[str, torch.Tensor], named_params: Iterable[tuple[st
     bad = [f"loss {name!r} is {float(value)}" for name, value in losses.items() if not math.isfinite(float(value))]
     if bad:
         return "; ".join(bad) + " (a non-finite loss makes every gradient non-finite)"
-    grads = [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    grads = [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
     shown = ", ".join(grads[:5]) + (f" and {len(grads) - 5} more" if len(grads) > 5 else "")
     where = f"the gradients of {shown or 'some parameters'} hold NaN or Inf"
     if not losses:  # manual mode, gradients written by hand (no self.backward in the step)

@@ -35,6 +35,7 @@ ON_NONFINITE = ("error", "skip", "off")
 UNDO = ("auto", "full", "off")
 CHECKS = ("auto", "always", "off")
 REUSE_POLICIES = ("error", "warn", "retain")
+STRATEGIES = ("ddp", "fsdp")
 # The guard's checks that can be turned off one by one (guard.ignore, Guard.ignore(...)).
 GUARD_CHECKS = ("reuse", "carried", "consumed", "inplace", "leak")
 
@@ -82,6 +83,10 @@ class Settings:
     # without gradient (one more small all-reduce per step); false stops such a step with an
     # error naming the parameter.
     find_unused_parameters: bool = False
+    # torchrun: ddp (every rank holds the whole model; gradients all-reduced) or fsdp (each rank holds 1/world
+    # of the parameters, gradients and optimizer state: FSDP2, safeloop.fsdp). A model sharded with fully_shard
+    # before it is given to the Trainer trains sharded either way. One process ignores it.
+    strategy: str = "ddp"
     # What a failed step undoes: auto (optimizers that step before a later one in the same step),
     # full (every optimizer and scheduler of the step), off (nothing; no snapshot memory).
     undo: str = "auto"
@@ -113,7 +118,7 @@ class Settings:
         if isinstance(self.loss_weights, Mapping):
             out += [f"loss_weights[{k!r}]={w!r} is not a finite number: give each loss a finite weight"
                     for k, w in self.loss_weights.items() if _number(w) and not math.isfinite(w)]
-        out += _choice("undo", self.undo, UNDO)
+        out += _choice("undo", self.undo, UNDO) + _choice("strategy", self.strategy, STRATEGIES)
         if not (self.resume is None or isinstance(self.resume, (str, os.PathLike))):
             out.append(f"resume={self.resume!r} is {_a(type(self.resume).__name__)}: give auto, or the path of a "
                        "checkpoint file or directory (a str or Path)")

@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
-from . import curves, distributed, runmodes, schedules
+from . import curves, distributed, fsdp, runmodes, schedules
 from .callbacks import Callback, Hooks
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
@@ -165,6 +165,11 @@ class Trainer:
         "monitor": "val_loss"}}`` (see ``safeloop.schedules``). Default: the configured ``scheduler`` (a
         callable taking an optimizer, or such a dict whose "scheduler" is one) for each optimizer."""
         return schedules.for_each(self._scheduler, optimizers)
+
+    def configure_sharding(self, model: torch.nn.Module) -> None:
+        """``strategy=fsdp`` under torchrun: shard ``model`` in place with FSDP2's ``fully_shard``. Default:
+        ``safeloop.fsdp.shard`` (each parameter-holding submodule outside containers, then the model)."""
+        fsdp.shard(model, self.precision)
 
     def on_fit_start(self) -> None: ...
     def on_step_start(self) -> None: ...
@@ -412,6 +417,8 @@ class Trainer:
                               "model=..., or override them")
         if self.model is not None:
             place(self.model, self.device, self.precision)
+        if self.dist is not None and not self.optimizers:  # strategy=fsdp: sharded before the optimizers are made
+            self.dist.shard_model(self.model, self.settings.strategy, self.precision, self.configure_sharding)
         if not self.optimizers:
             self.optimizers, given = schedules.split(self.configure_optimizers())
             schedules.check_optimizers(self.model, self.optimizers)

@@ -26,6 +26,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
+from .. import fsdp
 from ..errors import (
     CarriedGraphError,
     ConfigError,
@@ -370,7 +371,8 @@ class Guard:
         and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
         for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
         params = scope.optimized()
-        if params is None:
+        # FSDP2: the graph's leaves are the gathered parameters, not the optimizers' shards: nothing to compare
+        if params is None or any(fsdp.local(p) is not p for p in params):
             return
         held = set(map(id, params))
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld

@@ -19,14 +19,14 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from .. import nonfinite
+from .. import fsdp, nonfinite
 from ..callbacks import Hooks
 from ..devices import AUTOCAST
 from ..errors import ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
@@ -96,6 +96,9 @@ class Runner:
             p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]])
         self.automatic, self.names = c.automatic, list(self.optimizers)
         self.routed = len(self.names) > 1
+        # FSDP2: the graph's leaves are the gathered parameters, not the optimizers' shards, so a routed loss is
+        # back-propagated plainly and the gradients it leaves on other optimizers' parameters dropped (safeloop.fsdp)
+        self.sharded = self.dist is not None and self.dist.sharded
         self.weights = dict(c.settings.loss_weights or {})
         # under DDP several losses are back-propagated as their sum (see safeloop.distributed)
         self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else c.settings.multi_loss
@@ -213,6 +216,8 @@ class Runner:
                     self.routes if self.routed else None, guard.start_seq, step)
         if len(todo) > 1:
             self.note_retain(todo, retain is not None, step)
+        if self.sharded and self.settings.grad_accum > 1:  # FSDP2 reduces the gradients of the last micro-batch
+            fsdp.sync_gradients(self.config.model, last)
         for k, item in enumerate(todo):
             self.hooks("on_before_backward", item.name, item.loss)
             loss = item.loss * scale if scale is not None else item.loss
@@ -220,7 +225,10 @@ class Runner:
                 loss = self.scaler.scale(loss)
             # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
             armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
-            self._backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
+            if self.sharded:
+                self._backward(loss, item.name, step, batch, item.retain, None, item.loss, route=item.optimizer)
+            else:
+                self._backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
             if armed is not None:
                 dist.flush(armed)
             self.hooks("on_after_backward", item.name)
@@ -242,7 +250,8 @@ class Runner:
         if self.outside:
             self.check_outside(optimizer or self.names[0], step)
         guard = self.guard
-        inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if self.routed else None
+        routed = self.routed and not self.sharded
+        inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if routed else None
         guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs)
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
@@ -251,18 +260,21 @@ class Runner:
                 raise guard.explain(err, name, loss, step, self.scope, self.batch, stepped) from err
         self.hooks("on_before_backward", name, loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss)
+        self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
+                       route=optimizer if self.sharded and self.routed else None)
         guard.backward_done(retain_graph, inputs)
         if self.finite is not None:  # checked with the gradients at the next update
             self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.detach()
         self.hooks("on_after_backward", name)
 
     def _backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
-                  original: torch.Tensor) -> None:
-        """The one ``backward`` call; an autograd error comes back explained by the guard."""
+                  original: torch.Tensor, route: str | None = None) -> None:
+        """The one ``backward`` call; an autograd error comes back explained by the guard. ``route``: under
+        FSDP2, the optimizer whose parameters alone keep the gradients (``inputs=`` reaches no shard)."""
         self.own = True
         try:
-            loss.backward(retain_graph=retain, inputs=inputs)
+            with fsdp.only(self.optimizers, route) if route is not None else nullcontext():
+                loss.backward(retain_graph=retain, inputs=inputs)
         except RuntimeError as err:
             explained = self.guard.explain(err, name, original, step, self.scope, batch, list(self.stepped))
             if explained is None:
@@ -456,7 +468,10 @@ class Runner:
         optimizers = self.optimizers.values() if name is None else (self.optimizers[name],)
         # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
         grads = nonfinite.gradients(optimizers) if self.scaler is None else []
-        if self.finite(losses.values(), grads):
+        finite = self.finite(losses.values(), grads)
+        if self.sharded:  # each rank holds a shard of the gradients: all skip or stop if one finds a NaN
+            finite = self.dist.agree(int(not finite)) == 0
+        if finite:
             self.state.skipped_in_row = 0
             return
         what = nonfinite.describe(losses, self.config.named_parameters())

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..fsdp import local
 from ..schedules import Schedules
 
 
@@ -42,6 +43,7 @@ class Snapshot:
         # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry
         self._state = [(p, dict(opt.state[p])) for p in self._params if p in opt.state]
         live = self._params + [v for _, entry in self._state for v in entry.values() if isinstance(v, torch.Tensor)]
+        live = [local(t) for t in live]  # under FSDP2 this rank's shards
         if len(live) == len(self._saved) and all(
                 a.shape == b.shape and a.dtype == b.dtype for a, b in zip(live, self._saved)):
             with torch.no_grad():
@@ -61,13 +63,13 @@ class Snapshot:
         opt, params = self.optimizer, self._params
         with torch.no_grad():
             for p, saved in zip(params, self._saved):
-                p.copy_(saved)
-        for p in params:  # state created by the failed step (a first update) must go too
-            opt.state.pop(p, None)
-        values = iter(self._saved[len(params):])
-        for p, entry in self._state:
-            opt.state[p] = {key: next(values).clone() if isinstance(value, torch.Tensor) else value
-                            for key, value in entry.items()}
+                local(p).copy_(saved)
+            for p in params:  # state created by the failed step (a first update) must go too
+                opt.state.pop(p, None)
+            values = iter(self._saved[len(params):])
+            for p, entry in self._state:  # each state tensor as it was taken, with the values it had
+                opt.state[p] = {key: _put(value, next(values)) if isinstance(value, torch.Tensor) else value
+                                for key, value in entry.items()}
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
         for tensor, value in self._group_tensors:  # group.update put the tensor itself back
@@ -141,3 +143,9 @@ class Undo:
         self.order.clear()  # an abandoned step may not have reached its last update: nothing is learned from it
         self.end()
         return report
+
+
+def _put(tensor: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the values ``saved`` holds (under FSDP2, into this rank's shard)."""
+    local(tensor).copy_(saved)
+    return tensor

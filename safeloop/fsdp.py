@@ -1,0 +1,142 @@
+"""Sharded training under ``torchrun`` with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank keeps 1/world of every parameter, of its gradient and of the optimizer's state (as
+``DTensor`` shards); FSDP2 all-gathers a module's parameters just before its forward and backward,
+and reduce-scatters (averages) the gradients during backward. Two ways in:
+
+- a model the user sharded (``fully_shard`` on blocks, then on the root, as PyTorch's FSDP2
+  tutorial does), given to the Trainer as is, with an optimizer made after the sharding;
+- ``trainer.strategy=fsdp``: the Trainer shards the model (``Trainer.configure_sharding``, whose
+  default is ``shard``: every parameter-holding submodule outside containers, then the root), after
+  giving every rank rank zero's weights, and before it builds the optimizers.
+
+What differs from data parallelism, and why:
+
+- The autograd graph's leaves are FSDP2's gathered parameters, not the sharded ones the optimizers
+  hold, so ``backward(inputs=...)`` with the optimizers' parameters reaches nothing. A loss routed
+  to one optimizer is back-propagated plainly, and the gradients it leaves on other optimizers'
+  parameters are dropped (``only``): the same gradients, at the cost of computing the dropped ones.
+- Gradients are averaged inside backward, so the Trainer's own reducer and DDP are not used;
+  with ``grad_accum`` the micro-batches before the last do not reduce (``set_requires_gradient_sync``).
+- Checkpoints hold full tensors (``full``; every rank gathers, rank zero writes): they load in one
+  process, and under any number of ranks (``shards``). That needs the full state in each process's
+  CPU memory while saving.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - older torch: strategy=fsdp is refused (settings)
+    FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = distribute_tensor = None
+
+AVAILABLE = fully_shard is not None
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def is_sharded(module: nn.Module | None) -> bool:
+    """Whether ``module`` holds FSDP2-sharded parameters (``DTensor``)."""
+    return module is not None and AVAILABLE and any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def shard(model: nn.Module, precision: str = "32") -> None:
+    """The default wrapping: ``fully_shard`` each submodule that holds parameters, looking inside containers
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) for their children, then the model itself.
+    Under ``precision=bf16-mixed`` FSDP2 computes in bf16 and reduces gradients in float32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    for unit in units(model):
+        fully_shard(unit, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def units(module: nn.Module) -> Iterator[nn.Module]:
+    """The submodules ``shard`` wraps one by one."""
+    for child in module.children():
+        if isinstance(child, CONTAINERS):
+            yield from units(child)
+        elif next(child.parameters(), None) is not None:
+            yield child
+
+
+def roots(model: nn.Module) -> list[nn.Module]:
+    """The outermost FSDP2 modules of ``model``: those that set gradient sync for everything below them."""
+    found, inner = [], set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module) not in inner:
+            found.append(module)
+            inner.update(id(m) for m in module.modules())
+    return found
+
+
+def sync_gradients(model: nn.Module, on: bool) -> None:
+    """Whether the next backward reduces gradients (off: each rank accumulates its own, for grad_accum)."""
+    for root in roots(model):
+        root.set_requires_gradient_sync(on)
+
+
+@contextmanager
+def only(optimizers: Mapping[str, torch.optim.Optimizer], name: str) -> Iterator[None]:
+    """A backward into optimizer ``name``'s parameters only: the gradients it leaves on any other optimizer's
+    parameters are dropped, theirs from before put back (see the module docstring)."""
+    mine = {id(p) for g in optimizers[name].param_groups for p in g["params"]}
+    others = [p for n, opt in optimizers.items() if n != name for g in opt.param_groups for p in g["params"]
+              if id(p) not in mine]
+    kept = [p.grad for p in others]
+    for p in others:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(others, kept):
+            p.grad = grad
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``tensor`` (a plain tensor as it is)."""
+    return tensor.to_local() if AVAILABLE and isinstance(tensor, DTensor) else tensor
+
+
+def full(value: Any) -> Any:
+    """``value`` with every ``DTensor`` in it (any nesting of dicts, lists, tuples) gathered into a plain tensor
+    on the CPU: a collective call, which every rank makes."""
+    if AVAILABLE and isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    if isinstance(value, dict):
+        return {k: full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full(v) for v in value)
+    return value
+
+
+def like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A saved full tensor as ``target`` holds it: this rank's shard when ``target`` is a DTensor (every rank
+    has read the same file, so no communication is needed)."""
+    if AVAILABLE and isinstance(target, DTensor) and not isinstance(value, DTensor):
+        value = value.to(device=target.device, dtype=target.dtype)
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value
+
+
+def shards(module: nn.Module, state: dict) -> dict:
+    """A module's saved (full) state dict, with each entry sharded as ``module``'s own."""
+    live = module.state_dict()
+    return {k: like(v, live[k]) if k in live else v for k, v in state.items()}
+
+
+def optimizer_shards(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """An optimizer's saved (full) state dict, each per-parameter tensor the shape of its parameter
+    sharded as the parameter is (a step count stays as it is)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    per_param = {
+        i: {k: like(v, params[i]) if isinstance(v, torch.Tensor) and v.shape == params[i].shape else v
+            for k, v in entry.items()} if i < len(params) else entry
+        for i, entry in state["state"].items()}
+    return {**state, "state": per_param}

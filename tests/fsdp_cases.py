@@ -1,0 +1,100 @@
+"""Sharded (FSDP2) training cases run under ``torchrun`` (2 ranks, gloo) and in one process, for test_fsdp.
+
+``torchrun --nproc-per-node=2 tests/fsdp_cases.py OUT_DIR CASE...`` runs each case and saves the full
+parameters (gathered from the ranks' shards) to ``OUT_DIR/CASE_rankR.pt``; ``result(case)`` runs the same
+case in one process (no sharding) over the same global batches. ``resume-CASE`` stops halfway (a
+checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
+``OUT_DIR/one-process-CASE``; ``reused`` returns, at every step, a loss built before training.
+"""
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from safeloop import fsdp
+from safeloop.errors import GraphReuseError
+from safeloop.models import MLP
+from tests.ddp_cases import GLOBAL_BATCH, STEPS, Gan, GanLike, ManualGan, NanOnRank1, Recording, TwoLosses, dataset
+
+CASES = ("fsdp", "user", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16")
+
+
+def build(case: str, world: int, cls: type | None = None, **settings):
+    torch.manual_seed(0)
+    accum = 2 if case == "accum" else 1
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
+    common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=(), grad_accum=accum,
+                  optimizer=partial(torch.optim.Adam, lr=1e-2), strategy="ddp" if case == "user" else "fsdp")
+    if case == "clip":
+        common["grad_clip"] = 0.05  # small enough to clip every step
+    if case == "nan_skip":
+        common["on_nonfinite"] = "skip"
+    if case == "bf16":
+        common["precision"] = "bf16-mixed"
+    common.update(settings)
+    if case in ("gan", "manual_gan"):
+        return (Gan if case == "gan" else ManualGan)(model=GanLike(), **common)
+    model = MLP(8, 32, 1, 3)
+    if case == "user" and world > 1:  # sharded by the user, as PyTorch's FSDP2 tutorial does, before the Trainer
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fsdp.fully_shard(layer)
+        fsdp.fully_shard(model)
+    cls = cls or {"two_losses": TwoLosses, "nan_skip": NanOnRank1}.get(case, Recording)
+    return cls(model=model, **common)
+
+
+def full_params(trainer) -> list[torch.Tensor]:
+    """The full parameters: gathered from every rank's shards (a collective call)."""
+    return [fsdp.full(p.detach()).clone() for p in trainer.model.parameters()]
+
+
+def result(case: str, world: int = 1, **settings) -> dict:
+    trainer = build(case, world, **settings)
+    trainer.fit()
+    return {"params": full_params(trainer), "step": trainer.state.step, "skipped": trainer.state.skipped,
+            "sharded": fsdp.is_sharded(trainer.model)}
+
+
+class Reused(Recording):
+    """Seed 001 on sharded parameters: the loss of a forward made before training, returned at every step."""
+
+    def training_step(self, batch):
+        return self.stale
+
+    def on_fit_start(self):
+        x, y = dataset()[:4]
+        self.stale = F.mse_loss(self.model(x), y)  # after the sharding: the forward runs through FSDP2
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for case in sys.argv[2:]:
+        if case.startswith("resume-"):
+            name = case.removeprefix("resume-")
+            build(name, world, max_steps=STEPS // 2, checkpoint={"dir": str(out / case)}).fit()
+            done = result(name, world, resume=str(out / case), checkpoint=False)
+        elif case.startswith("from-one-process-"):
+            name = case.removeprefix("from-one-process-")
+            done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "reused":
+            trainer = build("fsdp", world, cls=Reused)
+            try:
+                trainer.fit()
+                done = "no error"
+            except GraphReuseError as err:
+                done = str(err)
+        else:
+            done = result(case, world)
+        torch.save(done, out / f"{case}_rank{rank}.pt")
+    dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""Sharded training (FSDP2) under real ``torchrun`` (2 CPU processes, gloo), against one process.
+
+Deselect with ``pytest -m "not distributed"``.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from safeloop import fsdp
+from tests import fsdp_cases
+from tests.conftest import ROOT
+from tests.test_distributed import torchrun
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not fsdp.AVAILABLE, reason="FSDP2 needs torch 2.6 or later")]
+RESUMED = ("fsdp", "manual_gan")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every case of tests/fsdp_cases.py on 2 ranks, in one launch."""
+    out = tmp_path_factory.mktemp("fsdp")
+    for case in RESUMED:
+        fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
+                         checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
+    resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, cwd=out,
+                    timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def load(ranks, name: str) -> tuple[dict, dict]:
+    return tuple(torch.load(ranks / f"{name}_rank{r}.pt") for r in (0, 1))
+
+
+@pytest.mark.parametrize("case", fsdp_cases.CASES)
+def test_sharded_ranks_end_with_the_parameters_of_one_process_over_the_same_global_batches(ranks, case):
+    rank0, rank1 = load(ranks, case)
+    single = fsdp_cases.result(case)
+    assert rank0["sharded"] and rank1["sharded"] and not single["sharded"]
+    tolerance = dict(rtol=2e-2, atol=2e-2) if case == "bf16" else dict(rtol=1e-5, atol=1e-6)
+    for p0, p1, p in zip(rank0["params"], rank1["params"], single["params"], strict=True):
+        assert torch.equal(p0, p1), "the ranks' gathered parameters differ"
+        torch.testing.assert_close(p0, p, **tolerance)
+    # a NaN loss on rank 1 alone: every rank skips that step, as one process does
+    assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_sharded_run_resumed_from_its_checkpoint_is_bit_identical_to_one_that_never_stopped(ranks, case):
+    for resumed, straight in zip(load(ranks, f"resume-{case}"), load(ranks, case)):
+        assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"], strict=True))
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_sharded_checkpoint_holds_full_tensors_and_resumes_in_one_process(ranks, case):
+    saved = torch.load(ranks / f"resume-{case}" / "step-000000002.pt", weights_only=True)
+    assert all(type(t) is torch.Tensor for t in saved["modules"]["model"].values())
+    straight = fsdp_cases.result(case)["params"]
+    from_ranks = fsdp_cases.result(case, resume=str(ranks / f"resume-{case}"), checkpoint=False)["params"]
+    for p, expected in zip(from_ranks, straight, strict=True):
+        torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_one_process_checkpoint_resumes_sharded(ranks, case):
+    rank0, rank1 = load(ranks, f"from-one-process-{case}")
+    straight = fsdp_cases.result(case)["params"]
+    for p0, p1, p in zip(rank0["params"], rank1["params"], straight, strict=True):
+        assert torch.equal(p0, p1)
+        torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(tmp_path):
+    started = time.perf_counter()
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(tmp_path), "reused", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.perf_counter() - started < 45
+    for error in load(tmp_path, "reused"):
+        assert error.startswith("graph built before the step is reused (step 1"), error
