@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import fsdp
 from .errors import ConfigError
 
 INTERVALS = ("step", "epoch")
@@ -142,6 +143,11 @@ def check_optimizers(model: torch.nn.Module | None, optimizers: Mapping[str, tor
         return
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     held = {id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]}
+    if trained and not trained & held and fsdp.is_sharded(model):
+        raise ConfigError("strategy=fsdp replaced the model's parameters with sharded ones after the optimizer was "
+                          "built over the old ones: pass optimizer as a callable (functools.partial(torch.optim.AdamW, "
+                          "lr=...), a Hydra _partial_), which the Trainer calls after sharding, or build it in "
+                          "configure_optimizers")
     if trained and not trained & held:
         names = ", ".join(repr(n) for n in optimizers)
         raise ConfigError(

@@ -139,9 +139,8 @@ class Trainer:
         return self.loss_fn(self.model(x), y)
 
     def validation_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor] | tuple:
-        """The validation loss(es) of one batch, or ``(losses, n)`` when the batch's samples are not its first
-        tensor's leading size; runs under ``torch.no_grad()`` in eval mode. Default: ``training_step``'s
-        (automatic mode; manual mode needs its own)."""
+        """The validation loss(es) of one batch, or ``(losses, n)`` when its samples are not its first tensor's
+        leading size; under ``torch.no_grad()``, eval mode. Default: ``training_step``'s (manual mode: write one)."""
         return self.training_step(batch)
 
     def test_step(self, batch) -> torch.Tensor | Mapping[str, torch.Tensor] | tuple:
@@ -161,14 +160,12 @@ class Trainer:
         return schedules.make_optimizer(self._optimizer, params)
 
     def configure_schedulers(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> Mapping[str, Any]:
-        """``{optimizer name: scheduler}``, or ``{name: {"scheduler": s, "interval": "step" | "epoch",
-        "monitor": "val_loss"}}`` (see ``safeloop.schedules``). Default: the configured ``scheduler`` (a
-        callable taking an optimizer, or such a dict whose "scheduler" is one) for each optimizer."""
+        """``{optimizer name: scheduler or {"scheduler": s, "interval": "epoch", "monitor": "val_loss"}}``
+        (``safeloop.schedules``). Default: the configured ``scheduler`` (callable or such a dict) for each one."""
         return schedules.for_each(self._scheduler, optimizers)
 
     def configure_sharding(self, model: torch.nn.Module) -> None:
-        """``strategy=fsdp`` under torchrun: shard ``model`` in place with FSDP2's ``fully_shard``. Default:
-        ``safeloop.fsdp.shard`` (each parameter-holding submodule outside containers, then the model)."""
+        """``strategy=fsdp`` under torchrun: ``fully_shard`` the model in place (default: ``safeloop.fsdp.shard``)."""
         fsdp.shard(model, self.precision)
 
     def on_fit_start(self) -> None: ...
@@ -280,8 +277,7 @@ class Trainer:
         return self.settings.max_steps is not None and self.state.step >= self.settings.max_steps
 
     def _finish(self) -> None:
-        """The end of ``fit``: a last validation and checkpoint, ``on_fit_end`` and the loss curves
-        (a run stopped by a signal saves, and does nothing else)."""
+        """The end of ``fit``: last validation and checkpoint, ``on_fit_end``, loss curves (a signal: the save only)."""
         last = self.state.val_history[-1][0] if self.state.val_history else None
         if self.stop_signal is None and self.val_data is not None and last != self.state.step:
             self.validate()  # before the final checkpoint, so that it holds the last metrics
@@ -309,8 +305,7 @@ class Trainer:
 
     @property
     def train_data(self) -> Iterable:
-        """The iterable of batches (under torchrun, this rank's share of it); may be replaced between fits or
-        in ``on_epoch_start``."""
+        """The batches (under torchrun, this rank's share); may be replaced between fits or in ``on_epoch_start``."""
         return self._data.data
 
     @train_data.setter
@@ -343,8 +338,7 @@ class Trainer:
         return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist)
 
     def to_device(self, batch):
-        """Move every tensor in ``batch`` (any nesting of lists, tuples, dicts) to the device (in bf16 under
-        ``precision="bf16-true"``, a floating one)."""
+        """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true)."""
         return apply_to_collection(batch, torch.Tensor, partial(moved, device=self.device, precision=self.precision))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -369,8 +363,7 @@ class Trainer:
                  state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        """The user's modules by name: what checkpoints save. Default ``{"model": self.model}`` (none
-        without a model); override it to add a module kept outside ``model``, such as an EMA copy."""
+        """The modules checkpoints save, by name: ``{"model": self.model}``; add one kept outside it (an EMA copy)."""
         return {"model": self.model} if self.model is not None else {}
 
     @property

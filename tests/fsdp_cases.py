@@ -4,7 +4,8 @@
 parameters (gathered from the ranks' shards) to ``OUT_DIR/CASE_rankR.pt``; ``result(case)`` runs the same
 case in one process (no sharding) over the same global batches. ``resume-CASE`` stops halfway (a
 checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
-``OUT_DIR/one-process-CASE``; ``reused`` returns, at every step, a loss built before training.
+``OUT_DIR/one-process-CASE``; ``reused`` returns, at every step, a loss built before training; ``undo`` fails
+after one optimizer stepped; ``prebuilt`` gives an optimizer built before the sharding.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from safeloop import fsdp
-from safeloop.errors import GraphReuseError
+from safeloop.errors import ConfigError, GraphReuseError, StepError
 from safeloop.models import MLP
 from tests.ddp_cases import GLOBAL_BATCH, STEPS, Gan, GanLike, ManualGan, NanOnRank1, Recording, TwoLosses, dataset
 
@@ -38,7 +39,7 @@ def build(case: str, world: int, cls: type | None = None, **settings):
         common["precision"] = "bf16-mixed"
     common.update(settings)
     if case in ("gan", "manual_gan"):
-        return (Gan if case == "gan" else ManualGan)(model=GanLike(), **common)
+        return (cls or (Gan if case == "gan" else ManualGan))(model=GanLike(), **common)
     model = MLP(8, 32, 1, 3)
     if case == "user" and world > 1:  # sharded by the user, as PyTorch's FSDP2 tutorial does, before the Trainer
         for layer in model:
@@ -72,6 +73,19 @@ class Reused(Recording):
         self.stale = F.mse_loss(self.model(x), y)  # after the sharding: the forward runs through FSDP2
 
 
+class FailsAfterD(ManualGan):
+    """Step 3 fails after optimizer d stepped (in g's on_before_optimizer_step): the undo puts d back."""
+
+    def on_step_start(self):
+        if self.state.step == 2:  # every rank gathers: a collective call
+            self.before = {"params": full_params(self), "d": fsdp.full(self.optimizers["d"].state_dict())}
+
+    def on_before_optimizer_step(self, name, optimizer):
+        if self.state.step == 2 and name == "g":
+            raise RuntimeError("fails after d stepped")
+        super().on_before_optimizer_step(name, optimizer)
+
+
 if __name__ == "__main__":
     import torch.distributed as dist
 
@@ -87,6 +101,21 @@ if __name__ == "__main__":
         elif case.startswith("from-one-process-"):
             name = case.removeprefix("from-one-process-")
             done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "undo":
+            trainer = build("manual_gan", world, cls=FailsAfterD)
+            try:
+                trainer.fit()
+            except StepError as err:
+                after = {"params": full_params(trainer), "d": fsdp.full(trainer.optimizers["d"].state_dict())}
+                done = {"error": str(err), "before": trainer.before, "after": after}
+        elif case == "prebuilt":  # an optimizer built before the Trainer sharded the model
+            model = MLP(8, 32, 1, 3)
+            try:
+                Recording(model=model, train_data=[], optimizer=torch.optim.Adam(model.parameters()), max_steps=1,
+                          strategy="fsdp", device="cpu", loggers=()).fit()
+                done = "no error"
+            except ConfigError as err:
+                done = str(err)
         elif case == "reused":
             trainer = build("fsdp", world, cls=Reused)
             try:

@@ -27,7 +27,8 @@ def ranks(tmp_path_factory):
         fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
                          checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, cwd=out,
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo", "prebuilt",
+                    cwd=out,
                     timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -73,6 +74,23 @@ def test_a_one_process_checkpoint_resumes_sharded(ranks, case):
     for p0, p1, p in zip(rank0["params"], rank1["params"], straight, strict=True):
         assert torch.equal(p0, p1)
         torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_step_leaves_every_ranks_shards_and_optimizer_state_as_they_were(ranks):
+    for done in load(ranks, "undo"):
+        assert done["error"].startswith("step 3 failed and was abandoned (parameters and optimizer state are "
+                                        "unchanged): RuntimeError: fails after d stepped"), done["error"]
+        before, after = done["before"], done["after"]
+        assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"], strict=True))
+        assert before["d"]["state"].keys() == after["d"]["state"].keys()
+        for i, entry in before["d"]["state"].items():
+            assert all(torch.equal(entry[k], after["d"]["state"][i][k]) for k in entry)
+
+
+def test_an_optimizer_built_before_the_trainer_shards_the_model_is_a_config_error_saying_what_to_pass(ranks):
+    for error in load(ranks, "prebuilt"):
+        assert error.startswith("invalid configuration: strategy=fsdp replaced the model's parameters with sharded "
+                                "ones after the optimizer was built over the old ones: pass optimizer as a callable"), error
 
 
 def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(tmp_path):
