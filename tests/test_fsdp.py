@@ -89,8 +89,9 @@ def test_a_failed_step_leaves_every_ranks_shards_and_optimizer_state_as_they_wer
 
 def test_an_optimizer_built_before_the_trainer_shards_the_model_is_a_config_error_saying_what_to_pass(ranks):
     for error in load(ranks, "prebuilt"):
-        assert error.startswith("invalid configuration: strategy=fsdp replaced the model's parameters with sharded "
-                                "ones after the optimizer was built over the old ones: pass optimizer as a callable"), error
+        assert error.startswith("invalid configuration: strategy=fsdp replaced the model's parameters with "
+                                "sharded ones after the optimizer was built over the old ones: pass optimizer as a "
+                                "callable"), error
 
 
 def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(tmp_path):
