@@ -91,7 +91,7 @@ def job_id(env: Mapping[str, str]) -> str:
 @contextmanager
 def stop_signals(request: ckpt.StopRequest, state, settings) -> Iterator[None]:
     """``checkpoint.stop_signals`` around a fit; in a SLURM job ``SIGUSR1`` too, and once the fit it stopped
-    has ended (its checkpoint written), rank zero requeues the job (``requeue_job``)."""
+    has ended (its checkpoint written), rank zero requeues the job (``after_preemption``)."""
     slurm = in_job(os.environ)
     with ckpt.stop_signals(request, state, (REQUEUE_SIGNAL,) if slurm else ()):
         yield
@@ -100,39 +100,42 @@ def stop_signals(request: ckpt.StopRequest, state, settings) -> Iterator[None]:
 
 
 def after_preemption(requeue: bool, resumes: bool, step: int, env: Mapping[str, str]) -> bool:
-    """Requeue the job from rank zero when asked and sensible; returns whether it was requeued."""
-    if not requeue or rank_zero_only.rank != 0:
-        return False
+    """Requeue the job from rank zero when asked and sensible; returns whether it was requeued. Every rank
+    then ignores SIGTERM, with which SLURM ends the job it requeues: each is on its way out already."""
+    zero = rank_zero_only.rank == 0
     command = f"scontrol requeue {job_id(env)}"
-    if not resumes:
+    if requeue and not resumes and zero:
         log.warning("SLURM: %s not run: the requeued job would run this command again, and without "
                     "trainer.resume=auto it would start over. Add trainer.resume=auto (and a checkpoint.dir that "
                     "stays the same) to continue from the checkpoint of step %d, or set trainer.requeue=false",
                     command, step)
+    if not (requeue and resumes):
         return False
-    return requeue_job(command, step)
-
-
-def requeue_job(command: str, step: int) -> bool:
-    """Run ``command`` (``scontrol requeue <id>``); a failure is a warning: the checkpoint is written anyway."""
-    try:  # SLURM ends the job it requeues with SIGTERM: ignored, this process is on its way out
+    try:
         previous = signal.signal(signal.SIGTERM, _bypass)
     except ValueError:  # not the main thread
         previous = None
-    try:
-        done = subprocess.run(command.split(), capture_output=True, text=True, timeout=60)
-        failure = None if done.returncode == 0 else f"exit code {done.returncode}: {done.stderr.strip()}"
-    except (OSError, subprocess.SubprocessError) as err:
-        failure = str(err)
+    if not zero:
+        return False
+    failure = run(command)
     if failure is None:
         log.info("SLURM: requeued the job (%s): it runs this command again and resumes from the checkpoint of "
                  "step %d", command, step)
         return True
-    if previous is not None:
+    if previous is not None:  # not requeued: SIGTERM stops this process as usual
         signal.signal(signal.SIGTERM, previous)
     log.warning("SLURM: `%s` failed (%s), so the job is not requeued. The checkpoint of step %d is written: "
                 "submit the job again (sbatch) to continue from it, with trainer.resume=auto", command, failure, step)
     return False
+
+
+def run(command: str) -> str | None:
+    """Run ``command``; None when it succeeded, otherwise what went wrong."""
+    try:
+        done = subprocess.run(command.split(), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        return str(err)
+    return None if done.returncode == 0 else f"exit code {done.returncode}: {done.stderr.strip()}"
 
 
 def _bypass(signum, frame) -> None:

@@ -299,7 +299,7 @@ class Trainer:
 
     @property
     def stop_signal(self) -> int | None:
-        """The signal (SIGTERM, SIGINT) that stopped the last ``fit``, if one did."""
+        """The signal (SIGTERM, SIGINT; in a SLURM job SIGUSR1) that stopped the last ``fit``, if one did."""
         return self._stop.signum
 
     @property

@@ -136,6 +136,16 @@ def test_without_requeue_or_resume_auto_it_saves_and_stops_and_requeues_nothing(
     assert (said in caplog.text and "scontrol requeue 4242" in caplog.text) if said else "scontrol" not in caplog.text
 
 
+def test_only_rank_zero_requeues_and_every_rank_then_ignores_the_sigterm_that_ends_the_job(in_a_job):
+    from lightning_utilities.core.rank_zero import rank_zero_only  # put back by conftest's fixture
+
+    rank_zero_only.rank = 1
+    assert slurm.after_preemption(True, True, 8, os.environ) is False and not in_a_job.exists()
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    rank_zero_only.rank = 0
+    assert slurm.after_preemption(True, True, 8, os.environ) is True and in_a_job.read_text() == "requeue 4242\n"
+
+
 @pytest.mark.parametrize("how", ["fails", "missing"])
 def test_a_failed_or_missing_scontrol_is_a_warning_naming_the_command_and_the_checkpoint_is_written(
         in_a_job, tmp_path, monkeypatch, caplog, how):
