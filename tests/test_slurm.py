@@ -237,20 +237,45 @@ def free_port_from_job_id() -> str:
     pytest.skip("no free port in 16000-24999")
 
 
-def test_two_tasks_srun_would_start_train_as_two_ranks(tmp_path):
-    """Two processes started as srun starts them (SLURM_PROCID 0 and 1): one gloo group of 2, each rank
-    on its half of the data, the same weights after training, one checkpoint (rank zero's)."""
-    (tmp_path / "job.py").write_text(
-        "import sys\nimport torch\nimport torch.distributed as dist\nfrom tests.checkpoint_job import make\n"
-        "trainer = make(sys.argv[1], 4, val_every=2)\ntrainer.fit()\n"
-        "torch.save({'world': dist.get_world_size(), 'batches': len(trainer.train_data),\n"
-        "            'params': [p.detach() for p in trainer.model.parameters()]}, f'rank{dist.get_rank()}.pt')\n")
+JOB = """
+import os
+import sys
+import torch
+import torch.distributed as dist
+from safeloop import Callback
+from tests.checkpoint_job import make
+
+class Ready(Callback):
+    def on_step_end(self, trainer, losses):
+        if trainer.state.step == 3:
+            open(f"ready{dist.get_rank()}", "w").write(str(os.getpid()))
+
+trainer = make(sys.argv[1], 100000, resume="auto", val_every=None, checkpoint={"dir": sys.argv[1]}, callbacks=[Ready()])
+trainer.fit()
+torch.save({"world": dist.get_world_size(), "batches": len(trainer.train_data), "signal": trainer.stop_signal,
+            "step": trainer.state.step, "params": [p.detach() for p in trainer.model.parameters()]},
+           f"rank{dist.get_rank()}.pt")
+"""
+
+
+def test_two_tasks_as_srun_starts_them_train_as_two_ranks_and_sigusr1_stops_both_and_rank_zero_requeues(tmp_path):
+    """Two processes started as srun starts them (SLURM_PROCID 0 and 1): one gloo group of 2, each rank on its
+    half of the data, the same weights. SIGUSR1 to both (as --signal sends it to every task) stops both after
+    the same step, with one checkpoint (rank zero's) and one requeue (rank zero's)."""
+    (tmp_path / "job.py").write_text(JOB)
+    calls = fake_scontrol(tmp_path, 'kill -TERM "$PPID"')
     job = free_port_from_job_id()
     procs = [subprocess.Popen([sys.executable, "job.py", str(tmp_path / "ckpt")], cwd=tmp_path,
                               env=job_env(tmp_path, SLURM_JOB_ID=job, SLURM_NTASKS="2", SLURM_PROCID=str(rank),
                                           SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.poll() for p in procs]
+            time.sleep(0.01)
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
         outputs = [p.communicate(timeout=60)[0] for p in procs]
     finally:
         for p in procs:
@@ -260,4 +285,9 @@ def test_two_tasks_srun_would_start_train_as_two_ranks(tmp_path):
     assert rank0["world"] == rank1["world"] == 2
     assert rank0["batches"] == rank1["batches"] == 7  # 200 samples: 100 a rank, in batches of 16
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
-    assert [p.name for p in Checkpointer(tmp_path / "ckpt").saved()] == ["step-000000004.pt"]
+    assert rank0["signal"] == rank1["signal"] == signal.SIGUSR1
+    step = rank0["step"]
+    assert rank1["step"] == step and step % 8 == 0  # the ranks agree on a stop every 8 steps
+    assert [p.name for p in Checkpointer(tmp_path / "ckpt").saved()] == [f"step-{step:09d}.pt"]
+    assert calls.read_text() == f"requeue {job}\n"
+    assert "requeued the job" in outputs[0] and "SIGTERM after the requeue: ignored" in outputs[0], outputs[0]
