@@ -1,8 +1,8 @@
 """``python -m safeloop [overrides]`` (also the ``safeloop`` command): a Hydra-configured training run.
 
 With no arguments it trains the embedded default (an MLP on seeded synthetic data).
-Stopped by SIGTERM or SIGINT, it saves a checkpoint and exits with 128 + the signal
-number (143, 130), so that a job script can tell a preempted run from a finished one.
+Stopped by SIGTERM or SIGINT (in a SLURM job SIGUSR1 too, ``safeloop.slurm``), it saves a checkpoint and exits
+with 128 + the signal number (143, 130, 138), so that a job script can tell a preempted run from a finished one.
 A configuration error (a bad override, ``device=cuda`` without CUDA, a bad guard setting)
 is one message and exit code 2, and leaves no output directory. An error at run time (a
 ``SafeloopError`` such as ``CarriedGraphError``, or an ``OSError``: a full disk) is its message and

@@ -981,12 +981,12 @@ class StopRequest:
 
 
 @contextmanager
-def stop_signals(request: StopRequest, state: TrainState) -> Iterator[None]:
+def stop_signals(request: StopRequest, state: TrainState, also: tuple[int, ...] = ()) -> Iterator[None]:
     """While training: SIGTERM or SIGINT sets ``request``, and the Trainer finishes its step, saves and
     stops; a second one stops at once, without saving: ``Interrupted``, whose ``code`` (128 + the
     signal: 143, 130) ``python -m safeloop`` exits with. Older checkpoints are left as they are, and a
     save cut short leaves no file. A stop the run asked for (``request.reason``) lasts one fit: it is cleared
-    here, as a fit starts."""
+    here, as a fit starts. ``also``: signals that do as SIGTERM (SLURM's SIGUSR1, ``safeloop.slurm``)."""
     request.reason = None
     second: list[int] = []
 
@@ -999,7 +999,7 @@ def stop_signals(request: StopRequest, state: TrainState) -> Iterator[None]:
                     "stop at once, without saving)", signal.Signals(signum).name, state.step + 1)
 
     try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT, *also)}
     except ValueError:  # not the main thread: signals cannot be caught here
         yield
         return

@@ -45,7 +45,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from . import fsdp
+from . import fsdp, slurm
 from .checkpoint import stateful
 from .errors import ConfigError, SafeloopError
 
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("safeloop")
 
+slurm.adopt(os.environ)  # a task srun started, without torchrun: SLURM's rank and world as torchrun's variables
 # lightning_utilities' rank_zero_only needs the rank set before use; torchrun sets RANK.
 rank_zero_only.rank = int(os.environ.get("RANK", 0))
 

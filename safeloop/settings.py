@@ -101,6 +101,9 @@ class Settings:
     # Write a torch.profiler Chrome trace of N steps, after one warm-up step, to <run dir>/trace.json; or
     # torch.profiler.schedule's {wait: W, warmup: U, active: N} (null: no profiling).
     profile: Any = None
+    # In a SLURM job: once SIGUSR1 (#SBATCH --signal=SIGUSR1@90) has stopped the run after a step and its checkpoint
+    # is written, rank zero requeues the job (scontrol requeue), which resumes from it with resume=auto.
+    requeue: bool = True
 
     def problems(self) -> list[str]:
         """Every problem with these values at once (none: an empty list)."""

@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
-from . import curves, distributed, fsdp, runmodes, schedules
+from . import curves, distributed, fsdp, runmodes, schedules, slurm
 from .callbacks import Callback, Hooks
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
@@ -217,7 +217,7 @@ class Trainer:
             let_go = ckpt.take(self.run_dir, self.checkpointer)  # this run's: a second run writing there is refused
             if self.settings.resume is not None:
                 self._resume()
-            with self.guard.context(), ckpt.stop_signals(self._stop, self.state), runmodes.during_fit(
+            with self.guard.context(), slurm.stop_signals(self._stop, self.state, self.settings), runmodes.during_fit(
                     self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:
                 self._hooks("on_fit_start")
                 if self.val_data is not None and self.state.step == 0:
@@ -300,7 +300,7 @@ class Trainer:
 
     @property
     def stop_signal(self) -> int | None:
-        """The signal (SIGTERM, SIGINT) that stopped the last ``fit``, if one did."""
+        """The signal (SIGTERM, SIGINT; in a SLURM job SIGUSR1) that stopped the last ``fit``, if one did."""
         return self._stop.signum
 
     @property

@@ -147,7 +147,7 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path, monkeypatch):
 # -- every command of the docs runs as written ----------------------------------------------------
 # The command lines of README.md's and docs/*.md's ```bash blocks (not inline code, not the ``` blocks
 # that show a run's output, such as a bad override's error). Each ``python -m safeloop`` / ``safeloop`` /
-# ``python recipes/...`` / ``torchrun ...`` command is composed with its overrides as the command line
+# ``python recipes/...`` / ``torchrun ...`` / ``srun ...`` command is composed with its overrides as the command line
 # does it (a sweep's every combination; a torchrun command's safeloop part, which is composed, not
 # launched: tests/test_distributed.py launches torchrun). That is quick, and finds a key, a value or a
 # path the config refuses. A block with a ``trainer.resume=`` command is also run, in order, so that a
@@ -163,6 +163,7 @@ NOT_RUN = {
     ("python", "-m", "pytest"): "the test command: this is one of its tests",
     ("python", "-m", "safeloop.watch"): "runs the user's own script (train.py [args]); tests/watch/ runs watch",
     ("safeloop", "watch"): "runs the user's own script (train.py [args]); tests/watch/ runs watch",
+    ("sbatch",): "submits a job to SLURM; tests/test_slurm.py runs its srun command's parts",
 }
 # The user's own code that the docs' commands name (docs/configuration.md says what each takes).
 USER_CODE = {
@@ -214,6 +215,8 @@ def safeloop_args(words: list[str]) -> tuple[list[str], list[str]] | None:
     if words[0] == "torchrun":  # its own options, then -m MODULE or a script
         at = next(i for i, w in enumerate(words) if w == "-m" or w.endswith(".py"))
         words = ["python", *words[at:]]
+    if words[0] == "srun":  # its own options, then the command each task runs
+        words = words[next(i for i, w in enumerate(words) if w in ("python", "safeloop")):]
     if words[:3] == ["python", "-m", "safeloop"] or words[0] == "safeloop":
         args = words[3:] if words[0] == "python" else words[1:]
     elif words[0] == "python" and words[1].startswith("recipes/"):  # recipes/gan.py is experiment=gan
