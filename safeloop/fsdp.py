@@ -29,7 +29,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -46,15 +48,17 @@ def is_sharded(module: nn.Module | None) -> bool:
     return module is not None and AVAILABLE and any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def shard(model: nn.Module, precision: str = "32") -> None:
+def shard(model: nn.Module, precision: str = "32", device: torch.device | None = None) -> None:
     """The default wrapping: ``fully_shard`` each submodule that holds parameters, looking inside containers
-    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) for their children, then the model itself.
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) for their children, then the model itself, over
+    every rank of the process group on ``device``'s type (default: FSDP2's, CUDA wherever there is one).
     Under ``precision=bf16-mixed`` FSDP2 computes in bf16 and reduces gradients in float32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if device is not None else None
     for unit in units(model):
-        fully_shard(unit, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def units(module: nn.Module) -> Iterator[nn.Module]:

@@ -166,7 +166,7 @@ class Trainer:
 
     def configure_sharding(self, model: torch.nn.Module) -> None:
         """``strategy=fsdp`` under torchrun: ``fully_shard`` the model in place (default: ``safeloop.fsdp.shard``)."""
-        fsdp.shard(model, self.precision)
+        fsdp.shard(model, self.precision, self.device)
 
     def on_fit_start(self) -> None: ...
     def on_step_start(self) -> None: ...

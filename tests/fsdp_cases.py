@@ -5,10 +5,13 @@ parameters (gathered from the ranks' shards) to ``OUT_DIR/CASE_rankR.pt``; ``res
 case in one process (no sharding) over the same global batches. ``resume-CASE`` stops halfway (a
 checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
 ``OUT_DIR/one-process-CASE``; ``reused`` returns, at every step, a loss built before training; ``undo`` fails
-after one optimizer stepped; ``prebuilt`` gives an optimizer built before the sharding.
+after one optimizer stepped; ``killed`` loses rank zero to SIGKILL at step 3 and ``after-killed`` runs
+the same job again with ``resume=auto``; ``prebuilt`` gives an optimizer built before the sharding.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -86,6 +89,14 @@ class FailsAfterD(ManualGan):
         super().on_before_optimizer_step(name, optimizer)
 
 
+class KilledAt3(Recording):
+    """Rank zero dies (SIGKILL) at the end of step 3, before its checkpoint: the last one is step 2's."""
+
+    def on_step_end(self, losses):
+        if self.state.step == 3 and torch.distributed.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
     import torch.distributed as dist
 
@@ -101,6 +112,10 @@ if __name__ == "__main__":
         elif case.startswith("from-one-process-"):
             name = case.removeprefix("from-one-process-")
             done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "killed":
+            build("fsdp", world, cls=KilledAt3, checkpoint={"dir": str(out / "killed"), "every": 1}).fit()
+        elif case == "after-killed":  # the same command again: resume=auto finds step 2's checkpoint
+            done = result("fsdp", world, resume="auto", checkpoint={"dir": str(out / "killed"), "every": 1})
         elif case == "undo":
             trainer = build("manual_gan", world, cls=FailsAfterD)
             try:

@@ -76,6 +76,20 @@ def test_a_one_process_checkpoint_resumes_sharded(ranks, case):
         torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
 
 
+def test_a_sharded_job_killed_mid_run_and_run_again_with_resume_auto_ends_bit_identical(ranks, tmp_path):
+    script = str(ROOT / "tests" / "fsdp_cases.py")
+    killed = torchrun(script, str(tmp_path), "killed", cwd=tmp_path, timeout=90)
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "killed").glob("step-*.pt")) == ["step-000000001.pt",
+                                                                              "step-000000002.pt"]
+    again = torchrun(script, str(tmp_path), "after-killed", cwd=tmp_path, timeout=90)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from" in again.stdout + again.stderr
+    for resumed, straight in zip(load(tmp_path, "after-killed"), load(ranks, "fsdp")):
+        assert resumed["step"] == straight["step"] == fsdp_cases.STEPS
+        assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"], strict=True))
+
+
 def test_a_failed_step_leaves_every_ranks_shards_and_optimizer_state_as_they_were(ranks):
     for done in load(ranks, "undo"):
         assert done["error"].startswith("step 3 failed and was abandoned (parameters and optimizer state are "
