@@ -4,7 +4,7 @@
 parameters (gathered from the ranks' shards) to ``OUT_DIR/CASE_rankR.pt``; ``result(case)`` runs the same
 case in one process (no sharding) over the same global batches. ``resume-CASE`` stops halfway (a
 checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
-``OUT_DIR/one-process-CASE``; ``reused`` returns, at every step, a loss built before training; ``undo`` fails
+``OUT_DIR/one-process-CASE``; ``FSDP_CASES_DEVICE=cuda`` runs them on the GPUs (NCCL); ``reused`` returns, at every step, a loss built before training; ``undo`` fails
 after one optimizer stepped; ``killed`` loses rank zero to SIGKILL at step 3 and ``after-killed`` runs
 the same job again with ``resume=auto``; ``prebuilt`` gives an optimizer built before the sharding.
 """
@@ -32,7 +32,7 @@ def build(case: str, world: int, cls: type | None = None, **settings):
     torch.manual_seed(0)
     accum = 2 if case == "accum" else 1
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
-    common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=(), grad_accum=accum,
+    common = dict(train_data=loader, max_steps=STEPS, device=os.environ.get("FSDP_CASES_DEVICE", "cpu"), progress=False, loggers=(), grad_accum=accum,
                   optimizer=partial(torch.optim.Adam, lr=1e-2), strategy="ddp" if case == "user" else "fsdp")
     if case == "clip":
         common["grad_clip"] = 0.05  # small enough to clip every step
@@ -102,7 +102,7 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    dist.init_process_group()  # gloo on the CPU; NCCL too where the Trainer trains on CUDA
     rank, world = dist.get_rank(), dist.get_world_size()
     for case in sys.argv[2:]:
         if case.startswith("resume-"):

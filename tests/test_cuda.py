@@ -17,7 +17,7 @@ from safeloop import CarriedGraphError, ConfigError, GraphReuseError, NonFiniteE
 from safeloop.models import MLP
 
 from .checkpoint_job import make
-from .conftest import manual, subprocess_env
+from .conftest import ROOT, manual, subprocess_env
 from .test_errors import Poisoned, same, snapshot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -218,3 +218,26 @@ def test_torchrun_with_more_processes_than_gpus_says_how_many_to_launch(tmp_path
     assert ("torchrun started this process as LOCAL_RANK=1, but this machine has 1 CUDA device: each process trains "
             "on the GPU of its local rank. Launch at most 1 process per machine (--nproc-per-node=1), or use "
             "device=cpu (gloo)") in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one per torchrun process")
+def test_sharded_training_on_two_gpus_matches_one_process_and_resumes_bit_identically(tmp_path):
+    from tests import fsdp_cases
+    cases = ("fsdp", "user", "manual_gan", "bf16", "resume-fsdp")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(ROOT / "tests" / "fsdp_cases.py"), str(tmp_path), *cases], cwd=tmp_path,
+                          env={**subprocess_env(), "FSDP_CASES_DEVICE": "cuda"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in cases[:-1]:
+        single = fsdp_cases.result(case)  # one process, on the CPU
+        tolerance = dict(rtol=2e-2, atol=2e-2) if case == "bf16" else dict(rtol=1e-4, atol=1e-5)
+        for rank in (0, 1):
+            ranked = torch.load(tmp_path / f"{case}_rank{rank}.pt")
+            assert ranked["sharded"]
+            for p, expected in zip(ranked["params"], single["params"], strict=True):
+                torch.testing.assert_close(p, expected, **tolerance)
+    for rank in (0, 1):
+        resumed, straight = (torch.load(tmp_path / f"{name}_rank{rank}.pt") for name in ("resume-fsdp", "fsdp"))
+        assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"], strict=True))
