@@ -6,29 +6,34 @@ case in one process (no sharding) over the same global batches. ``resume-CASE`` 
 checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
 ``OUT_DIR/one-process-CASE``; ``FSDP_CASES_DEVICE=cuda`` runs them on the GPUs (NCCL); ``reused`` returns, at every step, a loss built before training; ``undo`` fails
 after one optimizer stepped; ``killed`` loses rank zero to SIGKILL at step 3 and ``after-killed`` runs
-the same job again with ``resume=auto``; ``prebuilt`` gives an optimizer built before the sharding.
+the same job again with ``resume=auto``; ``hand`` is a hand-written loop under GraphGuard; ``prebuilt`` gives an optimizer built before the sharding.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
-from safeloop import fsdp
-from safeloop.errors import ConfigError, GraphReuseError, StepError
+from safeloop import GraphGuard, fsdp
+from safeloop.errors import ConfigError, GraphLifecycleWarning, GraphReuseError, StepError
 from safeloop.models import MLP
 from tests.ddp_cases import GLOBAL_BATCH, STEPS, Gan, GanLike, ManualGan, NanOnRank1, Recording, TwoLosses, dataset
 
-CASES = ("fsdp", "user", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16")
+# CASE_always: the guard checks every step (no false alarm from FSDP2's hooks, gathers and resharding)
+CASES = ("fsdp", "user", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16", "fsdp_always",
+         "gan_always", "manual_gan_always")
 
 
 def build(case: str, world: int, cls: type | None = None, **settings):
+    if case.endswith("_always"):
+        return build(case.removesuffix("_always"), world, cls, guard={"check": "always"}, **settings)
     torch.manual_seed(0)
     accum = 2 if case == "accum" else 1
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
@@ -89,6 +94,25 @@ class FailsAfterD(ManualGan):
         super().on_before_optimizer_step(name, optimizer)
 
 
+def hand(world: int) -> dict:
+    """A hand-written FSDP2 loop (sharded as the Trainer shards) under GraphGuard, checking every step."""
+    torch.manual_seed(0)
+    model = MLP(8, 32, 1, 3)
+    sampler = DistributedSampler(dataset(), shuffle=False) if world > 1 else None
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world, shuffle=False, sampler=sampler)
+    if world > 1:
+        fsdp.shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = GraphGuard(model, optimizers=opt, check="always")
+    for _, (x, y) in zip(range(STEPS), loader):
+        with guard.step():
+            loss = F.mse_loss(model(x), y)
+            guard.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    return {"params": [fsdp.full(p.detach()).clone() for p in model.parameters()], "sharded": fsdp.is_sharded(model)}
+
+
 class KilledAt3(Recording):
     """Rank zero dies (SIGKILL) at the end of step 3, before its checkpoint: the last one is step 2's."""
 
@@ -101,6 +125,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    warnings.simplefilter("error", GraphLifecycleWarning)  # a warning of the guard's is a false alarm here
     out = Path(sys.argv[1])
     dist.init_process_group()  # gloo on the CPU; NCCL too where the Trainer trains on CUDA
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,6 +137,8 @@ if __name__ == "__main__":
         elif case.startswith("from-one-process-"):
             name = case.removeprefix("from-one-process-")
             done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "hand":
+            done = hand(world)
         elif case == "killed":
             build("fsdp", world, cls=KilledAt3, checkpoint={"dir": str(out / "killed"), "every": 1}).fit()
         elif case == "after-killed":  # the same command again: resume=auto finds step 2's checkpoint

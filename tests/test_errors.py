@@ -101,6 +101,11 @@ def test_nonfinite_policy_and_checkpoint_settings_are_checked():
     ]
 
 
+def test_an_unknown_strategy_names_the_two_there_are():
+    with pytest.raises(ConfigError, match=re.escape("strategy='fsdp2' is not one of ddp, fsdp")):
+        trainer(strategy="fsdp2")
+
+
 def test_empty_train_data():
     empty = Trainer(torch.nn.Linear(3, 1), [], lambda p: torch.optim.SGD(p, lr=0.1), max_steps=3, device="cpu",
                     progress=False, loggers=())

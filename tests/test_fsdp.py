@@ -27,7 +27,7 @@ def ranks(tmp_path_factory):
         fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
                          checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo", "prebuilt",
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo", "prebuilt", "hand",
                     cwd=out,
                     timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -49,6 +49,15 @@ def test_sharded_ranks_end_with_the_parameters_of_one_process_over_the_same_glob
         torch.testing.assert_close(p0, p, **tolerance)
     # a NaN loss on rank 1 alone: every rank skips that step, as one process does
     assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
+
+
+def test_graphguard_in_a_hand_written_fsdp2_loop_is_quiet_and_changes_nothing(ranks):
+    # the guard's warnings are errors in that job (an unused-gradient warning there was a false alarm once)
+    single = fsdp_cases.hand(1)
+    for done in load(ranks, "hand"):
+        assert done["sharded"]
+        for p, expected in zip(done["params"], single["params"], strict=True):
+            torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", RESUMED)
