@@ -2,11 +2,16 @@
 
 ``torchrun --nproc-per-node=2 tests/fsdp_cases.py OUT_DIR CASE...`` runs each case and saves the full
 parameters (gathered from the ranks' shards) to ``OUT_DIR/CASE_rankR.pt``; ``result(case)`` runs the same
-case in one process (no sharding) over the same global batches. ``resume-CASE`` stops halfway (a
-checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer; ``from-one-process-CASE`` resumes from
-``OUT_DIR/one-process-CASE``; ``FSDP_CASES_DEVICE=cuda`` runs them on the GPUs (NCCL); ``reused`` returns, at every step, a loss built before training; ``undo`` fails
-after one optimizer stepped; ``killed`` loses rank zero to SIGKILL at step 3 and ``after-killed`` runs
-the same job again with ``resume=auto``; ``hand`` is a hand-written loop under GraphGuard; ``prebuilt`` gives an optimizer built before the sharding.
+case in one process (no sharding) over the same global batches. ``FSDP_CASES_DEVICE=cuda`` runs them on
+the GPUs (NCCL). Besides ``CASES``:
+
+- ``resume-CASE`` stops halfway (a checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer;
+  ``from-one-process-CASE`` resumes from ``OUT_DIR/one-process-CASE``;
+- ``killed`` loses rank zero to SIGKILL at step 3, and ``after-killed`` runs the same job again with
+  ``resume=auto``;
+- ``reused`` returns, at every step, a loss built before training; ``undo`` fails after one optimizer
+  stepped; ``prebuilt`` gives an optimizer built before the sharding; ``hand`` is a hand-written loop under
+  GraphGuard.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ def build(case: str, world: int, cls: type | None = None, **settings):
     torch.manual_seed(0)
     accum = 2 if case == "accum" else 1
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
-    common = dict(train_data=loader, max_steps=STEPS, device=os.environ.get("FSDP_CASES_DEVICE", "cpu"), progress=False, loggers=(), grad_accum=accum,
+    common = dict(train_data=loader, max_steps=STEPS, device=os.environ.get("FSDP_CASES_DEVICE", "cpu"),
+                  progress=False, loggers=(), grad_accum=accum,
                   optimizer=partial(torch.optim.Adam, lr=1e-2), strategy="ddp" if case == "user" else "fsdp")
     if case == "clip":
         common["grad_clip"] = 0.05  # small enough to clip every step

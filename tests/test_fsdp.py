@@ -27,8 +27,8 @@ def ranks(tmp_path_factory):
         fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
                          checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo", "prebuilt", "hand",
-                    cwd=out,
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo",
+                    "prebuilt", "hand", cwd=out,
                     timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
