@@ -10,7 +10,8 @@ the GPUs (NCCL). Besides ``CASES``:
 - ``killed`` loses rank zero to SIGKILL at step 3, and ``after-killed`` runs the same job again with
   ``resume=auto``;
 - ``reused`` returns, at every step, a loss built before training; ``undo`` fails after one optimizer
-  stepped; ``prebuilt`` gives an optimizer built before the sharding; ``hand`` is a hand-written loop under
+  stepped; ``prebuilt`` gives an optimizer built before the sharding;
+  ``fails_on_rank1`` raises on rank 1 alone; ``hand`` is a hand-written loop under
   GraphGuard.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from safeloop import GraphGuard, fsdp
 from safeloop.errors import ConfigError, GraphLifecycleWarning, GraphReuseError, StepError
 from safeloop.models import MLP
-from tests.ddp_cases import GLOBAL_BATCH, STEPS, Gan, GanLike, ManualGan, NanOnRank1, Recording, TwoLosses, dataset
+from tests.ddp_cases import (GLOBAL_BATCH, STEPS, FailsOnRank1, Gan, GanLike, ManualGan, NanOnRank1, Recording,
+                              TwoLosses, dataset)
 
 # CASE_always: the guard checks every step (no false alarm from FSDP2's hooks, gathers and resharding)
 CASES = ("fsdp", "user", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16", "fsdp_always",
@@ -143,6 +145,11 @@ if __name__ == "__main__":
         elif case.startswith("from-one-process-"):
             name = case.removeprefix("from-one-process-")
             done = result(name, world, resume=str(out / f"one-process-{name}"), checkpoint=False)
+        elif case == "fails_on_rank1":  # rank 1 alone raises at step 3; nothing catches it
+            trainer = build("fsdp", world, cls=FailsOnRank1)
+            x, y = dataset()[:4]
+            trainer.stale = F.mse_loss(trainer.model(x), y)
+            trainer.fit()
         elif case == "hand":
             done = hand(world)
         elif case == "killed":

@@ -124,3 +124,13 @@ def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_r
     assert time.perf_counter() - started < 45
     for error in load(tmp_path, "reused"):
         assert error.startswith("graph built before the step is reused (step 1"), error
+
+
+def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
+    started = time.perf_counter()
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(tmp_path), "fails_on_rank1", cwd=tmp_path, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert time.perf_counter() - started < 45
+    assert "[rank1]: safeloop.errors.GraphReuseError: graph built before the step is reused (step 3" in out, out
+    assert not list(tmp_path.glob("*.pt"))
