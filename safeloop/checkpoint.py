@@ -22,6 +22,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import re
 import signal
 import socket
@@ -185,6 +186,11 @@ def load(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has format {data['format']!r} and this safeloop reads format "
                               f"{FORMAT}: resume it with the safeloop version that wrote it", path)
     check_payload(data, path)
+    if fsdp.SHARDS in data:
+        wrong = fsdp.verify(path.parent / data[fsdp.SHARDS]["dir"], data[fsdp.SHARDS]["sha256"])
+        if wrong is not None:
+            raise CheckpointError(f"checkpoint {path} cannot be used: {wrong} (a file changed or was lost on disk "
+                                  "or in a copy), so its values cannot be trusted", path)
     return data
 
 
@@ -318,7 +324,8 @@ def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | Non
                         "or checkpoint={'dir': ...}")
     if not saves or problems:
         return None, problems
-    return Checkpointer(where, settings.every, settings.keep, settings.monitor, settings.mode), problems
+    return Checkpointer(where, settings.every, settings.keep, settings.monitor, settings.mode,
+                        settings.sharded), problems
 
 
 class Checkpointer:
@@ -335,8 +342,9 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, every: int | None = None, keep: int = 3, monitor: str | None = None,
-                 mode: str = "min"):
+                 mode: str = "min", sharded: bool = False):
         self.dir, self.every, self.keep, self.monitor, self.mode = Path(directory), every, keep, monitor, mode
+        self.sharded = sharded  # under FSDP2: each rank writes its shards (safeloop.fsdp.save_shards)
         self.scores: dict[Path, float] = {}  # with a monitor: each checkpoint's metric, by its step's validation
         self.last: Path | None = None  # the newest checkpoint this run wrote or resumed from
         self.damaged: set[Path] = set()  # checkpoints that failed to load here: not counted toward keep
@@ -421,6 +429,9 @@ class Checkpointer:
         hooks run on every rank) as step ``step``'s, then delete the oldest beyond ``keep``. Rank zero writes."""
         path = self.path(step)
         self.score(checkpoint)
+        checkpoint, shards = fsdp.split(checkpoint)
+        if shards:  # checkpoint.sharded under FSDP2: every rank writes its own, before rank zero's file
+            checkpoint[fsdp.SHARDS] = fsdp.save_shards(shards, self.dir, f"{path.stem}.shards")
         if not is_rank_zero():  # the one place deciding who writes
             self.last = path  # on every rank: the end of fit saves again only where this differs, on all alike
             return None
@@ -457,6 +468,9 @@ class Checkpointer:
         elif len(good) > self.keep:
             for old in saved[:saved.index(good[-self.keep])]:
                 old.unlink(missing_ok=True)
+        for shards in self.dir.glob("step-*.shards"):  # a pruned checkpoint's, or one whose file was never written
+            if not shards.with_suffix(".pt").exists():
+                shutil.rmtree(shards, ignore_errors=True)
 
     def name_best(self, path: Path) -> None:
         """Write ``path``'s file name to ``best.txt`` (a text file rather than a link: links need privileges on
@@ -584,29 +598,31 @@ class Parts:
     state: TrainState
     data: Any
     gather: Any = None
+    sharded: bool = False  # checkpoint.sharded: FSDP2's DTensors kept as they are (each rank writes its shards)
 
 
 def collect(parts: Parts, config: dict | None) -> dict:
     """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
     ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
     mode accumulating over steps); under torchrun their mean over the ranks, and each rank's in
-    ``rank_gradients`` (gathered: every rank must call this)."""
+    ``rank_gradients`` (gathered: every rank must call this). Under FSDP2 the full tensors, gathered from
+    every rank's shards (also a collective call), unless ``parts.sharded``."""
+    full = (lambda value: value) if parts.sharded else fsdp.full
     checkpoint = {
         "format": FORMAT,
         "step": parts.state.step,
-        # under FSDP2 the full tensors, gathered from every rank's shards (safeloop.fsdp)
-        "modules": {name: fsdp.full(module.state_dict()) for name, module in parts.modules.items()},
-        "optimizers": {name: fsdp.full(opt.state_dict()) for name, opt in parts.optimizers.items()},
+        "modules": {name: full(module.state_dict()) for name, module in parts.modules.items()},
+        "optimizers": {name: full(opt.state_dict()) for name, opt in parts.optimizers.items()},
         "optimizer_classes": optimizer_classes(parts.optimizers),
         "schedulers": {name: sched.state_dict() for name, sched in parts.schedulers.items()},
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "state": parts.state.state_dict(),
         "rng": rng_state(),
         "data": parts.data.state_dict(),
-        "gradients": {name: fsdp.full(p.grad.detach()) for name, p in parts.parameters if p.grad is not None},
+        "gradients": {name: full(p.grad.detach()) for name, p in parts.parameters if p.grad is not None},
         "config": config,
     }
-    if parts.gather is not None:
+    if parts.gather is not None and not parts.gather.sharded:  # FSDP2's gradients are the ranks' mean already
         every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
         checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
     return checkpoint
@@ -617,6 +633,11 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     rank's saved gradients to take). The global RNG states are not set here (see ``Trainer.load_state_dict``)."""
     check_payload(checkpoint, path)
     check_fits(parts.modules, parts.parameters, parts.optimizers, parts.schedulers, parts.scaler, checkpoint, path)
+    if fsdp.SHARDS in checkpoint:  # checkpoint.sharded: the tensors are in the shard directory next to the file
+        if path is None:
+            raise CheckpointError("this checkpoint keeps its tensors in a shard directory next to its file: "
+                                  "load_state_dict(checkpoint, path) needs the file's path", path)
+        checkpoint = fsdp.join(checkpoint, Path(path).parent / checkpoint[fsdp.SHARDS]["dir"], _live(parts))
     # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
     parts.data.load_state_dict(checkpoint["data"])
     load_modules(parts.modules, checkpoint)
@@ -628,6 +649,19 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     if parts.state.step:  # what torch's "lr_scheduler.step() before optimizer.step()" warning looks at
         for opt in parts.optimizers.values():
             opt._opt_called = True
+
+
+def _live(parts: Parts) -> Callable[[tuple[str, ...]], torch.Tensor | None]:
+    """The tensor each entry of a checkpoint is loaded into (``fsdp.join``), by its path in the checkpoint: a module's
+    state, an optimizer's state (as its parameter holds it), a parameter's gradient."""
+    found: dict[tuple[str, ...], torch.Tensor] = {}
+    for name, module in parts.modules.items():
+        found.update((("modules", name, key), value) for key, value in module.state_dict().items())
+    for name, opt in parts.optimizers.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        found.update((("optimizers", name, "state", str(i)), p) for i, p in enumerate(params))
+    found.update((("gradients", name), p) for name, p in parts.parameters)
+    return lambda path: found.get(path[:4] if path[0] == "optimizers" else path)
 
 
 # -- loading, piece by piece --------------------------------------------------------------------

@@ -20,12 +20,20 @@ What differs from data parallelism, and why:
   with ``grad_accum`` the micro-batches before the last do not reduce (``set_requires_gradient_sync``).
 - Checkpoints hold full tensors (``full``; every rank gathers, rank zero writes): they load in one
   process, and under any number of ranks (``shards``). That needs the full state in each process's
-  CPU memory while saving.
+  CPU memory while saving. With ``checkpoint.sharded=true`` each rank writes its own shards instead,
+  through ``torch.distributed.checkpoint`` (``save_shards``), next to the checkpoint file, which keeps
+  every tensor's shape (``split``); loading reads them back, resharded for any number of ranks or for
+  one process (``join``).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import hashlib
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -144,3 +152,93 @@ def optimizer_shards(optimizer: torch.optim.Optimizer, state: dict) -> dict:
             for k, v in entry.items()} if i < len(params) else entry
         for i, entry in state["state"].items()}
     return {**state, "state": per_param}
+
+
+# -- sharded checkpoints (checkpoint.sharded) ---------------------------------------------------------
+SHARDS = "shards"  # the checkpoint file's entry naming its shard directory and the directory's checksums
+
+
+def split(checkpoint: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``checkpoint`` with each DTensor in it replaced by a meta tensor of its shape and dtype (what the checkpoint
+    file keeps, so that it is checked against the model before anything is read), and those DTensors by their
+    path in it ("modules/model/0.weight"): what ``save_shards`` writes."""
+    shards: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: tuple[str, ...]) -> Any:
+        if AVAILABLE and isinstance(value, DTensor):
+            shards["/".join(path)] = value
+            return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        if isinstance(value, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*path, str(i))) for i, v in enumerate(value))
+        return value
+
+    return walk(checkpoint, ()), shards
+
+
+def save_shards(shards: dict[str, torch.Tensor], directory: Path, name: str) -> dict:
+    """Every rank writes its shards into ``directory / name`` (a collective call), which appears only once
+    complete; returns, on rank zero, the entry the checkpoint file records: the directory's name and the
+    SHA-256 of each of its files (``verify``)."""
+    tmp = directory / f".{name}.tmp"
+    zero = dist.get_rank() == 0
+    if zero:
+        shutil.rmtree(tmp, ignore_errors=True)  # a dead writer's; the others write only after the plan below
+    import torch.distributed.checkpoint as dcp  # here: it takes a while to import, and few runs need it
+
+    dcp.save(shards, checkpoint_id=tmp)  # returns once every rank's files and the metadata are written
+    if not zero:
+        return {}
+    final = directory / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return {"dir": name, "sha256": {f.name: _sha256(f) for f in sorted(final.iterdir())}}
+
+
+def verify(directory: Path, recorded: Mapping[str, str]) -> str | None:
+    """What is wrong with a shard directory against the checksums its checkpoint file recorded (None: nothing)."""
+    if not directory.is_dir():
+        return f"its shard directory {directory} is missing"
+    for name, digest in recorded.items():
+        file = directory / name
+        if not file.is_file():
+            return f"its shard file {file} is missing"
+        if _sha256(file) != digest:
+            return f"its shard file {file} does not match the checksum saved with it"
+    return None
+
+
+def join(checkpoint: dict, directory: Path, live: Callable[[tuple[str, ...]], torch.Tensor | None]) -> dict:
+    """``checkpoint`` (a file ``split`` made) with its meta tensors read from ``directory``: each as ``live(path)``,
+    the tensor it will be loaded into, holds it (a DTensor: this rank's shard), else whole."""
+    targets: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            into = live(path)
+            sharded = AVAILABLE and isinstance(into, DTensor) and into.shape == value.shape
+            targets["/".join(path)] = target = torch.zeros_like(into, dtype=value.dtype) if sharded else \
+                torch.empty(value.shape, dtype=value.dtype)
+            return target
+        if isinstance(value, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*path, str(i))) for i, v in enumerate(value))
+        return value
+
+    import torch.distributed.checkpoint as dcp
+
+    filled = walk(checkpoint, ())
+    with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, checkpoint_id=directory)
+    return filled
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -202,11 +202,15 @@ class CheckpointSettings:
     monitor: Optional[str] = None
     # min | max: whether a lower or a higher `monitor` is better.
     mode: str = "min"
+    # Under FSDP2 (trainer.strategy=fsdp): each rank writes its own shards (torch.distributed.checkpoint) into
+    # step-N.shards/ next to step-N.pt, instead of rank zero writing full tensors. No effect otherwise.
+    sharded: bool = False
 
     def problems(self) -> list[str]:
         return (_positive("checkpoint.every", self.every, optional=True) + _positive("checkpoint.keep", self.keep)
                 + _choice("checkpoint.mode", self.mode, ("min", "max"))
-                + mistyped(CheckpointSettings, {"dir": self.dir, "monitor": self.monitor}, "checkpoint."))
+                + mistyped(CheckpointSettings, {"dir": self.dir, "monitor": self.monitor, "sharded": self.sharded},
+                           "checkpoint."))
 
 
 PROFILE_KEYS = ("wait", "warmup", "active")  # torch.profiler.schedule's

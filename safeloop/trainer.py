@@ -384,9 +384,8 @@ class Trainer:
         return checkpoint
 
     def load_state_dict(self, checkpoint: Mapping, path: str | Path | None = None) -> None:
-        """Load what ``state_dict()`` saved (``path``: the file it came from, named in errors), then call
-        ``on_load_checkpoint``. The global RNG states are set when ``fit()`` starts its next step, so
-        that nothing before it draws from them. Needs ``setup()`` first (``fit()`` calls it)."""
+        """Load what ``state_dict()`` saved (``path``: its file, for errors and shards), then ``on_load_checkpoint``;
+        the RNG states are set as ``fit()`` starts its next step. Needs ``setup()`` first (``fit()`` calls it)."""
         self._need_setup("load_state_dict")
         ckpt.restore(self._parts(), checkpoint, path, self.dist)
         self._loaded_rng = checkpoint["rng"]
@@ -394,7 +393,8 @@ class Trainer:
 
     def _parts(self) -> ckpt.Parts:
         return ckpt.Parts(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
-                          self.state, self._data, gather=None if self.automatic else self.dist)
+                          self.state, self._data, None if self.automatic else self.dist, self.checkpointer.sharded
+                          if self.checkpointer is not None else False)
 
     def _need_setup(self, method: str) -> None:
         if not self.optimizers:

@@ -9,6 +9,7 @@ the GPUs (NCCL). Besides ``CASES``:
   ``from-one-process-CASE`` resumes from ``OUT_DIR/one-process-CASE``;
 - ``killed`` loses rank zero to SIGKILL at step 3, and ``after-killed`` runs the same job again with
   ``resume=auto``;
+- ``sharded-checkpoint`` is ``resume-fsdp`` with ``checkpoint.sharded`` (each rank writes its shards);
 - ``reused`` returns, at every step, a loss built before training; ``undo`` fails after one optimizer
   stepped; ``prebuilt`` gives an optimizer built before the sharding;
   ``fails_on_rank1`` raises on rank 1 alone; ``hand`` is a hand-written loop under
@@ -138,7 +139,11 @@ if __name__ == "__main__":
     dist.init_process_group()  # gloo on the CPU; NCCL too where the Trainer trains on CUDA
     rank, world = dist.get_rank(), dist.get_world_size()
     for case in sys.argv[2:]:
-        if case.startswith("resume-"):
+        if case == "sharded-checkpoint":  # checkpoint.sharded: each rank writes its shards; resumed from them
+            build("fsdp", world, max_steps=STEPS // 2,  # step 1's checkpoint and shards are pruned (keep=1)
+                  checkpoint={"dir": str(out / case), "sharded": True, "every": 1, "keep": 1}).fit()
+            done = result("fsdp", world, resume=str(out / case), checkpoint=False)
+        elif case.startswith("resume-"):
             name = case.removeprefix("resume-")
             build(name, world, max_steps=STEPS // 2, checkpoint={"dir": str(out / case)}).fit()
             done = result(name, world, resume=str(out / case), checkpoint=False)

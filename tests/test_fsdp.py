@@ -4,6 +4,7 @@ Deselect with ``pytest -m "not distributed"``.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -27,7 +28,7 @@ def ranks(tmp_path_factory):
         fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
                          checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "undo",
+    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo",
                     "prebuilt", "hand", cwd=out,
                     timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -74,6 +75,37 @@ def test_a_sharded_checkpoint_holds_full_tensors_and_resumes_in_one_process(rank
     from_ranks = fsdp_cases.result(case, resume=str(ranks / f"resume-{case}"), checkpoint=False)["params"]
     for p, expected in zip(from_ranks, straight, strict=True):
         torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_with_sharded_checkpoints_each_rank_writes_its_shards_and_the_run_resumes_bit_identically(ranks):
+    for resumed, straight in zip(load(ranks, "sharded-checkpoint"), load(ranks, "fsdp")):
+        assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"], strict=True))
+    directory = ranks / "sharded-checkpoint"
+    assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [
+        "step-000000002.pt", "step-000000002.shards"]
+    assert sorted(p.name for p in (directory / "step-000000002.shards").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    saved = torch.load(directory / "step-000000002.pt", weights_only=True)  # shapes only: the values are shards
+    assert all(t.is_meta for t in saved["modules"]["model"].values())
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process_and_a_damaged_shard_is_refused(ranks, tmp_path):
+    import shutil
+
+    from safeloop.errors import CheckpointError
+    straight = fsdp_cases.result("fsdp")["params"]
+    resumed = fsdp_cases.result("fsdp", resume=str(ranks / "sharded-checkpoint"), checkpoint=False)["params"]
+    for p, expected in zip(resumed, straight, strict=True):
+        torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+    copy = shutil.copytree(ranks / "sharded-checkpoint", tmp_path / "copy")
+    shard = copy / "step-000000002.shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {copy / 'step-000000002.pt'} cannot be used: its shard file {shard} does not match the "
+            "checksum saved with it")):
+        fsdp_cases.result("fsdp", resume=str(copy / "step-000000002.pt"), checkpoint=False)
 
 
 @pytest.mark.parametrize("case", RESUMED)
