@@ -417,6 +417,9 @@ class Checkpointer:
             if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
                 log.info("removing %s, left by a process that died while saving", tmp)
                 tmp.unlink(missing_ok=True)
+        for tmp in self.dir.glob(".step-*.shards.tmp"):  # the ranks' shards of a save a failure cut short
+            log.info("removing %s, left by a save that did not complete", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
         """Let the directory go (the end of ``fit``)."""

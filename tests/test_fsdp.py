@@ -166,3 +166,11 @@ def test_an_error_on_one_rank_stops_both_promptly_and_is_shown(tmp_path):
     assert time.perf_counter() - started < 45
     assert "[rank1]: safeloop.errors.GraphReuseError: graph built before the step is reused (step 3" in out, out
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_shards_of_a_save_cut_short_are_removed_when_a_run_takes_the_directory(tmp_path):
+    left = tmp_path / ".step-000000007.shards.tmp"
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(b"partial")
+    fsdp_cases.build("fsdp", 1, max_steps=1, checkpoint={"dir": str(tmp_path), "sharded": True}).fit()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step-000000001.pt"]
