@@ -7,8 +7,8 @@ the GPUs (NCCL). Besides ``CASES``:
 
 - ``resume-CASE`` stops halfway (a checkpoint in ``OUT_DIR/resume-CASE``) and resumes in a new Trainer;
   ``from-one-process-CASE`` resumes from ``OUT_DIR/one-process-CASE``;
-- ``killed`` loses rank zero to SIGKILL at step 3, and ``after-killed`` runs the same job again with
-  ``resume=auto``;
+- ``killed`` (sharded checkpoints) loses rank zero to SIGKILL at step 3, and ``after-killed`` runs the
+  same job again with ``resume=auto``;
 - ``sharded-checkpoint`` is ``resume-fsdp`` with ``checkpoint.sharded`` (each rank writes its shards);
 - ``reused`` returns, at every step, a loss built before training; ``undo`` fails after one optimizer
   stepped; ``prebuilt`` gives an optimizer built before the sharding;
@@ -158,9 +158,11 @@ if __name__ == "__main__":
         elif case == "hand":
             done = hand(world)
         elif case == "killed":
-            build("fsdp", world, cls=KilledAt3, checkpoint={"dir": str(out / "killed"), "every": 1}).fit()
+            build("fsdp", world, cls=KilledAt3,
+                  checkpoint={"dir": str(out / "killed"), "every": 1, "sharded": True}).fit()
         elif case == "after-killed":  # the same command again: resume=auto finds step 2's checkpoint
-            done = result("fsdp", world, resume="auto", checkpoint={"dir": str(out / "killed"), "every": 1})
+            done = result("fsdp", world, resume="auto", checkpoint={"dir": str(out / "killed"), "every": 1,
+                                                                    "sharded": True})
         elif case == "undo":
             trainer = build("manual_gan", world, cls=FailsAfterD)
             try:
