@@ -1,5 +1,6 @@
 """What ``python -m safeloop`` says at the command line: real subprocesses."""
 import csv
+import importlib.util
 import os
 import re
 import subprocess
@@ -229,3 +230,25 @@ def test_callbacks_early_stopping_watches_the_runs_monitor():
     with pytest.raises(ConfigError, match=re.escape("callbacks.early_stopping.patience='many' is a str; give an "
                                                     "integer")):
         compose(["callbacks=early_stopping", "callbacks.early_stopping.patience=many"])
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is not there either
+        return False
+
+
+@pytest.mark.skipif(not installed("hydra_plugins.hydra_optuna_sweeper"),
+                    reason="needs Hydra's Optuna sweeper: pip install 'safeloop[optuna]'")
+def test_an_optuna_sweep_of_4_trials_minimises_the_monitored_metric_each_run_returns(tmp_path):
+    out = cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.seed=0",
+              "optimizer.lr=interval(0.0001,0.3)", "trainer.max_steps=60", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("|") for line in (tmp_path / "sweep" / "summary.md").read_text().splitlines()[2:]]
+    val_losses = {float(row[2].strip().removeprefix("optimizer.lr=")): float(row[-2]) for row in rows}
+    assert len(val_losses) == 4
+    best = re.search(r"best_value: (\S+)", (tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    # Optuna read each run's val_loss (the monitored metric the command returns) and kept the best trial
+    assert float(best.group(1)) == pytest.approx(min(val_losses.values()), abs=5e-5)  # the table's 4 digits
+    assert min(val_losses.values()) < max(val_losses.values())

@@ -177,6 +177,14 @@ USER_CODE = {
 }
 LAUNCHERS = {"submitit_slurm": "hydra_plugins.hydra_submitit_launcher",  # the plugins the docs install first
              "submitit_local": "hydra_plugins.hydra_submitit_launcher"}
+SWEEPERS = {"optuna": "hydra_plugins.hydra_optuna_sweeper"}
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is not there either
+        return False
 
 
 def shell_blocks(path: Path) -> list[tuple[str, list[tuple[int, str]]]]:
@@ -229,8 +237,11 @@ def safeloop_args(words: list[str]) -> tuple[list[str], list[str]] | None:
     args = [a for a in args if a != "..."]  # "and more overrides"
     for a in args:  # a launcher plugin the docs install first is only there where it was installed
         launcher = re.match(r"hydra/launcher=(\w+)", a)
-        if launcher and importlib.util.find_spec(LAUNCHERS[launcher.group(1)].split(".")[0]) is None:
+        if launcher and not installed(LAUNCHERS[launcher.group(1)]):
             args = [b for b in args if not b.startswith(("hydra/launcher=", "hydra.launcher."))]
+        sweeper = re.match(r"hydra/sweeper=(\w+)", a)
+        if sweeper and not installed(SWEEPERS[sweeper.group(1)]):
+            args = [b for b in args if not b.startswith(("hydra/sweeper=", "hydra.sweeper."))]
     return [a for a in args if a.startswith("-")], [a for a in args if not a.startswith("-")]
 
 

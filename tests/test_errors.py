@@ -96,7 +96,7 @@ def test_nonfinite_policy_and_checkpoint_settings_are_checked():
     assert info.value.problems == [
         "on_nonfinite='ignore' is not one of error, skip, off",
         "max_skipped must be a positive integer, got 0",
-        "checkpoint has no setting 'kep': use every, keep, dir, monitor, mode",
+        "checkpoint has no setting 'kep': use every, keep, dir, monitor, mode, sharded",
         "checkpoint.every must be a positive integer, got 0",
     ]
 
