@@ -35,8 +35,9 @@ from tests.ddp_cases import (GLOBAL_BATCH, STEPS, FailsOnRank1, Gan, GanLike, Ma
                               TwoLosses, dataset)
 
 # CASE_always: the guard checks every step (no false alarm from FSDP2's hooks, gathers and resharding)
-CASES = ("fsdp", "user", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16", "fsdp_always",
-         "gan_always", "manual_gan_always")
+# user, user_manual_gan: the model sharded by the user before the Trainer (strategy=ddp, the default)
+CASES = ("fsdp", "user", "user_manual_gan", "two_losses", "accum", "clip", "gan", "manual_gan", "nan_skip", "bf16",
+         "fsdp_always", "gan_always", "manual_gan_always")
 
 
 def build(case: str, world: int, cls: type | None = None, **settings):
@@ -47,7 +48,7 @@ def build(case: str, world: int, cls: type | None = None, **settings):
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world // accum, shuffle=False)
     common = dict(train_data=loader, max_steps=STEPS, device=os.environ.get("FSDP_CASES_DEVICE", "cpu"),
                   progress=False, loggers=(), grad_accum=accum,
-                  optimizer=partial(torch.optim.Adam, lr=1e-2), strategy="ddp" if case == "user" else "fsdp")
+                  optimizer=partial(torch.optim.Adam, lr=1e-2), strategy="ddp" if case.startswith("user") else "fsdp")
     if case == "clip":
         common["grad_clip"] = 0.05  # small enough to clip every step
     if case == "nan_skip":
@@ -55,14 +56,14 @@ def build(case: str, world: int, cls: type | None = None, **settings):
     if case == "bf16":
         common["precision"] = "bf16-mixed"
     common.update(settings)
-    if case in ("gan", "manual_gan"):
-        return (cls or (Gan if case == "gan" else ManualGan))(model=GanLike(), **common)
-    model = MLP(8, 32, 1, 3)
-    if case == "user" and world > 1:  # sharded by the user, as PyTorch's FSDP2 tutorial does, before the Trainer
-        for layer in model:
+    model = GanLike() if case.endswith("gan") else MLP(8, 32, 1, 3)
+    if case.startswith("user") and world > 1:  # sharded by the user as PyTorch's FSDP2 tutorial does
+        for layer in model.modules():
             if isinstance(layer, torch.nn.Linear):
                 fsdp.fully_shard(layer)
         fsdp.fully_shard(model)
+    if case.endswith("gan"):
+        return (cls or (Gan if case == "gan" else ManualGan))(model=model, **common)
     cls = cls or {"two_losses": TwoLosses, "nan_skip": NanOnRank1}.get(case, Recording)
     return cls(model=model, **common)
 
