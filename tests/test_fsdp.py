@@ -22,16 +22,21 @@ RESUMED = ("fsdp", "manual_gan")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Every case of tests/fsdp_cases.py on 2 ranks, in one launch."""
+    """Every case of tests/fsdp_cases.py on 2 ranks, in two launches: ``killed`` (its rank zero dies), then the
+    others, ``after-killed`` (the killed job run again) among them."""
     out = tmp_path_factory.mktemp("fsdp")
     for case in RESUMED:
         fsdp_cases.build(case, 1, max_steps=fsdp_cases.STEPS // 2,
                          checkpoint={"dir": str(out / f"one-process-{case}")}).fit()
+    script = str(ROOT / "tests" / "fsdp_cases.py")
+    killed = torchrun(script, str(out), "killed", cwd=out, timeout=90)
+    assert killed.returncode != 0
+    (out / "killed.txt").write_text(" ".join(sorted(p.name for p in (out / "killed").glob("step-*.pt"))))
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo",
-                    "prebuilt", "hand", cwd=out,
-                    timeout=240)
+    proc = torchrun(script, str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo", "prebuilt", "hand",
+                    "reused", "after-killed", cwd=out, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    (out / "after-killed.txt").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -117,16 +122,11 @@ def test_a_one_process_checkpoint_resumes_sharded(ranks, case):
         torch.testing.assert_close(p0, p, rtol=1e-5, atol=1e-6)
 
 
-def test_a_sharded_job_killed_mid_run_and_run_again_with_resume_auto_ends_bit_identical(ranks, tmp_path):
-    script = str(ROOT / "tests" / "fsdp_cases.py")
-    killed = torchrun(script, str(tmp_path), "killed", cwd=tmp_path, timeout=90)
-    assert killed.returncode != 0
-    assert sorted(p.name for p in (tmp_path / "killed").glob("step-*.pt")) == ["step-000000001.pt",
-                                                                              "step-000000002.pt"]
-    again = torchrun(script, str(tmp_path), "after-killed", cwd=tmp_path, timeout=90)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from" in again.stdout + again.stderr
-    for resumed, straight in zip(load(tmp_path, "after-killed"), load(ranks, "fsdp")):
+def test_a_sharded_job_killed_mid_run_and_run_again_with_resume_auto_ends_bit_identical(ranks):
+    # rank zero died at step 3, before its checkpoint: the newest is step 2's
+    assert (ranks / "killed.txt").read_text() == "step-000000001.pt step-000000002.pt"
+    assert "resumed from" in (ranks / "after-killed.txt").read_text()
+    for resumed, straight in zip(load(ranks, "after-killed"), load(ranks, "fsdp")):
         assert resumed["step"] == straight["step"] == fsdp_cases.STEPS
         assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"], strict=True))
 
@@ -149,12 +149,8 @@ def test_an_optimizer_built_before_the_trainer_shards_the_model_is_a_config_erro
                                 "callable"), error
 
 
-def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(tmp_path):
-    started = time.perf_counter()
-    proc = torchrun(str(ROOT / "tests" / "fsdp_cases.py"), str(tmp_path), "reused", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert time.perf_counter() - started < 45
-    for error in load(tmp_path, "reused"):
+def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(ranks):
+    for error in load(ranks, "reused"):
         assert error.startswith("graph built before the step is reused (step 1"), error
 
 
