@@ -11,6 +11,7 @@ import gc
 import os
 import re
 from contextlib import suppress
+from itertools import islice
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 import safeloop
 
+from . import walk
 from .walk import reachable
 
 
@@ -260,3 +262,28 @@ def traceback_of(node) -> str | None:
 def _in_library(frame: str) -> bool:
     found = _FILE.search(frame)
     return found is not None and found.group(1).startswith(_LIBRARIES)
+
+
+def versions(leaves) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, version counter) of each AccumulateGrad node in ``leaves``: an in-place write moves the counter."""
+    return [(t, t._version) for t in (node.variable for node in leaves)]
+
+
+def changed(nodes, then: list[tuple[torch.Tensor, int]], limit: int = 100_000) -> list[torch.Tensor]:
+    """The leaves of the graph below ``nodes`` whose version moved since ``then`` (``versions``): written in place
+    since (SAM's ``p.add_(e_w)``), in the order of ``then``."""
+    moved = {id(t) for t, version in then if t._version != version}
+    if not moved:
+        return []
+    below = {id(n.variable) for n in islice(walk.iter_nodes(*nodes), limit) if type(n) is walk.ACCUMULATE}
+    return [t for t, _ in then if id(t) in moved and id(t) in below]
+
+
+def where(frame) -> tuple[str, int] | None:
+    """The file and line ``frame`` runs (a plain loop's backward call), None for none."""
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def at(where: tuple[str, int] | None) -> str:
+    """" at train.py:14" for a ``where``, else ""; under watch every loss is 'loss': the line tells them apart."""
+    return "" if where is None else f" at {os.path.basename(where[0])}:{where[1]}"

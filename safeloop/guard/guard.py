@@ -140,9 +140,10 @@ class Guard:
         self._named: dict[str, weakref.ref] = {}
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
-        # inputs); a later backward of the step reaching a node they ran would find it freed
-        self._consumed: list[tuple[str, Any, set, Any]] = []
-        self._walked: tuple[str, Any, list] | None = None  # the last loss pre-flighted alone
+        # inputs, its leaves' versions then, where it was called); a later backward of the step reaching a node
+        # they ran would find it freed
+        self._consumed: list[tuple[str, Any, set, Any, list, str | None]] = []
+        self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
         # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
         # step reaching one back-propagates a graph a second time (retain_graph=True on a carried state)
         self._ran_now: set[int] = set()
@@ -337,7 +338,7 @@ class Guard:
             if self._consumed and not self.is_off("consumed"):
                 self._check_ran(runs, name, loss, step, scope)
             if len(losses) == 1:
-                self._walked = (name, root, found.nodes)
+                self._walked = (name, root, found.nodes, found.leaves, explain.where(self.frame))
             if len(losses) > 1:  # which earlier losses' graphs does this one reach?
                 for node in found.nodes:
                     owner.setdefault(id(node), i)
@@ -625,9 +626,9 @@ class Guard:
         """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the
         graph, the nodes that backward ran are freed for the rest of the step (manual mode)."""
         if self.checking and self._walked is not None:
-            name, root, nodes = self._walked
-            if not retained:
-                self._consumed.append((name, root, set(nodes), inputs))
+            name, root, nodes, leaves, where = self._walked
+            if not retained:  # the leaves' versions now: a parameter written in place since makes the graph stale
+                self._consumed.append((name, root, set(nodes), inputs, explain.versions(leaves), where))
             elif walk.HAS_SEQ and inputs is None:
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
@@ -635,21 +636,35 @@ class Guard:
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
         t0 = time.perf_counter()
-        for earlier, root, ran, inputs in self._consumed:
+        for earlier, root, ran, inputs, versions, where in self._consumed:
             shared = [n for n in nodes if n in ran and walk.holds_tensors(n) and not self.is_off("consumed", n)]
             if shared and inputs is not None:  # backward(inputs=...) runs only the paths to its inputs
                 ran = walk.runs(root, inputs)
                 shared = [n for n in shared if n in ran]
             if shared:
                 self.spent += time.perf_counter() - t0
-                raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope),
-                    f"the loss reaches {{node}}, held by {{holder}}, which the backward of '{earlier}' in this step "
-                    "already ran without retain_graph, freeing its saved tensors: both losses share that graph",
-                    [f"pass retain_graph=True to the backward of '{earlier}' ({self.words.retain}), as every "
-                     "backward through a shared graph but the last needs",
-                     "compute `{code}` again for the second loss, if it must see the updated parameters"],
-                    holder=explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
-                    or explain.find_holder(shared[0], scope, None))
+                backward = f"the backward of '{earlier}'{explain.at(where)}"
+                detail = (f"the loss reaches {{node}}, held by {{holder}}, which {backward} in this step already ran "
+                          "without retain_graph, freeing its saved tensors: both losses share that graph")
+                if shared[0] is loss.grad_fn is root:  # the same loss again (a closure handing the first one back)
+                    detail = (f"this loss ({{node}}) was already back-propagated by {backward} in this step, without "
+                              "retain_graph, which freed its saved tensors")
+                fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
+                         "shared graph but the last needs",
+                         "compute `{code}` again for the second loss, if it must see the updated parameters"]
+                holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
+                holder = holder or explain.find_holder(shared[0], scope, None)
+                changed = explain.changed(shared, versions)
+                if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
+                    detail += _CHANGED.format(explain.leaf_names(changed, scope))
+                    again = f"`{_code(holder)}`" if _code(holder) else "the loss"
+                    fixes = [f"compute {again} again after the change (a fresh forward) for this backward, so that "
+                             "its gradient is taken at the parameters as they are now"]
+                    if root is not loss.grad_fn:  # another loss through the graph: it could have come first
+                        fixes.append("if this loss is meant for the parameters as they were, run its backward "
+                                     f"before changing them, and pass retain_graph=True to {backward}")
+                raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope), detail, fixes,
+                                  holder=holder)
         self.spent += time.perf_counter() - t0
 
     def _check_consumed(self, nodes, name, loss, step, scope) -> None:
@@ -671,10 +686,17 @@ class Guard:
         if saver is None or self.is_off("consumed") or not walk.is_freed(walk.unpack_error(saver, first=True)):
             return
         when = "earlier in this step" if done == step else f"in step {done}"
-        raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope),
-            f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
-            "retain_graph, which freed the saved tensors of its graph",
-            [self.words.twice, self.words.shared])
+        first = next((c for c in self._consumed if c[1] is loss.grad_fn), None) if done == step else None
+        detail = (f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward "
+                  f"without retain_graph{explain.at(first[5]) if first else ''}, which freed the saved tensors of "
+                  "its graph")
+        fixes = [self.words.twice, self.words.shared]
+        changed = explain.changed([loss.grad_fn], first[4]) if first else []
+        if changed:  # SAM's second pass on the first pass's loss: the loss at the changed parameters is another
+            detail += _CHANGED.format(explain.leaf_names(changed, scope))
+            fixes = ["compute `{code}` again after the change (a fresh forward) for this backward, so that its "
+                     "gradient is taken at the parameters as they are now"]
+        raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope), detail, fixes)
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
@@ -989,6 +1011,9 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
     return None
 
 
+_CHANGED = ("; since that backward, {} under that graph were changed in place (as SAM's first step moves the "
+            "weights), so the graph holds values from before the change: retain_graph=True cannot help (PyTorch "
+            "refuses a graph whose saved tensors were written in place)")
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
           "'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
