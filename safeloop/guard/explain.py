@@ -167,6 +167,12 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     return None
 
 
+def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: Any = None) -> bool:
+    """Whether ``holder`` (a name ``find_holder`` gave) holds the very tensor that ``node`` made: a value kept as it
+    was (a cache), not one made again from it every step (an RNN's state, whose new value's graph reaches it)."""
+    return holder is not None and any(name == holder and t.grad_fn is node for name, t in candidates(scope, batch))
+
+
 def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     """The modules of the scope by name: its roots, and those in its variables."""
     if scope is None:

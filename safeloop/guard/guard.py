@@ -537,11 +537,32 @@ class Guard:
                 [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` "
                  "for a number to log), so that no step's graph stays alive in it"], trace_hint=True, holder=holder)
         if kept:
+            fixes = ["detach the carried state at the end of each step (`{detached}`) "
+                     "so each step back-propagates through its own graph only (truncated BPTT)",
+                     f"recompute it inside {self.words.place} from its inputs"]
+            if explain.holds_as_made(node, holder, case.scope, case.batch):  # kept as it was made: a cache
+                fixes = self._cache_fixes(node, case)
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                ["detach the carried state at the end of each step (`{detached}`) "
-                 "so each step back-propagates through its own graph only (truncated BPTT)",
-                 f"recompute it inside {self.words.place} from its inputs"], trace_hint=True, holder=holder)
+                fixes, trace_hint=True, holder=holder)
+
+    def _cache_fixes(self, node, case: Case) -> list[str]:
+        """The fixes for a value made in an earlier step and kept as it was (a cache built by the first forward:
+        rotary embeddings' ``cached_freqs``): made from trained parameters, a kept value misses their updates,
+        detached or not, so it is made again every step; made from none, it is kept without its graph."""
+        leaves = walk.below(node)[1]
+        trained = _trained(leaves, case.scope)
+        if not trained:
+            only = f" (only on {explain.leaf_names(list(leaves), case.scope)})" if leaves else ""
+            return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "
+                    "torch.no_grad() or store it detached once made (`{detached}`)",
+                    f"recompute it inside {self.words.place} from its inputs"]
+        return [f"make `{{code}}` again every step instead of keeping it: it is made from "
+                f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
+                "stale); clear the cache before each forward (`{code} = None`, where forward rebuilds it when it is "
+                "None), or do not cache it",
+                "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
+                "of each step (`{detached}`)"]
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
