@@ -10,6 +10,7 @@ runs under watch in a process of its own, forked from one that imported torch on
 """
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import subprocess
@@ -57,6 +58,31 @@ BROKEN = {
     "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
                              r"the step \(before the loop\) and held by `model.0.scaled`.*recompute `model.0.scaled` "
                              r"inside the loop",
+    # SAM's second pass through the first pass's graph after first_step moved the weights in place: retaining the
+    # graph cannot help, a fresh forward does; the first backward named by its line, as every loss is 'loss' here
+    "sam_predictions_reused": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, held "
+                              r"by `global predictions`, which the backward of 'loss' at sam_predictions_reused.py:49 "
+                              r"in this step .*were changed in place .*retain_graph=True cannot help.*To fix: compute "
+                              r"`predictions` again after the change \(a fresh forward\)",
+    # a cache two module levels deep made from a parameter: made again every step, never kept detached (stale)
+    "rotary_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.rot.cached_freqs`.*To fix: make "
+                    r"`model.rot.cached_freqs` again every step instead of keeping it: it is made from "
+                    r"`model.rot.inv_freq`.*\(`model.rot.cached_freqs = None`",
+    # ... and one made from no trained parameter: kept without its graph
+    "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
+                     r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
+                     r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
+}
+# broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
+# fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
+FIRST_FIX = {
+    "sam_predictions_reused": ("sam_predictions_reused_fixed", "sam_predictions_reused_first_fix",
+                               "    predictions = model(inputs)", "compute `predictions` again after the change"),
+    "rotary_cache": ("rotary_cache_fixed", "rotary_cache_first_fix", "    model.rot.cached_freqs = None",
+                     "clear the cache before each forward (`model.rot.cached_freqs = None`"),
+    "fourier_cache": ("fourier_cache_fixed", "fourier_cache_first_fix",
+                      "    model.enc.cached = model.enc.cached.detach()",
+                      "store it detached once made (`model.enc.cached = model.enc.cached.detach()`)"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
@@ -167,6 +193,22 @@ def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothi
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == runs[1][name]
     assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
+
+
+def _code(name: str) -> list[str]:
+    """A script's lines after its opening comment."""
+    lines = (SCRIPTS / f"{name}.py").read_text().splitlines()
+    return lines[next(i for i, line in enumerate(lines) if not line.startswith("#")):]
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_FIX))
+def test_the_first_fix_applied_as_written_trains_bit_for_bit_as_the_correct_script(runs, name):
+    correct, applied, line, words = FIRST_FIX[name]
+    first_fix = runs[0][name].stderr.strip().splitlines()[-1].split("To fix: ")[1].split("; or ")[0]
+    assert words in first_fix, first_fix
+    added = [d for d in difflib.ndiff(_code(name), _code(applied)) if d[0] in "+-"]
+    assert added == [f"+ {line}"]  # the broken script and that one line: nothing else changed
+    assert runs[1][applied] == runs[1][correct]  # without watch: the same losses and the same final weights
 
 
 def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
