@@ -116,15 +116,19 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every script under watch (exit code, stdout, stderr), and those that run to their end without it (stdout), by
-    script: each in a process of its own, forked from one that imported torch (``forked.run_all``)."""
+    script; the correct and first-fixed scripts of ``FIRST_FIX`` under watch in the other check modes too, by (script,
+    mode): each in a process of its own, forked from one that imported torch (``forked.run_all``)."""
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
     plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED)]
+    modes = [(n, mode) for fixed in FIRST_FIX.values() for n in fixed[:2] for mode in ("always", "off")]
     results = run_all([([str(SCRIPTS / f"{n}.py")], True) for n in names]
-                      + [([str(SCRIPTS / f"{n}.py")], False) for n in plain], cwd)
-    for name, proc in zip(plain, results[len(names):]):
+                      + [([str(SCRIPTS / f"{n}.py")], False) for n in plain]
+                      + [(["--check", mode, str(SCRIPTS / f"{n}.py")], True) for n, mode in modes], cwd)
+    watched, results = dict(zip(names, results)), results[len(names):]
+    for name, proc in zip(plain, results):
         assert proc.returncode == 0, (name, proc.stderr)
-    return dict(zip(names, results)), {n: proc.stdout for n, proc in zip(plain, results[len(names):])}
+    return watched, {n: proc.stdout for n, proc in zip(plain, results)}, dict(zip(modes, results[len(plain):]))
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -178,6 +182,14 @@ def test_the_first_fix_applied_as_written_trains_bit_for_bit_as_the_correct_scri
     added = [d for d in difflib.ndiff(_code(name), _code(applied)) if d[0] in "+-"]
     assert added == [f"+ {line}"]  # the broken script and that one line: nothing else changed
     assert runs[1][applied] == runs[1][correct]  # without watch: the same losses and the same final weights
+
+
+@pytest.mark.parametrize("name", sorted(n for fixed in FIRST_FIX.values() for n in fixed[:2]))
+def test_a_correct_or_first_fixed_script_is_quiet_and_bit_identical_in_every_check_mode(runs, name):
+    for mode in ("always", "off"):  # auto: test_a_fixed_seed_script_prints_what_it_prints_without_watch...
+        proc = runs[2][name, mode]
+        assert proc.returncode == 0 and proc.stderr == "", (mode, proc.stderr)
+        assert proc.stdout == runs[1][name], mode
 
 
 def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
