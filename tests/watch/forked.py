@@ -52,7 +52,10 @@ for i, (argv, watch) in enumerate(jobs):
                     traceback.print_exc()
                     code = 1
         except SystemExit as stop:  # as Python ends on it
-            code = stop.code if stop.code is None or isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
+            code = stop.code
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
         # Python's exit, less the teardown of every module (~1 s with torch, and silent): atexit functions, streams
         atexit._run_exitfuncs()
         sys.stdout.flush(), sys.stderr.flush()

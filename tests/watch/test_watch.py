@@ -1,11 +1,12 @@
 """``python -m safeloop.watch``: the seed scripts, two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D step
-on an undetached fake), an L-BFGS closure without its forward, and gradients that go nowhere (layers in a plain
-list or made in forward, a meta-loss through detached fast weights), run verbatim.
+on an undetached fake), an L-BFGS closure without its forward, gradients that go nowhere (layers in a plain
+list or made in forward, a meta-loss through detached fast weights), SAM's second pass through the first pass's
+graph and caches built by the first forward, run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
-the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
-runs under watch in a process of its own, forked from one that imported torch once (what
-``python -m safeloop.watch`` does after its imports); the command line itself runs as a real
+the fix; the fixed ones print what they print without it, exit 0 and warn nothing; where a script with the first
+fix applied as written is here, it trains bit for bit as the correct one. Each script runs under watch in a process
+of its own, forked from one that imported torch once (``forked.py``); the command line itself runs as a real
 ``python`` subprocess in the tests at the end.
 """
 from __future__ import annotations
@@ -232,7 +233,8 @@ def test_the_script_runs_as_the_same_main_module_as_without_watch(tmp_path):
 def test_watch_refuses_a_script_that_is_not_there(capsys):
     with pytest.raises(SystemExit) as info:  # what `python -m safeloop.watch nothere.py` runs
         safeloop.watch.main(["nothere.py"])
-    assert info.value.code == 2 and "nothere.py: no such file (give the path of a Python script)" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "nothere.py: no such file (give the path of a Python script)" in capsys.readouterr().err
 
 
 def test_the_safeloop_command_runs_a_script_under_watch(tmp_path, monkeypatch, capsys):
