@@ -92,7 +92,9 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
 def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
         for mod_name, mod in obj.named_modules():
-            base = f"{prefix}.{mod_name}" if mod_name else prefix
+            # as Python spells it, so that a fix applies as written: model.blocks[0].rot, not model.blocks.0.rot
+            base = prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in mod_name.split(".")
+                                    if part)
             for key, val in vars(mod).items():
                 if not key.startswith("_"):
                     yield from _items(val, f"{base}.{key}")

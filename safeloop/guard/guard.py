@@ -927,7 +927,8 @@ class Guard:
 
     @staticmethod
     def leak_key(holder: str | None) -> str:
-        return "leak:" + re.sub(r"\[\d+\]", "[]", holder or "")  # self.history[3] is self.history[0] again
+        # self.history[3] is self.history[0] again (not model.layers[0].out and model.layers[1].out: two holders)
+        return "leak:" + re.sub(r"(\[\d+\])+$", "[]", holder or "")
 
     def warn_leak(self, first: int, step: int, holder: str | None, frame=None) -> None:
         """Warn once per holder (None: not found by name); ``frame``: the user's code to point at (default:

@@ -282,3 +282,33 @@ def test_the_trainer_makes_a_parameter_cache_again_every_step_as_its_first_fix()
         warnings.simplefilter("error")
         assert all(same(cache_trainer(rotary(), fix, check), correct) for check in CHECKS)
         assert all(same(cache_trainer(rotary(cache=False), check=check), correct) for check in CHECKS)
+
+
+class Blocks(nn.Module):
+    """Rotary blocks in an nn.ModuleList, each caching its frequencies and keeping its last output for logging."""
+
+    def __init__(self, cache: bool = True):
+        super().__init__()
+        torch.manual_seed(2)
+        self.blocks = nn.ModuleList(Deep(Rotary(4, cache)) for _ in range(2))
+
+    def forward(self, x):
+        outs = [block(x) for block in self.blocks]
+        for block, out in zip(self.blocks, outs):
+            block.last_out = out
+        return sum(outs)
+
+
+def test_a_cache_in_a_module_list_is_named_as_python_spells_it_so_that_its_fix_applies_as_written():
+    """Each block's cache is named in turn: the fix of each, applied as written, and the loop trains as meant."""
+    fixes: list[str] = []
+    for _ in range(2):
+        with pytest.raises(CarriedGraphError, match=r"held by `model\.blocks\[\d\]\.rot\.cached_freqs`") as info:
+            cache_loop(Blocks(), "before: " + "; ".join(fixes) if fixes else None)
+        fixes.append(first_fix_code(info.value))
+    assert sorted(fixes) == [f"model.blocks[{i}].rot.cached_freqs = None" for i in range(2)]
+    correct = cache_loop(Blocks(cache=False), check=None)
+    with warnings.catch_warnings():  # each block keeps its own last output: two holders, no graphs piling up
+        warnings.simplefilter("error")
+        applied = cache_loop(Blocks(), "before: " + "; ".join(fixes), check="always")
+    assert same(applied, correct)

@@ -59,8 +59,8 @@ BROKEN = {
                                      r"AddmmBackward0, held by `global out`.*compute `out` again",
     # seed 001's graph held by a submodule of a model that a function's loop trains
     "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
-                             r"the step \(before the loop\) and held by `model.0.scaled`.*recompute `model.0.scaled` "
-                             r"inside the loop",
+                             r"the step \(before the loop\) and held by `model\[0\].scaled`.*recompute "
+                             r"`model\[0\].scaled` inside the loop",
     # SAM's second pass through the first pass's graph after first_step moved the weights in place: retaining the
     # graph cannot help, a fresh forward does; the first backward named by its line, as every loss is 'loss' here
     "sam_predictions_reused": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, held "
