@@ -667,12 +667,13 @@ class Guard:
                 backward = f"the backward of '{earlier}'{explain.at(where)}"
                 detail = (f"the loss reaches {{node}}, held by {{holder}}, which {backward} in this step already ran "
                           "without retain_graph, freeing its saved tensors: both losses share that graph")
-                if shared[0] is loss.grad_fn is root:  # the same loss again (a closure handing the first one back)
-                    detail = (f"this loss ({{node}}) was already back-propagated by {backward} in this step, without "
-                              "retain_graph, which freed its saved tensors")
                 fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
                          "shared graph but the last needs",
                          "compute `{code}` again for the second loss, if it must see the updated parameters"]
+                if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
+                    detail = (f"this loss ({{node}}, held by {{holder}}) was already back-propagated by {backward} in "
+                              "this step, without retain_graph, which freed its saved tensors")
+                    fixes = [self.words.twice, self.words.shared]
                 holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
                 holder = holder or explain.find_holder(shared[0], scope, None)
                 changed = explain.changed(shared, versions)

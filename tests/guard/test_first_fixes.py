@@ -125,8 +125,10 @@ def sam_trainer(fresh: bool, check: str = "always") -> list[torch.Tensor]:
 
 
 def test_the_trainer_offers_a_fresh_forward_first_when_a_closure_hands_back_the_first_pass_loss():
-    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0) was already back-propagated "
-                                                            "by the backward of 'loss' in this step")) as info:
+    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0, held by an unnamed tensor "
+                                                            "(found by the garbage collector)) was already "
+                                                            "back-propagated by the backward of 'loss' in this step")) \
+            as info:
         sam_trainer(fresh=False)
     assert info.value.fixes[0].startswith("compute the loss again after the change (a fresh forward)")
     model = mlp()  # the same by hand
@@ -143,6 +145,44 @@ def test_the_trainer_offers_a_fresh_forward_first_when_a_closure_hands_back_the_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(same(sam_trainer(fresh=True, check=check), trained(model)) for check in CHECKS)
+
+
+class Twice(Trainer):
+    """Manual mode back-propagating one loss twice (``twice``), or once: the first fix of the first, as written."""
+
+    automatic = False
+    twice = True
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.backward(loss)
+        if self.twice:
+            self.backward(loss)
+        self.step()
+        return loss
+
+
+def test_the_trainer_advises_one_loss_back_propagated_twice_away_rather_than_retained():
+    """Retaining its graph would let the second backward add the same gradient again (seed 000)."""
+    def fit(twice: bool) -> list[torch.Tensor]:
+        model = mlp()
+        trainer = Twice(model=model, train_data=batches(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        max_steps=3, device="cpu", progress=False, loggers=(), guard={"check": "always"})
+        trainer.twice = twice
+        trainer.fit()
+        return trained(model)
+
+    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0, held by")) as info:
+        fit(twice=True)
+    assert info.value.fixes[0] == "do not call backward on the same loss twice, nor in training_step; return the loss"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches():
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert same(fit(twice=False), trained(model))
 
 
 # -- a cache two module levels deep --------------------------------------------------------------------------------
