@@ -1034,9 +1034,9 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
     return None
 
 
-_CHANGED = ("; since that backward, {} under that graph were changed in place (as SAM's first step moves the "
-            "weights), so the graph holds values from before the change: retain_graph=True cannot help (PyTorch "
-            "refuses a graph whose saved tensors were written in place)")
+_CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
+            "SAM's first step moves the weights), so the graph holds values from before the change: retain_graph=True "
+            "cannot help (PyTorch refuses a graph whose saved tensors were written in place)")
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
           "'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"

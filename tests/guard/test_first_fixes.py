@@ -79,8 +79,9 @@ FIRST_BACKWARD = sam_loop.__code__.co_firstlineno + 10  # the line of `backward(
 @pytest.mark.parametrize("second, held", [("reused", "predictions"), ("same", "loss")])
 def test_a_second_pass_through_a_graph_whose_weights_moved_in_place_is_fixed_by_a_fresh_forward(second, held):
     with pytest.raises(DoubleBackwardError, match=re.escape(f"at test_first_fixes.py:{FIRST_BACKWARD}") + ".*"
-                       + re.escape("were changed in place (as SAM's first step moves the weights), so the graph holds "
-                                   "values from before the change: retain_graph=True cannot help")) as info:
+                       + re.escape("were changed in place (by an optimizer step, or by hand as SAM's first step moves "
+                                   "the weights), so the graph holds values from before the change: retain_graph=True "
+                                   "cannot help")) as info:
         sam_loop(second)
     assert info.value.fixes[0] == (f"compute `{held}` again after the change (a fresh forward) for this backward, so "
                                    "that its gradient is taken at the parameters as they are now")
