@@ -541,12 +541,12 @@ class Guard:
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
             if explain.holds_as_made(node, holder, case.scope, case.batch):  # kept as it was made: a cache
-                fixes = self._cache_fixes(node, case)
+                fixes = self._cache_fixes(node, case, holder)
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
 
-    def _cache_fixes(self, node, case: Case) -> list[str]:
+    def _cache_fixes(self, node, case: Case, holder: str) -> list[str]:
         """The fixes for a value made in an earlier step and kept as it was (a cache built by the first forward:
         rotary embeddings' ``cached_freqs``): made from trained parameters, a kept value misses their updates,
         detached or not, so it is made again every step; made from none, it is kept without its graph."""
@@ -557,10 +557,13 @@ class Guard:
             return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "
                     "torch.no_grad() or store it detached once made (`{detached}`)",
                     f"recompute it inside {self.words.place} from its inputs"]
+        # a dict's entry is cleared by removing it (forward tests `key in cache` or cache.get(key)), an attribute by None
+        keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
+        clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
+            if keyed else "`{code} = None`, where forward rebuilds it when it is None"
         return [f"make `{{code}}` again every step instead of keeping it: it is made from "
                 f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
-                "stale); clear the cache before each forward (`{code} = None`, where forward rebuilds it when it is "
-                "None), or do not cache it",
+                f"stale); clear the cache before each forward ({clear}), or do not cache it",
                 "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
                 "of each step (`{detached}`)"]
 

@@ -353,3 +353,51 @@ def test_a_cache_in_a_module_list_is_named_as_python_spells_it_so_that_its_fix_a
         warnings.simplefilter("error")
         applied = cache_loop(Blocks(), "before: " + "; ".join(fixes), check="always")
     assert same(applied, correct)
+
+
+class DictRotary(nn.Module):
+    """Frequencies cached in a dict entry by the first forward (``key in cache``), from a learned ``inv_freq``."""
+
+    def __init__(self, cache: bool = True):
+        super().__init__()
+        self.inv_freq, self.cache, self.caching = nn.Parameter(1.0 / 10 ** torch.linspace(0, 1, 4)), {}, cache
+
+    def forward(self, x):
+        if "freqs" not in self.cache:
+            freqs = torch.outer(torch.arange(x.shape[0], dtype=x.dtype), self.inv_freq)
+            if not self.caching:
+                return x * freqs.cos()
+            self.cache["freqs"] = freqs
+        return x * self.cache["freqs"].cos()
+
+
+class Runner:
+    """The loop in a method (``self.model``), under a GraphGuard given only the optimizer; ``before``: a statement
+    run before each forward."""
+
+    def __init__(self, cache: bool, check: str | None):
+        torch.manual_seed(2)
+        self.model = Deep(DictRotary(cache))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.backward = GraphGuard(optimizers=self.opt, check=check).backward if check else torch.Tensor.backward
+
+    def train(self, before: str | None = None) -> list[torch.Tensor]:
+        for x, y in batches(4):
+            if before:
+                exec(before)
+            loss = F.mse_loss(self.model(x), y)
+            self.backward(loss)
+            self.opt.step()
+            self.opt.zero_grad()
+        return trained(self.model)
+
+
+def test_a_cache_in_a_dict_entry_in_a_method_s_loop_is_removed_before_each_forward():
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `self.model.rot.cache['freqs']`")) as info:
+        Runner(cache=True, check="always").train()
+    fix = first_fix_code(info.value)
+    assert fix == "self.model.rot.cache.pop('freqs', None)"
+    correct = Runner(cache=False, check=None).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(Runner(cache=True, check=check).train(fix), correct) for check in CHECKS)
