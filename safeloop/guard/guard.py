@@ -557,7 +557,7 @@ class Guard:
             return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "
                     "torch.no_grad() or store it detached once made (`{detached}`)",
                     f"recompute it inside {self.words.place} from its inputs"]
-        # a dict's entry is cleared by removing it (forward tests `key in cache` or cache.get(key)), an attribute by None
+        # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None
         keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
             if keyed else "`{code} = None`, where forward rebuilds it when it is None"
