@@ -11,6 +11,7 @@ import gc
 import os
 import re
 from contextlib import suppress
+from itertools import islice
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 import safeloop
 
+from . import walk
 from .walk import reachable
 
 
@@ -90,7 +92,9 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
 def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
         for mod_name, mod in obj.named_modules():
-            base = f"{prefix}.{mod_name}" if mod_name else prefix
+            # as Python spells it, so that a fix applies as written: model.blocks[0].rot, not model.blocks.0.rot
+            base = prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in mod_name.split(".")
+                                    if part)
             for key, val in vars(mod).items():
                 if not key.startswith("_"):
                     yield from _items(val, f"{base}.{key}")
@@ -163,6 +167,12 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: Any = None) -> bool:
+    """Whether ``holder`` (a name ``find_holder`` gave) holds the very tensor that ``node`` made: a value kept as it
+    was (a cache), not one made again from it every step (an RNN's state, whose new value's graph reaches it)."""
+    return holder is not None and any(name == holder and t.grad_fn is node for name, t in candidates(scope, batch))
 
 
 def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
@@ -260,3 +270,28 @@ def traceback_of(node) -> str | None:
 def _in_library(frame: str) -> bool:
     found = _FILE.search(frame)
     return found is not None and found.group(1).startswith(_LIBRARIES)
+
+
+def versions(leaves) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, version counter) of each AccumulateGrad node in ``leaves``: an in-place write moves the counter."""
+    return [(t, t._version) for t in (node.variable for node in leaves)]
+
+
+def changed(nodes, then: list[tuple[torch.Tensor, int]], limit: int = 100_000) -> list[torch.Tensor]:
+    """The leaves of the graph below ``nodes`` whose version moved since ``then`` (``versions``): written in place
+    since (SAM's ``p.add_(e_w)``), in the order of ``then``."""
+    moved = {id(t) for t, version in then if t._version != version}
+    if not moved:
+        return []
+    below = {id(n.variable) for n in islice(walk.iter_nodes(*nodes), limit) if type(n) is walk.ACCUMULATE}
+    return [t for t, _ in then if id(t) in moved and id(t) in below]
+
+
+def where(frame) -> tuple[str, int] | None:
+    """The file and line ``frame`` runs (a plain loop's backward call), None for none."""
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def at(where: tuple[str, int] | None) -> str:
+    """" at train.py:14" for a ``where``, else ""; under watch every loss is 'loss': the line tells them apart."""
+    return "" if where is None else f" at {os.path.basename(where[0])}:{where[1]}"

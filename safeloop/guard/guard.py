@@ -141,9 +141,10 @@ class Guard:
         self._named: dict[str, weakref.ref] = {}
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
-        # inputs); a later backward of the step reaching a node they ran would find it freed
-        self._consumed: list[tuple[str, Any, set, Any]] = []
-        self._walked: tuple[str, Any, list] | None = None  # the last loss pre-flighted alone
+        # inputs, its leaves' versions then, where it was called); a later backward of the step reaching a node
+        # they ran would find it freed
+        self._consumed: list[tuple[str, Any, set, Any, list, str | None]] = []
+        self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
         # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
         # step reaching one back-propagates a graph a second time (retain_graph=True on a carried state)
         self._ran_now: set[int] = set()
@@ -338,7 +339,7 @@ class Guard:
             if self._consumed and not self.is_off("consumed"):
                 self._check_ran(runs, name, loss, step, scope)
             if len(losses) == 1:
-                self._walked = (name, root, found.nodes)
+                self._walked = (name, root, found.nodes, found.leaves, explain.where(self.frame))
             if len(losses) > 1:  # which earlier losses' graphs does this one reach?
                 for node in found.nodes:
                     owner.setdefault(id(node), i)
@@ -538,11 +539,35 @@ class Guard:
                 [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` "
                  "for a number to log), so that no step's graph stays alive in it"], trace_hint=True, holder=holder)
         if kept:
+            fixes = ["detach the carried state at the end of each step (`{detached}`) "
+                     "so each step back-propagates through its own graph only (truncated BPTT)",
+                     f"recompute it inside {self.words.place} from its inputs"]
+            if explain.holds_as_made(node, holder, case.scope, case.batch):  # kept as it was made: a cache
+                fixes = self._cache_fixes(node, case, holder)
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                ["detach the carried state at the end of each step (`{detached}`) "
-                 "so each step back-propagates through its own graph only (truncated BPTT)",
-                 f"recompute it inside {self.words.place} from its inputs"], trace_hint=True, holder=holder)
+                fixes, trace_hint=True, holder=holder)
+
+    def _cache_fixes(self, node, case: Case, holder: str) -> list[str]:
+        """The fixes for a value made in an earlier step and kept as it was (a cache built by the first forward:
+        rotary embeddings' ``cached_freqs``): made from trained parameters, a kept value misses their updates,
+        detached or not, so it is made again every step; made from none, it is kept without its graph."""
+        leaves = walk.below(node)[1]
+        trained = _trained(leaves, case.scope)
+        if not trained:
+            only = f" (only on {explain.leaf_names(list(leaves), case.scope)})" if leaves else ""
+            return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "
+                    "torch.no_grad() or store it detached once made (`{detached}`)",
+                    f"recompute it inside {self.words.place} from its inputs"]
+        # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None
+        keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
+        clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
+            if keyed else "`{code} = None`, where forward rebuilds it when it is None"
+        return [f"make `{{code}}` again every step instead of keeping it: it is made from "
+                f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
+                f"stale); clear the cache before each forward ({clear}), or do not cache it",
+                "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
+                "of each step (`{detached}`)"]
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
@@ -627,9 +652,9 @@ class Guard:
         """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the
         graph, the nodes that backward ran are freed for the rest of the step (manual mode)."""
         if self.checking and self._walked is not None:
-            name, root, nodes = self._walked
-            if not retained:
-                self._consumed.append((name, root, set(nodes), inputs))
+            name, root, nodes, leaves, where = self._walked
+            if not retained:  # the leaves' versions now: a parameter written in place since makes the graph stale
+                self._consumed.append((name, root, set(nodes), inputs, explain.versions(leaves), where))
             elif walk.HAS_SEQ and inputs is None:
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
@@ -637,21 +662,36 @@ class Guard:
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
         t0 = time.perf_counter()
-        for earlier, root, ran, inputs in self._consumed:
+        for earlier, root, ran, inputs, versions, where in self._consumed:
             shared = [n for n in nodes if n in ran and walk.holds_tensors(n) and not self.is_off("consumed", n)]
             if shared and inputs is not None:  # backward(inputs=...) runs only the paths to its inputs
                 ran = walk.runs(root, inputs)
                 shared = [n for n in shared if n in ran]
             if shared:
                 self.spent += time.perf_counter() - t0
-                raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope),
-                    f"the loss reaches {{node}}, held by {{holder}}, which the backward of '{earlier}' in this step "
-                    "already ran without retain_graph, freeing its saved tensors: both losses share that graph",
-                    [f"pass retain_graph=True to the backward of '{earlier}' ({self.words.retain}), as every "
-                     "backward through a shared graph but the last needs",
-                     "compute `{code}` again for the second loss, if it must see the updated parameters"],
-                    holder=explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
-                    or explain.find_holder(shared[0], scope, None))
+                backward = f"the backward of '{earlier}'{explain.at(where)}"
+                detail = (f"the loss reaches {{node}}, held by {{holder}}, which {backward} in this step already ran "
+                          "without retain_graph, freeing its saved tensors: both losses share that graph")
+                fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
+                         "shared graph but the last needs",
+                         "compute `{code}` again for the second loss, if it must see the updated parameters"]
+                if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
+                    detail = (f"this loss ({{node}}, held by {{holder}}) was already back-propagated by {backward} in "
+                              "this step, without retain_graph, which freed its saved tensors")
+                    fixes = [self.words.twice, self.words.shared]
+                holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
+                holder = holder or explain.find_holder(shared[0], scope, None)
+                changed = explain.changed(shared, versions)
+                if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
+                    detail += _CHANGED.format(explain.leaf_names(changed, scope))
+                    again = f"`{_code(holder)}`" if _code(holder) else "the loss"
+                    fixes = [f"compute {again} again after the change (a fresh forward) for this backward, so that "
+                             "its gradient is taken at the parameters as they are now"]
+                    if root is not loss.grad_fn:  # another loss through the graph: it could have come first
+                        fixes.append("if this loss is meant for the parameters as they were, run its backward "
+                                     f"before changing them, and pass retain_graph=True to {backward}")
+                raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope), detail, fixes,
+                                  holder=holder)
         self.spent += time.perf_counter() - t0
 
     def _check_consumed(self, nodes, name, loss, step, scope) -> None:
@@ -673,10 +713,17 @@ class Guard:
         if saver is None or self.is_off("consumed") or not walk.is_freed(walk.unpack_error(saver, first=True)):
             return
         when = "earlier in this step" if done == step else f"in step {done}"
-        raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope),
-            f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward without "
-            "retain_graph, which freed the saved tensors of its graph",
-            [self.words.twice, self.words.shared])
+        first = next((c for c in self._consumed if c[1] is loss.grad_fn), None) if done == step else None
+        detail = (f"this loss ({{node}}, held by {{holder}}) was already back-propagated {when} by a backward "
+                  f"without retain_graph{explain.at(first[5]) if first else ''}, which freed the saved tensors of "
+                  "its graph")
+        fixes = [self.words.twice, self.words.shared]
+        changed = explain.changed([loss.grad_fn], first[4]) if first else []
+        if changed:  # SAM's second pass on the first pass's loss: the loss at the changed parameters is another
+            detail += _CHANGED.format(explain.leaf_names(changed, scope))
+            fixes = ["compute `{code}` again after the change (a fresh forward) for this backward, so that its "
+                     "gradient is taken at the parameters as they are now"]
+        raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope), detail, fixes)
 
     # -- loss without a graph --------------------------------------------------------
     def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
@@ -886,7 +933,8 @@ class Guard:
 
     @staticmethod
     def leak_key(holder: str | None) -> str:
-        return "leak:" + re.sub(r"\[\d+\]", "[]", holder or "")  # self.history[3] is self.history[0] again
+        # self.history[3] is self.history[0] again (not model.layers[0].out and model.layers[1].out: two holders)
+        return "leak:" + re.sub(r"(\[\d+\])+$", "[]", holder or "")
 
     def warn_leak(self, first: int, step: int, holder: str | None, frame=None) -> None:
         """Warn once per holder (None: not found by name); ``frame``: the user's code to point at (default:
@@ -991,6 +1039,9 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
     return None
 
 
+_CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
+            "SAM's first step moves the weights), so the graph holds values from before the change: retain_graph=True "
+            "cannot help (PyTorch refuses a graph whose saved tensors were written in place)")
 _FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
           "'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"

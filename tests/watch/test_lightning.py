@@ -16,6 +16,7 @@ from torch import nn
 import safeloop
 from safeloop import GraphReuseError, InplaceModificationError
 from tests.conftest import subprocess_env
+from tests.watch.forked import run_all
 from tests.watch.lightning_like import LightningModule, Trainer
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
@@ -34,12 +35,15 @@ def test_a_graph_built_in_init_is_reused_at_step_one_as_in_a_plain_loop_and_a_co
     """Lightning runs training_step inside optimizer.step(closure): the first step starts with the optimizer's
     step, not with the script, so a graph of __init__ is built before it (it was taken for a carried state, at
     step 2)."""
-    for script in ("plain.py", "train.py"):
-        proc = run(str(SCRIPTS / script), "--scale-in-init", "exp", cwd=tmp_path)
+    scripts = ("plain.py", "train.py")
+    # each script: under watch with the graph of __init__, under watch and without it as it is (see forked.py)
+    jobs = [job for script in scripts for job in (([str(SCRIPTS / script), "--scale-in-init", "exp"], True),
+                                                   ([str(SCRIPTS / script)], True), ([str(SCRIPTS / script)], False))]
+    results = run_all(jobs, tmp_path)
+    for script, (proc, watched, plain) in zip(scripts, zip(*[iter(results)] * 3)):
         assert proc.returncode == 1
         assert re.search(REUSED, proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
         assert f"lightning_scripts/{script}" in proc.stderr
-        plain, watched = run(str(SCRIPTS / script), cwd=tmp_path, watch=None), run(str(SCRIPTS / script), cwd=tmp_path)
         assert watched.returncode == plain.returncode == 0
         assert watched.stdout == plain.stdout and watched.stderr == plain.stderr == ""
 
@@ -63,7 +67,7 @@ def test_a_python_script_the_watched_script_starts_is_watched_with_the_same_sett
         "else:\n"
         "    child = subprocess.run([sys.executable, '-u', __file__, 'child'], capture_output=True, text=True)\n"
         "    print('child exit code', child.returncode)\n    print(child.stderr)\n")
-    plain, watched = run(str(script), cwd=tmp_path, watch=None), run(str(script), cwd=tmp_path, watch=("--trace",))
+    plain, watched = run_all([([str(script)], False), (["--trace", str(script)], True)], tmp_path)
     assert plain.stdout.startswith("child exit code 1\n") and \
         "RuntimeError: Trying to backward through the graph a second time" in plain.stdout
     assert watched.returncode == 0, watched.stderr
@@ -80,17 +84,16 @@ def test_weights_broadcast_in_place_after_a_graph_saved_them_are_named_as_such_n
     does not apply."""
     broadcast = ("changed in place (optimizer steps update parameters in place, and so do writes under "
                  "torch.no_grad() or through .data, such as DDP's broadcast of the weights at start-up)")
-    proc = run(str(SCRIPTS / "train.py"), "--scale-in-init", "pow", "--strategy", "ddp", cwd=tmp_path,
-               watch=("--check", check))
+    # the second: with gradient accumulation (below)
+    proc, accumulating = run_all([(["--check", check, str(SCRIPTS / "train.py"), "--scale-in-init", "pow", "--strategy",
+                                    "ddp", *more], True) for more in ((), ("--accumulate", "2"))], tmp_path)
     error = proc.stderr.strip().splitlines()[-1]
     kind = "GraphReuseError" if check == "auto" else "InplaceModificationError"
     assert error.startswith(f"safeloop.errors.{kind}") and broadcast in error and ".clone()" not in error, error
     assert "recompute `self.scale` inside the loop" in error
     # with gradient accumulation the first backward runs before any optimizer step: the graph is taken for the
     # first step's own, and the weight it saved is named
-    proc = run(str(SCRIPTS / "train.py"), "--scale-in-init", "pow", "--strategy", "ddp", "--accumulate", "2",
-               cwd=tmp_path, watch=("--check", check))
-    error = proc.stderr.strip().splitlines()[-1]
+    error = accumulating.stderr.strip().splitlines()[-1]
     assert error.startswith("safeloop.errors.InplaceModificationError") and ".clone()" not in error, error
     assert re.search(r"\(step 1, loss 'loss'\): the loss reaches PowBackward0, held by `self.scale`, whose graph "
                      r"saved `self.layer.weight` \(\[torch.FloatTensor \[4, 4\]\]\); it was written in place since, "

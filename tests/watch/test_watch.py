@@ -1,16 +1,17 @@
 """``python -m safeloop.watch``: the seed scripts, two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D step
-on an undetached fake), an L-BFGS closure without its forward, and gradients that go nowhere (layers in a plain
-list or made in forward, a meta-loss through detached fast weights), run verbatim.
+on an undetached fake), an L-BFGS closure without its forward, gradients that go nowhere (layers in a plain
+list or made in forward, a meta-loss through detached fast weights), SAM's second pass through the first pass's
+graph and caches built by the first forward, run verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
-the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
-runs under watch in a process of its own, forked from one that imported torch once (what
-``python -m safeloop.watch`` does after its imports); the command line itself runs as a real
+the fix; the fixed ones print what they print without it, exit 0 and warn nothing; where a script with the first
+fix applied as written is here, it trains bit for bit as the correct one. Each script runs under watch in a process
+of its own, forked from one that imported torch once (``forked.py``); the command line itself runs as a real
 ``python`` subprocess in the tests at the end.
 """
 from __future__ import annotations
 
-import json
+import difflib
 import re
 import subprocess
 import sys
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
+import safeloop.__main__
+import safeloop.watch
 from tests.conftest import subprocess_env
+from tests.watch.forked import run_all
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -55,8 +59,33 @@ BROKEN = {
                                      r"AddmmBackward0, held by `global out`.*compute `out` again",
     # seed 001's graph held by a submodule of a model that a function's loop trains
     "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
-                             r"the step \(before the loop\) and held by `model.0.scaled`.*recompute `model.0.scaled` "
-                             r"inside the loop",
+                             r"the step \(before the loop\) and held by `model\[0\].scaled`.*recompute "
+                             r"`model\[0\].scaled` inside the loop",
+    # SAM's second pass through the first pass's graph after first_step moved the weights in place: retaining the
+    # graph cannot help, a fresh forward does; the first backward named by its line, as every loss is 'loss' here
+    "sam_predictions_reused": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, held "
+                              r"by `global predictions`, which the backward of 'loss' at sam_predictions_reused.py:49 "
+                              r"in this step .*were changed in place .*retain_graph=True cannot help.*To fix: compute "
+                              r"`predictions` again after the change \(a fresh forward\)",
+    # a cache two module levels deep made from a parameter: made again every step, never kept detached (stale)
+    "rotary_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.rot.cached_freqs`.*To fix: make "
+                    r"`model.rot.cached_freqs` again every step instead of keeping it: it is made from "
+                    r"`model.rot.inv_freq`.*\(`model.rot.cached_freqs = None`",
+    # ... and one made from no trained parameter: kept without its graph
+    "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
+                     r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
+                     r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
+}
+# broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
+# fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
+FIRST_FIX = {
+    "sam_predictions_reused": ("sam_predictions_reused_fixed", "sam_predictions_reused_first_fix",
+                               "    predictions = model(inputs)", "compute `predictions` again after the change"),
+    "rotary_cache": ("rotary_cache_fixed", "rotary_cache_first_fix", "    model.rot.cached_freqs = None",
+                     "clear the cache before each forward (`model.rot.cached_freqs = None`"),
+    "fourier_cache": ("fourier_cache_fixed", "fourier_cache_first_fix",
+                      "    model.enc.cached = model.enc.cached.detach()",
+                      "store it detached once made (`model.enc.cached = model.enc.cached.detach()`)"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
@@ -68,50 +97,17 @@ WARNED = {
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
 }
+# scripts that run to their end, warning of a graph kept alive after its step (the line that warns, the holder)
+LEAKED = {
+    # gradient accumulation by hand: each micro-batch back-propagates `loss / accumulate` while `running` sums the
+    # losses themselves, with their graphs (meant: loss.item())
+    "running_sum_of_losses": r"running_sum_of_losses.py:12: GraphLeakWarning: autograd graph kept alive after its step "
+                             r"\(step 2\): steps 1 and 2: the autograd graphs of both steps are still alive, held by "
+                             r"`global running`",
+}
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
-FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in {*BROKEN, *WARNED, *NO_GRAPH})
-
-# Runs every fixed script without watch in one process, each from the RNG state a fresh process has.
-PLAIN = """
-import contextlib, io, json, runpy, sys, torch
-fresh, out = torch.get_rng_state(), {}
-for path in sys.argv[1:]:
-    torch.set_rng_state(fresh)
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        runpy.run_path(path, run_name="__main__")
-    out[path] = buffer.getvalue()
-print(json.dumps(out))
-"""
-
-
-# Runs each script under watch in a child process of its own: exit code, stdout and stderr by script.
-WATCHED = """
-import json, os, sys, tempfile
-import torch  # once, before the forks: what every child would import first
-import safeloop.watch
-out, running = {}, {}
-def reap():
-    pid, status = os.wait()
-    path, files = running.pop(pid)
-    out[path] = [os.waitstatus_to_exitcode(status)] + [open(f).read() for f in files]
-for path in sys.argv[1:]:
-    if len(running) == 4:
-        reap()
-    files = [tempfile.mkstemp()[1] for _ in range(2)]
-    sys.stdout.flush(), sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: python -m safeloop.watch path, its output to the files; exits with its code
-        for fd, name in zip((1, 2), files):
-            os.dup2(os.open(name, os.O_WRONLY), fd)
-        sys.exit(safeloop.watch.main([path]))
-    running[pid] = path, files
-while running:
-    reap()
-print(json.dumps(out))
-"""
-
+FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH})
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
@@ -120,17 +116,20 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every script under watch (exit code, stdout, stderr), and the fixed ones without it (stdout), by script."""
+    """Every script under watch (exit code, stdout, stderr), and those that run to their end without it (stdout), by
+    script; the correct and first-fixed scripts of ``FIRST_FIX`` under watch in the other check modes too, by (script,
+    mode): each in a process of its own, forked from one that imported torch (``forked.run_all``)."""
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
-    with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(run, "-c", PLAIN, *(str(SCRIPTS / f"{n}.py") for n in FIXED), cwd=cwd)
-        watched = pool.submit(run, "-c", WATCHED, *(str(SCRIPTS / f"{n}.py") for n in names), cwd=cwd)
-    for proc in plain.result(), watched.result():
-        assert proc.returncode == 0, proc.stderr
-    results = {Path(k).stem: subprocess.CompletedProcess(k, *v) for k, v in json.loads(watched.result().stdout).items()}
-    assert sorted(results) == names
-    return results, {Path(k).stem: v for k, v in json.loads(plain.result().stdout).items()}
+    plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED)]
+    modes = [(n, mode) for fixed in FIRST_FIX.values() for n in fixed[:2] for mode in ("always", "off")]
+    results = run_all([([str(SCRIPTS / f"{n}.py")], True) for n in names]
+                      + [([str(SCRIPTS / f"{n}.py")], False) for n in plain]
+                      + [(["--check", mode, str(SCRIPTS / f"{n}.py")], True) for n, mode in modes], cwd)
+    watched, results = dict(zip(names, results)), results[len(names):]
+    for name, proc in zip(plain, results):
+        assert proc.returncode == 0, (name, proc.stderr)
+    return watched, {n: proc.stdout for n, proc in zip(plain, results)}, dict(zip(modes, results[len(plain):]))
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -149,6 +148,7 @@ def test_seed_001_stops_before_its_first_iteration_ends(runs):
 def test_a_script_whose_gradients_go_nowhere_runs_as_without_watch_and_says_so_once(runs, name):
     proc = runs[0][name]
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == runs[1][name]
     assert len(re.findall("UnusedGradientWarning", proc.stderr)) == 1, proc.stderr
     assert re.search(WARNED[name], proc.stderr), proc.stderr
 
@@ -167,6 +167,30 @@ def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothi
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == runs[1][name]
     assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
+
+
+def _code(name: str) -> list[str]:
+    """A script's lines after its opening comment."""
+    lines = (SCRIPTS / f"{name}.py").read_text().splitlines()
+    return lines[next(i for i, line in enumerate(lines) if not line.startswith("#")):]
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_FIX))
+def test_the_first_fix_applied_as_written_trains_bit_for_bit_as_the_correct_script(runs, name):
+    correct, applied, line, words = FIRST_FIX[name]
+    first_fix = runs[0][name].stderr.strip().splitlines()[-1].split("To fix: ")[1].split("; or ")[0]
+    assert words in first_fix, first_fix
+    added = [d for d in difflib.ndiff(_code(name), _code(applied)) if d[0] in "+-"]
+    assert added == [f"+ {line}"]  # the broken script and that one line: nothing else changed
+    assert runs[1][applied] == runs[1][correct]  # without watch: the same losses and the same final weights
+
+
+@pytest.mark.parametrize("name", sorted(n for fixed in FIRST_FIX.values() for n in fixed[:2]))
+def test_a_correct_or_first_fixed_script_is_quiet_and_bit_identical_in_every_check_mode(runs, name):
+    for mode in ("always", "off"):  # auto: test_a_fixed_seed_script_prints_what_it_prints_without_watch...
+        proc = runs[2][name, mode]
+        assert proc.returncode == 0 and proc.stderr == "", (mode, proc.stderr)
+        assert proc.stdout == runs[1][name], mode
 
 
 def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
@@ -206,34 +230,29 @@ def test_the_script_runs_as_the_same_main_module_as_without_watch(tmp_path):
     assert watched.stderr == plain.stderr
 
 
-def test_watch_refuses_a_script_that_is_not_there(tmp_path):
-    proc = run("-m", "safeloop.watch", "nothere.py", cwd=tmp_path)
-    assert proc.returncode == 2 and "nothere.py: no such file (give the path of a Python script)" in proc.stderr
+def test_watch_refuses_a_script_that_is_not_there(capsys):
+    with pytest.raises(SystemExit) as info:  # what `python -m safeloop.watch nothere.py` runs
+        safeloop.watch.main(["nothere.py"])
+    assert info.value.code == 2
+    assert "nothere.py: no such file (give the path of a Python script)" in capsys.readouterr().err
 
 
-def test_the_safeloop_command_runs_a_script_under_watch(tmp_path):
+def test_the_safeloop_command_runs_a_script_under_watch(tmp_path, monkeypatch, capsys):
     proc = run("-m", "safeloop", "watch", str(SCRIPTS / "seed001_reused_graph.py"), cwd=tmp_path)
     assert proc.returncode == 1 and "held by `global y`" in proc.stderr.splitlines()[-1]
-    proc = run("-m", "safeloop", "watch", "--help", cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: safeloop watch")
+    monkeypatch.setattr(sys, "argv", ["safeloop", "watch", "--help"])  # what `safeloop watch --help` runs
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as info:
+        safeloop.__main__.main()
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("usage: safeloop watch")
 
 
-def test_a_running_sum_of_the_losses_is_warned_about_when_each_backward_is_of_the_loss_divided(tmp_path):
-    """Gradient accumulation written by hand: each micro-batch back-propagates ``loss / accumulate`` while
-    ``running`` sums the losses themselves, with their graphs (meant: ``loss.item()``)."""
-    script = tmp_path / "train.py"
-    script.write_text("import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
-                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\naccumulate, running = 2, 0.0\n"
-                      "for i in range(8):\n    loss = model(torch.randn(3, 4)).pow(2).mean()\n"
-                      "    running = running + loss\n    (loss / accumulate).backward()\n"
-                      "    if i % accumulate == 1:\n        opt.step()\n        opt.zero_grad()\n"
-                      "print(f'mean loss {running.item() / 8:.6f}')\n")
-    plain, watched = run(str(script), cwd=tmp_path), run("-m", "safeloop.watch", str(script), cwd=tmp_path)
-    assert watched.returncode == plain.returncode == 0
-    assert watched.stdout == plain.stdout
-    assert f"{script}:9: GraphLeakWarning: autograd graph kept alive after its step (step 2): steps 1 and 2: the autograd " \
-           "graphs of both steps are still alive, held by `global running`" in watched.stderr
-
+@pytest.mark.parametrize("name", sorted(LEAKED))
+def test_a_running_sum_of_the_losses_is_warned_about_when_each_backward_is_of_the_loss_divided(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == runs[1][name]
+    assert re.search(LEAKED[name], proc.stderr), proc.stderr
 
 
 # scripts whose run under watch must match `python script.py` in exit code, stdout and stderr

@@ -1,0 +1,403 @@
+"""The first fix a message offers, applied as written, trains bit for bit as the correct loop (GraphGuard, the
+Trainer; ``tests/watch`` runs the same patterns as scripts): SAM's second pass through the first pass's graph after
+``first_step`` moved the weights in place, and a cache two module levels deep built by the first forward. The
+correct loops stay quiet and bit-identical in every check mode."""
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, Trainer
+
+from ..ddp_cases import SAM
+
+CHECKS = ["always", "auto", "off"]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def trained(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1)
+    return [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(n)]
+
+
+# -- SAM: the second pass --------------------------------------------------------------------------------------------
+def sam_loop(second: str, check: str | None = "always", retain: bool = False) -> list[torch.Tensor]:
+    """SAM by hand (davda54/sam's first_step/second_step) under GraphGuard (``check=None``: bare). ``second``: the
+    second pass back-propagates the first pass's predictions (``reused``) or loss (``same``), the first fix of their
+    errors as written (``reused, fixed`` / ``same, fixed``), or a fresh forward (``correct``)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    backward = GraphGuard(model, opt, check=check).backward if check else torch.Tensor.backward
+    for x, y in batches():
+        predictions = model(x)
+        loss = F.mse_loss(predictions, y)
+        backward(loss, retain_graph=retain)  # the first backward
+        with torch.no_grad():  # first_step: w + e(w), in place
+            norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            moves = [p.grad * (0.05 / (norm + 1e-12)) for p in model.parameters()]
+            for p, e in zip(model.parameters(), moves):
+                p.add_(e)
+        opt.zero_grad()
+        if second == "reused":
+            backward(F.mse_loss(predictions, y))
+        elif second == "reused, fixed":  # "compute `predictions` again after the change"
+            predictions = model(x)
+            backward(F.mse_loss(predictions, y))
+        elif second == "same":
+            backward(loss)
+        elif second == "same, fixed":  # "compute `loss` again after the change"
+            loss = F.mse_loss(model(x), y)
+            backward(loss)
+        else:
+            backward(F.mse_loss(model(x), y))
+        with torch.no_grad():  # second_step: back to w, the update with the gradient at w + e(w)
+            for p, e in zip(model.parameters(), moves):
+                p.sub_(e)
+        opt.step()
+        opt.zero_grad()
+    return trained(model)
+
+
+FIRST_BACKWARD = sam_loop.__code__.co_firstlineno + 10  # the line of `backward(loss, retain_graph=retain)`
+
+
+@pytest.mark.parametrize("second, held", [("reused", "predictions"), ("same", "loss")])
+def test_a_second_pass_through_a_graph_whose_weights_moved_in_place_is_fixed_by_a_fresh_forward(second, held):
+    with pytest.raises(DoubleBackwardError, match=re.escape(f"at test_first_fixes.py:{FIRST_BACKWARD}") + ".*"
+                       + re.escape("were changed in place (by an optimizer step, or by hand as SAM's first step moves "
+                                   "the weights), so the graph holds values from before the change: retain_graph=True "
+                                   "cannot help")) as info:
+        sam_loop(second)
+    assert info.value.fixes[0] == (f"compute `{held}` again after the change (a fresh forward) for this backward, so "
+                                   "that its gradient is taken at the parameters as they are now")
+    assert "`model.0.weight`" in str(info.value) and info.value.step == 1
+    assert same(sam_loop(f"{second}, fixed"), sam_loop("correct", check=None))
+    # what it replaces as the first fix: retaining the first pass's graph, which PyTorch then refuses
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sam_loop(second, check=None, retain=True)
+
+
+def test_a_correct_sam_loop_stays_quiet_and_bit_identical_in_every_check_mode():
+    bare = sam_loop("correct", check=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(sam_loop("correct", check), bare) for check in CHECKS)
+
+
+class ManualSAM(Trainer):
+    """SAM's two passes in manual mode; ``fresh``: the closure's loss is a fresh forward (else the first pass's)."""
+
+    automatic = False
+    fresh = True
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.backward(loss)
+        if self.fresh:  # the first fix as written: "compute the loss again after the change"
+            self.step(closure=lambda: self.backward(F.mse_loss(self.model(x), y)))
+        else:
+            self.step(closure=lambda: self.backward(loss))
+        return loss
+
+
+def sam_trainer(fresh: bool, check: str = "always") -> list[torch.Tensor]:
+    model = mlp()
+    trainer = ManualSAM(model=model, train_data=batches(), optimizer=SAM, max_steps=3, device="cpu", progress=False,
+                        loggers=(), guard={"check": check})
+    trainer.fresh = fresh
+    trainer.fit()
+    return trained(model)
+
+
+def test_the_trainer_offers_a_fresh_forward_first_when_a_closure_hands_back_the_first_pass_loss():
+    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0, held by an unnamed tensor "
+                                                            "(found by the garbage collector)) was already "
+                                                            "back-propagated by the backward of 'loss' in this step")) \
+            as info:
+        sam_trainer(fresh=False)
+    assert info.value.fixes[0].startswith("compute the loss again after the change (a fresh forward)")
+    model = mlp()  # the same by hand
+    opt = SAM(model.parameters())
+    for x, y in batches():
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+
+        def closure():
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+
+        opt.step(closure)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(sam_trainer(fresh=True, check=check), trained(model)) for check in CHECKS)
+
+
+class Twice(Trainer):
+    """Manual mode back-propagating one loss twice (``twice``), or once: the first fix of the first, as written."""
+
+    automatic = False
+    twice = True
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.backward(loss)
+        if self.twice:
+            self.backward(loss)
+        self.step()
+        return loss
+
+
+def test_the_trainer_advises_one_loss_back_propagated_twice_away_rather_than_retained():
+    """Retaining its graph would let the second backward add the same gradient again (seed 000)."""
+    def fit(twice: bool) -> list[torch.Tensor]:
+        model = mlp()
+        trainer = Twice(model=model, train_data=batches(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        max_steps=3, device="cpu", progress=False, loggers=(), guard={"check": "always"})
+        trainer.twice = twice
+        trainer.fit()
+        return trained(model)
+
+    with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0, held by")) as info:
+        fit(twice=True)
+    assert info.value.fixes[0] == "do not call backward on the same loss twice, nor in training_step; return the loss"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches():
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert same(fit(twice=False), trained(model))
+
+
+# -- a cache two module levels deep --------------------------------------------------------------------------------
+class Rotary(nn.Module):
+    """Rotary frequencies from a learned ``inv_freq``, cached by the first forward (``cache``) or made by each."""
+
+    def __init__(self, dim: int, cache: bool):
+        super().__init__()
+        self.inv_freq = nn.Parameter(1.0 / 10 ** torch.linspace(0, 1, dim))
+        self.cache, self.cached_freqs = cache, None
+
+    def forward(self, x):
+        freqs = self.cached_freqs
+        if freqs is None:
+            freqs = torch.outer(torch.arange(x.shape[0], dtype=x.dtype), self.inv_freq)
+            if self.cache:
+                self.cached_freqs = freqs
+        return x * freqs.cos() + x.flip(-1) * freqs.sin()
+
+
+class Fourier(nn.Module):
+    """Fourier features of a fixed projection made with requires_grad=True (no optimizer holds it), cached by the
+    first forward with their graph, or under torch.no_grad() (``no_grad``)."""
+
+    def __init__(self, no_grad: bool):
+        super().__init__()
+        self.B, self.no_grad, self.cached = torch.randn(4, requires_grad=True), no_grad, None
+
+    def forward(self, x):
+        if self.cached is None:
+            with torch.no_grad() if self.no_grad else torch.enable_grad():
+                self.cached = torch.cat([self.B[:2].sin(), self.B[2:].cos()])
+        return x * self.cached
+
+
+class Deep(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.rot = inner
+
+    def forward(self, x):
+        return self.head(self.rot(self.proj(x)))
+
+
+def rotary(cache: bool = True) -> nn.Module:
+    torch.manual_seed(2)
+    return Deep(Rotary(4, cache))
+
+
+def fourier(no_grad: bool = False) -> nn.Module:
+    torch.manual_seed(2)
+    return Deep(Fourier(no_grad))
+
+
+def cache_loop(model: nn.Module, edit: str | None = None, check: str | None = "always") -> list[torch.Tensor]:
+    """A plain loop; ``edit``: a statement run before each forward (``before: ...``) or after each backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward = GraphGuard(model, opt, check=check).backward if check else torch.Tensor.backward
+    for x, y in batches(4):
+        if edit and edit.startswith("before: "):
+            exec(edit[len("before: "):])
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        backward(loss)
+        if edit and not edit.startswith("before: "):
+            exec(edit)
+        opt.step()
+    return trained(model)
+
+
+def first_fix_code(err) -> str:
+    """The first statement in backticks after "(`" in the first fix."""
+    return re.search(r"\(`([^`]*)`", err.fixes[0]).group(1)
+
+
+def test_a_cache_made_from_a_parameter_is_made_again_every_step_not_kept_detached():
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `model.rot.cached_freqs`")) as info:
+        cache_loop(rotary())
+    assert info.value.fixes[0].startswith("make `model.rot.cached_freqs` again every step instead of keeping it: it "
+                                          "is made from `model.rot.inv_freq`")
+    fix = first_fix_code(info.value)
+    assert fix == "model.rot.cached_freqs = None"
+    correct = cache_loop(rotary(cache=False), check=None)
+    assert same(cache_loop(rotary(), "before: " + fix), correct)
+    # the fix it replaces as the first: the cache kept detached trains with stale frequencies
+    stale = cache_loop(rotary(), "model.rot.cached_freqs = model.rot.cached_freqs.detach()")
+    assert not same(stale, correct)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(cache_loop(rotary(cache=False), check=check), correct) for check in CHECKS)
+        assert all(same(cache_loop(rotary(), "before: " + fix, check=check), correct) for check in CHECKS)
+
+
+def test_a_cache_made_from_no_trained_parameter_is_kept_without_its_graph():
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `model.rot.cached`")) as info:
+        cache_loop(fourier())
+    assert info.value.fixes[0].startswith("keep it without its graph: it depends on no trained parameter (only on "
+                                          "`model.rot.B`), so build it under torch.no_grad()")
+    fix = first_fix_code(info.value)
+    assert fix == "model.rot.cached = model.rot.cached.detach()"
+    correct = cache_loop(fourier(no_grad=True), check=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(cache_loop(fourier(), fix, check=check), correct) for check in CHECKS)
+        assert all(same(cache_loop(fourier(no_grad=True), check=check), correct) for check in CHECKS)
+
+
+class CachedStep(Trainer):
+    """A regression step; ``before``: a statement run at the start of training_step (``self`` in scope)."""
+
+    before = None
+
+    def training_step(self, batch):
+        if self.before:
+            exec(self.before)
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+
+def cache_trainer(model: nn.Module, before: str | None = None, check: str = "always") -> list[torch.Tensor]:
+    trainer = CachedStep(model=model, train_data=batches(4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                         max_steps=4, device="cpu", progress=False, loggers=(), guard={"check": check})
+    trainer.before = before
+    trainer.fit()
+    return trained(model)
+
+
+def test_the_trainer_makes_a_parameter_cache_again_every_step_as_its_first_fix():
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `self.model.rot.cached_freqs`")) as info:
+        cache_trainer(rotary())
+    fix = first_fix_code(info.value)
+    assert fix == "self.model.rot.cached_freqs = None"
+    correct = cache_loop(rotary(cache=False), check=None)  # the loop by hand, without the cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(cache_trainer(rotary(), fix, check), correct) for check in CHECKS)
+        assert all(same(cache_trainer(rotary(cache=False), check=check), correct) for check in CHECKS)
+
+
+class Blocks(nn.Module):
+    """Rotary blocks in an nn.ModuleList, each caching its frequencies and keeping its last output for logging."""
+
+    def __init__(self, cache: bool = True):
+        super().__init__()
+        torch.manual_seed(2)
+        self.blocks = nn.ModuleList(Deep(Rotary(4, cache)) for _ in range(2))
+
+    def forward(self, x):
+        outs = [block(x) for block in self.blocks]
+        for block, out in zip(self.blocks, outs):
+            block.last_out = out
+        return sum(outs)
+
+
+def test_a_cache_in_a_module_list_is_named_as_python_spells_it_so_that_its_fix_applies_as_written():
+    """Each block's cache is named in turn: the fix of each, applied as written, and the loop trains as meant."""
+    fixes: list[str] = []
+    for _ in range(2):
+        with pytest.raises(CarriedGraphError, match=r"held by `model\.blocks\[\d\]\.rot\.cached_freqs`") as info:
+            cache_loop(Blocks(), "before: " + "; ".join(fixes) if fixes else None)
+        fixes.append(first_fix_code(info.value))
+    assert sorted(fixes) == [f"model.blocks[{i}].rot.cached_freqs = None" for i in range(2)]
+    correct = cache_loop(Blocks(cache=False), check=None)
+    with warnings.catch_warnings():  # each block keeps its own last output: two holders, no graphs piling up
+        warnings.simplefilter("error")
+        applied = cache_loop(Blocks(), "before: " + "; ".join(fixes), check="always")
+    assert same(applied, correct)
+
+
+class DictRotary(nn.Module):
+    """Frequencies cached in a dict entry by the first forward (``key in cache``), from a learned ``inv_freq``."""
+
+    def __init__(self, cache: bool = True):
+        super().__init__()
+        self.inv_freq, self.cache, self.caching = nn.Parameter(1.0 / 10 ** torch.linspace(0, 1, 4)), {}, cache
+
+    def forward(self, x):
+        if "freqs" not in self.cache:
+            freqs = torch.outer(torch.arange(x.shape[0], dtype=x.dtype), self.inv_freq)
+            if not self.caching:
+                return x * freqs.cos()
+            self.cache["freqs"] = freqs
+        return x * self.cache["freqs"].cos()
+
+
+class Runner:
+    """The loop in a method (``self.model``), under a GraphGuard given only the optimizer; ``before``: a statement
+    run before each forward."""
+
+    def __init__(self, cache: bool, check: str | None):
+        torch.manual_seed(2)
+        self.model = Deep(DictRotary(cache))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.backward = GraphGuard(optimizers=self.opt, check=check).backward if check else torch.Tensor.backward
+
+    def train(self, before: str | None = None) -> list[torch.Tensor]:
+        for x, y in batches(4):
+            if before:
+                exec(before)
+            loss = F.mse_loss(self.model(x), y)
+            self.backward(loss)
+            self.opt.step()
+            self.opt.zero_grad()
+        return trained(self.model)
+
+
+def test_a_cache_in_a_dict_entry_in_a_method_s_loop_is_removed_before_each_forward():
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `self.model.rot.cache['freqs']`")) as info:
+        Runner(cache=True, check="always").train()
+    fix = first_fix_code(info.value)
+    assert fix == "self.model.rot.cache.pop('freqs', None)"
+    correct = Runner(cache=False, check=None).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(Runner(cache=True, check=check).train(fix), correct) for check in CHECKS)
