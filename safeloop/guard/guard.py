@@ -894,10 +894,25 @@ class Guard:
             return
         self._warned.add(key)
         held = f"`{holder}`" if holder else "a reference kept outside the step (a list, a global, a closure)"
-        warning = GraphLeakWarning(
-            f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
-            "graphs pile up step after step (their nodes, and any tensors they still hold). Store loss.item() or "
-            "loss.detach() instead of the loss tensor", step=step, holder=holder)
+        detail = (f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
+                  "graphs pile up step after step (their nodes, and any tensors they still hold)")
+        fixes: list[str] = []
+        if isinstance(holder, explain.Element):  # a list that keeps one more step's graph every step
+            listed = _code(holder.list_of)
+            detail += f", one more in `{listed}` every step"
+            fixes = [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; "
+                     "`x.item()` for a number to log), so that no step's graph stays alive in it"]
+        elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
+            detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
+                       f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
+                       f"growing{holder.others}")
+            fixes = ["set the gradients to None before each backward (`optimizer.zero_grad(set_to_none=True)`, or "
+                     "`p.grad = None` for each parameter) instead of `p.grad.zero_()` or `p.grad.data.zero_()`",
+                     "if the second-order graph serves a penalty or a Hessian product, take the gradients with "
+                     "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
+        else:
+            detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
+        warning = GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes)
         if frame is None:
             warnings.warn(warning, stacklevel=4)
         else:
@@ -954,11 +969,33 @@ def _trained(leaves, scope) -> list:
     return [leaf for leaf in leaves if id(leaf) in ids]
 
 
+class GradOf(str):
+    """A holder's name that is a parameter's ``.grad`` with a graph (``backward(create_graph=True)``); ``others``:
+    what the message adds about other parameters whose ``.grad`` has one too."""
+
+    others: str = ""
+
+
+def _holds(tensor, sentinel) -> bool:
+    return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000))
+
+
 def _leak_holder(sentinel, scope) -> str | None:
-    """The name of the tensor whose graph holds ``sentinel``'s node, None when none is found."""
+    """The name of the tensor whose graph holds ``sentinel``'s node, else a parameter's ``.grad`` whose graph does
+    (``backward(create_graph=True)``); None when none is found."""
     for name, tensor in explain.candidates(scope):
-        if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
+        if _holds(tensor, sentinel):
             return name
+    if scope is None:
+        return None
+    graded = [p for p in scope.parameters() if p.grad is not None and p.grad.grad_fn is not None]
+    for param in graded:
+        if _holds(param.grad, sentinel):
+            name = explain.parameter_names(scope).get(id(param), (None,))[0]
+            holder = GradOf(f"{name}.grad" if name else "a parameter's .grad")
+            if len(graded) > 1:
+                holder.others = f" (and the .grad of {len(graded) - 1} more parameters)"
+            return holder
     return None
 
 
