@@ -10,10 +10,12 @@ which backwards must retain the graph), ``explain`` (only when a backward raised
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
 import time
+import types
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext, suppress
@@ -353,6 +355,8 @@ class Guard:
             if not self.thorough:
                 continue
             reached.append((name, root, found.leaves))
+            if not self.is_off("inplace"):
+                self._check_ctx(found.nodes, Case(name, loss, step, scope, batch))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
@@ -364,13 +368,50 @@ class Guard:
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
+    def _check_ctx(self, nodes, case: Case) -> None:
+        """A tensor an autograd Function keeps as an attribute of its ctx (``ctx.x = x``, not ``save_for_backward``)
+        and that was changed in place after the Function's output was used: backward would compute with the
+        changed values, and PyTorch checks the version of saved tensors only. Seen for tensors with a graph: an
+        in-place change gives the tensor a new grad_fn, made after the node that used the Function's output, whose
+        first inputs lead back to the Function's node or to one of its inputs (what the tensor was before)."""
+        users: dict = {}  # a Function's node -> the node counter of the first node of the step that used its output
+        for node in nodes:
+            for nxt, _ in node.next_functions:
+                if isinstance(nxt, BackwardCFunction):
+                    made = sequence_nr(node) if walk.HAS_SEQ else 0
+                    users[nxt] = min(users.get(nxt, made), made)
+        for fn, used in users.items():
+            if not walk.HAS_SEQ or self.is_off("inplace", fn):
+                continue
+            for key, value in vars(fn).items():
+                if not _backward_reads(fn, key):  # kept but never read by backward: harmless
+                    continue
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    changed = _changed_after(fn, tensor, used)
+                    if changed is None:
+                        continue
+                    holder = explain.leaf_names([tensor], case.scope)
+                    holder = holder if holder.startswith("`") else "a tensor made in the step"
+                    function = type(fn).__name__.removesuffix("Backward")
+                    raise self._error(InplaceModificationError, fn, case,
+                        f"the loss reaches {{node}}, the node of the autograd Function `{function}`, which keeps "
+                        f"{holder} as an attribute of its ctx (`ctx.{key}`) instead of saving it with "
+                        f"ctx.save_for_backward; it was changed in place after the Function ran ({changed}), so "
+                        "backward would compute with the changed values, and PyTorch checks the version of saved "
+                        "tensors only",
+                        [f"change it out of place (`x = x + 1` rather than `x += 1` or `x.add_(1)`), or change a "
+                         f"`.clone()` of it, so that `ctx.{key}` keeps the value the Function was given",
+                         f"keep it with `ctx.save_for_backward(...)` in `{function}.forward` (read back from "
+                         "`ctx.saved_tensors`): PyTorch then refuses a backward through a tensor changed since"],
+                        holder=holder.strip("`") if holder.startswith("`") else None)
+
     def _unused_gradients(self, reached, step: int, scope: Scope) -> None:
         """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
         per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
         and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
         for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
         params = scope.optimized()
-        if params is None:
+        if params is None or self.is_off("unused"):
             return
         held = set(map(id, params))
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld
@@ -978,6 +1019,44 @@ class GradOf(str):
 
 def _holds(tensor, sentinel) -> bool:
     return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000))
+
+
+def _backward_reads(fn, key: str) -> bool:
+    """Whether the ``backward`` of autograd Function node ``fn`` names attribute ``key`` (``ctx.x``) in its code or
+    in the functions defined in it; False when its code cannot be read (a helper it hands ``ctx`` to is not read:
+    a miss, never a false alarm)."""
+    backward = getattr(getattr(type(fn), "_forward_cls", None), "backward", None)
+    code = getattr(inspect.unwrap(backward), "__code__", None) if backward is not None else None
+    codes = [code] if code is not None else []
+    while codes:
+        code = codes.pop()
+        if key in code.co_names:
+            return True
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
+
+
+def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
+    """How ``tensor``, kept on the ctx of autograd Function node ``fn``, was changed in place after node counter
+    ``used`` (the first use of the Function's output): its grad_fn's name when that grad_fn was made since and its
+    first inputs lead back, within ``depth`` in-place nodes, to ``fn`` or to one of ``fn``'s inputs. None otherwise
+    (unchanged; a tensor without a graph, whose changes leave no trace; one made by the Function's forward)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None or tensor._version == 0:
+        return None
+    now = tensor.grad_fn
+    if now is fn or sequence_nr(now) < used:
+        return None
+    inputs = {n for n, _ in fn.next_functions if n is not None}
+    node = now
+    for _ in range(depth):
+        if not node.next_functions or node.next_functions[0][0] is None:
+            return None
+        node = node.next_functions[0][0]
+        if node is fn or node in inputs:
+            return f"its grad_fn is now {type(now).__name__}, made after the Function's output was used"
+        if type(node) is walk.ACCUMULATE or sequence_nr(node) <= used:
+            return None
+    return None
 
 
 def _leak_holder(sentinel, scope) -> str | None:
