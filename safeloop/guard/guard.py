@@ -10,6 +10,7 @@ which backwards must retain the graph), ``explain`` (only when a backward raised
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -355,8 +356,8 @@ class Guard:
             if not self.thorough:
                 continue
             reached.append((name, root, found.leaves))
-            if not self.is_off("inplace"):
-                self._check_ctx(found.nodes, Case(name, loss, step, scope, batch))
+            if found.functions and not self.is_off("inplace"):
+                self._check_ctx(found.functions, found.nodes, Case(name, loss, step, scope, batch))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
@@ -368,20 +369,26 @@ class Guard:
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
-    def _check_ctx(self, nodes, case: Case) -> None:
+    def _check_ctx(self, functions, nodes, case: Case) -> None:
         """A tensor an autograd Function keeps as an attribute of its ctx (``ctx.x = x``, not ``save_for_backward``)
         and that was changed in place after the Function's output was used: backward would compute with the
         changed values, and PyTorch checks the version of saved tensors only. Seen for tensors with a graph: an
         in-place change gives the tensor a new grad_fn, made after the node that used the Function's output, whose
         first inputs lead back to the Function's node or to one of its inputs (what the tensor was before)."""
+        if not walk.HAS_SEQ:
+            return
+        # the Functions' nodes (``functions``, found by the walk) that keep tensors on ctx
+        kept = {n for n in functions if any(isinstance(v, (torch.Tensor, tuple, list)) for v in vars(n).values())}
+        if not kept:
+            return
         users: dict = {}  # a Function's node -> the node counter of the first node of the step that used its output
         for node in nodes:
             for nxt, _ in node.next_functions:
-                if isinstance(nxt, BackwardCFunction):
-                    made = sequence_nr(node) if walk.HAS_SEQ else 0
+                if nxt in kept:
+                    made = sequence_nr(node)
                     users[nxt] = min(users.get(nxt, made), made)
         for fn, used in users.items():
-            if not walk.HAS_SEQ or self.is_off("inplace", fn):
+            if self.is_off("inplace", fn):
                 continue
             for key, value in vars(fn).items():
                 if not _backward_reads(fn, key):  # kept but never read by backward: harmless
@@ -1025,7 +1032,12 @@ def _backward_reads(fn, key: str) -> bool:
     """Whether the ``backward`` of autograd Function node ``fn`` names attribute ``key`` (``ctx.x``) in its code or
     in the functions defined in it; False when its code cannot be read (a helper it hands ``ctx`` to is not read:
     a miss, never a false alarm)."""
-    backward = getattr(getattr(type(fn), "_forward_cls", None), "backward", None)
+    return _reads(type(fn), key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reads(node_type: type, key: str) -> bool:
+    backward = getattr(getattr(node_type, "_forward_cls", None), "backward", None)
     code = getattr(inspect.unwrap(backward), "__code__", None) if backward is not None else None
     codes = [code] if code is not None else []
     while codes:

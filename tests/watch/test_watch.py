@@ -57,6 +57,10 @@ BROKEN = {
     "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
                              r"the step \(before the loop\) and held by `model.0.scaled`.*recompute `model.0.scaled` "
                              r"inside the loop",
+    # a tensor a custom autograd Function keeps on ctx, changed in place by a residual `h += ...` (issue 35)
+    "ctx_attribute_inplace": r"InplaceModificationError: .*\(step 1, loss 'loss'\): the loss reaches "
+                             r"LinearFunctionBackward, the node of the autograd Function `LinearFunction`, which keeps "
+                             r"`global h` as an attribute of its ctx \(`ctx.input`\).*change it out of place",
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
@@ -68,9 +72,18 @@ WARNED = {
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
 }
+# scripts that run to their end, warning once that graphs pile up (the holder, the fix) (issue 35)
+LEAKED = {
+    "epoch_outputs_list": r"epoch_outputs_list.py:17: GraphLeakWarning: .*\(step 2\).*held by `global all_outputs\[0\]`"
+                          r".*To fix: detach what is added to `all_outputs` where it is added "
+                          r"\(`all_outputs.append\(x.detach\(\)\)`",
+    "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
+                          r"To fix: set the gradients to None before each backward "
+                          r"\(`optimizer.zero_grad\(set_to_none=True\)`",
+}
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
-FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in {*BROKEN, *WARNED, *NO_GRAPH})
+FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py") if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH})
 
 # Runs every fixed script without watch in one process, each from the RNG state a fresh process has.
 PLAIN = """
@@ -151,6 +164,14 @@ def test_a_script_whose_gradients_go_nowhere_runs_as_without_watch_and_says_so_o
     assert proc.returncode == 0, proc.stderr
     assert len(re.findall("UnusedGradientWarning", proc.stderr)) == 1, proc.stderr
     assert re.search(WARNED[name], proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(LEAKED))
+def test_a_script_keeping_graphs_outside_the_loss_runs_as_without_watch_and_names_the_holder_once(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall("GraphLeakWarning", proc.stderr)) == 1, proc.stderr
+    assert re.search(LEAKED[name], proc.stderr), proc.stderr
 
 
 @pytest.mark.parametrize("name", NO_GRAPH)
