@@ -1,6 +1,8 @@
 """``python -m safeloop.watch``: the seed scripts, two GAN mistakes (StyleGAN2's lazy R1 penalty, DCGAN's D step
-on an undetached fake), an L-BFGS closure without its forward, and gradients that go nowhere (layers in a plain
-list or made in forward, a meta-loss through detached fast weights), run verbatim.
+on an undetached fake), an L-BFGS closure without its forward, gradients that go nowhere (layers in a plain
+list or made in forward, a meta-loss through detached fast weights), graphs kept outside the loss (an epoch's
+outputs list, a create_graph ``.grad``) and a tensor an autograd Function keeps on ctx changed in place, run
+verbatim.
 
 The broken ones stop at the first iteration with the Trainer's error, naming the tensor and
 the fix; the fixed ones print what they print without it, exit 0 and warn nothing. Each script
@@ -74,8 +76,8 @@ WARNED = {
 }
 # scripts that run to their end, warning once that graphs pile up (the holder, the fix) (issue 35)
 LEAKED = {
-    "epoch_outputs_list": r"epoch_outputs_list.py:17: GraphLeakWarning: .*\(step 2\).*held by `global all_outputs\[0\]`"
-                          r".*To fix: detach what is added to `all_outputs` where it is added "
+    "epoch_outputs_list": r"epoch_outputs_list.py:17: GraphLeakWarning: .*\(step 2\).*held by "
+                          r"`global all_outputs\[0\]`.*To fix: detach what is added to `all_outputs` where it is added "
                           r"\(`all_outputs.append\(x.detach\(\)\)`",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
