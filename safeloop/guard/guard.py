@@ -44,6 +44,7 @@ from ..errors import (
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
 from .explain import Scope
+from .prints import Prints
 from .render import render
 from .walk import CHEAP_PEEK, sequence_nr
 from .words import TRAINER, Words
@@ -102,6 +103,7 @@ class Guard:
         self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)
         self.words = words
         self.ignored = _check_names(ignore)
+        self._prints: Prints | None = None  # the parameters' fingerprints (check=always)
         self._regions: list[tuple[int, int, frozenset]] = []  # node numbers made inside ignore() regions
         self._active: list[frozenset] = []  # the ignore() regions running now
         self.warmup, self.budget = warmup, budget
@@ -181,16 +183,33 @@ class Guard:
         return any(a <= seq < b and check in names for a, b, names in self._regions)
 
     # -- schedule ------------------------------------------------------------------
+    @contextmanager
     def context(self):
-        """Wraps the whole fit: anomaly mode when ``trace`` is on."""
-        return torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext()
+        """Wraps the whole fit: anomaly mode when ``trace`` is on; the parameters' fingerprints (``check=always``,
+        see ``prints.py``) are taken until it ends."""
+        with torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext():
+            try:
+                yield
+            finally:
+                self.stop_prints()
 
     def start_fit(self, at: int | None = None) -> None:
-        """Training starts now, or at node counter ``at``: a graph made before it was built before training."""
+        """Training starts now, or at node counter ``at``: a graph made before it was built before training.
+        Under ``check=always`` the parameters' fingerprints are taken from now on (see ``prints.py``)."""
         self.fit_seq = self.next_start = walk.sequence_now() if at is None else at
+        if self.check == "always" and "inplace" not in self.ignored:
+            self._prints = self._prints or Prints()
+
+    def stop_prints(self) -> None:
+        """No more fingerprints (the fit is over, or a ``GraphGuard`` closed)."""
+        if self._prints is not None:
+            self._prints.stop()
+            self._prints = None
 
     def step_done(self) -> None:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
+        if self._prints is not None:
+            self._prints.clear()
         if CHEAP_PEEK:
             self.next_start = walk.sequence_now()
         if self._held is not None:
@@ -358,6 +377,8 @@ class Guard:
             reached.append((name, root, found.leaves))
             if found.functions and not self.is_off("inplace"):
                 self._check_ctx(found.functions, found.nodes, Case(name, loss, step, scope, batch))
+            if self._prints is not None and found.leaves and not self.is_off("inplace"):
+                self._check_written(found.leaves, found.nodes, Case(name, loss, step, scope, batch))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
@@ -368,6 +389,37 @@ class Guard:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def _check_written(self, leaves, nodes, case: Case) -> None:
+        """A parameter the step's graph saved, written since the forward that used it by a write PyTorch's version
+        counter does not see (``p.data.clamp_(-c, c)``, ``p.data = ...``): backward would compute with the new
+        values. Seen by the fingerprints taken after each module's forward (``check=always``, see ``prints.py``);
+        said only where a node of the step saved a tensor that shares the parameter's storage now."""
+        if case.scope is not None:  # hooks on the modules it can name; from the next forward on
+            self._prints.watch(_modules_of(case.scope))
+        written = self._prints.changed([leaf.variable for leaf in leaves])
+        if not written:
+            return
+        saved: dict[int, Any] = {}  # storage -> the first node of the step that saved a tensor in it
+        for node in nodes:
+            if walk.holds_tensors(node):
+                for tensor in walk.saved_tensors(node):
+                    saved.setdefault(tensor.untyped_storage().data_ptr(), node)
+        # a parameter no node saved (a bias only added) changes no gradient: its new values are fine
+        stale = [p for p in written if p.untyped_storage().data_ptr() in saved and p.untyped_storage().data_ptr()]
+        if not stale:
+            return
+        names = explain.leaf_names(stale, case.scope)
+        first = explain.leaf_names(stale[:1], case.scope)
+        raise self._error(InplaceModificationError, saved[stale[0].untyped_storage().data_ptr()], case,
+            f"the loss reaches {{node}}, whose graph saved {names}, written since the forward that used them by a "
+            "write PyTorch's version counter does not see (through `.data`: the version is unchanged): backward would "
+            "compute with the new values, and PyTorch cannot tell",
+            ["write them before the forward that uses them (a weight clipping at the start of the step, before the "
+             "forward), or compute the loss again after the write",
+             "write them under torch.no_grad() on the parameter itself (`with torch.no_grad(): p.clamp_(-c, c)`), "
+             "not through `.data`: PyTorch then sees the change and refuses a backward through stale values"],
+            holder=first.strip("`") if first.startswith("`") else None)
 
     def _check_ctx(self, functions, nodes, case: Case) -> None:
         """A tensor an autograd Function keeps as an attribute of its ctx (``ctx.x = x``, not ``save_for_backward``)
@@ -1026,6 +1078,15 @@ class GradOf(str):
 
 def _holds(tensor, sentinel) -> bool:
     return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000))
+
+
+def _modules_of(scope: Scope) -> list[torch.nn.Module]:
+    """The modules a scope holds: its roots, their attributes, the variables it reads (by type only)."""
+    values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
+    for root in list(scope.roots.values()):
+        with suppress(TypeError):
+            values += [v for k, v in vars(root).items() if not k.startswith("_")]
+    return list({id(v): v for v in values if issubclass(type(v), torch.nn.Module)}.values())
 
 
 def _backward_reads(fn, key: str) -> bool:

@@ -104,6 +104,20 @@ def unpack_error(node, first: bool = False) -> RuntimeError | None:
     return None
 
 
+def saved_tensors(node) -> list:
+    """The tensors ``node`` saved for backward that unpack without running a hook and without an error."""
+    out = []
+    for name, raw_name in _saved(node):
+        try:
+            if _hooked(getattr(node, raw_name)):
+                continue
+            value = getattr(node, name)
+        except RuntimeError:
+            continue
+        out += [t for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def is_freed(err: BaseException | None) -> bool:
     return err is not None and "freed" in str(err)
 

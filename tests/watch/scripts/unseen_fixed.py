@@ -1,6 +1,7 @@
-"""epoch_outputs_list.py, create_graph_grads.py and ctx_attribute_inplace.py with the guard's fixes applied:
-outputs appended detached, the gradients set to None before each create_graph backward, the residual added out of
-place."""
+# watch: --check always
+"""epoch_outputs_list.py, create_graph_grads.py, ctx_attribute_inplace.py and wgan_clip_after_forward.py with the
+guard's fixes applied: outputs appended detached, the gradients set to None before each create_graph backward, the
+residual added out of place, the weights clipped before the critic's forward."""
 import warnings
 
 import torch
@@ -60,3 +61,15 @@ for step in range(3):
     loss.backward()
     optimizer.step()
     print(f"step {step} loss {loss.item():.6f}")
+
+netD = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+optimizerD = torch.optim.RMSprop(netD.parameters(), lr=5e-5)
+for i in range(3):
+    real, fake = torch.randn(8, 4) + 1, torch.randn(8, 4)
+    for p in netD.parameters():
+        p.data.clamp_(-0.01, 0.01)
+    errD = netD(fake).mean() - netD(real).mean()
+    optimizerD.zero_grad()
+    errD.backward()
+    optimizerD.step()
+    print(f"iteration {i} critic loss {errD.item():.6f}")
