@@ -300,3 +300,84 @@ def test_the_unused_gradient_check_has_an_ignore_name():
                 guard.backward(F.cross_entropy(model(x), y))
             opt.step()
             opt.zero_grad()
+
+
+# -- a parameter written through .data between a forward and its backward (check=always) -------------------------
+GAN_DATA = [(torch.randn(8, 4) + 1, torch.randn(8, 4)) for _ in range(4)]
+
+
+class Critic(Trainer):
+    """The critic step of martinarjovsky/WassersteinGAN's main.py, whose weight clipping ("clamp parameters to a
+    cube": ``p.data.clamp_(opt.clamp_lower, opt.clamp_upper)``) comes first; ``clip_after``: moved after the
+    critic's forward, so backward computes with clipped weights what the forward did with the others."""
+
+    clip_after = True
+
+    def clip(self):
+        for p in self.model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+
+    def training_step(self, batch):
+        real, fake = batch
+        if not self.clip_after:
+            self.clip()
+        err = self.model(fake).mean() - self.model(real).mean()
+        if self.clip_after:
+            self.clip()
+        return err
+
+
+def fit_critic(cls, check: str, clip_after: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    cls.clip_after = clip_after
+    cls(model=model, train_data=GAN_DATA, max_steps=len(GAN_DATA), guard={"check": check}, device="cpu",
+        progress=False, loggers=(), optimizer=lambda p: torch.optim.RMSprop(p, lr=5e-5)).fit()
+    return weights(model)
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_weights_clipped_through_data_after_the_forward_stop_the_second_step_under_check_always(mode):
+    cls = mode(Critic)
+    with pytest.raises(InplaceModificationError) as caught:
+        fit_critic(cls, "always", clip_after=True)
+    err = caught.value
+    assert err.step == 2 and err.holder == "self.model.2.weight" and "The step was abandoned" in str(err)
+    assert "whose graph saved `self.model.2.weight`, written since the forward that used them by a write PyTorch's " \
+           "version counter does not see (through `.data`" in str(err)
+    assert err.fixes[0].startswith("write them before the forward that uses them")
+    with quiet():  # the fix, and check=auto (no fingerprints: a write through .data goes unseen there)
+        fixed = fit_critic(cls, "always", clip_after=False)
+        fit_critic(cls, "auto", clip_after=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, fit_critic(cls, "off", clip_after=False)))
+
+
+def critic_loop(guard_check: str | None, clip_after: bool):
+    torch.manual_seed(0)
+    netD = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    optimizerD = torch.optim.RMSprop(netD.parameters(), lr=5e-5)
+    guard = GraphGuard(netD, optimizerD, check=guard_check) if guard_check else None
+    for real, fake in GAN_DATA:
+        if not clip_after:
+            for p in netD.parameters():
+                p.data.clamp_(-0.01, 0.01)
+        errD = netD(fake).mean() - netD(real).mean()
+        if clip_after:
+            for p in netD.parameters():
+                p.data.clamp_(-0.01, 0.01)
+        optimizerD.zero_grad()
+        guard.backward(errD) if guard else errD.backward()
+        optimizerD.step()
+    if guard:
+        guard.close()
+    return weights(netD)
+
+
+def test_weights_clipped_through_data_after_the_forward_in_a_loop_are_named_and_the_fix_is_quiet():
+    """Only parameters a node saved count: the first layer's weight is not saved (its input needs no gradient),
+    nor are the biases, so their new values change no gradient."""
+    with pytest.raises(InplaceModificationError, match=re.escape("whose graph saved `model.2.weight`, written")):
+        critic_loop("always", clip_after=True)
+    with quiet():
+        fixed = critic_loop("always", clip_after=False)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, critic_loop(None, clip_after=False)))
