@@ -136,9 +136,9 @@ print(json.dumps(out))
 """
 
 
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def run(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +147,9 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
     with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(run, "-c", PLAIN, *(str(SCRIPTS / f"{n}.py") for n in FIXED), cwd=cwd)
-        watched = pool.submit(run, "-c", WATCHED, *(str(SCRIPTS / f"{n}.py") for n in names), cwd=cwd)
+        # every script in two processes: minutes, not seconds, on cores other test runs share
+        plain = pool.submit(run, "-c", PLAIN, *(str(SCRIPTS / f"{n}.py") for n in FIXED), cwd=cwd, timeout=300)
+        watched = pool.submit(run, "-c", WATCHED, *(str(SCRIPTS / f"{n}.py") for n in names), cwd=cwd, timeout=300)
     for proc in plain.result(), watched.result():
         assert proc.returncode == 0, proc.stderr
     results = {Path(k).stem: subprocess.CompletedProcess(k, *v) for k, v in json.loads(watched.result().stdout).items()}
