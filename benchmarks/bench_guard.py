@@ -128,6 +128,17 @@ def run(quick: bool) -> list[dict]:
                                   f"walked, {name} ({nodes} nodes walked)",
                      "safeloop_us": cost * 1e6, "reference_us": float("nan"), "ratio": per / 1.5, "target": None,
                      "ok": True, "per_node_us": per})
+    # the parameters' fingerprints (check=always only): the Trainer under always, with and without the inplace check
+    model, batch, shape = mid_mlp()
+    data = batches(batch, shape, 15)
+    opt = sgd(model)
+    systems = {name: TrainerLoop(model, data, opt, guard={"check": "always", "ignore": ignore})
+               for name, ignore in (("prints", []), ("none", ["inplace"]))}
+    for fn in systems.values():
+        fn()
+    t = interleaved(systems, rounds=5 if quick else 41)
+    rows.append(row("guard fingerprints of .data writes (check=always, inplace on vs off), mid MLP", t["prints"],
+                    t["none"], None, 15))
     # rounds of about 0.2 s per system, many of them (see bench_overhead)
     for name, make, steps, rounds in (("mid MLP", mid_mlp, 15, 41),
                                       ("transformer encoder (2×128, seq 64, batch 16)", encoder, 5, 41)):
