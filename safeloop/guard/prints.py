@@ -1,12 +1,13 @@
 """Fingerprints of parameters, taken when a module's forward has used them (``guard.check=always`` only).
 
 A write through ``.data`` (``p.data.clamp_(-c, c)``) moves no version counter, so PyTorch cannot tell that a
-graph saved a parameter whose values changed before its backward. A fingerprint can: after each module's forward
-(with grad enabled) the parameters it holds directly are read: version, data pointer, and the sum of their values
-(float32, kept on the device: no sync): hooks on the modules the guard can name (the model, the modules in the
-loop's variables), from the first checked step on. Before a checked backward, a reached parameter with the same version but
-another data pointer or sum was written since, unseen by autograd. Reading every parameter at every forward costs
-one pass over the weights: beyond the guard's budget, so only ``check=always`` takes them.
+graph saved a parameter whose values changed before its backward. A fingerprint can. Hooks on the modules the
+guard can name (the model, the modules in the loop's variables), put there at the first checked step, read the
+parameters a module holds directly after each of its forwards with grad enabled: version, data pointer, and the
+sum of their values (float32, left on the device: no sync there; the comparison syncs). Before a checked
+backward, a reached parameter with the same version but another data pointer or sum was written since, unseen
+by autograd. Reading every parameter at every forward costs one pass over the weights: beyond the guard's
+budget, so only ``check=always`` takes them.
 
 The hook never changes what the model computes: it reads detached parameters, outside autograd, and records
 nothing while torch.compile traces, under ``torch.func`` transforms, or for tensors it cannot read.
