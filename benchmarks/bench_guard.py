@@ -4,7 +4,9 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
 import torch.nn.functional as F
+from torch import nn
 
 from safeloop.guard.guard import Guard  # the engine itself: the benchmark times its calls
 from safeloop.guard import walk
@@ -58,8 +60,85 @@ def per_node(make, rounds: int) -> tuple[float, float, int, int]:
     return statistics.median(cycles), statistics.median(walks), nodes, leaves
 
 
+class _KeptLinear(torch.autograd.Function):
+    """A linear layer whose input and weight are kept on ctx as attributes (what the ctx check reads)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.x, ctx.weight = x, weight
+        return x.mm(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mm(ctx.weight), grad.t().mm(ctx.x)
+
+
+class _KeptMLP(nn.Module):
+    """The mid MLP's shape (8×512) with every layer an autograd Function keeping its tensors on ctx."""
+
+    def __init__(self, width: int = 512, depth: int = 8):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width ** 0.5) for _ in range(depth))
+
+    def forward(self, x):
+        for weight in self.weights:
+            x = torch.relu(_KeptLinear.apply(x, weight))
+        return x
+
+
+def kept_mlp():
+    return _KeptMLP(), 64, (512,)
+
+
+def ctx_check(make, rounds: int) -> tuple[float, int]:
+    """What the check of tensors kept on an autograd Function's ctx adds to a thorough pre-flight (every warm-up
+    step, every 4th check after): the same pre-flight with ``inplace`` on and off, in alternating order, each on a
+    fresh graph of one model. Returns the median difference per check and the nodes walked."""
+    model, batch, shape = make()
+    (x, y), = batches(batch, shape, 1)
+    guards = {"on": Guard(check="always", warmup=10 ** 9), "off": Guard(check="always", warmup=10 ** 9,
+                                                                       ignore=("inplace",))}
+    times: dict[str, list[float]] = {name: [] for name in guards}
+    nodes = 0
+    for guard in guards.values():
+        guard.start_fit()
+    for step in range(1, rounds + 1):
+        for name in ("on", "off") if step % 2 else ("off", "on"):  # alternating: the order's own effect cancels
+            guard = guards[name]
+            guard.begin_step(step)
+            loss = F.mse_loss(model(x), y)
+            t0 = time.perf_counter()
+            guard.preflight({"loss": loss}, step)
+            times[name].append(time.perf_counter() - t0)
+            nodes = len(walk.walk(loss.grad_fn, None, step).nodes)
+            del loss
+            guard.end_step(step)
+            guard.step_done()
+    diffs = [a - b for a, b in zip(times["on"], times["off"])]
+    return statistics.median(diffs), nodes
+
+
 def run(quick: bool) -> list[dict]:
     rows = []
+    for name, make in (("mid MLP, no autograd Function", mid_mlp),
+                       ("8×512 MLP of autograd Functions keeping input and weight on ctx", kept_mlp)):
+        cost, nodes = ctx_check(make, 21 if quick else 201)
+        per = cost / nodes * 1e6
+        rows.append({"benchmark": f"guard ctx check (thorough pre-flight, inplace on − off): {per:.3f} µs per node "
+                                  f"walked, {name} ({nodes} nodes walked)",
+                     "safeloop_us": cost * 1e6, "reference_us": float("nan"), "ratio": per / 1.5, "target": None,
+                     "ok": True, "per_node_us": per})
+    # the parameters' fingerprints (check=always only): the Trainer under always, with and without the inplace check
+    model, batch, shape = mid_mlp()
+    data = batches(batch, shape, 15)
+    opt = sgd(model)
+    systems = {name: TrainerLoop(model, data, opt, guard={"check": "always", "ignore": ignore})
+               for name, ignore in (("prints", []), ("none", ["inplace"]))}
+    for fn in systems.values():
+        fn()
+    t = interleaved(systems, rounds=5 if quick else 41)
+    rows.append(row("guard fingerprints of .data writes (check=always, inplace on vs off), mid MLP", t["prints"],
+                    t["none"], None, 15))
     # rounds of about 0.2 s per system, many of them (see bench_overhead)
     for name, make, steps, rounds in (("mid MLP", mid_mlp, 15, 41),
                                       ("transformer encoder (2×128, seq 64, batch 16)", encoder, 5, 41)):

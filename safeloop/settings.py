@@ -37,7 +37,7 @@ CHECKS = ("auto", "always", "off")
 REUSE_POLICIES = ("error", "warn", "retain")
 STRATEGIES = ("ddp", "fsdp")
 # The guard's checks that can be turned off one by one (guard.ignore, Guard.ignore(...)).
-GUARD_CHECKS = ("reuse", "carried", "consumed", "inplace", "leak")
+GUARD_CHECKS = ("reuse", "carried", "consumed", "inplace", "leak", "unused")
 
 
 @dataclass
@@ -168,8 +168,8 @@ class GuardSettings:
     # Checks turned off for the whole run, so that one false alarm never forces check=off:
     # reuse (a graph built before training), carried (a graph from an earlier step), consumed (a
     # graph an earlier backward freed, gradients present before backward), inplace (a saved tensor
-    # an optimizer step changed, manual mode), leak (a graph alive after its step). For one region
-    # of code: ``with trainer.guard.ignore("carried"): ...``.
+    # an optimizer step changed, manual mode), leak (a graph alive after its step), unused (gradient
+    # no optimizer uses). For one region of code: ``with trainer.guard.ignore("carried"): ...``.
     ignore: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:

@@ -10,10 +10,13 @@ which backwards must retain the graph), ``explain`` (only when a backward raised
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import re
 import time
+import types
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext, suppress
@@ -42,6 +45,7 @@ from ..errors import (
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
 from .explain import Scope
+from .prints import Prints
 from .render import render
 from .walk import CHEAP_PEEK, sequence_nr
 from .words import TRAINER, Words
@@ -100,6 +104,7 @@ class Guard:
         self.on_reuse, self.check, self.trace = on_reuse, check, bool(trace)
         self.words = words
         self.ignored = _check_names(ignore)
+        self._prints: Prints | None = None  # the parameters' fingerprints (check=always)
         self._regions: list[tuple[int, int, frozenset]] = []  # node numbers made inside ignore() regions
         self._active: list[frozenset] = []  # the ignore() regions running now
         self.warmup, self.budget = warmup, budget
@@ -180,16 +185,33 @@ class Guard:
         return any(a <= seq < b and check in names for a, b, names in self._regions)
 
     # -- schedule ------------------------------------------------------------------
+    @contextmanager
     def context(self):
-        """Wraps the whole fit: anomaly mode when ``trace`` is on."""
-        return torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext()
+        """Wraps the whole fit: anomaly mode when ``trace`` is on; the parameters' fingerprints (``check=always``,
+        see ``prints.py``) are taken until it ends."""
+        with torch.autograd.detect_anomaly(check_nan=False) if self.trace else nullcontext():
+            try:
+                yield
+            finally:
+                self.stop_prints()
 
     def start_fit(self, at: int | None = None) -> None:
-        """Training starts now, or at node counter ``at``: a graph made before it was built before training."""
+        """Training starts now, or at node counter ``at``: a graph made before it was built before training.
+        Under ``check=always`` the parameters' fingerprints are taken from now on (see ``prints.py``)."""
         self.fit_seq = self.next_start = walk.sequence_now() if at is None else at
+        if self.check == "always" and "inplace" not in self.ignored:
+            self._prints = self._prints or Prints()
+
+    def stop_prints(self) -> None:
+        """No more fingerprints (the fit is over, or a ``GraphGuard`` closed)."""
+        if self._prints is not None:
+            self._prints.stop()
+            self._prints = None
 
     def step_done(self) -> None:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
+        if self._prints is not None:
+            self._prints.clear()
         if CHEAP_PEEK:
             self.next_start = walk.sequence_now()
         if self._held is not None:
@@ -355,6 +377,10 @@ class Guard:
             if not self.thorough:
                 continue
             reached.append((name, root, found.leaves))
+            if found.functions and not self.is_off("inplace"):
+                self._check_ctx(found.functions, found.nodes, Case(name, loss, step, scope, batch))
+            if self._prints is not None and found.leaves and not self.is_off("inplace"):
+                self._check_written(found.leaves, found.nodes, Case(name, loss, step, scope, batch))
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
@@ -366,6 +392,80 @@ class Guard:
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
 
+    def _check_written(self, leaves, nodes, case: Case) -> None:
+        """A parameter the step's graph saved, written since the forward that used it by a write PyTorch's version
+        counter does not see (``p.data.clamp_(-c, c)``, ``p.data = ...``): backward would compute with the new
+        values. Seen by the fingerprints taken after each module's forward (``check=always``, see ``prints.py``);
+        said only where a node of the step saved a tensor that shares the parameter's storage now."""
+        if case.scope is not None:  # hooks on the modules it can name; from the next forward on
+            self._prints.watch(_modules_of(case.scope))
+        written = self._prints.changed([leaf.variable for leaf in leaves])
+        if not written:
+            return
+        saved: dict[int, Any] = {}  # storage -> the first node of the step that saved a tensor in it
+        for node in nodes:
+            if walk.holds_tensors(node):
+                for tensor in walk.saved_tensors(node):
+                    saved.setdefault(tensor.untyped_storage().data_ptr(), node)
+        # a parameter no node saved (a bias only added) changes no gradient: its new values are fine
+        stale = [p for p in written if p.untyped_storage().data_ptr() in saved and p.untyped_storage().data_ptr()]
+        if not stale:
+            return
+        names = explain.leaf_names(stale, case.scope)
+        first = explain.leaf_names(stale[:1], case.scope)
+        raise self._error(InplaceModificationError, saved[stale[0].untyped_storage().data_ptr()], case,
+            f"the loss reaches {{node}}, whose graph saved {names}, written since the forward that used them by a "
+            "write PyTorch's version counter does not see (through `.data`: the version is unchanged): backward would "
+            "compute with the new values, and PyTorch cannot tell",
+            ["write them before the forward that uses them (a weight clipping at the start of the step, before the "
+             "forward), or compute the loss again after the write",
+             "write them under torch.no_grad() on the parameter itself (`with torch.no_grad(): p.clamp_(-c, c)`), "
+             "not through `.data`: PyTorch then sees the change and refuses a backward through stale values"],
+            holder=first.strip("`") if first.startswith("`") else None)
+
+    def _check_ctx(self, functions, nodes, case: Case) -> None:
+        """A tensor an autograd Function keeps as an attribute of its ctx (``ctx.x = x``, not ``save_for_backward``)
+        and that was changed in place after the Function's output was used: backward would compute with the
+        changed values, and PyTorch checks the version of saved tensors only. Seen for tensors with a graph: an
+        in-place change gives the tensor a new grad_fn, made after the node that used the Function's output, whose
+        first inputs lead back to the Function's node or to one of its inputs (what the tensor was before)."""
+        if not walk.HAS_SEQ:
+            return
+        # the Functions' nodes (``functions``, found by the walk) that keep tensors on ctx
+        kept = {n for n in functions if any(isinstance(v, (torch.Tensor, tuple, list)) for v in vars(n).values())}
+        if not kept:
+            return
+        users: dict = {}  # a Function's node -> the node counter of the first node of the step that used its output
+        for node in nodes:
+            for nxt, _ in node.next_functions:
+                if nxt in kept:
+                    made = sequence_nr(node)
+                    users[nxt] = min(users.get(nxt, made), made)
+        for fn, used in users.items():
+            if self.is_off("inplace", fn):
+                continue
+            for key, value in vars(fn).items():
+                if not _backward_reads(fn, key):  # kept but never read by backward: harmless
+                    continue
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    changed = _changed_after(fn, tensor, used)
+                    if changed is None:
+                        continue
+                    holder = explain.leaf_names([tensor], case.scope)
+                    holder = holder if holder.startswith("`") else "a tensor made in the step"
+                    function = type(fn).__name__.removesuffix("Backward")
+                    raise self._error(InplaceModificationError, fn, case,
+                        f"the loss reaches {{node}}, the node of the autograd Function `{function}`, which keeps "
+                        f"{holder} as an attribute of its ctx (`ctx.{key}`) instead of saving it with "
+                        f"ctx.save_for_backward; it was changed in place after the Function ran ({changed}), so "
+                        "backward would compute with the changed values, and PyTorch checks the version of saved "
+                        "tensors only",
+                        [f"change it out of place (`x = x + 1` rather than `x += 1` or `x.add_(1)`), or change a "
+                         f"`.clone()` of it, so that `ctx.{key}` keeps the value the Function was given",
+                         f"keep it with `ctx.save_for_backward(...)` in `{function}.forward` (read back from "
+                         "`ctx.saved_tensors`): PyTorch then refuses a backward through a tensor changed since"],
+                        holder=holder.strip("`") if holder.startswith("`") else None)
+
     def _unused_gradients(self, reached, step: int, scope: Scope) -> None:
         """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
         per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
@@ -373,7 +473,7 @@ class Guard:
         for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
         params = scope.optimized()
         # FSDP2: the graph's leaves are the gathered parameters, not the optimizers' shards: nothing to compare
-        if params is None or any(fsdp.local(p) is not p for p in params):
+        if params is None or self.is_off("unused") or any(fsdp.local(p) is not p for p in params):
             return
         held = set(map(id, params))
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld
@@ -944,10 +1044,25 @@ class Guard:
             return
         self._warned.add(key)
         held = f"`{holder}`" if holder else "a reference kept outside the step (a list, a global, a closure)"
-        warning = GraphLeakWarning(
-            f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
-            "graphs pile up step after step (their nodes, and any tensors they still hold). Store loss.item() or "
-            "loss.detach() instead of the loss tensor", step=step, holder=holder)
+        detail = (f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
+                  "graphs pile up step after step (their nodes, and any tensors they still hold)")
+        fixes: list[str] = []
+        if isinstance(holder, explain.Element):  # a list that keeps one more step's graph every step
+            listed = _code(holder.list_of)
+            detail += f", one more in `{listed}` every step"
+            fixes = [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; "
+                     "`x.item()` for a number to log), so that no step's graph stays alive in it"]
+        elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
+            detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
+                       f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
+                       f"growing{holder.others}")
+            fixes = ["set the gradients to None before each backward (`optimizer.zero_grad(set_to_none=True)`, or "
+                     "`p.grad = None` for each parameter) instead of `p.grad.zero_()` or `p.grad.data.zero_()`",
+                     "if the second-order graph serves a penalty or a Hessian product, take the gradients with "
+                     "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
+        else:
+            detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
+        warning = GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes)
         if frame is None:
             warnings.warn(warning, stacklevel=4)
         else:
@@ -1004,11 +1119,85 @@ def _trained(leaves, scope) -> list:
     return [leaf for leaf in leaves if id(leaf) in ids]
 
 
+class GradOf(str):
+    """A holder's name that is a parameter's ``.grad`` with a graph (``backward(create_graph=True)``); ``others``:
+    what the message adds about other parameters whose ``.grad`` has one too."""
+
+    others: str = ""
+
+
+def _holds(tensor, sentinel) -> bool:
+    return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000))
+
+
+def _modules_of(scope: Scope) -> list[torch.nn.Module]:
+    """The modules a scope holds: its roots, their attributes, the variables it reads (by type only)."""
+    values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
+    for root in list(scope.roots.values()):
+        with suppress(TypeError):
+            values += [v for k, v in vars(root).items() if not k.startswith("_")]
+    return list({id(v): v for v in values if issubclass(type(v), torch.nn.Module)}.values())
+
+
+def _backward_reads(fn, key: str) -> bool:
+    """Whether the ``backward`` of autograd Function node ``fn`` names attribute ``key`` (``ctx.x``) in its code or
+    in the functions defined in it; False when its code cannot be read (a helper it hands ``ctx`` to is not read:
+    a miss, never a false alarm)."""
+    return _reads(type(fn), key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reads(node_type: type, key: str) -> bool:
+    backward = getattr(getattr(node_type, "_forward_cls", None), "backward", None)
+    code = getattr(inspect.unwrap(backward), "__code__", None) if backward is not None else None
+    codes = [code] if code is not None else []
+    while codes:
+        code = codes.pop()
+        if key in code.co_names:
+            return True
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
+
+
+def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
+    """How ``tensor``, kept on the ctx of autograd Function node ``fn``, was changed in place after node counter
+    ``used`` (the first use of the Function's output): its grad_fn's name when that grad_fn was made since and its
+    first inputs lead back, within ``depth`` in-place nodes, to ``fn`` or to one of ``fn``'s inputs. None otherwise
+    (unchanged; a tensor without a graph, whose changes leave no trace; one made by the Function's forward)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None or tensor._version == 0:
+        return None
+    now = tensor.grad_fn
+    if now is fn or sequence_nr(now) < used:
+        return None
+    inputs = {n for n, _ in fn.next_functions if n is not None}
+    node = now
+    for _ in range(depth):
+        if not node.next_functions or node.next_functions[0][0] is None:
+            return None
+        node = node.next_functions[0][0]
+        if node is fn or node in inputs:
+            return f"its grad_fn is now {type(now).__name__}, made after the Function's output was used"
+        if type(node) is walk.ACCUMULATE or sequence_nr(node) <= used:
+            return None
+    return None
+
+
 def _leak_holder(sentinel, scope) -> str | None:
-    """The name of the tensor whose graph holds ``sentinel``'s node, None when none is found."""
+    """The name of the tensor whose graph holds ``sentinel``'s node, else a parameter's ``.grad`` whose graph does
+    (``backward(create_graph=True)``); None when none is found."""
     for name, tensor in explain.candidates(scope):
-        if any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000)):
+        if _holds(tensor, sentinel):
             return name
+    if scope is None:
+        return None
+    graded = [p for p in scope.parameters() if p.grad is not None and p.grad.grad_fn is not None]
+    for param in graded:
+        if _holds(param.grad, sentinel):
+            name = explain.parameter_names(scope).get(id(param), (None,))[0]
+            holder = GradOf(f"{name}.grad" if name else "a parameter's .grad")
+            if len(graded) > 1:
+                holder.others = f" (and the .grad of {len(graded) - 1} more parameters)"
+            return holder
     return None
 
 

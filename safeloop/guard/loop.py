@@ -124,10 +124,12 @@ class GraphGuard:
 
     def close(self) -> None:
         """Anomaly mode back as it was before ``trace=True`` turned it on, unless another open ``GraphGuard``
-        traces. The checks go on; errors no longer name the line that made a tensor."""
+        traces. The checks go on; errors no longer name the line that made a tensor, and ``check=always`` no longer
+        takes the parameters' fingerprints (a write through ``.data`` goes unseen)."""
         if self.guard.trace:
             _ANOMALY.off(self)
             self.guard.trace = False
+        self.guard.stop_prints()
 
     # -- steps -------------------------------------------------------------------------------
     def step(self) -> GraphGuard:

@@ -24,6 +24,7 @@ from itertools import islice
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 MARK = "safeloop_step"  # node.metadata key: the step whose walk first saw the node
 BELOW = "safeloop_below"  # node.metadata key: what ``below`` found under a node made before the step
@@ -34,6 +35,7 @@ HAS_SEQ = hasattr(_leaf_node, "_sequence_nr")
 del _leaf_node
 _probe = torch.zeros((), requires_grad=True)
 _saved_attrs: dict[type, tuple[tuple[str, str], ...]] = {}
+_FUNCTION: dict[type, bool] = {}  # node type -> whether it is a Python autograd Function's node (a ctx)
 
 
 def _probe_sequence_nr() -> int:
@@ -102,6 +104,20 @@ def unpack_error(node, first: bool = False) -> RuntimeError | None:
     return None
 
 
+def saved_tensors(node) -> list:
+    """The tensors ``node`` saved for backward that unpack without running a hook and without an error."""
+    out = []
+    for name, raw_name in _saved(node):
+        try:
+            if _hooked(getattr(node, raw_name)):
+                continue
+            value = getattr(node, name)
+        except RuntimeError:
+            continue
+        out += [t for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def is_freed(err: BaseException | None) -> bool:
     return err is not None and "freed" in str(err)
 
@@ -145,6 +161,7 @@ class Walk:
     nodes: list = field(default_factory=list)  # this step's nodes (AccumulateGrad excluded)
     before: list = field(default_factory=list)  # nodes made before the step, not descended into
     leaves: list = field(default_factory=list)  # the AccumulateGrad nodes met (their ``variable``: the leaf)
+    functions: list = field(default_factory=list)  # this step's nodes of Python autograd Functions (their ctx)
 
 
 def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Walk:
@@ -161,9 +178,13 @@ def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Wal
 
     def stop(node) -> bool:
         """A leaf (a parameter: shared by every step, by design) or a node made before the step."""
-        if type(node) is ACCUMULATE:
+        kind = type(node)
+        if kind is ACCUMULATE:
             found.leaves.append(node)
             return True
+        function = _FUNCTION.get(kind)
+        if function is None:
+            function = _FUNCTION[kind] = issubclass(kind, BackwardCFunction)
         if use_seq:
             made_before = node._sequence_nr() < start_seq
         else:  # the fallback: the step whose walk first saw the node
@@ -172,6 +193,8 @@ def walk(root, start_seq: int | None, step: int, seen: set | None = None) -> Wal
                 node.metadata[MARK] = step
         if made_before:
             before.append(node)
+        elif function:
+            found.functions.append(node)
         return made_before
 
     found.nodes = list(iter_nodes(root, stop=stop, seen=seen))

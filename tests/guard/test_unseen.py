@@ -1,0 +1,383 @@
+"""Mistakes the loss's graph alone does not show (issue 35, items 4 and 5), in the Trainer and in a ``GraphGuard``
+loop (``python -m safeloop.watch`` runs them in tests/watch/scripts): graphs kept outside the loss (model outputs
+kept for an epoch metric; a ``.grad`` that ``backward(create_graph=True)`` gave a graph) warn naming the holder,
+and a tensor an autograd Function keeps on its ``ctx`` and that is changed in place before backward stops the step.
+Each fix the message gives is applied as written: the fixed program is quiet, and trains as without the guard."""
+import re
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import GraphGuard, GraphLeakWarning, InplaceModificationError, Trainer, UnusedGradientWarning
+from tests.conftest import manual
+
+DATA = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(4)]
+
+
+@contextmanager
+def quiet():
+    """Every warning an error: the fixed programs warn nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- model outputs kept for an epoch metric ------------------------------------------------------------------------
+class KeepsOutputs(Trainer):
+    """The step outputs of sktime/pytorch-forecasting's BaseModel, appended to ``self.training_step_outputs`` for
+    the epoch's metrics without ``.detach()`` (the leak its pull request #1924 fixed; TRI-ML/packnet-sfm #51 is the
+    same with the loss): every step's graph stays alive in the list until the epoch ends."""
+
+    detach = False
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.training_step_outputs.append(out.detach() if self.detach else out)  # the fix: at the append
+        return F.cross_entropy(out, y)
+
+
+def fit_outputs(cls, check: str, detach: bool = False):
+    torch.manual_seed(0)
+    cls.detach = detach
+    trainer = cls(model=nn.Linear(4, 2), train_data=DATA, max_steps=len(DATA), guard={"check": check}, device="cpu",
+                  progress=False, loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer.training_step_outputs = []
+    trainer.fit()
+    accuracy = (torch.cat(trainer.training_step_outputs).argmax(1) == torch.cat([y for _, y in DATA])).float().mean()
+    return weights(trainer.model), accuracy.item()
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_outputs_kept_for_an_epoch_metric_warn_naming_the_list_with_the_fix_at_the_append(mode, check):
+    cls = mode(KeepsOutputs)
+    with pytest.warns(GraphLeakWarning) as caught:
+        fit_outputs(cls, check)
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert leak.holder == "self.training_step_outputs[0]" and leak.step == 2
+    assert "one more in `self.training_step_outputs` every step" in str(leak)
+    assert leak.fixes[0].startswith("detach what is added to `self.training_step_outputs` where it is added "
+                                    "(`self.training_step_outputs.append(x.detach())`")
+    with quiet():
+        fixed = fit_outputs(cls, check, detach=True)
+    off = fit_outputs(cls, "off", detach=True)
+    assert fixed[1] == off[1] and all(torch.equal(a, b) for a, b in zip(fixed[0], off[0]))
+
+
+def outputs_loop(guard_check: str | None, detach: bool = False):
+    """The same in a hand-written loop: ``all_outputs.append(out)`` for an accuracy at the end of the epoch."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    all_outputs = []
+    for x, y in DATA:
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        all_outputs.append(out.detach() if detach else out)
+    return weights(model), torch.cat(all_outputs).argmax(1)
+
+
+def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_works():
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `local all_outputs[0]`")) as caught:
+        outputs_loop("always")
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert "`all_outputs.append(x.detach())`" in leak.fixes[0]
+    with quiet():
+        fixed = outputs_loop("always", detach=True)
+    bare = outputs_loop(None, detach=True)
+    assert torch.equal(fixed[1], bare[1]) and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
+
+
+# -- backward(create_graph=True): a .grad with a graph ---------------------------------------------------------------
+def create_graph_loop(guard_check: str | None, zero: str):
+    """The loop of davda54/ada-hessian's README ("you only need to set `create_graph=True` in the `backward()`
+    call": ``loss.backward(create_graph=True); optimizer.step()``, with Adam standing in for AdaHessian), its
+    gradients cleared as old code does (``p.grad.data.zero_()``), which keeps the graph on ``.grad``: each step's
+    gradient graph is added to the last one's. ``zero``: how the gradients are cleared."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    guard = GraphGuard(model, optimizer, check=guard_check) if guard_check else None
+    for x, _ in DATA:
+        loss = model(x).pow(2).mean()
+        if zero == "data":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+        else:
+            optimizer.zero_grad(set_to_none=True)  # the fix
+        guard.backward(loss, create_graph=True) if guard else loss.backward(create_graph=True)
+        optimizer.step()
+    return weights(model)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_a_grad_that_keeps_its_graph_across_steps_is_named_and_zero_grad_set_to_none_fixes_it():
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `model.0.weight.grad`")) as caught:
+        create_graph_loop("always", "data")
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert "backward(create_graph=True) gave the gradient a graph" in str(leak)
+    assert leak.fixes[0].startswith("set the gradients to None before each backward "
+                                    "(`optimizer.zero_grad(set_to_none=True)`")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphLeakWarning)
+        fixed = create_graph_loop("always", "set_to_none")
+    assert all(torch.equal(a, b) for a, b in zip(fixed, create_graph_loop(None, "set_to_none")))
+    assert all(torch.equal(a, b) for a, b in zip(fixed, create_graph_loop(None, "data")))  # same update, no leak
+
+
+# -- a tensor kept on ctx, changed in place --------------------------------------------------------------------------
+class CtxLinear(torch.autograd.Function):
+    """The ``LinearFunction`` of PyTorch's "Extending torch.autograd" notes, with its input and weight kept on ctx
+    as attributes (``ctx.tensor1 = tensor1``, as in pytorch/pytorch#32625) instead of ``ctx.save_for_backward``:
+    PyTorch checks the version of saved tensors only."""
+
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.input, ctx.weight = input, weight
+        return input.mm(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.mm(ctx.weight), grad_output.t().mm(ctx.input)
+
+
+class Residual(nn.Module):
+    """A residual block written to save memory, ``h += block(h)``: the in-place add changes ``h``, which the
+    Function keeps, after the Function ran. ``h = h + block(h)`` is the fix."""
+
+    inplace = True
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.inplace:
+            h += CtxLinear.apply(h, self.weight)
+        else:
+            h = h + CtxLinear.apply(h, self.weight)
+        return self.head(h)
+
+
+class TrainsResidual(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+
+def fit_residual(cls, check: str, inplace: bool):
+    torch.manual_seed(0)
+    model = Residual()
+    model.inplace = inplace
+    cls(model=model, train_data=DATA, max_steps=len(DATA), guard={"check": check}, device="cpu", progress=False,
+        loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).fit()
+    return weights(model)
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_a_tensor_kept_on_ctx_and_changed_in_place_stops_the_first_step_before_backward(mode, check):
+    cls = mode(TrainsResidual)
+    with pytest.raises(InplaceModificationError) as caught:
+        fit_residual(cls, check, inplace=True)
+    err = caught.value
+    assert err.step == 1 and err.node_name == "CtxLinearBackward" and "The step was abandoned" in str(err)
+    assert "the node of the autograd Function `CtxLinear`, which keeps a tensor made in the step as an attribute " \
+           "of its ctx (`ctx.input`) instead of saving it with ctx.save_for_backward" in str(err)
+    assert err.fixes[0].startswith("change it out of place (`x = x + 1` rather than `x += 1`")
+    with quiet():
+        fixed = fit_residual(cls, check, inplace=False)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, fit_residual(cls, "off", inplace=False)))
+
+
+def residual_loop(guard_check: str | None, inplace: bool, ignore=()):
+    torch.manual_seed(0)
+    model = Residual()
+    model.inplace = inplace
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check, ignore=ignore) if guard_check else None
+    for x, y in DATA:
+        h = model.inp(x)
+        if inplace:
+            h += CtxLinear.apply(h, model.weight)
+        else:
+            h = h + CtxLinear.apply(h, model.weight)
+        loss = F.cross_entropy(model.head(h), y)
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+    return weights(model)
+
+
+def test_a_tensor_kept_on_ctx_and_changed_in_place_in_a_loop_is_named_and_can_be_ignored():
+    with pytest.raises(InplaceModificationError, match=re.escape("which keeps `local h` as an attribute of its ctx "
+                                                                 "(`ctx.input`)")) as caught:
+        residual_loop("always", True)
+    assert caught.value.step == 1 and caught.value.holder == "local h"
+    with warnings.catch_warnings():  # turned off, it trains as without the guard (wrongly, as PyTorch does)
+        # (and the graph leaks: ctx.input holds the in-place add's node, which holds the Function's: a cycle)
+        warnings.simplefilter("ignore", GraphLeakWarning)
+        ignored = residual_loop("always", True, ignore=["inplace"])
+    assert all(torch.equal(a, b) for a, b in zip(ignored, residual_loop(None, True)))
+
+
+class KeepsUnread(torch.autograd.Function):
+    """A straight-through rounding that keeps its input on ctx and never reads it in backward (``round_func5`` of a
+    public quantization model: ``ctx.input = input``; backward returns ``grad_output.clone()``): changing that
+    input in place afterwards changes no gradient, and nothing is said."""
+
+    @staticmethod
+    def forward(ctx, input):
+        ctx.input = input
+        return torch.round(5 * input) / 5
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.clone()
+
+
+def test_a_tensor_kept_on_ctx_that_backward_never_reads_may_change():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check="always")
+    with quiet():
+        for x, _ in DATA:
+            h = model(x)
+            rounded = KeepsUnread.apply(h).sum()
+            h.relu_()
+            guard.backward(rounded + h.sum())
+            opt.step()
+            opt.zero_grad()
+
+
+# -- guard.ignore for the unused-gradient check ------------------------------------------------------------------------
+def test_the_unused_gradient_check_has_an_ignore_name():
+    """A part of a model deliberately left out of the optimizer, which looks like a layer in a plain list."""
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kept = [nn.Linear(4, 4)]  # no optimizer on purpose
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.kept[0](x))
+
+    for ignore, said in ((), 1), (["unused"], 0):
+        model = Frozen()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = GraphGuard(model, opt, check="always", ignore=ignore)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in DATA[:2]:
+                guard.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        assert len([w for w in caught if w.category is UnusedGradientWarning]) == said
+    model = Frozen()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check="always")
+    with quiet():
+        for x, y in DATA[:2]:
+            with guard.ignore("unused"):
+                guard.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+
+# -- a parameter written through .data between a forward and its backward (check=always) -------------------------
+GAN_DATA = [(torch.randn(8, 4) + 1, torch.randn(8, 4)) for _ in range(4)]
+
+
+class Critic(Trainer):
+    """The critic step of martinarjovsky/WassersteinGAN's main.py, whose weight clipping ("clamp parameters to a
+    cube": ``p.data.clamp_(opt.clamp_lower, opt.clamp_upper)``) comes first; ``clip_after``: moved after the
+    critic's forward, so backward computes with clipped weights what the forward did with the others."""
+
+    clip_after = True
+
+    def clip(self):
+        for p in self.model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+
+    def training_step(self, batch):
+        real, fake = batch
+        if not self.clip_after:
+            self.clip()
+        err = self.model(fake).mean() - self.model(real).mean()
+        if self.clip_after:
+            self.clip()
+        return err
+
+
+def fit_critic(cls, check: str, clip_after: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    cls.clip_after = clip_after
+    cls(model=model, train_data=GAN_DATA, max_steps=len(GAN_DATA), guard={"check": check}, device="cpu",
+        progress=False, loggers=(), optimizer=lambda p: torch.optim.RMSprop(p, lr=5e-5)).fit()
+    return weights(model)
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_weights_clipped_through_data_after_the_forward_stop_the_second_step_under_check_always(mode):
+    cls = mode(Critic)
+    with pytest.raises(InplaceModificationError) as caught:
+        fit_critic(cls, "always", clip_after=True)
+    err = caught.value
+    assert err.step == 2 and err.holder == "self.model.2.weight" and "The step was abandoned" in str(err)
+    assert "whose graph saved `self.model.2.weight`, written since the forward that used them by a write PyTorch's " \
+           "version counter does not see (through `.data`" in str(err)
+    assert err.fixes[0].startswith("write them before the forward that uses them")
+    with quiet():  # the fix, and check=auto (no fingerprints: a write through .data goes unseen there)
+        fixed = fit_critic(cls, "always", clip_after=False)
+        fit_critic(cls, "auto", clip_after=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, fit_critic(cls, "off", clip_after=False)))
+
+
+def critic_loop(guard_check: str | None, clip_after: bool):
+    torch.manual_seed(0)
+    netD = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    optimizerD = torch.optim.RMSprop(netD.parameters(), lr=5e-5)
+    guard = GraphGuard(netD, optimizerD, check=guard_check) if guard_check else None
+    for real, fake in GAN_DATA:
+        if not clip_after:
+            for p in netD.parameters():
+                p.data.clamp_(-0.01, 0.01)
+        errD = netD(fake).mean() - netD(real).mean()
+        if clip_after:
+            for p in netD.parameters():
+                p.data.clamp_(-0.01, 0.01)
+        optimizerD.zero_grad()
+        guard.backward(errD) if guard else errD.backward()
+        optimizerD.step()
+    if guard:
+        guard.close()
+    return weights(netD)
+
+
+def test_weights_clipped_through_data_after_the_forward_in_a_loop_are_named_and_the_fix_is_quiet():
+    """Only parameters a node saved count: the first layer's weight is not saved (its input needs no gradient),
+    nor are the biases, so their new values change no gradient."""
+    with pytest.raises(InplaceModificationError, match=re.escape("whose graph saved `model.2.weight`, written")):
+        critic_loop("always", clip_after=True)
+    with quiet():
+        fixed = critic_loop("always", clip_after=False)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, critic_loop(None, clip_after=False)))
