@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,10 +19,8 @@ import torch
 
 from safeloop import Trainer
 
-from .common import interleaved, median, row
+from .common import interleaved, median, on_two_ranks, row
 from .workloads import HandLoop, TrainerLoop, batches, mid_mlp
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def hand_ddp(model, data) -> HandLoop:
@@ -76,15 +71,7 @@ def run(quick: bool) -> list[dict]:
     # calls of about 0.4 s: short, as the shared machine's load changes by the second, yet long enough that the
     # first steps after a new DDP wrapper (rebuilt at every fit(): see TrainerSteps) weigh little
     rounds, steps = (5, 20) if quick else (41, 20)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "benchmarks.bench_ddp", str(out), str(rounds), str(steps)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench_ddp workers failed:\n{proc.stdout}\n{proc.stderr}")
-        t = {name: median(rounds) for name, rounds in json.loads(out.read_text()).items()}
+    t = {name: median(rounds) for name, rounds in on_two_ranks("bench_ddp", str(rounds), str(steps)).items()}
     return [row("2-process CPU DDP (gloo) vs hand DDP loop, mid MLP (8×512, batch 64/rank)",
                 t["safeloop"], t["ddp"], 1.05, steps)]
 

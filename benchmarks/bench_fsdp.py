@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from functools import partial
@@ -29,10 +26,9 @@ import torch.nn.functional as F
 from safeloop import Trainer, fsdp
 from safeloop.models import MLP
 
-from .common import interleaved, median, row
+from .common import interleaved, median, on_two_ranks, row
 from .workloads import batches
 
-ROOT = Path(__file__).resolve().parent.parent
 WIDTH, DEPTH, BATCH = 1024, 4, 16
 
 
@@ -106,15 +102,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
 
 def run(quick: bool) -> list[dict]:
     rounds, steps = (3, 20) if quick else (11, 20)  # 20 steps a call: fit()'s own start and end weigh little
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "fsdp.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "benchmarks.bench_fsdp", str(out), str(rounds), str(steps)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench_fsdp workers failed:\n{proc.stdout}\n{proc.stderr}")
-        found = json.loads(out.read_text())
+    found = on_two_ranks("bench_fsdp", str(rounds), str(steps))
     t = {name: median(rounds) for name, rounds in found["times"].items()}
     memory = found["memory"]
     mib = {name: value / 2**20 for name, value in memory.items()}

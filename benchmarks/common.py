@@ -5,9 +5,17 @@ process, one thread, alternating round by round, and compares medians.
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Median(float):
@@ -67,3 +75,18 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['benchmark']} | {r['safeloop_us']:.1f} | {r['reference_us']:.1f} | "
                      f"{r['ratio']:.3f}× | {target} |")
     return "\n".join(lines)
+
+
+def on_two_ranks(module: str, *args: str) -> dict:
+    """What ``python -m benchmarks.MODULE OUT *args`` wrote to the JSON file OUT, run by
+    ``torchrun --nproc-per-node=2`` (gloo, one thread per rank)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", f"benchmarks.{module}", str(out), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{module} workers failed:\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(out.read_text())
