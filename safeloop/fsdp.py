@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - older torch: strategy=fsdp is refused (settings)
+except ImportError:  # pragma: no cover - older torch: strategy=fsdp is refused (Distributed.shard_model)
     FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = distribute_tensor = None
 
 AVAILABLE = fully_shard is not None

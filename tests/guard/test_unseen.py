@@ -1,4 +1,4 @@
-"""Mistakes the loss's graph alone does not show (issue 35, items 4 and 5), in the Trainer and in a ``GraphGuard``
+"""Mistakes the loss's graph alone does not show, in the Trainer and in a ``GraphGuard``
 loop (``python -m safeloop.watch`` runs them in tests/watch/scripts): graphs kept outside the loss (model outputs
 kept for an epoch metric; a ``.grad`` that ``backward(create_graph=True)`` gave a graph) warn naming the holder,
 and a tensor an autograd Function keeps on its ``ctx`` and that is changed in place before backward stops the step.

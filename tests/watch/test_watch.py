@@ -62,7 +62,7 @@ BROKEN = {
     "scaled_weight_at_init": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MulBackward0, built before "
                              r"the step \(before the loop\) and held by `model\[0\].scaled`.*recompute "
                              r"`model\[0\].scaled` inside the loop",
-    # a tensor a custom autograd Function keeps on ctx, changed in place by a residual `h += ...` (issue 35)
+    # a tensor a custom autograd Function keeps on ctx, changed in place by a residual `h += ...`
     "ctx_attribute_inplace": r"InplaceModificationError: .*\(step 1, loss 'loss'\): the loss reaches "
                              r"LinearFunctionBackward, the node of the autograd Function `LinearFunction`, which keeps "
                              r"`global h` as an attribute of its ctx \(`ctx.input`\).*change it out of place",
