@@ -358,6 +358,11 @@ class Checkpointer:
         validation (``validated``), so that the checkpoint has its metric."""
         return bool(self.every and step % self.every == 0) or (validated and self.monitor is not None)
 
+    def due_at_end(self, step: int, validated: bool) -> bool:
+        """Whether ``fit`` saves as it ends: unless this step's checkpoint is written already, and the end of ``fit``
+        did not validate after it (``validated``), so that the last checkpoint holds the last metrics."""
+        return validated or self.last != self.path(step)
+
     @property
     def best(self) -> Path | None:
         """With a ``monitor``: the best checkpoint in the directory (``best.txt`` names it too)."""

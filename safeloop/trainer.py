@@ -182,9 +182,8 @@ class Trainer:
     def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
-        """Log a metric (Lightning's ``self.log``), from ``training_step`` or a hook: written with the losses at
-        the next log point (every ``log_every`` steps), to the loggers and the progress line. A tensor is
-        detached, and read as a float only then; ``self.logged`` holds what waits."""
+        """Log a metric (Lightning's ``self.log``) from ``training_step`` or a hook: written with the losses every
+        ``log_every`` steps to the loggers and the progress line (a tensor detached, read then: ``self.logged``)."""
         self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
 
     # -- manual mode -------------------------------------------------------------------------
@@ -279,9 +278,10 @@ class Trainer:
     def _finish(self) -> None:
         """The end of ``fit``: last validation and checkpoint, ``on_fit_end``, loss curves (a signal: the save only)."""
         last = self.state.val_history[-1][0] if self.state.val_history else None
-        if self.stop_signal is None and self.val_data is not None and last != self.state.step:
+        validated = self.stop_signal is None and self.val_data is not None and last != self.state.step
+        if validated:
             self.validate()  # before the final checkpoint, so that it holds the last metrics
-        if self.checkpointer is not None and self.checkpointer.last != self.checkpointer.path(self.state.step):
+        if self.checkpointer is not None and self.checkpointer.due_at_end(self.state.step, validated):
             self.save_checkpoint()
         if self.stop_signal is None:
             self._hooks("on_fit_end")

@@ -331,6 +331,17 @@ def test_with_a_monitor_the_k_best_and_the_newest_are_kept_and_best_txt_names_th
                      if mode == "min" else ["step-000000014.pt", "step-000000018.pt", "step-000000020.pt"])
 
 
+def test_the_last_checkpoint_holds_the_validation_that_ends_the_run_though_its_step_was_saved_before_it(tmp_path):
+    # steps 1-3, saved every 3 steps: step 3's save comes first, then the end of fit validates (val_every=2 skips 3)
+    trainer = ScriptedVal([5], max_steps=3, checkpoint={"dir": str(tmp_path), "every": 3, "monitor": "val_loss"})
+    trainer.validation_step = lambda batch: torch.tensor(float(trainer.state.step))
+    trainer.fit()
+    saved = load(tmp_path / "step-000000003.pt")
+    assert [step for step, _ in saved["state"]["val_history"]] == [0, 2, 3]
+    assert saved["state"]["val_history"][-1][1] == {"val_loss": 3.0}
+    assert (tmp_path / "best.txt").read_text() == "step-000000002.pt\n"  # scored with its step's validation too
+
+
 def test_a_checkpoint_monitor_that_cannot_be_read_is_a_config_error_before_training(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("checkpoint.monitor='val_loss' ranks checkpoints by a validation "
                                                     "metric, and there is no val_data")):
