@@ -14,7 +14,9 @@ import functools
 import inspect
 import logging
 import math
+import contextlib
 import re
+import sys
 import time
 import types
 import warnings
@@ -552,11 +554,12 @@ class Guard:
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes))
 
-    def _warn(self, warning: Warning) -> None:
-        """Warn at the loop's line (``frame``), else at the caller of ``preflight``."""
-        frame = self.frame
+    def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
+        """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
+        into safeloop (``trainer.fit()``): there the user's warning filters and their own file name apply."""
+        frame = frame or self.frame
         if frame is None:
-            warnings.warn(warning, stacklevel=5)
+            warnings.warn(warning, stacklevel=_user_level())
         else:
             warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
                                    module_globals=frame.f_globals)
@@ -703,11 +706,9 @@ class Guard:
             msg = (f"reusing a graph built before the step ({type(node).__name__}); guard.on_reuse={self.on_reuse} "
                    "retains it: it stays in memory and receives gradient every step")
             if self.on_reuse == "warn":
-                warnings.warn(GraphSharingWarning(msg, step=case.step, loss_name=case.name,
-                                                  node_name=type(node).__name__,
-                                                  holder=explain.find_holder(node, case.scope, case.batch,
-                                                                             scan_gc=False)),
-                              stacklevel=5)
+                self._warn(GraphSharingWarning(msg, step=case.step, loss_name=case.name,
+                                               node_name=type(node).__name__,
+                                               holder=explain.find_holder(node, case.scope, case.batch, scan_gc=False)))
             else:  # said once: as a warning, or in the log
                 log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
@@ -723,15 +724,14 @@ class Guard:
         self._warned.add(key)
         holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False)
         code = _code(holder)
-        warnings.warn(GraphSharingWarning(
+        self._warn(GraphSharingWarning(
             f"the loss reaches {type(node).__name__}, built before training started from the trained "
             f"{explain.leaf_names(trained, case.scope)} and held by "
             f"{f'`{holder}`' if holder else 'a tensor made outside the step'}; its value does not follow their "
             "updates. It saves no tensors, so backward works, but it is not recomputed",
             step=case.step, loss_name=case.name, node_name=type(node).__name__, holder=holder,
             fixes=[f"compute `{code or 'it'}` inside {self.words.place}, so it follows the parameters it is made "
-                   "from"]),
-            stacklevel=5)
+                   "from"]))
 
     def _kept(self, node, case: Case) -> tuple[bool, str | None]:
         """Whether ``node``, numbered before the step, really outlived an earlier step; and its holder.
@@ -1062,12 +1062,7 @@ class Guard:
                      "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
         else:
             detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
-        warning = GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes)
-        if frame is None:
-            warnings.warn(warning, stacklevel=4)
-        else:
-            warnings.warn_explicit(warning, GraphLeakWarning, frame.f_code.co_filename, frame.f_lineno,
-                                   module_globals=frame.f_globals)
+        self._warn(GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes), frame)
 
     # -- messages ------------------------------------------------------------------------
     def _error(self, cls, node, case: Case, detail: str, fixes: list[str], trace_hint: bool = False,
@@ -1109,6 +1104,19 @@ def _check_names(names) -> frozenset:
 def _code(holder: str | None) -> str | None:
     """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
     return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)  # safeloop's own directory
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called by this function's caller, that names the innermost frame
+    outside safeloop (and outside contextlib, which runs a ``with`` statement's exit): the user's code."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _trained(leaves, scope) -> list:

@@ -62,8 +62,10 @@ def test_outputs_kept_for_an_epoch_metric_warn_naming_the_list_with_the_fix_at_t
     cls = mode(KeepsOutputs)
     with pytest.warns(GraphLeakWarning) as caught:
         fit_outputs(cls, check)
-    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    said, = [w for w in caught if w.category is GraphLeakWarning]
+    leak = said.message
     assert leak.holder == "self.training_step_outputs[0]" and leak.step == 2
+    assert said.filename == __file__  # the user's own line (trainer.fit()), not one of safeloop's
     assert "one more in `self.training_step_outputs` every step" in str(leak)
     assert leak.fixes[0].startswith("detach what is added to `self.training_step_outputs` where it is added "
                                     "(`self.training_step_outputs.append(x.detach())`")
