@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 
 from . import fsdp, slurm
 from .checkpoint import stateful
-from .errors import ConfigError, SafeloopError
+from .errors import ConfigError, SafeloopError, user_stacklevel
 
 if TYPE_CHECKING:
     from .epochs import TrainData
@@ -535,7 +535,7 @@ def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str,
         return data.shard(rank, world)
     if not isinstance(data, DataLoader):
         warnings.warn(f"{name} is a {type(data).__name__}, not a DataLoader: every rank {_AS_GIVEN[name]}",
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
         return data
     # the samplers a loader makes itself from shuffle=..., torch's or a stateful loader's own versions
     # of them (torchdata's StatefulDataLoader), by name: any other was the user's choice
@@ -544,7 +544,7 @@ def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str,
     if isinstance(data.dataset, IterableDataset) or custom:
         warnings.warn(f"{name} uses an IterableDataset or a custom sampler that safeloop cannot shard: every "
                       "rank gets the same batches unless your dataset shards by torch.distributed.get_rank()",
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
         return data
     # a loader that keeps its own position (torchdata's StatefulDataLoader) stays one, so that checkpoints
     # save where it stands; it takes DataLoader's arguments

@@ -7,6 +7,8 @@ is one paragraph built from those fields.
 from __future__ import annotations
 
 import signal
+import sys
+from pathlib import Path
 
 
 class SafeloopError(RuntimeError):
@@ -168,3 +170,20 @@ class GraphLeakWarning(GraphLifecycleWarning):
     """A step's autograd graph is still alive after the step ended."""
 
     what = "autograd graph kept alive after its step"
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)  # safeloop's own directory
+
+
+_PASSED = ("contextlib.py", "_contextlib.py")  # a `with` statement's exit, torch.no_grad() as a decorator
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller, names the innermost frame
+    outside safeloop (and outside the context managers that wrap its calls): the user's own line, where their
+    warning filters and file name apply (``trainer.fit()`` for what the Trainer warns during a step)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                        or Path(frame.f_code.co_filename).name in _PASSED):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -23,7 +23,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import rng_state, set_rng_state
 from .devices import autocast, place
-from .errors import ConfigError, ConfigWarning, SafeloopError, StepError
+from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def samples(batch, kind: Kind = VALIDATION) -> int:
     if len(set(sizes)) > 1:
         warnings.warn(f"a {kind.data} batch holds tensors of different leading sizes: its losses count as many times "
                       "as the first tensor's leading size; if that is not its number of samples, return (losses, "
-                      f"number of samples) from {kind.step}", ConfigWarning, stacklevel=5)
+                      f"number of samples) from {kind.step}", ConfigWarning, stacklevel=user_stacklevel())
     return sizes[0]
 
 

@@ -114,8 +114,9 @@ def test_a_batch_whose_tensors_differ_in_leading_size_is_counted_by_the_first_wi
     with pytest.warns(ConfigWarning, match=re.escape(
             "a val_data batch holds tensors of different leading sizes: its losses count as many times as the "
             "first tensor's leading size; if that is not its number of samples, return (losses, number of "
-            "samples) from validation_step")):
+            "samples) from validation_step")) as said:
         metrics = trainer.validate()
+    assert said[0].filename == __file__  # the user's call, trainer.validate()
     assert metrics["val_loss"] == pytest.approx(per_sample_mean(trainer.model, val), rel=1e-6)
 
 

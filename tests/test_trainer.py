@@ -339,9 +339,10 @@ def test_the_only_optimizer_no_gradient_reaches_is_named_too(mode):
     trainer = cls(model=model, train_data=loader(dataset()), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                   max_steps=25, device="cpu", progress=False, loggers=())
     with pytest.warns(ConfigWarning, match=re.escape("optimizer 'optimizer' has not updated anything in the 20 "
-                                                     "steps so far: no loss's gradient reached its parameters")):
+                                                     "steps so far: no loss's gradient reached its parameters")) as said:
         trainer.fit()
     assert torch.equal(model.weight, before)
+    assert {w.filename for w in said if w.category is ConfigWarning} == {__file__}  # trainer.fit(), not safeloop
 
 
 def test_gradients_waiting_for_a_later_update_are_not_taken_for_an_unreached_optimizer():

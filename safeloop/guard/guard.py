@@ -14,9 +14,7 @@ import functools
 import inspect
 import logging
 import math
-import contextlib
 import re
-import sys
 import time
 import types
 import warnings
@@ -43,6 +41,7 @@ from ..errors import (
     InplaceModificationError,
     NoGraphError,
     UnusedGradientWarning,
+    user_stacklevel,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import explain, walk
@@ -559,7 +558,7 @@ class Guard:
         into safeloop (``trainer.fit()``): there the user's warning filters and their own file name apply."""
         frame = frame or self.frame
         if frame is None:
-            warnings.warn(warning, stacklevel=_user_level())
+            warnings.warn(warning, stacklevel=user_stacklevel())
         else:
             warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
                                    module_globals=frame.f_globals)
@@ -1104,19 +1103,6 @@ def _check_names(names) -> frozenset:
 def _code(holder: str | None) -> str | None:
     """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
     return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
-
-
-_PACKAGE = str(Path(__file__).resolve().parent.parent)  # safeloop's own directory
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of ``warnings.warn``, called by this function's caller, that names the innermost frame
-    outside safeloop (and outside contextlib, which runs a ``with`` statement's exit): the user's code."""
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                        or frame.f_code.co_filename == contextlib.__file__):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _trained(leaves, scope) -> list:

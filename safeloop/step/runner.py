@@ -29,7 +29,8 @@ import torch
 from .. import fsdp, nonfinite
 from ..callbacks import Hooks
 from ..devices import AUTOCAST
-from ..errors import ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError
+from ..errors import (ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError,
+                      user_stacklevel)
 from ..guard.explain import Scope
 from ..guard.guard import Guard, Recorder
 from ..guard.walk import HAS_SEQ, sequence_now
@@ -589,11 +590,11 @@ class Runner:
             warnings.warn(f"optimizer {name!r} has not updated anything in the {step} steps so far: no loss's "
                           "gradient reached its parameters (is a loss returned, or self.backward(loss, "
                           f"optimizer={name!r}) called, for it? are its parameters the ones the forward uses, "
-                          "with requires_grad?)", ConfigWarning, stacklevel=4)
+                          "with requires_grad?)", ConfigWarning, stacklevel=user_stacklevel())
         if self.unweighted:
             warnings.warn(f"loss_weights names {sorted(self.unweighted)}, but no loss of the {step} steps so "
                           f"far had that name (the losses: {sorted(self.state.losses)}): the weight is not "
-                          "applied; fix the key", ConfigWarning, stacklevel=4)
+                          "applied; fix the key", ConfigWarning, stacklevel=user_stacklevel())
         self.unreached.clear()
         self.unweighted.clear()
 
