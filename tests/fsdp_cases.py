@@ -12,6 +12,7 @@ the GPUs (NCCL). Besides ``CASES``:
 - ``sharded-checkpoint`` is ``resume-fsdp`` with ``checkpoint.sharded`` (each rank writes its shards);
 - ``reused`` returns, at every step, a loss built before training; ``undo`` fails after one optimizer
   stepped; ``prebuilt`` gives an optimizer built before the sharding;
+  ``precision16`` asks for a GradScaler and ``unsharded`` shards nothing in its ``configure_sharding``;
   ``fails_on_rank1`` raises on rank 1 alone; ``hand`` is a hand-written loop under
   GraphGuard.
 """
@@ -171,6 +172,14 @@ if __name__ == "__main__":
             except StepError as err:
                 after = {"params": full_params(trainer), "d": fsdp.full(trainer.optimizers["d"].state_dict())}
                 done = {"error": str(err), "before": trainer.before, "after": after}
+        elif case in ("precision16", "unsharded"):  # refused: a GradScaler; a configure_sharding that shards nothing
+            cls = type("Unsharded", (Recording,), {"configure_sharding": lambda self, model: None})
+            try:
+                build("fsdp", world, cls=cls if case == "unsharded" else None,
+                      precision="16" if case == "precision16" else "32").fit()
+                done = "no error"
+            except ConfigError as err:
+                done = str(err)
         elif case == "prebuilt":  # an optimizer built before the Trainer sharded the model
             model = MLP(8, 32, 1, 3)
             try:

@@ -33,8 +33,8 @@ def ranks(tmp_path_factory):
     assert killed.returncode != 0
     (out / "killed.txt").write_text(" ".join(sorted(p.name for p in (out / "killed").glob("step-*.pt"))))
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(script, str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo", "prebuilt", "hand",
-                    "reused", "after-killed", cwd=out, timeout=240)
+    proc = torchrun(script, str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo", "prebuilt",
+                    "precision16", "unsharded", "hand", "reused", "after-killed", cwd=out, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (out / "after-killed.txt").write_text(proc.stdout + proc.stderr)
     return out
@@ -147,6 +147,17 @@ def test_an_optimizer_built_before_the_trainer_shards_the_model_is_a_config_erro
         assert error.startswith("invalid configuration: strategy=fsdp replaced the model's parameters with "
                                 "sharded ones after the optimizer was built over the old ones: pass optimizer as a "
                                 "callable"), error
+
+
+def test_what_a_sharded_run_cannot_do_is_a_config_error_saying_what_to_do_instead(ranks):
+    for error in load(ranks, "precision16"):
+        assert error == ("invalid configuration: precision=16 (a GradScaler) does not work with a model sharded by "
+                         "FSDP2: use precision=bf16-mixed (FSDP2 computes in bf16 and reduces gradients in float32) "
+                         "or 32"), error
+    for error in load(ranks, "unsharded"):
+        assert error == ("invalid configuration: trainer.strategy=fsdp: configure_sharding(model) left no parameter "
+                         "sharded; call torch.distributed.fsdp.fully_shard on the model's blocks and on the model "
+                         "itself"), error
 
 
 def test_a_loss_built_before_training_is_a_graph_reuse_error_at_step_1_on_both_ranks(ranks):
