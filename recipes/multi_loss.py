@@ -54,6 +54,13 @@ class Batches:
             yield tuple(t[idx] for t in self.tensors)
         self.epoch, self.batch = self.epoch + 1, 0
 
+    def shard(self, rank: int, world: int) -> "Batches":
+        """Under torchrun: every rank its own equal slice of the samples, so as many batches each (called by
+        safeloop); ``batch_size`` is per rank, as a DataLoader's is."""
+        n = len(self.tensors[0]) // world
+        return Batches(tuple(t[rank * n:(rank + 1) * n] for t in self.tensors), self.batch_size, self.seed + rank,
+                       self.shuffle)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch": self.batch}
 

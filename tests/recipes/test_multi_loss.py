@@ -34,3 +34,14 @@ def test_multi_loss_resumed_in_a_new_process_is_bit_identical_to_a_run_that_neve
     assert [v[0] for v in resumed["state"]["val_history"]] == [0, 6, 12]  # the stopped run validated at its end
     del resumed["state"]["val_history"][1]
     assert_same(resumed["state"], straight["state"], "state")
+
+
+def test_under_torchrun_each_rank_trains_its_own_equal_share_of_the_samples():
+    from safeloop.recipes.multi_loss import tasks
+
+    data = tasks(n_train=1000, n_val=64, batch_size=100)
+    shards = [data.train.shard(rank, 2) for rank in (0, 1)]
+    assert [len(shard) for shard in shards] == [5, 5]  # as many steps on every rank: each step all-reduces
+    seen = [{tuple(x.tolist()) for batch in shard for x in batch[0]} for shard in shards]
+    assert len(seen[0]) == len(seen[1]) == 500 and not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {tuple(x.tolist()) for x in data.train.tensors[0]}
