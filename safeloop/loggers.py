@@ -3,14 +3,16 @@ available), tensorboard, wandb and mlflow (when installed). Each by name also ha
 from __future__ import annotations
 
 import csv
+import io
 import os
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 from lightning_utilities.core.imports import RequirementCache
 
-from .errors import ConfigError
+from .errors import ConfigError, SafeloopError
 
 HAVE_TENSORBOARD = RequirementCache("tensorboard")
 HAVE_WANDB = RequirementCache(module="wandb")
@@ -27,15 +29,29 @@ class CSVLogger:
         self.path = Path(run_dir) / "metrics.csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists()
-        self._file = open(self.path, "a", newline="")
-        self._csv = csv.writer(self._file)
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to write later
         if new:
-            self._csv.writerow(["step", "metric", "value"])
+            self._append([["step", "metric", "value"]])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            self._csv.writerow([step, name, f"{value:.6g}"])
-        self._file.flush()
+        self._append([step, name, f"{value:.6g}"] for name, value in metrics.items())
+
+    def _append(self, rows) -> None:
+        """Write ``rows`` whole or not at all: a write the system refuses (a full disk) is cut back to where the file
+        ended, and said with the file's name."""
+        text = io.StringIO(newline="")
+        csv.writer(text).writerows(rows)
+        data = memoryview(text.getvalue().encode())
+        end = os.fstat(self._file.fileno()).st_size
+        try:
+            while data:
+                data = data[self._file.write(data):]
+        except OSError as err:
+            with suppress(OSError):  # a device, not a regular file: nothing of it to cut back
+                os.ftruncate(self._file.fileno(), end)  # no partial row
+            raise SafeloopError(f"metrics could not be written to {self.path} ({err.strerror or err}); the rows "
+                                "written before are intact. Free space there, or give the run another directory"
+                                ) from err
 
     def resume(self, step: int) -> None:
         """A run resumed at ``step`` goes on from there: the rows logged after it (by the run that was
@@ -50,8 +66,7 @@ class CSVLogger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        self._file = open(self.path, "a", newline="")
-        self._csv = csv.writer(self._file)
+        self._file = open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
         self._file.close()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 import safeloop
 from safeloop import loggers
 from safeloop.checkpoint import Checkpointer
-from safeloop.errors import ConfigError
+from safeloop.errors import ConfigError, SafeloopError
 
 from .conftest import subprocess_env
 
@@ -170,3 +171,17 @@ def test_wandb_offline_logs_in_the_run_directory_and_a_resumed_run_keeps_its_id(
     offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(d.name.endswith(run_id) for d in offline)
     assert all(list(d.glob("*.wandb")) for d in offline)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (every write to it fails: a full disk)")
+def test_a_full_disk_while_logging_is_an_error_naming_metrics_csv_and_what_to_do(tmp_path):
+    (tmp_path / "metrics.csv").symlink_to("/dev/full")
+    data = [(torch.randn(4, 2), torch.randn(4, 1))] * 3
+    trainer = safeloop.Trainer(model=torch.nn.Linear(2, 1), train_data=data, max_steps=3, log_every=1,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), run_dir=tmp_path, device="cpu",
+                               progress=False, checkpoint=False)
+    with pytest.raises(SafeloopError, match=re.escape(f"metrics could not be written to {tmp_path / 'metrics.csv'} "
+                                                      "(No space left on device); the rows written before are intact. "
+                                                      "Free space there")):
+        trainer.fit()
+
