@@ -50,8 +50,8 @@ class CSVLogger:
             with suppress(OSError):  # a device, not a regular file: nothing of it to cut back
                 os.ftruncate(self._file.fileno(), end)  # no partial row
             raise SafeloopError(f"metrics could not be written to {self.path} ({err.strerror or err}); the rows "
-                                "written before are intact. Free space there, or give the run another directory"
-                                ) from err
+                                "written before are intact. Free some space, or give the run another directory "
+                                "(run_dir=..., on the command line hydra.run.dir=PATH)") from err
 
     def resume(self, step: int) -> None:
         """A run resumed at ``step`` goes on from there: the rows logged after it (by the run that was

@@ -192,8 +192,9 @@ def test_a_full_disk_at_run_time_is_one_line_and_no_checkpoint(tmp_path):
     out = cli("trainer.max_steps=2", "trainer.val_every=null", "trainer.progress=false", f"hydra.run.dir={tmp_path}/run",
               f"checkpoint.dir={tmp_path}/ckpt", cwd=tmp_path)
     assert out.returncode == 1
-    assert out.stderr == ("safeloop: OSError: [Errno 28] No space left on device (free some space, or give the run "
-                          "another directory: hydra.run.dir=PATH, checkpoint.dir=PATH)\n")
+    assert out.stderr == (f"safeloop: SafeloopError: metrics could not be written to {tmp_path}/run/metrics.csv (No "
+                          "space left on device); the rows written before are intact. Free some space, or give the "
+                          "run another directory (run_dir=..., on the command line hydra.run.dir=PATH)\n")
     assert not list(tmp_path.glob("ckpt/*.pt"))
 
 

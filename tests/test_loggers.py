@@ -182,6 +182,6 @@ def test_a_full_disk_while_logging_is_an_error_naming_metrics_csv_and_what_to_do
                                progress=False, checkpoint=False)
     with pytest.raises(SafeloopError, match=re.escape(f"metrics could not be written to {tmp_path / 'metrics.csv'} "
                                                       "(No space left on device); the rows written before are intact. "
-                                                      "Free space there")):
+                                                      "Free some space")):
         trainer.fit()
 
