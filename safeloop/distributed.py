@@ -260,7 +260,7 @@ class Distributed:
     def shard_model(self, model, strategy: str, precision: str, wrap) -> None:
         """``strategy=fsdp``, once, before the optimizers are made: rank zero's weights on every rank, then
         ``wrap(model)`` shards them (``Trainer.configure_sharding``). A model already sharded is left as it is."""
-        if strategy == "fsdp" and not fsdp.AVAILABLE:
+        if strategy == "fsdp" and not fsdp.available():
             raise ConfigError(f"trainer.strategy=fsdp needs torch 2.6 or later (FSDP2); this is {torch.__version__}")
         if model is not None and strategy == "fsdp" and not fsdp.is_sharded(model):
             self._broadcast(list(model.parameters()) + list(model.buffers()))

@@ -28,8 +28,10 @@ What differs from data parallelism, and why:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -39,21 +41,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - older torch: strategy=fsdp is refused (Distributed.shard_model)
-    FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = distribute_tensor = None
-
-AVAILABLE = fully_shard is not None
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+# FSDP2's modules are imported where a run uses them, not with safeloop: they take half a second and some six
+# hundred modules to import, which every run without sharding would pay.
+def available() -> bool:
+    """Whether this torch has FSDP2's public ``fully_shard`` (torch 2.6 or later)."""
+    try:
+        return hasattr(importlib.import_module("torch.distributed.fsdp"), "fully_shard")
+    except ImportError:
+        return False
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor: none is while ``torch.distributed.tensor`` is not imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def is_sharded(module: nn.Module | None) -> bool:
     """Whether ``module`` holds FSDP2-sharded parameters (``DTensor``)."""
-    return module is not None and AVAILABLE and any(isinstance(p, DTensor) for p in module.parameters())
+    return module is not None and any(_is_dtensor(p) for p in module.parameters())
 
 
 def shard(model: nn.Module, precision: str = "32", device: torch.device | None = None) -> None:
@@ -61,6 +71,9 @@ def shard(model: nn.Module, precision: str = "32", device: torch.device | None =
     (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) for their children, then the model itself, over
     every rank of the process group on ``device``'s type (default: FSDP2's, CUDA wherever there is one).
     Under ``precision=bf16-mixed`` FSDP2 computes in bf16 and reduces gradients in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if device is not None else None
@@ -80,6 +93,8 @@ def units(module: nn.Module) -> Iterator[nn.Module]:
 
 def roots(model: nn.Module) -> list[nn.Module]:
     """The outermost FSDP2 modules of ``model``: those that set gradient sync for everything below them."""
+    from torch.distributed.fsdp import FSDPModule
+
     found, inner = [], set()
     for module in model.modules():
         if isinstance(module, FSDPModule) and id(module) not in inner:
@@ -113,13 +128,13 @@ def only(optimizers: Mapping[str, torch.optim.Optimizer], name: str) -> Iterator
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``tensor`` (a plain tensor as it is)."""
-    return tensor.to_local() if AVAILABLE and isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def full(value: Any) -> Any:
     """``value`` with every ``DTensor`` in it (any nesting of dicts, lists, tuples) gathered into a plain tensor
     on the CPU: a collective call, which every rank makes."""
-    if AVAILABLE and isinstance(value, DTensor):
+    if _is_dtensor(value):
         return value.full_tensor().cpu()
     if isinstance(value, dict):
         return {k: full(v) for k, v in value.items()}
@@ -131,7 +146,9 @@ def full(value: Any) -> Any:
 def like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A saved full tensor as ``target`` holds it: this rank's shard when ``target`` is a DTensor (every rank
     has read the same file, so no communication is needed)."""
-    if AVAILABLE and isinstance(target, DTensor) and not isinstance(value, DTensor):
+    if _is_dtensor(target) and not _is_dtensor(value):
+        from torch.distributed.tensor import distribute_tensor
+
         value = value.to(device=target.device, dtype=target.dtype)
         return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
     return value
@@ -165,7 +182,7 @@ def split(checkpoint: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     shards: dict[str, torch.Tensor] = {}
 
     def walk(value: Any, path: tuple[str, ...]) -> Any:
-        if AVAILABLE and isinstance(value, DTensor):
+        if _is_dtensor(value):
             shards["/".join(path)] = value
             return torch.empty(value.shape, dtype=value.dtype, device="meta")
         if isinstance(value, dict):
@@ -217,7 +234,7 @@ def join(checkpoint: dict, directory: Path, live: Callable[[tuple[str, ...]], to
     def walk(value: Any, path: tuple[str, ...]) -> Any:
         if isinstance(value, torch.Tensor) and value.is_meta:
             into = live(path)
-            sharded = AVAILABLE and isinstance(into, DTensor) and into.shape == value.shape
+            sharded = _is_dtensor(into) and into.shape == value.shape
             targets["/".join(path)] = target = torch.zeros_like(into, dtype=value.dtype) if sharded else \
                 torch.empty(value.shape, dtype=value.dtype)
             return target

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 from safeloop import GraphGuard, fsdp
@@ -61,8 +62,8 @@ def build(case: str, world: int, cls: type | None = None, **settings):
     if case.startswith("user") and world > 1:  # sharded by the user as PyTorch's FSDP2 tutorial does
         for layer in model.modules():
             if isinstance(layer, torch.nn.Linear):
-                fsdp.fully_shard(layer)
-        fsdp.fully_shard(model)
+                fully_shard(layer)
+        fully_shard(model)
     if case.endswith("gan"):
         return (cls or (Gan if case == "gan" else ManualGan))(model=model, **common)
     cls = cls or {"two_losses": TwoLosses, "nan_skip": NanOnRank1}.get(case, Recording)

@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 from tests.test_distributed import torchrun
 
 pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(not fsdp.AVAILABLE, reason="FSDP2 needs torch 2.6 or later")]
+              pytest.mark.skipif(not fsdp.available(), reason="FSDP2 needs torch 2.6 or later")]
 RESUMED = ("fsdp", "manual_gan")
 
 
