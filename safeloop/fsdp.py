@@ -131,6 +131,12 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
+def locals_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``local`` of each of ``tensors`` (the list itself while no DTensor can exist)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return tensors if module is None else [t.to_local() if isinstance(t, module.DTensor) else t for t in tensors]
+
+
 def full(value: Any) -> Any:
     """``value`` with every ``DTensor`` in it (any nesting of dicts, lists, tuples) gathered into a plain tensor
     on the CPU: a collective call, which every rank makes."""

@@ -19,12 +19,16 @@ kept from step to step (memory: parameters + optimizer state, once more).
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
 
-from ..fsdp import local
+from ..fsdp import local, locals_of
 from ..schedules import Schedules
+
+
+_LAYOUT = attrgetter("shape", "dtype")
 
 
 class Snapshot:
@@ -36,20 +40,23 @@ class Snapshot:
         # a copy of each tensor, kept from step to step while the tensors keep their shapes and types: a fresh
         # multi-MB copy every step would fault its pages in again
         self._saved: list[torch.Tensor] = []
+        self._layout: list[tuple] = []  # (shape, dtype) of each copy
 
     def take(self) -> None:
         opt = self.optimizer
         self._params = [p for g in opt.param_groups for p in g["params"]]
         # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry
         self._state = [(p, dict(opt.state[p])) for p in self._params if p in opt.state]
-        live = self._params + [v for _, entry in self._state for v in entry.values() if isinstance(v, torch.Tensor)]
-        live = [local(t) for t in live]  # under FSDP2 this rank's shards
-        if len(live) == len(self._saved) and all(
-                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(live, self._saved)):
+        live = locals_of(self._params + [v for _, entry in self._state for v in entry.values()
+                                         if isinstance(v, torch.Tensor)])  # under FSDP2 this rank's shards
+        # the copies are reused while every tensor keeps its shape and dtype (one comparison of two lists: the
+        # per-tensor Python of a snapshot is what it costs on models of many small tensors)
+        layout = list(map(_LAYOUT, live))
+        if layout == self._layout:
             with torch.no_grad():
                 torch._foreach_copy_(self._saved, live)  # one call for them all
         else:
-            self._saved = [t.detach().clone() for t in live]
+            self._saved, self._layout = [t.detach().clone() for t in live], layout
         self._groups = [dict(g) for g in opt.param_groups]
         # a tensor hyperparameter (lr=torch.tensor(...)) is changed in place by schedulers: keep its value
         self._group_tensors = [(value, value.clone()) for group in opt.param_groups
