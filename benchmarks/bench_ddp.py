@@ -11,13 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
-
-from safeloop import Trainer
 
 from .common import interleaved, median, on_two_ranks, row
 from .workloads import HandLoop, TrainerLoop, batches, mid_mlp
@@ -27,23 +24,6 @@ def hand_ddp(model, data) -> HandLoop:
     """The loop a user writes with ``DistributedDataParallel``: the hand loop over the wrapped model
     (gradients zeroed right after the step, as the Trainer does)."""
     return HandLoop(torch.nn.parallel.DistributedDataParallel(model), data)
-
-
-class FitTimed(Trainer):
-    def on_fit_start(self) -> None:
-        self.started = time.perf_counter()
-
-
-class TrainerSteps(TrainerLoop):
-    """Timed from ``on_fit_start``: the steps, not ``fit()``'s set-up, which under torchrun builds the
-    DDP wrapper again at every ``fit()`` (a run calls it once; this benchmark at every call)."""
-
-    def __init__(self, model, data):
-        super().__init__(model, data, cls=FitTimed)
-
-    def __call__(self) -> float:
-        super().__call__()
-        return time.perf_counter() - self.trainer.started
 
 
 def worker(out: Path, rounds: int, steps: int) -> None:
@@ -56,7 +36,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
     data = batches(batch, dim, steps, seed=rank)  # each rank its own shard
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "train_data is a list, not a DataLoader": sharded above
-        systems = {"ddp": hand_ddp(copy.deepcopy(model), data), "safeloop": TrainerSteps(copy.deepcopy(model), data)}
+        systems = {"ddp": hand_ddp(copy.deepcopy(model), data), "safeloop": TrainerLoop(copy.deepcopy(model), data)}
         for fn in systems.values():  # warm up: buckets, allocator, the guard's checked first steps
             fn()
         t = interleaved(systems, rounds=rounds)

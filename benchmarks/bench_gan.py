@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safeloop.recipes.gan import GAN, GANTrainer, ring
 
 from .common import Median, interleaved, median, row
+from .workloads import TrainerLoop
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = 5
@@ -95,16 +96,12 @@ class Quiet(GANTrainer):
         """The recipe samples and prints coverage; a benchmark must not."""
 
 
-class TrainerGAN:
-    def __init__(self, model: GAN, data, opts: dict, **kwargs):
-        self.trainer = Quiet(model=model, train_data=data, max_steps=1, device="cpu", progress=False, loggers=(),
-                             optimizer=adam, **kwargs)
-        self.trainer.opts = opts
-        self.steps, self.trainer.max_steps = len(data), 0
+class TrainerGAN(TrainerLoop):
+    """The recipe's Trainer on the shared optimizers ``opts``, timed as ``workloads.TrainerLoop`` times."""
 
-    def __call__(self):
-        self.trainer.max_steps += self.steps
-        self.trainer.fit()
+    def __init__(self, model: GAN, data, opts: dict, **kwargs):
+        super().__init__(model, data, adam, cls=Quiet, **kwargs)
+        self.trainer.opts = opts
 
 
 def measure(rounds: int, steps: int) -> dict[str, Median]:

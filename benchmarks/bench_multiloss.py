@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from safeloop.recipes.multi_loss import MultiLossTrainer, MultiTask, tasks
 
 from .common import interleaved, row
+from .workloads import TrainerLoop
 
 
 def three_losses(model, batch):
@@ -77,18 +78,9 @@ class ReturnsTheSum(Ordered):
         return reg + cls + recon
 
 
-class TrainerLoop:
-    """``len(data)`` more steps of one long-lived Trainer per call."""
-
-    def __init__(self, model, data, opt=None, cls=Ordered, **kwargs):
-        # on_nonfinite="off": the hand loop checks nothing either (bench_nonfinite times that check)
-        self.trainer = cls(model=model, train_data=data, optimizer=opt or (lambda p: torch.optim.Adam(p, lr=1e-3)),
-                           max_steps=1, device="cpu", progress=False, loggers=(), on_nonfinite="off", **kwargs)
-        self.steps, self.trainer.max_steps = len(data), 0
-
-    def __call__(self):
-        self.trainer.max_steps += self.steps
-        self.trainer.fit()
+def trainer_loop(model, data, opt=None, cls=Ordered, **kwargs) -> TrainerLoop:
+    """``len(data)`` more steps of one long-lived Trainer per call (Adam unless ``opt``)."""
+    return TrainerLoop(model, data, opt or (lambda p: torch.optim.Adam(p, lr=1e-3)), cls=cls, **kwargs)
 
 
 def peak_step_bytes(loop: TrainerLoop) -> int:
@@ -116,9 +108,9 @@ def run(quick: bool) -> list[dict]:
     systems = {
         "hand": HandLoop(model, data, opt),
         "hand sum": HandSum(model, data, opt),
-        "sequential": TrainerLoop(model, data, opt),
-        "sum": TrainerLoop(model, data, opt, multi_loss="sum"),
-        "returned sum": TrainerLoop(model, data, opt, cls=ReturnsTheSum),
+        "sequential": trainer_loop(model, data, opt),
+        "sum": trainer_loop(model, data, opt, multi_loss="sum"),
+        "returned sum": trainer_loop(model, data, opt, cls=ReturnsTheSum),
     }
     for fn in systems.values():  # warm up: allocator, first calls, the guard's checked warm-up steps
         fn()
@@ -127,7 +119,7 @@ def run(quick: bool) -> list[dict]:
     # Memory: the guard walks the step (auto retain) vs a step it does not walk (all but the last).
     peaks = {}
     for check in ("always", "off"):
-        loop = TrainerLoop(copy.deepcopy(model), list(data), guard={"check": check})
+        loop = trainer_loop(copy.deepcopy(model), list(data), guard={"check": check})
         loop()  # optimizer state and parameter gradients exist from here on, as in training
         peaks[check] = sorted(peak_step_bytes(loop) for _ in range(3))[1]  # the median of three runs
     return [
