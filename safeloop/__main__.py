@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .checkpoint import holder, run_dir_in_use
 from .config import CONFIG_DIR, compose, register, train
 from .errors import ConfigError, Interrupted, SafeloopError
 from .sweeps import Result
@@ -92,10 +93,14 @@ def your_frames(err: BaseException) -> list[str]:
 
 def check_overrides(overrides: list[str]) -> None:
     """Everything the command line can get wrong before a run directory is made: the overrides and the
-    values (``compose``), and a run directory that cannot be made (``hydra.run.dir``, or ``outputs/``)."""
+    values (``compose``), a run directory that cannot be made (``hydra.run.dir``, or ``outputs/``), and one
+    that another run holds (before Hydra writes this run's ``.hydra/`` over that run's)."""
     compose(overrides)
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
     path = Path(given[-1] if given else "outputs").absolute()
+    held_by = holder(path) if given else None
+    if held_by is not None:
+        raise run_dir_in_use(path, held_by)
     there = next(p for p in (path, *path.parents) if p.exists())
     if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
         why = "is not a directory" if not there.is_dir() else "is not writable"

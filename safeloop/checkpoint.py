@@ -548,12 +548,29 @@ def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int
                                                  checkpointer.dir.resolve() == run_dir.resolve()):
         return None
     try:
-        return lock(run_dir, lambda holder: SafeloopError(
-            f"run directory {run_dir} is in use by another run ({holder}): two runs writing there would interleave "
-            "their metrics.csv. Give this run its own run directory (run_dir=..., or hydra.run.dir=... on the "
-            "command line), or wait until that run ends"))
+        return lock(run_dir, lambda holder: run_dir_in_use(run_dir, holder))
     except OSError as err:
         raise SafeloopError(f"run directory {run_dir} cannot be used: {err.strerror or err} ({err.filename})") from err
+
+
+def run_dir_in_use(run_dir: Path, holder: str) -> SafeloopError:
+    return SafeloopError(f"run directory {run_dir} is in use by another run ({holder}): two runs writing there would "
+                         "interleave their metrics.csv. Give this run its own run directory (run_dir=..., or "
+                         "hydra.run.dir=... on the command line), or wait until that run ends")
+
+
+def holder(directory: Path) -> str | None:
+    """Who holds ``directory`` (see ``lock``), in words; None when no run does. Takes nothing."""
+    if fcntl is None or not (directory / ".lock").is_file():
+        return None
+    fd = os.open(directory / ".lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go at the close below
+    except OSError:
+        return os.read(fd, 200).decode(errors="replace").strip() or "a process that is just starting"
+    finally:
+        os.close(fd)
+    return None
 
 
 def release(held: int | None) -> None:

@@ -253,3 +253,28 @@ def test_an_optuna_sweep_of_4_trials_minimises_the_monitored_metric_each_run_ret
     # Optuna read each run's val_loss (the monitored metric the command returns) and kept the best trial
     assert float(best.group(1)) == pytest.approx(min(val_losses.values()), abs=5e-5)  # the table's 4 digits
     assert min(val_losses.values()) < max(val_losses.values())
+
+
+def test_a_run_directory_another_run_holds_is_refused_before_hydra_writes_into_it(tmp_path):
+    """Hydra writes each run's ``.hydra/`` (its config, overrides) before the task starts: a second run given the
+    same ``hydra.run.dir`` would have replaced the first's record of what it ran before the Trainer refused it."""
+    from safeloop.checkpoint import lock, release
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("the first run's config\n")
+    held = lock(run_dir, RuntimeError)  # this process is the run that holds it
+    try:
+        out = cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=2", cwd=tmp_path)
+    finally:
+        release(held)
+    assert out.returncode == 1, out.stderr
+    assert re.fullmatch(rf"safeloop: SafeloopError: run directory {re.escape(str(run_dir))} is in use by another run "
+                        rf"\(process {os.getpid()} on \S+, since [\d-]+ [\d:]+\): two runs writing there would "
+                        r"interleave their metrics\.csv\. Give this run its own run directory \(run_dir=\.\.\., or "
+                        r"hydra\.run\.dir=\.\.\. on the command line\), or wait until that run ends\n", out.stderr)
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "the first run's config\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".lock"]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml"]
+    out = cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=2", cwd=tmp_path)  # free once that run let go
+    assert out.returncode == 0, out.stderr
