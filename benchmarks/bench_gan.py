@@ -152,8 +152,8 @@ def run(quick: bool) -> list[dict]:
     return [
         across("GAN step (manual mode) vs hand-written step doing the same work: D's backward routed, D's state "
                "copied before its update (what undo=auto does)", runs, "safeloop", "hand, undoable", 1.05, steps),
-        across("GAN step (manual mode) vs hand-written step copying nothing (D's loss kept off G by detach alone)", runs, "safeloop", "hand",
-               None, steps),
+        across("GAN step (manual mode) vs hand-written step copying nothing (D's loss kept off G by detach alone)",
+               runs, "safeloop", "hand", None, steps),
         across("GAN step (manual mode) vs DCGAN-example step", runs, "safeloop", "dcgan", None, steps),
         across("GAN: the hand-written step doing the same work vs the one copying nothing (what those two cost)", runs,
                "hand, undoable", "hand", None, steps),

@@ -14,7 +14,8 @@ from .workloads import TrainerLoop, batches, mid_mlp, sgd, tiny_mlp
 def run(quick: bool) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
-    for name, make, steps in (("mid MLP (8×512, batch 64)", mid_mlp, 20), ("tiny MLP (2×64, batch 32)", tiny_mlp, 300)):
+    for name, make, steps in (("mid MLP (8×512, batch 64)", mid_mlp, 20),
+                              ("tiny MLP (2×64, batch 32)", tiny_mlp, 300)):
         model, batch, dim = make()
         data = batches(batch, dim, steps)
         opt = sgd(model)  # shared (see workloads.HandLoop)

@@ -259,7 +259,8 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
                          if not isinstance(value, dict)]
     for name, value in (checkpoint.get("optimizers") or {}).items():
         if isinstance(value, dict):
-            problems += [f"optimizers[{name!r}] has no {key!r}" for key in ("state", "param_groups") if key not in value]
+            problems += [f"optimizers[{name!r}] has no {key!r}" for key in ("state", "param_groups")
+                         if key not in value]
     if isinstance(checkpoint.get("state"), dict):
         problems += _kinds(checkpoint["state"], _STATE, "state")
         problems += [f"state[{key!r}] is not a TrainState field (they are {', '.join(_STATE)})"
@@ -789,7 +790,8 @@ def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: d
         keys = {k for g in groups for k in g} - {"params"}, {k for g in opt.param_groups for k in g} - {"params"}
         if (was is not None and was != mine) or (was is None and groups and keys[0] != keys[1]):
             raise CheckpointError(
-                f"{_named(path)}: optimizer {name!r} was saved from {was or 'an optimizer with the settings ' + ', '.join(sorted(keys[0]))} "
+                f"{_named(path)}: optimizer {name!r} was saved from "
+                f"{was or 'an optimizer with the settings ' + ', '.join(sorted(keys[0]))} "
                 f"and this run's is {mine}: an optimizer's state does not carry over to another class. Resume with "
                 f"the optimizer it was saved with, or start a new run without resume", path)
         sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in opt.param_groups]

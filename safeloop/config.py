@@ -156,7 +156,8 @@ def check(cfg: DictConfig) -> list[str]:
     problems += mistyped(cls, {k: v for k, v in recipe.items() if k in own}, "recipe.")
     for group in OBJECTS:
         node = cfg.get(group)
-        if group == "scheduler" and isinstance(node, DictConfig) and "scheduler" in node:  # {scheduler, interval, monitor}
+        # a scheduler given as {scheduler, interval, monitor}
+        if group == "scheduler" and isinstance(node, DictConfig) and "scheduler" in node:
             node, group = node.scheduler, "scheduler.scheduler"
         problems += call_problems(node, group)
     callbacks = cfg.get("callbacks")  # {name: a _target_ config} (configs/callbacks/)

@@ -205,8 +205,9 @@ class Distributed:
         try:
             dist.all_gather_object(every, value)
         except RuntimeError as err:
-            raise self._lost(err, "gather every rank's gradients for a checkpoint (in manual mode, every rank calls "
-                             "Trainer.state_dict() together, as the Trainer's saves do: not under `if rank == 0`)") from err
+            raise self._lost(err, "gather every rank's gradients for a checkpoint (in manual mode, every rank "
+                             "calls Trainer.state_dict() together, as the Trainer's saves do: not under "
+                             "`if rank == 0`)") from err
         return every
 
     # -- start of fit --------------------------------------------------------------------

@@ -108,7 +108,8 @@ class Watch:
         name = self.names.get(id(optimizer))
         if name is None:  # its variable's name in the script, once
             main = vars(sys.modules["__main__"])
-            name = next((k for k, v in main.items() if v is optimizer), f"{type(optimizer).__name__} #{len(self.names) + 1}")
+            name = next((k for k, v in main.items() if v is optimizer),
+                        f"{type(optimizer).__name__} #{len(self.names) + 1}")
             self.names[id(optimizer)] = name
         self.guard.optimizer_stepped(name, optimizer)
 

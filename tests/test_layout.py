@@ -73,3 +73,10 @@ def test_one_step_loop_and_one_update_path(name):
     """Every step runs ``Runner.run``; every update ``Runner._update``: no second loop or path beside them."""
     users = [str(p.relative_to(ROOT)) for p in SOURCES if name in p.read_text()]
     assert not users, f"{name} in {users}"
+
+
+def test_no_line_of_the_code_is_longer_than_120_characters():
+    benchmarks = sorted((ROOT / "benchmarks").glob("*.py"))
+    long = [f"{path.relative_to(ROOT)}:{number}" for path in SOURCES + benchmarks
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, f"lines over 120 characters: {long}"

@@ -921,7 +921,8 @@ class Guard:
         return None
 
     def explain_outside(self, err: BaseException, step: int, stepped: Mapping[str, Any],
-                        parameters: list[tuple[str, torch.Tensor, int]], undone: str) -> InplaceModificationError | None:
+                        parameters: list[tuple[str, torch.Tensor, int]],
+                        undone: str) -> InplaceModificationError | None:
         """An autograd error raised outside the Trainer's backward (``torch.autograd.grad`` in training_step)
         after optimizers ``stepped`` (name -> optimizer) updated in this step: a graph built before an update
         saved a parameter it changed in place. ``parameters``: ``(name, parameter, version when the error was
