@@ -4,7 +4,9 @@ A write through ``.data`` (``p.data.clamp_(-c, c)``) moves no version counter, s
 graph saved a parameter whose values changed before its backward. A fingerprint can. Hooks on the modules the
 guard can name (the model, the modules in the loop's variables), put there at the first checked step, read the
 parameters a module holds directly after each of its forwards with grad enabled: version, data pointer, and the
-sum of their values (float32, left on the device: no sync there; the comparison syncs). Before a checked
+L2 norm of their values (float32, left on the device: no sync there; the comparison syncs). The norm, not the sum:
+weight clipping moves values at both ends towards zero, which a sum can cancel out (as many raised as lowered by
+the same amount) and a norm cannot. Before a checked
 backward, a reached parameter with the same version but another data pointer or sum was written since, unseen
 by autograd. Reading every parameter at every forward costs one pass over the weights: beyond the guard's
 budget, so only ``check=always`` takes them.
@@ -27,7 +29,7 @@ class Prints:
     compiled module (``torch.compile(model)``) is left alone."""
 
     def __init__(self):
-        self._seen: dict[int, tuple] = {}  # id -> (weak reference, version, data pointer, float32 sum)
+        self._seen: dict[int, tuple] = {}  # id -> (weak reference, version, data pointer, norm)
         self._handles: dict[int, Any] = {}  # id(module) -> its hook's handle
 
     def watch(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -62,9 +64,7 @@ class Prints:
         for param in params:
             if param is not None and param.requires_grad and type(param) in (torch.nn.Parameter, torch.Tensor):
                 try:
-                    with torch.no_grad():
-                        total = torch.sum(param.detach(), dtype=torch.float32)
-                    self._seen[id(param)] = (weakref.ref(param), param._version, param.data_ptr(), total)
+                    self._seen[id(param)] = (weakref.ref(param), param._version, param.data_ptr(), _norm(param))
                 except (RuntimeError, TypeError):  # a tensor without storage (functorch, meta): no fingerprint
                     continue
     def changed(self, leaves) -> list[torch.Tensor]:
@@ -74,13 +74,17 @@ class Prints:
             seen = self._seen.get(id(leaf))
             if seen is None or seen[0]() is not leaf or leaf._version != seen[1]:
                 continue
-            with torch.no_grad():
-                total = torch.sum(leaf.detach(), dtype=torch.float32)
+            total = _norm(leaf)
             if not bool(torch.isfinite(seen[3])) or not bool(torch.isfinite(total)):
-                continue  # an overflowing or non-finite sum tells nothing
+                continue  # an overflowing or non-finite norm tells nothing
             if leaf.data_ptr() != seen[2] or not torch.equal(total, seen[3]):
                 out.append(leaf)
         return out
+
+
+def _norm(param: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.linalg.vector_norm(param.detach(), dtype=torch.float32)
 
 
 def _uncompiled(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
