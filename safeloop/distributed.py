@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from .guard.guard import Guard
 
 log = logging.getLogger("safeloop")
+# how torch's backends word a collective that failed because a peer failed or left (a plain RuntimeError)
+COLLECTIVE_FAILURES = ("/gloo/", "NCCL", "ProcessGroup", "Connection reset by peer", "Connection closed by peer")
 
 slurm.adopt(os.environ)  # a task srun started, without torchrun: SLURM's rank and world as torchrun's variables
 # lightning_utilities' rank_zero_only needs the rank set before use; torchrun sets RANK.
@@ -127,6 +129,12 @@ class _Group:
     launched: int = 0  # buckets are launched strictly in order, so every rank issues the same sequence
     synced: bool = False  # the gradients are the all-ranks mean (until a backward adds to them)
     pending: list[int] = field(default_factory=list)
+
+
+def collective_failed(err: BaseException) -> bool:
+    """Whether ``err`` is a collective call's failure (DistributedDataParallel's all-reduce inside backward)."""
+    return isinstance(err, dist.DistBackendError) or (
+        isinstance(err, RuntimeError) and any(words in str(err) for words in COLLECTIVE_FAILURES))
 
 
 class Distributed:
@@ -419,12 +427,17 @@ class Distributed:
                 bucket.ready, bucket.flat, bucket.work = 0, None, None
 
     def _lost(self, err: Exception, what: str = "all-reduce gradients") -> DistributedError:
+        return self.lost(err, self.step, what)
+
+    def lost(self, err: Exception, step: int, what: str, undone: str | None = None) -> DistributedError:
         """``what``: the collective, in words. Every rank must make it at the same point; this one waited in
-        vain, because another rank failed or went on without making it."""
+        vain, because another rank failed or went on without making it. ``undone``: what abandoning the step
+        left as it was."""
+        abandoned = f" The step was abandoned ({undone})." if undone is not None else ""
         return DistributedError(
-            f"step {self.step}: rank {self.rank} of {self.world} could not {what} ({err}). Every rank makes this "
-            "call at the same point, and another did not: it most likely failed, and its error is printed in its "
-            "own output (torchrun prints the first failure's rank and traceback at the end); or it went on "
+            f"step {step}: rank {self.rank} of {self.world} could not {what} ({err}).{abandoned} Every rank makes "
+            "this call at the same point, and another did not: it most likely failed, and its error is printed in "
+            "its own output (torchrun prints the first failure's rank and traceback at the end); or it went on "
             "without making the call")
 
     # -- end of fit -------------------------------------------------------------------------

@@ -279,6 +279,32 @@ def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_rank_left_alone_in_ddps_all_reduce_says_another_rank_failed_not_only_what_gloo_says(tmp_path):
+    """Rank 1 fails after its step 3 updated (on_step_end); rank 0 goes on into step 4, where
+    DistributedDataParallel's all-reduce finds rank 1 gone: torch raises a plain RuntimeError in gloo's words,
+    which the Trainer says as a rank left alone, with the step abandoned and left as it was."""
+    proc = torchrun_script(tmp_path, """
+        class Fails(ddp_cases.Recording):
+            def on_step_end(self, losses):
+                if self.dist.rank == 1 and self.state.step == 3:
+                    raise ValueError("bad hook")
+
+        trainer = ddp_cases.build("plain", world=2)
+        trainer.__class__ = Fails
+        try:
+            trainer.fit()
+        except safeloop.SafeloopError as err:
+            sys.stdout.write(f"rank {trainer.dist.rank}: {type(err).__name__}: {err}\\n")  # one write per rank
+        """)
+    assert "rank 1: StepError: step 3's update was applied; the error came after it, in on_step_end: ValueError: " \
+           "bad hook\n" in proc.stdout, proc.stdout
+    assert re.search(r"rank 0: DistributedError: step 4: rank 0 of 2 could not take part in this step's collective "
+                     r"calls \(under DistributedDataParallel: its all-reduce of the gradients\) \(.*gloo.*\)\. The "
+                     r"step was abandoned \(parameters and optimizer state are unchanged\)\. Every rank makes this "
+                     r"call at the same point, and another did not: it most likely failed", proc.stdout), proc.stdout
+
+
+@pytest.mark.distributed
 def test_train_data_replaced_in_on_epoch_start_or_between_fits_is_sharded_again(tmp_path):
     """Each rank trains on its own half of every train_data it is given: the first; one assigned in
     on_step_end halfway through the first pass, read from the second pass on; the one on_epoch_start puts in

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import fsdp, nonfinite
+from ..distributed import collective_failed
 from ..callbacks import Hooks
 from ..devices import AUTOCAST
 from ..errors import (ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError,
@@ -514,6 +515,9 @@ class Runner:
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)
+        if explained is None and self.dist is not None and collective_failed(err):
+            explained = self.dist.lost(err, step, "take part in this step's collective calls (under "
+                                       "DistributedDataParallel: its all-reduce of the gradients)", report)
         if explained is not None:
             explained.__cause__ = err
             return explained
