@@ -170,7 +170,7 @@ class Distributed:
         self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
         self.seed = 0  # rank zero's, at ``share``: every shard of the data shuffles with it
-        self.step = 0  # the step being synced, for error messages
+        self.step = 0  # the step running (set by the step itself), for error messages
         self._hooks: list = []
         self._quieted: int | None = None
         self._val: tuple | None = None  # (val_data, this rank's share of it), made at its first validation
@@ -377,14 +377,13 @@ class Distributed:
             self._check_used(step)
         for name, group in self.groups.items():
             if group.launched:
-                self.sync(name, step)
+                self.sync(name)
 
-    def sync(self, name: str, step: int) -> None:
+    def sync(self, name: str) -> None:
         """Average optimizer ``name``'s gradients over all ranks (before unscale, clip and step)."""
         group = self.groups.get(name)
         if group is None or group.synced:
             return
-        self.step = step
         self.flush(group)
         try:
             for bucket in group.buckets:

@@ -148,6 +148,8 @@ class Runner:
         """One optimizer step over ``batches`` (its micro-batches)."""
         state, guard = self.state, self.guard
         step = state.step + 1
+        if self.dist is not None:
+            self.dist.step = step  # named by its errors, whichever collective call fails
         timed = guard.begin_step(step)
         started = time.perf_counter()
         self.versions, self.began = [p._version for p in self.params], {}
@@ -372,7 +374,7 @@ class Runner:
             raise StepError(f"step {step}: self.step({name!r}, closure=...) under precision=16: the GradScaler "
                             "does not support closures; use precision=bf16 or 32", step)
         if self.dist is not None:  # every rank checks the same averaged gradients
-            self.dist.sync(name, step)
+            self.dist.sync(name)
         if self.finite is not None:
             self.check_finite(self.fresh, step, name)
             self.fresh.clear()
@@ -385,7 +387,7 @@ class Runner:
         step, zero_grad, scheduler. ``closure``, ``current``: see ``closure``."""
         opt = self.optimizers[name]
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
-            self.dist.sync(name, step)
+            self.dist.sync(name)
         self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
         self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
@@ -439,7 +441,7 @@ class Runner:
             with torch.enable_grad():
                 loss = evaluate()
             if self.dist is not None:
-                self.dist.sync(name, step)
+                self.dist.sync(name)
             if self.finite is not None:
                 losses = self.fresh if not self.automatic else {name: loss}
                 self.check_finite(losses, step, name)
