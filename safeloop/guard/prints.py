@@ -6,10 +6,9 @@ guard can name (the model, the modules in the loop's variables), put there at th
 parameters a module holds directly after each of its forwards with grad enabled: version, data pointer, and the
 L2 norm of their values (float32, left on the device: no sync there; the comparison syncs). The norm, not the sum:
 weight clipping moves values at both ends towards zero, which a sum can cancel out (as many raised as lowered by
-the same amount) and a norm cannot. Before a checked
-backward, a reached parameter with the same version but another data pointer or sum was written since, unseen
-by autograd. Reading every parameter at every forward costs one pass over the weights: beyond the guard's
-budget, so only ``check=always`` takes them.
+the same amount) and a norm cannot. Before a checked backward, a reached parameter with the same version but another
+data pointer or norm was written since, unseen by autograd. Reading every parameter at every forward costs one
+pass over the weights: beyond the guard's budget, so only ``check=always`` takes them.
 
 The hook never changes what the model computes: it reads detached parameters, outside autograd, and records
 nothing while torch.compile traces, under ``torch.func`` transforms, or for tensors it cannot read.

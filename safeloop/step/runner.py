@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from .. import fsdp, nonfinite
-from ..distributed import collective_failed
 from ..callbacks import Hooks
 from ..devices import AUTOCAST
+from ..distributed import collective_failed
 from ..errors import (ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError,
                       user_stacklevel)
 from ..guard.explain import Scope
