@@ -23,6 +23,8 @@ import lightning_utilities
 import omegaconf
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -38,9 +40,9 @@ def main() -> None:
     """The ``safeloop`` command: ``run``, Hydra's entry point over ``configs/train.yaml`` (its ``--help``
     is ``hydra.help`` there). The overrides of a run or of ``--help`` are checked first, so that a bad one
     gets safeloop's words and exit code 2 rather than Hydra's report, with the values and the run directory
-    (``check_overrides``), before Hydra makes it. Sweeps, ``--cfg`` and Hydra's other modes report their
-    own errors. The current directory is importable, as under ``python -m``, for ``_target_`` of your own.
-    ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
+    (``check_overrides``), before Hydra makes it; a sweep's each value, before its first run (``check_sweep``).
+    ``--cfg`` and Hydra's other modes report their own errors. The current directory is importable, as under
+    ``python -m``, for ``_target_`` of your own. ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
     args = sys.argv[1:]
     if os.getcwd() not in sys.path:  # the user's modules (model._target_=cnn.Net), as `python -m` has them
         sys.path.insert(0, os.getcwd())
@@ -49,9 +51,10 @@ def main() -> None:
 
         sys.exit(watch(args[1:], prog="safeloop watch"))
     flags = {arg for arg in args if arg.startswith("-")}
-    sweep = any(arg.split("=", 1)[0].lstrip("+~") == "hydra.mode" for arg in args)
-    if flags <= {"-h", "--help"} and not sweep:  # a run, or --help
-        refusing(check_overrides, [arg for arg in args if arg not in flags])
+    sweep = bool(flags & {"-m", "--multirun"}) or any(arg.split("=", 1)[0].lstrip("+~") == "hydra.mode"
+                                                       for arg in args)
+    if flags <= {"-h", "--help", "-m", "--multirun"}:  # a run, a sweep, or --help
+        refusing(check_sweep if sweep else check_overrides, [arg for arg in args if arg not in flags])
     run()
 
 
@@ -106,6 +109,30 @@ def check_overrides(overrides: list[str]) -> None:
         why = "is not a directory" if not there.is_dir() else "is not writable"
         raise ConfigError(f"the run directory {path} cannot be made: {there} {why}; give a directory you can write "
                           "to with hydra.run.dir=PATH")
+
+
+def check_sweep(overrides: list[str]) -> None:
+    """A sweep's overrides before its first run, so that a bad value is refused before any run trains: each value
+    of each swept key (``key=a,b``, ``range``, ``choice``) once, the other swept keys at their first value. A sweep
+    with a sweeper of its own (``hydra/sweeper=optuna``) or a range that is no list of values (``interval``) is
+    left to its sweeper."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if any(o.key_or_group.startswith(("hydra/sweeper", "hydra.sweeper")) or
+               (o.is_sweep_override() and not o.is_discrete_sweep()) for o in parsed):
+            return
+        swept = {i: (o.input_line.split("=", 1)[0], list(o.sweep_string_iterator())) for i, o in enumerate(parsed)
+                 if o.is_sweep_override()}
+    except HydraException:  # no override, or values Hydra alone expands (glob): Hydra reports them
+        return
+    first = {i: f"{key}={values[0]}" for i, (key, values) in swept.items()}
+
+    def one(changed: dict[int, str]) -> list[str]:  # the overrides of one run, in the order given
+        return [changed.get(i, first.get(i, o.input_line)) for i, o in enumerate(parsed)]
+
+    for overrides_of_run in [one({})] + [one({i: f"{key}={value}"}) for i, (key, values) in swept.items()
+                                         for value in values[1:]]:
+        compose(overrides_of_run)
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")

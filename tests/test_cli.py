@@ -278,3 +278,21 @@ def test_a_run_directory_another_run_holds_is_refused_before_hydra_writes_into_i
     assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml"]
     out = cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=2", cwd=tmp_path)  # free once that run let go
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("sweep, message", [
+    (("trainer.log_every=5,lots",), "trainer.log_every=lots: Value 'lots' of type 'str' could not be converted to "
+                                    "Integer; give trainer.log_every a value of that type"),
+    (("optimizer=adam,sgd", "optimizer.lr=range(0.1,0.3,0.1)", "guard.check=auto,sometimes"),
+     "guard.check='sometimes' is not one of auto, always, off"),
+    (("optimizer=sgd,adamm",), "optimizer=adamm: optimizer has no option 'adamm'; did you mean optimizer=adam? "
+                               "options: adam, adamw, sgd"),
+])
+def test_a_sweep_with_a_bad_value_is_refused_before_its_first_run_trains(tmp_path, sweep, message):
+    """Each value of each swept key is composed before the sweep starts: a bad one a later run would meet stops
+    the sweep before the runs before it train, in safeloop's words."""
+    out = cli("-m", *sweep, "trainer.max_steps=2", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"safeloop: invalid configuration: {message}"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
