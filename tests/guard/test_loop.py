@@ -94,6 +94,39 @@ def test_an_lstm_state_carried_across_steps_is_detached_as_a_whole_tuple_in_the_
             opt.zero_grad()
 
 
+def gru_loop(guard: GraphGuard | None, detach_after: bool) -> list[torch.Tensor]:
+    """A GRU's state written back only after the update (``h = h_new``), the new value computed from the old in
+    the step before; ``detach_after``: the fix the guard gives, as written, on the line after."""
+    torch.manual_seed(0)
+    rnn, head = torch.nn.GRU(4, 8, batch_first=True), torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(list(rnn.parameters()) + list(head.parameters()), lr=0.1)
+    h = torch.zeros(1, 2, 8)
+    for x, y in zip(torch.randn(4, 2, 5, 4), torch.randn(4, 2, 1)):
+        out, h_new = rnn(x, h)
+        loss = F.mse_loss(head(out[:, -1]), y)
+        opt.zero_grad()
+        guard.backward(loss) if guard is not None else loss.backward()
+        opt.step()
+        h = h_new
+        if detach_after:
+            h = h.detach()
+    return [p.detach().clone() for p in [*rnn.parameters(), *head.parameters()]]
+
+
+def test_a_state_written_back_after_the_update_is_advised_as_a_carried_state_not_as_a_cache():
+    """Held as it was made in step 1, as a cache is; but the step's new value of the same shape (``h_new``) is
+    made from it: a state carried on purpose, whose fix is to detach it, not to make it again every step."""
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `local h`; an earlier backward already freed")) \
+            as caught:
+        gru_loop(GraphGuard(), detach_after=False)
+    assert caught.value.fixes[0] == ("detach the carried state at the end of each step (`h = h.detach()`) so each "
+                                     "step back-propagates through its own graph only (truncated BPTT)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = gru_loop(GraphGuard(check="always"), detach_after=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, gru_loop(None, detach_after=True)))
+
+
 def test_a_step_the_guard_does_not_check_is_explained_when_its_backward_fails():
     """check=off: no pre-flight, but the autograd error of a carried graph still comes back explained."""
     model, opt, data = setup()
