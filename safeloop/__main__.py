@@ -42,7 +42,8 @@ def main() -> None:
     gets safeloop's words and exit code 2 rather than Hydra's report, with the values and the run directory
     (``check_overrides``), before Hydra makes it; a sweep's each value, before its first run (``check_sweep``).
     ``--cfg`` and Hydra's other modes report their own errors. The current directory is importable, as under
-    ``python -m``, for ``_target_`` of your own. ``safeloop watch script.py [args]`` runs a script under the guard (``safeloop.watch``)."""
+    ``python -m``, for ``_target_`` of your own. ``safeloop watch script.py [args]`` runs a script under the
+    guard (``safeloop.watch``)."""
     args = sys.argv[1:]
     if os.getcwd() not in sys.path:  # the user's modules (model._target_=cnn.Net), as `python -m` has them
         sys.path.insert(0, os.getcwd())
