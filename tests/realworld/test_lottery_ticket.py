@@ -166,7 +166,7 @@ def lth_hand(model, train_loader):
             optimizer = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=1e-4)
         for iter_ in range(END_ITER):
             # Training
-            loss = train(model, train_loader, optimizer, criterion)  # noqa: F841 (the source plots it)
+            loss = train(model, train_loader, optimizer, criterion)  # the source plots it
 
 
 class LotteryTicket(Trainer):

@@ -54,7 +54,7 @@ def magnitude_prune(masking, mask, weight, name):
     num_remove = math.ceil(masking.name2prune_rate[name]*masking.name2nonzeros[name])
     num_zeros = masking.name2zeros[name]
     k = math.ceil(num_zeros + num_remove)
-    if num_remove == 0.0: return weight.data != 0.0  # noqa: E701
+    if num_remove == 0.0: return weight.data != 0.0
 
     x, idx = torch.sort(torch.abs(weight.data.view(-1)))
     mask.data.view(-1)[idx[:k]] = 0.0
@@ -64,9 +64,9 @@ def magnitude_prune(masking, mask, weight, name):
 def momentum_growth(masking, name, new_mask, total_regrowth, weight):
     grad = masking.get_momentum_for_weight(weight)
     if grad.dtype == torch.float16:
-        grad = grad*(new_mask==0).half()  # noqa: E225
+        grad = grad*(new_mask==0).half()
     else:
-        grad = grad*(new_mask==0).float()  # noqa: E225
+        grad = grad*(new_mask==0).float()
     y, idx = torch.sort(torch.abs(grad).flatten(), descending=True)
     new_mask.data.view(-1)[idx[:total_regrowth]] = 1.0
 
@@ -152,7 +152,7 @@ class Masking(object):
             self.baseline_nonzero = 0
             for module in self.modules:
                 for name, weight in module.named_parameters():
-                    if name not in self.masks: continue  # noqa: E701
+                    if name not in self.masks: continue
                     self.masks[name][:] = (torch.rand(weight.shape) < density).float().data  # .cuda()
                     self.baseline_nonzero += weight.numel()*density
             self.apply_mask()
@@ -205,8 +205,8 @@ class Masking(object):
         i = 0
         while i < len(self.names):
             name = self.names[i]
-            if name in removed: self.names.pop(i)  # noqa: E701
-            else: i += 1  # noqa: E701
+            if name in removed: self.names.pop(i)
+            else: i += 1
 
     def remove_type(self, nn_type, verbose=False):
         for module in self.modules:
@@ -224,8 +224,8 @@ class Masking(object):
     def adjust_prune_rate(self):
         for module in self.modules:
             for name, weight in module.named_parameters():
-                if name not in self.masks: continue  # noqa: E701
-                if name not in self.name2prune_rate: self.name2prune_rate[name] = self.prune_rate  # noqa: E701
+                if name not in self.masks: continue
+                if name not in self.name2prune_rate: self.name2prune_rate[name] = self.prune_rate
 
                 self.name2prune_rate[name] = self.prune_rate
 
@@ -246,7 +246,7 @@ class Masking(object):
         total_nonzero_new = 0
         for module in self.modules:
             for name, weight in module.named_parameters():
-                if name not in self.masks: continue  # noqa: E701
+                if name not in self.masks: continue
                 mask = self.masks[name]
 
                 # prune
@@ -259,7 +259,7 @@ class Masking(object):
         name2regrowth = self.calc_growth_redistribution()
         for module in self.modules:
             for name, weight in module.named_parameters():
-                if name not in self.masks: continue  # noqa: E701
+                if name not in self.masks: continue
                 new_mask = self.masks[name].data.bool()
 
                 # growth
@@ -290,7 +290,7 @@ class Masking(object):
         self.total_zero = 0.0
         for module in self.modules:
             for name, weight in module.named_parameters():
-                if name not in self.masks: continue  # noqa: E701
+                if name not in self.masks: continue
                 mask = self.masks[name]
 
                 # redistribution
@@ -332,7 +332,7 @@ class Masking(object):
                     residual += regrowth - name2regrowth[name]
                 else:
                     name2regrowth[name] = regrowth
-            if len(name2regrowth) == 0: mean_residual = 0  # noqa: E701
+            if len(name2regrowth) == 0: mean_residual = 0
             else:
                 mean_residual = residual / len(name2regrowth)
             i += 1
@@ -371,7 +371,7 @@ class LeNet_300_100(nn.Module):
 def train(model, device, train_loader, optimizer, epoch, lr_scheduler, mask=None):
     model.train()
     for batch_idx, (data, target) in enumerate(train_loader):
-        if lr_scheduler is not None: lr_scheduler.step()  # noqa: E701
+        if lr_scheduler is not None: lr_scheduler.step()
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         output = model(data)
@@ -380,8 +380,8 @@ def train(model, device, train_loader, optimizer, epoch, lr_scheduler, mask=None
 
         loss.backward()
 
-        if mask is not None: mask.step()  # noqa: E701
-        else: optimizer.step()  # noqa: E701
+        if mask is not None: mask.step()
+        else: optimizer.step()
 
 
 def sparse_opt(model):
