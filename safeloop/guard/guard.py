@@ -401,6 +401,7 @@ class Guard:
         if case.scope is not None:  # hooks on the modules it can name; from the next forward on
             self._prints.watch(_modules_of(case.scope))
         written = self._prints.changed([leaf.variable for leaf in leaves])
+        self._prints.renew()
         if not written:
             return
         saved: dict[int, Any] = {}  # storage -> the first node of the step that saved a tensor in it

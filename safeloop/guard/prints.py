@@ -30,6 +30,7 @@ class Prints:
     def __init__(self):
         self._seen: dict[int, tuple] = {}  # id -> (weak reference, version, data pointer, norm)
         self._handles: dict[int, Any] = {}  # id(module) -> its hook's handle
+        self._renewable: set[int] = set()  # fingerprints the next forward takes again (``renew``)
 
     def watch(self, modules: Iterable[torch.nn.Module]) -> None:
         """Take fingerprints at every forward of these modules and their submodules from now on."""
@@ -54,20 +55,36 @@ class Prints:
     def clear(self) -> None:
         """A step is over: its fingerprints are of no use to the next."""
         self._seen.clear()
+        self._renewable.clear()
+
+    def renew(self) -> None:
+        """The losses checked so far go to their backward: a later forward makes a new graph, from the values it
+        sees, and its fingerprints replace theirs (an update through ``.data`` in between is no mistake)."""
+        self._renewable = set(self._seen)
 
     def record(self, module: torch.nn.Module) -> None:
+        """After a forward of ``module``: a fingerprint of each of its parameters, unless one was taken in this step
+        at the same version and not checked since (a module called twice before a backward: the first forward's
+        graph holds the values it saw, so a write between the two is compared with those)."""
         try:  # the module's own parameters (``parameters()`` may be overridden with another signature)
             params = list(vars(module).get("_parameters", {}).values())
         except TypeError:
             return
         for param in params:
             if param is not None and param.requires_grad and type(param) in (torch.nn.Parameter, torch.Tensor):
+                seen = self._seen.get(id(param))
+                if seen is not None and seen[0]() is param and seen[1] == param._version \
+                        and id(param) not in self._renewable:
+                    continue
+                self._renewable.discard(id(param))
                 try:
                     self._seen[id(param)] = (weakref.ref(param), param._version, param.data_ptr(), _norm(param))
                 except (RuntimeError, TypeError):  # a tensor without storage (functorch, meta): no fingerprint
                     continue
+
     def changed(self, leaves) -> list[torch.Tensor]:
-        """The ``leaves`` written since their module's forward without moving their version (``.data``)."""
+        """The ``leaves`` written since their module's first forward of the step without moving their version
+        (``.data``)."""
         out = []
         for leaf in leaves:
             seen = self._seen.get(id(leaf))

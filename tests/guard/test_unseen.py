@@ -370,6 +370,75 @@ def test_clipping_that_raises_as_many_weights_as_it_lowers_is_seen_at_the_second
     assert caught.value.step == 2 and caught.value.holder == "self.model.2.weight"
 
 
+class ClipBetween(Critic):
+    """The clipping between the critic's two forwards: the first forward's graph saved the weights it used."""
+
+    def training_step(self, batch):
+        real, fake = batch
+        d_real = self.model(real)
+        self.clip()
+        return self.model(fake).mean() - d_real.mean()
+
+
+def test_weights_clipped_between_two_forwards_of_the_critic_stop_the_second_step_under_check_always():
+    with pytest.raises(InplaceModificationError) as caught:
+        fit_critic(ClipBetween, "always", clip_after=True)
+    assert caught.value.step == 2 and caught.value.holder == "self.model.2.weight"
+    assert "written since the forward that used them by a write PyTorch's version counter does not see" \
+        in str(caught.value)
+
+
+class DataSGD(torch.optim.Optimizer):
+    """SGD as older optimizers are written: the update through ``p.data``, which moves no version counter."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+class DataGAN(Trainer):
+    """The critic updated through ``.data`` between its two forwards of the step: the second forward's graph is
+    made from the updated weights, the first's was back-propagated before the update."""
+
+    automatic = False
+
+    def configure_optimizers(self):
+        return {"d": DataSGD(self.model[2].parameters(), lr=0.01), "g": DataSGD(self.model[0].parameters(), lr=0.01)}
+
+    def training_step(self, batch):
+        real, noise = batch
+        gen, critic = self.model[0], self.model[2]
+        fake = gen(noise)
+        d_loss = critic(fake.detach()).mean() - critic(real).mean()
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        g_loss = -critic(fake).mean()
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        return {"d": d_loss, "g": g_loss}
+
+
+def test_an_optimizer_updating_through_data_between_two_forwards_of_a_module_is_no_mistake():
+    def fit(check: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(0.2),
+                                                                             nn.Linear(8, 1)))
+        DataGAN(model=model, train_data=GAN_DATA, max_steps=len(GAN_DATA), guard={"check": check}, device="cpu",
+                progress=False, loggers=()).fit()
+        return weights(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checked = fit("always")
+    assert all(torch.equal(a, b) for a, b in zip(checked, fit("off")))
+
+
 def critic_loop(guard_check: str | None, clip_after: bool):
     torch.manual_seed(0)
     netD = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
