@@ -580,3 +580,46 @@ def test_seed_seeds_every_generator_when_a_run_starts_and_none_seeds_nothing():
     assert not torch.equal(weights_after(None, drawn_before=1), weights_after(None, drawn_before=2))
     with pytest.raises(ConfigError, match=re.escape("seed='7' is a str; give an integer")):
         Trainer(model=torch.nn.Linear(3, 1), train_data=data, max_steps=1, seed="7")
+
+
+def modal_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                               torch.nn.Linear(8, 1))
+
+
+def fit_modal(net: torch.nn.Module, cls: type[Trainer] = Trainer) -> None:
+    cls(model=net, train_data=[(torch.randn(8, 4), torch.randn(8, 1))] * 2, max_steps=2, device="cpu",
+        progress=False, loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).fit()
+
+
+def test_a_model_left_in_eval_mode_is_reported_after_the_first_step():
+    """The Trainer leaves modes as it finds them (Lightning's since 2.2): a model built or left in eval mode would
+    train without dropout, its batch norm frozen on running statistics, without a word."""
+    net = modal_net().eval()
+    with pytest.warns(ConfigWarning, match=re.escape(
+            "every dropout and batch-norm layer of the model (`model.1` (BatchNorm1d), `model.2` (Dropout)) was in "
+            "eval mode through step 1: training runs without dropout, and batch norm normalizes with running "
+            "statistics it does not update. The Trainer leaves modes as it finds them (as Lightning's does); call "
+            "model.train() before fit(), or in training_step if your loop did")) as caught:
+        fit_modal(net)
+    assert len([w for w in caught if w.category is ConfigWarning]) == 1
+    assert not bool(net[1].running_mean.any())  # what it warns of: the statistics never moved
+
+
+class TrainsItself(Trainer):
+    def training_step(self, batch):
+        self.model.train()  # as braindecode's train_batch does
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step"])
+def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_reported(case):
+    net = modal_net()
+    if case == "frozen batch norm":
+        net[1].eval()  # a fine-tuning's frozen statistics: meant
+    elif case == "train in training_step":
+        net.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_modal(net, TrainsItself if case == "train in training_step" else Trainer)

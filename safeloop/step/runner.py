@@ -43,6 +43,7 @@ from .undo import Undo
 
 log = logging.getLogger("safeloop")
 UNUSED_AFTER = 20  # steps after which an optimizer no gradient reached, or an unused loss weight, is reported
+MODAL = ("torch.nn.modules.dropout", "torch.nn.modules.batchnorm")  # the layers that train differently in eval mode
 
 
 class SkipStep(BaseException):
@@ -142,6 +143,7 @@ class Runner:
         self.outside_hooks: list = []
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
+        self.first = True  # the fit's first step: after it, a model left in eval mode is reported
 
     # -- the step ----------------------------------------------------------------------------
     def run(self, batches: list) -> None:
@@ -175,6 +177,9 @@ class Runner:
         self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
+        if self.first:
+            self.first = False
+            warn_evaluating(self.config.model, step)
         try:
             self.hooks("on_step_end", state.losses)
         except Exception as err:  # the update was made, and was right: it stays, and the error says so
@@ -603,6 +608,23 @@ class Runner:
                           "applied; fix the key", ConfigWarning, stacklevel=user_stacklevel())
         self.unreached.clear()
         self.unweighted.clear()
+
+
+def warn_evaluating(model: torch.nn.Module | None, step: int) -> None:
+    """A ``ConfigWarning`` when every dropout and batch-norm layer of ``model`` is in eval mode after ``step``
+    (``model.eval()`` left from an evaluation, or a loader that returns models so). Some of them only in eval
+    mode is taken as meant (frozen layers of a fine-tuning)."""
+    if model is None:
+        return
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__module__ in MODAL]
+    if not layers or any(m.training for _, m in layers):
+        return
+    shown = ", ".join(f"`model.{name}` ({type(m).__name__})" for name, m in layers[:3])
+    warnings.warn(f"every dropout and batch-norm layer of the model ({shown}{' and more' if len(layers) > 3 else ''}) "
+                  f"was in eval mode through step {step}: training runs without dropout, and batch norm normalizes "
+                  "with running statistics it does not update. The Trainer leaves modes as it finds them (as "
+                  "Lightning's does); call model.train() before fit(), or in training_step if your loop did",
+                  ConfigWarning, stacklevel=user_stacklevel())
 
 
 def _versions(opt: torch.optim.Optimizer) -> list[int]:
