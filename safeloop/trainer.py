@@ -255,8 +255,8 @@ class Trainer:
                 return
 
     def _after_step(self) -> bool:
-        """What is due after a step, in this order: a report of unused optimizers or loss weights,
-        logging, validation (then the schedulers that monitor it), a checkpoint. Returns whether to stop."""
+        """What is due after a step, in order: a report of unused optimizers or loss weights, logging, validation
+        (then the schedulers that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops."""
         s, step = self.settings, self.state.step
         end = step == s.max_steps
         self._runner.warn_unused(step, final=end)
@@ -268,7 +268,7 @@ class Trainer:
         if validated:
             self.schedules.after_validation(self.validate())
         stop = self._stop.agreed(step, self.dist)
-        if stop or (self.checkpointer is not None and self.checkpointer.due(step, validated)):
+        if stop or (self.checkpointer is not None and not end and self.checkpointer.due(step, validated)):
             self.save_checkpoint()
         return stop or self._done()
 

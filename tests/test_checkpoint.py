@@ -335,7 +335,10 @@ def test_the_last_checkpoint_holds_the_validation_that_ends_the_run_though_its_s
     # steps 1-3, saved every 3 steps: step 3's save comes first, then the end of fit validates (val_every=2 skips 3)
     trainer = ScriptedVal([5], max_steps=3, checkpoint={"dir": str(tmp_path), "every": 3, "monitor": "val_loss"})
     trainer.validation_step = lambda batch: torch.tensor(float(trainer.state.step))
+    writes = []
+    trainer.on_save_checkpoint = lambda checkpoint: writes.append(checkpoint["state"]["step"])
     trainer.fit()
+    assert writes == [2, 3]  # step 3 written once, after the validation that ends the run
     saved = load(tmp_path / "step-000000003.pt")
     assert [step for step, _ in saved["state"]["val_history"]] == [0, 2, 3]
     assert saved["state"]["val_history"][-1][1] == {"val_loss": 3.0}
