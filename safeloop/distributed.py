@@ -57,7 +57,8 @@ log = logging.getLogger("safeloop")
 # how torch's backends word a collective that failed because a peer failed or left (a plain RuntimeError)
 COLLECTIVE_FAILURES = ("/gloo/", "NCCL", "ProcessGroup", "Connection reset by peer", "Connection closed by peer")
 
-slurm.adopt(os.environ)  # a task srun started, without torchrun: SLURM's rank and world as torchrun's variables
+# a task srun started, without torchrun: SLURM's rank and world as torchrun's variables
+BY_SRUN = bool(slurm.adopt(os.environ))
 # lightning_utilities' rank_zero_only needs the rank set before use; torchrun sets RANK.
 rank_zero_only.rank = int(os.environ.get("RANK", 0))
 
@@ -131,6 +132,19 @@ class _Group:
     pending: list[int] = field(default_factory=list)
 
 
+def too_many_processes(local_rank: int, gpus: int, by_srun: bool) -> str:
+    """A process whose local rank has no GPU of its own, in the words of what started it (torchrun, srun)."""
+    devices, many = f"{gpus} CUDA device{'s' * (gpus != 1)}", gpus != 1
+    if by_srun:
+        return (f"srun started this task as SLURM_LOCALID={local_rank}, but this node has {devices}: each task "
+                f"trains on the GPU of its local rank. Start at most {gpus} task{'s' * many} per node "
+                f"(#SBATCH --ntasks-per-node={gpus}, and as many GPUs: --gpus-per-node={gpus}), or use device=cpu "
+                "(gloo)")
+    return (f"torchrun started this process as LOCAL_RANK={local_rank}, but this machine has {devices}: each "
+            f"process trains on the GPU of its local rank. Launch at most {gpus} process{'es' * many} per machine "
+            f"(--nproc-per-node={gpus}), or use device=cpu (gloo)")
+
+
 def collective_failed(err: BaseException) -> bool:
     """Whether ``err`` is a collective call's failure (DistributedDataParallel's all-reduce inside backward)."""
     return isinstance(err, dist.DistBackendError) or (
@@ -148,11 +162,7 @@ class Distributed:
             if self.device.type == "cuda":
                 gpus = torch.cuda.device_count()
                 if self.local_rank >= gpus:
-                    raise ConfigError(
-                        f"torchrun started this process as LOCAL_RANK={self.local_rank}, but this machine has {gpus} "
-                        f"CUDA device{'s' * (gpus != 1)}: each process trains on the GPU of its local rank. Launch "
-                        f"at most {gpus} process{'es' * (gpus != 1)} per machine (--nproc-per-node={gpus}), or "
-                        "use device=cpu (gloo)")
+                    raise ConfigError(too_many_processes(self.local_rank, gpus, BY_SRUN))
                 torch.cuda.set_device(self.device)
             timeout = timedelta(seconds=timeout_s or float(os.environ.get("SAFELOOP_DIST_TIMEOUT", 1800)))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,

@@ -291,3 +291,18 @@ def test_two_tasks_as_srun_starts_them_train_as_two_ranks_and_sigusr1_stops_both
     assert [p.name for p in Checkpointer(tmp_path / "ckpt").saved()] == [f"step-{step:09d}.pt"]
     assert calls.read_text() == f"requeue {job}\n"
     assert "requeued the job" in outputs[0] and "SIGTERM after the requeue: ignored" in outputs[0], outputs[0]
+
+
+@pytest.mark.parametrize("by_srun, message", [
+    (True, "srun started this task as SLURM_LOCALID=2, but this node has 2 CUDA devices: each task trains on the "
+           "GPU of its local rank. Start at most 2 tasks per node (#SBATCH --ntasks-per-node=2, and as many GPUs: "
+           "--gpus-per-node=2), or use device=cpu (gloo)"),
+    (False, "torchrun started this process as LOCAL_RANK=2, but this machine has 2 CUDA devices: each process "
+            "trains on the GPU of its local rank. Launch at most 2 processes per machine (--nproc-per-node=2), or "
+            "use device=cpu (gloo)"),
+])
+def test_more_tasks_than_gpus_on_a_node_is_said_in_the_words_of_what_started_them(by_srun, message):
+    """The check itself runs with CUDA only (tests/test_cuda.py, under torchrun); its words are the launcher's."""
+    from safeloop.distributed import too_many_processes
+
+    assert too_many_processes(2, 2, by_srun) == message
