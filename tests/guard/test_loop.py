@@ -127,6 +127,24 @@ def test_a_state_written_back_after_the_update_is_advised_as_a_carried_state_not
     assert all(torch.equal(a, b) for a, b in zip(fixed, gru_loop(None, detach_after=True)))
 
 
+def test_a_scalar_made_once_from_a_trained_tensor_is_still_advised_as_a_cache():
+    """The step's loss is made from the kept scalar and has its shape: no new value of a carried state."""
+    torch.manual_seed(0)
+    model, log_alpha = torch.nn.Linear(4, 1), torch.zeros((), requires_grad=True)
+    opt = torch.optim.SGD([*model.parameters(), log_alpha], lr=0.1)
+    guard, alpha = GraphGuard(), None
+    with pytest.raises(CarriedGraphError) as caught:
+        for x in torch.randn(3, 8, 4):
+            if alpha is None:
+                alpha = log_alpha.exp()
+            loss = (model(x) ** 2).mean() * alpha
+            opt.zero_grad()
+            guard.backward(loss)
+            opt.step()
+    assert caught.value.fixes[0].startswith("make `alpha` again every step instead of keeping it: it is made from "
+                                            "`local log_alpha`")
+
+
 def test_a_step_the_guard_does_not_check_is_explained_when_its_backward_fails():
     """check=off: no pre-flight, but the autograd error of a carried graph still comes back explained."""
     model, opt, data = setup()
