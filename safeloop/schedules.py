@@ -97,9 +97,11 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     return optimizers, schedulers
 
 
-def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates: bool) -> Schedules:
+def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates: bool,
+         every: bool = True) -> Schedules:
     """The ``Schedules`` of ``{name: scheduler or its dict}``, every problem in one ``ConfigError``
-    (``validates``: there is ``val_data``, which a ``monitor`` needs)."""
+    (``validates``: there is ``val_data``, which a ``monitor`` needs; ``every``: ``val_every`` is set, so that
+    validation runs during training too, not only at its end)."""
     out, problems = {}, []
     for name, value in schedulers.items():
         where = f"the scheduler of optimizer {name!r}"
@@ -130,6 +132,10 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
         if schedule.monitor is not None and not validates:
             problems.append(f"{where} monitors {schedule.monitor!r}, a validation metric, and there is no "
                             "val_data: pass val_data=... (and val_every=N)")
+        elif schedule.monitor is not None and not every:
+            problems.append(f"{where} monitors {schedule.monitor!r}, a validation metric, and no validation runs "
+                            "during training (val_every is not set: only at its end), so it would never step: set "
+                            "val_every=N, the steps between validations (Lightning validates every epoch)")
         out[name] = schedule
     if problems:
         raise ConfigError(problems)

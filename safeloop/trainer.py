@@ -415,8 +415,8 @@ class Trainer:
         if not self.optimizers:
             self.optimizers, given = schedules.split(self.configure_optimizers())
             schedules.check_optimizers(self.model, self.optimizers)
-            self.schedules = schedules.read({**self.configure_schedulers(self.optimizers), **given},
-                                            self.optimizers, self.val_data is not None)
+            self.schedules = schedules.read({**self.configure_schedulers(self.optimizers), **given}, self.optimizers,
+                                            self.val_data is not None, self.settings.val_every is not None)
             if self.precision == "16":
                 self.scaler = torch.amp.GradScaler(self.device.type)
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)

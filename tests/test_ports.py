@@ -6,6 +6,7 @@ buffer with ``torch.equal`` and the learning rate of every update. The xfail tes
 such a loop and its port that no error, warning or line of docs/trainer.md points out.
 """
 import math
+import re
 import warnings
 
 import pytest
@@ -329,16 +330,18 @@ def test_reduce_on_plateau_on_each_epochs_validation_loss():
     assert_same(hand, model)
 
 
-@pytest.mark.xfail(strict=True, reason="a monitored scheduler with val_data but no val_every never steps, "
-                                       "without an error or a warning (Lightning validates every epoch by default)")
-def test_a_monitored_scheduler_that_no_validation_during_training_steps_is_reported():
+def test_a_monitored_scheduler_that_no_validation_during_training_steps_is_refused():
+    """Without ``val_every`` validation runs only at the end of ``fit``: a scheduler monitoring it would never step
+    (Lightning validates every epoch by default, so this is the natural port)."""
     ds, val = dataset(n=20), dataset(n=8, seed=2)
     trainer = port(Plateau, model=net(), train_data=DataLoader(ds, batch_size=5),
                    val_data=DataLoader(val, batch_size=4), max_epochs=6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)
-        with pytest.raises((ConfigError, ConfigWarning)):
-            trainer.fit()
+    with pytest.raises(ConfigError, match=re.escape(
+            "monitors 'val_loss', a validation metric, and no validation runs during training (val_every is not set: "
+            "only at its end), so it would never step: set val_every=N, the steps between validations (Lightning "
+            "validates every epoch)")):
+        trainer.fit()
+    assert trainer.state.step == 0
 
 
 @pytest.mark.parametrize("zero_grad_first", [True, False])
