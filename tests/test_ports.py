@@ -513,10 +513,8 @@ def test_on_before_optimizer_step_sees_the_gradients_before_grad_clip_as_in_ligh
     assert_same(hand, model)
 
 
-@pytest.mark.xfail(strict=True, reason="gradient left on the parameters before fit() is not cleared: with the guard "
-                                       "off it is added to the first update; with it on, step 1 fails with a "
-                                       "DoubleBackwardError saying training_step called backward itself")
-def test_gradient_left_before_fit_is_not_added_to_the_first_update():
+@pytest.mark.parametrize("check", ["auto", "off"])
+def test_gradient_left_before_fit_is_not_added_to_the_first_update(check):
     """pytorch/examples mnist/main.py calls ``optimizer.zero_grad()`` before each backward, so gradient left by
     a backward before training (a sanity check, an lr-finder probe) never reaches an update. docs/trainer.md:
     "Between steps every gradient is None". The port either drops it or says where it came from."""
@@ -536,7 +534,7 @@ def test_gradient_left_before_fit_is_not_added_to_the_first_update():
 
     model = net()
     probe(model)
-    port(model=model, train_data=DataLoader(ds, batch_size=5), max_epochs=1, guard={"check": "off"},
+    port(model=model, train_data=DataLoader(ds, batch_size=5), max_epochs=1, guard={"check": check},
          optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).fit()
     assert_same(hand, model)
 

@@ -144,6 +144,9 @@ class Runner:
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
         self.first = True  # the fit's first step: after it, a model left in eval mode is reported
+        if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)
+            for p in [*self.params, *(p for _, p in c.named_parameters())]:
+                p.grad = None
 
     # -- the step ----------------------------------------------------------------------------
     def run(self, batches: list) -> None:
