@@ -390,7 +390,7 @@ class Distributed:
                 self.sync(name)
 
     def sync(self, name: str) -> None:
-        """Average optimizer ``name``'s gradients over all ranks (before unscale, clip and step)."""
+        """Average optimizer ``name``'s gradients over all ranks (before unscale, the hook, clip and step)."""
         group = self.groups.get(name)
         if group is None or group.synced:
             return

@@ -195,7 +195,7 @@ class Trainer:
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does (sync,
-        non-finite policy, unscale, clip, ``on_before_optimizer_step``, undo snapshot, ``step``, ``zero_grad``,
+        non-finite policy, unscale, ``on_before_optimizer_step``, clip, undo snapshot, ``step``, ``zero_grad``,
         scheduler). ``closure`` (L-BFGS, SAM): computes the loss, calls ``self.backward(loss, ...)`` and returns
         the loss; the Trainer clears the gradients before each call and readies them after it as for any update."""
         self._runner.step(optimizer, closure)

@@ -1,14 +1,14 @@
 """The one step cycle, for every kind of step.
 
     batch -> device -> [autocast] training_step -> guard pre-flight -> backward(s)
-    -> gradient sync -> non-finite policy -> (per optimizer: unscale -> clip
-    -> on_before_optimizer_step -> undo snapshot -> step -> zero_grad -> scheduler)
+    -> gradient sync -> non-finite policy -> (per optimizer: unscale -> on_before_optimizer_step
+    -> clip -> undo snapshot -> step -> zero_grad -> scheduler)
 
 ``Runner.run`` runs one step. Every backward goes through ``_backward`` and every optimizer
 update through ``_update``: the automatic step calls them from ``run``; manual mode's
 ``self.backward`` / ``self.step`` (``Runner.backward`` / ``Runner.step``) call them from inside
 ``training_step``. An optimizer whose ``step`` takes a closure (L-BFGS, SAM) gets one that runs
-the same pieces again: forward, backward(s), sync, non-finite policy, unscale, clip, hook.
+the same pieces again: forward, backward(s), sync, non-finite policy, unscale, hook, clip.
 """
 from __future__ import annotations
 
@@ -144,6 +144,7 @@ class Runner:
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
         self.first = True  # the fit's first step: after it, a model left in eval mode is reported
+        self.model_order = {id(p): i for i, (_, p) in enumerate(c.named_parameters())}  # grad_clip's order
         if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)
             for p in [*self.params, *(p for _, p in c.named_parameters())]:
                 p.grad = None
@@ -390,7 +391,7 @@ class Runner:
 
     def _update(self, name: str, step: int, last: bool | None, closure: Callable[[], torch.Tensor] | None = None,
                 current: torch.Tensor | None = None) -> None:
-        """The one optimizer update: sync, unscale, clip, hook, snapshot (if a later failure of the step
+        """The one optimizer update: sync, unscale, hook, clip, snapshot (if a later failure of the step
         must be able to undo it; ``last``: whether it is the step's last update, None when unknown),
         step, zero_grad, scheduler. ``closure``, ``current``: see ``closure``."""
         opt = self.optimizers[name]
@@ -415,19 +416,22 @@ class Runner:
             torch.clear_autocast_cache()
 
     def prepare(self, name: str, opt: torch.optim.Optimizer) -> None:
-        """The gradients as the update must see them: unscaled, clipped, shown to the hook."""
+        """The gradients as the update must see them: unscaled, shown to the hook (before clipping, as Lightning
+        shows them), clipped. The norm is taken over the optimizer's parameters in the model's order, as
+        ``clip_grad_norm_(model.parameters(), ...)`` takes it (the order changes the norm's last bit)."""
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        if self.settings.grad_clip is not None:
-            params = [p for g in opt.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
         self.hooks("on_before_optimizer_step", name, opt)
+        if self.settings.grad_clip is not None:
+            params = sorted((p for g in opt.param_groups for p in g["params"]),
+                            key=lambda p: self.model_order.get(id(p), len(self.model_order)))
+            torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
 
     def closure(self, name: str, step: int, opt: torch.optim.Optimizer, evaluate: Callable[[], torch.Tensor],
                 current: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
         """What ``opt.step(closure)`` calls: ``name``'s gradients cleared, ``evaluate()`` (the loss,
         back-propagated), then the gradients made ready as for any update: sync over ranks, the
-        non-finite policy, unscale, clip, hook. ``current``: the loss whose gradients ``opt`` already
+        non-finite policy, unscale, hook, clip. ``current``: the loss whose gradients ``opt`` already
         holds, ready; the first call returns it as it is while no parameter of ``opt`` has changed."""
         params = [p for g in opt.param_groups for p in g["params"]]
         versions = [p._version for p in params] if current is not None else None
