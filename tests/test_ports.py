@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import ConfigError, ConfigWarning, Trainer
+from safeloop import ConfigError, Trainer
 
 
 def dataset(n=22, d=6, seed=1):
