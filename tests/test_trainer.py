@@ -613,13 +613,16 @@ class TrainsItself(Trainer):
         return super().training_step(batch)
 
 
-@pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step"])
+@pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step", "no layer eval changes"])
 def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_reported(case):
     net = modal_net()
     if case == "frozen batch norm":
         net[1].eval()  # a fine-tuning's frozen statistics: meant
     elif case == "train in training_step":
         net.eval()
+    elif case == "no layer eval changes":  # dropout of p=0, batch norm on batch statistics alone: the same either way
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, track_running_stats=False),
+                                  torch.nn.Dropout(0.0), torch.nn.Linear(8, 1)).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fit_modal(net, TrainsItself if case == "train in training_step" else Trainer)

@@ -623,7 +623,8 @@ def warn_evaluating(model: torch.nn.Module | None, step: int) -> None:
     mode is taken as meant (frozen layers of a fine-tuning)."""
     if model is None:
         return
-    layers = [(name, m) for name, m in model.named_modules() if type(m).__module__ in MODAL]
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__module__ in MODAL  # that mode changes:
+              and getattr(m, "p", 1) and getattr(m, "track_running_stats", True)]  # not p=0, not batch statistics
     if not layers or any(m.training for _, m in layers):
         return
     shown = ", ".join(f"`model.{name}` ({type(m).__name__})" for name, m in layers[:3])
