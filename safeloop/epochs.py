@@ -87,6 +87,16 @@ class TrainData:
             state.batch_in_epoch = 0
             schedules.after_epoch()
 
+    def ends_run(self, max_epochs: int | None) -> bool:
+        """Whether the step just taken was the last of the run's last pass: known when the data has a
+        length (otherwise the pass ends when the next step asks for its batch, after this step's work)."""
+        if max_epochs is None or self.state.epoch != max_epochs - 1:
+            return False
+        try:
+            return self.state.batch_in_epoch >= len(self.data)
+        except TypeError:  # no length (a generator, an IterableDataset's loader)
+            return False
+
     def shard_again(self) -> None:
         """Under torchrun, data replaced since this rank's share was made (between fits, or by
         ``on_epoch_start``): this rank's share of the new data."""

@@ -258,7 +258,7 @@ class Trainer:
         """What is due after a step, in order: a report of unused optimizers or loss weights, logging, validation
         (then the schedulers that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops."""
         s, step = self.settings, self.state.step
-        end = step == s.max_steps
+        end = step == s.max_steps or self._data.ends_run(s.max_epochs)  # the last epoch's end: data with a length
         self._runner.warn_unused(step, final=end)
         if step % s.log_every == 0 or end:
             metrics = self.state.metrics(self.logged)  # empties self.logged

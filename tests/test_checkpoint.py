@@ -345,6 +345,19 @@ def test_the_last_checkpoint_holds_the_validation_that_ends_the_run_though_its_s
     assert (tmp_path / "best.txt").read_text() == "step-000000002.pt\n"  # scored with its step's validation too
 
 
+def test_a_run_ended_by_max_epochs_writes_its_last_checkpoint_once_after_its_pass_and_validation_end(tmp_path):
+    # one pass of 3 batches: step 3 is a periodic save and the run's last step; the end of fit validates it
+    trainer = ScriptedVal([5, 3], max_epochs=1, checkpoint={"dir": str(tmp_path), "every": 3})
+    writes = []
+    trainer.on_save_checkpoint = lambda checkpoint: writes.append(
+        (checkpoint["state"]["step"], checkpoint["state"]["epoch"], len(checkpoint["state"]["val_history"])))
+    trainer.fit()
+    assert writes == [(3, 1, 3)]  # once: after the pass ended (epoch 1) and step 3 was validated (at 0, 2, 3)
+    resumed = ScriptedVal([5, 3], max_epochs=1, checkpoint={"dir": str(tmp_path), "every": 3}, resume="auto")
+    resumed.fit()
+    assert resumed.trained == 0 and resumed.state.step == 3
+
+
 def test_a_checkpoint_monitor_that_cannot_be_read_is_a_config_error_before_training(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("checkpoint.monitor='val_loss' ranks checkpoints by a validation "
                                                     "metric, and there is no val_data")):

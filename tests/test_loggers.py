@@ -134,6 +134,18 @@ def test_a_logger_object_receives_the_rows_of_metrics_csv_self_log_values_includ
     assert unnamed.rows == written
 
 
+def test_a_run_ended_by_max_epochs_logs_its_last_step_as_one_ended_by_max_steps_does():
+    given, data = Rows(), [(torch.ones(2, 3), torch.ones(2, 1))] * 3
+    safeloop.Trainer(model=torch.nn.Linear(3, 1), train_data=data, max_epochs=2, log_every=4, loggers=[given],
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", progress=False).fit()
+    assert [step for step, metric, _ in given.rows if metric == "loss"] == ["4", "6"]
+    unsized = Rows()  # without a length, the pass's end is found after the last step: logged as any other step
+    safeloop.Trainer(model=torch.nn.Linear(3, 1), train_data=(x for x in data), max_epochs=1, log_every=2,
+                     loggers=[unsized], optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu",
+                     progress=False).fit()
+    assert [step for step, metric, _ in unsized.rows if metric == "loss"] == ["2"]
+
+
 def test_bad_loggers_are_refused_at_start_up_all_at_once(monkeypatch):
     monkeypatch.setitem(loggers.INSTALL, "wandb", (False, loggers.INSTALL["wandb"][1]))  # as where it is not installed
     with pytest.raises(ConfigError) as info:
