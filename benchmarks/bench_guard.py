@@ -15,21 +15,33 @@ from .common import interleaved, row
 from .workloads import TrainerLoop, batches, encoder, mid_mlp, sgd
 
 
-def per_node(make, rounds: int) -> tuple[float, float, int, int]:
+def traverse(root) -> None:
+    """The least any walk in Python does: each node's ``next_functions`` read once (what makes the nodes' Python
+    wrappers), each node met kept in a set. No test, no list of what was found."""
+    seen, stack = {root}, [root]
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+
+
+def per_node(make, rounds: int) -> tuple[float, float, float, int, int]:
     """What checking adds per step, and what the walk alone costs, on fresh graphs of one model.
 
     The check: ``begin_step`` + ``preflight`` + ``end_step`` + ``step_done`` of a ``check=always`` guard minus the
     same calls of a ``check=off`` guard (the same timed windows, so what the timers themselves
     cost cancels), on alternating steps; summed over cycles of 4 checks, since every 4th check
     also runs the secondary checks (consumed graph, leak sentinel). Returns the median per check,
-    the median walk alone, the number of nodes the walk visits (AccumulateGrad leaves, which it
-    only counts, not included) and the number of those leaves.
+    the median walk alone, the median ``traverse`` of the same graph (the steps alternate between the two,
+    each after the same backwards: the floor the walk is held against), the number of nodes the walk visits
+    (AccumulateGrad leaves, which it only counts, not included) and the number of those leaves.
     """
     model, batch, shape = make()
     (x, y), = batches(batch, shape, 1)
     guards = {"always": Guard(check="always", warmup=0), "off": Guard(check="off")}
     times: dict[str, list[float]] = {name: [] for name in guards}
-    walks, nodes, leaves = [], 0, 0
+    walks, floors, nodes, leaves = [], [], 0, 0
     for guard in guards.values():
         guard.start_fit()
     for step in range(1, 4 * rounds + 1):
@@ -51,13 +63,18 @@ def per_node(make, rounds: int) -> tuple[float, float, int, int]:
         start = walk.sequence_now()
         loss = F.mse_loss(model(x), y)
         t0 = time.perf_counter()
-        found = walk.walk(loss.grad_fn, start, step)
-        walks.append(time.perf_counter() - t0)
-        nodes, leaves = len(found.nodes), len(found.leaves)
-        del found, loss
+        if step % 2:
+            found = walk.walk(loss.grad_fn, start, step)
+            walks.append(time.perf_counter() - t0)
+            nodes, leaves = len(found.nodes), len(found.leaves)
+            del found
+        else:
+            traverse(loss.grad_fn)
+            floors.append(time.perf_counter() - t0)
+        del loss
     on, off = times["always"], times["off"]
     cycles = [(sum(on[i:i + 4]) - sum(off[i:i + 4])) / 4 for i in range(0, len(on), 4)]
-    return statistics.median(cycles), statistics.median(walks), nodes, leaves
+    return statistics.median(cycles), statistics.median(walks), statistics.median(floors), nodes, leaves
 
 
 class _KeptLinear(torch.autograd.Function):
@@ -142,7 +159,7 @@ def run(quick: bool) -> list[dict]:
     # rounds of about 0.2 s per system, many of them (see bench_overhead)
     for name, make, steps, rounds in (("mid MLP", mid_mlp, 15, 41),
                                       ("transformer encoder (2×128, seq 64, batch 16)", encoder, 5, 41)):
-        cost, walked, nodes, leaves = per_node(make, 5 if quick else 30)
+        cost, walked, floor, nodes, leaves = per_node(make, 5 if quick else 30)
         for what, seconds in (("check (always − off)", cost), ("graph walk alone", walked)):
             per = seconds / nodes * 1e6  # the ratio column is µs per node against the 1.5 µs target
             rows.append({"benchmark": f"guard {what}: {per:.2f} µs per node walked (ratio: per 1.5 µs), {name} "
@@ -150,6 +167,11 @@ def run(quick: bool) -> list[dict]:
                                       "not included)",
                          "safeloop_us": seconds * 1e6, "reference_us": float("nan"), "ratio": per / 1.5,
                          "target": 1.0, "ok": per <= 1.5, "per_node_us": per})
+        per = floor / nodes * 1e6
+        rows.append({"benchmark": f"graph traversal floor (each node's next_functions read once, nothing else): "
+                                  f"{per:.2f} µs per node walked, {name}, the same graphs (ratio: the walk alone "
+                                  "over it)", "safeloop_us": walked * 1e6, "reference_us": floor * 1e6,
+                     "ratio": walked / floor, "target": None, "ok": None, "per_node_us": per})
         model, batch, shape = make()
         data = batches(batch, shape, steps)
         opt = sgd(model)  # shared (see workloads.HandLoop)
