@@ -601,7 +601,8 @@ def test_a_model_left_in_eval_mode_is_reported_after_the_first_step():
             "every dropout and batch-norm layer of the model (`model.1` (BatchNorm1d), `model.2` (Dropout)) was in "
             "eval mode through step 1: training runs without dropout, and batch norm normalizes with running "
             "statistics it does not update. The Trainer leaves modes as it finds them (as Lightning's does); call "
-            "model.train() before fit(), or in training_step if your loop did")) as caught:
+            "model.train() before fit(), or in training_step if your loop did. If eval mode is meant (a linear probe "
+            "keeping batch-norm statistics), call model.eval() in on_fit_start rather than before fit()")) as caught:
         fit_modal(net)
     assert len([w for w in caught if w.category is ConfigWarning]) == 1
     assert not bool(net[1].running_mean.any())  # what it warns of: the statistics never moved
@@ -613,7 +614,13 @@ class TrainsItself(Trainer):
         return super().training_step(batch)
 
 
-@pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step", "no layer eval changes"])
+class LinearProbe(Trainer):
+    def on_epoch_start(self):
+        self.model.eval()  # as MoCo's main_lincls.py does at each epoch's start: the features' statistics stay
+
+
+@pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step", "no layer eval changes",
+                                  "eval set by the run"])
 def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_reported(case):
     net = modal_net()
     if case == "frozen batch norm":
@@ -625,4 +632,6 @@ def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_repo
                                   torch.nn.Dropout(0.0), torch.nn.Linear(8, 1)).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fit_modal(net, TrainsItself if case == "train in training_step" else Trainer)
+        fit_modal(net, {"train in training_step": TrainsItself, "eval set by the run": LinearProbe}.get(case, Trainer))
+    if case == "eval set by the run":
+        assert not net.training and not bool(net[1].running_mean.any())  # kept as the run's code set it

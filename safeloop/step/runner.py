@@ -143,7 +143,9 @@ class Runner:
         self.outside_hooks: list = []
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
-        self.first = True  # the fit's first step: after it, a model left in eval mode is reported
+        # the mode-changing layers, if the fit began with every one in eval mode (after the first step: reported if
+        # they still are; set to eval by the run's own code, a hook or training_step, they are taken as meant)
+        self.left_in_eval = in_eval(c.model)
         self.model_order = {id(p): i for i, (_, p) in enumerate(c.named_parameters())}  # grad_clip's order
         if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)
             for p in [*self.params, *(p for _, p in c.named_parameters())]:
@@ -181,9 +183,9 @@ class Runner:
         self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
-        if self.first:
-            self.first = False
-            warn_evaluating(self.config.model, step)
+        if self.left_in_eval:
+            warn_evaluating(self.left_in_eval, step)
+            self.left_in_eval = []
         try:
             self.hooks("on_step_end", state.losses)
         except Exception as err:  # the update was made, and was right: it stays, and the error says so
@@ -617,21 +619,28 @@ class Runner:
         self.unweighted.clear()
 
 
-def warn_evaluating(model: torch.nn.Module | None, step: int) -> None:
-    """A ``ConfigWarning`` when every dropout and batch-norm layer of ``model`` is in eval mode after ``step``
-    (``model.eval()`` left from an evaluation, or a loader that returns models so). Some of them only in eval
-    mode is taken as meant (frozen layers of a fine-tuning)."""
-    if model is None:
-        return
+def in_eval(model: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
+    """The dropout and batch-norm layers of ``model`` that eval mode changes (dropout of p > 0, batch norm tracking
+    running statistics), if every one of them is in eval mode; otherwise (or none there) an empty list."""
     layers = [(name, m) for name, m in model.named_modules() if type(m).__module__ in MODAL  # that mode changes:
-              and getattr(m, "p", 1) and getattr(m, "track_running_stats", True)]  # not p=0, not batch statistics
-    if not layers or any(m.training for _, m in layers):
+              and getattr(m, "p", 1) and getattr(m, "track_running_stats", True)] if model is not None else []
+    return [] if any(m.training for _, m in layers) else layers
+
+
+def warn_evaluating(layers: list[tuple[str, torch.nn.Module]], step: int) -> None:
+    """A ``ConfigWarning`` when ``layers``, every mode-changing layer of the model and all in eval mode when the fit
+    began, still are after ``step`` (``model.eval()`` left from an evaluation, or a loader that returns models so).
+    Some of them only in eval mode is taken as meant (frozen layers of a fine-tuning), as is eval mode the run's own
+    code sets (a linear probe on frozen features calling ``model.eval()`` in ``on_epoch_start``)."""
+    if any(m.training for _, m in layers):
         return
     shown = ", ".join(f"`model.{name}` ({type(m).__name__})" for name, m in layers[:3])
     warnings.warn(f"every dropout and batch-norm layer of the model ({shown}{' and more' if len(layers) > 3 else ''}) "
                   f"was in eval mode through step {step}: training runs without dropout, and batch norm normalizes "
                   "with running statistics it does not update. The Trainer leaves modes as it finds them (as "
-                  "Lightning's does); call model.train() before fit(), or in training_step if your loop did",
+                  "Lightning's does); call model.train() before fit(), or in training_step if your loop did. If eval "
+                  "mode is meant (a linear probe keeping batch-norm statistics), call model.eval() in on_fit_start "
+                  "rather than before fit()",
                   ConfigWarning, stacklevel=user_stacklevel())
 
 
