@@ -12,7 +12,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt
 from . import curves, distributed, fsdp, runmodes, schedules, slurm
-from .callbacks import Callback, Hooks
+from .callbacks import Callback, Hooks, check_monitor
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
@@ -222,7 +222,7 @@ class Trainer:
                 if self.val_data is not None and self.state.step == 0:
                     metrics = self.validate()
                     self.schedules.check_monitors(metrics)
-                    ckpt.check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
+                    check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
                 self.guard.start_fit()
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)

@@ -113,8 +113,8 @@ def test_a_run_on_a_list_trained_in_several_fit_calls_is_the_run_trained_in_one(
     else:
         data = list(ring(n=80, batch_size=8).train)
     saved = []
-    rng_state = checkpoint.rng_state
-    monkeypatch.setattr(checkpoint, "rng_state", lambda: (saved.append(1), rng_state())[1])
+    rng_state = checkpoint.position.rng_state
+    monkeypatch.setattr(checkpoint.position, "rng_state", lambda: (saved.append(1), rng_state())[1])
     runs = []
     for chunks in ((20,), (4, 4, 6, 3, 3)):  # stops mid-epoch, after an epoch's last batch, mid-epoch
         trainer = list_run(mode, data)

@@ -1,0 +1,326 @@
+"""What a checkpoint holds (``Trainer.state_dict`` / ``load_state_dict``): collected from the Trainer's parts, and
+loaded back into them only once all of it is checked to fit, so that a checkpoint that does not fit changes nothing."""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import fsdp
+from ..errors import CheckpointError
+from ..state import TrainState
+from . import position
+from .files import FORMAT, check_payload, gradient_sets, named
+
+log = logging.getLogger("safeloop")
+
+
+@dataclass
+class Parts:
+    """What a checkpoint holds, as the Trainer hands it down: its modules (``Trainer.modules()``) and their
+    named parameters, optimizers, schedulers, grad scaler, ``TrainState``, ``TrainData`` (where the data
+    stands), and, under torchrun in manual mode, ``gather``: the ``Distributed`` whose ranks' gradients differ."""
+
+    modules: dict[str, torch.nn.Module]
+    parameters: list[tuple[str, torch.nn.Parameter]]
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    scaler: Any
+    state: TrainState
+    data: Any
+    gather: Any = None
+    sharded: bool = False  # checkpoint.sharded: FSDP2's DTensors kept as they are (each rank writes its shards)
+
+
+def collect(parts: Parts, config: dict | None) -> dict:
+    """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
+    ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
+    mode accumulating over steps); under torchrun their mean over the ranks, and each rank's in
+    ``rank_gradients`` (gathered: every rank must call this). Under FSDP2 the full tensors, gathered from
+    every rank's shards (also a collective call), unless ``parts.sharded``."""
+    full = (lambda value: value) if parts.sharded else fsdp.full
+    checkpoint = {
+        "format": FORMAT,
+        "step": parts.state.step,
+        "modules": {name: full(module.state_dict()) for name, module in parts.modules.items()},
+        "optimizers": {name: full(opt.state_dict()) for name, opt in parts.optimizers.items()},
+        "optimizer_classes": optimizer_classes(parts.optimizers),
+        "schedulers": {name: sched.state_dict() for name, sched in parts.schedulers.items()},
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "state": parts.state.state_dict(),
+        "rng": position.rng_state(),
+        "data": parts.data.state_dict(),
+        "gradients": {name: full(p.grad.detach()) for name, p in parts.parameters if p.grad is not None},
+        "config": config,
+    }
+    if parts.gather is not None and not parts.gather.sharded:  # FSDP2's gradients are the ranks' mean already
+        every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
+        checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
+    return checkpoint
+
+
+def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
+    """Load ``checkpoint`` into ``parts`` once it is checked to fit them all (``dist``: under torchrun, whose
+    rank's saved gradients to take). The global RNG states are not set here (see ``Trainer.load_state_dict``)."""
+    check_payload(checkpoint, path)
+    check_fits(parts.modules, parts.parameters, parts.optimizers, parts.schedulers, parts.scaler, checkpoint, path)
+    if fsdp.SHARDS in checkpoint:  # checkpoint.sharded: the tensors are in the shard directory next to the file
+        if path is None:
+            raise CheckpointError("this checkpoint keeps its tensors in a shard directory next to its file: "
+                                  "load_state_dict(checkpoint, path) needs the file's path", path)
+        checkpoint = fsdp.join(checkpoint, Path(path).parent / checkpoint[fsdp.SHARDS]["dir"], _live(parts))
+    # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
+    parts.data.load_state_dict(checkpoint["data"])
+    load_modules(parts.modules, checkpoint)
+    load_gradients(parts.parameters, gradients_for(checkpoint, dist))
+    load_optimizers(parts.optimizers, checkpoint, path)
+    load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
+    load_scaler(parts.scaler, checkpoint["scaler"])
+    parts.state.load_state_dict(checkpoint["state"])
+    if parts.state.step:  # what torch's "lr_scheduler.step() before optimizer.step()" warning looks at
+        for opt in parts.optimizers.values():
+            opt._opt_called = True
+
+
+def _live(parts: Parts) -> Callable[[tuple[str, ...]], torch.Tensor | None]:
+    """The tensor each entry of a checkpoint is loaded into (``fsdp.join``), by its path in the checkpoint: a module's
+    state, an optimizer's state (as its parameter holds it), a parameter's gradient."""
+    found: dict[tuple[str, ...], torch.Tensor] = {}
+    for name, module in parts.modules.items():
+        found.update((("modules", name, key), value) for key, value in module.state_dict().items())
+    for name, opt in parts.optimizers.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        found.update((("optimizers", name, "state", str(i)), p) for i, p in enumerate(params))
+    found.update((("gradients", name), p) for name, p in parts.parameters)
+    return lambda path: found.get(path[:4] if path[0] == "optimizers" else path)
+
+
+# -- loading, piece by piece --------------------------------------------------------------------
+def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
+               optimizers: dict[str, torch.optim.Optimizer], schedulers: dict, scaler, checkpoint: dict,
+               path: Path | None) -> None:
+    """Raise the ``CheckpointError`` that loading ``checkpoint`` would raise part way, before anything is
+    loaded: a checkpoint that does not fit leaves the modules, the optimizers and the rest as they were."""
+    check_modules(modules, parameters, checkpoint, path)
+    check_optimizers(optimizers, checkpoint, path, {id(p): name for name, p in parameters})
+    check_names("scheduler", schedulers, checkpoint["schedulers"], path)
+    check_schedulers(schedulers, checkpoint["schedulers"], path)
+    check_scaler(scaler, checkpoint["scaler"], path)
+
+
+def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
+                  checkpoint: dict, path: Path | None) -> None:
+    """The modules' state dicts, and the gradients saved for their parameters, fit ``modules``."""
+    theirs = checkpoint["modules"]
+    problems = [f"the Trainer has no module {name!r} (see Trainer.modules())" for name in theirs
+                if name not in modules]
+    problems += [f"the checkpoint has no state for the Trainer's module {name!r}" for name in modules
+                 if name not in theirs]
+    for name in modules.keys() & theirs.keys():
+        problems += _mismatch(name, modules[name].state_dict(), theirs[name])
+    live = dict(parameters)
+    for where, grads in gradient_sets(checkpoint):
+        problems += [f"{where}[{name!r}] names no parameter of the Trainer's modules" for name in grads
+                     if name not in live]
+        problems += [f"{where}[{name!r}] has shape {tuple(grad.shape)} and the parameter {tuple(live[name].shape)}"
+                     for name, grad in grads.items() if name in live and grad.shape != live[name].shape]
+    if problems:
+        raise CheckpointError(f"{named(path)} was saved from a different model: " + "; ".join(problems)
+                              + ". Resume with the model configuration it was saved with" + _saved_model(checkpoint),
+                              path)
+
+
+def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict) -> None:
+    """Load the saved state dicts into ``modules`` (``Trainer.modules()``; ``check_fits`` first)."""
+    for name, module in modules.items():
+        module.load_state_dict(fsdp.shards(module, checkpoint["modules"][name]))
+
+
+def load_gradients(parameters: list[tuple[str, torch.nn.Parameter]], saved: dict) -> None:
+    """Put back the gradients a step left on the parameters for a later one (manual mode accumulating over
+    several steps; ``check_fits`` first); every other parameter's gradient is None, as after the step."""
+    for name, p in parameters:
+        grad = saved.get(name)
+        p.grad = None if grad is None else fsdp.like(grad.to(device=p.device, dtype=p.dtype), p)
+
+
+def mean_gradients(every: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' gradients averaged as the all-reduce averages them: a rank without one counts as zeros."""
+    total: dict[str, torch.Tensor] = {}
+    for grads in every:
+        for name, grad in grads.items():
+            total[name] = total[name] + grad if name in total else grad.clone()
+    return {name: grad.div_(len(every)) for name, grad in total.items()}
+
+
+def gradients_for(checkpoint: dict, dist) -> dict[str, torch.Tensor]:
+    """The gradients this process resumes with: its own rank's when the checkpoint was written by as many
+    ranks (bit-identical), else the checkpoint's ``gradients`` (under torchrun, the ranks' mean: the same
+    update up to the summation order)."""
+    every = checkpoint.get("rank_gradients")
+    if every is not None and dist is not None and len(every) == dist.world:
+        return every[dist.rank]
+    return checkpoint.get("gradients", {})
+
+
+def check_names(kind: str, live: dict, saved: dict, path: Path | None) -> None:
+    if live.keys() != saved.keys():
+        raise CheckpointError(f"{named(path)} has {kind}s {sorted(saved)} but this run has {sorted(live)}: "
+                              f"resume with the same configure_{kind}s", path)
+
+
+def load_named(kind: str, live: dict, saved: dict, path: Path | None) -> None:
+    """Load optimizers' or schedulers' state dicts by name (``check_fits`` first)."""
+    for name, obj in live.items():
+        try:
+            obj.load_state_dict(saved[name])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{named(path)}: {kind} {name!r} does not fit this run's ({err})", path) from None
+
+
+def optimizer_classes(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, str]:
+    """What a checkpoint records of each optimizer besides its state: its class."""
+    return {name: _class_name(type(opt)) for name, opt in optimizers.items()}
+
+
+def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None,
+                     names: dict[int, str] | None = None) -> None:
+    """Each optimizer is of the class it was saved from, with as many parameters in each group, each of the
+    shape its saved state has (``names``: the parameters' names by ``id``, for the message)."""
+    saved, classes = checkpoint["optimizers"], checkpoint.get("optimizer_classes") or {}
+    check_names("optimizer", optimizers, saved, path)
+    for name, opt in optimizers.items():
+        mine, was = _class_name(type(opt)), classes.get(name)
+        groups = saved[name]["param_groups"]
+        keys = {k for g in groups for k in g} - {"params"}, {k for g in opt.param_groups for k in g} - {"params"}
+        if (was is not None and was != mine) or (was is None and groups and keys[0] != keys[1]):
+            raise CheckpointError(
+                f"{named(path)}: optimizer {name!r} was saved from "
+                f"{was or 'an optimizer with the settings ' + ', '.join(sorted(keys[0]))} "
+                f"and this run's is {mine}: an optimizer's state does not carry over to another class. Resume with "
+                f"the optimizer it was saved with, or start a new run without resume", path)
+        sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in opt.param_groups]
+        if sizes[0] != sizes[1]:
+            raise CheckpointError(f"{named(path)}: optimizer {name!r} does not fit this run's (parameters per group: "
+                                  f"{sizes[0]} saved, {sizes[1]} now): resume with the same configure_optimizers",
+                                  path)
+        live = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(live):  # the state is saved by position: a parameter in another place gets another's
+            shapes = {tuple(v.shape) for v in saved[name]["state"].get(i, {}).values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0}
+            if shapes and shapes != {tuple(p.shape)}:
+                raise CheckpointError(
+                    f"{named(path)}: optimizer {name!r} saved state of shape {sorted(shapes)[0]} for its parameter "
+                    f"{i}, and this run's parameter {i} ({(names or {}).get(id(p), 'unnamed')}) has shape "
+                    f"{tuple(p.shape)}: its parameters are in another order, or are others. Resume with "
+                    "configure_optimizers listing the parameters as when it was saved", path)
+
+
+def check_schedulers(schedulers: dict, saved: dict, path: Path | None) -> None:
+    """Each scheduler has the settings it was saved with (a state dict does not name its class)."""
+    for name, scheduler in schedulers.items():
+        keys = [{k for k in state if not k.startswith("_")} for state in (saved[name], scheduler.state_dict())]
+        if keys[0] != keys[1]:
+            raise CheckpointError(
+                f"{named(path)}: scheduler {name!r} was saved from another class of scheduler (with "
+                f"{', '.join(sorted(keys[0] - keys[1])) or 'fewer settings'}; this run's {type(scheduler).__name__} "
+                f"has {', '.join(sorted(keys[1] - keys[0])) or 'no others'}): a scheduler's state does not carry over "
+                "to another class. Resume with the scheduler it was saved with, or start a new run without resume",
+                path)
+
+
+def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
+    """Load the optimizers' states (``check_fits`` first). Where this run's hyperparameters differ from
+    the checkpoint's, the checkpoint's are kept (the run goes on as it was), and a warning says so."""
+    saved = checkpoint["optimizers"]
+    for name, opt in optimizers.items():
+        groups = saved[name]["param_groups"]
+        differ = [f"{key} {_show(g_saved[key])} (this run: {_show(g_live[key])})"
+                  for i, (g_live, g_saved) in enumerate(zip(opt.param_groups, groups))
+                  for key in g_live if key != "params" and key in g_saved and not _same(g_live[key], g_saved[key])
+                  and not (key == "lr" and "initial_lr" in g_live and "initial_lr" in g_saved)]  # a scheduler's
+        if differ:
+            log.warning("resume: optimizer %r of %s has %s: the checkpoint's values are used, so the run goes on as "
+                        "it was. To use this run's, set them in on_load_checkpoint (trainer.optimizers[%r]"
+                        ".param_groups)", name, named(path), ", ".join(differ), name)
+    load_named("optimizer", optimizers, {name: fsdp.optimizer_shards(opt, saved[name]) for name, opt in
+                                         optimizers.items()}, path)
+
+
+def _class_name(cls: type) -> str:
+    public = f"torch.optim.{cls.__name__}"  # torch.optim.Adam rather than torch.optim.adam.Adam
+    return public if getattr(torch.optim, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _show(value: Any) -> str:
+    return repr(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
+
+
+def check_scaler(scaler, saved: dict | None, path: Path | None) -> None:
+    if (scaler is None) != (saved is None):
+        raise CheckpointError(f"{named(path)} was saved {'with' if saved else 'without'} a GradScaler "
+                              "(precision 16) and this run is not: resume with the same precision", path)
+
+
+def load_scaler(scaler, saved: dict | None) -> None:
+    if scaler is not None:
+        scaler.load_state_dict(saved)
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raise unless ``value`` is tensors and plain containers, which ``torch.load(weights_only=True)`` reads:
+    a checkpoint that cannot be loaded would be found out only when resuming."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            check_plain(key, f"a key of {where}")
+            check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+    else:
+        raise CheckpointError(
+            f"on_save_checkpoint put a {type(value).__module__}.{type(value).__qualname__} at {where}: a checkpoint "
+            "holds only tensors, numbers, strings, and lists, tuples and dicts of them, so that it loads with "
+            "torch.load(weights_only=True). Store its state_dict() or its values instead")
+
+
+def _mismatch(module: str, mine: dict, theirs: dict) -> list[str]:
+    out = []
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(mine[k].shape)}" for k in mine
+              if k in theirs and isinstance(mine[k], torch.Tensor) and mine[k].shape != theirs[k].shape]
+    if missing:
+        out.append(f"{module} keys missing from the checkpoint: {_few(missing)}")
+    if extra:
+        out.append(f"checkpoint keys not in {module}: {_few(extra)}")
+    if shapes:
+        out.append(f"{module} shapes differ (checkpoint vs now): {_few(shapes)}")
+    return out
+
+
+def _few(items: list[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _saved_model(data: dict) -> str:
+    model = (data.get("config") or {}).get("model")
+    return f" (its model config: {model})" if model else ""
