@@ -58,8 +58,7 @@ class TrainData:
                 hooks("on_epoch_start")
                 self.shard_again()
             data = seeded_workers(self.data)  # seed_everything(..., workers=True)
-            sampler = getattr(data, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
+            for sampler in epoch_samplers(data):  # a new order each pass (DistributedSampler, a bucketing sampler's)
                 sampler.set_epoch(state.epoch)
             if start and ckpt.stateful(data):  # it goes on from its own (loaded) position
                 batches = data
@@ -81,11 +80,12 @@ class TrainData:
                 pending = []
             if empty and start == 0:
                 raise ConfigError(_no_batches(data, state.epoch))
-            # the pass is over (found when the next step asks for its batch): state.epoch is still its number
+            # the pass is over (found when the next step asks for its batch): the epoch schedulers step, then the hook
+            # sees the next pass's learning rate (as Lightning orders them) and state.epoch still the pass's number
+            schedules.after_epoch(state.step)
             hooks("on_epoch_end")
             state.epoch += 1
             state.batch_in_epoch = 0
-            schedules.after_epoch()
 
     def ends_run(self, max_epochs: int | None) -> bool:
         """Whether the step just taken was the last of the run's last pass: known when the data has a
@@ -111,6 +111,16 @@ class TrainData:
         self.left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.load_data(self.data, saved["iterable"])
         self.epoch_rng = saved["epoch_start"]
+
+
+def epoch_samplers(data) -> list:
+    """The samplers with ``set_epoch`` that order a pass of ``data``: a DataLoader's sampler, and the sampler inside
+    its batch sampler (each once), as Lightning finds them."""
+    found = []
+    for sampler in (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in found):
+            found.append(sampler)
+    return found
 
 
 def _no_batches(data, epoch: int) -> str:

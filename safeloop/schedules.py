@@ -3,13 +3,20 @@ each scheduler steps (``Schedules``: every scheduler step of a run), and the lea
 are logged with the losses.
 
 A scheduler is given as itself (stepped after every update of its optimizer) or as Lightning's
-dict ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}``. ``interval: epoch``
+dict ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}``, whose ``interval``
+is ``epoch`` unless it says otherwise, as in Lightning (so is that of a scheduler returned alone
+under ``configure_optimizers``' ``"lr_scheduler"`` key, Lightning's form). ``interval: epoch``
 steps it once at the end of every pass over ``train_data``; ``monitor`` names a validation metric
-(``val_<loss name>``) and steps it after every validation during training with that metric's
-value, as ``ReduceLROnPlateau`` needs (its ``interval`` is then not used).
+(``val_<loss name>``) and steps a scheduler that steps on a metric (``ReduceLROnPlateau``) after
+every validation during training with that metric's value (its ``interval`` is then not used).
+
+The Trainer alone steps the schedulers it knows: one stepped elsewhere too (``scheduler.step()``
+in ``training_step`` or a hook, as Lightning's manual optimization has it) would move twice, and
+the next step of it the Trainer takes stops the run with a ``StepError`` saying so.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +24,7 @@ from typing import Any
 import torch
 
 from . import fsdp
-from .errors import ConfigError
+from .errors import ConfigError, StepError
 
 INTERVALS = ("step", "epoch")
 KEYS = ("scheduler", "interval", "monitor")
@@ -31,10 +38,17 @@ class Schedule:
     scheduler: Any
     interval: str = "step"
     monitor: str | None = None
+    at: Any = None  # the scheduler's ``last_epoch`` when the Trainer last stepped it (or it was made or loaded)
 
     @property
     def every_step(self) -> bool:
         return self.interval == "step" and self.monitor is None
+
+    @property
+    def when(self) -> str:
+        if self.monitor is not None:
+            return f"after every validation, with {self.monitor}"
+        return "after every update of it" if self.interval == "step" else "at the end of every pass over train_data"
 
 
 class Schedules:
@@ -45,22 +59,49 @@ class Schedules:
     def __init__(self, schedules: Mapping[str, Schedule] | None = None):
         self.schedules = dict(schedules or {})
         self.schedulers = {name: s.scheduler for name, s in self.schedules.items()}  # what checkpoints save
+        self.mark()
 
-    def after_update(self, name: str) -> None:
+    def after_update(self, name: str, step: int) -> None:
         schedule = self.schedules.get(name)
         if schedule is not None and schedule.every_step:
-            schedule.scheduler.step()
+            self._step(name, step)
 
-    def after_epoch(self) -> None:
-        for schedule in self.schedules.values():
+    def after_epoch(self, step: int) -> None:
+        for name, schedule in self.schedules.items():
             if schedule.interval == "epoch" and schedule.monitor is None:
-                schedule.scheduler.step()
+                self._step(name, step)
 
-    def after_validation(self, metrics: Mapping[str, float]) -> None:
+    def after_validation(self, metrics: Mapping[str, float], step: int) -> None:
         self.check_monitors(metrics)
-        for schedule in self.schedules.values():
+        for name, schedule in self.schedules.items():
             if schedule.monitor is not None:
-                schedule.scheduler.step(metrics[schedule.monitor])
+                self._step(name, step, metrics[schedule.monitor])
+
+    def _step(self, name: str, step: int, *metric: float) -> None:
+        schedule = self.schedules[name]
+        self.check(name, step)
+        schedule.scheduler.step(*metric)
+        schedule.at = getattr(schedule.scheduler, "last_epoch", None)
+
+    def mark(self) -> None:
+        """Note where every scheduler stands (made, loaded from a checkpoint, restored by an undo)."""
+        for schedule in self.schedules.values():
+            schedule.at = getattr(schedule.scheduler, "last_epoch", None)
+
+    def check(self, name: str, step: int) -> None:
+        """Before the Trainer steps optimizer ``name`` or its scheduler: a ``StepError`` if the scheduler was stepped
+        since by other code, which would make it move twice (``last_epoch`` tells; a scheduler without it is not
+        checked)."""
+        schedule = self.schedules.get(name)
+        if schedule is None or getattr(schedule.scheduler, "last_epoch", None) == schedule.at:
+            return
+        raise StepError(
+            f"step {step}: the scheduler of optimizer {name!r} ({type(schedule.scheduler).__name__}) was stepped "
+            f"outside the Trainer (its last_epoch went from {schedule.at} to {schedule.scheduler.last_epoch} since "
+            f"the Trainer last stepped it), and the Trainer steps it itself, {schedule.when}: it would move twice. "
+            "Remove your scheduler.step() (Lightning's manual optimization leaves schedulers to you; safeloop's "
+            "self.step(name) steps them); to step it yourself instead, keep it out of configure_optimizers and "
+            "configure_schedulers", step)
 
     def check_monitors(self, metrics: Mapping[str, float]) -> None:
         """Every monitored metric is one validation reports (the Trainer checks at its first validation too,
@@ -86,8 +127,9 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     for name, value in returned.items():
         if isinstance(value, Mapping) and set(value) <= LIGHTNING_KEYS and "optimizer" in value:
             optimizers[name] = value["optimizer"]
-            if value.get("lr_scheduler") is not None:
-                schedulers[name] = value["lr_scheduler"]
+            lightning = value.get("lr_scheduler")  # Lightning's form: alone, it steps once per epoch, as there
+            if lightning is not None:
+                schedulers[name] = lightning if isinstance(lightning, Mapping) else {"scheduler": lightning}
         else:
             optimizers[name] = value
     for name, opt in optimizers.items():
@@ -112,9 +154,13 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
         unknown = [key for key in given if key not in KEYS]
         if unknown or "scheduler" not in given:
             problems.append(f"{where} is a dict with keys {sorted(given)}: give 'scheduler' and optionally "
-                            f"'interval' ({' or '.join(INTERVALS)}) and 'monitor' (a validation metric)")
+                            f"'interval' ({' or '.join(INTERVALS)}) and 'monitor' (a validation metric)"
+                            + ("; Lightning's 'frequency' is not supported: step it yourself in a hook, leaving it "
+                               "out of the Trainer's schedulers" if "frequency" in unknown else ""))
             continue
-        schedule = Schedule(given["scheduler"], given.get("interval") or "step", given.get("monitor"))
+        # Lightning's dict steps once per epoch unless it says otherwise; a scheduler given alone, after every update
+        schedule = Schedule(given["scheduler"], given.get("interval") or ("epoch" if isinstance(value, Mapping)
+                                                                           else "step"), given.get("monitor"))
         missing = [f"{method}()" for method in ("step", "state_dict", "load_state_dict")
                    if not callable(getattr(schedule.scheduler, method, None))]
         if missing:
@@ -123,12 +169,17 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
                             "of a failed step) with state_dict() and load_state_dict(); add them, or step it "
                             "yourself in a hook (on_before_optimizer_step, on_step_end)")
             continue
-        plateau = isinstance(schedule.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        plateau = steps_on_a_metric(schedule.scheduler)
         if schedule.interval not in INTERVALS:
             problems.append(f"{where}: interval={schedule.interval!r} is not one of {', '.join(INTERVALS)}")
         if plateau and schedule.monitor is None:
-            problems.append(f"{where} is ReduceLROnPlateau, which steps on a metric: give "
+            problems.append(f"{where} is {type(schedule.scheduler).__name__}, which steps on a metric: give "
                             "{'scheduler': ..., 'monitor': 'val_loss'} (a validation metric's name)")
+        if schedule.monitor is not None and not plateau:
+            problems.append(f"{where} ({type(schedule.scheduler).__name__}) monitors {schedule.monitor!r}, and its "
+                            "step() takes no metric (it would read the value as an epoch number): 'monitor' is for "
+                            "a scheduler that steps on a metric, such as ReduceLROnPlateau. Drop it, and give "
+                            "'interval' (Lightning ignores it there)")
         if schedule.monitor is not None and not validates:
             problems.append(f"{where} monitors {schedule.monitor!r}, a validation metric, and there is no "
                             "val_data: pass val_data=... (and val_every=N)")
@@ -140,6 +191,18 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
     if problems:
         raise ConfigError(problems)
     return Schedules(out)
+
+
+def steps_on_a_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``): a monitored metric's."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        first = next(iter(inspect.signature(scheduler.step).parameters.values()), None)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return first is not None and first.default is inspect.Parameter.empty and first.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def check_optimizers(model: torch.nn.Module | None, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:

@@ -115,8 +115,7 @@ class Trainer:
         self.device = self.dist.device if self.dist is not None else self.device  # cuda:LOCAL_RANK or the CPU
         self.state = TrainState()
         self._data = TrainData(train_data, self.state)
-        self.model, self.val_data = model, val_data
-        self.loss_fn = loss_fn or torch.nn.functional.mse_loss
+        self.model, self.val_data, self.loss_fn = model, val_data, loss_fn or torch.nn.functional.mse_loss
         self._optimizer, self._scheduler = optimizer, scheduler  # as given; configure_* make them
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.callbacks = list(callbacks)
@@ -266,7 +265,7 @@ class Trainer:
             self.log_metrics({**metrics, **schedules.learning_rates(self.optimizers)})
         validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
         if validated:
-            self.schedules.after_validation(self.validate())
+            self.schedules.after_validation(self.validate(), step)
         stop = self._stop.agreed(step, self.dist)
         if stop or (self.checkpointer is not None and not end and self.checkpointer.due(step, validated)):
             self.save_checkpoint()
@@ -390,6 +389,7 @@ class Trainer:
         ckpt.restore(self._parts(), checkpoint, path, self.dist)
         self._loaded_rng = checkpoint["rng"]
         self._hooks("on_load_checkpoint", checkpoint)
+        self.schedules.mark()  # loaded: where the schedulers stand now is the Trainer's doing
 
     def _parts(self) -> ckpt.Parts:
         return ckpt.Parts(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,

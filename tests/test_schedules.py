@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import ConfigError, Trainer
+from safeloop import ConfigError, StepError, Trainer
 from safeloop.config import build, compose
 from safeloop.models import MLP
 
@@ -138,3 +138,86 @@ def test_a_monitor_that_validation_does_not_report_is_named():
                                                     "which validation does not report: it reports val_loss")):
         trainer.fit()
     assert trainer.state.step == 0  # found at the validation before training
+
+
+class Lightning(Trainer):
+    """``configure_optimizers`` in Lightning's form, with a halving StepLR given as ``lr_scheduler``."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": sched if self.form == "alone" else {"scheduler": sched}}
+
+
+@pytest.mark.parametrize("form", ["alone", "dict"])
+def test_lightnings_form_without_an_interval_steps_once_an_epoch_as_in_lightning(tmp_path, form):
+    trainer = Lightning(model=MLP(8, 16, 1, 2), train_data=data(), max_epochs=2, log_every=1, device="cpu",
+                        progress=False, run_dir=tmp_path, checkpoint=False)
+    trainer.form = form
+    trainer.fit()
+    assert logged(tmp_path)["lr"] == [1.0] * 4 + [0.5] * 4  # Lightning's LRSchedulerConfig.interval is "epoch"
+
+
+def test_a_monitor_on_a_scheduler_that_steps_without_a_metric_is_a_config_error():
+    """StepLR.step(val_loss) would read the loss as an epoch number (the rate stuck, one deprecation warning)."""
+    trainer = Trainer(model=MLP(8, 16, 1, 2), train_data=data(), val_data=data(), val_every=2,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=1.0), max_steps=4, device="cpu", progress=False,
+                      loggers=(), scheduler={"scheduler": halving(), "monitor": "val_loss", "interval": "step"})
+    with pytest.raises(ConfigError, match=re.escape(
+            "the scheduler of optimizer 'optimizer' (StepLR) monitors 'val_loss', and its step() takes no metric (it "
+            "would read the value as an epoch number): 'monitor' is for a scheduler that steps on a metric, such as "
+            "ReduceLROnPlateau. Drop it, and give 'interval'")):
+        trainer.fit()
+    assert trainer.state.step == 0
+
+
+class SteppedByHand(Trainer):
+    """A port of Lightning's manual optimization, which steps its scheduler itself (``sch.step()``)."""
+
+    automatic = False
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": self.interval}}
+
+    def training_step(self, batch):
+        x, y = batch
+        self.backward(torch.nn.functional.mse_loss(self.model(x), y))
+        self.step()
+        if self.state.step + 1 == 2:  # the second step, after its update, as `if self.trainer.is_last_batch:`
+            self.schedulers["optimizer"].step()
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_scheduler_the_trainer_steps_and_the_users_code_steps_too_stops_the_run_before_it_moves_twice(interval):
+    trainer = SteppedByHand(model=MLP(8, 16, 1, 2), train_data=data(), max_epochs=2, device="cpu", progress=False,
+                            loggers=())
+    trainer.interval = interval
+    trainer.on_step_end = lambda losses: setattr(trainer, "kept", [p.clone() for p in trainer.model.parameters()])
+    with pytest.raises(StepError) as caught:
+        trainer.fit()
+    assert trainer.state.step == 2 and all(map(torch.equal, trainer.kept, trainer.model.parameters()))
+    after = {"step": ("step 3", "from 2 to 3", "after every update of it"),  # found at step 3's update, before it
+             "epoch": ("step 3", "from 0 to 1", "at the end of every pass over train_data")}[interval]
+    assert str(caught.value).startswith(
+        f"{after[0]}: the scheduler of optimizer 'optimizer' (StepLR) was stepped outside the Trainer (its last_epoch "
+        f"went {after[1]} since the Trainer last stepped it), and the Trainer steps it itself, {after[2]}: it would "
+        "move twice. Remove your scheduler.step()")
+
+
+def test_a_resumed_run_and_a_skipped_step_are_not_taken_for_a_scheduler_stepped_elsewhere(tmp_path):
+    class NaNOnce(Trainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            return loss * float("nan") if self.state.step + 1 == 3 else loss
+
+    def run(**kwargs):
+        return NaNOnce(model=MLP(8, 16, 1, 2), train_data=data(), optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+                       scheduler=halving("step"), on_nonfinite="skip", undo="full", device="cpu", progress=False,
+                       loggers=(), checkpoint={"dir": str(tmp_path), "every": 2}, **kwargs)
+
+    run(max_steps=4).fit()
+    resumed = run(max_steps=8, resume="auto")
+    resumed.fit()
+    assert resumed.state.step == 8 and resumed.schedulers["optimizer"].last_epoch == 7  # step 3 skipped

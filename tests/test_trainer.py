@@ -422,7 +422,8 @@ def test_a_dataset_of_samples_as_train_or_val_data_says_to_batch_it():
 
 class EpochEvents(Trainer):
     """Records each step's end, each pass's start (epoch, batches taken in it) and end (epoch, batches in
-    it, the learning rate then)."""
+    it, the learning rate then: the epoch schedulers have stepped, as Lightning steps them before its
+    on_train_epoch_end)."""
 
     def on_step_end(self, losses):
         self.events.append(("step", self.state.step))
@@ -457,13 +458,13 @@ def epoch_run(tmp_path, cls=EpochEvents, **settings) -> EpochEvents:
 
 
 @pytest.mark.parametrize("mode", [EpochEvents, manual(EpochEvents)], ids=["automatic", "manual"])
-def test_on_epoch_start_and_end_frame_each_pass_and_the_epoch_schedulers_step_after_the_end(tmp_path, mode):
+def test_on_epoch_start_and_end_frame_each_pass_and_the_epoch_schedulers_step_before_the_end_hook(tmp_path, mode):
     counts = CountsEpochs()
     trainer = epoch_run(tmp_path, mode, max_epochs=2, callbacks=[counts])
     trainer.fit()
-    assert trainer.events == [("epoch start", 0, 0), ("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.1),
+    assert trainer.events == [("epoch start", 0, 0), ("step", 1), ("step", 2), ("step", 3), ("epoch end", 0, 3, 0.05),
                               ("epoch start", 1, 0), ("step", 4), ("step", 5), ("step", 6),
-                              ("epoch end", 1, 3, 0.05)]
+                              ("epoch end", 1, 3, 0.025)]
     assert counts.starts == counts.ends == [0, 1]
 
 
@@ -490,7 +491,7 @@ def test_a_run_that_stops_and_goes_on_has_the_epoch_events_of_the_run_that_never
 @pytest.mark.parametrize("accum", [2, 3])
 def test_the_last_step_of_a_pass_takes_the_batches_left_as_lightning_and_a_hand_loop_do(accum):
     """5 batches a pass, grad_accum=2: updates after batches 2, 4 and 5 of every pass (the last with one
-    micro-batch, its loss still halved), then on_epoch_end and the epoch scheduler; no update spans two
+    micro-batch, its loss still halved), then the epoch scheduler and on_epoch_end; no update spans two
     passes (3: after batches 3 and 5). The hand loop is the usual `if (i + 1) % accum == 0 or i ==
     len(loader) - 1`, dividing each loss by accum."""
     torch.manual_seed(0)
@@ -515,8 +516,8 @@ def test_the_last_step_of_a_pass_takes_the_batches_left_as_lightning_and_a_hand_
     trainer.fit()
     per_pass = -(-len(data) // accum)  # the last step of a pass takes the batches left
     assert trainer.events == [("epoch start", 0, 0)] + [("step", k) for k in range(1, per_pass + 1)] + [
-        ("epoch end", 0, 5, 0.1), ("epoch start", 1, 0)] + [
-        ("step", per_pass + k) for k in range(1, per_pass + 1)] + [("epoch end", 1, 5, 0.05)]
+        ("epoch end", 0, 5, 0.05), ("epoch start", 1, 0)] + [
+        ("step", per_pass + k) for k in range(1, per_pass + 1)] + [("epoch end", 1, 5, 0.025)]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
@@ -620,13 +621,16 @@ class LinearProbe(Trainer):
 
 
 @pytest.mark.parametrize("case", ["train", "frozen batch norm", "train in training_step", "no layer eval changes",
-                                  "eval set by the run"])
+                                  "eval set by the run", "frozen part holding every such layer"])
 def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_reported(case):
     net = modal_net()
     if case == "frozen batch norm":
         net[1].eval()  # a fine-tuning's frozen statistics: meant
     elif case == "train in training_step":
         net.eval()
+    elif case == "frozen part holding every such layer":  # a frozen backbone under a head of Linear layers
+        net[1].eval()
+        net[2].eval()
     elif case == "no layer eval changes":  # dropout of p=0, batch norm on batch statistics alone: the same either way
         net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, track_running_stats=False),
                                   torch.nn.Dropout(0.0), torch.nn.Linear(8, 1)).eval()
@@ -635,3 +639,44 @@ def test_a_model_in_train_mode_or_with_some_layers_frozen_on_purpose_is_not_repo
         fit_modal(net, {"train in training_step": TrainsItself, "eval set by the run": LinearProbe}.get(case, Trainer))
     if case == "eval set by the run":
         assert not net.training and not bool(net[1].running_mean.any())  # kept as the run's code set it
+
+
+def test_on_before_backward_gets_the_loss_back_propagated_divided_under_accumulation_as_lightnings():
+    class Seen(Trainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.returned.append(loss.item())
+            return loss
+
+        def on_before_backward(self, name, loss):
+            self.given.append(loss.item())
+
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(3)]
+    trainer = Seen(model=MLP(8, 16, 1, 2), train_data=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   grad_accum=3, max_steps=1, device="cpu", progress=False, loggers=())
+    trainer.returned, trainer.given = [], []
+    trainer.fit()
+    assert trainer.given == pytest.approx([loss / 3 for loss in trainer.returned], rel=1e-6)
+
+
+def test_a_sampler_inside_a_batch_sampler_gets_each_pass_number_as_lightning_gives_it():
+    """A DistributedSampler (or a bucketing sampler) inside ``batch_sampler=``: without ``set_epoch`` every pass would
+    repeat the first pass's order."""
+    dataset = TensorDataset(torch.arange(12.0)[:, None], torch.zeros(12, 1))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = DataLoader(dataset, batch_sampler=torch.utils.data.BatchSampler(sampler, batch_size=4, drop_last=False))
+
+    class Orders(Trainer):
+        def training_step(self, batch):
+            self.seen.append(batch[0].flatten().tolist())
+            return super().training_step(batch)
+
+    trainer = Orders(model=torch.nn.Linear(1, 1), train_data=loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                     max_epochs=3, device="cpu", progress=False, loggers=())
+    trainer.seen = []
+    trainer.fit()
+    expected = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        expected += [[float(i) for i in batch] for batch in torch.utils.data.BatchSampler(sampler, 4, False)]
+    assert trainer.seen == expected and expected[:3] != expected[3:6]

@@ -234,10 +234,10 @@ class Runner:
         if self.sharded and self.settings.grad_accum > 1:  # FSDP2 reduces the gradients of the last micro-batch
             fsdp.sync_gradients(self.config.model, last)
         for k, item in enumerate(todo):
-            self.hooks("on_before_backward", item.name, item.loss)
             loss = item.loss * scale if scale is not None else item.loss
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
+            self.hooks("on_before_backward", item.name, loss)  # what is back-propagated, as Lightning gives it
             # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
             armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
             if self.sharded:
@@ -273,8 +273,8 @@ class Runner:
             if found is not None:
                 err, stepped = found
                 raise guard.explain(err, name, loss, step, self.scope, self.batch, stepped) from err
-        self.hooks("on_before_backward", name, loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        self.hooks("on_before_backward", name, scaled)
         self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
                        route=optimizer if self.sharded and self.routed else None)
         guard.backward_done(retain_graph, inputs)
@@ -397,6 +397,7 @@ class Runner:
         must be able to undo it; ``last``: whether it is the step's last update, None when unknown),
         step, zero_grad, scheduler. ``closure``, ``current``: see ``closure``."""
         opt = self.optimizers[name]
+        self.config.schedules.check(name, step)  # not stepped by other code too: before anything changes
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name)
         self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
@@ -412,7 +413,7 @@ class Runner:
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
         self.clear[name]()  # free gradient memory now; the next step starts from None
-        self.config.schedules.after_update(name)
+        self.config.schedules.after_update(name, step)
         self.stepped[name] = sequence_now()
         if self.recast:
             torch.clear_autocast_cache()
@@ -621,17 +622,20 @@ class Runner:
 
 def in_eval(model: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
     """The dropout and batch-norm layers of ``model`` that eval mode changes (dropout of p > 0, batch norm tracking
-    running statistics), if every one of them is in eval mode; otherwise (or none there) an empty list."""
+    running statistics), if ``model`` itself and every one of them are in eval mode (``model.eval()``); otherwise (a
+    part frozen on purpose, ``model.backbone.eval()``; or no such layer) an empty list."""
+    if model is None or model.training:
+        return []
     layers = [(name, m) for name, m in model.named_modules() if type(m).__module__ in MODAL  # that mode changes:
-              and getattr(m, "p", 1) and getattr(m, "track_running_stats", True)] if model is not None else []
+              and getattr(m, "p", 1) and getattr(m, "track_running_stats", True)]  # not p=0, not batch statistics
     return [] if any(m.training for _, m in layers) else layers
 
 
 def warn_evaluating(layers: list[tuple[str, torch.nn.Module]], step: int) -> None:
     """A ``ConfigWarning`` when ``layers``, every mode-changing layer of the model and all in eval mode when the fit
     began, still are after ``step`` (``model.eval()`` left from an evaluation, or a loader that returns models so).
-    Some of them only in eval mode is taken as meant (frozen layers of a fine-tuning), as is eval mode the run's own
-    code sets (a linear probe on frozen features calling ``model.eval()`` in ``on_epoch_start``)."""
+    A part of the model in eval mode is taken as meant (a fine-tuning's frozen backbone), as is eval mode the run's
+    own code sets (a linear probe on frozen features calling ``model.eval()`` in ``on_epoch_start``)."""
     if any(m.training for _, m in layers):
         return
     shown = ", ".join(f"`model.{name}` ({type(m).__name__})" for name, m in layers[:3])

@@ -147,6 +147,7 @@ class Undo:
         report = self.report()
         for name in reversed(self.saved):
             self._snapshots[name].restore()
+        self.schedules.mark()  # the schedulers as they were
         self.order.clear()  # an abandoned step may not have reached its last update: nothing is learned from it
         self.end()
         return report
