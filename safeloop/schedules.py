@@ -28,7 +28,7 @@ from .errors import ConfigError, StepError
 
 INTERVALS = ("step", "epoch")
 KEYS = ("scheduler", "interval", "monitor")
-LIGHTNING_KEYS = {"optimizer", "lr_scheduler"}
+LIGHTNING_KEYS = {"optimizer", "lr_scheduler", "monitor"}  # monitor: a plateau's metric, its scheduler given alone
 
 
 @dataclass
@@ -116,8 +116,8 @@ class Schedules:
 def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     """What ``configure_optimizers`` returned, as ``({name: optimizer}, {name: scheduler given with it})``.
 
-    Accepted: an optimizer; ``{name: optimizer}``; Lightning's ``{"optimizer": opt, "lr_scheduler": s}``;
-    ``{name: {"optimizer": opt, "lr_scheduler": s}}``.
+    Accepted: an optimizer; ``{name: optimizer}``; Lightning's ``{"optimizer": opt, "lr_scheduler": s}`` (and
+    ``"monitor": metric`` for an ``s`` given alone); ``{name: {"optimizer": opt, "lr_scheduler": s}}``.
     """
     if isinstance(returned, Mapping) and "optimizer" in returned and set(returned) <= LIGHTNING_KEYS:
         returned = {"optimizer": returned}
@@ -128,8 +128,10 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
         if isinstance(value, Mapping) and set(value) <= LIGHTNING_KEYS and "optimizer" in value:
             optimizers[name] = value["optimizer"]
             lightning = value.get("lr_scheduler")  # Lightning's form: alone, it steps once per epoch, as there
+            if lightning is not None and not isinstance(lightning, Mapping):
+                lightning = {"scheduler": lightning, **{key: value[key] for key in ("monitor",) if key in value}}
             if lightning is not None:
-                schedulers[name] = lightning if isinstance(lightning, Mapping) else {"scheduler": lightning}
+                schedulers[name] = lightning
         else:
             optimizers[name] = value
     for name, opt in optimizers.items():

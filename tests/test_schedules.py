@@ -221,3 +221,19 @@ def test_a_resumed_run_and_a_skipped_step_are_not_taken_for_a_scheduler_stepped_
     resumed = run(max_steps=8, resume="auto")
     resumed.fit()
     assert resumed.state.step == 8 and resumed.schedulers["optimizer"].last_epoch == 7  # step 3 skipped
+
+
+def test_lightnings_form_with_the_monitor_beside_a_plateau_given_alone():
+    class Plateau(Trainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            return {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"}  # Lightning's documented form
+
+        def validation_step(self, batch):
+            return torch.tensor(1.0)  # never improves
+
+    trainer = Plateau(model=MLP(8, 16, 1, 2), train_data=data(), val_data=data(), max_steps=6, val_every=2,
+                      device="cpu", progress=False, loggers=())
+    trainer.fit()
+    assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == 0.25  # stepped at 2, 4, 6: the first sets its best
