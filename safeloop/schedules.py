@@ -119,6 +119,11 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     Accepted: an optimizer; ``{name: optimizer}``; Lightning's ``{"optimizer": opt, "lr_scheduler": s}`` (and
     ``"monitor": metric`` for an ``s`` given alone); ``{name: {"optimizer": opt, "lr_scheduler": s}}``.
     """
+    if isinstance(returned, (list, tuple)):
+        raise ConfigError(f"configure_optimizers returned a {type(returned).__name__}: Lightning's lists ([opt], "
+                          "([opt], [scheduler]), [opt_g, opt_d]) are not read here, since optimizers go by name: return "
+                          "{'g': opt_g, 'd': opt_d} (self.backward(loss, optimizer='g'), self.step('g')), or "
+                          "{'optimizer': opt, 'lr_scheduler': scheduler}")
     if isinstance(returned, Mapping) and "optimizer" in returned and set(returned) <= LIGHTNING_KEYS:
         returned = {"optimizer": returned}
     if not isinstance(returned, Mapping):

@@ -364,7 +364,7 @@ def test_a_nan_loss_is_named_or_skipped_as_on_nonfinite_says():
 @pytest.mark.parametrize("optimizers, message", [
     (None, r"configure_optimizers returned None"),
     ("adam", r"configure_optimizers returned str for 'optimizer', not a torch.optim.Optimizer"),
-    ([1, 2], r"configure_optimizers returned list for 'optimizer', not a torch.optim.Optimizer"),
+    ([1, 2], r"configure_optimizers returned a list: Lightning's lists"),
 ])
 def test_a_bad_configure_optimizers_is_named(optimizers, message):
     class Configures(Trainer):

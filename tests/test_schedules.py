@@ -237,3 +237,15 @@ def test_lightnings_form_with_the_monitor_beside_a_plateau_given_alone():
                       device="cpu", progress=False, loggers=())
     trainer.fit()
     assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == 0.25  # stepped at 2, 4, 6: the first sets its best
+
+
+def test_lightnings_lists_from_configure_optimizers_are_refused_with_the_dict_to_return():
+    class Lists(Trainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "configure_optimizers returned a tuple: Lightning's lists ([opt], ([opt], [scheduler]), [opt_g, opt_d]) "
+            "are not read here, since optimizers go by name: return {'g': opt_g, 'd': opt_d}")):
+        Lists(model=MLP(8, 16, 1, 2), train_data=data(), max_steps=1, device="cpu", progress=False, loggers=()).fit()
