@@ -61,24 +61,38 @@ class Evaluator:
     step: int
     dist: Distributed | None = None
 
-    def means(self, data: Iterable, step_fn: Callable[[object], torch.Tensor | Mapping],
-              kind: Kind = VALIDATION) -> dict[str, float]:
+    def means(self, data: Iterable, step_fn: Callable[[object], torch.Tensor | Mapping | None],
+              kind: Kind = VALIDATION, logged: dict | None = None) -> dict[str, float]:
         """``step_fn``'s loss (or dict of losses) over the samples of ``data``, named ``<kind.prefix><name>``
-        (``val_loss``) and logged; under torchrun over every rank's share, the same on every rank."""
+        (``val_loss``) and logged; under torchrun over every rank's share, the same on every rank. ``logged``: the
+        Trainer's ``self.log`` values, set aside while the pass runs, so that what ``step_fn`` logs
+        (``self.log("val_acc", acc)``) is a mean over the samples too, named as logged (Lightning's default for a
+        validation step); it takes the place of a loss's metric of the same name."""
         totals: dict[str, list[float]] = {}  # name: [sum of loss * samples, samples]
+        kept = dict(logged or {})  # logged in training, before this pass: put back after it
+        logs = {} if logged is None else logged
+        logs.clear()
 
         def add(batch, out) -> None:
             losses, n = counted(out, kind) if isinstance(out, tuple) else (out, samples(batch, kind))
-            losses = {"loss": losses} if isinstance(losses, torch.Tensor) else dict(losses)
-            for name, value in losses.items():
+            losses = {"loss": losses} if isinstance(losses, torch.Tensor) else dict(losses or {})
+            if not losses and not logs:
+                raise TypeError(f"{kind.step} returned {type(out).__name__} and logged nothing: return the loss (or "
+                                "a dict of losses), or log the metrics with self.log(name, value)")
+            for name, value in {**{kind.prefix + k: v for k, v in losses.items()}, **logs}.items():
                 total = totals.setdefault(name, [0.0, 0.0])
                 total[0] += float(value) * float(n)
                 total[1] += float(n)
+            logs.clear()
 
-        done = self.run(data, step_fn, add, kind)
+        try:
+            done = self.run(data, step_fn, add, kind)
+        finally:
+            logs.clear()
+            logs.update(kept)
         if self.dist is not None:
             totals = summed(totals, done, self.dist, kind)
-        metrics = {kind.prefix + name: total / count if count else math.nan for name, (total, count) in totals.items()}
+        metrics = {name: total / count if count else math.nan for name, (total, count) in totals.items()}
         log.info("%s at step %d: %s", kind.name, self.step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         return metrics
 

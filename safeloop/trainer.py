@@ -118,8 +118,7 @@ class Trainer:
         self.model, self.val_data, self.loss_fn = model, val_data, loss_fn or torch.nn.functional.mse_loss
         self._optimizer, self._scheduler = optimizer, scheduler  # as given; configure_* make them
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.callbacks = list(callbacks)
-        self._hooks = Hooks(self, Trainer)
+        self.callbacks, self._hooks = list(callbacks), Hooks(self, Trainer)
         self.config = dict(config) if config is not None else None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.logged: dict[str, torch.Tensor | float] = {}  # self.log's values, until the next log point
@@ -182,7 +181,8 @@ class Trainer:
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
         """Log a metric (Lightning's ``self.log``) from ``training_step`` or a hook: written with the losses every
-        ``log_every`` steps to the loggers and the progress line (a tensor detached, read then: ``self.logged``)."""
+        ``log_every`` steps to the loggers and the progress line (a tensor detached, read then: ``self.logged``). From
+        ``validation_step`` / ``test_step``: its mean over the samples, one of the pass's metrics, named as given."""
         self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
 
     # -- manual mode -------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class Trainer:
         """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean
         over samples, under torchrun over every rank's share, training's random streams left as they were); logs
         and returns ``val_<name>``."""
-        metrics = self._evaluator().means(self.val_data, self.validation_step)
+        metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)
         self._hooks("on_validation_end", metrics)
@@ -327,7 +327,7 @@ class Trainer:
 
     def test(self, data: Iterable) -> dict[str, float]:
         """``test_step`` over ``data`` as ``validate()`` runs ``validation_step``; logs and returns ``test_<name>``."""
-        return self._evaluator().means(data, self.test_step, TEST)
+        return self._evaluator().means(data, self.test_step, TEST, self.logged)
 
     def predict(self, data: Iterable) -> list:
         """``predict_step``'s output for each batch (eval mode, no gradients); under torchrun, this rank's share's."""

@@ -212,3 +212,53 @@ def test_a_failing_test_step_names_the_batch_of_the_test_data():
             "test at step 0 failed on batch 1 of test data (training is unchanged): TypeError: test_step returned "
             "a tuple of Tensor, Tensor")):
         validating(Broken).test(DataLoader(dataset(8), batch_size=4))
+
+
+class LogsInValidation(Trainer):
+    """A Lightning-style validation step: ``self.log("val_mae", ...)``, the loss returned (``returns``) or not."""
+
+    def validation_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.log("val_mae", (out - y).abs().mean())
+        return F.mse_loss(out, y) if self.returns else None
+
+    test_step = validation_step
+
+
+@pytest.mark.parametrize("returns", [True, False], ids=["loss returned", "only logged"])
+def test_self_log_in_validation_step_is_a_mean_over_samples_among_the_validation_metrics(tmp_path, returns):
+    """Lightning's default for a validation step's self.log (on_epoch): the mean over the pass, not the last batch's
+    value logged with a later training step."""
+    val = dataset(10, seed=2)  # batches of 4, 4 and 2
+    trainer = LogsInValidation(model=MLP(8, 16, 1), train_data=DataLoader(dataset(16), batch_size=4),
+                               val_data=DataLoader(val, batch_size=4), max_steps=2, val_every=1, log_every=1,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False,
+                               run_dir=tmp_path, checkpoint=False)
+    trainer.returns = returns
+    trainer.log("kept", 7.0)  # logged in training before a validation: written at the next log point, as it was
+    trainer.fit()
+    x, y = val.tensors
+    with torch.no_grad():
+        mae = (trainer.model(x) - y).abs().mean().item()
+    step, metrics = trainer.state.val_history[-1]
+    assert step == 2 and metrics["val_mae"] == pytest.approx(mae, rel=1e-6)
+    assert ("val_loss" in metrics) == returns
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows if ",val_mae," in r] == ["0", "1", "2"]  # at each validation only
+    assert [r.split(",")[0] for r in rows if ",kept," in r] == ["1"]
+    assert trainer.test(DataLoader(val, batch_size=4))["val_mae"] == pytest.approx(mae, rel=1e-6)  # named as logged
+
+
+def test_a_validation_step_that_returns_nothing_and_logs_nothing_is_named():
+    class Silent(Trainer):
+        def validation_step(self, batch):
+            self.model(batch[0])
+
+    trainer = validating(Silent, val_data=DataLoader(dataset(8), batch_size=4))
+    trainer.setup()
+    with pytest.raises(StepError, match=re.escape("validation at step 0 failed on batch 1 of val_data (training is "
+                                                  "unchanged): TypeError: validation_step returned NoneType and "
+                                                  "logged nothing: return the loss (or a dict of losses), or log the "
+                                                  "metrics with self.log(name, value)")):
+        trainer.validate()
