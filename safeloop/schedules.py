@@ -121,8 +121,8 @@ def split(returned) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Any]]:
     """
     if isinstance(returned, (list, tuple)):
         raise ConfigError(f"configure_optimizers returned a {type(returned).__name__}: Lightning's lists ([opt], "
-                          "([opt], [scheduler]), [opt_g, opt_d]) are not read here, since optimizers go by name: return "
-                          "{'g': opt_g, 'd': opt_d} (self.backward(loss, optimizer='g'), self.step('g')), or "
+                          "([opt], [scheduler]), [opt_g, opt_d]) are not read here, since optimizers go by name: "
+                          "return {'g': opt_g, 'd': opt_d} (self.backward(loss, optimizer='g'), self.step('g')), or "
                           "{'optimizer': opt, 'lr_scheduler': scheduler}")
     if isinstance(returned, Mapping) and "optimizer" in returned and set(returned) <= LIGHTNING_KEYS:
         returned = {"optimizer": returned}
