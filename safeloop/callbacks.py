@@ -36,6 +36,32 @@ HOOKS = (
 )
 
 
+# Lightning's hooks and methods that safeloop does not call, and what does their work here: defined on a Trainer
+# subclass or a callback, each would never run, without a word (a port keeping Lightning's names).
+LIGHTNING_NAMES = {
+    "on_train_start": "use on_fit_start", "on_train_end": "use on_fit_end",
+    "on_train_batch_start": "use on_step_start", "on_train_batch_end": "use on_step_end(losses)",
+    "on_train_epoch_start": "use on_epoch_start", "on_train_epoch_end": "use on_epoch_end",
+    "training_epoch_end": "use on_epoch_end", "validation_epoch_end": "use on_validation_end(metrics)",
+    "on_validation_epoch_end": "use on_validation_end(metrics)",
+    "optimizer_step": "the Trainer makes each update; a warm-up is a scheduler (LambdaLR, interval: step), and "
+                      "gradients are changed in on_before_optimizer_step",
+    "optimizer_zero_grad": "the Trainer clears the gradients after each update (set_to_none)",
+    "on_before_zero_grad": "use on_before_optimizer_step, before the update the clearing follows",
+    "configure_gradient_clipping": "give grad_clip=..., or clip in on_before_optimizer_step",
+    "lr_scheduler_step": "the Trainer steps the schedulers it is given (interval, monitor); to step one your way, keep "
+                         "it out of configure_optimizers and step it in a hook",
+    "configure_callbacks": "pass callbacks=[...]",
+}
+
+
+def lightning_names(obj: object, base: type) -> list[str]:
+    """A problem for each of Lightning's names (``LIGHTNING_NAMES``) that ``obj`` defines (on its class or itself)
+    and ``base`` does not."""
+    return [f"{type(obj).__name__}.{name} is Lightning's name, which safeloop never calls: {advice}"
+            for name, advice in LIGHTNING_NAMES.items() if hasattr(obj, name) and not hasattr(base, name)]
+
+
 class Callback:
     def on_fit_start(self, trainer) -> None: ...
     def on_step_start(self, trainer) -> None: ...
@@ -61,6 +87,9 @@ class Hooks:
 
     def bind(self, callbacks: list[Callback]) -> None:
         trainer = self.trainer
+        problems = lightning_names(trainer, self.base) + [p for cb in callbacks for p in lightning_names(cb, Callback)]
+        if problems:
+            raise ConfigError(problems)
         for name in HOOKS:
             fns = [getattr(trainer, name)] if is_overridden(name, trainer, self.base) else []
             fns += [partial(getattr(cb, name), trainer) for cb in callbacks if is_overridden(name, cb, Callback)]

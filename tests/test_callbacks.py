@@ -123,3 +123,29 @@ def test_bad_arguments_are_one_config_error():
                                           r"EarlyStopping\(patience=0\): give a positive integer.*"
                                           r"EarlyStopping\(min_delta=-1\): give a number >= 0"):
         EarlyStopping(mode="mini", patience=0, min_delta=-1)
+
+
+def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_naming_safeloops():
+    """A port keeping Lightning's names would define hooks that are never called, without a word."""
+    class Port(Trainer):
+        def on_train_epoch_end(self):
+            self.ended = True
+
+        def optimizer_step(self, *args, **kwargs):  # a warm-up, as Lightning's docs write one
+            pass
+
+    class Counting(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            pass
+
+    trainer = Port(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), callbacks=[Counting()], device="cpu",
+                   progress=False, loggers=())
+    with pytest.raises(ConfigError) as caught:
+        trainer.fit()
+    assert str(caught.value).splitlines()[1:] == [
+        "  - Port.on_train_epoch_end is Lightning's name, which safeloop never calls: use on_epoch_end",
+        "  - Port.optimizer_step is Lightning's name, which safeloop never calls: the Trainer makes each update; a "
+        "warm-up is a scheduler (LambdaLR, interval: step), and gradients are changed in on_before_optimizer_step",
+        "  - Counting.on_train_batch_end is Lightning's name, which safeloop never calls: use on_step_end(losses)"]
+    assert trainer.state.step == 0
