@@ -9,6 +9,7 @@ saved into the checkpoint dict under a key of its own (tensors and plain contain
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -57,9 +58,20 @@ LIGHTNING_NAMES = {
 
 def lightning_names(obj: object, base: type) -> list[str]:
     """A problem for each of Lightning's names (``LIGHTNING_NAMES``) that ``obj`` defines (on its class or itself)
-    and ``base`` does not."""
-    return [f"{type(obj).__name__}.{name} is Lightning's name, which safeloop never calls: {advice}"
-            for name, advice in LIGHTNING_NAMES.items() if hasattr(obj, name) and not hasattr(base, name)]
+    and ``base`` does not, and for each step method of ``base`` that ``obj`` gives Lightning's ``batch_idx``."""
+    problems = [f"{type(obj).__name__}.{name} is Lightning's name, which safeloop never calls: {advice}"
+                for name, advice in LIGHTNING_NAMES.items() if hasattr(obj, name) and not hasattr(base, name)]
+    for name in ("training_step", "validation_step", "test_step", "predict_step"):
+        try:
+            needed = [p for p in inspect.signature(getattr(obj, name)).parameters.values()
+                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (AttributeError, TypeError, ValueError):  # not there, or no signature to read
+            continue
+        if len(needed) > 1:
+            problems.append(f"{type(obj).__name__}.{name} takes ({', '.join(p.name for p in needed)}), and safeloop "
+                            f"calls {name}(batch): drop {', '.join(p.name for p in needed[1:])} (Lightning's "
+                            "batch_idx: self.state.batch_in_epoch counts the batches of the pass)")
+    return problems
 
 
 class Callback:

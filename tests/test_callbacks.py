@@ -134,6 +134,9 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         def optimizer_step(self, *args, **kwargs):  # a warm-up, as Lightning's docs write one
             pass
 
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch)
+
     class Counting(Callback):
         def on_train_batch_end(self, trainer, *args):
             pass
@@ -147,5 +150,7 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         "  - Port.on_train_epoch_end is Lightning's name, which safeloop never calls: use on_epoch_end",
         "  - Port.optimizer_step is Lightning's name, which safeloop never calls: the Trainer makes each update; a "
         "warm-up is a scheduler (LambdaLR, interval: step), and gradients are changed in on_before_optimizer_step",
+        "  - Port.training_step takes (batch, batch_idx), and safeloop calls training_step(batch): drop batch_idx "
+        "(Lightning's batch_idx: self.state.batch_in_epoch counts the batches of the pass)",
         "  - Counting.on_train_batch_end is Lightning's name, which safeloop never calls: use on_step_end(losses)"]
     assert trainer.state.step == 0
