@@ -28,7 +28,7 @@ from .errors import ConfigError, StepError
 
 INTERVALS = ("step", "epoch")
 KEYS = ("scheduler", "interval", "monitor")
-LIGHTNING_KEYS = {"optimizer", "lr_scheduler", "monitor"}  # monitor: a plateau's metric, its scheduler given alone
+LIGHTNING_KEYS = {"optimizer", "lr_scheduler", "monitor"}  # monitor: the metric of a plateau given alone
 
 
 @dataclass
@@ -201,14 +201,14 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
 
 
 def steps_on_a_metric(scheduler: Any) -> bool:
-    """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``): a monitored metric's."""
+    """Whether ``scheduler.step`` takes a metric first (``ReduceLROnPlateau.step(metrics)``): a monitored one's."""
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return True
     try:
         first = next(iter(inspect.signature(scheduler.step).parameters.values()), None)
     except (TypeError, ValueError):  # no signature to read
         return False
-    return first is not None and first.default is inspect.Parameter.empty and first.kind in (
+    return first is not None and first.name.startswith("metric") and first.kind in (
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
