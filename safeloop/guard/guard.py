@@ -396,12 +396,12 @@ class Guard:
     def _check_written(self, leaves, nodes, case: Case) -> None:
         """A parameter the step's graph saved, written since the forward that used it by a write PyTorch's version
         counter does not see (``p.data.clamp_(-c, c)``, ``p.data = ...``): backward would compute with the new
-        values. Seen by the fingerprints taken after each module's forward (``check=always``, see ``prints.py``);
-        said only where a node of the step saved a tensor that shares the parameter's storage now."""
+        values. Seen by the fingerprints taken after each module's forward (``check=always``, see ``prints.py``) whose
+        output the loss's graph holds; said only where a node of the step saved a tensor that shares the parameter's
+        storage now."""
         if case.scope is not None:  # hooks on the modules it can name; from the next forward on
             self._prints.watch(_modules_of(case.scope))
-        written = self._prints.changed([leaf.variable for leaf in leaves])
-        self._prints.renew()
+        written = self._prints.changed([leaf.variable for leaf in leaves], nodes)
         if not written:
             return
         saved: dict[int, Any] = {}  # storage -> the first node of the step that saved a tensor in it

@@ -7,8 +7,10 @@ parameters a module holds directly after each of its forwards with grad enabled:
 L2 norm of their values (float32, left on the device: no sync there; the comparison syncs). The norm, not the sum:
 weight clipping moves values at both ends towards zero, which a sum can cancel out (as many raised as lowered by
 the same amount) and a norm cannot. Before a checked backward, a reached parameter with the same version but another
-data pointer or norm was written since, unseen by autograd. Reading every parameter at every forward costs one
-pass over the weights: beyond the guard's budget, so only ``check=always`` takes them.
+data pointer or norm than at a forward whose output the loss's graph holds was written since, unseen by autograd.
+A forward the loss does not hold (one whose graph went to ``torch.autograd.grad`` only, or was dropped) says nothing:
+a write after it is no mistake. Reading every parameter at every forward costs one pass over the weights: beyond
+the guard's budget, so only ``check=always`` takes them.
 
 The hook never changes what the model computes: it reads detached parameters, outside autograd, and records
 nothing while torch.compile traces, under ``torch.func`` transforms, or for tensors it cannot read.
@@ -20,17 +22,21 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from . import walk
 
 
 class Prints:
     """The parameters' fingerprints since the last ``clear``, taken by forward hooks on the modules ``watch``-ed
-    until ``stop``. Per-module hooks, not a global one: torch.compile warns about global module hooks, and a
-    compiled module (``torch.compile(model)``) is left alone."""
+    until ``stop``: one per forward of a parameter's module, kept with the forward's output nodes, so that a loss is
+    compared with the forwards its graph holds only. Per-module hooks, not a global one: torch.compile warns about
+    global module hooks, and a compiled module (``torch.compile(model)``) is left alone."""
 
     def __init__(self):
-        self._seen: dict[int, tuple] = {}  # id -> (weak reference, version, data pointer, norm)
+        # id(parameter) -> (weak reference, [(version, data pointer, norm, the forward's output nodes), ...])
+        self._seen: dict[int, tuple[Any, list[tuple]]] = {}
         self._handles: dict[int, Any] = {}  # id(module) -> its hook's handle
-        self._renewable: set[int] = set()  # fingerprints the next forward takes again (``renew``)
 
     def watch(self, modules: Iterable[torch.nn.Module]) -> None:
         """Take fingerprints at every forward of these modules and their submodules from now on."""
@@ -39,7 +45,7 @@ class Prints:
         def hook(module, args, output):
             prints = me()
             if prints is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                prints.record(module)
+                prints.record(module, output)
 
         for root in modules:
             for module in _uncompiled(root):
@@ -55,47 +61,60 @@ class Prints:
     def clear(self) -> None:
         """A step is over: its fingerprints are of no use to the next."""
         self._seen.clear()
-        self._renewable.clear()
 
-    def renew(self) -> None:
-        """The losses checked so far go to their backward: a later forward makes a new graph, from the values it
-        sees, and its fingerprints replace theirs (an update through ``.data`` in between is no mistake)."""
-        self._renewable = set(self._seen)
-
-    def record(self, module: torch.nn.Module) -> None:
-        """After a forward of ``module``: a fingerprint of each of its parameters, unless one was taken in this step
-        at the same version and not checked since (a module called twice before a backward: the first forward's
-        graph holds the values it saw, so a write between the two is compared with those)."""
+    def record(self, module: torch.nn.Module, output: Any) -> None:
+        """After a forward of ``module``: a fingerprint of each of its parameters, with the sequence numbers of the
+        nodes that made the forward's output (nothing when none has one: no loss can reach this forward)."""
+        made = _output_nodes(output)
+        if not made:
+            return
         try:  # the module's own parameters (``parameters()`` may be overridden with another signature)
             params = list(vars(module).get("_parameters", {}).values())
         except TypeError:
             return
         for param in params:
             if param is not None and param.requires_grad and type(param) in (torch.nn.Parameter, torch.Tensor):
-                seen = self._seen.get(id(param))
-                if seen is not None and seen[0]() is param and seen[1] == param._version \
-                        and id(param) not in self._renewable:
-                    continue
-                self._renewable.discard(id(param))
                 try:
-                    self._seen[id(param)] = (weakref.ref(param), param._version, param.data_ptr(), _norm(param))
+                    taken = (param._version, param.data_ptr(), _norm(param), made)
                 except (RuntimeError, TypeError):  # a tensor without storage (functorch, meta): no fingerprint
                     continue
+                seen = self._seen.get(id(param))
+                if seen is None or seen[0]() is not param:
+                    seen = self._seen[id(param)] = (weakref.ref(param), [])
+                seen[1].append(taken)
 
-    def changed(self, leaves) -> list[torch.Tensor]:
-        """The ``leaves`` written since their module's first forward of the step without moving their version
-        (``.data``)."""
+    def changed(self, leaves, nodes) -> list[torch.Tensor]:
+        """The ``leaves`` written, without moving their version (``.data``), since a forward whose output nodes are
+        among ``nodes`` (a loss's graph): that forward's graph saved values they no longer hold. Without node
+        sequence numbers (an older torch) nothing is said: which forwards a loss holds cannot be told."""
+        if not walk.HAS_SEQ:
+            return []
+        held = {walk.sequence_nr(node) for node in nodes}
         out = []
         for leaf in leaves:
             seen = self._seen.get(id(leaf))
-            if seen is None or seen[0]() is not leaf or leaf._version != seen[1]:
+            if seen is None or seen[0]() is not leaf:
+                continue
+            used = [(ptr, norm) for version, ptr, norm, made in seen[1] if version == leaf._version and made & held]
+            if not used:
                 continue
             total = _norm(leaf)
-            if not bool(torch.isfinite(seen[3])) or not bool(torch.isfinite(total)):
+            norms = torch.stack([norm for _, norm in used])
+            if not bool(torch.isfinite(total)) or not bool(torch.isfinite(norms).all()):
                 continue  # an overflowing or non-finite norm tells nothing
-            if leaf.data_ptr() != seen[2] or not torch.equal(total, seen[3]):
+            if any(ptr != leaf.data_ptr() for ptr, _ in used) or not bool((norms == total).all()):
                 out.append(leaf)
         return out
+
+
+def _output_nodes(output: Any) -> frozenset[int]:
+    """The sequence numbers of the nodes that made the tensors of a forward's output (any nesting)."""
+    if not walk.HAS_SEQ:
+        return frozenset()
+    found: set[int] = set()
+    apply_to_collection(output, torch.Tensor, lambda t: found.add(walk.sequence_nr(t.grad_fn))
+                        if t.grad_fn is not None else None)
+    return frozenset(found)
 
 
 def _norm(param: torch.Tensor) -> torch.Tensor:

@@ -468,3 +468,36 @@ def test_weights_clipped_through_data_after_the_forward_in_a_loop_are_named_and_
     with quiet():
         fixed = critic_loop("always", clip_after=False)
     assert all(torch.equal(a, b) for a, b in zip(fixed, critic_loop(None, clip_after=False)))
+
+
+class GradientProbe(Trainer):
+    """DARTS' finite-difference step (quark0/darts, architect.py): a forward whose graph goes to
+    ``torch.autograd.grad`` only, the weights moved through ``.data`` and back, then a fresh forward for the loss,
+    whose graph saved the values it saw."""
+
+    def training_step(self, batch):
+        real, fake = batch
+        probe = self.model(real).mean()
+        grads = torch.autograd.grad(probe, list(self.model.parameters()))
+        for p, g in zip(self.model.parameters(), grads):
+            p.data.add_(g, alpha=0.01)
+            p.data.sub_(g, alpha=0.02)
+            p.data.add_(g, alpha=0.01)
+        return self.model(fake).mean() - self.model(real).mean()
+
+
+class DroppedForward(Critic):
+    """A forward whose output is dropped, then the clipping, then the loss's forwards (clipped weights)."""
+
+    def training_step(self, batch):
+        real, fake = batch
+        self.model(real)
+        self.clip()
+        return self.model(fake).mean() - self.model(real).mean()
+
+
+@pytest.mark.parametrize("cls", [GradientProbe, DroppedForward])
+def test_a_data_write_after_a_forward_the_loss_does_not_hold_is_no_mistake_under_check_always(cls):
+    with quiet():
+        checked = fit_critic(cls, "always", clip_after=True)
+    assert all(torch.equal(a, b) for a, b in zip(checked, fit_critic(cls, "off", clip_after=True)))
