@@ -263,8 +263,8 @@ class ImageNet:
         return iter(self.train)
 
 
-EVAL_WARNING = (ConfigWarning, "the eval-mode warning: the protocol puts the whole model in eval mode on purpose, every "
-                "epoch (train()'s docstring says why), and the port does so in on_epoch_start; the Trainer "
+EVAL_WARNING = (ConfigWarning, "the eval-mode warning: the protocol puts the whole model in eval mode on purpose, "
+                "every epoch (train()'s docstring says why), and the port does so in on_epoch_start; the Trainer "
                 "still warns that every batch-norm layer was in eval mode and advises model.train(), which "
                 "would move the running statistics that sanity_check asserts unchanged "
                 "(repros/eval_warning_for_a_frozen_encoder.py)")
