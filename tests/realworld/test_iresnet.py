@@ -26,6 +26,8 @@ augmentations; the single-scale ``conv_iResNet`` (``-multiScale`` off), its clas
 ``np.float(j)`` (removed from NumPy) is ``float(j)``; the spectral norms' state-dict hooks (for loading old
 checkpoints) are left out.
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -38,7 +40,7 @@ from torch.nn.parameter import Parameter
 
 from safeloop import GraphReuseError, Trainer
 
-from .harness import checks, compare
+from .harness import assert_same, checks, compare
 
 IN_SHAPE, BATCH, PER_EPOCH, INIT_BATCH = (3, 8, 8), 4, 3, 8
 args = type("args", (), dict(nBlocks=[1, 1], nStrides=[1, 2], nChannels=[8, 8], coeff=0.9, numTraceSamples=1,
@@ -567,9 +569,6 @@ def test_iresnet_density_estimation_with_a_power_series_log_determinant(check):
 @pytest.mark.parametrize("check", checks())
 def test_iresnet_port_alone(check):
     """The port against the hand loop without ``watch``."""
-    import copy
-
-    from .harness import assert_same
     torch.manual_seed(0)
     ref = iresnet()
     ours = copy.deepcopy(ref)
