@@ -18,11 +18,10 @@ nothing while torch.compile traces, under ``torch.func`` transforms, or for tens
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import walk
 
@@ -108,13 +107,23 @@ class Prints:
 
 
 def _output_nodes(output: Any) -> frozenset[int]:
-    """The sequence numbers of the nodes that made the tensors of a forward's output (any nesting)."""
+    """The sequence numbers of the nodes that made the tensors of a forward's output."""
     if not walk.HAS_SEQ:
         return frozenset()
-    found: set[int] = set()
-    apply_to_collection(output, torch.Tensor, lambda t: found.add(walk.sequence_nr(t.grad_fn))
-                        if t.grad_fn is not None else None)
-    return frozenset(found)
+    return frozenset(walk.sequence_nr(t.grad_fn) for t in _tensors(output) if t.grad_fn is not None)
+
+
+def _tensors(value: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, through tuples (a ``PackedSequence`` too), lists and mappings a few levels deep;
+    nothing is rebuilt."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth and isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item, depth - 1)
+    elif depth and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item, depth - 1)
 
 
 def _norm(param: torch.Tensor) -> torch.Tensor:
