@@ -478,3 +478,370 @@ def test_early_stopping_matches(val_every, lr, rule):
     assert [s for s, _ in lit.val] == [s for s, _ in port.val[1:]]  # safeloop's validation before training aside
     assert all(close(a, b) for (_, a), (_, b) in zip(lit.val, port.val[1:]))
     assert_same(lit.model, port.model)
+
+
+# -- two optimizers, manual optimization
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.d = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def sample(self, n):
+        return self.g(torch.randn(n, 4))
+
+
+def ring() -> DataLoader:
+    """40 points around a ring of 8 modes, in batches of 8: passes of 5 steps."""
+    gen = torch.Generator().manual_seed(1)
+    angle = torch.randint(0, 8, (40,), generator=gen) * (2 * math.pi / 8)
+    points = torch.stack([angle.cos(), angle.sin()], 1) * 2 + 0.05 * torch.randn(40, 2, generator=gen)
+    return DataLoader(torch.utils.data.TensorDataset(points), batch_size=8)
+
+
+def gan_adam(params):
+    return torch.optim.Adam(params, lr=1e-3, betas=(0.5, 0.999))
+
+
+def d_loss_of(gan, real, fake):
+    d_real, d_fake = gan.d(real), gan.d(fake.detach())
+    return (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+            + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
+
+
+def g_loss_of(gan, fake):
+    d_fake = gan.d(fake)
+    return F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
+
+
+class LitGAN(pl.LightningModule):
+    """The README's GAN step in Lightning's manual optimization; ``scheduled``: a StepLR on D, stepped by hand at
+    each epoch's end, as Lightning's docs show (Lightning steps no scheduler in manual mode)."""
+
+    def __init__(self, scheduled=False):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gan, self.scheduled, self.calls, self.lrs = GAN(), scheduled, [], []
+
+    def configure_optimizers(self):
+        d, g = gan_adam(self.gan.d.parameters()), gan_adam(self.gan.g.parameters())
+        if not self.scheduled:
+            return [d, g]
+        return [{"optimizer": d, "lr_scheduler": torch.optim.lr_scheduler.StepLR(d, step_size=1, gamma=0.5)},
+                {"optimizer": g}]
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        (real,) = batch
+        fake = self.gan.sample(len(real))
+        for opt, loss_of in ((opt_d, lambda: d_loss_of(self.gan, real, fake)), (opt_g, lambda: g_loss_of(self.gan, fake))):
+            self.toggle_optimizer(opt)
+            self.manual_backward(loss_of())
+            opt.step()
+            opt.zero_grad()
+            self.untoggle_optimizer(opt)
+        self.lrs.append(opt_d.param_groups[0]["lr"])
+
+    def on_train_epoch_end(self):
+        if self.scheduled:
+            self.lr_schedulers().step()
+
+    def on_before_backward(self, loss):
+        self.calls.append("before_backward")
+
+    def on_after_backward(self):
+        self.calls.append("after_backward")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.calls.append(f"before_optimizer_step {'d' if optimizer is self.optimizers()[0].optimizer else 'g'}")
+
+
+class PortGAN(safeloop.Trainer):
+    """``LitGAN`` ported. ``scheduled``: ``"epoch"`` (the scheduler dict with ``interval: "epoch"``), ``"alone"``
+    (the scheduler as Lightning takes it), ``"by hand too"`` (and stepped in ``on_epoch_end``, as Lightning's)."""
+
+    automatic = False
+    scheduled = None
+    calls: list
+    lrs: list
+
+    def configure_optimizers(self):
+        d, g = gan_adam(self.model.d.parameters()), gan_adam(self.model.g.parameters())
+        if not self.scheduled:
+            return {"d": d, "g": g}
+        sched = torch.optim.lr_scheduler.StepLR(d, step_size=1, gamma=0.5)
+        return {"d": {"optimizer": d, "lr_scheduler": sched if self.scheduled == "alone" else
+                      {"scheduler": sched, "interval": "epoch"}}, "g": g}
+
+    def training_step(self, batch):
+        (real,) = batch
+        gan = self.model
+        fake = gan.sample(len(real))
+        d_loss = d_loss_of(gan, real, fake)
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        g_loss = g_loss_of(gan, fake)
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        self.lrs.append(self.optimizers["d"].param_groups[0]["lr"])
+        return {"d": d_loss, "g": g_loss}
+
+    def on_epoch_end(self):
+        if self.scheduled == "by hand too":
+            self.schedulers["d"].step()
+
+    def on_before_backward(self, name, loss):
+        self.calls.append("before_backward")
+
+    def on_after_backward(self, name):
+        self.calls.append("after_backward")
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.calls.append(f"before_optimizer_step {name}")
+
+
+def gan_runs(scheduled=None, lightning_steps=None, safeloop_steps=None, epochs=EPOCHS):
+    lit = LitGAN(bool(scheduled))
+    trainer = lightning(max_epochs=epochs, max_steps=lightning_steps or -1)
+    torch.manual_seed(3)
+    trainer.fit(lit, train_dataloaders=ring())
+    port = type("PortGAN", (PortGAN,), {"scheduled": scheduled})(
+        model=GAN(), train_data=ring(), **settings(max_epochs=epochs, max_steps=safeloop_steps))
+    port.calls, port.lrs = [], []
+    torch.manual_seed(3)
+    return lit, port
+
+
+def test_gan_manual_optimization_matches():
+    """Two optimizers in manual mode (``toggle_optimizer``, ``manual_backward``, ``step``, ``zero_grad`` against
+    ``self.backward(loss, optimizer=...)``, ``self.step(name)``), 2 epochs: G's and D's parameters, the hooks'
+    order."""
+    lit, port = gan_runs()
+    port.fit()
+    assert_same(lit.gan, port.model)
+    assert lit.calls == port.calls == ["before_backward", "after_backward", "before_optimizer_step d",
+                                       "before_backward", "after_backward", "before_optimizer_step g"] * 10
+
+
+def test_gan_max_steps_differs_as_documented():
+    """docs/trainer.md: in manual mode Lightning's ``global_step`` counts optimizer steps, so a GAN's
+    ``max_steps=2N`` there is ``max_steps=N`` here: the same batches, the same parameters."""
+    lit, port = gan_runs(lightning_steps=6, safeloop_steps=3, epochs=None)
+    port.fit()
+    assert lit.trainer.global_step == 6 and port.state.step == 3
+    assert len(lit.lrs) == len(port.lrs) == 3
+    assert_same(lit.gan, port.model)
+
+
+@pytest.mark.parametrize("scheduled", ["epoch", "alone"])
+def test_gan_scheduler_stepped_by_the_trainer_matches_lightning_stepped_by_hand(scheduled):
+    """docs/trainer.md: the Trainer steps the schedulers it knows in manual mode too. Lightning's StepLR on D,
+    stepped by hand in ``on_train_epoch_end``, against the port's given with ``interval: "epoch"`` or alone (the
+    default interval, epoch) and not stepped by hand: D's learning rate at each step, the parameters."""
+    lit, port = gan_runs(scheduled)
+    port.fit()
+    assert lit.lrs == port.lrs == [1e-3] * 5 + [5e-4] * 5
+    assert_same(lit.gan, port.model)
+
+
+def test_gan_scheduler_stepped_by_user_code_too_differs_as_documented():
+    """docs/trainer.md: a scheduler the Trainer knows and the user's code steps too (Lightning's manual
+    optimization calls ``sch.step()`` itself) would move twice: the Trainer's next step of it stops the run with a
+    StepError. It comes at the second epoch's first step, which is undone: the run holds Lightning's first epoch."""
+    lit, _ = gan_runs(True, epochs=1)
+    _, port = gan_runs("by hand too")
+    with pytest.raises(StepError, match=r"step 6: the scheduler of optimizer 'd' \(StepLR\) was stepped outside"):
+        port.fit()
+    assert port.state.step == 5
+    assert_same(lit.gan, port.model)
+
+
+# -- validation, test, predict, precision
+
+
+class LitEval(Lit):
+    def training_step(self, batch, batch_idx):
+        out = self.model(batch[0])
+        self.dtypes.add(out.dtype)
+        return F.mse_loss(out, batch[1])
+
+    def test_step(self, batch, batch_idx):
+        loss = mse(self.model, batch)
+        self.log("test_loss", loss)
+        self.log("test_per_batch", loss, batch_size=1)  # each batch counted once
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+    def on_validation_end(self):
+        self.val.append(float(self.trainer.callback_metrics["val_loss"]))
+
+
+class PortEval(Port):
+    per_batch = False
+    dtypes: set
+
+    def training_step(self, batch):
+        out = self.model(batch[0])
+        self.dtypes.add(out.dtype)
+        return F.mse_loss(out, batch[1])
+
+    def test_step(self, batch):
+        loss = mse(self.model, batch)
+        return ({"per_batch": loss}, 1) if self.per_batch else loss  # (losses, n): self.log(..., batch_size=n)
+
+
+def evaluated(precision="32-true", epochs=1, safeloop_precision=None):
+    """One Lightning run and its port, each trained for ``epochs``, then validated, tested and predicting on 7
+    samples in batches of 3, 3 and 1; returns both and what each gave."""
+    val = loader(n=7, batch=3, seed=2)
+    lit = LitEval()
+    lit.val, lit.dtypes = [], set()
+    trainer = lightning(max_epochs=epochs, precision=precision)
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=val)
+    tested = trainer.test(lit, dataloaders=val, verbose=False)[0]
+    predicted = trainer.predict(lit, dataloaders=val)
+    port = PortEval(model=net(), train_data=loader(), val_data=val, optimizer=adam,
+                    **settings(max_epochs=epochs, val_every=STEPS, precision=safeloop_precision or precision))
+    port.dtypes = set()
+    port.fit()
+    ours = {"val": [m["val_loss"] for s, m in port.state.val_history if s], "test": port.test(val)["test_loss"],
+            "predicted": port.predict(val)}
+    port.per_batch = True
+    ours["per_batch"] = port.test(val)["test_per_batch"]
+    theirs = {"val": lit.val, "test": tested["test_loss"], "per_batch": tested["test_per_batch"],
+              "predicted": predicted}
+    return lit, port, theirs, ours
+
+
+def test_predictions_and_metrics_over_uneven_batches_match():
+    """One epoch of Adam, then validation, ``test`` and ``predict`` over batches of 3, 3 and 1 (the mean over
+    samples and the mean of batch means differ): the parameters, each batch's predictions bit for bit, the
+    metrics to 1e-6, ``batch_size=1`` against ``(losses, 1)`` too (docs/trainer.md's map)."""
+    lit, port, theirs, ours = evaluated()
+    assert_same(lit.model, port.model)
+    assert_equal_tensors(theirs["predicted"], ours["predicted"])
+    assert all(close(theirs[k], ours[k]) for k in ("test", "per_batch")) and close(theirs["val"][0], ours["val"][0])
+
+
+def test_validation_and_test_means_differs_as_documented():
+    """docs/trainer.md: each metric is the mean over samples, "The sums are kept in float64 (Lightning's in
+    float32), so a mean can differ from Lightning's in its last float32 bits": Lightning's is the float32 sum of
+    each batch's loss times its samples over their count, safeloop's the same sum in float64; here they differ."""
+    _, port, theirs, ours = evaluated()
+    with torch.no_grad():
+        losses = [mse(port.model, batch) for batch in loader(n=7, batch=3, seed=2)]
+    sizes = [3, 3, 1]
+
+    def float32_mean(counts):
+        total = torch.tensor(0.0)
+        for loss, n in zip(losses, counts):
+            total = total + loss * n
+        return float(total / sum(counts))
+
+    def float64_mean(counts):
+        return sum(float(loss) * n for loss, n in zip(losses, counts)) / sum(counts)
+
+    assert theirs["test"] == theirs["val"][0] == float32_mean(sizes)
+    assert ours["test"] == ours["val"][0] == float64_mean(sizes)
+    assert theirs["per_batch"] == float32_mean([1, 1, 1]) and ours["per_batch"] == float64_mean([1, 1, 1])
+    assert theirs["test"] != ours["test"] and close(theirs["test"], ours["test"])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_match(precision):
+    """Lightning's precision names, accepted as they are (docs/trainer.md: "the same names"): the forward's dtype
+    in training, the parameters after 2 epochs, the validation and test metrics (to 1e-6), the predictions' dtype
+    and values."""
+    lit, port, theirs, ours = evaluated(precision, epochs=EPOCHS)
+    assert lit.dtypes == port.dtypes == {torch.bfloat16}
+    assert_same(lit.model, port.model)
+    assert len(theirs["val"]) == len(ours["val"]) == EPOCHS and all(map(close, theirs["val"], ours["val"]))
+    assert close(theirs["test"], ours["test"])
+    assert [p.dtype for p in theirs["predicted"]] == [p.dtype for p in ours["predicted"]] == [torch.bfloat16] * 3
+    assert_equal_tensors(theirs["predicted"], ours["predicted"])
+
+
+class LitScaled(Lit):
+    """The loss times 1e3, so that float16's first steps overflow and are skipped; the forward's output dtype, the
+    loss ``on_before_backward`` receives (scaled), the gradients ``on_before_optimizer_step`` sees (unscaled)."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(batch[0])
+        self.dtypes.append(out.dtype)
+        return F.mse_loss(out, batch[1]) * 1e3
+
+    def on_before_backward(self, loss):
+        self.losses.append(loss.detach().clone())
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append(self.model[0].weight.grad.clone())
+
+
+class PortScaled(Port):
+    dtypes: list
+    losses: list
+    grads: list
+
+    def training_step(self, batch):
+        out = self.model(batch[0])
+        self.dtypes.append(out.dtype)
+        return F.mse_loss(out, batch[1]) * 1e3
+
+    def on_before_backward(self, name, loss):
+        self.losses.append(loss.detach().clone())
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.grads.append(self.model[0].weight.grad.clone())
+
+
+def scaled_runs(lightning_precision, safeloop_precision):
+    """``lightning_precision``: Lightning's name, or ``"16-mixed with a scaler"``: float16 autocast and a CPU
+    GradScaler forced on Lightning (``MixedPrecision("16-mixed", "cpu", GradScaler("cpu"))``)."""
+    lit = LitScaled()
+    lit.dtypes, lit.losses, lit.grads = [], [], []
+    plugin = None
+    if lightning_precision == "16-mixed with a scaler":
+        from pytorch_lightning.plugins.precision import MixedPrecision
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        trainer = lightning(max_epochs=EPOCHS, plugins=[plugin])
+    else:
+        trainer = lightning(max_epochs=EPOCHS, precision=lightning_precision)
+    trainer.fit(lit, train_dataloaders=loader())
+    port = PortScaled(model=net(), train_data=loader(), optimizer=adam,
+                      **settings(max_epochs=EPOCHS, precision=safeloop_precision))
+    port.dtypes, port.losses, port.grads = [], [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the scaler's skipped first update makes torch warn about the order
+        port.fit()
+    return lit, port, plugin
+
+
+def test_float16_with_a_grad_scaler_matches():
+    """float16 autocast with a GradScaler (Lightning's "16-mixed" on CUDA, forced on the CPU; safeloop's "16"), the
+    loss large enough that the first steps overflow: the parameters, the scaled loss ``on_before_backward``
+    receives (docs/trainer.md: "scaled under precision=16", as Lightning's), the unscaled gradients
+    ``on_before_optimizer_step`` sees (NaN and inf where they overflowed), the final loss scale."""
+    lit, port, plugin = scaled_runs("16-mixed with a scaler", "16")
+    assert_same(lit.model, port.model)
+    assert_equal_tensors(lit.losses, port.losses)
+    assert len(lit.grads) == len(port.grads) and all(
+        torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(lit.grads, port.grads))
+    assert not all(g.isfinite().all() for g in port.grads)  # some steps overflowed and were skipped
+    assert plugin.scaler.get_scale() == port.scaler.get_scale() < 2.0 ** 16
+    assert set(lit.dtypes) == set(port.dtypes) == {torch.float16}
+
+
+def test_16_mixed_on_the_cpu_differs_as_documented():
+    """docs/trainer.md: "``"16-mixed"`` on the CPU is float16 with a GradScaler here; Lightning switches it to
+    ``"bf16-mixed"`` there". Lightning's "16-mixed" on the CPU trains as safeloop's "bf16-mixed", bit for bit;
+    safeloop's "16-mixed" as Lightning's float16 with a GradScaler (the test above)."""
+    lit, port, _ = scaled_runs("16-mixed", "bf16-mixed")
+    assert_same(lit.model, port.model)
+    assert set(lit.dtypes) == set(port.dtypes) == {torch.bfloat16}
+    forced, ours, _ = scaled_runs("16-mixed with a scaler", "16-mixed")
+    assert_same(forced.model, ours.model)
+    assert set(ours.dtypes) == {torch.float16}
