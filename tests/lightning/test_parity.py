@@ -33,9 +33,12 @@ EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 
 
 @pytest.fixture(autouse=True)
-def _quiet(one_thread):
+def _quiet(one_thread, monkeypatch):
     """Lightning's info lines ("GPU available", tips) and its advice (few workers, inferred batch sizes) off; one
-    thread, so that both sides run the same kernels."""
+    thread, so that both sides run the same kernels; the variables both ``seed_everything`` set put back after."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "SAFELOOP_SEED_WORKERS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     names = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
     levels = {name: logging.getLogger(name).level for name in names}
     for name in names:
@@ -845,3 +848,278 @@ def test_16_mixed_on_the_cpu_differs_as_documented():
     forced, ours, _ = scaled_runs("16-mixed with a scaler", "16-mixed")
     assert_same(forced.model, ours.model)
     assert set(ours.dtypes) == {torch.float16}
+
+
+# -- seeding
+
+
+def unseeded_net():
+    """No seed of its own: the weights come from whatever seeded the generator last."""
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1))
+
+
+class LitSeen(Lit):
+    """The batches ``training_step`` sees."""
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+class PortSeen(Port):
+    seen: list
+
+    def training_step(self, batch):
+        self.seen.append(batch[0].clone())
+        return super().training_step(batch)
+
+
+def seeded_runs(train_loader, validate=False, workers=False, epochs=EPOCHS):
+    """``seed_everything(7, workers=workers)`` (Lightning's, then safeloop's), the model built after it, trained on
+    ``train_loader()`` with dropout 0.3; with validation each epoch if ``validate``."""
+    val = loader(n=6, seed=2) if validate else None
+    pl.seed_everything(7, workers=workers, verbose=False)
+    lit = LitSeen(unseeded_net())
+    lit.seen = []
+    lightning(max_epochs=epochs).fit(lit, train_dataloaders=train_loader(), val_dataloaders=val)
+    safeloop.seed_everything(7, workers=workers)
+    port = PortSeen(model=unseeded_net(), train_data=train_loader(), val_data=val, optimizer=adam,
+                    **settings(max_epochs=epochs, val_every=STEPS if validate else None))
+    port.seen = []
+    port.fit()
+    return lit, port
+
+
+def shuffled():
+    return DataLoader(dataset(), batch_size=2, shuffle=True)
+
+
+def test_seed_everything_dropout_and_shuffling_match():
+    """``seed_everything(7)``, the model built after it, dropout, a shuffled DataLoader without a generator of its
+    own, 2 epochs: the initial weights, the batches ``training_step`` sees, the parameters."""
+    lit, port = seeded_runs(shuffled)
+    pl.seed_everything(7, verbose=False)
+    first = unseeded_net()
+    safeloop.seed_everything(7)
+    assert_same(first, unseeded_net())
+    assert_equal_tensors(lit.seen, port.seen)
+    assert_same(lit.model, port.model)
+
+
+def test_validation_leaves_the_random_streams_differs_as_documented():
+    """docs/trainer.md (Validation): iterating a DataLoader draws a seed from the global torch generator;
+    safeloop puts the generators back after each validation, so a run with ``val_data`` trains exactly as the
+    same run without it. Lightning's does not: from the epoch after its first validation on, its batches and
+    dropout differ from its run without validation, which safeloop's run with validation matches bit for bit."""
+    lit, port = seeded_runs(shuffled, validate=True)
+    plain, _ = seeded_runs(shuffled)
+    assert_equal_tensors(plain.seen, port.seen)
+    assert_same(plain.model, port.model)
+    assert_equal_tensors(lit.seen[:STEPS], port.seen[:STEPS])
+    assert not any(torch.equal(a, b) for a, b in zip(lit.seen[STEPS:], port.seen[STEPS:]))
+
+
+def with_workers(worker_init_fn=None):
+    """2 workers, each drawing a random augmentation."""
+    return lambda: DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, worker_init_fn=worker_init_fn)
+
+
+def test_seed_everything_with_dataloader_workers_matches():
+    """``seed_everything(7)`` without ``workers=True``: torch's own worker seeds in both; the augmented batches
+    and the parameters."""
+    lit, port = seeded_runs(with_workers(), epochs=1)
+    assert len(lit.seen) == 4
+    assert_equal_tensors(lit.seen, port.seen)
+    assert_same(lit.model, port.model)
+
+
+def test_seed_everything_workers_true_differs_as_documented():
+    """docs/trainer.md: ``seed_everything(42, workers=True)``: "each worker of each rank its own seed ...; not
+    Lightning's numbers": safeloop gives its loaders ``safeloop.seed_worker``, Lightning its
+    ``pl_worker_init_function``, and each run's batches are those of its function; a loader's own
+    ``worker_init_fn`` is kept, so Lightning's given to safeloop's loader gives Lightning's batches."""
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    lit, port = seeded_runs(with_workers(), workers=True, epochs=1)
+    assert not any(torch.equal(a, b) for a, b in zip(lit.seen, port.seen))
+    _, ours = seeded_runs(with_workers(safeloop.seed_worker), workers=True, epochs=1)
+    assert_equal_tensors(ours.seen, port.seen)
+    _, theirs = seeded_runs(with_workers(pl_worker_init_function), workers=True, epochs=1)
+    assert_equal_tensors(lit.seen, theirs.seen)
+    assert_same(lit.model, theirs.model)
+
+
+# -- when runs end: max_steps, a stop asked for; the counters
+
+
+def epoch_step_lr(model):
+    opt = sgd(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+class LitEvents(Lit):
+    def on_train_epoch_end(self):
+        self.events.append(("epoch_end", self.trainer.global_step, self.optimizers().param_groups[0]["lr"]))
+
+    def on_validation_end(self):
+        self.events.append(("validation", self.trainer.global_step))
+
+
+class PortEvents(Port):
+    events: list
+    configure = staticmethod(epoch_step_lr)
+
+    def on_epoch_end(self):
+        self.events.append(("epoch_end", self.state.step, self.optimizers["optimizer"].param_groups[0]["lr"]))
+
+    def on_validation_end(self, metrics):
+        self.events.append(("validation", self.state.step))
+
+
+def max_steps_runs(max_steps):
+    """``max_steps`` over 7-batch passes, validation each epoch, a StepLR with ``interval: "epoch"``."""
+    lit = LitEvents(configure=epoch_step_lr)
+    lit.events = []
+    lightning(max_steps=max_steps).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortEvents(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
+                      **settings(max_steps=max_steps, val_every=STEPS))
+    port.events = []
+    port.fit()
+    return lit, port
+
+
+def lr(run):
+    """The learning rate a run (a LightningModule, a safeloop Trainer) ended with: what a checkpoint would hold."""
+    optimizer = run.optimizers() if isinstance(run, pl.LightningModule) else run.optimizers["optimizer"]
+    return optimizer.param_groups[0]["lr"]
+
+
+def test_max_steps_mid_pass_differs_as_documented():
+    """docs/trainer.md: a run that ``max_steps`` ends mid-pass calls no ``on_epoch_end`` and its epoch schedulers do
+    not step: the next ``fit()`` goes on in that pass; Lightning ends the pass there (its epoch-end hook runs; its
+    epoch scheduler does not step either). And safeloop validates at the end of the run too (Validation). 10 steps
+    of 7-batch passes: the same parameters and learning rate."""
+    lit, port = max_steps_runs(10)
+    assert_same(lit.model, port.model)
+    assert lr(lit) == lr(port) == 0.025
+    assert lit.events == [("validation", 7), ("epoch_end", 7, 0.025), ("epoch_end", 10, 0.025)]
+    assert port.events == [("validation", 0), ("validation", 7), ("epoch_end", 7, 0.025), ("validation", 10)]
+    assert (lit.trainer.current_epoch, port.state.epoch) == (2, 1)
+
+
+def test_max_steps_at_a_pass_end_differs_as_documented():
+    """docs/trainer.md (Hooks): "where ``max_steps`` stops a run right after a pass's last batch, that pass's
+    ``on_epoch_end`` runs when training goes on (the next ``fit()``, or a resume), before the next step", and its
+    epoch schedulers step then. Lightning ends the pass at once: its run ends with the learning rate stepped,
+    safeloop's one step behind. Going on to 8 steps, safeloop's run is Lightning's run of 8 steps, bit for bit."""
+    lit, port = max_steps_runs(STEPS)
+    assert_same(lit.model, port.model)
+    assert lit.events == [("validation", 7), ("epoch_end", 7, 0.025)] and lr(lit) == 0.025
+    assert port.events == [("validation", 0), ("validation", 7)] and lr(port) == 0.05
+    port.max_steps = 8
+    port.fit()
+    assert port.events[2:] == [("epoch_end", 7, 0.025), ("validation", 8)]
+    longer, _ = max_steps_runs(8)
+    assert_same(longer.model, port.model)
+
+
+ACCUM = 2
+
+
+class LitCounters(Lit):
+    """(hook, global_step, current_epoch) in each hook; ``training_step`` at each update's first micro-batch,
+    ``on_train_batch_end`` at its last (safeloop's run once per update: docs/trainer.md)."""
+
+    def note(self, hook):
+        self.seen.append((hook, self.global_step, self.current_epoch))
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % ACCUM == 0:
+            self.note("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_start(self):
+        self.note("epoch_start")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.note("before_optimizer_step")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % ACCUM == 0 or self.trainer.is_last_batch:
+            self.note("step_end")
+            if self.global_step == self.stop_at:
+                self.trainer.should_stop = True
+
+    def on_train_epoch_end(self):
+        self.note("epoch_end")
+
+    def on_validation_end(self):
+        self.note("validation_end")
+
+
+class PortCounters(Port):
+    seen: list
+    stop_at: int | None
+
+    def note(self, hook):
+        if not (hook == "training_step" and self.seen and self.seen[-1] == (hook, self.state.step, self.state.epoch)):
+            self.seen.append((hook, self.state.step, self.state.epoch))  # once per update, as Lightning's above
+
+    def training_step(self, batch):
+        self.note("training_step")
+        return super().training_step(batch)
+
+    def on_epoch_start(self):
+        self.note("epoch_start")
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.note("before_optimizer_step")
+
+    def on_step_end(self, losses):
+        self.note("step_end")
+        if self.state.step == self.stop_at:
+            self.request_stop("asked")
+
+    def on_epoch_end(self):
+        self.note("epoch_end")
+
+    def on_validation_end(self, metrics):
+        self.note("validation_end")
+
+
+def counted_runs(stop_at=None):
+    """2 passes of 5 batches, ``accumulate_grad_batches=2`` (3 updates a pass, the last a tail of one), validation
+    each epoch (``val_every=3``); a stop asked for after step ``stop_at``."""
+    lit = LitCounters(configure=lambda m: sgd(m.parameters()))
+    lit.seen, lit.stop_at = [], stop_at
+    trainer = lightning(max_epochs=2, accumulate_grad_batches=ACCUM)
+    trainer.fit(lit, train_dataloaders=loader(n=10), val_dataloaders=loader(n=4, seed=2))
+    port = PortCounters(model=net(), train_data=loader(n=10), val_data=loader(n=4, seed=2), optimizer=sgd,
+                        **settings(max_epochs=2, grad_accum=ACCUM, val_every=3))
+    port.seen, port.stop_at = [], stop_at
+    port.fit()
+    assert port.seen[0] == ("validation_end", 0, 0)  # before training: safeloop's own
+    return lit, port, port.seen[1:]
+
+
+def test_step_and_epoch_counters_match():
+    """``self.global_step`` / ``self.current_epoch`` against ``self.state.step`` / ``self.state.epoch``
+    (docs/trainer.md's map) as each hook and ``training_step`` read them, under accumulation with a short tail and
+    validation each epoch, and after ``fit``; the parameters."""
+    lit, port, ours = counted_runs()
+    assert lit.seen == ours
+    assert (lit.trainer.global_step, lit.trainer.current_epoch) == (port.state.step, port.state.epoch) == (6, 2)
+    assert_same(lit.model, port.model)
+
+
+def test_a_stop_asked_mid_pass_differs_as_documented():
+    """docs/trainer.md: a run that a stop ends mid-pass (``trainer.should_stop = True`` /
+    ``self.request_stop(reason)``) calls no ``on_epoch_end``, and the pass is not counted; Lightning ends the pass
+    there. Asked after step 4, the first of the second pass: the rest the same, the parameters too."""
+    lit, port, ours = counted_runs(stop_at=4)
+    assert lit.seen[-1] == ("epoch_end", 4, 1)
+    assert lit.seen[:-1] == ours and ours[-1] == ("validation_end", 4, 1)
+    assert (lit.trainer.global_step, lit.trainer.current_epoch) == (4, 2)
+    assert (port.state.step, port.state.epoch) == (4, 1)
+    assert_same(lit.model, port.model)
