@@ -1123,3 +1123,189 @@ def test_a_stop_asked_mid_pass_differs_as_documented():
     assert (lit.trainer.global_step, lit.trainer.current_epoch) == (4, 2)
     assert (port.state.step, port.state.epoch) == (4, 1)
     assert_same(lit.model, port.model)
+
+
+# -- callbacks, samplers, validation intervals, modes, closures
+
+
+def test_callback_hooks_run_after_the_trainers_differs_as_documented():
+    """docs/trainer.md: "The Trainer's own hook runs first, then the callbacks' (Lightning calls most callback hooks
+    first)". One epoch of 3 batches, validation at its end, one callback: for each hook of the map, who ran it first.
+    (safeloop's validation before training left out.)"""
+    calls = []
+
+    def hooks(who, names):
+        def hook(ours):
+            return lambda self, *args: calls.append((who, ours))
+        return {name: hook(HOOKS.get(name, name)) for name in names}
+
+    LitHooks = type("LitHooks", (Lit,), hooks("module", HOOKS))
+    LitCallback = type("LitCallback", (pl.Callback,), hooks("callback", HOOKS))
+    lightning(max_epochs=1, callbacks=[LitCallback()]).fit(
+        LitHooks(configure=lambda m: sgd(m.parameters(), 0.1)), train_dataloaders=loader(n=6),
+        val_dataloaders=loader(n=4, seed=2))
+    theirs, calls[:] = list(calls), []
+    PortHooks = type("PortHooks", (Port,), hooks("module", HOOKS.values()))
+    PortCallback = type("PortCallback", (safeloop.Callback,), hooks("callback", HOOKS.values()))
+    PortHooks(model=net(), train_data=loader(n=6), val_data=loader(n=4, seed=2), callbacks=[PortCallback()],
+              optimizer=lambda p: sgd(p, 0.1), **settings(max_epochs=1, val_every=3)).fit()
+    ours = calls[:2] + calls[4:]
+    assert calls[2:4] == [("module", "on_validation_end"), ("callback", "on_validation_end")]  # before training
+    assert [hook for _, hook in theirs] == [hook for _, hook in ours]
+    assert [who for who, _ in theirs] == ["callback", "module"] * (len(theirs) // 2)
+    assert [who for who, _ in ours] == ["module", "callback"] * (len(ours) // 2)
+    assert {hook for _, hook in ours} == set(HOOKS.values())
+
+
+def epoch_sampled(kind):
+    """A sampler whose order depends on the epoch (``set_epoch``), given as ``sampler=`` or inside a
+    ``batch_sampler=``."""
+    ds = dataset()
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+    if kind == "sampler":
+        return DataLoader(ds, batch_size=2, sampler=sampler)
+    return DataLoader(ds, batch_sampler=BatchSampler(sampler, batch_size=2, drop_last=False))
+
+
+@pytest.mark.parametrize("kind", ["sampler", "batch_sampler"])
+def test_set_epoch_reaches_the_sampler_matches(kind):
+    """Lightning calls ``set_epoch`` on a loader's sampler and on its batch sampler's; so does safeloop: 3 epochs,
+    the batches ``training_step`` sees (a new order each epoch) and the parameters."""
+    lit = LitSeen()
+    lit.seen = []
+    lightning(max_epochs=3).fit(lit, train_dataloaders=epoch_sampled(kind))
+    port = PortSeen(model=net(), train_data=epoch_sampled(kind), optimizer=adam, **settings(max_epochs=3))
+    port.seen = []
+    port.fit()
+    assert_equal_tensors(lit.seen, port.seen)
+    assert not torch.equal(torch.cat(port.seen[:STEPS]), torch.cat(port.seen[STEPS:2 * STEPS]))
+    assert_same(lit.model, port.model)
+
+
+class LitValidated(Lit):
+    def on_validation_end(self):
+        self.validated.append(self.trainer.global_step)
+
+
+class PortValidated(Port):
+    validated: list
+
+    def on_validation_end(self, metrics):
+        self.validated.append(self.state.step)
+
+
+def validated_runs(lightning_validation, val_every):
+    """``accumulate_grad_batches=2`` over 2 passes of 7 batches (4 updates each, the last a tail of one): the steps
+    validation ran after in each."""
+    lit = LitValidated(configure=lambda m: sgd(m.parameters()))
+    lit.validated = []
+    lightning(max_epochs=EPOCHS, accumulate_grad_batches=2, **lightning_validation).fit(
+        lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2))
+    port = PortValidated(model=net(), train_data=loader(), val_data=loader(n=4, seed=2), optimizer=sgd,
+                         **settings(max_epochs=EPOCHS, grad_accum=2, val_every=val_every))
+    port.validated = []
+    port.fit()
+    return lit.validated, port.validated
+
+
+@pytest.mark.parametrize("lightning_validation, val_every", [
+    ({}, 4), ({"val_check_interval": 4, "check_val_every_n_epoch": None}, 2), ({"check_val_every_n_epoch": 2}, 8)],
+    ids=["each epoch", "val_check_interval", "every other epoch"])
+def test_validation_intervals_match(lightning_validation, val_every):
+    """When validation runs under accumulation (docs/trainer.md: each epoch is ``val_every`` = one pass's steps;
+    ``val_check_interval=N`` batches is ``val_every=N / grad_accum``): the steps validated after, besides safeloop's
+    own before training and at the end of the run (Validation)."""
+    theirs, ours = validated_runs(lightning_validation, val_every)
+    end = EPOCHS * 4
+    assert ours == [0] + theirs + ([end] if end not in theirs else [])
+
+
+def test_val_every_counts_optimizer_steps_differs_as_documented():
+    """docs/trainer.md: ``val_check_interval=N`` counts batches, ``val_every=N`` optimizer steps: under
+    ``grad_accum=2``, Lightning's ``val_check_interval=4`` is ``val_every=2``, not ``val_every=4``."""
+    theirs, ours = validated_runs({"val_check_interval": 4, "check_val_every_n_epoch": None}, 4)
+    assert theirs == [2, 4, 6]
+    assert ours == [0, 4, 8]
+
+
+class LitModes(Lit):
+    def training_step(self, batch, batch_idx):
+        self.modes.append((self.model.training, self.model[2].training))
+        return super().training_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", mse(self.model, batch))
+
+
+class PortModes(Port):
+    modes: list
+
+    def training_step(self, batch):
+        self.modes.append((self.model.training, self.model[2].training))
+        return super().training_step(batch)
+
+
+def set_modes(model, how):
+    model.train()
+    if how == "all eval":
+        model.eval()
+    elif how == "dropout eval":
+        model[2].eval()
+
+
+@pytest.mark.parametrize("how", ["all train", "all eval", "dropout eval"])
+def test_train_and_eval_modes_match(how):
+    """docs/trainer.md: the Trainer leaves modes as it finds them, as Lightning's does: a model left in eval mode
+    before ``fit``, one whose dropout alone is (across validations); (model, dropout) in each ``training_step``,
+    and every module's mode after ``test``."""
+    lit = LitModes(net(dropout=0.3), configure=lambda m: sgd(m.parameters(), 0.1))
+    lit.modes = []
+    set_modes(lit.model, how)
+    if how == "all eval":
+        lit.eval()
+    trainer = lightning(max_epochs=2)
+    trainer.fit(lit, train_dataloaders=loader(n=4), val_dataloaders=loader(n=4, seed=2))
+    set_modes(lit.model, how)
+    trainer.test(lit, dataloaders=loader(n=4, seed=2), verbose=False)
+
+    model = net(dropout=0.3)
+    set_modes(model, how)
+    port = PortModes(model=model, train_data=loader(n=4), val_data=loader(n=4, seed=2),
+                     optimizer=lambda p: sgd(p, 0.1), **settings(max_epochs=2, val_every=2))
+    port.modes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", safeloop.ConfigWarning)  # a model in eval mode: said once, as meant
+        port.fit()
+    set_modes(model, how)
+    port.test(loader(n=4, seed=2))
+    assert lit.modes == port.modes and len(port.modes) == 4
+    assert [m.training for m in lit.model.modules()] == [m.training for m in model.modules()]
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_lbfgs_closure_matches(clip):
+    """L-BFGS in automatic optimization: Lightning calls ``optimizer.step(closure)``; safeloop gives it a closure
+    too, the step's own forward and backward serving as its first evaluation (docs/trainer.md, Closures). One
+    epoch, with and without clipping: the parameters, and how many times ``training_step`` ran."""
+    def lbfgs(params):
+        return torch.optim.LBFGS(params, lr=0.5, max_iter=4, history_size=5)
+
+    class LitCount(Lit):
+        def training_step(self, batch, batch_idx):
+            self.count += 1
+            return super().training_step(batch, batch_idx)
+
+    class PortCount(Port):
+        count = 0
+
+        def training_step(self, batch):
+            self.count += 1
+            return super().training_step(batch)
+
+    lit = LitCount(configure=lambda m: lbfgs(m.parameters()))
+    lit.count = 0
+    lightning(max_epochs=1, gradient_clip_val=clip).fit(lit, train_dataloaders=loader())
+    port = PortCount(model=net(), train_data=loader(), optimizer=lbfgs, **settings(max_epochs=1, grad_clip=clip))
+    port.fit()
+    assert_same(lit.model, port.model)
+    assert lit.count == port.count > STEPS
