@@ -30,12 +30,14 @@ from .common import (HOOKS, Lit, Noisy, Port, adam, assert_equal_tensors, assert
                      lightning, loader, max_diff, mse, net, settings, sgd)
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
+# Lightning's advice (no val_dataloader, modules in eval mode, fp16 on the CPU) and its deprecations
+pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
 
 
 @pytest.fixture(autouse=True)
 def _quiet(one_thread, monkeypatch):
-    """Lightning's info lines ("GPU available", tips) and its advice (few workers, inferred batch sizes) off; one
-    thread, so that both sides run the same kernels; the variables both ``seed_everything`` set put back after."""
+    """Lightning's info lines ("GPU available", tips) off; one thread, so that both sides run the same kernels; the
+    variables both ``seed_everything`` set put back after."""
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "SAFELOOP_SEED_WORKERS"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -43,11 +45,7 @@ def _quiet(one_thread, monkeypatch):
     levels = {name: logging.getLogger(name).level for name in names}
     for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module=r"(pytorch_)?lightning")
-        warnings.filterwarnings("ignore", category=pl.utilities.warnings.PossibleUserWarning)
-        warnings.filterwarnings("ignore", message=".*(does not have many workers|infer the `batch_size`).*")
-        yield
+    yield
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
 
@@ -540,12 +538,16 @@ class LitGAN(pl.LightningModule):
         opt_d, opt_g = self.optimizers()
         (real,) = batch
         fake = self.gan.sample(len(real))
-        for opt, loss_of in ((opt_d, lambda: d_loss_of(self.gan, real, fake)), (opt_g, lambda: g_loss_of(self.gan, fake))):
-            self.toggle_optimizer(opt)
-            self.manual_backward(loss_of())
-            opt.step()
-            opt.zero_grad()
-            self.untoggle_optimizer(opt)
+        self.toggle_optimizer(opt_d)
+        self.manual_backward(d_loss_of(self.gan, real, fake))
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(g_loss_of(self.gan, fake))
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
         self.lrs.append(opt_d.param_groups[0]["lr"])
 
     def on_train_epoch_end(self):
