@@ -224,7 +224,7 @@ class Runner:
     def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
         """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
         guard, dist = self.guard, self.dist
-        scale = 1.0 / self.settings.grad_accum if self.settings.grad_accum > 1 else None
+        accum = self.settings.grad_accum  # each loss divided by it, as a hand loop's `loss / accum` and Lightning's
         summed = self.multi_loss == "sum" and not self.routed and len(losses) > 1
         retain = guard.preflight(losses, step, self.scope, batch, first, summed)
         todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights,
@@ -234,7 +234,7 @@ class Runner:
         if self.sharded and self.settings.grad_accum > 1:  # FSDP2 reduces the gradients of the last micro-batch
             fsdp.sync_gradients(self.config.model, last)
         for k, item in enumerate(todo):
-            loss = item.loss * scale if scale is not None else item.loss
+            loss = item.loss / accum if accum > 1 else item.loss
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
             self.hooks("on_before_backward", item.name, loss)  # what is back-propagated, as Lightning gives it
