@@ -6,7 +6,8 @@ script.py args`` would) with the graph-lifecycle guard attached to every ``Tenso
 ``torch.autograd.backward`` and ``torch.autograd.grad`` call. A step ends at each optimizer
 step (PyTorch's global optimizer step hooks; the backwards of an L-BFGS closure, run inside
 ``step()``, are that step's); until an optimizer has begun to step, a backward on a new loss where
-the step's first backward was called starts a step. The tensor at fault is
+the step's first backward was called starts a step, unless the loss reaches the graph the last
+backward kept (``retain_graph=True``: per-task backwards over one trunk). The tensor at fault is
 searched in the variables of the function that called backward and in the script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
 error, naming the tensor and the fix. The Python scripts it starts (the ranks of Lightning's DDP
@@ -138,7 +139,8 @@ class Watch:
 def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"),
                outside: int | None = None) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
-    caller's loop in ``filename``; the outermost loop of that function) began, by a variable that the loop
+    caller's loop in ``filename``, outside any module's forward; the outermost loop of that function) began,
+    by a variable that the loop
     does not assign (or an attribute, assigned neither in the loop nor by a method of its object other than
     ``__init__``, of an object such a variable holds); None if none; ``outside`` if no loop of ``filename``
     runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
@@ -146,16 +148,21 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         return None
     module = None
     found = None
-    while frame is not None:
+    frames = list(_frames(frame))
+    # a loop inside a module's forward (and what it calls) is the model's own computation, not the training loop
+    # (an invertible ResNet's power series of autograd.grad calls): the search starts past the outermost forward
+    forwards = [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
+                and issubclass(type(f.f_locals.get("self")), torch.nn.Module)]
+    for i, frame in enumerate(frames):
         code = frame.f_code
         if code.co_filename == filename:
-            if found is None:
+            if found is None and (not forwards or i > forwards[-1]):
                 body = _loop_around(code, frame.f_lasti)
                 if body is not None:
                     found = frame, body
             if code.co_name == "<module>":
                 module = code
-        frame = frame.f_back
+    del frames
     if found is None:
         return outside
     frame, (first, last) = found

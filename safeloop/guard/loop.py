@@ -25,6 +25,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from typing import Any
 
 import torch
@@ -101,6 +102,7 @@ class GraphGuard:
         # the loop's does past a backward run once before the loop) and the node counter when it last began one
         self._begun: dict[tuple | None, int] = {}
         self._first_site: tuple | None = None
+        self._kept = False  # the last backward kept its graph (retain_graph, create_graph)
         self._iteration_seq: int | None = None
         self._globals: dict | None = None  # more globals to search (a script's, under watch)
         self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
@@ -271,7 +273,7 @@ class GraphGuard:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
                 loss.grad_fn is not None and loss.grad_fn.metadata.get(_SEEN) == self.steps
-                for loss in losses.values()):
+                for loss in losses.values()) and not self._same_iteration(losses):
             # a new loss where the step's first backward was called, and no optimizer: the loop came round
             # (backwards called elsewhere, several autograd.grad building one loss say, are the same step's);
             # the last step ended at its last backward
@@ -304,10 +306,26 @@ class GraphGuard:
         finally:
             guard.frame = None  # a frame holds every variable of its function: never kept
 
+    def _same_iteration(self, losses: Mapping[str, torch.Tensor]) -> bool:
+        """Whether new ``losses`` at the step's first call site reach a node the step made before its last backward
+        ended, which kept its graph: the same iteration's next backward through that graph (PCGrad's per-task losses
+        over one trunk, each ``backward(retain_graph=True)`` from one line; a second-order adaptation's next inner
+        loss), not the loop come round, whose new graph is made after."""
+        start, end = self.guard.start_seq, self.guard.next_start
+        if not (self._kept and walk.HAS_SEQ and start is not None and end is not None):
+            return False
+
+        def older(node) -> bool:  # a leaf, or made before the step: not the step's own
+            return type(node) is walk.ACCUMULATE or walk.sequence_nr(node) < start
+
+        return any(walk.sequence_nr(node) < end for loss in losses.values() if loss.grad_fn is not None
+                   for node in islice(walk.iter_nodes(loss.grad_fn, stop=older), 100_000))
+
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed
         its graph is looked at again before a later backward."""
         bounded = self._explicit or self._by_optimizer  # the step's end is known: the marks only serve checks
+        self._kept = retained
         if bounded and not self.guard.checking:  # an unchecked step's second backward is explained if it fails
             return
         step = self.steps

@@ -38,7 +38,7 @@ from torch.autograd import Variable
 from torch.nn.functional import conv2d, conv_transpose2d, normalize
 from torch.nn.parameter import Parameter
 
-from safeloop import GraphReuseError, Trainer
+from safeloop import Trainer
 
 from .harness import assert_same, checks, compare
 
@@ -554,13 +554,7 @@ class IResNet(Trainer):
         return density_loss(self.model, inputs)
 
 
-WATCH = (GraphReuseError, "under watch, the first backward-like call is the torch.autograd.grad inside the "
-         "blocks' forward, in the power series' loop: watch takes that loop for the training loop, and the "
-         "step's own graph (built before that call, in the same forward) for one built before training "
-         "(repros/watch_grad_in_a_forward_loop.py)")
-
-
-@pytest.mark.parametrize("check", checks(auto=WATCH, always=WATCH))
+@pytest.mark.parametrize("check", checks())
 def test_iresnet_density_estimation_with_a_power_series_log_determinant(check):
     data = cifar()
     compare(iresnet, iresnet_hand, IResNet, lambda model: data, check, steps=args.epochs * PER_EPOCH)

@@ -13,9 +13,6 @@ one channel mask in the shared trunk, one per head. Every epoch ends with a vali
 Changes for a seconds-long test: 2 epochs of 3 batches of 4 random 28x28 images with two labels each
 (MultiMNIST: 100 epochs of 256), one validation batch of 4 (100); no CUDA; the logger left out.
 
-Under ``watch`` the hand loop gets a ``GraphLeakWarning`` at its first iteration (auto, always): xfail; the port
-is bit-identical.
-
 The port is manual: ``pc_backward`` as it is, inside ``training_step`` (its own ``backward`` calls write only
 gradients it then replaces), then ``self.step()``; ``on_epoch_start`` puts the nets in train mode,
 ``on_epoch_end`` validates.
@@ -31,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Variable
 
-from safeloop import GraphLeakWarning, Trainer
+from safeloop import Trainer
 
 from .harness import assert_same, checks, compare
 
@@ -263,19 +260,14 @@ class MultiMNIST(list):
         self.val = [batch()]
 
 
-LEAK = (GraphLeakWarning, "under watch, before the first optimizer step the two per-task backwards (one line, "
-        "retain_graph=True) become steps 1 and 2, and `losses`, which holds both tasks' losses over one shared "
-        "graph, is taken for a holder keeping two steps' graphs (repros/watch_leak_from_per_task_backwards.py)")
-
-
-@pytest.mark.parametrize("check", checks(auto=LEAK, always=LEAK))
+@pytest.mark.parametrize("check", checks())
 def test_pcgrad_with_per_task_backwards_and_projected_gradients(check):
     compare(make_nets, pcgrad_hand, PCGradTrainer, lambda model: MultiMNIST(), check, steps=EPOCHS * PER_EPOCH)
 
 
 @pytest.mark.parametrize("check", checks())
 def test_pcgrad_port_alone(check):
-    """The port against the hand loop without ``watch`` (whose warning stops the case above first)."""
+    """The port against the hand loop without ``watch``."""
     torch.manual_seed(0)
     ref = make_nets()
     ours = copy.deepcopy(ref)
