@@ -509,7 +509,10 @@ class Guard:
                            ".detach().requires_grad_(), copy.deepcopy), make them from the parameters themselves: "
                            "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
                            "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
-                           "if the tensors it reaches are the ones to train, give them to an optimizer"]))
+                           "if the tensors it reaches are the ones to train, give them to an optimizer",
+                           "if you read their gradients by hand and hand them to trained parameters (DARTS' unrolled "
+                           "copy: `alpha.grad = g`), this is no mistake: turn this check off for that backward "
+                           "(guard.ignore('unused'); under watch, --ignore unused)"]))
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
