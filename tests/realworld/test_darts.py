@@ -24,7 +24,7 @@ Every step first updates the architecture, then the weights:
 
 Changes for a seconds-long test: 2 initial channels, 3 layers (a normal cell, then two reduction cells), 8x8
 images, 3 classes, batches of 4; CIFAR-10's two halves and their DataLoaders (``next(iter(valid_queue))``) are
-replaced by fixed seeded (train, search) batch pairs, the same 3 in each of 2 epochs; no CUDA (``.cuda()`` and
+replaced by fixed seeded (train, search) batch pairs, the same 2 in each of 2 epochs; no CUDA (``.cuda()`` and
 ``async=True`` left out). The arithmetic calls torch 0.3 spelled with a leading scalar (``theta.sub(eta, x)``,
 ``p.data.add_(R, v)``) take ``alpha=`` (a 0-dim ``R`` as a float); ``clip_grad_norm`` is ``clip_grad_norm_``.
 The accuracy meters, logging, genotype prints, ``infer`` and saving are left out.
@@ -55,7 +55,7 @@ from .harness import assert_same, checks, compare, fixed
 args = SimpleNamespace(batch_size=4, learning_rate=0.025, learning_rate_min=0.001, momentum=0.9, weight_decay=3e-4,
                        epochs=2, init_channels=2, layers=3, grad_clip=5, unrolled=True, arch_learning_rate=3e-4,
                        arch_weight_decay=1e-3)
-CLASSES, SIZE, PER_EPOCH = 3, 8, 3
+CLASSES, SIZE, PER_EPOCH = 3, 8, 2
 STEPS = args.epochs * PER_EPOCH
 
 # -- cnn/genotypes.py, cnn/operations.py -------------------------------------------------------------------
@@ -482,10 +482,10 @@ def test_darts_second_order(check):
     compare(network, darts_hand, DARTS, fixed(cifar()), check, steps=STEPS)
 
 
-@pytest.mark.parametrize("check", checks())
+@pytest.mark.parametrize("check", ["auto", "always"])
 def test_darts_second_order_port_alone(check):
-    """The port against the hand loop without ``watch`` (whose warning stops the case above first): every
-    parameter, buffer and architecture weight bit for bit."""
+    """The port against the hand loop without ``watch`` (whose warning stops the case above first, ``off`` aside):
+    every parameter, buffer and architecture weight bit for bit."""
     torch.manual_seed(0)
     ref = network()
     ours = copy.deepcopy(ref)
