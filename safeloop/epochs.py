@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from torch.utils.data import DataLoader, IterableDataset
+
 
 from . import checkpoint as ckpt
 from .callbacks import Hooks
@@ -19,6 +21,8 @@ from .errors import ConfigError
 from .schedules import Schedules
 from .seed import seeded_workers
 from .state import TrainState
+
+PASS_END = object()  # what ``TrainData.steps`` yields once a pass's end has run (the epoch schedulers, the hook)
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -33,20 +37,29 @@ class TrainData:
         self.epoch_rng: dict | None = None  # the RNG states the current pass's order was drawn from
         self.shard: Callable[[Iterable], Iterable] | None = None
         self._sharded: Iterable | None = None  # the data this rank's share was made as
-        # where the last fit() stopped: (its step iterator, grad_accum, data, step); the next goes on from there
+        # where the last fit() stopped: (its step iterator, the steps under it, grad_accum, data, step): the next
+        # goes on from there
         self.left: tuple | None = None
+        self._steps: Iterator | None = None  # the current fit's ``steps`` (its pass ends too: see ``keep``)
 
     def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
         """The steps of a fit: the last fit's iterator where it stopped (so that nothing is read again) when
         ``data`` and ``grad_accum`` are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
         left, self.left = self.left, None
-        if left is not None and left[1] == settings.grad_accum and left[2:] == (self.data, self.state.step):
+        if left is not None and left[2] == settings.grad_accum and left[3:] == (self.data, self.state.step):
+            self._steps = left[1]
             return left[0]
-        return self.steps(settings, hooks, schedules)
+        self._steps = self.steps(settings, hooks, schedules)
+        return (group for group in self._steps if group is not PASS_END)
 
     def keep(self, batches: Iterator[list], grad_accum: int) -> None:
-        """A fit stopped after this step: the next one goes on with ``batches``, its iterator, from here."""
-        self.left = batches, grad_accum, self.data, self.state.step
+        """A fit stopped after this step: the next one goes on with ``batches``, its iterator, from here. A pass
+        whose last batch the step took (data whose length is known) ends now, as Lightning ends it: its epoch
+        schedulers step and ``on_epoch_end`` runs, before the end of ``fit`` validates and saves."""
+        length = _length(self.data)
+        if length is not None and self.state.batch_in_epoch >= length:
+            next(self._steps, None)  # up to the pass's end (``PASS_END``), asking the data for nothing more
+        self.left = batches, self._steps, grad_accum, self.data, self.state.step
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
         """Each step's micro-batches (``settings.grad_accum`` of them, as it was when this began), forever
@@ -64,7 +77,9 @@ class TrainData:
                 batches = data
             elif start:  # the order the pass had before the interruption, past the batches consumed
                 batches = ckpt.fast_forward(data, self.epoch_rng, start)
-            else:
+            else:  # a new pass: its order drawn from the generators as the last pass left them (a resume too)
+                if self.epoch_rng is not None and state.epoch > 0:
+                    ckpt.set_generators(data, self.epoch_rng)
                 self.epoch_rng = ckpt.epoch_start(data)
                 batches = data
             empty = True
@@ -86,16 +101,15 @@ class TrainData:
             hooks("on_epoch_end")
             state.epoch += 1
             state.batch_in_epoch = 0
+            self.epoch_rng = ckpt.epoch_start(data)  # what the next pass draws from (a checkpoint between passes)
+            yield PASS_END
 
     def ends_run(self, max_epochs: int | None) -> bool:
         """Whether the step just taken was the last of the run's last pass: known when the data has a
         length (otherwise the pass ends when the next step asks for its batch, after this step's work)."""
-        if max_epochs is None or self.state.epoch != max_epochs - 1:
-            return False
-        try:
-            return self.state.batch_in_epoch >= len(self.data)
-        except TypeError:  # no length (a generator, an IterableDataset's loader)
-            return False
+        length = _length(self.data)
+        return max_epochs is not None and self.state.epoch == max_epochs - 1 and length is not None and \
+            self.state.batch_in_epoch >= length
 
     def shard_again(self) -> None:
         """Under torchrun, data replaced since this rank's share was made (between fits, or by
@@ -111,6 +125,16 @@ class TrainData:
         self.left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.load_data(self.data, saved["iterable"])
         self.epoch_rng = saved["epoch_start"]
+
+
+def _length(data) -> int | None:
+    """The batches a pass of ``data`` yields, where that is known for sure: a list or tuple, or a DataLoader over
+    a dataset with a length (an IterableDataset's may say another number than it yields)."""
+    if isinstance(data, (list, tuple)):
+        return len(data)
+    if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
+        return len(data)
+    return None
 
 
 def epoch_samplers(data) -> list:

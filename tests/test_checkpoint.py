@@ -63,15 +63,16 @@ def test_shuffle_seeded_from_the_global_rng_resumes_in_the_same_order(tmp_path, 
 
 
 def test_resumed_after_the_last_batch_of_an_epoch_it_goes_on_as_a_run_that_never_stopped(tmp_path, one_thread):
-    """13 batches an epoch: the checkpoint of step 13 is the first epoch's last; the shuffle of the
-    next epoch draws from the loader's generator as it stood after the first epoch's draws."""
+    """13 batches an epoch: the checkpoint of step 13, the run's end, is written after the first pass ended (as
+    Lightning ends a pass with the run); the shuffle of the next epoch draws from the loader's generator as it stood
+    after the first epoch's draws (kept in the checkpoint for the pass to come)."""
     straight = make(tmp_path / "a", 26)
     straight.fit()
     make(tmp_path / "b", 13).fit()
     resumed = make(tmp_path / "b", 26, resume="auto")
     resumed.fit()
     assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
-    assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (1, 13)
+    assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (2, 0)  # its last pass ended with the run
 
 
 class Batches(Trainer):

@@ -470,14 +470,16 @@ def test_on_epoch_start_and_end_frame_each_pass_and_the_epoch_schedulers_step_be
 
 @pytest.mark.parametrize("stop", [3, 2], ids=["after-the-pass-s-last-batch", "within-the-pass"])
 def test_a_run_that_stops_and_goes_on_has_the_epoch_events_of_the_run_that_never_stopped(tmp_path, stop):
-    """Stopped right after the first pass's last batch (step 3), that pass's on_epoch_end runs once, at the
-    start of the resumed run (or of the next fit()), before step 4; stopped within it (step 2), neither the
-    resumed run nor the next fit() starts the pass again (no second on_epoch_start)."""
+    """Stopped right after the first pass's last batch (step 3), that pass ends with the run (its on_epoch_end and
+    epoch scheduler, as Lightning ends it), once; stopped within it (step 2), neither the resumed run nor the next
+    fit() starts the pass again (no second on_epoch_start), and its end comes with the pass's last batch."""
     straight = epoch_run(tmp_path, max_steps=6)
     straight.fit()
     first = epoch_run(tmp_path, max_steps=stop, checkpoint={"dir": str(tmp_path)})
     first.fit()
-    assert first.events == [("epoch start", 0, 0)] + [("step", k) for k in range(1, stop + 1)]
+    ended = [("epoch end", 0, 3, 0.05)] if stop == 3 else []
+    assert first.events == [("epoch start", 0, 0)] + [("step", k) for k in range(1, stop + 1)] + ended
+    assert first.state.epoch == (1 if stop == 3 else 0)
     resumed = epoch_run(tmp_path / "resumed", max_steps=6, resume=str(tmp_path / f"step-{stop:09d}.pt"))
     with warnings.catch_warnings():  # the epoch scheduler steps before this process's first optimizer step
         warnings.simplefilter("error")

@@ -25,9 +25,9 @@ from .contents import Parts, check_plain, collect, restore
 from .directory import Checkpointer, configured
 from .files import FORMAT, atomic_save, is_rank_zero, load
 from .locks import holder, lock, release, run_dir_in_use, take
-from .position import epoch_start, fast_forward, load_data, rng_state, set_rng_state, stateful
+from .position import epoch_start, fast_forward, load_data, rng_state, set_generators, set_rng_state, stateful
 from .stop import StopRequest, stop_signals
 
 __all__ = ["FORMAT", "Checkpointer", "Parts", "StopRequest", "atomic_save", "check_plain", "collect", "configured",
            "epoch_start", "fast_forward", "holder", "is_rank_zero", "load", "load_data", "lock", "release", "restore",
-           "rng_state", "run_dir_in_use", "set_rng_state", "stateful", "stop_signals", "take"]
+           "rng_state", "run_dir_in_use", "set_generators", "set_rng_state", "stateful", "stop_signals", "take"]

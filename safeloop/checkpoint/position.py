@@ -56,6 +56,17 @@ def epoch_start(data: Iterable) -> dict:
     return {"generators": [g.get_state() for g in _generators(data)], "torch": torch.get_rng_state()}
 
 
+def set_generators(data: Iterable, states: dict) -> bool:
+    """Put ``data``'s own generators (``epoch_start``'s, not the global one) as ``states`` has them; False where
+    their number differs."""
+    gens = _generators(data)
+    if len(gens) != len(states["generators"]):
+        return False
+    for gen, state in zip(gens, states["generators"]):
+        gen.set_state(state)
+    return True
+
+
 def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
     """An iterator over the interrupted epoch of ``data``, past its first ``consumed`` batches.
 
@@ -69,13 +80,9 @@ def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
         return itertools.islice(data, consumed, None)
     now = rng_state()
     if start is not None:
-        gens = _generators(data)
-        if len(gens) == len(start["generators"]):
-            for gen, state in zip(gens, start["generators"]):
-                gen.set_state(state)
-        else:
+        if not set_generators(data, start):
             log.warning("resume: the data loader has %d generators, the checkpoint %d; the interrupted epoch "
-                        "continues in a different order", len(gens), len(start["generators"]))
+                        "continues in a different order", len(_generators(data)), len(start["generators"]))
         torch.set_rng_state(start["torch"])
     it = iter(data)
     for _ in range(consumed):

@@ -1009,18 +1009,17 @@ def test_max_steps_mid_pass_differs_as_documented():
     assert (lit.trainer.current_epoch, port.state.epoch) == (2, 1)
 
 
-def test_max_steps_at_a_pass_end_differs_as_documented():
-    """docs/trainer.md (Hooks): "where ``max_steps`` stops a run right after a pass's last batch, that pass's
-    ``on_epoch_end`` runs when training goes on (the next ``fit()``, or a resume), before the next step", and its
-    epoch schedulers step then. Lightning ends the pass at once: its run ends with the learning rate stepped,
-    safeloop's one step behind. Going on to 8 steps, safeloop's run is Lightning's run of 8 steps, bit for bit."""
+def test_max_steps_at_a_pass_end_ends_the_pass_as_lightning_does():
+    """A run that ``max_steps`` ends right after a pass's last batch ends that pass too: its epoch schedulers step and
+    ``on_epoch_end`` runs after the last validation, as Lightning's; going on to 8 steps (a second ``fit()``),
+    safeloop's run is Lightning's run of 8 steps, bit for bit."""
     lit, port = max_steps_runs(STEPS)
     assert_same(lit.model, port.model)
     assert lit.events == [("validation", 7), ("epoch_end", 7, 0.025)] and lr(lit) == 0.025
-    assert port.events == [("validation", 0), ("validation", 7)] and lr(port) == 0.05
+    assert port.events == [("validation", 0), ("validation", 7), ("epoch_end", 7, 0.025)] and lr(port) == 0.025
     port.max_steps = 8
     port.fit()
-    assert port.events[2:] == [("epoch_end", 7, 0.025), ("validation", 8)]
+    assert port.events[3:] == [("validation", 8)]
     longer, _ = max_steps_runs(8)
     assert_same(longer.model, port.model)
 
