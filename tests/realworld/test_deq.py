@@ -200,7 +200,8 @@ def step_settings(global_steps, epoch):
     else:
         factor = JAC_LOSS_WEIGHT + 0.1 * (deq_steps // JAC_INCREMENTAL)
     compute_jac_loss = (torch.rand([]).item() < JAC_LOSS_FREQ) and (factor > 0)
-    delta_f_thres = torch.randint(-RAND_F_THRES_DELTA,2,[]).item() if (RAND_F_THRES_DELTA > 0 and compute_jac_loss) else 0
+    delta_f_thres = (torch.randint(-RAND_F_THRES_DELTA,2,[]).item()
+                     if (RAND_F_THRES_DELTA > 0 and compute_jac_loss) else 0)
     return factor, compute_jac_loss, F_THRES + delta_f_thres, B_THRES
 
 
