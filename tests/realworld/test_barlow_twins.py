@@ -36,7 +36,8 @@ LEARNING_RATE_WEIGHTS, LEARNING_RATE_BIASES, WARMUP_EPOCHS = 0.2, 0.0048, 1
 
 class Args:
     batch_size, projector, lambd, epochs = BATCH, PROJECTOR, LAMBD, EPOCHS
-    weight_decay, learning_rate_weights, learning_rate_biases = WEIGHT_DECAY, LEARNING_RATE_WEIGHTS, LEARNING_RATE_BIASES
+    weight_decay, learning_rate_weights = WEIGHT_DECAY, LEARNING_RATE_WEIGHTS
+    learning_rate_biases = LEARNING_RATE_BIASES
 
 
 def adjust_learning_rate(args, optimizer, loader, step):
