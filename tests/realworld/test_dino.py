@@ -16,7 +16,8 @@ decay on biases and 1-d tensors), then the teacher's EMA through ``param_k.data.
 
 Changes for a seconds-long test: a two-convolution backbone with global pooling (a ViT), a head of 16-8-16
 (2048-256-65536), 2 global 8x8 crops and 2 local 4x4 crops of 4 random images (224 and 96), 2 epochs of 3
-batches; single process: no DDP, ``dist.all_reduce`` of the centre dropped (world size 1); no fp16.
+batches; single process: no DDP, ``dist.all_reduce`` of the centre dropped (world size 1); ``--use_fp16`` (the
+second test) as ``torch.autocast("cpu", dtype=torch.float16)`` and ``torch.amp.GradScaler("cpu")``.
 
 The port is automatic: the schedules assigned in ``training_step``, ``clip_gradients`` and
 ``cancel_gradients_last_layer`` in ``on_before_optimizer_step``, the EMA in ``on_step_end``.
@@ -231,7 +232,7 @@ def schedules(niter_per_ep):
 
 
 def train_one_epoch(student, teacher, teacher_without_ddp, dino_loss, data_loader,
-                    optimizer, lr_schedule, wd_schedule, momentum_schedule, epoch):
+                    optimizer, lr_schedule, wd_schedule, momentum_schedule, epoch, fp16_scaler=None):
     for it, (images, _) in enumerate(data_loader):
         it = len(data_loader) * epoch + it  # global training iteration
         for i, param_group in enumerate(optimizer.param_groups):
@@ -239,18 +240,27 @@ def train_one_epoch(student, teacher, teacher_without_ddp, dino_loss, data_loade
             if i == 0:  # only the first group is regularized
                 param_group["weight_decay"] = wd_schedule[it]
 
-        teacher_output = teacher(images[:2])  # only the 2 global views pass through the teacher
-        student_output = student(images)
-        loss = dino_loss(student_output, teacher_output, epoch)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16_scaler is not None):
+            teacher_output = teacher(images[:2])  # only the 2 global views pass through the teacher
+            student_output = student(images)
+            loss = dino_loss(student_output, teacher_output, epoch)
 
         if not math.isfinite(loss.item()):
             raise SystemExit(1)
 
         optimizer.zero_grad()
-        loss.backward()
-        clip_gradients(student, CLIP_GRAD)
-        cancel_gradients_last_layer(epoch, student, FREEZE_LAST_LAYER)
-        optimizer.step()
+        if fp16_scaler is None:
+            loss.backward()
+            clip_gradients(student, CLIP_GRAD)
+            cancel_gradients_last_layer(epoch, student, FREEZE_LAST_LAYER)
+            optimizer.step()
+        else:
+            fp16_scaler.scale(loss).backward()
+            fp16_scaler.unscale_(optimizer)  # unscale the gradients of optimizer's assigned params in-place
+            clip_gradients(student, CLIP_GRAD)
+            cancel_gradients_last_layer(epoch, student, FREEZE_LAST_LAYER)
+            fp16_scaler.step(optimizer)
+            fp16_scaler.update()
 
         with torch.no_grad():
             m = momentum_schedule[it]  # momentum parameter
@@ -258,13 +268,20 @@ def train_one_epoch(student, teacher, teacher_without_ddp, dino_loss, data_loade
                 param_k.data.mul_(m).add_((1 - m) * param_q.detach().data)
 
 
-def dino_hand(nets, data_loader):
+def dino_hand(nets, data_loader, use_fp16=False):
     student, teacher, dino_loss = nets['student'], nets['teacher'], nets['dino_loss']
     optimizer = make_optimizer(student)
+    fp16_scaler = None
+    if use_fp16:
+        fp16_scaler = torch.amp.GradScaler("cpu")  # torch.cuda.amp.GradScaler()
     lr_schedule, wd_schedule, momentum_schedule = schedules(len(data_loader))
     for epoch in range(EPOCHS):
         train_one_epoch(student, teacher, teacher, dino_loss, data_loader, optimizer, lr_schedule,
-                        wd_schedule, momentum_schedule, epoch)
+                        wd_schedule, momentum_schedule, epoch, fp16_scaler)
+
+
+def dino_fp16_hand(nets, data_loader):
+    dino_hand(nets, data_loader, use_fp16=True)
 
 
 class DINOTrainer(Trainer):
@@ -313,3 +330,13 @@ def test_dino_with_a_centred_teacher_and_last_layer_gradients_dropped(check):
         warnings.filterwarnings("ignore", message=re.escape("`torch.nn.utils.weight_norm` is deprecated"))
         compare_rebuilt(make_dino, dino_hand, DINOTrainer, lambda nets: crops(), check, steps=EPOCHS * PER_EPOCH,
                         max_epochs=EPOCHS)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_dino_in_float16_with_the_gradients_unscaled_before_they_are_dropped(check):
+    """``--use_fp16``: a GradScaler, ``unscale_`` before the clipping and the dropping (the port: ``precision="16"``,
+    whose unscale comes before ``on_before_optimizer_step``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape("`torch.nn.utils.weight_norm` is deprecated"))
+        compare_rebuilt(make_dino, dino_fp16_hand, DINOTrainer, lambda nets: crops(), check,
+                        steps=EPOCHS * PER_EPOCH, max_epochs=EPOCHS, precision="16")
