@@ -27,7 +27,7 @@ def checks(**failing: tuple[type[BaseException], str]) -> list:
 
 
 def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: type, data: Callable, check: str,
-            steps: int, **trainer_kwargs) -> None:
+            steps: int, rebuild: bool = False, **trainer_kwargs) -> None:
     """Train the same seeded model three times from the same RNG state: by ``hand(model, data(model))``,
     by the same hand-written loop under ``python -m safeloop.watch``'s guard (``Watch``: every backward
     and optimizer step of the unmodified loop checked), and by ``port(...).fit()``; assert every
@@ -35,11 +35,15 @@ def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: typ
 
     The watched loop and the port run with warnings as errors, except those the hand-written loop
     itself emits (the source's own, a deprecated call say): correct code must run with no error and
-    no warning.
+    no warning. ``rebuild``: each run's model is built anew from the same seed, for models a deep copy cannot
+    copy (hook-based ``weight_norm``).
     """
-    torch.manual_seed(0)
-    ref = make_model()
-    ours, watched, start = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return make_model()
+    ref = model()
+    ours, watched, start = (model(), model(), model()) if rebuild else \
+        (copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref))
     torch.manual_seed(1)
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")

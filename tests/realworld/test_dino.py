@@ -34,8 +34,7 @@ import torch.nn.functional as F
 
 from safeloop import Trainer
 
-from .harness import checks
-from .test_real_nvp import compare_rebuilt
+from .harness import checks, compare
 
 OUT_DIM, LOCAL_CROPS, EPOCHS, PER_EPOCH, BATCH = 16, 2, 2, 3, 4
 LR, MIN_LR, WARMUP_EPOCHS, WD, WD_END, MOMENTUM_TEACHER, CLIP_GRAD, FREEZE_LAST_LAYER = (
@@ -328,8 +327,8 @@ def crops():
 def test_dino_with_a_centred_teacher_and_last_layer_gradients_dropped(check):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape("`torch.nn.utils.weight_norm` is deprecated"))
-        compare_rebuilt(make_dino, dino_hand, DINOTrainer, lambda nets: crops(), check, steps=EPOCHS * PER_EPOCH,
-                        max_epochs=EPOCHS)
+        compare(make_dino, dino_hand, DINOTrainer, lambda nets: crops(), check, steps=EPOCHS * PER_EPOCH,
+                max_epochs=EPOCHS, rebuild=True)
 
 
 @pytest.mark.parametrize("check", checks())
@@ -338,5 +337,5 @@ def test_dino_in_float16_with_the_gradients_unscaled_before_they_are_dropped(che
     whose unscale comes before ``on_before_optimizer_step``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape("`torch.nn.utils.weight_norm` is deprecated"))
-        compare_rebuilt(make_dino, dino_fp16_hand, DINOTrainer, lambda nets: crops(), check,
-                        steps=EPOCHS * PER_EPOCH, max_epochs=EPOCHS, precision="16")
+        compare(make_dino, dino_fp16_hand, DINOTrainer, lambda nets: crops(), check,
+                steps=EPOCHS * PER_EPOCH, max_epochs=EPOCHS, precision="16", rebuild=True)

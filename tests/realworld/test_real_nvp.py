@@ -26,7 +26,7 @@ images in [0, 1] in place of CIFAR-10 and its flips; the checkpoint and sample f
 outputs (the source's PyTorch made them contiguous), and ``view`` refuses those; the values are the same.
 
 ``weight_norm``'s ``weight`` attribute, a tensor with a graph, cannot be deep-copied
-(pytorch/pytorch#103001): each run builds its model from the same seed instead (``compare_rebuilt``).
+(pytorch/pytorch#103001): each run builds its model from the same seed instead (``compare(..., rebuild=True)``).
 
 The port: ``training_step`` returns the loss; the per-group clipping is ``on_before_optimizer_step``
 (``grad_clip`` clips all parameters together); ``on_epoch_start`` calls ``net.train()`` as ``train`` does,
@@ -44,10 +44,9 @@ import torch.nn.functional as F
 import torch.nn.utils as utils
 import torch.optim as optim
 
-from safeloop import GraphGuard, Trainer
-from safeloop.watch import Watch
+from safeloop import Trainer
 
-from .harness import assert_same, checks, strict
+from .harness import checks, compare
 
 MID, BLOCKS, SIZE, BATCH, PER_EPOCH, EPOCHS, SAMPLES = 4, 1, 8, 4, 3, 2, 4
 args = type("args", (), dict(lr=1e-3, max_grad_norm=100., weight_decay=5e-5))
@@ -522,31 +521,6 @@ class HeldOut(list):
         self.losses, self.samples = [], []
 
 
-def compare_rebuilt(make_model, hand, port, data, check, steps, **trainer_kwargs):
-    """``harness.compare`` with each run's model built anew from the same seed, in place of deep copies."""
-    def model():
-        torch.manual_seed(0)
-        return make_model()
-    ref, watched, ours = model(), model(), model()
-    torch.manual_seed(1)
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        hand(ref, data(ref))
-    torch.manual_seed(1)
-    with strict(own), Watch(GraphGuard(check=check), hand.__code__.co_filename):
-        hand(watched, data(watched))
-    assert_same(watched, ref)
-    torch.manual_seed(1)
-    with strict(own):
-        trainer = port(model=ours, train_data=data(ours), max_steps=steps, device="cpu", progress=False,
-                       loggers=(), guard={"check": check}, **trainer_kwargs)
-        trainer.fit()
-    assert trainer.state.step == steps
-    assert_same(ours, ref)
-    start = model()
-    assert any(not torch.equal(p, start.get_parameter(n)) for n, p in ref.named_parameters())
-
-
 @pytest.mark.parametrize("check", checks())
 def test_real_nvp_with_hook_based_weight_norm(check):
     runs = []
@@ -556,7 +530,7 @@ def test_real_nvp_with_hook_based_weight_norm(check):
         return runs[-1]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape("`torch.nn.utils.weight_norm` is deprecated"))
-        compare_rebuilt(real_nvp, real_nvp_hand, RealNVPTrainer, data, check, steps=EPOCHS * PER_EPOCH)
+        compare(real_nvp, real_nvp_hand, RealNVPTrainer, data, check, steps=EPOCHS * PER_EPOCH, rebuild=True)
     hand, watched, port = (run.test for run in runs)
     assert watched.losses == hand.losses and port.losses == hand.losses[:-1]
     assert all(torch.equal(a, b) for a, b in zip(port.samples, hand.samples))
