@@ -17,9 +17,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state(tmp_path, monkeypatch):
+def _fresh_state(tmp_path, tmp_path_factory, monkeypatch):
     """Every test starts from the same RNG state, in its own directory, grad mode on; the modules it imported
-    from its directory (a user's ``cnn.py``) are forgotten after it, so that another test's are found afresh."""
+    from a test's directory (a user's ``cnn.py``, its own or a module fixture's) are forgotten after it, so that
+    another test's are found afresh."""
     torch.manual_seed(0)
     random.seed(0)
     monkeypatch.chdir(tmp_path)
@@ -27,7 +28,7 @@ def _fresh_state(tmp_path, monkeypatch):
     yield
     torch.set_grad_enabled(True)
     for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path_factory.getbasetemp())):
             del sys.modules[name]
 
 
