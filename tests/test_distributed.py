@@ -178,8 +178,11 @@ def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) 
 
 def torchrun_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     """Run ``body`` on 2 ranks, with ``tests.ddp_cases`` importable; the Trainer makes the process group."""
-    (tmp_path / "job.py").write_text(f"import os, sys\nimport torch\nimport safeloop\nsys.path.insert(0, {str(ROOT)!r})\n"
-                                     "from tests import ddp_cases\n" + textwrap.dedent(body))
+    (tmp_path / "job.py").write_text(f"import os, sys, faulthandler\nimport torch\nimport safeloop\n"
+                                     # a rank that hangs prints every thread's stack, not only torchrun's timeout
+                                     "faulthandler.dump_traceback_later(100, exit=True)\n"
+                                     f"sys.path.insert(0, {str(ROOT)!r})\nfrom tests import ddp_cases\n"
+                                     + textwrap.dedent(body))
     proc = torchrun("job.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
