@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import EarlyStopping, Trainer
+from safeloop import EarlyStopping, StepError, Trainer
 from safeloop.distributed import DistributedError
 from safeloop.models import MLP
 
@@ -60,6 +60,36 @@ class Validating(Recording):
             self.validated.append((self.state.step, []))
         self.validated[-1][1].extend(batch[0][:, 0].tolist())
         return super().validation_step(batch)
+
+
+class PassEnd(Validating):
+    """A run of one whole pass: an epoch scheduler (Lightning's default interval), ``self.log`` in
+    ``validation_step``, and what ``on_epoch_end`` sees."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    def validation_step(self, batch):
+        x, y = batch
+        self.log("val_abs", (self.model(x) - y).abs().mean())
+        return super().validation_step(batch)
+
+    def on_epoch_end(self):
+        self.ends = getattr(self, "ends", []) + [(self.state.step, next(iter(self.optimizers.values())).param_groups[0]["lr"])]
+
+
+class SchedulerTwice(Recording):
+    """Steps its per-update scheduler itself too, at step 2's end: the Trainer's next update refuses."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+
+    def on_step_end(self, losses):
+        if self.state.step == 2:
+            self.scheduler.step()
 
 
 class TwoLosses(Recording):
@@ -249,6 +279,8 @@ def build(case: str, world: int, **settings) -> Trainer:
         common["grad_clip"] = 0.5
     if case in ("validation", "early_stop"):  # before training, at steps 2 and 4
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2)
+    if case == "pass_end":  # one whole pass (8 steps of 16 samples), validated at steps 0, 4 and 8
+        common.update(max_steps=8, val_data=DataLoader(val_dataset(), batch_size=4), val_every=4)
     if case == "early_stop":  # after the best at step 2, no validation improves by 10: step 4's stops the run
         common.update(max_steps=8, callbacks=[EarlyStopping(patience=1, min_delta=10.0)])
     if case == "schedule":  # long enough for the auto schedule to space its checks
@@ -259,7 +291,8 @@ def build(case: str, world: int, **settings) -> Trainer:
         return cls(model=GanLike(), **common)
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
            "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation,
-           "validation": Validating, "early_stop": Validating}.get(case, Recording)
+           "validation": Validating, "early_stop": Validating, "pass_end": PassEnd,
+           "scheduler_twice": SchedulerTwice}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     optimizer = OPTIMIZERS.get(case, partial(torch.optim.Adam, lr=1e-2))(model.parameters())
     trainer = cls(model=model, optimizer=optimizer, **common)
@@ -270,7 +303,11 @@ def build(case: str, world: int, **settings) -> Trainer:
 
 def result(case: str, world: int = 1, **settings) -> dict:
     trainer = build(case, world, **settings)
-    trainer.fit()
+    try:
+        trainer.fit()
+        error = None
+    except StepError as err:  # scheduler_twice's
+        error = str(err)
     tested = predicted = None
     validated = [(step, list(seen)) for step, seen in getattr(trainer, "validated", [])] or None  # test runs it too
     if case == "validation":  # after training: test and predict over the validation data
@@ -281,7 +318,7 @@ def result(case: str, world: int = 1, **settings) -> dict:
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),
             "checked": getattr(trainer, "checked", None), "val_history": trainer.state.val_history,
-            "validated": validated}
+            "validated": validated, "ends": getattr(trainer, "ends", None), "error": error}
 
 
 def halfway(case: str, world: int, directory: Path) -> None:

@@ -49,7 +49,8 @@ def ranks(tmp_path_factory) -> Path:
     for case in RESUMED:
         ddp_cases.halfway(case, 1, out / f"one-process-{case}")
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", "early_stop", *resumed,
+    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", "early_stop", "pass_end",
+                    "scheduler_twice", *resumed,
                     "lone_save", cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -128,6 +129,36 @@ def test_early_stopping_stops_every_rank_after_the_same_validation(ranks):
     rank0, rank1 = (torch.load(ranks / f"early_stop_rank{r}.pt") for r in (0, 1))
     assert rank0["step"] == rank1["step"] == ddp_cases.result("early_stop")["step"] == 4  # of max_steps=8
     assert [s for s, _ in rank0["val_history"]] == [0, 2, 4]
+
+
+@pytest.mark.distributed
+def test_a_run_of_whole_passes_ends_its_pass_and_logged_validation_metrics_are_means_over_all_samples(ranks):
+    """max_steps a whole pass: the epoch scheduler steps and on_epoch_end runs once, after the last step, on every
+    rank as in one process; a metric ``self.log``-ged in validation_step is its mean over all 37 samples."""
+    rank0, rank1 = (torch.load(ranks / f"pass_end_rank{r}.pt") for r in (0, 1))
+    single = ddp_cases.result("pass_end")
+    assert rank0["ends"] == rank1["ends"] == single["ends"] == [(8, 5e-3)]
+    assert rank0["val_history"] == rank1["val_history"]
+    x, y = ddp_cases.val_dataset().tensors
+    with torch.no_grad():
+        by_hand = (ddp_cases.build("pass_end", world=1).model(x) - y).abs().mean().item()
+    assert rank0["val_history"][0][1]["val_abs"] == pytest.approx(by_hand, rel=1e-6)
+    assert [s for s, _ in rank0["val_history"]] == [s for s, _ in single["val_history"]] == [0, 4, 8]
+    for (_, ours), (_, theirs) in zip(rank0["val_history"], single["val_history"], strict=True):
+        assert ours.keys() == theirs.keys() == {"val_loss", "val_abs"}
+        assert all(ours[k] == pytest.approx(theirs[k], rel=1e-5) for k in ours)
+
+
+@pytest.mark.distributed
+def test_a_scheduler_stepped_by_the_users_code_too_stops_every_rank_at_the_same_step(ranks):
+    rank0, rank1 = (torch.load(ranks / f"scheduler_twice_rank{r}.pt") for r in (0, 1))
+    single = ddp_cases.result("scheduler_twice")
+    assert rank0["error"] == rank1["error"] == single["error"]
+    assert rank0["error"].startswith("step 3: the scheduler of optimizer 'optimizer' (StepLR) was stepped "
+                                     "outside the Trainer"), rank0["error"]
+    assert rank0["step"] == rank1["step"] == single["step"] == 2  # step 3 abandoned
+    torch.testing.assert_close(rank0["params"], single["params"], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
 
 
 def params(path: Path) -> list[torch.Tensor]:
