@@ -1295,6 +1295,47 @@ def test_an_optimizer_whose_zero_grad_takes_no_argument_trains_and_a_failure_is_
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
+class LookaheadGAN(RoutedGAN):
+    """D's optimizer a wrapper that keeps its own state apart from its inner optimizer's (momentum) and counts its
+    steps in a plain attribute; G's hook fails at ``fail_at``, after D stepped."""
+    fail_at = None
+
+    def configure_optimizers(self):
+        return {"d": Lookahead(torch.optim.SGD(self.model.d.parameters(), lr=0.1, momentum=0.9), k=2),
+                "g": torch.optim.SGD(self.model.g.parameters(), lr=0.1)}
+
+    def on_before_optimizer_step(self, name, optimizer):
+        if name == "g" and self.state.step + 1 == self.fail_at:
+            raise ValueError("hook failed on g")
+
+
+def test_an_undone_update_of_a_wrapping_optimizer_restores_its_inner_optimizer_and_its_counters():
+    torch.manual_seed(0)
+    model, clean = GAN(), GAN()
+    clean.load_state_dict(model.state_dict())
+    trainer = LookaheadGAN(model=model, train_data=gan_batches(4), max_steps=3, device="cpu", progress=False,
+                           loggers=())
+    trainer.fit()  # three good steps: momentum, slow weights, and the wrapper's count at 3 (odd: k=2)
+    d = trainer.optimizers["d"]
+    params, momentum = copy.deepcopy(model.state_dict()), copy.deepcopy(d.optimizer.state_dict())
+    slow = {id(p): s["slow"].clone() for p, s in d.state.items()}
+    trainer.fail_at, trainer.max_steps = 4, 4
+    with pytest.raises(StepError, match="step 4 failed and was abandoned .*ValueError: hook failed on g"):
+        trainer.fit()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    assert d.steps == 3
+    assert all(torch.equal(s["slow"], slow[id(p)]) for p, s in d.state.items())
+    for i, entry in momentum["state"].items():
+        assert torch.equal(d.optimizer.state_dict()["state"][i]["momentum_buffer"], entry["momentum_buffer"]), i
+    # the retried step trains as if the failed attempt had never happened
+    trainer.fail_at = None
+    trainer.state.batch_in_epoch -= 1
+    trainer.fit()
+    LookaheadGAN(model=clean, train_data=gan_batches(4), max_steps=4, device="cpu", progress=False, loggers=()).fit()
+    assert_same_params(clean, model, exact=True)
+
+
 class InfoGAN(Trainer):
     """InfoGAN's three optimizers: D, G, and an info loss trained through both networks."""
 

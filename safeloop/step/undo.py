@@ -41,9 +41,16 @@ class Snapshot:
         # multi-MB copy every step would fault its pages in again
         self._saved: list[torch.Tensor] = []
         self._layout: list[tuple] = []  # (shape, dtype) of each copy
+        # a wrapper (Lookahead, SAM) keeps its inner optimizer's state apart from its own, and may count its steps in
+        # a plain attribute: both are taken too
+        self._inner = [Snapshot(inner) for inner in vars(optimizer).values()
+                       if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer]
 
     def take(self) -> None:
         opt = self.optimizer
+        for inner in self._inner:
+            inner.take()
+        self._numbers = {k: v for k, v in vars(opt).items() if type(v) in (int, float, bool)}
         self._params = [p for g in opt.param_groups for p in g["params"]]
         # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry
         self._state = [(p, dict(opt.state[p])) for p in self._params if p in opt.state]
@@ -64,10 +71,13 @@ class Snapshot:
         self._schedule = self.scheduler.state_dict() if self.scheduler is not None else None
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._saved)
+        return sum(t.nbytes for t in self._saved) + sum(inner.nbytes() for inner in self._inner)
 
     def restore(self) -> None:
         opt, params = self.optimizer, self._params
+        for inner in self._inner:
+            inner.restore()
+        vars(opt).update(self._numbers)
         with torch.no_grad():
             for p, saved in zip(params, self._saved):
                 local(p).copy_(saved)
