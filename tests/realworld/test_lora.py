@@ -420,7 +420,6 @@ def test_each_evaluation_moves_the_frozen_weights():
     missed or extra evaluation would show."""
     torch.manual_seed(0)
     model = make_lm()
-    lora_hand(model, tokens(model))
     before = [model.c_attn.weight.clone(), model.head.weight.clone()]
     model.eval()
     model.train()
