@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from safeloop import Trainer
 

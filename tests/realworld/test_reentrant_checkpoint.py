@@ -16,7 +16,6 @@ RNG is used); ``use_reentrant=True`` written out (PyTorch warns when it is left 
 The port is the plain Trainer with the loop's criterion and optimizer.
 """
 from collections import OrderedDict
-from functools import partial
 
 import pytest
 import torch
