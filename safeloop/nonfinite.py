@@ -38,8 +38,8 @@ class FiniteCheck:
         """True when every loss and every gradient element is finite. One host sync."""
         losses = list(losses)
         by_device: dict[torch.device, list[torch.Tensor]] = {losses[0].device: []} if losses else {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
+        for g in grads:  # a complex gradient as its real and imaginary parts (no complex kernel for the check)
+            by_device.setdefault(g.device, []).append(torch.view_as_real(g) if g.is_complex() else g)
         if not by_device:
             return True
         flags = []

@@ -328,6 +328,26 @@ def test_gradients_written_by_hand_are_checked_and_the_message_says_no_loss_was(
     assert same(snapshot(t), t.before)
 
 
+def test_a_non_finite_complex_gradient_is_found_and_finite_ones_train():
+    """Complex parameters (a Fourier layer's spectral weights): a NaN in the imaginary part alone is found."""
+    class Spectral(Trainer):
+        def configure_optimizers(self):
+            self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.cfloat))
+            return torch.optim.Adam([*self.model.parameters(), self.w], lr=0.1)
+
+        def training_step(self, batch):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.model(x), y) + (self.w * self.w.conj()).real.sum()
+            if self.state.step == 1:  # sqrt at 0: value 0, gradient Inf, in the imaginary part only
+                loss = loss + (self.w.imag - self.w.imag.detach()).sum().sqrt()
+            return loss
+
+    t = trainer(Spectral, on_nonfinite="skip", max_steps=3)
+    t.fit()
+    assert t.state.step == 3 and t.state.skipped == 1
+    assert torch.isfinite(torch.view_as_real(t.w)).all() and not torch.equal(t.w, torch.ones(3, dtype=torch.cfloat))
+
+
 def test_skip_leaves_parameters_and_optimizer_state_untouched_and_counts(caplog, mode):
     t = trainer(mode(type("P", (Poisoned,), {"nan_at": (3,), "inf_grad_at": (4,)})), on_nonfinite="skip",
                 scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), max_steps=4)

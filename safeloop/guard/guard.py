@@ -306,7 +306,8 @@ class Guard:
         when this step is not checked (the caller then retains on all but the last).
         """
         for name, loss in losses.items():
-            if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())):
+            if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())) \
+                    and not _placeholder(loss):
                 raise self.no_graph(name, loss, step, scope, batch)
         if not self.checking:
             return None
@@ -499,7 +500,9 @@ class Guard:
             nodes = list(islice(walk.iter_nodes(root), 100_000))
             every = [n.variable for n in nodes if type(n) is walk.ACCUMULATE]
             hidden = any(isinstance(n, BackwardCFunction) for n in nodes)
-            if every and not hidden and len(unheld(every)) == len(every):
+            # a placeholder made from scalar leaves (``torch.tensor(0., requires_grad=True).to(out)``) trains nothing
+            placeholder = all(t.dim() == 0 and type(t) is not torch.nn.Parameter for t in every)
+            if every and not hidden and not placeholder and len(unheld(every)) == len(every):
                 self._warned.add(key)
                 self._warn(UnusedGradientWarning(
                     f"the loss reaches none of the parameters the optimizers update, only "
@@ -1096,6 +1099,13 @@ class Guard:
                                  [node] if node is not None else (), holder)
         return cls(detail, step=case.step, loss_name=case.name, node_name=node_name, holder=holder,
                    fixes=[f.format(**names) for f in fixes], picture=picture)
+
+
+def _placeholder(loss: torch.Tensor) -> bool:
+    """A zero made to require grad, ``torch.tensor(0., requires_grad=True)``: a step's way of saying that its batch
+    has nothing to learn from (an empty mask, no valid pair). Its backward changes nothing, as in a plain loop.
+    Read only for a loss without a graph (one host sync, on that path alone)."""
+    return loss.requires_grad and loss.numel() == 1 and not loss.is_inference() and float(loss.detach()) == 0.0
 
 
 def _check_names(names) -> frozenset:

@@ -121,6 +121,39 @@ def test_a_loss_that_reaches_no_parameter_says_how_it_lost_its_graph(make, cls, 
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+class NothingToLearnAtStep2(Trainer):
+    """A batch with nothing to learn from gives a zero that requires grad (a masked loss over an empty mask)."""
+    made = staticmethod(lambda: torch.tensor(0., requires_grad=True))
+
+    def training_step(self, batch):
+        return self.made() if self.state.step == 1 else self.model(batch).pow(2).mean()
+
+
+@pytest.mark.parametrize("made", [lambda: torch.tensor(0., requires_grad=True),
+                                  lambda: torch.tensor(0., requires_grad=True).to(torch.float64)],
+                         ids=["leaf", "moved"])
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+@pytest.mark.parametrize("make", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_a_zero_that_requires_grad_is_a_step_with_nothing_to_learn_as_in_a_plain_loop(make, check, made):
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ref.load_state_dict(model.state_dict())
+    rng = torch.get_rng_state()  # fit's batches are drawn from here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = fit(make(type("Made", (NothingToLearnAtStep2,), {"made": staticmethod(made)})), model=model,
+                      guard={"check": check})
+    torch.set_rng_state(rng)
+    batches = [torch.randn(3, 4) for _ in range(8)]
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for i, batch in enumerate(batches[:4]):
+        opt.zero_grad()
+        (made() if i == 1 else ref(batch).pow(2).mean()).backward()
+        opt.step()
+    assert trainer.state.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 class RetainsCarriedState(Trainer):
     """Manual mode, a recurrent state carried with its graph and retain_graph=True on every backward."""
 

@@ -12,10 +12,8 @@ Changes for a seconds-long test: 8 grid points (8192 / 4), 2 modes (16), width 3
 2 batches (100 of 256), a ``OneCycleLR`` over those; lists of seeded batches for the shuffled ``DataLoader``s and
 ``.cpu()`` for ``.cuda()``; no printing or timing.
 
-The port returns the relative L2 loss, steps the scheduler per update and evaluates in ``on_epoch_end``. With
-``on_nonfinite="error"`` (or ``"skip"``) the port fails at its first step: the Trainer's finite check
-(``torch._amp_foreach_non_finite_check_and_unscale_``) is not implemented for complex gradients (strict xfail;
-repros/complex_gradients_nonfinite_check.py).
+The port returns the relative L2 loss, steps the scheduler per update and evaluates in ``on_epoch_end``; with
+``on_nonfinite="error"`` too (the finite check reads a complex gradient as its real and imaginary parts).
 """
 import pytest
 import torch
@@ -23,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from safeloop import Trainer
-from safeloop.errors import StepError
 
 from .harness import checks, compare
 
@@ -224,7 +221,6 @@ def test_fno_with_complex_spectral_weights(check):
     compare(lambda: FNO1d(modes, width), fno_hand, FNOTrainer, burgers, check, steps=epochs * ntrain // batch_size)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason="the finite check is not implemented for complex gradients")
 def test_fno_with_a_non_finite_policy():
     compare(lambda: FNO1d(modes, width), fno_hand, FNOTrainer, burgers, "auto", steps=epochs * ntrain // batch_size,
             on_nonfinite="error")

@@ -13,9 +13,8 @@ second with an empty mask; ``sequence_to_var`` (NumPy to tensors on the model's 
 being tensors; the criterion ``masked_loss`` over ``binary_cross_entropy_with_logits``, with the mask as a second
 target (``n_targets=2``); no AMP.
 
-The port returns ``train_step``'s loss from ``training_step``. The guard stops the watched loop and the port at
-the step with the empty mask, with ``NoGraphError``, in every mode (``check="off"`` included), where the
-hand-written loop runs: strict xfail (repros/constant_leaf_loss.py).
+The port returns ``train_step``'s loss from ``training_step``. The guard takes that zero for what it is, a step
+with nothing to learn from, as the hand-written loop does, in every mode, under watch and in the port.
 """
 from functools import partial
 from typing import Callable
@@ -25,7 +24,7 @@ import torch
 from torch.nn import Module, functional
 from torch.optim import Optimizer
 
-from safeloop import NoGraphError, Trainer
+from safeloop import Trainer
 
 from .harness import checks, compare
 
@@ -112,11 +111,7 @@ class MaskedTrainer(Trainer):
         return criterion(self.model(x), target, mask)
 
 
-NO_GRAPH = (NoGraphError, "a constant leaf loss (torch.tensor(0., requires_grad=True)) for a batch with nothing to "
-                          "learn from is refused before backward, in every mode; PyTorch runs that backward")
-
-
-@pytest.mark.parametrize("check", checks(auto=NO_GRAPH, always=NO_GRAPH, off=NO_GRAPH))
+@pytest.mark.parametrize("check", checks())
 def test_masked_loss_with_a_constant_for_an_empty_mask(check):
     compare(make_net, dpipe_hand, MaskedTrainer, crops, check, steps=STEPS,
             optimizer=partial(torch.optim.Adam, lr=LR))
