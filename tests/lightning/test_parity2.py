@@ -1,0 +1,129 @@
+"""safeloop's Trainer against pytorch-lightning's, bit for bit: checkpoints, resuming, evaluation after ``fit``,
+clipping by value, manual accumulation, warm-up schedules, logging, iterable data, empty validation data.
+
+As in ``test_parity.py``: each test trains the same tiny seeded model with ``pytorch_lightning.Trainer`` and with
+its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user relies on, ``..._differs_as_documented``
+tests assert a difference the docs state, exactly. A difference the docs do not state is a test asserting
+Lightning's behaviour, marked ``xfail(strict=True)`` with the reason, until it is fixed or documented.
+"""
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+pl = pytest.importorskip("pytorch_lightning")
+
+import safeloop  # noqa: E402
+
+from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
+                     net, settings, sgd)
+
+EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
+pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
+
+
+@pytest.fixture(autouse=True)
+def _quiet(one_thread, monkeypatch):
+    """As ``test_parity.py``'s: Lightning's info lines off, one thread, the seeding variables put back after."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "SAFELOOP_SEED_WORKERS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    names = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+# -- checkpoints: which files a run leaves, and the step each holds
+
+
+class LitScored(Lit):
+    """Validation reports ``val_loss`` and ``val_score`` (its negative, for ``mode="max"``)."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = mse(self.model, batch)
+        self.log("val_loss", loss)
+        self.log("val_score", -loss)
+
+
+class PortScored(Port):
+    def validation_step(self, batch):
+        loss = mse(self.model, batch)
+        return {"loss": loss, "score": -loss}
+
+
+def lightning_files(directory) -> dict:
+    """``{file name: the global_step it holds}`` of Lightning's checkpoint directory."""
+    return {p.name: torch.load(p, weights_only=False)["global_step"] for p in directory.glob("*.ckpt")}
+
+
+def safeloop_files(directory) -> dict:
+    """``{file name: the step it holds}`` of safeloop's checkpoint directory."""
+    return {p.name: torch.load(p, weights_only=True)["step"] for p in directory.glob("step-*.pt")}
+
+
+def checkpointed_runs(tmp_path, model_checkpoint: dict, checkpoint: dict, lr=0.05, epochs=6, every=None):
+    """Lightning's run with ``ModelCheckpoint(**model_checkpoint)`` and safeloop's with ``checkpoint``, SGD at
+    ``lr``, validation each epoch or ``every`` batches: each directory's ``{file: step}``, and the best's step."""
+    cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", **model_checkpoint)
+    validation = {} if every is None else {"val_check_interval": every, "check_val_every_n_epoch": None}
+    lit = LitScored(configure=lambda m: sgd(m.parameters(), lr))
+    lightning(max_epochs=epochs, enable_checkpointing=True, callbacks=[cb], **validation).fit(
+        lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortScored(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, lr),
+                      checkpoint={"dir": str(tmp_path / "safeloop"), **checkpoint},
+                      **settings(max_epochs=epochs, val_every=every or STEPS))
+    port.fit()
+    assert_same(lit.model, port.model)
+    theirs, ours = lightning_files(tmp_path / "lit"), safeloop_files(tmp_path / "safeloop")
+    best = (torch.load(cb.best_model_path, weights_only=False)["global_step"] if cb.best_model_path else None,
+            torch.load(port.checkpointer.best, weights_only=True)["step"] if port.checkpointer.best else None)
+    return theirs, ours, best
+
+
+@pytest.mark.parametrize("mode, monitor, every", [("min", "val_loss", None), ("max", "val_score", None),
+                                                  ("min", "val_loss", 3)],
+                         ids=["min each epoch", "max each epoch", "min every 3 batches"])
+def test_best_checkpoints_match(tmp_path, mode, monitor, every):
+    """``ModelCheckpoint(monitor, mode, save_top_k=2)`` against ``checkpoint={"monitor", "mode", "keep": 2}``
+    (docs/trainer.md's map), validation each epoch or every 3 batches, over a loss that goes up and down: the steps
+    of the best two kept (safeloop also keeps its newest: see the test below) and the step of the best."""
+    theirs, ours, best = checkpointed_runs(tmp_path, dict(monitor=monitor, mode=mode, save_top_k=2),
+                                           {"monitor": monitor, "mode": mode, "keep": 2, "every": None}, every=every)
+    newest = max(ours.values())
+    assert len(theirs) == 2 and len(ours) == 3 and newest not in theirs.values()
+    assert sorted(theirs.values()) == sorted(s for s in ours.values() if s != newest)
+    assert best[0] == best[1]
+
+
+@pytest.mark.xfail(strict=True, reason="safeloop's newest checkpoint, kept with a monitor, is the last validation's; "
+                   "Lightning's save_last=True writes last.ckpt only when a top-k checkpoint is saved (2.6: 'whenever "
+                   "a checkpoint file gets saved'), so it holds the last step that entered the top k; docs/trainer.md "
+                   "maps save_last=True to 'the K best and the newest' without saying so")
+def test_last_checkpoint_with_a_monitor_holds_what_lightnings_last_ckpt_holds(tmp_path):
+    """``save_top_k=2, save_last=True`` against ``keep=2``, validation each epoch for 6 epochs: the last validations
+    (steps 35 and 42) do not enter the best two. Lightning's ``last.ckpt`` holds step 28, the last that did; safeloop
+    keeps step 42, and no file of Lightning's holds step 42."""
+    theirs, ours, _ = checkpointed_runs(tmp_path, dict(monitor="val_loss", save_top_k=2, save_last=True),
+                                        {"monitor": "val_loss", "keep": 2, "every": None})
+    assert theirs == {"step=14.ckpt": 14, "step=28.ckpt": 28, "last.ckpt": 28}
+    assert 42 not in theirs.values()
+    assert sorted(ours.values()) == sorted(set(theirs.values()))
+
+
+@pytest.mark.parametrize("top_k, keep", [(-1, 100), (1, 1)], ids=["all", "newest"])
+def test_checkpoints_every_n_steps_differs_as_documented(tmp_path, top_k, keep):
+    """``ModelCheckpoint(every_n_train_steps=3, save_top_k=k)`` (Lightning allows k in -1, 0, 1 without a monitor)
+    against ``checkpoint={"every": 3, "keep": K}``, 2 epochs (14 steps): docs/checkpoints.md, "Checkpoints are
+    written ... at the end": safeloop also saves step 14, which Lightning does not (every_n_train_steps turns its
+    epoch-end saves off), so with one kept Lightning keeps step 12 and safeloop step 14."""
+    theirs, ours, _ = checkpointed_runs(tmp_path, dict(every_n_train_steps=3, save_top_k=top_k),
+                                        {"every": 3, "keep": keep}, epochs=EPOCHS)
+    assert sorted(theirs.values()) == ([3, 6, 9, 12] if top_k == -1 else [12])
+    assert sorted(ours.values()) == ([3, 6, 9, 12, 14] if top_k == -1 else [14])
