@@ -127,3 +127,119 @@ def test_checkpoints_every_n_steps_differs_as_documented(tmp_path, top_k, keep):
                                         {"every": 3, "keep": keep}, epochs=EPOCHS)
     assert sorted(theirs.values()) == ([3, 6, 9, 12] if top_k == -1 else [12])
     assert sorted(ours.values()) == ([3, 6, 9, 12, 14] if top_k == -1 else [14])
+
+
+# -- resuming from a checkpoint and training on
+
+
+def step_lr_alone(model):
+    """SGD with momentum and a StepLR (gamma 0.5) given alone: stepped at each epoch's end in both."""
+    opt = sgd(model.parameters())
+    return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+class LitOrder(Lit):
+    """``(global_step, current_epoch, batch_idx, the batch's first value)`` at each ``training_step``."""
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.global_step, self.current_epoch, batch_idx, float(batch[0][0, 0])))
+        return super().training_step(batch, batch_idx)
+
+
+class PortOrder(Port):
+    seen: list
+    configure = staticmethod(step_lr_alone)
+
+    def training_step(self, batch):
+        self.seen.append((self.state.step, self.state.epoch, self.state.batch_in_epoch - 1, float(batch[0][0, 0])))
+        return super().training_step(batch)
+
+
+def optimizer_state(optimizer) -> list:
+    return [t for state in optimizer.state_dict()["state"].values() for t in state.values()]
+
+
+def resumed_runs(tmp_path, at, shuffle=False, epochs=3):
+    """For each framework: a run of ``epochs`` that never stopped, and one saved at step ``at`` (Lightning's
+    ``every_n_train_steps``, safeloop's ``checkpoint.every``) with ``max_steps=at``, then resumed from that file
+    by a new Trainer (``fit(ckpt_path=)`` / ``resume=``) up to ``epochs``."""
+    def data():
+        return DataLoader(dataset(), batch_size=2, shuffle=shuffle)
+
+    def lit_run(ckpt_path=None, **kwargs):
+        lit = LitOrder(configure=step_lr_alone)
+        lit.seen = []
+        torch.manual_seed(5)
+        trainer = lightning(**{"max_epochs": epochs, **kwargs})
+        trainer.fit(lit, train_dataloaders=data(), ckpt_path=ckpt_path)
+        return lit
+
+    def port_run(**kwargs):
+        port = PortOrder(model=net(), train_data=data(), **settings(**{"max_epochs": epochs, **kwargs}))
+        port.seen = []
+        torch.manual_seed(5)
+        port.fit()
+        return port
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=at, save_top_k=-1,
+                                         filename="{step}")
+    lit = {"whole": lit_run(), "first": lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])}
+    lit["resumed"] = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
+    ours = {"whole": port_run(), "first": port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})}
+    ours["resumed"] = port_run(resume=str(tmp_path / "sl" / f"step-{at:09d}.pt"))
+    return lit, ours
+
+
+def assert_resumed_as_whole(whole, resumed, at):
+    """``resumed`` (a safeloop run) holds what ``whole`` does: parameters, optimizer state, learning rate, counters,
+    and from step ``at`` on it saw the same batches."""
+    assert_same(whole.model, resumed.model)
+    opt, opt2 = whole.optimizers["optimizer"], resumed.optimizers["optimizer"]
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(opt), optimizer_state(opt2)))
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"] == 0.05 / 8
+    assert (whole.state.step, whole.state.epoch) == (resumed.state.step, resumed.state.epoch) == (21, 3)
+    assert whole.seen[at:] == resumed.seen
+
+
+def test_resume_at_a_pass_end_matches(tmp_path):
+    """A checkpoint at the end of the first pass (step 7), resumed by a new Trainer to 3 epochs: in each framework
+    the resumed run ends as the one that never stopped (parameters, momentum buffers, learning rate, step and
+    epoch, the batches from step 7 on), and the two frameworks' runs are the same, bit for bit."""
+    lit, ours = resumed_runs(tmp_path, STEPS)
+    assert_resumed_as_whole(ours["whole"], ours["resumed"], STEPS)
+    assert_same(lit["whole"].model, lit["resumed"].model)
+    assert lit["whole"].seen[STEPS:] == lit["resumed"].seen == ours["resumed"].seen
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(lit["resumed"].optimizers().optimizer),
+                                                   optimizer_state(ours["resumed"].optimizers["optimizer"])))
+    assert (lit["resumed"].trainer.global_step, lit["resumed"].trainer.current_epoch) == (21, 3)
+    assert lit["resumed"].optimizers().param_groups[0]["lr"] == 0.05 / 8
+    assert_same(lit["resumed"].model, ours["resumed"].model)
+
+
+def test_resume_mid_pass_differs_as_documented(tmp_path):
+    """docs/checkpoints.md: "A run resumed at step N is bit-identical to one that never stopped"; a DataLoader's
+    interrupted epoch is drawn again and fast-forwarded past the batches consumed. Resumed at step 10 (3 batches
+    into the second pass), safeloop's run is its run that never stopped. Lightning's restarts the DataLoader but
+    counts on from ``batch_idx`` 3: the pass's first 4 batches are trained as its last 4, the pass ends after 4
+    steps, and its run ends elsewhere (the same step, epoch and learning rate)."""
+    at = 10
+    lit, ours = resumed_runs(tmp_path, at)
+    assert_resumed_as_whole(ours["whole"], ours["resumed"], at)
+    assert_same(lit["whole"].model, ours["whole"].model)
+    whole, resumed = lit["whole"].seen, lit["resumed"].seen
+    assert [s[:3] for s in whole[at:]] == [s[:3] for s in resumed]  # the same counters ...
+    assert [s[3] for s in resumed[:4]] == [s[3] for s in whole[STEPS:STEPS + 4]]  # ... the pass's first batches
+    assert (lit["resumed"].trainer.global_step, lit["resumed"].trainer.current_epoch) == (21, 3)
+    assert lit["resumed"].optimizers().param_groups[0]["lr"] == 0.05 / 8
+    assert max_diff(lit["whole"].model, lit["resumed"].model) > 0.01
+
+
+def test_resume_with_a_shuffled_loader_differs_as_documented(tmp_path):
+    """docs/checkpoints.md: a checkpoint holds "the RNG states, set again just before the first resumed step".
+    Resumed at the end of the first pass of a shuffled DataLoader, safeloop's run draws the orders its run that
+    never stopped drew; a Lightning checkpoint holds no RNG state, so its resumed run draws others."""
+    lit, ours = resumed_runs(tmp_path, STEPS, shuffle=True)
+    assert_resumed_as_whole(ours["whole"], ours["resumed"], STEPS)
+    assert_same(lit["whole"].model, ours["whole"].model)
+    assert lit["whole"].seen[STEPS:] != lit["resumed"].seen
+    assert max_diff(lit["whole"].model, lit["resumed"].model) > 0.01
