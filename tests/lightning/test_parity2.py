@@ -335,3 +335,77 @@ def test_test_without_a_model_after_fit_tests_the_best_checkpoint(tmp_path):
     assert torch.load(port.checkpointer.best, weights_only=True)["step"] == 2 * STEPS
     assert not close(best, last)
     assert close(best, port.test(val)["test_loss"])
+
+
+# -- clipping by value, a warm-up under accumulation
+
+
+class LitGrads(Lit):
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append(self.model[0].weight.grad.clone())
+
+
+class PortClipValue(Port):
+    """docs/trainer.md's map: ``gradient_clip_algorithm="value"`` is ``clip_grad_value_`` in
+    ``on_before_optimizer_step``."""
+
+    grads: list
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.grads.append(self.model[0].weight.grad.clone())
+        torch.nn.utils.clip_grad_value_(self.model.parameters(), 0.02)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_gradient_clipping_by_value_matches(accum):
+    """``gradient_clip_val=0.02, gradient_clip_algorithm="value"`` against the map's ``clip_grad_value_`` in
+    ``on_before_optimizer_step``, with and without accumulation: the gradients the hook sees (before clipping in
+    both, some above 0.02), the parameters."""
+    lit = LitGrads()
+    lit.grads = []
+    lightning(max_epochs=EPOCHS, gradient_clip_val=0.02, gradient_clip_algorithm="value",
+              accumulate_grad_batches=accum).fit(lit, train_dataloaders=loader())
+    port = PortClipValue(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=EPOCHS,
+                                                                                        grad_accum=accum))
+    port.grads = []
+    port.fit()
+    assert len(lit.grads) == len(port.grads) and all(torch.equal(a, b) for a, b in zip(lit.grads, port.grads))
+    assert max(float(g.abs().max()) for g in port.grads) > 0.02
+    assert_same(lit.model, port.model)
+
+
+def warm_up(model):
+    """AdamW with a linear warm-up over 4 updates (LambdaLR), stepped after every update."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class LitWarm(Lit):
+    def on_before_optimizer_step(self, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+class PortWarm(Port):
+    lrs: list
+    configure = staticmethod(warm_up)
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("limit", [{"max_epochs": 2}, {"max_steps": 5}], ids=["max_epochs", "max_steps"])
+def test_warm_up_per_update_under_accumulation_matches(limit):
+    """LambdaLR with ``interval: "step"`` under ``accumulate_grad_batches=3`` / ``grad_accum=3`` (3 updates a pass,
+    the last a tail of one): the scheduler steps once per update in both (``last_epoch`` at the end), the learning
+    rate of every update, the parameters."""
+    lit = LitWarm(configure=warm_up)
+    lit.lrs = []
+    lightning(accumulate_grad_batches=3, **limit).fit(lit, train_dataloaders=loader())
+    port = PortWarm(model=net(), train_data=loader(), **settings(grad_accum=3, **limit))
+    port.lrs = []
+    port.fit()
+    updates = 6 if "max_epochs" in limit else 5
+    assert lit.lrs == port.lrs == [1e-2 * min(1.0, (k + 1) / 4) for k in range(updates)]
+    assert lit.lr_schedulers().last_epoch == port.schedulers["optimizer"].last_epoch == updates
+    assert_same(lit.model, port.model)
