@@ -20,6 +20,7 @@ import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
                      net, settings, sgd)
+from .test_parity import GAN, d_loss_of, g_loss_of, gan_adam, ring  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -409,3 +410,73 @@ def test_warm_up_per_update_under_accumulation_matches(limit):
     assert lit.lrs == port.lrs == [1e-2 * min(1.0, (k + 1) / 4) for k in range(updates)]
     assert lit.lr_schedulers().last_epoch == port.schedulers["optimizer"].last_epoch == updates
     assert_same(lit.model, port.model)
+
+
+# -- manual optimization: two optimizers, one accumulating by hand
+
+
+class LitAccumGAN(pl.LightningModule):
+    """Lightning's manual optimization: D updated every batch, G's loss halved and G updated every second batch
+    (``(batch_idx + 1) % 2 == 0``), its gradient carried over otherwise (across a pass's end too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gan, self.g_updates = GAN(), []
+
+    def configure_optimizers(self):
+        return [gan_adam(self.gan.d.parameters()), gan_adam(self.gan.g.parameters())]
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        (real,) = batch
+        fake = self.gan.sample(len(real))
+        self.toggle_optimizer(opt_d)
+        self.manual_backward(d_loss_of(self.gan, real, fake))
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(g_loss_of(self.gan, fake) / 2)
+        if (batch_idx + 1) % 2 == 0:
+            opt_g.step()
+            opt_g.zero_grad()
+            self.g_updates.append((self.current_epoch, batch_idx))
+        self.untoggle_optimizer(opt_g)
+
+
+class PortAccumGAN(safeloop.Trainer):
+    automatic = False
+    g_updates: list
+
+    def configure_optimizers(self):
+        return {"d": gan_adam(self.model.d.parameters()), "g": gan_adam(self.model.g.parameters())}
+
+    def training_step(self, batch):
+        (real,) = batch
+        fake = self.model.sample(len(real))
+        d_loss = d_loss_of(self.model, real, fake)
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        g_loss = g_loss_of(self.model, fake) / 2
+        self.backward(g_loss, optimizer="g")
+        if self.state.batch_in_epoch % 2 == 0:
+            self.step("g")
+            self.g_updates.append((self.state.epoch, self.state.batch_in_epoch - 1))
+        return {"d": d_loss, "g": g_loss}
+
+
+def test_manual_accumulation_by_hand_with_two_optimizers_matches():
+    """The two above, 3 passes of 5 batches: G updated after batches 1 and 3 of each pass, its fifth batch's
+    gradient carried into the next pass's first update in both; G's and D's parameters, bit for bit."""
+    lit = LitAccumGAN()
+    trainer = lightning(max_epochs=3)
+    torch.manual_seed(3)
+    trainer.fit(lit, train_dataloaders=ring())
+    port = PortAccumGAN(model=GAN(), train_data=ring(), **settings(max_epochs=3))
+    port.g_updates = []
+    torch.manual_seed(3)
+    port.fit()
+    assert lit.g_updates == port.g_updates == [(epoch, i) for epoch in range(3) for i in (1, 3)]
+    assert trainer.global_step == 15 + 6 and port.state.step == 15  # optimizer steps / steps: docs/trainer.md's map
+    assert_same(lit.gan, port.model)
