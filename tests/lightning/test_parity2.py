@@ -572,3 +572,58 @@ def test_steps_metrics_are_logged_at_match(accum):
     assert [s for s, _ in theirs] == [s for s, _ in ours if s != end]
     theirs, ours = logged["val_loss"]
     assert [s for s, _ in theirs] == [s for s, _ in ours[1:]]
+
+
+# -- max_epochs over an IterableDataset (no length)
+
+
+class Stream(IterableDataset):
+    """``dataset()``'s 14 samples, one by one: passes of 7 batches of 2, whose number no ``len`` tells."""
+
+    def __iter__(self):
+        yield from dataset()
+
+
+class LitStream(Lit):
+    def on_before_optimizer_step(self, optimizer):
+        self.events.append(("update", self.trainer.global_step, optimizer.param_groups[0]["lr"]))
+
+    def on_train_epoch_end(self):
+        self.events.append(("epoch_end", self.trainer.global_step, self.optimizers().param_groups[0]["lr"]))
+
+    def on_validation_end(self):
+        self.events.append(("validation", self.trainer.global_step))
+
+
+class PortStream(Port):
+    events: list
+    configure = staticmethod(step_lr_alone)
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.events.append(("update", self.state.step, optimizer.param_groups[0]["lr"]))
+
+    def on_epoch_end(self):
+        self.events.append(("epoch_end", self.state.step, self.optimizers["optimizer"].param_groups[0]["lr"]))
+
+    def on_validation_end(self, metrics):
+        self.events.append(("validation", self.state.step))
+
+
+def test_max_epochs_over_an_iterable_dataset_matches():
+    """``max_epochs=3`` over a DataLoader of an IterableDataset, a StepLR given alone (each epoch), validation each
+    epoch (safeloop: ``val_every`` = one pass's steps): every update's learning rate, each epoch's end and
+    validation in order with its step, the step and epoch counters, the parameters (safeloop's validation before
+    training aside)."""
+    lit = LitStream(configure=step_lr_alone)
+    lit.events = []
+    trainer = lightning(max_epochs=3)
+    trainer.fit(lit, train_dataloaders=DataLoader(Stream(), batch_size=2), val_dataloaders=loader(n=4, seed=2))
+    port = PortStream(model=net(), train_data=DataLoader(Stream(), batch_size=2), val_data=loader(n=4, seed=2),
+                      **settings(max_epochs=3, val_every=STEPS))
+    port.events = []
+    port.fit()
+    assert port.events[0] == ("validation", 0)
+    assert lit.events == port.events[1:]
+    assert [e[1] for e in lit.events if e[0] == "epoch_end"] == [7, 14, 21]
+    assert (trainer.global_step, trainer.current_epoch) == (port.state.step, port.state.epoch) == (21, 3)
+    assert_same(lit.model, port.model)
