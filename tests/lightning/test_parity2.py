@@ -20,7 +20,7 @@ import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
                      net, settings, sgd)
-from .test_parity import GAN, d_loss_of, g_loss_of, gan_adam, ring  # noqa: E402
+from .test_parity import GAN, LitEarly, PortEarly, d_loss_of, g_loss_of, gan_adam, ring  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -683,3 +683,91 @@ def test_on_load_checkpoint_edits_take_effect(tmp_path):
     assert lit.seen[0] == port.seen[0] == 3.0
     assert torch.equal(lit.seen[1], net()[0].bias) and torch.equal(lit.started, torch.zeros(8))
     assert torch.equal(port.started, torch.zeros(8))
+
+
+# -- empty data
+
+
+def test_empty_validation_data_differs_loudly():
+    """A ``val_data`` of no batches: Lightning trains, skipping every validation (with a warning); safeloop stops
+    before training with a ConfigError naming it. Not silent, and not in the docs."""
+    lit = Lit()
+    trainer = lightning(max_epochs=EPOCHS)
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=0, seed=2))
+    assert trainer.global_step == EPOCHS * STEPS
+    port = Port(model=net(), train_data=loader(), val_data=loader(n=0, seed=2), optimizer=adam,
+                **settings(max_epochs=EPOCHS, val_every=STEPS))
+    with pytest.raises(safeloop.ConfigError, match="val_data yielded no batches"):
+        port.fit()
+    assert port.state.step == 0
+    assert_same(net(), port.model)
+
+
+def test_empty_training_data_differs_loudly():
+    """A ``train_data`` of no batches: Lightning's fit ends at once ("No training batches"); safeloop's is a
+    ConfigError naming it. Not silent, and not in the docs."""
+    trainer = lightning(max_epochs=EPOCHS)
+    trainer.fit(Lit(), train_dataloaders=loader(n=0))
+    assert trainer.global_step == 0
+    with pytest.raises(safeloop.ConfigError, match="train_data yielded no batches"):
+        Port(model=net(), train_data=loader(n=0), optimizer=adam, **settings(max_epochs=EPOCHS)).fit()
+
+
+# -- early stopping: validation every other epoch, a resumed run
+
+
+def test_early_stopping_validating_every_other_epoch_matches():
+    """``check_val_every_n_epoch=2`` / ``val_every`` = two passes' steps, ``patience=2``: ``patience`` counts
+    validations in both; the step training stopped after, each validation's step and value, the parameters."""
+    rule = {"monitor": "val_loss", "mode": "min", "patience": 2}
+    lit = LitEarly(configure=lambda m: sgd(m.parameters(), 0.1))
+    lit.val, lit.monitor = [], "val_loss"
+    trainer = lightning(max_epochs=20, check_val_every_n_epoch=2, callbacks=[pl.callbacks.EarlyStopping(**rule)])
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortEarly(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
+                     optimizer=lambda p: sgd(p, 0.1), callbacks=[safeloop.EarlyStopping(**rule)],
+                     **settings(max_epochs=20, val_every=2 * STEPS))
+    port.val, port.monitor = [], "val_loss"
+    port.fit()
+    assert trainer.global_step == port.state.step < 20 * STEPS
+    assert [s for s, _ in lit.val] == [s for s, _ in port.val[1:]] and len(lit.val) >= 3
+    assert all(close(a, b) for (_, a), (_, b) in zip(lit.val, port.val[1:]))
+    assert_same(lit.model, port.model)
+
+
+def test_early_stopping_resumed_mid_count_matches(tmp_path):
+    """``patience=3``, validation each epoch, SGD at 0.02: the best at step 21, then none better, a stop after step 42.
+    Saved at step 28 (one validation without improvement counted), resumed by a new Trainer and callback: each
+    framework stops after step 42 as its run that never stopped, with the same parameters (Lightning keeps the
+    callback's state in its checkpoint, safeloop too)."""
+    rule = {"monitor": "val_loss", "mode": "min", "patience": 3}
+
+    def lit_run(**kwargs):
+        lit = LitEarly(configure=lambda m: sgd(m.parameters(), 0.02))
+        lit.val, lit.monitor = [], "val_loss"
+        ckpt_path = kwargs.pop("ckpt_path", None)
+        callbacks = [pl.callbacks.EarlyStopping(**rule)] + kwargs.pop("callbacks", [])  # the checkpoint's moved last
+        trainer = lightning(**{"max_epochs": 20, "callbacks": callbacks, **kwargs})
+        trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2), ckpt_path=ckpt_path)
+        return trainer, lit
+
+    def port_run(**kwargs):
+        port = PortEarly(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
+                         optimizer=lambda p: sgd(p, 0.02), callbacks=[safeloop.EarlyStopping(**rule)],
+                         **settings(**{"max_epochs": 20, "val_every": STEPS, **kwargs}))
+        port.val, port.monitor = [], "val_loss"
+        port.fit()
+        return port
+
+    at = 4 * STEPS
+    whole, lit = lit_run()
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_epochs=1, save_top_k=-1, filename="{step}")
+    lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])
+    resumed, lit2 = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
+    ours = port_run()
+    port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})
+    ours2 = port_run(resume=str(tmp_path / "sl"))
+    assert whole.global_step == resumed.global_step == ours.state.step == ours2.state.step == 6 * STEPS
+    assert_same(lit.model, lit2.model)
+    assert_same(ours.model, ours2.model)
+    assert_same(lit.model, ours2.model)
