@@ -771,3 +771,27 @@ def test_early_stopping_resumed_mid_count_matches(tmp_path):
     assert_same(lit.model, lit2.model)
     assert_same(ours.model, ours2.model)
     assert_same(lit.model, ours2.model)
+
+
+# -- a plateau given alone, its monitor beside it
+
+
+def plateau_alone(model):
+    """Lightning's ``{"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"}`` (docs/trainer.md's map:
+    "monitor" beside a plateau given alone); patience 0 and a large threshold, so that it reduces often."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.2)
+    return {"optimizer": opt, "lr_scheduler": sched, "monitor": "val_loss"}
+
+
+def test_plateau_given_alone_with_its_monitor_matches():
+    """4 epochs, validation each epoch: the learning rate of every update and the parameters."""
+    lit = LitWarm(configure=plateau_alone)
+    lit.lrs = []
+    lightning(max_epochs=4).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = type("PortPlateau", (PortWarm,), {"configure": staticmethod(plateau_alone)})(
+        model=net(), train_data=loader(), val_data=loader(n=6, seed=2), **settings(max_epochs=4, val_every=STEPS))
+    port.lrs = []
+    port.fit()
+    assert lit.lrs == port.lrs and len(set(port.lrs)) > 2
+    assert_same(lit.model, port.model)
