@@ -795,3 +795,34 @@ def test_plateau_given_alone_with_its_monitor_matches():
     port.fit()
     assert lit.lrs == port.lrs and len(set(port.lrs)) > 2
     assert_same(lit.model, port.model)
+
+
+def test_best_checkpoints_across_a_resume_match(tmp_path):
+    """``ModelCheckpoint(monitor="val_loss", save_top_k=2)`` / ``checkpoint={"monitor": "val_loss", "keep": 2}``,
+    6 epochs, stopped after 3 and resumed (Lightning from a second ModelCheckpoint's file of each epoch, safeloop
+    with ``resume="auto"``): the best two kept are those of the run that never stopped (steps 14 and 28), in
+    both, and so is the best (docs/checkpoints.md: "The ranking survives a resume")."""
+    def lit_run(max_steps=-1, ckpt_path=None):
+        best = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_loss",
+                                            save_top_k=2)
+        each = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "each", filename="{step}", save_top_k=-1)
+        lightning(max_epochs=6, max_steps=max_steps, enable_checkpointing=True, callbacks=[best, each]).fit(
+            LitScored(configure=lambda m: sgd(m.parameters())), train_dataloaders=loader(),
+            val_dataloaders=loader(n=6, seed=2), ckpt_path=ckpt_path)
+        return best
+
+    def port_run(**kwargs):
+        port = PortScored(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=sgd,
+                          checkpoint={"dir": str(tmp_path / "sl"), "monitor": "val_loss", "keep": 2, "every": None},
+                          **settings(max_epochs=6, val_every=STEPS, **kwargs))
+        port.fit()
+        return port
+
+    lit_run(max_steps=3 * STEPS)
+    best = lit_run(ckpt_path=tmp_path / "each" / f"step={3 * STEPS}.ckpt")
+    port_run(max_steps=3 * STEPS)
+    port = port_run(resume="auto")
+    assert sorted(lightning_files(tmp_path / "lit").values()) == [2 * STEPS, 4 * STEPS]
+    assert sorted(safeloop_files(tmp_path / "sl").values()) == [2 * STEPS, 4 * STEPS, 6 * STEPS]  # and the newest
+    assert torch.load(best.best_model_path, weights_only=False)["global_step"] == 2 * STEPS
+    assert torch.load(port.checkpointer.best, weights_only=True)["step"] == 2 * STEPS
