@@ -850,9 +850,9 @@ class PortConfigured(Port):
 
 
 @pytest.mark.xfail(strict=True, reason="Lightning calls configure_optimizers at every fit() (a second fit of the same "
-                   "Trainer goes on from its step and epoch with new optimizers: Adam's moments reset, a layer unfrozen "
-                   "in between trained); safeloop makes them at the first fit only (Trainer.setup) and keeps them, so "
-                   "the unfrozen layer is never updated, without a word; the docs do not say so")
+                   "Trainer goes on from its step and epoch with new optimizers: Adam's moments reset, a layer "
+                   "unfrozen in between trained); safeloop makes them at the first fit only (Trainer.setup) and keeps "
+                   "them, so the unfrozen layer is never updated, without a word; the docs do not say so")
 @pytest.mark.parametrize("unfreeze", [False, True], ids=["go on", "unfreeze the first layer"])
 def test_a_second_fit_configures_the_optimizers_again(unfreeze):
     """One epoch, then ``max_epochs`` raised to 2 (``trainer.fit_loop.max_epochs`` / ``trainer.max_epochs``) and
