@@ -130,6 +130,19 @@ def test_checkpoints_every_n_steps_differs_as_documented(tmp_path, top_k, keep):
     assert sorted(ours.values()) == ([3, 6, 9, 12, 14] if top_k == -1 else [14])
 
 
+def test_best_checkpoints_every_n_steps_with_a_monitor_differs_as_documented(tmp_path):
+    """``ModelCheckpoint(monitor="val_loss", save_top_k=2, every_n_train_steps=3)`` against ``checkpoint={"monitor":
+    "val_loss", "keep": 2, "every": 3}``, validation each epoch (best at step 14, then 28): docs/checkpoints.md, "a
+    save at every multiple of either. A checkpoint saved at a step without a validation has no metric. It is kept
+    only while it is the newest": safeloop keeps steps 14 and 28 (and its newest, 42), the best step 14. Lightning
+    saves at multiples of 3 only, each ranked by the last validation's value, which step 14 gave to steps 15 and 18:
+    it keeps those, and its best, step 15, holds weights no validation measured."""
+    theirs, ours, best = checkpointed_runs(tmp_path, dict(monitor="val_loss", save_top_k=2, every_n_train_steps=3),
+                                           {"monitor": "val_loss", "keep": 2, "every": 3})
+    assert sorted(theirs.values()) == [15, 18] and best[0] == 15
+    assert sorted(ours.values()) == [14, 28, 42] and best[1] == 14
+
+
 # -- resuming from a checkpoint and training on
 
 
