@@ -20,7 +20,8 @@ import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
                      net, settings, sgd)
-from .test_parity import GAN, LitEarly, PortEarly, d_loss_of, g_loss_of, gan_adam, ring  # noqa: E402
+from .test_parity import (GAN, LitEarly, LitScaled, PortEarly, PortScaled, d_loss_of, g_loss_of,  # noqa: E402
+                          gan_adam, ring)
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -891,4 +892,32 @@ def test_a_second_fit_configures_the_optimizers_again(unfreeze):
     assert not unfreeze or not torch.equal(lit.model[0].weight, frozen)
     assert lit.configured == 2
     assert port.configured == 2
+    assert_same(lit.model, port.model)
+
+
+# -- clipping under float16 with a GradScaler
+
+
+def test_gradient_clipping_under_a_grad_scaler_matches():
+    """float16 autocast with a GradScaler (Lightning's "16-mixed" forced on the CPU, safeloop's "16"), the loss large
+    enough that the first steps overflow, and ``gradient_clip_val`` / ``grad_clip`` 0.05: the gradients are
+    unscaled before the hook sees them and before clipping in both; the hook's gradients (NaN and inf where they
+    overflowed), the parameters, the final scale."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    lit = LitScaled()
+    lit.dtypes, lit.losses, lit.grads = [], [], []
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    lightning(max_epochs=EPOCHS, plugins=[plugin], gradient_clip_val=0.05).fit(lit, train_dataloaders=loader())
+    port = PortScaled(model=net(), train_data=loader(), optimizer=adam,
+                      **settings(max_epochs=EPOCHS, precision="16", grad_clip=0.05))
+    port.dtypes, port.losses, port.grads = [], [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the scaler's skipped first update makes torch warn about the order
+        port.fit()
+    assert len(lit.grads) == len(port.grads) and all(
+        torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(lit.grads, port.grads))
+    assert not all(g.isfinite().all() for g in port.grads)
+    assert max(float(g.abs().max()) for g in port.grads if g.isfinite().all()) > 0.05
+    assert plugin.scaler.get_scale() == port.scaler.get_scale() < 2.0 ** 16
     assert_same(lit.model, port.model)
