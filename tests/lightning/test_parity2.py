@@ -921,3 +921,35 @@ def test_gradient_clipping_under_a_grad_scaler_matches():
     assert max(float(g.abs().max()) for g in port.grads if g.isfinite().all()) > 0.05
     assert plugin.scaler.get_scale() == port.scaler.get_scale() < 2.0 ** 16
     assert_same(lit.model, port.model)
+
+
+@pytest.mark.xfail(strict=True, reason="safeloop's EarlyStopping counts every on_validation_end after step 0, also "
+                   "that of a trainer.validate() outside fit (docs/trainer.md: 'The validations during training "
+                   "count'); Lightning's skips any validation outside fitting (EarlyStopping._should_skip_check), so "
+                   "two validate() calls after fit make safeloop's next fit() train nothing")
+def test_validate_outside_fit_does_not_count_for_early_stopping():
+    """``patience=3``, SGD at 0.02 (the best at step 21), 5 epochs: each run ends with 2 validations counted without
+    improvement. Then two ``validate()`` calls (the same weights: no improvement), ``max_epochs`` raised to 8 and
+    ``fit()`` again: Lightning's count is still 2, its next validation (step 42) is the third, and it stops there."""
+    rule = {"monitor": "val_loss", "mode": "min", "patience": 3}
+    lit = LitEarly(configure=lambda m: sgd(m.parameters(), 0.02))
+    lit.val, lit.monitor = [], "val_loss"
+    theirs = pl.callbacks.EarlyStopping(**rule)
+    trainer = lightning(max_epochs=5, callbacks=[theirs])
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    ours = safeloop.EarlyStopping(**rule)
+    port = PortEarly(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, 0.02),
+                     callbacks=[ours], **settings(max_epochs=5, val_every=STEPS))
+    port.val, port.monitor = [], "val_loss"
+    port.fit()
+    assert theirs.wait_count == ours.wait == 2 and trainer.global_step == port.state.step == 5 * STEPS
+    for _ in range(2):
+        trainer.validate(lit, dataloaders=loader(n=6, seed=2), verbose=False)
+        port.validate()
+    assert theirs.wait_count == 2
+    trainer.fit_loop.max_epochs = port.max_epochs = 8
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port.fit()
+    assert trainer.global_step == 6 * STEPS and theirs.wait_count == 3
+    assert ours.wait == 3
+    assert port.state.step == 6 * STEPS  # (the parameters differ anyway: a second fit's optimizers, see below)
