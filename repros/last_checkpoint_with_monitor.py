@@ -6,7 +6,7 @@ newest"). Lightning 2.6.6 writes last.ckpt only when a top-k checkpoint is saved
 validation that entered the best two, and no file holds step 42 (tests/lightning/test_parity2.py,
 test_last_checkpoint_with_a_monitor_holds_what_lightnings_last_ckpt_holds).
 
-Run: python repros/last_checkpoint_with_monitor.py
+Run: PYTHONPATH=. python repros/last_checkpoint_with_monitor.py
 """
 import tempfile
 from pathlib import Path

@@ -4,7 +4,7 @@ logger_connector.py:123, loops/training_epoch_loop.py:415): update k's self.log 
 it, at step k - 1. With log_every_n_steps=3 over 14 updates Lightning logs "index" at steps 2, 5, 8, 11 and
 val_loss at 6 and 13; safeloop at 3, 6, 9, 12 (and 14, its last step) and val_loss at 0, 7, 14.
 
-Run: python repros/logger_step_off_by_one.py
+Run: PYTHONPATH=. python repros/logger_step_off_by_one.py
 """
 import torch
 

@@ -5,7 +5,7 @@ configure_optimizers over the parameters that require gradients (the usual fine-
 Lightning's second fit and never by safeloop's, without a word (it even keeps accumulating .grad). The parameters
 then differ from Lightning's by 0.0676 (0.0626 without the unfreezing: Adam's moments reset in Lightning).
 
-Run: python repros/second_fit_keeps_optimizers.py
+Run: PYTHONPATH=. python repros/second_fit_keeps_optimizers.py
 """
 import torch
 
