@@ -5,7 +5,7 @@ Lightning's trainer.test(dataloaders=...) without a model after fit takes ckpt_p
 and tests it (with a warning). docs/trainer.md maps only trainer.test(model, dataloaders=), which tests the current
 weights. On the run below Lightning's no-model test gives 0.6509, safeloop's 0.9498.
 
-Run: PYTHONPATH=. python repros/test_after_fit_uses_last_weights.py
+Run: PYTHONPATH=. python repros/evaluate_after_fit_uses_last_weights.py
 """
 import tempfile
 

@@ -4,7 +4,7 @@ loads the weights and optimizer states (pytorch_lightning/trainer/connectors/che
 edit is what training resumes from. docs/trainer.md's map says "on_save_checkpoint, on_load_checkpoint | the same
 names".
 
-Run: PYTHONPATH=. python repros/on_load_checkpoint_edits_ignored.py  (prints the resumed first bias: not zero)
+Run: PYTHONPATH=. python repros/on_load_checkpoint_edits_ignored.py (the resumed first bias printed: not zero)
 """
 import tempfile
 
