@@ -652,23 +652,26 @@ class PortStream(Port):
         self.events.append(("validation", self.state.step))
 
 
-def test_max_epochs_over_an_iterable_dataset_matches():
+@pytest.mark.parametrize("accum", [1, 3])
+def test_max_epochs_over_an_iterable_dataset_matches(accum):
     """``max_epochs=3`` over a DataLoader of an IterableDataset, a StepLR given alone (each epoch), validation each
-    epoch (safeloop: ``val_every`` = one pass's steps): every update's learning rate, each epoch's end and
+    epoch (safeloop: ``val_every`` = one pass's updates), with and without accumulation (3: a tail of one at each
+    pass's end, which neither knows before the pass runs out): every update's learning rate, each epoch's end and
     validation in order with its step, the step and epoch counters, the parameters (safeloop's validation before
     training aside)."""
+    updates = math.ceil(STEPS / accum)
     lit = LitStream(configure=step_lr_alone)
     lit.events = []
-    trainer = lightning(max_epochs=3)
+    trainer = lightning(max_epochs=3, accumulate_grad_batches=accum)
     trainer.fit(lit, train_dataloaders=DataLoader(Stream(), batch_size=2), val_dataloaders=loader(n=4, seed=2))
     port = PortStream(model=net(), train_data=DataLoader(Stream(), batch_size=2), val_data=loader(n=4, seed=2),
-                      **settings(max_epochs=3, val_every=STEPS))
+                      **settings(max_epochs=3, val_every=updates, grad_accum=accum))
     port.events = []
     port.fit()
     assert port.events[0] == ("validation", 0)
     assert lit.events == port.events[1:]
-    assert [e[1] for e in lit.events if e[0] == "epoch_end"] == [7, 14, 21]
-    assert (trainer.global_step, trainer.current_epoch) == (port.state.step, port.state.epoch) == (21, 3)
+    assert [e[1] for e in lit.events if e[0] == "epoch_end"] == [updates, 2 * updates, 3 * updates]
+    assert (trainer.global_step, trainer.current_epoch) == (port.state.step, port.state.epoch) == (3 * updates, 3)
     assert_same(lit.model, port.model)
 
 
