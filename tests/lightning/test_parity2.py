@@ -985,3 +985,104 @@ def test_validate_outside_fit_does_not_count_for_early_stopping():
     assert trainer.global_step == 6 * STEPS and theirs.wait_count == 3
     assert ours.wait == 3
     assert port.state.step == 6 * STEPS  # (the parameters differ anyway: a second fit's optimizers, see below)
+
+
+# -- Lightning's hook names that safeloop never calls
+
+
+class LitEverywhere(Lit):
+    """Tests and predicts too."""
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", mse(self.model, batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+
+def lightning_hook(base, name, calls):
+    """``base``'s hook ``name``, also appending ``name`` to ``calls``; ``val_dataloader`` gives the validation data."""
+    inherited = getattr(base, name)
+
+    def hook(self, *args, **kwargs):
+        calls.append(name)
+        return loader(n=4, seed=2) if name == "val_dataloader" else inherited(self, *args, **kwargs)
+    return hook
+
+
+def calls_in_lightning(name, callback: bool) -> list:
+    """The calls of Lightning's hook ``name`` (on the module, or on a callback) over fit, test and predict."""
+    calls = []
+    if callback:
+        lit, cbs = LitEverywhere(), [type("Hooked", (pl.Callback,), {name: lightning_hook(pl.Callback, name, calls)})()]
+    else:
+        lit, cbs = type("Hooked", (LitEverywhere,), {name: lightning_hook(LitEverywhere, name, calls)})(), []
+    trainer = lightning(max_steps=2, callbacks=cbs, enable_checkpointing=name == "state_dict")
+    trainer.fit(lit, train_dataloaders=loader(n=4),
+                val_dataloaders=None if name == "val_dataloader" else loader(n=4, seed=2))
+    trainer.test(lit, dataloaders=loader(n=4, seed=2), verbose=False)
+    trainer.predict(lit, dataloaders=loader(n=4, seed=2))
+    return calls
+
+
+MODULE_NAMES = ["on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
+                "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+                "on_validation_batch_end", "on_validation_model_eval", "on_validation_model_train", "on_test_start",
+                "on_test_epoch_end", "on_test_end", "on_predict_start", "on_predict_batch_end", "on_predict_end",
+                "prepare_data", "teardown", "configure_model", "val_dataloader"]
+CALLBACK_NAMES = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_end", "on_test_epoch_end",
+                  "on_predict_end", "setup", "teardown", "state_dict"]
+
+
+@pytest.mark.xfail(strict=True, reason="docs/trainer.md: a Trainer subclass or callback that keeps one of Lightning's "
+                   "names safeloop never calls is a ConfigError at start-up; safeloop/callbacks.py's LIGHTNING_NAMES "
+                   "holds 14 of them, and these others are never called, without a word")
+@pytest.mark.parametrize("where, name", [("module", n) for n in MODULE_NAMES]
+                         + [("callback", n) for n in CALLBACK_NAMES])
+def test_lightning_hook_names_are_called_or_refused(tmp_path, where, name):
+    """Each hook Lightning calls in a fit with validation, a test and a predict (asserted first), kept under its
+    Lightning name on the port (the Trainer subclass or a callback): safeloop either calls it or refuses it with a
+    ConfigError naming it, as the docs promise; none of these is either."""
+    assert name in calls_in_lightning(name, where == "callback")
+    calls = []
+
+    def hook(self, *args, **kwargs):
+        calls.append(name)
+        return args[-1] if args else None
+    callbacks = [type("Hooked", (safeloop.Callback,), {name: hook})()] if where == "callback" else []
+    cls = type("Hooked", (Port,), {name: hook}) if where == "module" else Port
+    try:
+        port = cls(model=net(), train_data=loader(n=4), val_data=loader(n=4, seed=2), optimizer=adam,
+                   callbacks=callbacks, checkpoint={"dir": str(tmp_path), "every": 1},
+                   **settings(max_steps=2, val_every=1))
+        port.fit()
+        port.test(loader(n=4, seed=2))
+        port.predict(loader(n=4, seed=2))
+    except safeloop.ConfigError as err:
+        assert name in str(err)
+        return
+    assert name in calls
+
+
+class LitScaledInput(Lit):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return 2 * x, y  # a transform on the device (normalization, a GPU augmentation)
+
+
+class PortScaledInput(Port):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return 2 * x, y
+
+
+@pytest.mark.xfail(strict=True, reason="on_after_batch_transfer, kept on the port, is never called: safeloop trains "
+                   "on the untransformed batches, without a word (see the test above)")
+def test_on_after_batch_transfer_transforms_the_batches():
+    """A batch transform in ``on_after_batch_transfer`` (its input doubled), kept on the port: Lightning trains on
+    the transformed batches; safeloop on the batches as loaded (its parameters differ by up to 0.0735)."""
+    lit = LitScaledInput()
+    lightning(max_epochs=EPOCHS).fit(lit, train_dataloaders=loader())
+    port = PortScaledInput(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=EPOCHS))
+    port.fit()
+    assert_same(lit.model, port.model)
