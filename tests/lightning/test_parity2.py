@@ -20,8 +20,8 @@ import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
                      net, settings, sgd)
-from .test_parity import (GAN, LitEarly, LitScaled, PortEarly, PortScaled, d_loss_of, g_loss_of,  # noqa: E402
-                          gan_adam, ring)
+from .test_parity import (GAN, LitEarly, LitScaled, LitValidated, PortEarly, PortScaled,  # noqa: E402
+                          PortValidated, d_loss_of, g_loss_of, gan_adam, ring)
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -1086,3 +1086,26 @@ def test_on_after_batch_transfer_transforms_the_batches():
     port = PortScaledInput(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=EPOCHS))
     port.fit()
     assert_same(lit.model, port.model)
+
+
+# -- val_check_interval with Lightning's default check_val_every_n_epoch
+
+
+@pytest.mark.xfail(strict=True, reason="with Lightning's default check_val_every_n_epoch=1, val_check_interval=N "
+                   "counts the batches of each epoch (it starts again at every epoch, and the epoch's end is not validated "
+                   "unless N divides it); safeloop's val_every=N, which docs/trainer.md's map gives for it, counts "
+                   "steps over the whole run; only check_val_every_n_epoch=None is that")
+def test_val_check_interval_within_each_epoch_matches_val_every():
+    """``val_check_interval=3`` (``check_val_every_n_epoch`` left at 1) against ``val_every=3``, 3 passes of 7
+    batches: Lightning validates after steps 3, 6, 10, 13, 17, 20; safeloop after 3, 6, 9, 12, 15, 18, 21 (besides
+    its own before training)."""
+    lit = LitValidated()
+    lit.validated = []
+    lightning(max_epochs=3, val_check_interval=3).fit(lit, train_dataloaders=loader(),
+                                                      val_dataloaders=loader(n=4, seed=2))
+    port = PortValidated(model=net(), train_data=loader(), val_data=loader(n=4, seed=2), optimizer=adam,
+                         **settings(max_epochs=3, val_every=3))
+    port.validated = []
+    port.fit()
+    assert lit.validated == [3, 6, 10, 13, 17, 20]
+    assert port.validated[1:] == lit.validated
