@@ -1091,10 +1091,10 @@ def test_on_after_batch_transfer_transforms_the_batches():
 # -- val_check_interval with Lightning's default check_val_every_n_epoch
 
 
-@pytest.mark.xfail(strict=True, reason="with Lightning's default check_val_every_n_epoch=1, val_check_interval=N "
-                   "counts the batches of each epoch (it starts again at every epoch, and the epoch's end is not validated "
-                   "unless N divides it); safeloop's val_every=N, which docs/trainer.md's map gives for it, counts "
-                   "steps over the whole run; only check_val_every_n_epoch=None is that")
+@pytest.mark.xfail(strict=True, reason="with Lightning's default check_val_every_n_epoch=1, "
+                   "val_check_interval=N counts the batches of each epoch (it starts again at every epoch, and the "
+                   "epoch's end is not validated unless N divides it); safeloop's val_every=N, which docs/trainer.md's "
+                   "map gives for it, counts steps over the whole run; only check_val_every_n_epoch=None is that")
 def test_val_check_interval_within_each_epoch_matches_val_every():
     """``val_check_interval=3`` (``check_val_every_n_epoch`` left at 1) against ``val_every=3``, 3 passes of 7
     batches: Lightning validates after steps 3, 6, 10, 13, 17, 20; safeloop after 3, 6, 9, 12, 15, 18, 21 (besides
