@@ -1109,3 +1109,26 @@ def test_val_check_interval_within_each_epoch_matches_val_every():
     port.fit()
     assert lit.validated == [3, 6, 10, 13, 17, 20]
     assert port.validated[1:] == lit.validated
+
+
+class LitSkips(Lit):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+
+class PortSkips(Port):
+    def training_step(self, batch):
+        return None if self.state.batch_in_epoch == 3 else super().training_step(batch)
+
+
+def test_training_step_returning_none_differs_loudly():
+    """Lightning's automatic optimization skips the update of a batch whose ``training_step`` returns None (its
+    docs: "return None to skip to the next batch"); safeloop stops at that step with a StepError asking for the
+    loss. Not silent, and not in docs/trainer.md's map."""
+    trainer = lightning(max_epochs=1)
+    trainer.fit(LitSkips(), train_dataloaders=loader())
+    assert trainer.global_step == STEPS
+    port = PortSkips(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=1))
+    with pytest.raises(safeloop.StepError, match="step 3: training_step returned None"):
+        port.fit()
+    assert port.state.step == 2
