@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 pl = pytest.importorskip("pytorch_lightning")
@@ -1132,3 +1133,62 @@ def test_training_step_returning_none_differs_loudly():
     with pytest.raises(safeloop.StepError, match="step 3: training_step returned None"):
         port.fit()
     assert port.state.step == 2
+
+
+# -- what on_validation_end sees
+
+
+class LitMetrics(Lit):
+    def training_step(self, batch, batch_idx):
+        self.log("index", float(batch_idx))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        loss = mse(self.model, batch)
+        self.log("val_loss", loss)
+        self.log("val_mae", F.l1_loss(self.model(batch[0]), batch[1]))
+
+
+class LitMetricsCallback(pl.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+class PortMetrics(Port):
+    def training_step(self, batch):
+        self.log("index", float(self.state.batch_in_epoch - 1))
+        return super().training_step(batch)
+
+    def validation_step(self, batch):
+        self.log("val_mae", F.l1_loss(self.model(batch[0]), batch[1]))
+        return mse(self.model, batch)
+
+
+class PortMetricsCallback(safeloop.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_end(self, trainer, metrics):
+        self.seen.append(dict(metrics))
+
+
+def test_metrics_on_validation_end_match():
+    """A callback's ``on_validation_end``: Lightning's ``trainer.callback_metrics`` against safeloop's ``metrics``
+    (docs/trainer.md's map), validation every 3 batches over 2 epochs, a returned loss and a ``self.log`` in
+    ``validation_step``: the same validation metrics, their means to 1e-6 (safeloop's validation before training
+    aside). Lightning's also hold what ``training_step`` logged; safeloop's hold the validation's only (docs/trainer.md,
+    Validation: the pass's metrics)."""
+    theirs = LitMetricsCallback()
+    lightning(max_epochs=EPOCHS, val_check_interval=3, check_val_every_n_epoch=None, callbacks=[theirs]).fit(
+        LitMetrics(), train_dataloaders=loader(), val_dataloaders=loader(n=5, batch=2, seed=2))
+    ours = PortMetricsCallback()
+    PortMetrics(model=net(), train_data=loader(), val_data=loader(n=5, batch=2, seed=2), optimizer=adam,
+                callbacks=[ours], **settings(max_epochs=EPOCHS, val_every=3)).fit()
+    ours.seen = ours.seen[1:-1]  # before training; at the end (step 14)
+    assert len(theirs.seen) == len(ours.seen) == 4
+    assert all(set(t) == {"index", "val_loss", "val_mae"} and set(o) == {"val_loss", "val_mae"}
+               for t, o in zip(theirs.seen, ours.seen))
+    assert all(close(t[k], o[k]) for t, o in zip(theirs.seen, ours.seen) for k in o)
