@@ -1295,3 +1295,37 @@ def test_bf16_mixed_with_a_weight_used_twice_matches():
                                                                                precision="bf16-mixed"))
     port.fit()
     assert_same(lit.model, port.model)
+
+
+# -- stopping from a callback
+
+
+def test_should_stop_differs_as_documented():
+    """docs/trainer.md's map: ``trainer.should_stop = True`` is ``trainer.request_stop(reason)``. A callback that
+    sets it after step 3: Lightning stops there; a safeloop callback that keeps the assignment sets an attribute
+    nothing reads and trains on to the end (14 steps), without a word; ``request_stop`` stops after step 3."""
+    class LitStopper(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    class Kept(safeloop.Callback):
+        def on_step_end(self, trainer, losses):
+            if trainer.state.step == 3:
+                trainer.should_stop = True
+
+    class Ported(safeloop.Callback):
+        def on_step_end(self, trainer, losses):
+            if trainer.state.step == 3:
+                trainer.request_stop("asked")
+
+    trainer = lightning(max_epochs=EPOCHS, callbacks=[LitStopper()])
+    trainer.fit(Lit(), train_dataloaders=loader())
+    assert trainer.global_step == 3
+    steps = []
+    for callback in (Kept(), Ported()):
+        port = Port(model=net(), train_data=loader(), optimizer=adam, callbacks=[callback],
+                    **settings(max_epochs=EPOCHS))
+        port.fit()
+        steps.append(port.state.step)
+    assert steps == [EPOCHS * STEPS, 3]
