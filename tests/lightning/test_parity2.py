@@ -1329,3 +1329,40 @@ def test_should_stop_differs_as_documented():
         port.fit()
         steps.append(port.state.step)
     assert steps == [EPOCHS * STEPS, 3]
+
+
+# -- bf16-true: tensors a step makes
+
+
+class LitMade(Lit):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.model(x)
+        self.dtypes.add(torch.zeros(1).dtype)
+        return F.mse_loss(out, y) + 0.1 * F.mse_loss(out, torch.full((len(x), 1), 0.5))
+
+
+class PortMade(Port):
+    dtypes: set
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.dtypes.add(torch.zeros(1).dtype)
+        return F.mse_loss(out, y) + 0.1 * F.mse_loss(out, torch.full((len(x), 1), 0.5))
+
+
+def test_tensors_made_in_a_bf16_true_step_differs_as_documented():
+    """docs/trainer.md (Precision): under ``"bf16-true"`` "Tensors a step makes itself are float32 unless it says
+    dtype=". Lightning's step runs with bfloat16 as the default dtype (its HalfPrecision.forward_context): a target
+    made with ``torch.full`` is bfloat16 there, float32 here, where its loss term is computed in float32, and the
+    parameters differ (by 0.002 after 2 epochs). The docs do not say that Lightning's are bfloat16."""
+    lit = LitMade()
+    lit.dtypes = set()
+    lightning(max_epochs=EPOCHS, precision="bf16-true").fit(lit, train_dataloaders=loader())
+    port = PortMade(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=EPOCHS,
+                                                                                  precision="bf16-true"))
+    port.dtypes = set()
+    port.fit()
+    assert lit.dtypes == {torch.bfloat16} and port.dtypes == {torch.float32}
+    assert max_diff(lit.model, port.model) > 1e-3
