@@ -1366,3 +1366,34 @@ def test_tensors_made_in_a_bf16_true_step_differs_as_documented():
     port.fit()
     assert lit.dtypes == {torch.bfloat16} and port.dtypes == {torch.float32}
     assert max_diff(lit.model, port.model) > 1e-3
+
+
+# -- early stopping with nothing to check it
+
+
+@pytest.mark.xfail(strict=True, reason="safeloop's EarlyStopping is checked only in on_validation_end: without "
+                   "val_data, or without val_every (validation only before and after training), it never counts "
+                   "and the run trains to its end without a word; Lightning's raises without the metric (without "
+                   "validation data) and validates every epoch by default; a monitored scheduler here is a "
+                   "ConfigError at start-up in both cases (docs/trainer.md)")
+@pytest.mark.parametrize("validation", ["no val_data", "no val_every"])
+def test_early_stopping_without_validation_during_training_is_refused(validation):
+    """``EarlyStopping(monitor="val_loss", patience=1)``, SGD at 0.1, 10 epochs. Lightning without validation data
+    stops at its first epoch's end with a RuntimeError (the metric is not available); with it, it validates each
+    epoch and stops after step 14. safeloop with ``val_data`` and no ``val_every``, or with no ``val_data``, trains
+    all 70 steps."""
+    def lit_run(**data):
+        trainer = lightning(max_epochs=10, callbacks=[pl.callbacks.EarlyStopping(monitor="val_loss", patience=1)])
+        trainer.fit(Lit(configure=lambda m: sgd(m.parameters(), 0.1)), train_dataloaders=loader(), **data)
+        return trainer
+
+    if validation == "no val_data":
+        with pytest.raises(RuntimeError, match="Early stopping conditioned on metric `val_loss` which is not"):
+            lit_run()
+    else:
+        assert lit_run(val_dataloaders=loader(n=6, seed=2)).global_step == 2 * STEPS
+    val = {} if validation == "no val_data" else {"val_data": loader(n=6, seed=2)}
+    port = Port(model=net(), train_data=loader(), optimizer=lambda p: sgd(p, 0.1),
+                callbacks=[safeloop.EarlyStopping(monitor="val_loss", patience=1)], **val, **settings(max_epochs=10))
+    with pytest.raises(safeloop.ConfigError, match="EarlyStopping"):
+        port.fit()
