@@ -1397,3 +1397,23 @@ def test_early_stopping_without_validation_during_training_is_refused(validation
                 callbacks=[safeloop.EarlyStopping(monitor="val_loss", patience=1)], **val, **settings(max_epochs=10))
     with pytest.raises(safeloop.ConfigError, match="EarlyStopping"):
         port.fit()
+
+
+def test_max_steps_at_the_end_of_an_iterable_pass_differs_as_documented():
+    """docs/trainer.md (Hooks): where ``max_steps`` ends a run right after a pass's last batch, the pass ends with the
+    run "when train_data's length is known ... Otherwise it ends when training goes on". ``max_steps=7`` over an
+    IterableDataset of 7 batches: Lightning, which looks one batch ahead, ends the epoch (its StepLR steps, its
+    epoch-end hook runs); safeloop's run ends without it, and a second ``fit()`` to step 8 ends the pass first."""
+    lit = LitStream(configure=step_lr_alone)
+    lit.events = []
+    trainer = lightning(max_steps=STEPS)
+    trainer.fit(lit, train_dataloaders=DataLoader(Stream(), batch_size=2))
+    port = PortStream(model=net(), train_data=DataLoader(Stream(), batch_size=2), **settings(max_steps=STEPS))
+    port.events = []
+    port.fit()
+    assert lit.events[-1] == ("epoch_end", STEPS, 0.025) and trainer.current_epoch == 1
+    assert port.events[-1] == ("update", STEPS - 1, 0.05) and port.state.epoch == 0  # (the step before it)
+    assert_same(lit.model, port.model)
+    port.max_steps = STEPS + 1
+    port.fit()
+    assert port.events[-2:] == [("epoch_end", STEPS, 0.025), ("update", STEPS, 0.025)]
