@@ -2,7 +2,7 @@
 
 docs/trainer.md: "A Trainer subclass or callback that keeps one of Lightning's names safeloop never calls
 (on_train_epoch_end, optimizer_step, configure_gradient_clipping...) is a ConfigError at start-up naming safeloop's
-way". safeloop/callbacks.py:42-56 (LIGHTNING_NAMES) lists 14 names; Lightning 2.6.6 calls many more in a fit, test
+way". safeloop/callbacks.py:42-56 (LIGHTNING_NAMES) lists 15 names; Lightning 2.6.6 calls many more in a fit, test
 and predict, and a port keeping any of the ones below runs without them. on_after_batch_transfer is the one that
 changes training: below, its transform (the input doubled) is skipped, and the parameters end up to 0.0735 from
 Lightning's (tests/lightning/test_parity2.py, test_on_after_batch_transfer_transforms_the_batches).
