@@ -47,12 +47,29 @@ LIGHTNING_NAMES = {
     "on_validation_epoch_end": "use on_validation_end(metrics)",
     "optimizer_step": "the Trainer makes each update; a warm-up is a scheduler (LambdaLR, interval: step), and "
                       "gradients are changed in on_before_optimizer_step",
-    "optimizer_zero_grad": "the Trainer clears the gradients after each update (set_to_none)",
-    "on_before_zero_grad": "use on_before_optimizer_step, before the update the clearing follows",
+    "optimizer_zero_grad": "the Trainer clears an update's gradients when the next step begins (set_to_none)",
+    "on_before_zero_grad": "use on_before_optimizer_step, or on_step_end (an update's gradients stay until the next "
+                           "step begins)",
     "configure_gradient_clipping": "give grad_clip=..., or clip in on_before_optimizer_step",
     "lr_scheduler_step": "the Trainer steps the schedulers it is given (interval, monitor); to step one your way, keep "
                          "it out of configure_optimizers and step it in a hook",
     "configure_callbacks": "pass callbacks=[...]",
+    "on_before_batch_transfer": "change the batch in training_step (or override to_device(batch))",
+    "transfer_batch_to_device": "override to_device(batch)",
+    "on_after_batch_transfer": "change the batch in training_step (or override to_device(batch))",
+    "val_dataloader": "pass val_data=...", "prepare_data": "prepare the data before making the Trainer",
+    "configure_model": "build the model before making the Trainer (to shard it: configure_sharding)",
+    "setup": "use on_fit_start", "teardown": "use on_fit_end",
+    "state_dict": "keep a callback's state with on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)",
+    **dict.fromkeys(("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+                     "on_validation_batch_end"),
+                    "validation_step(batch) runs on each batch, on_validation_end(metrics) after the pass"),
+    **dict.fromkeys(("on_validation_model_eval", "on_validation_model_train"),
+                    "the Trainer puts every module in eval mode to validate, and back after"),
+    **dict.fromkeys(("on_test_start", "on_test_epoch_end", "on_test_end", "on_predict_start", "on_predict_batch_end",
+                     "on_predict_end"),
+                    "trainer.test(data) returns the metrics and trainer.predict(data) the predictions: use them after "
+                    "the call"),
 }
 
 
@@ -139,8 +156,9 @@ class EarlyStopping(Callback):
     or higher (``"max"``) by more than ``min_delta``; after ``patience`` validations in a row without improvement,
     training stops after that step, as at ``max_steps`` (``Trainer.request_stop``): the checkpoint is saved and
     ``on_fit_end`` runs. The validation before training only checks that ``monitor`` is a metric validation
-    reports; every later one counts. The best value, its step and the count are saved in checkpoints, so a resumed
-    run counts on exactly, and one resumed after the stop trains nothing (unless ``patience`` was raised).
+    reports; every later one of a fit counts (a ``trainer.validate()`` of your own does not). The best value, its
+    step and the count are saved in checkpoints, so a resumed run counts on exactly, and one resumed after the stop
+    trains nothing (unless ``patience`` was raised). A fit without validations during training is refused.
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
@@ -155,6 +173,7 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None  # the step of the best validation
         self.wait = 0  # validations since the best
+        self.fitting = False  # only a fit's validations count (not a trainer.validate() of its own)
 
     @property
     def stopped(self) -> bool:
@@ -165,13 +184,22 @@ class EarlyStopping(Callback):
                 f"{self.wait} validations (best {self.best:.4g} at step {self.best_step})")
 
     def on_fit_start(self, trainer) -> None:
+        if trainer.val_data is None or not trainer.settings.val_every:
+            raise ConfigError(f"EarlyStopping monitors {self.monitor!r}, but no validation runs during training ("
+                              + ("no val_data" if trainer.val_data is None else "val_every is not set: only at its end")
+                              + "), so it would never stop the run: pass val_data=... and val_every=N, the steps "
+                              "between validations (Lightning validates every epoch)")
+        self.fitting = True
         if self.stopped:  # resumed after the stop: nothing to train
             trainer.request_stop(self.reason())
+
+    def on_fit_end(self, trainer) -> None:
+        self.fitting = False
 
     def on_validation_end(self, trainer, metrics) -> None:
         check_monitor("EarlyStopping", self.monitor, metrics)
         step = trainer.state.step
-        if step == 0:  # before training: a check only
+        if step == 0 or not self.fitting:  # before training, or outside fit: a check only
             return
         value = metrics[self.monitor]
         if improved(value, self.best, self.mode, self.min_delta):

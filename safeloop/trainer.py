@@ -35,8 +35,7 @@ class Trainer:
 
     Plain use::
 
-        trainer = Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters()),
-                          max_steps=1000)
+        trainer = Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters()), max_steps=1000)
         trainer.fit()
 
     The default ``training_step`` unpacks ``(x, y)`` and returns ``loss_fn(model(x), y)``.
@@ -123,8 +122,7 @@ class Trainer:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.logged: dict[str, torch.Tensor | float] = {}  # self.log's values, until the next log point
         self.loggers: list = []  # made at each setup (rank zero's)
-        self.schedules = schedules.Schedules()  # the schedulers and when each steps
-        self.scaler = None
+        self.schedules, self.scaler = schedules.Schedules(), None  # the schedulers and when each steps; a GradScaler
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._said: str | None = None  # the last fit's line on where it writes
@@ -254,8 +252,8 @@ class Trainer:
                 return
 
     def _after_step(self) -> bool:
-        """What is due after a step, in order: a report of unused optimizers or loss weights, logging, validation
-        (then the schedulers that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops."""
+        """Due after a step, in order: unused optimizers or loss weights, logging, validation (then the schedulers
+        that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops."""
         s, step = self.settings, self.state.step
         end = step == s.max_steps or self._data.ends_run(s.max_epochs)  # the last epoch's end: data with a length
         self._runner.warn_unused(step, final=end)
@@ -276,6 +274,8 @@ class Trainer:
 
     def _finish(self) -> None:
         """The end of ``fit``: last validation and checkpoint, ``on_fit_end``, loss curves (a signal: the save only)."""
+        if self.logged:  # logged after the last log point (in the last pass's on_epoch_end)
+            self.log_metrics({name: float(self.logged.pop(name)) for name in list(self.logged)})
         last = self.state.val_history[-1][0] if self.state.val_history else None
         validated = self.stop_signal is None and self.val_data is not None and last != self.state.step
         if validated:
@@ -355,11 +355,10 @@ class Trainer:
         self.load_state_dict(data, path)
         if self.checkpointer is not None:
             self.checkpointer.resumed(path, data)
-        state = self.state
         for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
-            logger.resume(state.step)
-        log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, state.step, state.epoch,
-                 state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
+            logger.resume(self.state.step)
+        log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, self.state.step, self.state.epoch,
+                 self.state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """The modules checkpoints save, by name: ``{"model": self.model}``; add one kept outside it (an EMA copy)."""
@@ -392,9 +391,10 @@ class Trainer:
         self.schedules.mark()  # loaded: where the schedulers stand now is the Trainer's doing
 
     def _parts(self) -> ckpt.Parts:
+        sharded = bool(self.checkpointer and self.checkpointer.sharded)
         return ckpt.Parts(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
-                          self.state, self._data, None if self.automatic else self.dist, self.checkpointer.sharded
-                          if self.checkpointer is not None else False)
+                          self.state, self._data, None if self.automatic else self.dist, sharded,
+                          self._runner.applied_parameters() if self._runner else frozenset())
 
     def _need_setup(self, method: str) -> None:
         if not self.optimizers:

@@ -118,6 +118,32 @@ def test_a_monitored_name_no_validation_reports_is_an_error_at_the_first_validat
     assert trainer.trained == 0
 
 
+@pytest.mark.parametrize("settings, why", [(dict(val_data=None), "no val_data"),
+                                           (dict(val_every=None), "val_every is not set: only at its end")])
+def test_early_stopping_without_validations_during_training_is_refused_before_the_first_step(settings, why):
+    trainer = Scripted([1, 2], max_steps=10, callbacks=[EarlyStopping()])
+    for key, value in settings.items():
+        setattr(trainer, key, value)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"EarlyStopping monitors 'val_loss', but no validation runs during training ({why}), so it would never "
+            "stop the run: pass val_data=... and val_every=N")):
+        trainer.fit()
+    assert trainer.trained == 0
+
+
+def test_validations_outside_fit_do_not_count():
+    """Lightning's count: trainer.validate() of your own, before or between fits, changes nothing."""
+    stopper = EarlyStopping(patience=2)
+    trainer = Scripted([5, 4, 6, 7, 1], max_steps=4, callbacks=[stopper])
+    trainer.fit()  # validations at steps 2 (5) and 4 (4): the best is 4, nothing waits
+    for _ in range(3):  # at step 4, values[1] = 4: no improvement, three times over
+        trainer.validate()
+    assert (stopper.best, stopper.wait) == (4, 0)
+    trainer.max_steps = 10
+    trainer.fit()  # 6 and 7 at steps 6 and 8: patience 2 reached, the run stops at step 8
+    assert trainer.state.step == 8 and stopper.wait == 2
+
+
 def test_bad_arguments_are_one_config_error():
     with pytest.raises(ConfigError, match=r"(?s)EarlyStopping\(mode='mini'\): give min or max.*"
                                           r"EarlyStopping\(patience=0\): give a positive integer.*"
@@ -137,9 +163,15 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         def training_step(self, batch, batch_idx):
             return super().training_step(batch)
 
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # a transform on the device
+            return batch
+
     class Counting(Callback):
         def on_train_batch_end(self, trainer, *args):
             pass
+
+        def state_dict(self):
+            return {}
 
     trainer = Port(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), callbacks=[Counting()], device="cpu",
@@ -150,7 +182,11 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         "  - Port.on_train_epoch_end is Lightning's name, which safeloop never calls: use on_epoch_end",
         "  - Port.optimizer_step is Lightning's name, which safeloop never calls: the Trainer makes each update; a "
         "warm-up is a scheduler (LambdaLR, interval: step), and gradients are changed in on_before_optimizer_step",
+        "  - Port.on_after_batch_transfer is Lightning's name, which safeloop never calls: change the batch in "
+        "training_step (or override to_device(batch))",
         "  - Port.training_step takes (batch, batch_idx), and safeloop calls training_step(batch): drop batch_idx "
         "(Lightning's batch_idx: self.state.batch_in_epoch counts the batches of the pass)",
-        "  - Counting.on_train_batch_end is Lightning's name, which safeloop never calls: use on_step_end(losses)"]
+        "  - Counting.on_train_batch_end is Lightning's name, which safeloop never calls: use on_step_end(losses)",
+        "  - Counting.state_dict is Lightning's name, which safeloop never calls: keep a callback's state with "
+        "on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)"]
     assert trainer.state.step == 0

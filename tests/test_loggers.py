@@ -146,6 +146,18 @@ def test_a_run_ended_by_max_epochs_logs_its_last_step_as_one_ended_by_max_steps_
     assert [step for step, metric, _ in unsized.rows if metric == "loss"] == ["2"]
 
 
+def test_what_every_pass_end_logs_reaches_the_loggers_the_last_ones_included():
+    class PerEpoch(safeloop.Trainer):
+        def on_epoch_end(self):
+            self.log("epoch_metric", float(self.state.epoch))
+
+    given, data = Rows(), [(torch.ones(2, 3), torch.ones(2, 1))] * 3
+    PerEpoch(model=torch.nn.Linear(3, 1), train_data=data, max_epochs=3, log_every=1, loggers=[given],
+             optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", progress=False).fit()
+    assert [(step, value) for step, metric, value in given.rows if metric == "epoch_metric"] == [
+        ("4", "0"), ("7", "1"), ("9", "2")]  # the last pass's too, after its last log point
+
+
 def test_bad_loggers_are_refused_at_start_up_all_at_once(monkeypatch):
     monkeypatch.setitem(loggers.INSTALL, "wandb", (False, loggers.INSTALL["wandb"][1]))  # as where it is not installed
     with pytest.raises(ConfigError) as info:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import ConfigError, InplaceModificationError, NoGraphError, NonFiniteError, StepError, Trainer
+from safeloop import (ConfigError, ConfigWarning, InplaceModificationError, NoGraphError, NonFiniteError, StepError,
+                      Trainer)
 from safeloop import step as steps
 
 from .conftest import manual
@@ -1064,7 +1065,7 @@ class GrowsAGroup(Trainer):
 
 
 @pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
-def test_gradients_are_freed_after_every_step_a_group_added_mid_run_included(automatic):
+def test_gradients_are_freed_when_the_next_step_begins_a_group_added_mid_run_included(automatic):
     torch.manual_seed(0)
     model, hand = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)), nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     hand.load_state_dict(model.state_dict())
@@ -1072,17 +1073,86 @@ def test_gradients_are_freed_after_every_step_a_group_added_mid_run_included(aut
         model=model, train_data=regression_batches(), max_steps=4, device="cpu", progress=False, loggers=())
     trainer.seen = []
     trainer.fit()
-    trainer.seen.append([p.grad is None for p in model.parameters()])
     opt = torch.optim.SGD(hand[0].parameters(), lr=0.1)
     for i, (x, y) in enumerate(regression_batches()):
+        opt.zero_grad(set_to_none=True)
         if i == 2:
             opt.add_param_group({"params": hand[1].parameters()})
         F.mse_loss(hand(x), y).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
     assert_same_params(hand, model, exact=True)
     # the second layer's gradients pile up until it joins the optimizer, then are freed with the rest
-    assert trainer.seen == [[True] * 4] + [[True, True, False, False]] * 2 + [[True] * 4] * 2
+    assert trainer.seen == [[True] * 4] + [[True, True, False, False]] * 2 + [[True] * 4]
+    # the last update's gradients stay after it, as the loop's after its last step()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), hand.parameters()))
+
+
+class Finetune(Trainer):
+    """Fine-tuning in stages, as Lightning ports write it: the optimizer over what requires grad at the start."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam((p for p in self.model.parameters() if p.requires_grad), lr=1e-2)
+
+
+@pytest.mark.parametrize("cls", [Finetune, Trainer], ids=["trainable-only", "every-parameter"])
+def test_a_layer_unfrozen_for_a_later_fit_that_no_optimizer_holds_is_named(cls):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    trainer = cls(model=model, train_data=regression_batches(), max_steps=2, device="cpu", progress=False,
+                  loggers=(), optimizer=partial(torch.optim.Adam, lr=1e-2))
+    model[0].requires_grad_(False)
+    trainer.fit()
+    model[0].requires_grad_(True)  # the next stage trains the first layer too
+    trainer.max_steps = 4
+    before = model[0].weight.detach().clone()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    said = [str(w.message) for w in seen if issubclass(w.category, ConfigWarning)]
+    if cls is Finetune:
+        assert said == ["`model.0.weight`, `model.0.bias` require grad now but were frozen when the optimizers were "
+                        "made, at this Trainer's first fit(), and no optimizer holds them: configure_optimizers runs "
+                        "once per Trainer (Lightning's runs at every fit), so this fit would not train them. Add them "
+                        "(trainer.optimizers['optimizer'].add_param_group({'params': [...]})), or make their "
+                        "optimizers over every parameter (frozen ones get no gradient and stay as they are)"]
+        assert torch.equal(model[0].weight, before)
+    else:  # frozen parameters in the optimizer: trained once unfrozen, nothing to say
+        assert said == [] and not torch.equal(model[0].weight, before)
+
+
+class SeesGradients(Trainer):
+    """Keeps the gradients ``on_step_end`` and ``on_epoch_end`` see, as a Lightning port reading them there does."""
+
+    def on_step_end(self, losses):
+        self.at_step_end.append([p.grad.clone() for p in self.model.parameters()])
+
+    def on_epoch_end(self):
+        self.at_epoch_end.append([p.grad.clone() for p in self.model.parameters()])
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_hooks_after_an_update_see_its_gradients_as_a_loop_does_until_the_next_step_begins(automatic, tmp_path):
+    torch.manual_seed(0)
+    model, hand = nn.Linear(4, 1), nn.Linear(4, 1)
+    hand.load_state_dict(model.state_dict())
+    trainer = (SeesGradients if automatic else manual(SeesGradients))(
+        model=model, train_data=regression_batches(), max_epochs=2, device="cpu", progress=False, loggers=(),
+        checkpoint={"dir": str(tmp_path), "every": 1}, optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    trainer.at_step_end, trainer.at_epoch_end = [], []
+    trainer.fit()
+    opt, seen = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9), []
+    for _ in range(2):
+        for x, y in regression_batches():
+            opt.zero_grad()
+            F.mse_loss(hand(x), y).backward()
+            opt.step()
+            seen.append([p.grad.clone() for p in hand.parameters()])
+    assert_same_params(hand, model, exact=True)
+    for ours, theirs in zip(trainer.at_step_end, seen, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for ours, theirs in zip(trainer.at_epoch_end, [seen[3], seen[7]], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    # an applied gradient is no gradient a later step needs: no checkpoint holds it
+    assert all(torch.load(path)["gradients"] == {} for path in tmp_path.glob("step-*.pt"))
 
 
 class CountingSGD(torch.optim.SGD):
@@ -1108,8 +1178,9 @@ def test_an_optimizers_own_zero_grad_is_the_one_called(automatic, how):
         progress=False, loggers=())
     trainer.fit()
     opt = trainer.optimizers["optimizer"]
-    assert (opt.cleared if how == "subclass" else len(calls)) == 4
-    assert calls == ([] if how == "subclass" else [True] * 4)
+    # when steps 2 to 4 begin (the first starts from None; the last update's gradients stay after the run)
+    assert (opt.cleared if how == "subclass" else len(calls)) == 3
+    assert calls == ([] if how == "subclass" else [True] * 3)
 
 
 def test_a_profiler_sees_zero_grad_as_in_the_hand_written_loop():
@@ -1118,7 +1189,7 @@ def test_a_profiler_sees_zero_grad_as_in_the_hand_written_loop():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.fit()
     names = [event.name for event in prof.events()]
-    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 4
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 3  # when steps 2 to 4 begin
     assert names.count("Optimizer.step#SGD.step") == 4
 
 

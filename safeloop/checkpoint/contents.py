@@ -35,6 +35,7 @@ class Parts:
     data: Any
     gather: Any = None
     sharded: bool = False  # checkpoint.sharded: FSDP2's DTensors kept as they are (each rank writes its shards)
+    applied: frozenset[int] = frozenset()  # ids of the parameters whose gradients an update already applied
 
 
 def collect(parts: Parts, config: dict | None) -> dict:
@@ -55,7 +56,8 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "state": parts.state.state_dict(),
         "rng": position.rng_state(),
         "data": parts.data.state_dict(),
-        "gradients": {name: full(p.grad.detach()) for name, p in parts.parameters if p.grad is not None},
+        "gradients": {name: full(p.grad.detach()) for name, p in parts.parameters
+                      if p.grad is not None and id(p) not in parts.applied},
         "config": config,
     }
     if parts.gather is not None and not parts.gather.sharded:  # FSDP2's gradients are the ranks' mean already

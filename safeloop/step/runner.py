@@ -109,6 +109,11 @@ class Runner:
         if self.automatic and self.routed:
             shared_parameters(self.optimizers, c.named_parameters())
         self.clear = {name: clearing(opt) for name, opt in self.optimizers.items()}
+        # optimizers updated whose gradients stay until the next step begins (or the next self.backward), as a
+        # loop's stay from its step() to its next zero_grad(): on_step_end, on_epoch_end, validation see them
+        self.applied: set[str] = set()
+        if previous is not None:  # a new fit: the last one's are dropped now
+            previous.clear_applied()
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -119,6 +124,10 @@ class Runner:
         self.recast = c.precision in AUTOCAST and not self.automatic
         same = previous is not None and previous.optimizers is self.optimizers
         self.routes = previous.routes if same else Routes(self.optimizers)
+        # the parameters frozen when the optimizers were made (at the first fit: configure_optimizers runs once)
+        self.frozen = previous.frozen if same else {id(p) for _, p in c.named_parameters() if not p.requires_grad}
+        if same:
+            warn_unfrozen(c.named_parameters(), self.optimizers, self.frozen)
         # logged once per run: (the losses whose backward retained the graph, walked by the guard) -> first step
         self.retain_plans: dict[tuple[tuple[str, ...], bool], int] = previous.retain_plans if same else {}
         # reported once: optimizers no gradient reached yet (and whose parameters nothing changed since these
@@ -164,6 +173,7 @@ class Runner:
         if guard.checking and not self.automatic:
             self.watch_outside()
         self.hooks("on_step_start")
+        self.clear_applied()  # every step starts from the gradients no update applied yet (None, or accumulating)
         total: dict[str, torch.Tensor] = {}
         try:
             total = self.forward_backward(batches, step)
@@ -264,6 +274,7 @@ class Runner:
         loss = named_losses(loss, step, ())["loss"]
         if self.outside:
             self.check_outside(optimizer or self.names[0], step)
+        self.clear_applied()  # what updates applied is not added to (optimizers may share parameters)
         guard = self.guard
         routed = self.routed and not self.sharded
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if routed else None
@@ -395,7 +406,8 @@ class Runner:
                 current: torch.Tensor | None = None) -> None:
         """The one optimizer update: sync, unscale, hook, clip, snapshot (if a later failure of the step
         must be able to undo it; ``last``: whether it is the step's last update, None when unknown),
-        step, zero_grad, scheduler. ``closure``, ``current``: see ``closure``."""
+        step, scheduler (its gradients are cleared when the next step begins). ``closure``, ``current``: see
+        ``closure``."""
         opt = self.optimizers[name]
         self.config.schedules.check(name, step)  # not stepped by other code too: before anything changes
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
@@ -412,11 +424,21 @@ class Runner:
             opt.step()
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
-        self.clear[name]()  # free gradient memory now; the next step starts from None
+        self.applied.add(name)  # its gradients stay until the next step begins (``clear_applied``)
         self.config.schedules.after_update(name, step)
         self.stepped[name] = sequence_now()
         if self.recast:
             torch.clear_autocast_cache()
+
+    def clear_applied(self) -> None:
+        """Clear the gradients that updates already applied (at a step's start, and before the Trainer's backward)."""
+        for name in self.applied:
+            self.clear[name]()
+        self.applied.clear()
+
+    def applied_parameters(self) -> frozenset[int]:
+        """The ids of the parameters whose gradients an update already applied (no checkpoint keeps them)."""
+        return frozenset(id(p) for name in self.applied for p in trained(self.optimizers[name]))
 
     def prepare(self, name: str, opt: torch.optim.Optimizer) -> None:
         """The gradients as the update must see them: unscaled, shown to the hook (before clipping, as Lightning
@@ -570,6 +592,7 @@ class Runner:
             self.dist.reset()
         for clear in self.clear.values():
             clear()
+        self.applied.clear()
         for _, p in self.config.named_parameters():  # the model's parameters outside the optimizers too
             p.grad = None
         return report
@@ -656,6 +679,20 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS)."""
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def warn_unfrozen(named_parameters, optimizers: dict, frozen: set[int]) -> None:
+    """A later fit: parameters unfrozen since the optimizers were made, which none of them holds, would not train."""
+    held = {id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]}
+    names = [n for n, p in named_parameters if id(p) in frozen and p.requires_grad and id(p) not in held]
+    if names:
+        shown = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(f"{shown} require grad now but were frozen when the optimizers were made, at this Trainer's "
+                      "first fit(), and no optimizer holds them: configure_optimizers runs once per Trainer "
+                      "(Lightning's runs at every fit), so this fit would not train them. Add them "
+                      f"(trainer.optimizers[{next(iter(optimizers))!r}].add_param_group({{'params': [...]}})), or "
+                      "make their optimizers over every parameter (frozen ones get no gradient and stay as they "
+                      "are)", ConfigWarning, stacklevel=user_stacklevel())
 
 
 def clearing(optimizer: torch.optim.Optimizer) -> Callable[[], None]:

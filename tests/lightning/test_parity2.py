@@ -1036,9 +1036,6 @@ CALLBACK_NAMES = ["on_validation_start", "on_validation_epoch_start", "on_valida
                   "on_predict_end", "setup", "teardown", "state_dict"]
 
 
-@pytest.mark.xfail(strict=True, reason="docs/trainer.md: a Trainer subclass or callback that keeps one of Lightning's "
-                   "names safeloop never calls is a ConfigError at start-up; safeloop/callbacks.py's LIGHTNING_NAMES "
-                   "holds 15 of them, and these others are never called, without a word")
 @pytest.mark.parametrize("where, name", [("module", n) for n in MODULE_NAMES]
                          + [("callback", n) for n in CALLBACK_NAMES])
 def test_lightning_hook_names_are_called_or_refused(tmp_path, where, name):
