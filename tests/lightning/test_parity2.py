@@ -600,10 +600,6 @@ class PortEpochLogs(Port):
         self.log("epoch_mark", float(self.state.epoch))
 
 
-@pytest.mark.xfail(strict=True, reason="a value self.log gives in on_epoch_end is written at the next log point "
-                   "(docs/trainer.md); the last pass's end runs after the run's last log point (Trainer._after_step "
-                   "logs, then TrainData.keep ends the pass) and nothing writes what it logged: the last epoch's value "
-                   "is dropped without a word; Lightning logs it at that epoch's end")
 def test_values_logged_at_each_epoch_end_reach_the_loggers():
     """``self.log("epoch_mark", epoch)`` in ``on_train_epoch_end`` / ``on_epoch_end``, ``log_every_n_steps=1`` /
     ``log_every=1`` (so that no value is overwritten before a log point), 3 epochs: Lightning's logger gets 0, 1, 2
@@ -957,10 +953,6 @@ def test_gradient_clipping_under_a_grad_scaler_matches():
     assert_same(lit.model, port.model)
 
 
-@pytest.mark.xfail(strict=True, reason="safeloop's EarlyStopping counts every on_validation_end after step 0, also "
-                   "that of a trainer.validate() outside fit (docs/trainer.md: 'The validations during training "
-                   "count'); Lightning's skips any validation outside fitting (EarlyStopping._should_skip_check), so "
-                   "two validate() calls after fit make safeloop's next fit() train nothing")
 def test_validate_outside_fit_does_not_count_for_early_stopping():
     """``patience=3``, SGD at 0.02 (the best at step 21), 5 epochs: each run ends with 2 validations counted without
     improvement. Then two ``validate()`` calls (the same weights: no improvement), ``max_epochs`` raised to 8 and
@@ -1368,11 +1360,6 @@ def test_tensors_made_in_a_bf16_true_step_differs_as_documented():
 # -- early stopping with nothing to check it
 
 
-@pytest.mark.xfail(strict=True, reason="safeloop's EarlyStopping is checked only in on_validation_end: without "
-                   "val_data, or without val_every (validation only before and after training), it never counts "
-                   "and the run trains to its end without a word; Lightning's raises without the metric (without "
-                   "validation data) and validates every epoch by default; a monitored scheduler here is a "
-                   "ConfigError at start-up in both cases (docs/trainer.md)")
 @pytest.mark.parametrize("validation", ["no val_data", "no val_every"])
 def test_early_stopping_without_validation_during_training_is_refused(validation):
     """``EarlyStopping(monitor="val_loss", patience=1)``, SGD at 0.1, 10 epochs. Lightning without validation data
