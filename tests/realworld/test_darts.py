@@ -55,7 +55,7 @@ from .harness import assert_same, checks, compare, fixed
 args = SimpleNamespace(batch_size=4, learning_rate=0.025, learning_rate_min=0.001, momentum=0.9, weight_decay=3e-4,
                        epochs=2, init_channels=2, layers=3, grad_clip=5, unrolled=True, arch_learning_rate=3e-4,
                        arch_weight_decay=1e-3)
-CLASSES, SIZE, PER_EPOCH = 3, 8, 2
+CLASSES, SIZE, PER_EPOCH = 3, 8, 1
 STEPS = args.epochs * PER_EPOCH
 
 # -- cnn/genotypes.py, cnn/operations.py -------------------------------------------------------------------
