@@ -127,6 +127,8 @@ class Hooks:
     def __call__(self, name: str, *args) -> None:
         for fn in self.bound[name]:
             fn(*args)
+        if vars(self.trainer).pop("should_stop", False):  # Lightning's way, kept from a port (in a hook or the step)
+            self.trainer.request_stop("trainer.should_stop was set (Lightning's name for request_stop)")
 
     def has(self, *names: str) -> bool:
         """Whether any of these hooks is overridden anywhere."""

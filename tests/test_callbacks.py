@@ -144,6 +144,17 @@ def test_validations_outside_fit_do_not_count():
     assert trainer.state.step == 8 and stopper.wait == 2
 
 
+def test_should_stop_kept_from_a_lightning_port_stops_after_that_step():
+    class Stopper(Callback):
+        def on_step_end(self, trainer, losses):
+            if trainer.state.step == 3:
+                trainer.should_stop = True  # Lightning's way
+
+    trainer = Scripted([5, 4, 3, 2, 1], max_steps=10, callbacks=[Stopper()])
+    trainer.fit()
+    assert trainer.state.step == 3 and trainer.ended
+
+
 def test_bad_arguments_are_one_config_error():
     with pytest.raises(ConfigError, match=r"(?s)EarlyStopping\(mode='mini'\): give min or max.*"
                                           r"EarlyStopping\(patience=0\): give a positive integer.*"
