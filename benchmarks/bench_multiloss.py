@@ -56,7 +56,7 @@ class HandLoop:
             cls.backward(retain_graph=True)
             recon.backward()
             self.opt.step()
-            self.opt.zero_grad(set_to_none=True)  # right after the step, as the Trainer does (workloads.HandLoop)
+            self.opt.zero_grad(set_to_none=True)  # once a step, as the Trainer (at the next step's start)
 
 
 class HandSum(HandLoop):

@@ -46,9 +46,9 @@ class Trainer:
                 x, y = batch
                 return F.cross_entropy(self.model(x), y)        # or {"name": loss, ...}
 
-    Every step (``safeloop.step``): batch to device -> ``training_step`` (under autocast) -> guard
-    pre-flight (the loss's graph is checked before any ``.grad`` changes) -> backward(s) -> clip ->
-    optimizer step(s) -> ``zero_grad(set_to_none=True)`` -> scheduler. If anything raises, the step is
+    Every step (``safeloop.step``): the last update's ``zero_grad(set_to_none=True)`` -> batch to device ->
+    ``training_step`` (under autocast) -> guard pre-flight (the loss's graph is checked before any ``.grad``
+    changes) -> backward(s) -> clip -> optimizer step(s) -> scheduler. If anything raises, the step is
     abandoned: parameters and optimizer state are as they were before it, and the error names the step.
     After each step: logging, validation, checkpoint, stop (``_after_step``).
 
@@ -191,10 +191,10 @@ class Trainer:
         self._runner.backward(loss, optimizer, retain_graph)
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
-        """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does (sync,
-        non-finite policy, unscale, ``on_before_optimizer_step``, clip, undo snapshot, ``step``, ``zero_grad``,
-        scheduler). ``closure`` (L-BFGS, SAM): computes the loss, calls ``self.backward(loss, ...)`` and returns
-        the loss; the Trainer clears the gradients before each call and readies them after it as for any update."""
+        """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does (sync, non-finite
+        policy, unscale, ``on_before_optimizer_step``, clip, undo snapshot, ``step``, scheduler; its gradients stay
+        until the next backward). ``closure`` (L-BFGS, SAM): computes the loss, calls ``self.backward(loss, ...)``
+        and returns it; the Trainer clears the gradients before each call and readies them after as for any update."""
         self._runner.step(optimizer, closure)
 
     # -- the run -----------------------------------------------------------------------------
