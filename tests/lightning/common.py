@@ -126,3 +126,18 @@ class Noisy(Dataset):
     def __getitem__(self, i):
         x, y = self.data[i]
         return x + 0.1 * torch.rand(x.shape), y
+
+
+class LitScored(Lit):
+    """Validation reports ``val_loss`` and ``val_score`` (its negative, for ``mode="max"``)."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = mse(self.model, batch)
+        self.log("val_loss", loss)
+        self.log("val_score", -loss)
+
+
+class PortScored(Port):
+    def validation_step(self, batch):
+        loss = mse(self.model, batch)
+        return {"loss": loss, "score": -loss}

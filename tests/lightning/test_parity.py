@@ -10,7 +10,6 @@ too. Lightning is not a dependency: the module is skipped without it. To run it:
     pip install pytorch-lightning
     python -m pytest tests/lightning -n 0
 """
-import logging
 import math
 import warnings
 
@@ -26,28 +25,12 @@ pl = pytest.importorskip("pytorch_lightning")
 import safeloop  # noqa: E402
 from safeloop import ConfigError, StepError  # noqa: E402
 
-from .common import (HOOKS, Lit, Noisy, Port, adam, assert_equal_tensors, assert_same, close, dataset,  # noqa: E402
-                     lightning, loader, max_diff, mse, net, settings, sgd)
+from .common import (HOOKS, Lit, LitScored, Noisy, Port, PortScored, adam, assert_equal_tensors,  # noqa: E402
+                     assert_same, close, dataset, lightning, loader, max_diff, mse, net, settings, sgd)
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 # Lightning's advice (no val_dataloader, modules in eval mode, fp16 on the CPU) and its deprecations
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
-
-
-@pytest.fixture(autouse=True)
-def _quiet(one_thread, monkeypatch):
-    """Lightning's info lines ("GPU available", tips) off; one thread, so that both sides run the same kernels; the
-    variables both ``seed_everything`` set put back after."""
-    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "SAFELOOP_SEED_WORKERS"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    names = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
-    levels = {name: logging.getLogger(name).level for name in names}
-    for name in names:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    yield
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
 
 
 class Recorded:
@@ -430,23 +413,14 @@ def test_plateau_with_validation_more_often_than_each_epoch_differs_as_documente
 # -- early stopping
 
 
-class LitEarly(Lit):
-    def validation_step(self, batch, batch_idx):
-        loss = mse(self.model, batch)
-        self.log("val_loss", loss)
-        self.log("val_score", -loss)
-
+class LitEarly(LitScored):
     def on_validation_end(self):
         self.val.append((self.trainer.global_step, float(self.trainer.callback_metrics[self.monitor])))
 
 
-class PortEarly(Port):
+class PortEarly(PortScored):
     val: list
     monitor: str
-
-    def validation_step(self, batch):
-        loss = mse(self.model, batch)
-        return {"loss": loss, "score": -loss}
 
     def on_validation_end(self, metrics):
         self.val.append((self.state.step, metrics[self.monitor]))

@@ -6,7 +6,6 @@ its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user reli
 tests assert a difference the docs state, exactly. A difference the docs do not state is a test asserting
 Lightning's behaviour, marked ``xfail(strict=True)`` with the reason, until it is fixed or documented.
 """
-import logging
 import math
 import warnings
 
@@ -20,8 +19,8 @@ pl = pytest.importorskip("pytorch_lightning")
 
 import safeloop  # noqa: E402
 
-from .common import (Lit, Port, adam, assert_same, close, dataset, lightning, loader, max_diff, mse,  # noqa: E402
-                     net, settings, sgd)
+from .common import (Lit, LitScored, Port, PortScored, adam, assert_same, close, dataset, lightning,  # noqa: E402
+                     loader, max_diff, mse, net, settings, sgd)
 from .test_parity import (GAN, LitEarly, LitGAN, LitScaled, LitValidated, PortEarly, PortGAN,  # noqa: E402
                           PortScaled, PortValidated, d_loss_of, g_loss_of, gan_adam, ring)
 
@@ -29,37 +28,7 @@ EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
 
 
-@pytest.fixture(autouse=True)
-def _quiet(one_thread, monkeypatch):
-    """As ``test_parity.py``'s: Lightning's info lines off, one thread, the seeding variables put back after."""
-    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "SAFELOOP_SEED_WORKERS"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    names = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
-    levels = {name: logging.getLogger(name).level for name in names}
-    for name in names:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    yield
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-
-
 # -- checkpoints: which files a run leaves, and the step each holds
-
-
-class LitScored(Lit):
-    """Validation reports ``val_loss`` and ``val_score`` (its negative, for ``mode="max"``)."""
-
-    def validation_step(self, batch, batch_idx):
-        loss = mse(self.model, batch)
-        self.log("val_loss", loss)
-        self.log("val_score", -loss)
-
-
-class PortScored(Port):
-    def validation_step(self, batch):
-        loss = mse(self.model, batch)
-        return {"loss": loss, "score": -loss}
 
 
 def lightning_files(directory) -> dict:
@@ -1229,7 +1198,6 @@ def test_gan_float16_with_a_grad_scaler_differs_as_documented():
     assert plugin.scaler.get_scale() == port.scaler.get_scale() == 2.0 ** 16
     assert (plugin.scaler.state_dict()["_growth_tracker"], port.scaler.state_dict()["_growth_tracker"]) == (20, 10)
     assert 0 < max_diff(lit.gan, port.model) < 1e-5
-
 
 
 class Twice(nn.Module):
