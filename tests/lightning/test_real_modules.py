@@ -202,3 +202,169 @@ def test_lightning_example_gan_matches():
     port.fit()
     assert_same(lit.generator, port.model.generator)
     assert_same(lit.discriminator, port.model.discriminator)
+
+
+# -- Lightning-AI/pytorch-lightning, examples/pytorch/domain_templates/computer_vision_fine_tuning.py,
+# commit 67f280be1e9f831a96b4f1a97eb45a6ecdb378c3: MilestonesFinetuning and TransferLearningModel as written there,
+# but for the backbone (a small MLP with BatchNorm in place of the pretrained ResNet50, its output 2048 wide as
+# the ResNet's) and the accuracy metric (torchmetrics is not installed; it does not touch training).
+
+from pytorch_lightning.callbacks import BaseFinetuning  # noqa: E402
+from torch.optim.lr_scheduler import MultiStepLR  # noqa: E402
+
+
+class MilestonesFinetuning(BaseFinetuning):
+    def __init__(self, milestones: tuple = (5, 10), train_bn: bool = False):
+        super().__init__()
+        self.milestones = milestones
+        self.train_bn = train_bn
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(modules=pl_module.feature_extractor, train_bn=self.train_bn)
+
+    def finetune_function(self, pl_module, epoch: int, optimizer):
+        if epoch == self.milestones[0]:
+            # unfreeze 5 last layers
+            self.unfreeze_and_add_param_group(
+                modules=pl_module.feature_extractor[-5:], optimizer=optimizer, train_bn=self.train_bn
+            )
+
+        elif epoch == self.milestones[1]:
+            # unfreeze remaining layers
+            self.unfreeze_and_add_param_group(
+                modules=pl_module.feature_extractor[:-5], optimizer=optimizer, train_bn=self.train_bn
+            )
+
+
+def backbone():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                         nn.ReLU(), nn.Linear(16, 2048))
+
+
+class TransferLearningModel(pl.LightningModule):
+    def __init__(self, train_bn: bool = False, milestones: tuple = (2, 4), lr: float = 1e-3,
+                 lr_scheduler_gamma: float = 1e-1):
+        super().__init__()
+        self.train_bn = train_bn
+        self.milestones = milestones
+        self.lr = lr
+        self.lr_scheduler_gamma = lr_scheduler_gamma
+        self.__build_model()
+
+    def __build_model(self):
+        self.feature_extractor = backbone()
+        _fc_layers = [nn.Linear(2048, 256), nn.ReLU(), nn.Linear(256, 32), nn.Linear(32, 1)]
+        self.fc = nn.Sequential(*_fc_layers)
+        self.loss_func = F.binary_cross_entropy_with_logits
+
+    def forward(self, x):
+        x = self.feature_extractor(x)
+        x = x.squeeze(-1).squeeze(-1)
+        return self.fc(x)
+
+    def loss(self, logits, labels):
+        return self.loss_func(input=logits, target=labels)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        y_logits = self.forward(x)
+        y_true = y.view((-1, 1)).type_as(x)
+        train_loss = self.loss(y_logits, y_true)
+        return train_loss
+
+    def configure_optimizers(self):
+        parameters = list(self.parameters())
+        trainable_parameters = list(filter(lambda p: p.requires_grad, parameters))
+        optimizer = torch.optim.Adam(trainable_parameters, lr=self.lr)
+        scheduler = MultiStepLR(optimizer, milestones=self.milestones, gamma=self.lr_scheduler_gamma)
+        return [optimizer], [scheduler]
+
+
+class Transfer(nn.Module):
+    """The port's model: the same layers, made in the same order."""
+
+    def __init__(self):
+        super().__init__()
+        self.feature_extractor = backbone()
+        self.fc = nn.Sequential(nn.Linear(2048, 256), nn.ReLU(), nn.Linear(256, 32), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.fc(self.feature_extractor(x).squeeze(-1).squeeze(-1))
+
+
+class PortFinetuning(safeloop.Callback):
+    """``MilestonesFinetuning`` ported: hooks get the trainer; Lightning's ``setup`` freeze in ``on_fit_start``,
+    ``on_train_epoch_start`` as ``on_epoch_start``; BaseFinetuning's static helpers kept."""
+
+    def __init__(self, milestones, train_bn=False):
+        self.milestones, self.train_bn = milestones, train_bn
+
+    def on_fit_start(self, trainer):
+        BaseFinetuning.freeze(modules=trainer.model.feature_extractor, train_bn=self.train_bn)
+
+    def on_epoch_start(self, trainer):
+        optimizer = trainer.optimizers["optimizer"] if "optimizer" in trainer.optimizers else \
+            next(iter(trainer.optimizers.values()))
+        extractor = trainer.model.feature_extractor
+        if trainer.state.epoch == self.milestones[0]:
+            BaseFinetuning.unfreeze_and_add_param_group(modules=extractor[-5:], optimizer=optimizer,
+                                                        train_bn=self.train_bn)
+        elif trainer.state.epoch == self.milestones[1]:
+            BaseFinetuning.unfreeze_and_add_param_group(modules=extractor[:-5], optimizer=optimizer,
+                                                        train_bn=self.train_bn)
+
+
+class PortTransfer(safeloop.Trainer):
+    milestones, lr, gamma = (1, 2), 1e-3, 1e-1
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self.model(x), y.view((-1, 1)).type_as(x))
+
+    def configure_optimizers(self):
+        trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(trainable_parameters, lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": MultiStepLR(optimizer, milestones=self.milestones,
+                                                                       gamma=self.gamma)}
+
+
+def labelled(n=12, batch=4, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).float()), batch_size=batch)
+
+
+def transfer_runs(freeze_first=False):
+    torch.manual_seed(0)
+    lit = TransferLearningModel(milestones=(1, 2))
+    lightning(max_epochs=3, callbacks=[MilestonesFinetuning(milestones=(1, 2))]).fit(
+        lit, train_dataloaders=labelled())
+    torch.manual_seed(0)
+    model = Transfer()
+    if freeze_first:
+        BaseFinetuning.freeze(modules=model.feature_extractor, train_bn=False)
+    port = PortTransfer(model=model, train_data=labelled(), callbacks=[PortFinetuning((1, 2))],
+                        **settings(max_epochs=3))
+    port.fit()
+    return lit, port
+
+
+@pytest.mark.xfail(strict=True, reason="safeloop refuses Lightning's setup with 'use on_fit_start', but runs "
+                   "configure_optimizers before on_fit_start (Lightning runs setup before it): the optimizer takes "
+                   "the backbone whole, and BaseFinetuning's unfreeze skips it (no lr / 10 group)")
+def test_lightning_example_finetuning_freeze_in_on_fit_start_matches():
+    """MilestonesFinetuning freezes the backbone in ``setup`` (``freeze_before_training``), before Lightning calls
+    ``configure_optimizers``; safeloop names ``on_fit_start`` for ``setup``. Lightning's optimizer ends with three
+    groups (the head at 1e-5, each unfrozen part at 1e-6); the port's with one group of 16 parameters."""
+    lit, port = transfer_runs()
+    assert [len(g["params"]) for g in port.optimizers["optimizer"].param_groups] == [6, 4, 2]
+    assert_same(lit, port.model)
+
+
+def test_lightning_example_finetuning_frozen_before_the_trainer_matches():
+    """The same, the backbone frozen before the Trainer is made: three epochs (milestones 1 and 2, MultiStepLR at
+    each), BatchNorm frozen with its running statistics off, bit for bit."""
+    lit, port = transfer_runs(freeze_first=True)
+    assert [g["lr"] for g in port.optimizers["optimizer"].param_groups] == [
+        g["lr"] for g in lit.trainer.optimizers[0].param_groups]
+    assert_same(lit, port.model)
