@@ -59,7 +59,8 @@ LIGHTNING_NAMES = {
     "on_after_batch_transfer": "change the batch in training_step (or override to_device(batch))",
     "val_dataloader": "pass val_data=...", "prepare_data": "prepare the data before making the Trainer",
     "configure_model": "build the model before making the Trainer (to shard it: configure_sharding)",
-    "setup": "use on_fit_start", "teardown": "use on_fit_end",
+    "setup": "change the model before fit() (a freeze too: fit() makes the optimizers before on_fit_start), or "
+             "use on_fit_start", "teardown": "use on_fit_end",
     "state_dict": "keep a callback's state with on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)",
     **dict.fromkeys(("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
                      "on_validation_batch_end"),
