@@ -478,7 +478,7 @@ class Recorder(pl.loggers.Logger):
         return 0
 
     def log_hyperparams(self, *args, **kwargs):
-        pass
+        """Nothing to keep: only the metrics and their steps are compared."""
 
     def log_metrics(self, metrics, step=None):
         self.rows.append((step, dict(metrics)))

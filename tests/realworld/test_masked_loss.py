@@ -55,7 +55,7 @@ def optimizer_step(optimizer: Optimizer, loss: torch.Tensor, scaler=None, **para
     set_params(optimizer, **params)
     optimizer.zero_grad()
     if scaler is not None:
-        raise NotImplementedError  # no AMP here
+        raise NotImplementedError("the source's AMP branch is left out: these runs take no GradScaler")
     else:
         loss.backward()
         optimizer.step()
