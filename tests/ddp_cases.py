@@ -64,7 +64,7 @@ class Validating(Recording):
 
 class PassEnd(Validating):
     """A run of one whole pass: an epoch scheduler (Lightning's default interval), ``self.log`` in
-    ``validation_step``, and what ``on_epoch_end`` sees."""
+    ``validation_step``, and what ``on_epoch_end`` and ``on_step_end`` see (the update's gradients)."""
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
@@ -74,6 +74,10 @@ class PassEnd(Validating):
         x, y = batch
         self.log("val_abs", (self.model(x) - y).abs().mean())
         return super().validation_step(batch)
+
+    def on_step_end(self, losses):
+        grads = [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+        self.step_end_grads = getattr(self, "step_end_grads", []) + [(self.state.step, grads)]
 
     def on_epoch_end(self):
         self.ends = getattr(self, "ends", []) + [(self.state.step, next(iter(self.optimizers.values())).param_groups[0]["lr"])]
@@ -318,7 +322,8 @@ def result(case: str, world: int = 1, **settings) -> dict:
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),
             "checked": getattr(trainer, "checked", None), "val_history": trainer.state.val_history,
-            "validated": validated, "ends": getattr(trainer, "ends", None), "error": error}
+            "validated": validated, "ends": getattr(trainer, "ends", None), "error": error,
+            "step_end_grads": getattr(trainer, "step_end_grads", None)}
 
 
 def halfway(case: str, world: int, directory: Path) -> None:

@@ -134,10 +134,17 @@ def test_early_stopping_stops_every_rank_after_the_same_validation(ranks):
 @pytest.mark.distributed
 def test_a_run_of_whole_passes_ends_its_pass_and_logged_validation_metrics_are_means_over_all_samples(ranks):
     """max_steps a whole pass: the epoch scheduler steps and on_epoch_end runs once, after the last step, on every
-    rank as in one process; a metric ``self.log``-ged in validation_step is its mean over all 37 samples."""
+    rank as in one process; a metric ``self.log``-ged in validation_step is its mean over all 37 samples;
+    on_step_end sees the update's gradients, all-reduced: the same on every rank and as in one process."""
     rank0, rank1 = (torch.load(ranks / f"pass_end_rank{r}.pt") for r in (0, 1))
     single = ddp_cases.result("pass_end")
     assert rank0["ends"] == rank1["ends"] == single["ends"] == [(8, 5e-3)]
+    assert [s for s, _ in rank0["step_end_grads"]] == [s for s, _ in single["step_end_grads"]] == list(range(1, 9))
+    for (_, ours), (_, other), (_, theirs) in zip(rank0["step_end_grads"], rank1["step_end_grads"],
+                                                  single["step_end_grads"], strict=True):
+        assert all(g is not None for g in ours)
+        assert all(torch.equal(a, b) for a, b in zip(ours, other, strict=True))
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
     assert rank0["val_history"] == rank1["val_history"]
     x, y = ddp_cases.val_dataset().tensors
     with torch.no_grad():
