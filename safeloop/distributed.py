@@ -263,12 +263,12 @@ class Distributed:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
 
-    def join(self, model, run_dir: Path | None, data: TrainData, guard: Guard) -> Path | None:
+    def join(self, model, optimizers: dict, run_dir: Path | None, data: TrainData, guard: Guard) -> Path | None:
         """At every fit, before ``attach``: the first time, rank zero's weights, run directory and data seed
         (``share``); every time, this rank's share of the training data, which may have been replaced since,
         and the guard's agreement with the other ranks on the steps it checks. Returns the run directory."""
         if not self.joined:
-            run_dir = self.share(model, run_dir, data.data)
+            run_dir = self.share(model, optimizers, run_dir, data.data)
             if run_dir is not None:
                 guard.out_dir = run_dir / "graphs" / (f"rank{self.rank}" if self.rank else "")
             self.joined, data.shard = True, self.shard
@@ -291,11 +291,13 @@ class Distributed:
             raise ConfigError("precision=16 (a GradScaler) does not work with a model sharded by FSDP2: use "
                               "precision=bf16-mixed (FSDP2 computes in bf16 and reduces gradients in float32) or 32")
 
-    def share(self, model, run_dir: Path | None, train_data) -> Path | None:
-        """Once per Trainer, before ``attach``: rank zero's weights on every rank, and its data seed (see
-        ``shard``); returns rank zero's run directory."""
+    def share(self, model, optimizers: dict, run_dir: Path | None, train_data) -> Path | None:
+        """Once per Trainer, before ``attach``: rank zero's weights on every rank (the model's, and those its
+        optimizers train outside it), and its data seed (see ``shard``); returns rank zero's run directory."""
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else []
-        self._broadcast(tensors)
+        inside = {id(t) for t in tensors}
+        self._broadcast(tensors + list({id(p): p for opt in optimizers.values() for g in opt.param_groups
+                                        for p in g["params"] if id(p) not in inside}.values()))
         self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
         seed = train_data.generator.initial_seed() if getattr(train_data, "generator", None) else torch.initial_seed()
         shared = [str(run_dir) if run_dir is not None else None, seed]

@@ -52,11 +52,10 @@ class Trainer:
     abandoned: parameters and optimizer state are as they were before it, and the error names the step.
     After each step: logging, validation, checkpoint, stop (``_after_step``).
 
-    Several losses (a dict) are back-propagated in order with ``retain_graph`` set only
-    where a later loss shares the graph (``multi_loss="sum"`` back-propagates their sum).
-    If ``configure_optimizers`` returns ``{name: optimizer}``, each loss key names the
-    optimizer whose parameters receive its gradient. ``automatic = False``: ``training_step``
-    calls ``self.backward(loss, optimizer=name)`` and ``self.step(name)`` itself.
+    Several losses (a dict) are back-propagated in order with ``retain_graph`` set only where a later loss shares
+    the graph (``multi_loss="sum"`` back-propagates their sum). If ``configure_optimizers`` returns
+    ``{name: optimizer}``, each loss key names the optimizer whose parameters receive its gradient.
+    ``automatic = False``: ``training_step`` calls ``self.backward(loss, optimizer=name)`` and ``self.step(name)``.
 
     Hooks, in firing order (override them here, on the instance, or in ``callbacks``): ``on_fit_start``;
     per step ``on_step_start``, per loss ``on_before_backward`` and ``on_after_backward``, per optimizer
@@ -361,7 +360,8 @@ class Trainer:
                  self.state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        """The modules checkpoints save, by name: ``{"model": self.model}``; add one kept outside it (an EMA copy)."""
+        """The modules checkpoints save, by name: ``{"model": self.model}``; add one kept outside it (an EMA copy).
+        Checkpoints also hold the tensors an optimizer trains that none of these modules holds."""
         return {"model": self.model} if self.model is not None else {}
 
     @property
@@ -391,9 +391,9 @@ class Trainer:
         self.schedules.mark()  # loaded: where the schedulers stand now is the Trainer's doing
 
     def _parts(self) -> ckpt.Parts:
-        sharded = bool(self.checkpointer and self.checkpointer.sharded)
-        return ckpt.Parts(self.modules(), self._named_parameters(), self.optimizers, self.schedulers, self.scaler,
-                          self.state, self._data, None if self.automatic else self.dist, sharded,
+        modules, named = ckpt.with_outside(self.modules(), self._named_parameters(), self.optimizers)
+        return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
+                          None if self.automatic else self.dist, bool(self.checkpointer and self.checkpointer.sharded),
                           self._runner.applied_parameters() if self._runner else frozenset())
 
     def _need_setup(self, method: str) -> None:
@@ -423,7 +423,7 @@ class Trainer:
         self._hooks.bind(self.callbacks)
         forward = self.training_step
         if self.dist is not None:  # rank zero's weights and run directory, sharded data, DDP or gradient hooks
-            self.run_dir = self.dist.join(self.model, self.run_dir, self._data, self.guard)
+            self.run_dir = self.dist.join(self.model, self.optimizers, self.run_dir, self._data, self.guard)
             self.dist.attach(self.model, self.optimizers, self.training_step, self.settings, self.automatic,
                              per_backward_hooks=self._hooks.has("on_before_backward", "on_after_backward"))
             if self.dist.ddp is not None:

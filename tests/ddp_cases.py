@@ -96,6 +96,24 @@ class SchedulerTwice(Recording):
             self.scheduler.step()
 
 
+class Outside(Recording):
+    """A head kept on the Trainer, outside ``model``, trained by the model's optimizer: each rank makes it with other
+    values, and rank zero's reach every rank as the model's do; checkpoints hold it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head = nn.Linear(1, 1)
+        with torch.no_grad():
+            self.head.weight.fill_(1.0 + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.model.parameters(), *self.head.parameters()], lr=0.05, momentum=0.9)
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.head(self.model(x)), y)
+
+
 class TwoLosses(Recording):
     """Two losses through one graph: the Trainer retains it for the first backward."""
 
@@ -296,7 +314,7 @@ def build(case: str, world: int, **settings) -> Trainer:
     cls = {"two_losses": TwoLosses, "fails_on_rank1": FailsOnRank1, "nan_skip": NanOnRank1,
            "schedule": UnevenChecks, "sam": ManualSAM, "manual_accum": ManualAccumulation,
            "validation": Validating, "early_stop": Validating, "pass_end": PassEnd,
-           "scheduler_twice": SchedulerTwice}.get(case, Recording)
+           "scheduler_twice": SchedulerTwice, "outside": Outside}.get(case, Recording)
     model = WithSpare() if case.startswith("unused") else MLP(8, 32, 1, 3)
     optimizer = OPTIMIZERS.get(case, partial(torch.optim.Adam, lr=1e-2))(model.parameters())
     trainer = cls(model=model, optimizer=optimizer, **common)
@@ -317,7 +335,8 @@ def result(case: str, world: int = 1, **settings) -> dict:
     if case == "validation":  # after training: test and predict over the validation data
         tested = trainer.test(DataLoader(val_dataset(), batch_size=4))
         predicted = torch.cat(trainer.predict(DataLoader(val_dataset(), batch_size=4)))
-    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "step": trainer.state.step,
+    trained = [*trainer.model.parameters(), *(trainer.head.parameters() if case == "outside" else ())]
+    return {"params": [p.detach().clone() for p in trained], "step": trainer.state.step,
             "tested": tested, "predicted": predicted,
             "grads": getattr(trainer, "first_grads", None),  # none when resumed after step 1
             "skipped": trainer.state.skipped, "ddp": getattr(trainer, "through_ddp", None),

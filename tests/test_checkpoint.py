@@ -535,6 +535,46 @@ def test_modules_and_the_checkpoint_hooks_of_a_subclass_and_a_callback_round_tri
         make(tmp_path / "b", 30, resume="auto").fit()
 
 
+class Outside(Trainer):
+    """A head and a learned output scale kept on the Trainer, outside ``model`` (as a Lightning port keeps a second
+    network or SAC's ``log_alpha``), trained by the optimizer with the model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head, self.log_scale = torch.nn.Linear(1, 1), torch.zeros(1, requires_grad=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([*self.model.parameters(), *self.head.parameters(), self.log_scale], lr=1e-2)
+
+    def training_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.model(x)) * self.log_scale.exp(), y)
+
+
+def test_tensors_an_optimizer_trains_outside_the_modules_are_saved_and_resumed(tmp_path, caplog):
+    """Neither the head nor ``log_scale`` is in ``modules()``: checkpoints hold them by optimizer, group and
+    place, and a resumed run goes on as one that never stopped (it used to restart them from their first values)."""
+    straight = make(tmp_path / "a", 20, cls=Outside)
+    straight.fit()
+    make(tmp_path / "b", 10, cls=Outside).fit()
+    saved = load(tmp_path / "b" / "step-000000010.pt")
+    assert list(saved["modules"]["outside_modules"]) == ["optimizer:0:4", "optimizer:0:5", "optimizer:0:6"]
+    resumed = make(tmp_path / "b", 20, resume="auto", cls=Outside)
+    resumed.fit()
+    for ours, theirs in [(resumed.model, straight.model), (resumed.head, straight.head)]:
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    assert torch.equal(resumed.log_scale, straight.log_scale) and resumed.log_scale.item() != 0
+
+    del saved["modules"]["outside_modules"]  # as an earlier safeloop saved it: resumed with a word
+    other = make(tmp_path / "c", 20, cls=Outside)
+    other.setup()
+    with caplog.at_level(logging.WARNING, logger="safeloop"):
+        other.load_state_dict(saved)
+    assert ("the checkpoint holds no parameters trained outside Trainer.modules() (optimizer:0:4, optimizer:0:5, "
+            "optimizer:0:6): an earlier safeloop did not save them") in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), saved["modules"]["model"].values()))
+
+
 class Note:
     """Not a tensor or a plain container: torch.load(weights_only=True) refuses it."""
 

@@ -22,9 +22,10 @@ from tests.conftest import ROOT, subprocess_env
 # sam: a two-phase update (SAM's closure) in manual mode; lbfgs: L-BFGS's closure in automatic mode
 # manual_accum: manual mode accumulating over steps, so that its halfway checkpoint holds each rank's gradients
 # accum_tail: grad_accum=2 over passes of 5 micro-batches: the last step of each pass takes the one left
+# outside: a head kept on the Trainer, outside the model, made with other values on each rank
 CASES = ("plain", "two_losses", "accum", "accum_tail", "gan", "manual_gan", "nan_skip", "unused", "sam", "lbfgs",
-         "manual_accum")
-RESUMED = ("plain", "manual_gan", "manual_accum")  # through DistributedDataParallel / safeloop's reducer
+         "manual_accum", "outside")
+RESUMED = ("plain", "manual_gan", "manual_accum", "outside")  # through DistributedDataParallel / safeloop's reducer
 
 
 # --standalone: a free port of its own, so that runs on the same machine do not collide
@@ -184,7 +185,8 @@ def test_resumed_under_torchrun_is_bit_identical_to_a_torchrun_run_that_never_st
 @pytest.mark.parametrize("case", RESUMED)
 def test_a_torchrun_checkpoint_resumes_in_one_process(ranks, case):
     saved = torch.load(ranks / f"resume-{case}" / "step-000000002.pt", weights_only=True)  # rank zero's
-    assert list(saved["modules"]) == ["model"]  # the user's module, not the DistributedDataParallel wrapper
+    # the user's module, not the DistributedDataParallel wrapper (and the head the optimizer trains outside it)
+    assert list(saved["modules"]) == ["model"] + (["outside_modules"] if case == "outside" else [])
     straight = ddp_cases.result(case)["params"]
     # from a one-process checkpoint: bit-identical; from torchrun's: the same up to the all-reduce's summation order
     from_one = ddp_cases.result(case, resume=str(ranks / f"one-process-{case}"), checkpoint=False)["params"]

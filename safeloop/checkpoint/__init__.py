@@ -21,7 +21,7 @@ One module a concern:
 - ``position``: the RNG states and where the data stands (``fast_forward``);
 - ``stop``: SIGTERM / SIGINT and the run's own stop requests (``StopRequest``, ``stop_signals``).
 """
-from .contents import Parts, check_plain, collect, restore
+from .contents import Parts, check_plain, collect, restore, with_outside
 from .directory import Checkpointer, configured
 from .files import FORMAT, atomic_save, is_rank_zero, load
 from .locks import holder, lock, release, run_dir_in_use, take

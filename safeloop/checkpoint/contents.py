@@ -38,6 +38,29 @@ class Parts:
     applied: frozenset[int] = frozenset()  # ids of the parameters whose gradients an update already applied
 
 
+OUTSIDE = "outside_modules"  # the module name under which the parameters trained outside Trainer.modules() are saved
+
+
+def with_outside(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
+                 optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict, list]:
+    """``modules`` and their named ``parameters``, plus the tensors an optimizer trains that no module of them holds
+    (SAC's ``log_alpha``, a discriminator kept on the Trainer), as the module ``OUTSIDE``: each under
+    ``optimizer:group:index``, so that checkpoints save and restore them as the modules' parameters."""
+    inside, found = {id(p) for _, p in parameters}, {}
+    for name, opt in optimizers.items():
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in inside:
+                    inside.add(id(p))
+                    found[f"{name}:{g}:{i}"] = p
+    if not found:
+        return modules, parameters
+    outside = torch.nn.Module()
+    for key, p in found.items():
+        outside.register_buffer(key, p)  # the tensor itself: loading copies into it
+    return {**modules, OUTSIDE: outside}, parameters + [(f"{OUTSIDE}.{key}", p) for key, p in found.items()]
+
+
 def collect(parts: Parts, config: dict | None) -> dict:
     """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
     ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
@@ -122,7 +145,7 @@ def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[st
     problems = [f"the Trainer has no module {name!r} (see Trainer.modules())" for name in theirs
                 if name not in modules]
     problems += [f"the checkpoint has no state for the Trainer's module {name!r}" for name in modules
-                 if name not in theirs]
+                 if name not in theirs and name != OUTSIDE]
     for name in modules.keys() & theirs.keys():
         problems += _mismatch(name, modules[name].state_dict(), theirs[name])
     live = dict(parameters)
@@ -140,6 +163,11 @@ def check_modules(modules: dict[str, torch.nn.Module], parameters: list[tuple[st
 def load_modules(modules: dict[str, torch.nn.Module], checkpoint: dict) -> None:
     """Load the saved state dicts into ``modules`` (``Trainer.modules()``; ``check_fits`` first)."""
     for name, module in modules.items():
+        if name == OUTSIDE and name not in checkpoint["modules"]:
+            log.warning("resume: the checkpoint holds no parameters trained outside Trainer.modules() (%s): an earlier "
+                        "safeloop did not save them; they start from their values at this run's start",
+                        ", ".join(name for name, _ in module.named_buffers()))
+            continue
         module.load_state_dict(fsdp.shards(module, checkpoint["modules"][name]))
 
 
