@@ -10,15 +10,13 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import checkpoint as ckpt
-from . import curves, distributed, fsdp, runmodes, schedules, slurm
+from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
 from .callbacks import Callback, Hooks, check_monitor
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
-from .guard import GraphGuard, for_trainer
+from .guard import GraphGuard, Guard, for_trainer
 from .guard.explain import Scope
-from .guard.guard import Guard
 from .loggers import make_loggers
 from .progress import Progress, outputs_line, say_once, show_logs
 from .seed import seed_everything
@@ -124,6 +122,7 @@ class Trainer:
         self.schedules, self.scaler = schedules.Schedules(), None  # the schedulers and when each steps; a GradScaler
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
+        self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
         self._said: str | None = None  # the last fit's line on where it writes
         self._runner: Runner | None = None  # the last setup's: it runs the steps
 
@@ -220,6 +219,7 @@ class Trainer:
                     self.schedules.check_monitors(metrics)
                     check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
                 self.guard.start_fit()
+                self._kept = ckpt.versions(vars(self))  # the modules kept on the Trainer, as the steps find them
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
                     self._loaded_rng = None
@@ -315,9 +315,8 @@ class Trainer:
             logger.log_metrics(dict(metrics), self.state.step)
 
     def validate(self) -> dict[str, float]:
-        """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean
-        over samples, under torchrun over every rank's share, training's random streams left as they were); logs
-        and returns ``val_<name>``."""
+        """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean over
+        samples, under torchrun over all ranks' shares, training's RNG untouched); logs and returns ``val_<name>``."""
         metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
         self.log_metrics(metrics)
@@ -379,6 +378,7 @@ class Trainer:
         self._hooks("on_save_checkpoint", checkpoint)
         for key in checkpoint.keys() - ours:
             ckpt.check_plain(checkpoint[key], f"checkpoint[{key!r}]")
+        ckpt.warn_unsaved(vars(self), checkpoint, self._kept)
         return checkpoint
 
     def load_state_dict(self, checkpoint: Mapping, path: str | Path | None = None) -> None:
@@ -437,10 +437,10 @@ class Trainer:
         self._runner = Runner(StepConfig(
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
             undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
-            forward=forward, autocast=partial(autocast, self.precision, self.device),
-            move=self.to_device if moves(self.device, self.precision) else None,
-            scope=scope, named_parameters=self._named_parameters, model=self.model, precision=self.precision,
-            scaler=self.scaler, dist=self.dist), previous=self._runner)
+            forward=forward, autocast=partial(autocast, self.precision, self.device), scaler=self.scaler,
+            move=self.to_device if moves(self.device, self.precision) else None, dist=self.dist,
+            scope=scope, named_parameters=self._named_parameters, model=self.model, precision=self.precision),
+            previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

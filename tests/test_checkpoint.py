@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from safeloop import Callback, CheckpointError, ConfigError, SafeloopError, Trainer, checkpoint
+from safeloop import Callback, CheckpointError, ConfigError, ConfigWarning, SafeloopError, Trainer, checkpoint
 from safeloop.checkpoint import FORMAT, Checkpointer, atomic_save, load
 from safeloop.config import compose, train
 from safeloop.recipes.gan import GAN, GANTrainer, ring
@@ -573,6 +574,45 @@ def test_tensors_an_optimizer_trains_outside_the_modules_are_saved_and_resumed(t
     assert ("the checkpoint holds no parameters trained outside Trainer.modules() (optimizer:0:4, optimizer:0:5, "
             "optimizer:0:6): an earlier safeloop did not save them") in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), saved["modules"]["model"].values()))
+
+
+class KeptOnTheTrainer(Trainer):
+    """An EMA copy (updated every step) and a frozen teacher (never changed) kept on the Trainer, neither in
+    ``modules()``; ``save_ema``: the EMA's state saved by ``on_save_checkpoint``."""
+
+    save_ema = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ema, self.teacher = copy.deepcopy(self.model), copy.deepcopy(self.model).requires_grad_(False)
+
+    def on_step_end(self, losses):
+        with torch.no_grad():
+            for average, p in zip(self.ema.parameters(), self.model.parameters()):
+                average.lerp_(p, 0.1)
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.save_ema:
+            checkpoint["ema"] = self.ema.state_dict()
+
+
+def test_a_module_kept_on_the_trainer_that_training_changed_and_no_checkpoint_holds_is_named(tmp_path):
+    """Lightning saves every submodule of a LightningModule; a port keeping its EMA on the Trainer would resume
+    it from its first values. The save says so, naming it; the teacher, never changed, is not named."""
+    with pytest.warns(ConfigWarning) as caught:
+        make(tmp_path / "a", 7, cls=KeptOnTheTrainer).fit()  # saves at step 7
+    assert [str(w.message) for w in caught] == [
+        "trainer.ema (Sequential) changed during this fit, and checkpoints do not hold it: a run resumed from one "
+        "would start it from its first values. Return it from modules() ({**super().modules(), 'ema': self.ema}), or "
+        "save its state_dict() in on_save_checkpoint"]
+    assert caught[0].filename == __file__  # at the user's line: fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = type("SavesIt", (KeptOnTheTrainer,), {"save_ema": True})
+        make(tmp_path / "b", 7, cls=saved).fit()
+        held = type("HeldByModules", (KeptOnTheTrainer,), {"modules": lambda self: {"model": self.model,
+                                                                                     "ema": self.ema}})
+        make(tmp_path / "c", 7, cls=held).fit()
 
 
 class Note:

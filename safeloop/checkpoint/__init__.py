@@ -21,7 +21,7 @@ One module a concern:
 - ``position``: the RNG states and where the data stands (``fast_forward``);
 - ``stop``: SIGTERM / SIGINT and the run's own stop requests (``StopRequest``, ``stop_signals``).
 """
-from .contents import Parts, check_plain, collect, restore, with_outside
+from .contents import Parts, check_plain, collect, restore, versions, warn_unsaved, with_outside
 from .directory import Checkpointer, configured
 from .files import FORMAT, atomic_save, is_rank_zero, load
 from .locks import holder, lock, release, run_dir_in_use, take
@@ -30,4 +30,5 @@ from .stop import StopRequest, stop_signals
 
 __all__ = ["FORMAT", "Checkpointer", "Parts", "StopRequest", "atomic_save", "check_plain", "collect", "configured",
            "epoch_start", "fast_forward", "holder", "is_rank_zero", "load", "load_data", "lock", "release", "restore",
-           "rng_state", "run_dir_in_use", "set_generators", "set_rng_state", "stateful", "stop_signals", "take"]
+           "rng_state", "run_dir_in_use", "set_generators", "set_rng_state", "stateful", "stop_signals", "take",
+           "versions", "warn_unsaved", "with_outside"]

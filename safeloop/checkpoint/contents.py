@@ -3,6 +3,7 @@ loaded back into them only once all of it is checked to fit, so that a checkpoin
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from .. import fsdp
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigWarning, user_stacklevel
 from ..state import TrainState
 from . import position
 from .files import FORMAT, check_payload, gradient_sets, named
@@ -87,6 +89,38 @@ def collect(parts: Parts, config: dict | None) -> dict:
         every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
         checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
     return checkpoint
+
+
+def versions(attributes: dict[str, Any]) -> dict[int, int]:
+    """The version counter of each tensor of the modules among ``attributes`` (a Trainer's), by ``id``."""
+    return {id(t): t._version for m in attributes.values() if isinstance(m, torch.nn.Module)
+            for t in (*m.parameters(), *m.buffers())}
+
+
+def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int, int] | None) -> None:
+    """A ``ConfigWarning`` for each module among ``attributes`` (a Trainer's: an EMA copy, a target network)
+    that changed since ``before`` (``versions`` at the fit's start) and none of whose tensors ``checkpoint`` holds:
+    a run resumed from it would start that module from its first values (Lightning saves every submodule).
+    Nothing before a fit's first step (``before`` None)."""
+    if before is None:
+        return
+    held: set[int | None] = set()
+    apply_to_collection(checkpoint, torch.Tensor, lambda t: held.add(_storage(t)))
+    for name, module in attributes.items():
+        tensors = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+        if not any(before.get(id(t)) != t._version for t in tensors) or any(fsdp.local(t) is not t for t in tensors):
+            continue  # unchanged (a frozen teacher), or sharded (a checkpoint holds its gathered copy)
+        if not any(_storage(t) in held for t in tensors):
+            warnings.warn(f"trainer.{name} ({type(module).__name__}) changed during this fit, and checkpoints do not "
+                          "hold it: a run resumed from one would start it from its first values. Return it from "
+                          f"modules() ({{**super().modules(), {name!r}: self.{name}}}), or save its state_dict() in "
+                          "on_save_checkpoint", ConfigWarning, stacklevel=user_stacklevel())
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s memory is (a state dict's tensors share their parameters'), if it is a dense tensor."""
+    tensor = fsdp.local(tensor)
+    return tensor.untyped_storage().data_ptr() if tensor.layout == torch.strided else None
 
 
 def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
