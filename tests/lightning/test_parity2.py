@@ -6,6 +6,7 @@ its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user reli
 tests assert a difference the docs state, exactly. A difference the docs do not state is a test asserting
 Lightning's behaviour, marked ``xfail(strict=True)`` with the reason, until it is fixed or documented.
 """
+import copy
 import math
 import warnings
 
@@ -1339,3 +1340,66 @@ def test_max_steps_at_the_end_of_an_iterable_pass_differs_as_documented():
     port.max_steps = STEPS + 1
     port.fit()
     assert port.events[-2:] == [("epoch_end", STEPS, 0.025), ("update", STEPS, 0.025)]
+
+
+# -- a module kept beside the model: what a checkpoint holds
+
+
+def ema_update(ema, model):
+    with torch.no_grad():
+        for average, p in zip(ema.parameters(), model.parameters()):
+            average.lerp_(p, 0.1)
+
+
+class LitEma(Lit):
+    def __init__(self):
+        super().__init__()
+        self.ema = copy.deepcopy(self.model).requires_grad_(False)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        ema_update(self.ema, self.model)
+
+
+class PortEma(Port):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ema = copy.deepcopy(self.model).requires_grad_(False)
+
+    def on_step_end(self, losses):
+        ema_update(self.ema, self.model)
+
+
+class PortEmaSaved(PortEma):
+    def modules(self):
+        return {**super().modules(), "ema": self.ema}
+
+
+def test_a_module_kept_beside_the_model_in_a_checkpoint_differs_as_documented(tmp_path):
+    """Lightning saves every submodule: an EMA kept on the LightningModule resumes as it was. safeloop's checkpoints
+    hold ``modules()``: an EMA kept on the Trainer is named at the save and resumes from its first values; returned
+    from ``modules()``, it resumes as Lightning's (docs/trainer.md, "Also different")."""
+    straight = LitEma()
+    lightning(max_epochs=EPOCHS).fit(straight, train_dataloaders=loader())
+    half, trainer = LitEma(), lightning(max_epochs=1)
+    trainer.fit(half, train_dataloaders=loader())
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    resumed = LitEma()
+    lightning(max_epochs=EPOCHS).fit(resumed, train_dataloaders=loader(), ckpt_path=tmp_path / "half.ckpt")
+    assert_same(straight.ema, resumed.ema)
+
+    def port(cls, steps, directory, **kwargs):
+        trainer = cls(model=net(), train_data=loader(), optimizer=adam, checkpoint={"dir": str(tmp_path / directory)},
+                      **settings(max_steps=steps, **kwargs))
+        trainer.fit()
+        return trainer
+
+    assert_same(straight.ema, port(PortEma, 2 * STEPS, "straight").ema)
+    unsaved = r"trainer\.ema \(Sequential\) changed during this fit, and checkpoints do not hold it"
+    with pytest.warns(safeloop.ConfigWarning, match=unsaved):
+        port(PortEma, STEPS, "kept")
+    with pytest.warns(safeloop.ConfigWarning, match=unsaved):
+        restarted = port(PortEma, 2 * STEPS, "kept", resume="auto")
+    assert not torch.equal(restarted.ema[0].weight, straight.ema[0].weight)
+    assert_same(straight.model, restarted.model)  # the model resumes as it was
+    port(PortEmaSaved, STEPS, "saved")
+    assert_same(straight.ema, port(PortEmaSaved, 2 * STEPS, "saved", resume="auto").ema)
