@@ -151,6 +151,7 @@ class Guard:
         # they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any, list, str | None]] = []
         self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
+        self._printed: dict[str, tuple] = {}  # per loss of a checked step: what _check_written compared (always)
         # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
         # step reaching one back-propagates a graph a second time (retain_graph=True on a carried state)
         self._ran_now: set[int] = set()
@@ -382,7 +383,8 @@ class Guard:
             if found.functions and not self.is_off("inplace"):
                 self._check_ctx(found.functions, found.nodes, Case(name, loss, step, scope, batch))
             if self._prints is not None and found.leaves and not self.is_off("inplace"):
-                self._check_written(found.leaves, found.nodes, Case(name, loss, step, scope, batch))
+                self._printed[name] = (found.leaves, found.nodes, Case(name, loss, step, scope, batch))
+                self._check_written(*self._printed[name])
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
@@ -393,6 +395,12 @@ class Guard:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
         return [keep or last[find(i)] != i for i, keep in enumerate(retain)]
+
+    def check_written_again(self, name: str) -> None:
+        """After ``on_before_backward``, which may write parameters through ``.data`` too: the pre-flight's check of
+        such writes again for loss ``name`` (checked steps under ``check=always``; nothing otherwise)."""
+        if name in self._printed:
+            self._check_written(*self._printed[name])
 
     def _check_written(self, leaves, nodes, case: Case) -> None:
         """A parameter the step's graph saved, written since the forward that used it by a write PyTorch's version
@@ -1000,7 +1008,7 @@ class Guard:
         (see ``piled``): a holder that keeps graphs of two steps at once (``running_loss += loss``,
         ``history.append(loss)``) is a leak; one that keeps the last of them (``self.last_loss = loss``,
         replaced every step or every few) is not."""
-        self._consumed, self._walked = [], None  # they hold the step's nodes
+        self._consumed, self._walked, self._printed = [], None, {}  # they hold the step's nodes
         if self._held is not None:
             self._look_back()
         refs = self.step_graphs()

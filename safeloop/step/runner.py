@@ -248,6 +248,8 @@ class Runner:
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
             self.hooks("on_before_backward", item.name, loss)  # what is back-propagated, as Lightning gives it
+            if self.hooks.has("on_before_backward"):
+                guard.check_written_again(item.name)
             # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
             armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
             if self.sharded:
@@ -286,6 +288,8 @@ class Runner:
                 raise guard.explain(err, name, loss, step, self.scope, self.batch, stepped) from err
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
         self.hooks("on_before_backward", name, scaled)
+        if self.hooks.has("on_before_backward"):
+            guard.check_written_again(name)
         self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
                        route=optimizer if self.sharded and self.routed else None)
         guard.backward_done(retain_graph, inputs)

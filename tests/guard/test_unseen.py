@@ -388,6 +388,27 @@ def test_weights_clipped_between_two_forwards_of_the_critic_stop_the_second_step
         in str(caught.value)
 
 
+class ClipInHook(Critic):
+    """The clipping in ``on_before_backward``: after the forward that saved the weights, before the backward."""
+
+    def training_step(self, batch):
+        real, fake = batch
+        return self.model(fake).mean() - self.model(real).mean()
+
+    def on_before_backward(self, name, loss):
+        self.clip()
+
+
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+def test_weights_clipped_through_data_in_on_before_backward_stop_the_second_step_under_check_always(mode):
+    """The hook runs after the pre-flight: its writes are compared with the forward's fingerprints again."""
+    with pytest.raises(InplaceModificationError) as caught:
+        fit_critic(mode(ClipInHook), "always", clip_after=True)
+    assert caught.value.step == 2 and caught.value.holder == "self.model.2.weight"
+    assert "written since the forward that used them by a write PyTorch's version counter does not see" \
+        in str(caught.value)
+
+
 class DataSGD(torch.optim.Optimizer):
     """SGD as older optimizers are written: the update through ``p.data``, which moves no version counter."""
 
