@@ -169,6 +169,24 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     return None
 
 
+def remade_attribute(node, scope: Scope | None) -> str | None:
+    """The name of a module's tensor attribute (not a parameter or buffer) that each forward makes again (a forward
+    pre-hook sets it: ``torch.nn.utils.prune``, the old ``weight_norm``) and whose value now is made as ``node``
+    was, by the same operation from the same leaves: ``node`` is an earlier forward's value of it, read before this
+    step's forward made the new one. None when there is none."""
+    leaves = {id(v) for v in walk.below(node)[1]}
+    if not leaves:
+        return None
+    for name, root in _modules(scope):
+        for mod_name, mod in root.named_modules():
+            for key, val in vars(mod).items():
+                fn = val.grad_fn if issubclass(type(val), torch.Tensor) else None  # by type: see find_holder
+                if fn is not None and fn is not node and type(fn) is type(node) \
+                        and {id(v) for v in walk.below(fn)[1]} == leaves:
+                    return f"{name}.{mod_name}.{key}" if mod_name else f"{name}.{key}"
+    return None
+
+
 def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: Any = None) -> bool:
     """Whether ``holder`` (a name ``find_holder`` gave) holds the very tensor that ``node`` made: a value kept as it
     was (a cache), not one made again from it every step. An RNN's state is made again: ``out, h = rnn(x, h)``

@@ -645,7 +645,10 @@ class Guard:
 
     def _carried_and_kept(self, node, why: str, case: Case) -> None:
         """Carried from an earlier step and kept -> CarriedGraphError (``why``: see ``_why_carried``). Not kept
-        (a node another thread made in this step, see ``_kept``): no verdict."""
+        (a node another thread made in this step, see ``_kept``): no verdict. Made by an earlier forward as a module
+        attribute that each forward makes again (a pruned weight, see ``explain.remade_attribute``), read before this
+        step's forward: said as such, kept or not (the attribute holds this step's value now)."""
+        self._remade(CarriedGraphError, node, case, "by an earlier step's forward", why)
         kept, holder = self._kept(node, case)
         if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
             listed = _code(holder.list_of)
@@ -664,6 +667,20 @@ class Guard:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
+
+    def _remade(self, cls, node, case: Case, made: str, why: str) -> None:
+        """``node`` made ``made`` as a module attribute that each forward makes again (``explain.remade_attribute``:
+        a pruned weight), read before this step's forward -> ``cls``, naming the attribute (not a tensor of this step
+        made from it, whose detaching would drop its gradient)."""
+        remade = explain.remade_attribute(node, case.scope)
+        if remade is not None:
+            raise self._error(cls, node, case,
+                f"the loss reaches {{node}}, made {made} as `{remade}`, which each forward makes again (a forward "
+                "pre-hook sets it: torch.nn.utils.prune, weight_norm): it was read before this step's forward, which "
+                "replaced it; " + why,
+                [f"read `{remade}` after this step's forward, so that it holds this step's value",
+                 "compute it from what it is made of (`weight_orig * weight_mask` for a pruned weight)"],
+                holder=remade)
 
     def _cache_fixes(self, node, case: Case, holder: str) -> list[str]:
         """The fixes for a value made in an earlier step and kept as it was (a cache built by the first forward:
@@ -695,9 +712,6 @@ class Guard:
         unpacked = walk.unpack_error(saver)
         freed, changed = walk.is_freed(unpacked), walk.is_inplace(unpacked)
         if self.on_reuse == "error" or freed:
-            kept, holder = self._kept(node, case)
-            if not kept:
-                return False
             if freed:
                 state = "an earlier backward already freed its saved tensors, so this backward would fail"
             elif changed:
@@ -705,6 +719,10 @@ class Guard:
             else:
                 state = ("this step's backward will free its saved tensors, and the next step would fail with "
                          "'Trying to backward through the graph a second time'")
+            self._remade(GraphReuseError, node, case, f"before the step ({self.words.before})", state)
+            kept, holder = self._kept(node, case)
+            if not kept:
+                return False
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
             # detaching stops the gradient into the leaves below: right only if that is what was meant
             into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""

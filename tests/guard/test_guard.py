@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 import safeloop
@@ -691,3 +692,48 @@ def test_safeloop_Guard_is_a_deprecated_name_of_the_engine():
     with pytest.warns(DeprecationWarning, match=r"safeloop\.GraphGuard.*Trainer\(guard=\{\.\.\.\}\)"):
         engine = safeloop.Guard
     assert engine is Guard
+
+
+class PrunedPenalty(Trainer):
+    """An L1 penalty on a pruned layer's ``weight``, which pruning's forward pre-hook makes again at each forward
+    (``weight_orig * weight_mask``); ``before``: read before the forward, it is the value made at pruning (step 1)
+    or by the last step's forward, whose graph that step's backward frees (PyTorch fails at step 2); ``start``: the
+    step from which the penalty is added."""
+
+    before, start = True, 0
+
+    def training_step(self, batch):
+        penalty = self.model[0].weight.abs().sum() if self.before else None
+        out = self.model(batch)
+        if not self.before:
+            penalty = self.model[0].weight.abs().sum()
+        return out.pow(2).mean() + (1e-3 * penalty if self.state.step >= self.start else 0)
+
+
+def pruned():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    prune.l1_unstructured(model[0], "weight", amount=0.3)
+    return model
+
+
+@pytest.mark.parametrize("check", ["auto", "always"])
+@pytest.mark.parametrize("mode", [lambda cls: cls, manual], ids=["automatic", "manual"])
+@pytest.mark.parametrize("start, error, made", [
+    (0, GraphReuseError, "made before the step (in __init__, at module level or before fit)"),
+    (1, CarriedGraphError, "made by an earlier step's forward")], ids=["at-pruning", "last-step"])
+def test_a_pruned_weight_read_before_the_forward_is_named_as_an_earlier_value(mode, check, start, error, made):
+    """Only this step's tensor ``penalty`` reaches the stale node: the error names the attribute the forward makes
+    again and says to read it after the forward (detaching ``penalty`` would drop its gradient)."""
+    with pytest.raises(error) as caught:
+        fit(type("P", (mode(PrunedPenalty),), {"start": start}), pruned(), guard={"check": check})
+    err = caught.value
+    assert err.step == start + 1 and err.holder == "self.model.0.weight" and "The step was abandoned" in str(err)
+    assert (f"the loss reaches MulBackward0, {made} as `self.model.0.weight`, which each forward makes again (a "
+            "forward pre-hook sets it: torch.nn.utils.prune, weight_norm): it was read before this step's forward, "
+            "which replaced it; ") in str(err)
+    assert err.fixes[0] == "read `self.model.0.weight` after this step's forward, so that it holds this step's value"
+    assert not any("detach" in fix for fix in err.fixes)
+    after = type("After", (mode(PrunedPenalty),), {"before": False})
+    trained = [fit(after, pruned(), guard={"check": c}).model for c in (check, "off")]
+    assert all(torch.equal(a, b) for a, b in zip(trained[0].state_dict().values(), trained[1].state_dict().values()))

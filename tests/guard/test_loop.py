@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune  # noqa: F401  (torch.nn.utils.prune)
 
 from safeloop import (CarriedGraphError, ConfigError, DoubleBackwardError, GraphGuard, GraphLeakWarning,
                       GraphReuseError, InplaceModificationError, NoGraphError, Trainer)
@@ -73,6 +74,26 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
                                                           "created during an earlier step and held by `local h`")
                        + r".*To fix: detach the carried state at the end of each step \(`h = h.detach\(\)`\)"):
         carry(GraphGuard(model), model, opt, data, detach=False)
+
+
+def test_a_pruned_weight_read_before_the_forward_is_named_not_the_local_made_from_it():
+    """``penalty``, made in this step, is the only variable whose graph reaches the last forward's pruned weight:
+    the error names the weight the forward makes again, not ``penalty`` (whose detaching would drop its gradient)."""
+    model, opt, data = setup()
+    torch.nn.utils.prune.random_unstructured(model, "weight", amount=0.5)
+    guard = GraphGuard(model)
+    with pytest.raises(CarriedGraphError) as caught:
+        for i, x in enumerate(data):
+            with guard.step():
+                penalty = model.weight.abs().sum() if i else torch.zeros(())  # from the second step on
+                loss = model(x).pow(2).mean() + 1e-3 * penalty
+                guard.backward(loss)
+                opt.step()
+                opt.zero_grad()
+    err = caught.value
+    assert (err.step, err.holder) == (2, "model.weight")
+    assert "made by an earlier step's forward as `model.weight`, which each forward makes again" in str(err)
+    assert err.fixes[0] == "read `model.weight` after this step's forward, so that it holds this step's value"
 
 
 def test_an_lstm_state_carried_across_steps_is_detached_as_a_whole_tuple_in_the_fix():
