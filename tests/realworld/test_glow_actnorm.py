@@ -1,6 +1,6 @@
 """Glow with ActNorm's data-dependent initialisation: rosinality/glow-pytorch at commit
-97081ff115a694cf04aeedbd58447f33d242c879 (model.py: ``ActNorm``, ``InvConv2dLU``, ``ZeroConv2d``, ``AffineCoupling``, ``Flow``, ``Block``, ``Glow``;
-train.py: ``calc_loss``, ``train``).
+97081ff115a694cf04aeedbd58447f33d242c879, model.py (``ActNorm``, ``InvConv2dLU``, ``ZeroConv2d``,
+``AffineCoupling``, ``Flow``, ``Block``, ``Glow``) and train.py (``calc_loss``, ``train``).
 
 Each ``ActNorm`` holds an ``initialized`` uint8 buffer read by ``.item()`` at every forward; while it is 0 the
 forward first sets ``loc`` and ``scale`` from its input's per-channel mean and std through ``.data.copy_`` under
