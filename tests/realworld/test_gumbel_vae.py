@@ -1,6 +1,6 @@
 """A categorical VAE through the straight-through Gumbel-softmax, its temperature annealed:
-YongfeiYan/Gumbel_Softmax_VAE at commit 7d3df6c3c7ac9001e5d3a9ededd6f382a8421668, gumbel_softmax_vae.py (``sample_gumbel``,
-``gumbel_softmax``, ``VAE_gumbel``, ``loss_function``, ``train``, ``test``, ``run``).
+YongfeiYan/Gumbel_Softmax_VAE at commit 7d3df6c3c7ac9001e5d3a9ededd6f382a8421668, gumbel_softmax_vae.py
+(``sample_gumbel``, ``gumbel_softmax``, ``VAE_gumbel``, ``loss_function``, ``train``, ``test``, ``run``).
 
 Each batch's latent is drawn by ``gumbel_softmax`` with ``--hard``: Gumbel noise from ``torch.rand``, a softmax
 divided by the temperature (a NumPy float once annealed), its argmax written into ``zeros_like`` by ``scatter_``
