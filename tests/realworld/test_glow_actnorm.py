@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import assert_same, checks, compare
 
 STEPS, BATCH, IMG_SIZE, N_FLOW, N_BLOCK, N_BITS, LR, FILTER_SIZE = 5, 4, 4, 1, 2, 5, 1e-3, 8
 
@@ -393,3 +393,26 @@ def test_the_first_batch_initialises_every_actnorm():
     actnorms = [m for m in model.modules() if isinstance(m, ActNorm)]
     assert len(actnorms) == N_BLOCK and all(m.initialized.item() == 1 for m in actnorms)
     assert all(not torch.equal(m.loc, b) for m, b in zip(actnorms, before))
+
+
+def run(checkpoint_dir, steps, resume=None):
+    """A run in a fresh process would start so: the model built from the seeds (NumPy's draws the LU factors)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = glow()
+    torch.manual_seed(1)
+    trainer = port(model, images(model), max_steps=steps, device="cpu", progress=False, loggers=(),
+                   checkpoint={"dir": str(checkpoint_dir)}, resume=resume, optimizer=partial(optim.Adam, lr=LR))
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.filterwarnings("error")
+def test_glow_resumed_midway_keeps_its_actnorm_initialisation(tmp_path):
+    """The ``initialized`` flags come back with the checkpoint, so the resumed run's ``on_fit_start`` forward (its
+    noise drawn too) initialises nothing again, and the run goes on as the straight one."""
+    straight = run(tmp_path / "straight", STEPS)
+    run(tmp_path / "stopped", STEPS // 2)
+    resumed = run(tmp_path / "stopped", STEPS, resume="auto")
+    assert resumed.state.step == STEPS
+    assert_same(resumed.model, straight.model)
