@@ -16,8 +16,8 @@ Changes for a seconds-long test: 4x4 inputs (16 pixels for 784) and hidden layer
 ``categorical_dim=4``, batches of 4, 3 training and 2 test batches, 2 epochs, ``ANNEAL_RATE=0.3`` (0.00003 in the
 source: the temperature moves visibly in 3 batches); ``save_image`` and the printing left out, CUDA left out.
 
-The port anneals in ``on_step_end`` from ``state.batch_in_epoch``, resets the temperature in ``on_epoch_start``
-and tests and decodes in ``on_epoch_end``.
+The port anneals in ``on_step_end`` from ``state.batch_in_epoch``, puts the model in train mode and resets the
+temperature in ``on_epoch_start``, and tests and decodes in ``on_epoch_end``.
 """
 from functools import partial
 
@@ -179,6 +179,7 @@ class GumbelTrainer(Trainer):
     test_loader: list
 
     def on_epoch_start(self):
+        self.model.train()  # as ``train`` does: ``test`` left it in eval mode (the Trainer leaves modes as they are)
         self.temp = TEMP
 
     def training_step(self, batch):
@@ -193,7 +194,7 @@ class GumbelTrainer(Trainer):
 
     def on_epoch_end(self):
         test(self.model, self.test_loader, self.state.epoch)
-        sample_codes(self.model)  # the model is left in eval mode, as ``test`` leaves it; the next step trains
+        sample_codes(self.model)
 
 
 def port(model, train_data, **kwargs):
