@@ -262,8 +262,6 @@ def test_watch_sees_the_real_weights_copied_back_before_backward():
             restoring_hand(model, digits()[0])
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py runs guard.preflight (and its _check_written fingerprint comparison) "
-                   "before the on_before_backward hooks, so a .data write in that hook reaches backward unseen")
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice")
 def test_the_trainer_sees_the_real_weights_copied_back_in_on_before_backward():
     torch.manual_seed(0)
