@@ -236,7 +236,7 @@ def test_online_triplet_mining_on_the_batch_embeddings(check):
     compare(EmbeddingNet, triplet_hand, TripletTrainer, balanced_batches, check, steps=EPOCHS * PER_EPOCH)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_the_l2_net_as_written_fails_in_place_and_watch_and_the_port_name_it(tmp_path, monkeypatch):
     """``EmbeddingNetL2`` divides in place the output that its own ``output.pow(2)`` saved: PyTorch's backward
     refuses it at the first batch. Under watch and in the port the error names the step, the loss and the fix,
