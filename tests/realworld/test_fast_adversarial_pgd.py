@@ -18,7 +18,6 @@ the source reads (the attack's ``loss.backward()``, and no ``zero_grad``, which 
 parameter gradients would be added to the training loss's: the guard stops the first step. It does not when the
 attack starts at a later step (``xfail``).
 """
-from functools import partial
 
 import pytest
 import torch
