@@ -310,12 +310,17 @@ class Guard:
             if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())) \
                     and not _placeholder(loss):
                 raise self.no_graph(name, loss, step, scope, batch)
+        # every step but under check=off: one look at each trained parameter's .grad (a backward of training_step's
+        # own can start at any step, an adversarial attack's after a warm-up); after the walk on a checked step
+        look = first and scope is not None and self.check != "off" and not self.is_off("consumed")
         if not self.checking:
+            if look:
+                self._check_no_grads(next(iter(losses)), step, scope)
             return None
         t0 = time.perf_counter()
         try:
             retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None)
-            if first and self.thorough and scope is not None and not self.is_off("consumed"):
+            if look:
                 self._check_no_grads(next(iter(losses)), step, scope)
             return retain
         finally:
@@ -325,12 +330,16 @@ class Guard:
         """Gradients present before the first backward mean training_step ran backward itself."""
         if any(p.grad is not None for p in scope.parameters()):
             raise DoubleBackwardError(
-                "gradients were already present when training_step returned: training_step (or a hook) "
-                "called backward itself, so the Trainer's backward would add them a second time",
+                "gradients were already present when training_step returned: training_step (or a hook) called "
+                "backward itself, so the Trainer's backward would add the loss's gradients to them and the update "
+                "would apply both",
                 step=step, loss_name=name,
                 fixes=["return the loss from training_step and let the Trainer call backward",
                        "set automatic = False on your Trainer and call self.backward(loss) / "
-                       "self.step() inside training_step"])
+                       "self.step() inside training_step",
+                       "if that backward is meant for another tensor's gradient only (an adversarial attack's "
+                       "input), take it with torch.autograd.grad(loss, [x]) or loss.backward(inputs=[x]): the "
+                       "parameters' .grad is then left alone"])
 
     def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False) -> list[bool]:
         seen: set = set()
