@@ -680,9 +680,12 @@ def _versions(opt: torch.optim.Optimizer) -> list[int]:
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS)."""
+    """Whether ``optimizer.step`` has a ``closure`` argument without a default (L-BFGS), or the optimizer is a
+    two-phase one, SAM as its authors wrote it: ``first_step`` and ``second_step``, and a ``step(closure=None)`` that
+    calls them around the closure (and fails without one)."""
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    return closure is not None and closure.default is inspect.Parameter.empty
+    two_phase = all(callable(getattr(optimizer, name, None)) for name in ("first_step", "second_step"))
+    return closure is not None and (closure.default is inspect.Parameter.empty or two_phase)
 
 
 def warn_unfrozen(named_parameters, optimizers: dict, frozen: set[int]) -> None:

@@ -17,9 +17,8 @@ Cutout, logging or evaluation.
 
 The example's loop is ported in manual mode: ``self.backward`` for the first pass, ``self.step(closure=...)``
 for SAM's two steps around the second (the Trainer's closure back-propagates it and readies its gradients). The
-README's closure usage, ported to the automatic step (the loss returned, the Trainer to supply the closure), fails:
-the Trainer gives a closure only to an optimizer whose ``step`` has no default for it (L-BFGS), and SAM's is
-``None`` (strict ``xfail``).
+README's closure usage is ported to the automatic step: the loss returned, the Trainer supplies the closure (SAM's
+``step(closure=None)`` asserts one; ``first_step`` and ``second_step`` tell the Trainer it is a two-phase optimizer).
 """
 import pytest
 import torch
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from safeloop import Trainer
-from safeloop.errors import StepError
 
 from .harness import checks, compare
 
@@ -257,10 +255,6 @@ def test_sam_example_with_two_passes_and_batchnorm_statistics_bypassed(check):
     compare(make_net, sam_hand, SAMTrainer, cifar, check, steps=EPOCHS * PER_EPOCH, optimizer=make_optimizer)
 
 
-REASON = ("safeloop.step.runner.needs_closure gives a closure only to an optimizer whose step() has no default for "
-          "it; SAM's step(closure=None) asserts one was given: the automatic step calls it without")
-
-
-@pytest.mark.parametrize("check", checks(auto=(StepError, REASON), always=(StepError, REASON), off=(StepError, REASON)))
+@pytest.mark.parametrize("check", checks())
 def test_sam_readme_closure_usage_in_the_automatic_step(check):
     compare(make_net, readme_hand, ReadmeTrainer, cifar, check, steps=PER_EPOCH, optimizer=make_optimizer)
