@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from operator import attrgetter
 from pathlib import Path
 
@@ -176,9 +176,14 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
     # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
     # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
-    objects = held + [m for v in held if issubclass(type(v), torch.nn.Module) for m in list(v.modules())[1:]
+    # nor those of a module that a module holding it sets by name (`setattr(self.module, name, w)` in a method: the
+    # weight dropout of AWD-LSTM's WeightDrop, made anew by every forward)
+    models = [v for v in held if issubclass(type(v), torch.nn.Module)]
+    renamed = {id(m) for v in models for wrapper in v.modules() if _calls_setattr(wrapper) for m in wrapper.modules()}
+    objects = held + [m for v in models for m in list(v.modules())[1:]
                       if not (m._forward_pre_hooks or m._forward_hooks)]
-    held += [a for o in objects for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
+    held += [a for o in objects if id(o) not in renamed
+             for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     return max(seqs) + 1 if seqs else None
 
@@ -212,16 +217,25 @@ def _loop_around(code, offset: int) -> tuple[int, int] | None:
 def _set_by_methods(obj) -> set[str]:
     """The attributes that methods of ``obj``'s class, other than ``__init__``, assign (classes of torch
     itself left out): a ``forward`` that keeps its last output (``self.last_out = out``) sets one every step."""
-    names = set()
+    return {i.argval for i in _method_instructions(obj) if i.opname == "STORE_ATTR"}
+
+
+def _calls_setattr(obj) -> bool:
+    """Whether a method of ``obj``'s class other than ``__init__`` (classes of torch itself left out) calls
+    ``setattr``: it sets attributes whose names ``_set_by_methods`` cannot read."""
+    return any(i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr" for i in _method_instructions(obj))
+
+
+def _method_instructions(obj) -> Iterator[dis.Instruction]:
+    """The instructions of the methods of ``obj``'s class other than ``__init__`` (torch's own classes left out)."""
     for cls in type(obj).__mro__:
         if cls is object or cls.__module__.split(".")[0] == "torch":
             continue
         for name, member in vars(cls).items():
             code = getattr(member, "__code__", None)
             if code is not None and name != "__init__":
-                names.update(i.argval for c in _codes(code) for i in dis.get_instructions(c)
-                             if i.opname == "STORE_ATTR")
-    return names
+                for c in _codes(code):
+                    yield from dis.get_instructions(c)
 
 
 def _frames(frame):

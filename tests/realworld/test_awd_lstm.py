@@ -22,8 +22,8 @@ checkpoints left out; ``.cuda()`` and ``Variable`` dropped.
 The port: the windows are drawn by the data iterator as ``train`` draws them (NumPy's ``seq_len``, then
 ``get_batch``); the hidden state lives on the Trainer, made in ``on_epoch_start`` and repackaged in
 ``training_step``; the lr scaled in ``on_before_optimizer_step`` and put back in ``on_step_end``; ``grad_clip``. It
-trains as the loop in every mode. Under ``watch`` the unmodified loop is stopped at its first step with a
-``GraphReuseError`` that PyTorch does not raise (strict ``xfail``: see ``WATCH``).
+trains as the loop in every mode, and so does the unmodified loop under ``watch`` (``WeightDrop`` sets the LSTM's
+``weight_hh_l0`` by ``setattr`` in its forward: not a graph built before the loop).
 """
 import copy
 from types import SimpleNamespace
@@ -37,7 +37,6 @@ from torch.autograd import Variable
 from torch.nn import Parameter
 
 from safeloop import Trainer
-from safeloop.errors import GraphReuseError
 
 from .harness import assert_same, checks, compare
 
@@ -353,12 +352,7 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=args.lr, weight_decay=args.wdecay)
 
 
-WATCH = ("watch.loop_start puts the first step's start after the newest tensor with a graph held by an attribute "
-         "the loop does not assign: WeightDrop sets the LSTM's weight_hh_l0 by setattr from its own forward, inside "
-         "the first step, so that step's own graph is taken for one built before the loop")
-
-
-@pytest.mark.parametrize("check", checks(auto=(GraphReuseError, WATCH), always=(GraphReuseError, WATCH)))
+@pytest.mark.parametrize("check", checks())
 def test_awd_lstm_with_weight_drop_carried_hidden_state_and_a_per_window_lr(check):
     compare(make_model, awd_hand, AWDTrainer, lambda model: Windows(corpus(model)), check, steps=steps(),
             optimizer=make_optimizer, grad_clip=args.clip)
