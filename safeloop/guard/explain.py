@@ -187,6 +187,13 @@ def remade_attribute(node, scope: Scope | None) -> str | None:
     return None
 
 
+def view_of(node, leaves: list, scope: Scope | None = None, batch: Any = None) -> bool:
+    """Whether the tensor ``node`` made, held in ``scope``, is a view of one of ``leaves`` (``weight.t()``): its
+    values are theirs, whatever updates them."""
+    bases = {id(leaf) for leaf in leaves}
+    return any(t.grad_fn is node and t._is_view() and id(t._base) in bases for _, t in candidates(scope, batch))
+
+
 def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: Any = None) -> bool:
     """Whether ``holder`` (a name ``find_holder`` gave) holds the very tensor that ``node`` made: a value kept as it
     was (a cache), not one made again from it every step. An RNN's state is made again: ``out, h = rnn(x, h)``

@@ -757,10 +757,11 @@ class Guard:
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
         type). Backward through it works every step, but its value does not follow the parameters. (Built
-        from inputs that require grad, it is a fixed input the program differentiates against: no verdict.)"""
+        from inputs that require grad, it is a fixed input the program differentiates against; a view of a trained
+        parameter, such as a tied decoder's ``encoder.weight.t()``, shares its memory and follows it: no verdict.)"""
         trained = _trained(leaves, case.scope)
         key = f"share:{type(node).__name__}"
-        if not trained or key in self._warned:
+        if not trained or key in self._warned or explain.view_of(node, trained, case.scope, case.batch):
             return
         self._warned.add(key)
         holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False)

@@ -339,3 +339,40 @@ def test_an_unknown_check_name_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match=r"guard.ignore: 'carry' is not one of reuse, carried"):
         with Trainer(model=torch.nn.Linear(2, 2), train_data=[torch.zeros(1, 2)], max_steps=1).guard.ignore("carry"):
             pass
+
+
+class TiedAutoencoder(torch.nn.Module):
+    """A decoder weight tied to the encoder's as a transposed view made once, in ``__init__``: it shares the
+    encoder weight's memory, so it follows every update (a graph built before training that saves nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(6, 3)
+        self.decoder_weight = self.encoder.weight.t()
+        self.decoder_bias = torch.nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        return F.linear(torch.sigmoid(self.encoder(x)), self.decoder_weight, self.decoder_bias)
+
+
+class Reconstructs(Trainer):
+    def training_step(self, x):
+        return F.mse_loss(self.model(x), x)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_view_of_a_parameter_made_before_training_follows_it_and_is_not_warned_about(check):
+    data = batches(4, (4, 6))
+    torch.manual_seed(0)
+    ref = TiedAutoencoder()
+    recomputed = torch.nn.Linear(6, 3)  # the same weights, the transpose taken at every forward
+    recomputed.load_state_dict(ref.encoder.state_dict())
+    bias = torch.nn.Parameter(torch.zeros(6))
+    opt = torch.optim.SGD([*recomputed.parameters(), bias], lr=0.05)
+    for x in data:
+        opt.zero_grad()
+        F.mse_loss(F.linear(torch.sigmoid(recomputed(x)), recomputed.weight.t(), bias), x).backward()
+        opt.step()
+    torch.manual_seed(0)
+    ours = run(Reconstructs, TiedAutoencoder(), data, check)
+    assert torch.equal(ours.encoder.weight, recomputed.weight) and torch.equal(ours.decoder_bias, bias)
