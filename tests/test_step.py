@@ -1498,10 +1498,11 @@ def test_a_failed_step_names_the_parameters_changed_outside_the_trainers_updates
     trainer = FirstStepByHand(model=model, train_data=regression_batches(2), max_steps=2, device="cpu",
                               progress=False, loggers=())
     with pytest.raises(StepError, match=re.escape(
-            "step 1 failed and was abandoned (parameters and optimizer state are unchanged; but `model.0.weight`, "
-            "`model.0.bias`, `model.2.weight` and 1 more changed in this step other than by self.step or the "
-            "Trainer's update (by hand, as SAM's first_step does), and stay changed): AssertionError: Sharpness "
-            "Aware Minimization requires closure")):
+            "step 1: optimizer 'optimizer' (SAMNeedsClosure) needs a closure: self.step(name, closure=fn), where fn "
+            "computes the loss, calls self.backward(loss) and returns it (the step was abandoned: parameters and "
+            "optimizer state are unchanged; but `model.0.weight`, `model.0.bias`, `model.2.weight` and 1 more "
+            "changed in this step other than by self.step or the Trainer's update (by hand, as SAM's first_step "
+            "does), and stay changed)")):
         trainer.fit()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # as the report says
 

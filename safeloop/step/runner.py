@@ -551,10 +551,12 @@ class Runner:
         # the parameters' versions before the undo changes them: they name the one an in-place error is about
         named = self.config.named_parameters()
         versions = [(name, p, p._version) for name, p in named] if stepped else []
-        report = self.left()
+        report, by_hand = self.left(), bool(self.changed_outside())
         self.abandon()
         if isinstance(err, GraphLifecycleError) and err.abandoned is None:
             err.abandon(report)  # in manual mode updates of this step may have run before it: say what is left
+        if type(err) is StepError and by_hand:  # ours, after parameters changed by hand: say that they stay so
+            return StepError(f"{err} (the step was abandoned: {report})", err.step)
         if isinstance(err, SafeloopError) or not isinstance(err, Exception):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)
