@@ -226,3 +226,94 @@ def test_validation_at_the_end_of_a_run_when_due_matches(tmp_path):
     theirs, ours, best = validated_runs(tmp_path, max_epochs=4)
     assert theirs == ours == [14, 28]
     assert best[0] == best[1] == 28
+
+
+# -- the gradients on_after_backward sees under a GradScaler
+
+
+class LitScaledGrads(LitGrads):
+    def training_step(self, batch, batch_idx):
+        return mse(self.model, batch) * 30  # large enough that the first steps overflow
+
+
+class PortScaledGrads(PortGrads):
+    def training_step(self, batch):
+        return mse(self.model, batch) * 30
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_gradients_hooks_see_under_a_grad_scaler_match(accum):
+    """float16 autocast with a GradScaler (Lightning's ``MixedPrecision("16-mixed", "cpu", GradScaler("cpu"))``,
+    safeloop's "16"), accumulating or not: ``on_after_backward`` sees the scaled gradients (summed over the window so
+    far), ``on_before_optimizer_step`` the unscaled ones (inf or NaN where they overflowed), as in Lightning."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    lit = LitScaledGrads(configure=lambda m: sgd(m.parameters(), 0.01))
+    lit.after, lit.before, lit.lrs = [], [], []
+    lightning(max_epochs=EPOCHS, accumulate_grad_batches=accum, plugins=[plugin]).fit(lit, train_dataloaders=loader())
+    port = PortScaledGrads(model=net(), train_data=loader(), optimizer=lambda p: sgd(p, 0.01),
+                           **settings(max_epochs=EPOCHS, grad_accum=accum, precision="16"))
+    port.after, port.before, port.lrs = [], [], []
+    port.fit()
+    after, before = torch.stack(lit.after), torch.stack(lit.before)
+    assert torch.allclose(after, torch.stack(port.after), rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(before, torch.stack(port.before), rtol=0, atol=0, equal_nan=True)
+    assert not before.isfinite().all() and before.isfinite().any()  # some updates overflowed, and were skipped
+    finite = after.isfinite()
+    assert float(after[finite].min()) > 100 * float(before[before.isfinite()].max())  # scaled before the unscale
+    assert plugin.scaler.get_scale() == port.scaler.get_scale()
+    assert_same(lit.model, port.model)
+
+
+# -- early stopping: Lightning's options safeloop has not
+
+
+class LitEarly(Lit):
+    def on_validation_end(self):
+        self.val.append((self.trainer.global_step, float(self.trainer.callback_metrics["val_loss"])))
+
+
+class PortEarly(Port):
+    val: list
+
+    def on_validation_end(self, metrics):
+        self.val.append((self.state.step, metrics["val_loss"]))
+
+
+def test_early_stopping_on_a_non_finite_metric_differs_as_documented():
+    """SGD at 5.0 diverges: validation loss 4.1e21 after step 7, NaN from step 14 on. docs/trainer.md, Early stopping:
+    "Not there: ... check_finite (a NaN here counts as no improvement)". Lightning's default ``check_finite=True``
+    stops after the first non-finite validation (step 14); safeloop goes on for ``patience`` (3) validations without
+    improvement (steps 14, 21, 28), training on NaN weights."""
+    rule = {"monitor": "val_loss", "patience": 3}
+    lit = LitEarly(configure=lambda m: sgd(m.parameters(), 5.0))
+    lit.val = []
+    trainer = lightning(max_epochs=20, callbacks=[pl.callbacks.EarlyStopping(**rule)])
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortEarly(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, 5.0),
+                     callbacks=[safeloop.EarlyStopping(**rule)], **settings(max_epochs=20, val_every=STEPS))
+    port.val = []
+    port.fit()
+    assert [s for s, _ in lit.val] == [7, 14] and trainer.global_step == 14
+    assert [s for s, _ in port.val[1:]] == [7, 14, 21, 28] and port.state.step == 28
+    assert close(lit.val[0][1], port.val[1][1]) and lit.val[0][1] > 1e20
+    assert math.isnan(lit.val[1][1]) and all(math.isnan(v) for _, v in port.val[2:])
+
+
+@pytest.mark.parametrize("option", [{"stopping_threshold": 0.5}, {"divergence_threshold": 10.0},
+                                    {"check_finite": False}, {"check_on_train_epoch_end": True}, {"strict": False}])
+def test_early_stopping_options_not_there_differ_as_documented(option):
+    """docs/trainer.md, Early stopping: "Not there: Lightning's ``stopping_threshold``, ``divergence_threshold``,
+    ``check_finite``, ``check_on_train_epoch_end`` and ``strict=False``": each is refused when the callback is made
+    (Lightning's accepts it), not ignored."""
+    pl.callbacks.EarlyStopping(monitor="val_loss", **option)
+    with pytest.raises(TypeError, match=next(iter(option))):
+        safeloop.EarlyStopping(monitor="val_loss", **option)
+
+
+def test_early_stopping_patience_zero_differs_loudly():
+    """Lightning's ``patience=0`` stops after the first validation without improvement; safeloop refuses it when the
+    callback is made. Loud, and not in the docs."""
+    pl.callbacks.EarlyStopping(monitor="val_loss", patience=0)
+    with pytest.raises(safeloop.ConfigError, match=r"patience=0\): give a positive integer"):
+        safeloop.EarlyStopping(monitor="val_loss", patience=0)
