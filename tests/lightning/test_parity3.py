@@ -17,7 +17,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 import safeloop  # noqa: E402
 
-from .common import Lit, Port, assert_same, close, lightning, loader, mse, net, settings, sgd  # noqa: E402
+from .common import Lit, Port, adam, assert_same, close, lightning, loader, mse, net, settings, sgd  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -317,3 +317,97 @@ def test_early_stopping_patience_zero_differs_loudly():
     pl.callbacks.EarlyStopping(monitor="val_loss", patience=0)
     with pytest.raises(safeloop.ConfigError, match=r"patience=0\): give a positive integer"):
         safeloop.EarlyStopping(monitor="val_loss", patience=0)
+
+
+# -- self.log: Lightning's keywords, and metrics logged in test_step
+
+
+class LitTested(Lit):
+    """``test_step`` that only logs (Lightning's usual): the loss and the mean absolute error."""
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.model(x)
+        self.log("test_loss", F.mse_loss(out, y))
+        self.log("test_mae", (out - y).abs().mean())
+
+
+class PortTested(Port):
+    def test_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.log("test_loss", F.mse_loss(out, y))
+        self.log("test_mae", (out - y).abs().mean())
+
+
+def test_metrics_logged_in_test_step_match():
+    """After 2 epochs, ``trainer.test`` over 7 samples in batches of 2 (the last of 1) with a ``test_step`` that only
+    logs: the names (as given) and each one's mean over the samples (to 1e-6: the float32 / float64 sums).
+    Lightning returns them in a list, one dict per DataLoader; safeloop the dict (docs/trainer.md's map)."""
+    lit = LitTested()
+    trainer = lightning(max_epochs=EPOCHS)
+    trainer.fit(lit, train_dataloaders=loader())
+    port = PortTested(model=net(), train_data=loader(), optimizer=adam, **settings(max_epochs=EPOCHS))
+    port.fit()
+    assert_same(lit.model, port.model)
+    data = loader(n=7, seed=3)
+    [theirs] = trainer.test(lit, dataloaders=data, verbose=False)
+    ours = port.test(data)
+    assert sorted(theirs) == sorted(ours) == ["test_loss", "test_mae"]
+    assert all(close(theirs[k], ours[k]) for k in theirs)
+    x, y = data.dataset.tensors
+    with torch.no_grad():
+        assert math.isclose(ours["test_mae"], float((port.model(x) - y).abs().mean()), rel_tol=1e-6)
+
+
+class LitStepEpoch(Lit):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+
+class PortStepEpoch(Port):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+
+class Recorder(pl.loggers.logger.Logger):
+    """A Lightning logger keeping each ``log_metrics`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name, version = "recorder", 0
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass  # no hyperparameters in these tests
+
+
+def test_log_with_on_step_and_on_epoch_differs_loudly():
+    """``self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)`` in ``training_step``, Lightning's
+    most common call: Lightning's loggers get ``train_loss_step`` at each log point and ``train_loss_epoch`` (the
+    pass's mean) at each epoch's end. safeloop's ``log(name, value)`` takes no keywords: the port's first step
+    stops with a TypeError ("unexpected keyword argument 'on_step'") that says nothing of what to do. Loud, and not
+    in the docs' map."""
+    recorder = Recorder()
+    lightning(max_epochs=EPOCHS, logger=recorder, log_every_n_steps=3).fit(LitStepEpoch(), train_dataloaders=loader())
+    names = {name for _, metrics in recorder.rows for name in metrics}
+    assert {"train_loss_step", "train_loss_epoch"} <= names and "train_loss" not in names
+    epochs = [m["train_loss_epoch"] for _, m in recorder.rows if "train_loss_epoch" in m]
+    assert len(epochs) == EPOCHS
+    port = PortStepEpoch(model=net(), train_data=loader(), optimizer=adam,
+                         **settings(max_epochs=EPOCHS))
+    with pytest.raises(safeloop.StepError) as raised:
+        port.fit()
+    assert "unexpected keyword argument 'on_step'" in repr(raised.value) + repr(raised.value.__cause__)
