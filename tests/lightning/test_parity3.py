@@ -18,6 +18,7 @@ pl = pytest.importorskip("pytorch_lightning")
 import safeloop  # noqa: E402
 
 from .common import Lit, Port, adam, assert_same, close, lightning, loader, mse, net, settings, sgd  # noqa: E402
+from .test_parity2 import checkpointed_runs  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -411,3 +412,76 @@ def test_log_with_on_step_and_on_epoch_differs_loudly():
     with pytest.raises(safeloop.StepError) as raised:
         port.fit()
     assert "unexpected keyword argument 'on_step'" in repr(raised.value) + repr(raised.value.__cause__)
+
+
+# -- best checkpoints on tied values
+
+
+def test_best_checkpoints_on_tied_values_match(tmp_path):
+    """SGD at lr 0 over 4 epochs: every validation gives the same ``val_loss``. ``save_top_k=2`` against ``keep=2``:
+    of equal values the older ranks first in both (docs/checkpoints.md), so steps 7 and 14 are kept (safeloop also
+    keeps its newest, 28) and the best is step 7."""
+    theirs, ours, best = checkpointed_runs(tmp_path, dict(monitor="val_loss", save_top_k=2),
+                                           {"monitor": "val_loss", "keep": 2, "every": None}, lr=0.0, epochs=4)
+    assert sorted(theirs.values()) == [7, 14]
+    assert sorted(ours.values()) == [7, 14, 28]
+    assert best == (7, 7)
+
+
+# -- resuming under accumulation
+
+
+class LitSeen(Lit):
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.global_step, float(batch[0][0, 0])))
+        return super().training_step(batch, batch_idx)
+
+
+class PortSeen(Port):
+    seen: list
+    configure = staticmethod(warm_up)
+
+    def training_step(self, batch):
+        self.seen.append((self.state.step, float(batch[0][0, 0])))
+        return super().training_step(batch)
+
+
+def accumulated_resumes(tmp_path, at, epochs=3):
+    """``accumulate_grad_batches=3`` / ``grad_accum=3`` (3 updates a pass: 3, 3 and 1 batches), a per-step warm-up:
+    in each framework a run of ``epochs`` that never stopped, and one saved at update ``at`` with ``max_steps=at``,
+    then resumed from that file by a new Trainer up to ``epochs``."""
+    def lit_run(ckpt_path=None, **kwargs):
+        lit = LitSeen(configure=warm_up)
+        lit.seen = []
+        trainer = lightning(**{"max_epochs": epochs, "accumulate_grad_batches": 3, **kwargs})
+        trainer.fit(lit, train_dataloaders=loader(), ckpt_path=ckpt_path)
+        return lit
+
+    def port_run(**kwargs):
+        port = PortSeen(model=net(), train_data=loader(), **settings(**{"max_epochs": epochs, "grad_accum": 3, **kwargs}))
+        port.seen = []
+        port.fit()
+        return port
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=at, save_top_k=-1,
+                                         filename="{step}")
+    lit = {"whole": lit_run(), "first": lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])}
+    lit["resumed"] = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
+    ours = {"whole": port_run(), "first": port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})}
+    ours["resumed"] = port_run(resume=str(tmp_path / "sl" / f"step-{at:09d}.pt"))
+    return lit, ours
+
+
+def test_resume_under_accumulation_at_a_pass_end_matches(tmp_path):
+    """Saved after update 3, the end of the first pass (its last window of one batch), resumed to 3 epochs: each
+    framework's resumed run ends as its run that never stopped (the batches from there on, the learning rate, the
+    parameters), and the two frameworks' are the same, bit for bit."""
+    lit, ours = accumulated_resumes(tmp_path, 3)
+    assert_same(lit["whole"].model, ours["whole"].model)
+    assert lit["whole"].seen == ours["whole"].seen and len(ours["whole"].seen) == 3 * STEPS
+    assert ours["resumed"].seen == ours["whole"].seen[STEPS:]
+    assert lit["resumed"].seen == lit["whole"].seen[STEPS:]
+    assert lit["resumed"].trainer.global_step == ours["resumed"].state.step == 9
+    assert lr_of(lit["resumed"].optimizers()) == lr_of(ours["resumed"].optimizers["optimizer"])
+    assert_same(lit["resumed"].model, ours["resumed"].model)
+    assert_same(ours["whole"].model, ours["resumed"].model)
