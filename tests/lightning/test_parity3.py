@@ -190,15 +190,16 @@ class PortValEnd(Port):
 
 def validated_runs(tmp_path, **limits):
     """``check_val_every_n_epoch=2`` against ``val_every`` = two passes' steps, SGD at 0.02 (validation loss 1.236 at
-    step 14, 0.9089 at 17, 0.7232 at 21, 1.109 at 28), ``ModelCheckpoint(monitor="val_loss", save_top_k=1)`` against ``checkpoint={"monitor": "val_loss", "keep":
-    1}``: the steps each validated at (safeloop's before training left out), and the best checkpoint's step."""
+    step 14, 0.9089 at 17, 0.7232 at 21, 1.109 at 28), ``ModelCheckpoint(monitor="val_loss", save_top_k=1)`` against
+    ``checkpoint={"monitor": "val_loss", "keep": 1}``: the steps each validated at (safeloop's before training left out), and the best checkpoint's step."""
     cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_loss", save_top_k=1)
     lit = LitValEnd(configure=lambda m: sgd(m.parameters(), 0.02))
     lit.val = []
     trainer = lightning(check_val_every_n_epoch=2, enable_checkpointing=True, callbacks=[cb], **limits)
     trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
     port = PortValEnd(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
-                      optimizer=lambda p: sgd(p, 0.02), checkpoint={"dir": str(tmp_path / "sl"), "monitor": "val_loss", "keep": 1, "every": None},
+                      optimizer=lambda p: sgd(p, 0.02),
+                      checkpoint={"dir": str(tmp_path / "sl"), "monitor": "val_loss", "keep": 1, "every": None},
                       **settings(val_every=2 * STEPS, **limits))
     port.val = []
     port.fit()
@@ -458,7 +459,8 @@ def accumulated_resumes(tmp_path, at, epochs=3):
         return lit
 
     def port_run(**kwargs):
-        port = PortSeen(model=net(), train_data=loader(), **settings(**{"max_epochs": epochs, "grad_accum": 3, **kwargs}))
+        port = PortSeen(model=net(), train_data=loader(),
+                        **settings(**{"max_epochs": epochs, "grad_accum": 3, **kwargs}))
         port.seen = []
         port.fit()
         return port
@@ -485,3 +487,47 @@ def test_resume_under_accumulation_at_a_pass_end_matches(tmp_path):
     assert lr_of(lit["resumed"].optimizers()) == lr_of(ours["resumed"].optimizers["optimizer"])
     assert_same(lit["resumed"].model, ours["resumed"].model)
     assert_same(ours["whole"].model, ours["resumed"].model)
+
+
+# -- resuming from a checkpoint saved at a validation at a pass's end
+
+
+def step_lr(model):
+    opt = sgd(model.parameters())
+    return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def test_resume_from_a_best_checkpoint_at_a_pass_end_matches(tmp_path):
+    """A StepLR stepped at each epoch's end, validation each epoch: the checkpoint Lightning's
+    ``ModelCheckpoint(monitor="val_loss", save_top_k=-1)`` saves at the first epoch's validation (step 7), and
+    safeloop's ``checkpoint={"monitor": "val_loss"}`` at its validation after step 7, each resumed by a new Trainer
+    to 3 epochs: each ends as its run that never stopped (the epoch's scheduler step neither lost nor repeated), and
+    the two frameworks' runs are the same, bit for bit."""
+    def lit_run(ckpt_path=None, **kwargs):
+        lit = LitSeen(configure=step_lr)
+        lit.seen = []
+        trainer = lightning(max_epochs=3, **kwargs)
+        trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2), ckpt_path=ckpt_path)
+        return lit
+
+    def port_run(**kwargs):
+        port = PortSeen(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
+                        **settings(max_epochs=3, val_every=STEPS, **kwargs))
+        port.configure = staticmethod(step_lr)
+        port.seen = []
+        port.fit()
+        return port
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", monitor="val_loss", save_top_k=-1, filename="{step}")
+    whole, _ = lit_run(), lit_run(enable_checkpointing=True, callbacks=[saver])
+    resumed = lit_run(ckpt_path=tmp_path / "lit" / "step=7.ckpt")
+    ours_whole = port_run()
+    port_run(checkpoint={"dir": str(tmp_path / "sl"), "monitor": "val_loss", "keep": 5, "every": None})
+    ours = port_run(resume=str(tmp_path / "sl" / "step-000000007.pt"))
+    assert_same(whole.model, ours_whole.model)
+    assert resumed.seen == whole.seen[STEPS:] and ours.seen == ours_whole.seen[STEPS:]
+    assert lr_of(resumed.optimizers()) == lr_of(ours.optimizers["optimizer"]) == 0.05 / 8
+    assert resumed.trainer.global_step == ours.state.step == 3 * STEPS
+    assert_same(whole.model, resumed.model)
+    assert_same(ours_whole.model, ours.model)
+    assert_same(resumed.model, ours.model)
