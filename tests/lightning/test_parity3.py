@@ -191,7 +191,8 @@ class PortValEnd(Port):
 def validated_runs(tmp_path, **limits):
     """``check_val_every_n_epoch=2`` against ``val_every`` = two passes' steps, SGD at 0.02 (validation loss 1.236 at
     step 14, 0.9089 at 17, 0.7232 at 21, 1.109 at 28), ``ModelCheckpoint(monitor="val_loss", save_top_k=1)`` against
-    ``checkpoint={"monitor": "val_loss", "keep": 1}``: the steps each validated at (safeloop's before training left out), and the best checkpoint's step."""
+    ``checkpoint={"monitor": "val_loss", "keep": 1}``: the steps each validated at (safeloop's before training left
+    out), and the best checkpoint's step."""
     cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_loss", save_top_k=1)
     lit = LitValEnd(configure=lambda m: sgd(m.parameters(), 0.02))
     lit.val = []
