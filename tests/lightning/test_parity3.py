@@ -532,3 +532,104 @@ def test_resume_from_a_best_checkpoint_at_a_pass_end_matches(tmp_path):
     assert_same(whole.model, resumed.model)
     assert_same(ours_whole.model, ours.model)
     assert_same(resumed.model, ours.model)
+
+
+# -- clipping in bfloat16, hooks in manual mode with two backwards, epoch-end checkpoints
+
+
+@pytest.mark.parametrize("precision, accum", [("bf16-true", 1), ("bf16-true", 3), ("bf16-mixed", 3)])
+def test_gradient_clipping_in_bfloat16_matches(precision, accum):
+    """``gradient_clip_val=0.05`` / ``grad_clip=0.05`` under bf16 parameters (the norm taken over bfloat16 gradients)
+    or bf16 autocast, accumulating or not, SGD at 0.1 over 2 passes: the parameters, bit for bit."""
+    lit = Lit(configure=lambda m: sgd(m.parameters(), 0.1))
+    lightning(max_epochs=EPOCHS, precision=precision, gradient_clip_val=0.05, accumulate_grad_batches=accum).fit(
+        lit, train_dataloaders=loader())
+    port = Port(model=net(), train_data=loader(), optimizer=lambda p: sgd(p, 0.1),
+                **settings(max_epochs=EPOCHS, precision=precision, grad_clip=0.05, grad_accum=accum))
+    port.fit()
+    assert next(port.model.parameters()).dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    assert_same(lit.model, port.model)
+
+
+class LitTwoBackwards(Lit):
+    """Manual optimization, two ``manual_backward`` calls before one step: what each hook sees, in order."""
+
+    def __init__(self):
+        super().__init__(configure=lambda m: sgd(m.parameters()))
+        self.automatic_optimization = False
+        self.calls = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(mse(self.model, batch) * 0.5)
+        self.manual_backward(mse(self.model, batch) * 0.5)
+        opt.step()
+        opt.zero_grad()
+
+    def on_before_backward(self, loss):
+        self.calls.append(("on_before_backward", float(loss.detach())))
+
+    def on_after_backward(self):
+        self.calls.append(("on_after_backward", float(norm(self.model))))
+
+    def on_before_optimizer_step(self, optimizer):
+        self.calls.append(("on_before_optimizer_step", float(norm(self.model))))
+
+
+class PortTwoBackwards(Port):
+    automatic = False
+    calls: list
+
+    def training_step(self, batch):
+        loss = mse(self.model, batch) * 0.5
+        self.backward(loss)
+        self.backward(mse(self.model, batch) * 0.5)
+        self.step()
+        return loss
+
+    def on_before_backward(self, name, loss):
+        self.calls.append(("on_before_backward", float(loss.detach())))
+
+    def on_after_backward(self, name):
+        self.calls.append(("on_after_backward", float(norm(self.model))))
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.calls.append(("on_before_optimizer_step", float(norm(self.model))))
+
+
+def test_hooks_in_manual_mode_with_two_backwards_match():
+    """Manual mode, two backwards into one optimizer then a step, one pass: each backward calls
+    ``on_before_backward`` (its loss) and ``on_after_backward`` (the gradient summed so far) in both, the step
+    ``on_before_optimizer_step`` once; the values, the order and the parameters, bit for bit."""
+    lit = LitTwoBackwards()
+    lightning(max_epochs=1).fit(lit, train_dataloaders=loader())
+    port = PortTwoBackwards(model=net(), train_data=loader(), optimizer=sgd, **settings(max_epochs=1))
+    port.calls = []
+    port.fit()
+    assert lit.calls == port.calls and len(port.calls) == 5 * STEPS
+    assert_same(lit.model, port.model)
+
+
+def test_checkpoints_at_each_epoch_end_match(tmp_path):
+    """Lightning's default ``ModelCheckpoint`` saving at each epoch's end (``save_top_k=-1``: all kept) against
+    ``checkpoint={"every": 7, "keep": 100}`` (one pass's steps), 3 epochs: the same steps saved."""
+    theirs, ours, _ = checkpointed_runs(tmp_path, dict(save_top_k=-1), {"every": STEPS, "keep": 100}, epochs=3)
+    assert sorted(theirs.values()) == sorted(ours.values()) == [7, 14, 21]
+
+
+@pytest.mark.parametrize("lightning_setting, safeloop_setting", [
+    ({"max_steps": -1, "max_epochs": EPOCHS}, {"max_steps": -1, "max_epochs": EPOCHS}),
+    ({"max_epochs": -1, "max_steps": 5}, {"max_epochs": -1, "max_steps": 5}),
+    ({"max_epochs": EPOCHS, "gradient_clip_val": 0}, {"max_epochs": EPOCHS, "grad_clip": 0})],
+    ids=["max_steps=-1", "max_epochs=-1", "clip 0"])
+def test_lightnings_no_limit_values_differ_loudly(lightning_setting, safeloop_setting):
+    """Lightning's values for "no limit": ``max_steps=-1``, ``max_epochs=-1``, ``gradient_clip_val=0`` (no clipping).
+    Lightning trains; safeloop refuses each when the Trainer is made, naming the setting (its "no limit" is leaving
+    the setting out). Loud, and not in the docs' map."""
+    lit = Lit()
+    trainer = lightning(**lightning_setting)
+    trainer.fit(lit, train_dataloaders=loader())
+    assert trainer.global_step == (5 if lightning_setting.get("max_steps", -1) == 5 else EPOCHS * STEPS)
+    name = next(k for k, v in safeloop_setting.items() if v in (-1, 0))
+    with pytest.raises(safeloop.ConfigError, match=f"{name} must be a positive"):
+        Port(model=net(), train_data=loader(), optimizer=adam, **settings(**safeloop_setting))
