@@ -719,3 +719,99 @@ def test_manual_mode_on_before_optimizer_step_sees_clipped_gradients_as_lightnin
     assert_same(lit.model, port.model)
     assert all(math.isclose(float(n), 0.05, rel_tol=1e-5) for n in lit.hook)
     assert torch.equal(torch.stack(lit.hook), torch.stack(port.hook))
+
+
+# -- manual mode: two updates in one step, a plateau stepped by hand
+
+
+class LitTwoUpdates(Lit):
+    """Two updates of one optimizer per batch, the warm-up stepped by hand after each."""
+
+    def __init__(self):
+        super().__init__(configure=warm_up)
+        self.automatic_optimization = False
+        self.lrs = []
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        for _ in range(2):
+            self.manual_backward(mse(self.model, batch))
+            self.lrs.append(lr_of(opt))
+            opt.step()
+            opt.zero_grad()
+            sch.step()
+
+
+class PortTwoUpdates(Port):
+    automatic = False
+    configure = staticmethod(warm_up)
+    lrs: list
+
+    def training_step(self, batch):
+        for _ in range(2):
+            loss = mse(self.model, batch)
+            self.backward(loss)
+            self.step()
+        return loss
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.lrs.append(lr_of(optimizer))
+
+
+def test_manual_mode_with_two_updates_in_a_step_matches():
+    """Manual mode, two backward-and-step pairs on one optimizer in each ``training_step``, a per-update warm-up: the
+    learning rate of each update and the parameters match; Lightning's ``global_step`` counts 14 optimizer steps,
+    safeloop's ``state.step`` 7 steps (docs/trainer.md's map, ``self.global_step``)."""
+    lit = LitTwoUpdates()
+    trainer = lightning(max_epochs=1)
+    trainer.fit(lit, train_dataloaders=loader())
+    port = PortTwoUpdates(model=net(), train_data=loader(), **settings(max_epochs=1))
+    port.lrs = []
+    port.fit()
+    assert lit.lrs == port.lrs and len(port.lrs) == 2 * STEPS
+    assert (trainer.global_step, port.state.step) == (2 * STEPS, STEPS)
+    assert_same(lit.model, port.model)
+
+
+def plateau(model):
+    opt = sgd(model.parameters(), 0.05)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt, factor=0.5, patience=0), "monitor": "val_loss"}}
+
+
+class LitManualPlateau(Lit):
+    """Manual mode, a ReduceLROnPlateau stepped by hand on ``val_loss`` at each epoch's end (Lightning's docs)."""
+
+    def __init__(self):
+        super().__init__(configure=plateau)
+        self.automatic_optimization = False
+        self.lrs = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(mse(self.model, batch))
+        self.lrs.append(lr_of(opt))
+        opt.step()
+        opt.zero_grad()
+
+    def on_train_epoch_end(self):
+        self.lr_schedulers().step(self.trainer.callback_metrics["val_loss"])
+
+
+class PortManualPlateau(PortManual):
+    configure = staticmethod(plateau)
+
+
+def test_manual_mode_plateau_stepped_by_hand_matches_the_trainers():
+    """Lightning's manual mode steps no scheduler: its docs step a plateau by hand in ``on_train_epoch_end`` with
+    ``callback_metrics["val_loss"]`` (the epoch's validation has run by then). safeloop steps the plateau given with
+    its monitor after each validation (``val_every`` = one pass's steps), 4 passes: the learning rate of each update
+    (halved after the third validation's higher loss) and the parameters, bit for bit."""
+    lit = LitManualPlateau()
+    lightning(max_epochs=4).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortManualPlateau(model=net(), train_data=loader(), val_data=loader(n=6, seed=2),
+                             **settings(max_epochs=4, val_every=STEPS))
+    port.lrs, port.before = [], []
+    port.fit()
+    assert lit.lrs == port.lrs and port.lrs[-1] == 0.025 and port.lrs[3 * STEPS - 1] == 0.05
+    assert_same(lit.model, port.model)
