@@ -19,7 +19,7 @@ import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, lightning, loader, max_diff, mse, net, settings,  # noqa: E402
                      sgd)
-from .test_parity2 import checkpointed_runs  # noqa: E402
+from .test_parity2 import checkpointed_runs, lightning_files, safeloop_files  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -855,3 +855,40 @@ def test_resume_after_an_early_stop_matches(tmp_path):
     assert again.global_step == 4 * STEPS
     assert ours_again.state.step == 4 * STEPS
     assert_same(resumed.model, ours_again.model)
+
+
+def gap(loss, step):
+    """The loss, NaN at the validations after steps 14 and 28."""
+    return loss * (math.nan if step % 14 == 0 else 1.0)
+
+
+class LitGap(Lit):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_gap", gap(mse(self.model, batch), self.global_step))
+
+
+class PortGap(Port):
+    def validation_step(self, batch):
+        self.log("val_gap", gap(mse(self.model, batch), self.state.step))
+
+
+def test_best_checkpoints_with_nan_values_match(tmp_path):
+    """A metric that is NaN at some validations: ``val_gap``, the loss (1.65 at step 7, 2.63 at 21) but NaN at steps
+    14 and 28, SGD at 0.05, 4 epochs. ``ModelCheckpoint(monitor="val_gap", save_top_k=2)`` against ``checkpoint={"monitor":
+    "val_gap", "keep": 2}``: a NaN ranks last in both (Lightning reads it as the worst value), so steps 7 and 21 are
+    kept (safeloop also keeps its newest, 28) and the best is step 7."""
+    cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_gap", save_top_k=2)
+    lit = LitGap(configure=lambda m: sgd(m.parameters()))
+    lightning(max_epochs=4, enable_checkpointing=True, callbacks=[cb]).fit(
+        lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = PortGap(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=sgd,
+                   checkpoint={"dir": str(tmp_path / "sl"), "monitor": "val_gap", "keep": 2, "every": None},
+                   **settings(max_epochs=4, val_every=STEPS))
+    port.fit()
+    assert_same(lit.model, port.model)
+    gaps = [m["val_gap"] for _, m in port.state.val_history[1:]]
+    assert [math.isnan(g) for g in gaps] == [False, True, False, True]
+    assert sorted(lightning_files(tmp_path / "lit").values()) == [7, 21]
+    assert sorted(safeloop_files(tmp_path / "sl").values()) == [7, 21, 28]
+    best = torch.load(cb.best_model_path, weights_only=False)["global_step"]
+    assert best == torch.load(port.checkpointer.best, weights_only=True)["step"] == 7
