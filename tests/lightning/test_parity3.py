@@ -874,9 +874,9 @@ class PortGap(Port):
 
 def test_best_checkpoints_with_nan_values_match(tmp_path):
     """A metric that is NaN at some validations: ``val_gap``, the loss (1.65 at step 7, 2.63 at 21) but NaN at steps
-    14 and 28, SGD at 0.05, 4 epochs. ``ModelCheckpoint(monitor="val_gap", save_top_k=2)`` against ``checkpoint={"monitor":
-    "val_gap", "keep": 2}``: a NaN ranks last in both (Lightning reads it as the worst value), so steps 7 and 21 are
-    kept (safeloop also keeps its newest, 28) and the best is step 7."""
+    14 and 28, SGD at 0.05, 4 epochs. ``ModelCheckpoint(monitor="val_gap", save_top_k=2)`` against
+    ``checkpoint={"monitor": "val_gap", "keep": 2}``: a NaN ranks last in both (Lightning reads it as the worst
+    value), so steps 7 and 21 are kept (safeloop also keeps its newest, 28) and the best is step 7."""
     cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_gap", save_top_k=2)
     lit = LitGap(configure=lambda m: sgd(m.parameters()))
     lightning(max_epochs=4, enable_checkpointing=True, callbacks=[cb]).fit(
