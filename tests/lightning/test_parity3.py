@@ -892,3 +892,42 @@ def test_best_checkpoints_with_nan_values_match(tmp_path):
     assert sorted(safeloop_files(tmp_path / "sl").values()) == [7, 21, 28]
     best = torch.load(cb.best_model_path, weights_only=False)["global_step"]
     assert best == torch.load(port.checkpointer.best, weights_only=True)["step"] == 7
+
+
+# -- resuming under a GradScaler
+
+
+def test_resume_under_a_grad_scaler_at_a_pass_end_matches(tmp_path):
+    """float16 autocast with a GradScaler (Lightning's forced on the CPU, safeloop's "16"), the loss large enough that
+    the first updates overflow: saved after step 7 (scale 1024 then), resumed to 3 epochs by a new Trainer. Each
+    resumed run ends as its run that never stopped (the loss scale 128, the parameters), and the frameworks' runs are
+    the same, bit for bit."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    def lit_run(ckpt_path=None, **kwargs):
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        lit = LitScaledGrads(configure=lambda m: sgd(m.parameters(), 0.01))
+        lit.after, lit.before, lit.lrs = [], [], []
+        lightning(**{"max_epochs": 3, "plugins": [plugin], **kwargs}).fit(
+            lit, train_dataloaders=loader(), ckpt_path=ckpt_path)
+        return lit, plugin.scaler.get_scale()
+
+    def port_run(**kwargs):
+        port = PortScaledGrads(model=net(), train_data=loader(), optimizer=lambda p: sgd(p, 0.01),
+                               **settings(**{"max_epochs": 3, "precision": "16", **kwargs}))
+        port.after, port.before, port.lrs = [], [], []
+        port.fit()
+        return port, port.scaler.get_scale()
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=STEPS, save_top_k=-1,
+                                         filename="{step}")
+    (whole, whole_scale), (_, first_scale) = lit_run(), lit_run(max_steps=STEPS, enable_checkpointing=True,
+                                                                callbacks=[saver])
+    resumed, resumed_scale = lit_run(tmp_path / "lit" / f"step={STEPS}.ckpt")
+    ours_whole, ours_whole_scale = port_run()
+    port_run(max_steps=STEPS, checkpoint={"dir": str(tmp_path / "sl"), "every": STEPS})
+    ours, ours_scale = port_run(resume=str(tmp_path / "sl" / f"step-{STEPS:09d}.pt"))
+    assert first_scale == 1024 and whole_scale == resumed_scale == ours_whole_scale == ours_scale == 128
+    assert_same(whole.model, resumed.model)
+    assert_same(ours_whole.model, ours.model)
+    assert_same(resumed.model, ours.model)
