@@ -931,3 +931,25 @@ def test_resume_under_a_grad_scaler_at_a_pass_end_matches(tmp_path):
     assert_same(whole.model, resumed.model)
     assert_same(ours_whole.model, ours.model)
     assert_same(resumed.model, ours.model)
+
+
+def test_checkpoints_every_n_updates_under_accumulation_match(tmp_path):
+    """``ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)`` against ``checkpoint={"every": 2, "keep": 100}``
+    under ``accumulate_grad_batches=3`` (3 updates a pass), 3 epochs: both count updates, and save after updates 2,
+    4, 6 and 8, each file holding the same weights; safeloop also saves its last step, 9 (docs/checkpoints.md: "at
+    the end"; test_parity2's ``..._every_n_steps_differs_as_documented``)."""
+    cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    lit = Lit()
+    lightning(max_epochs=3, accumulate_grad_batches=3, enable_checkpointing=True, callbacks=[cb]).fit(
+        lit, train_dataloaders=loader())
+    port = Port(model=net(), train_data=loader(), optimizer=adam,
+                checkpoint={"dir": str(tmp_path / "sl"), "every": 2, "keep": 100},
+                **settings(max_epochs=3, grad_accum=3))
+    port.fit()
+    assert_same(lit.model, port.model)
+    assert sorted(lightning_files(tmp_path / "lit").values()) == [2, 4, 6, 8]
+    assert sorted(safeloop_files(tmp_path / "sl").values()) == [2, 4, 6, 8, 9]
+    for step in (2, 4, 6, 8):
+        theirs = torch.load(tmp_path / "lit" / f"step={step}.ckpt", weights_only=False)["state_dict"]
+        ours = torch.load(tmp_path / "sl" / f"step-{step:09d}.pt", weights_only=True)["modules"]["model"]
+        assert all(torch.equal(theirs[f"model.{name}"], value) for name, value in ours.items())
