@@ -1,6 +1,8 @@
 """safeloop's Trainer against pytorch-lightning's, bit for bit: accumulation with clipping and a per-step schedule,
-``max_steps`` with ``max_epochs``, the gradients hooks see, manual clipping and schedules, the validation at a run's
-end, early stopping's other options, ``self.log``'s keywords, logged test metrics.
+``max_steps`` with ``max_epochs``, the gradients hooks see (a GradScaler, manual mode), manual clipping and schedules,
+the validation at a run's end, best checkpoints (ties, NaN), checkpoints under accumulation, resuming (accumulation,
+a best checkpoint, a GradScaler, after an early stop), early stopping's other options, ``self.log``'s keywords,
+logged test metrics.
 
 As in ``test_parity.py``: each test trains the same tiny seeded model with ``pytorch_lightning.Trainer`` and with
 its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user relies on, ``..._differs_as_documented``
