@@ -136,6 +136,31 @@ class Hooks:
         return any(self.bound[name] for name in names)
 
 
+# Lightning's self.log options other than those safeloop's self.log does anyway (prog_bar: the progress line shows
+# every logged value; logger=True), and what safeloop does instead
+LOG_OPTIONS = {
+    **dict.fromkeys(("on_step", "on_epoch"), "from training_step or a hook the value is written every log_every "
+                    "steps (Lightning's on_step); from validation_step or test_step it is the pass's mean over the "
+                    "samples (Lightning's on_epoch). For a training value's mean over a pass, add it up yourself and "
+                    "self.log it in on_epoch_end"),
+    "sync_dist": "a validation or test value is the mean over every rank's samples already; a training value is "
+                 "rank zero's (all_reduce it yourself first for the ranks' mean)",
+    "batch_size": "a validation value's mean counts the samples by the batch's first tensor; for another count, "
+                  "return (losses, n) from validation_step",
+    "logger": "every logged value is written to the loggers: leave this one out of self.log",
+}
+
+
+def check_log_options(options: Mapping[str, object]) -> None:
+    """Lightning's ``self.log(name, value, **options)``: ``prog_bar`` and ``logger=True`` are taken (safeloop does
+    that anyway); any other option is a ``ConfigError`` saying what safeloop does instead, rather than a TypeError."""
+    problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
+                + LOG_OPTIONS.get(key, "it has no such option") for key, value in options.items()
+                if key != "prog_bar" and not (key == "logger" and value is True)]
+    if problems:
+        raise ConfigError(problems)
+
+
 MODES = ("min", "max")
 
 

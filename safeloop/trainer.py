@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
-from .callbacks import Callback, Hooks, check_monitor
+from .callbacks import Callback, Hooks, check_log_options, check_monitor
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
@@ -55,12 +55,12 @@ class Trainer:
     ``{name: optimizer}``, each loss key names the optimizer whose parameters receive its gradient.
     ``automatic = False``: ``training_step`` calls ``self.backward(loss, optimizer=name)`` and ``self.step(name)``.
 
-    Hooks, in firing order (override them here, on the instance, or in ``callbacks``): ``on_fit_start``;
-    per step ``on_step_start``, per loss ``on_before_backward`` and ``on_after_backward``, per optimizer
-    ``on_before_optimizer_step``, then ``on_step_end``; ``on_epoch_start`` / ``on_epoch_end`` around each pass
-    over ``train_data`` (once per pass, also across a resume); ``on_validation_end``; ``on_fit_end``.
-    ``on_load_checkpoint`` when resuming (before ``on_fit_start``), ``on_save_checkpoint`` at each save: put
-    what you need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
+    Hooks, in firing order (override them here, on the instance, or in ``callbacks``): ``on_fit_start``; per step
+    ``on_step_start``, per loss ``on_before_backward`` and ``on_after_backward``, per optimizer
+    ``on_before_optimizer_step``, then ``on_step_end``; ``on_epoch_start`` / ``on_epoch_end`` around each pass over
+    ``train_data`` (once per pass, also across a resume); ``on_validation_end``; ``on_fit_end``.
+    ``on_load_checkpoint`` when resuming (before ``on_fit_start``), ``on_save_checkpoint`` at each save: put what you
+    need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
 
     Args:
         model: the ``nn.Module`` to train (moved to ``device``).
@@ -175,10 +175,10 @@ class Trainer:
     def on_save_checkpoint(self, checkpoint: dict) -> None: ...
     def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
-    def log(self, name: str, value: torch.Tensor | float) -> None:
-        """Log a metric (Lightning's ``self.log``) from ``training_step`` or a hook: written with the losses every
-        ``log_every`` steps to the loggers and the progress line (a tensor detached, read then: ``self.logged``). From
-        ``validation_step`` / ``test_step``: its mean over the samples, one of the pass's metrics, named as given."""
+    def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
+        """Log a metric (Lightning's ``self.log``): from ``training_step`` or a hook, written every ``log_every`` steps;
+        from ``validation_step`` / ``test_step``, its mean over the samples. Lightning's ``prog_bar`` is taken."""
+        check_log_options(lightning)
         self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
 
     # -- manual mode -------------------------------------------------------------------------

@@ -209,3 +209,45 @@ def test_a_full_disk_while_logging_is_an_error_naming_metrics_csv_and_what_to_do
                                                       "Free some space")):
         trainer.fit()
 
+
+
+def test_lightnings_self_log_options_are_taken_where_safeloop_does_the_same_and_refused_naming_its_way_otherwise():
+    """``prog_bar`` and ``logger=True`` change nothing (every value reaches the loggers and the progress line);
+    ``on_step``, ``on_epoch``, ``sync_dist`` and ``batch_size`` would mean something safeloop does not do: refused at
+    the first step, before any update, each with what safeloop does."""
+    class Logs(safeloop.Trainer):
+        options: dict = {}
+
+        def training_step(self, batch):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.log("train_loss", loss, **self.options)
+            return loss
+
+    def fit(**options):
+        torch.manual_seed(0)
+        given, model = Rows(), torch.nn.Linear(3, 1)
+        trainer = type("L", (Logs,), {"options": options})(
+            model=model, train_data=[(torch.ones(2, 3), torch.ones(2, 1))] * 2, max_steps=2, log_every=1,
+            loggers=[given], optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", progress=False)
+        trainer.fit()
+        return [value for _, metric, value in given.rows if metric == "train_loss"]
+
+    assert fit(prog_bar=True, logger=True) == fit()
+    with pytest.raises(ConfigError) as caught:
+        fit(on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
+    assert caught.value.problems == [
+        "self.log(..., on_step=True): safeloop's self.log(name, value) takes no on_step: from training_step or a hook "
+        "the value is written every log_every steps (Lightning's on_step); from validation_step or test_step it is "
+        "the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it up "
+        "yourself and self.log it in on_epoch_end",
+        "self.log(..., on_epoch=True): safeloop's self.log(name, value) takes no on_epoch: from training_step or a "
+        "hook the value is written every log_every steps (Lightning's on_step); from validation_step or test_step it "
+        "is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it "
+        "up yourself and self.log it in on_epoch_end",
+        "self.log(..., sync_dist=True): safeloop's self.log(name, value) takes no sync_dist: a validation or test "
+        "value is the mean over every rank's samples already; a training value is rank zero's (all_reduce it "
+        "yourself first for the ranks' mean)"]
+    with pytest.raises(ConfigError, match=re.escape("self.log(..., reduce_fx='max'): safeloop's self.log(name, value) "
+                                                    "takes no reduce_fx: it has no such option")):
+        fit(reduce_fx="max")
