@@ -65,12 +65,22 @@ LIGHTNING_NAMES = {
     **dict.fromkeys(("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
                      "on_validation_batch_end"),
                     "validation_step(batch) runs on each batch, on_validation_end(metrics) after the pass"),
-    **dict.fromkeys(("on_validation_model_eval", "on_validation_model_train"),
-                    "the Trainer puts every module in eval mode to validate, and back after"),
-    **dict.fromkeys(("on_test_start", "on_test_epoch_end", "on_test_end", "on_predict_start", "on_predict_batch_end",
-                     "on_predict_end"),
+    **dict.fromkeys(("on_validation_model_eval", "on_validation_model_train", "on_test_model_eval",
+                     "on_test_model_train", "on_predict_model_eval"),
+                    "the Trainer puts every module in eval mode to validate, test or predict, and back after"),
+    "on_validation_model_zero_grad": "validation runs under torch.no_grad() and leaves the gradients as they are",
+    **dict.fromkeys(("on_test_start", "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end",
+                     "on_test_epoch_end", "on_test_end", "on_predict_start", "on_predict_epoch_start",
+                     "on_predict_batch_start", "on_predict_batch_end", "on_predict_epoch_end", "on_predict_end"),
                     "trainer.test(data) returns the metrics and trainer.predict(data) the predictions: use them after "
                     "the call"),
+    **dict.fromkeys(("on_sanity_check_start", "on_sanity_check_end"),
+                    "there is no sanity check: the validation before the first step checks the monitored metrics; "
+                    "use on_validation_end(metrics)"),
+    "on_exception": "a failed fit() raises its error, after the step is undone and the run's files closed: catch "
+                    "it around trainer.fit()",
+    "load_state_dict": "keep a callback's state with on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)",
+    "configure_sharded_model": "build the model before making the Trainer (to shard it: configure_sharding)",
 }
 
 

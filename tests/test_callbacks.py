@@ -201,3 +201,19 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         "  - Counting.state_dict is Lightning's name, which safeloop never calls: keep a callback's state with "
         "on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)"]
     assert trainer.state.step == 0
+
+
+def test_a_callbacks_on_exception_is_a_config_error_saying_that_fit_raises():
+    """Lightning calls a callback's ``on_exception`` when fit fails; safeloop never would: said before any step."""
+    class Alerting(Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            pass
+
+    trainer = Trainer(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), callbacks=[Alerting()], device="cpu",
+                      progress=False, loggers=())
+    with pytest.raises(ConfigError, match=re.escape(
+            "Alerting.on_exception is Lightning's name, which safeloop never calls: a failed fit() raises its error, "
+            "after the step is undone and the run's files closed: catch it around trainer.fit()")):
+        trainer.fit()
+    assert trainer.state.step == 0

@@ -943,3 +943,14 @@ def test_checkpoints_every_n_updates_under_accumulation_match(tmp_path):
         theirs = torch.load(tmp_path / "lit" / f"step={step}.ckpt", weights_only=False)["state_dict"]
         ours = torch.load(tmp_path / "sl" / f"step-{step:09d}.pt", weights_only=True)["modules"]["model"]
         assert all(torch.equal(theirs[f"model.{name}"], value) for name, value in ours.items())
+
+
+def test_every_hook_of_lightnings_callback_is_a_safeloop_hook_or_refused_naming_safeloops_way():
+    """A port's callback may define any of Lightning's ``Callback`` hooks: each is one safeloop calls, or a
+    ConfigError naming what does its work here; none is silently never called."""
+    import inspect
+
+    from safeloop.callbacks import HOOKS, LIGHTNING_NAMES
+    names = [n for n, _ in inspect.getmembers(pl.Callback, inspect.isfunction) if not n.startswith("_")]
+    assert len(names) > 30
+    assert [n for n in names if n not in HOOKS and n not in LIGHTNING_NAMES] == []
