@@ -14,6 +14,7 @@ import zipfile
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import DictConfig
@@ -613,6 +614,44 @@ def test_a_module_kept_on_the_trainer_that_training_changed_and_no_checkpoint_ho
         held = type("HeldByModules", (KeptOnTheTrainer,), {"modules": lambda self: {"model": self.model,
                                                                                      "ema": self.ema}})
         make(tmp_path / "c", 7, cls=held).fit()
+
+
+class Shuffled:
+    """An iterable of its own that shuffles at each ``iter`` with ``draw``: Python's ``random``, NumPy's or torch's."""
+
+    def __init__(self, draw):
+        gen = torch.Generator().manual_seed(0)
+        self.x, self.y, self.draw = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen), draw
+
+    def __iter__(self):
+        order = self.draw()
+        for i in range(0, 8, 2):
+            yield self.x[order[i:i + 2]], self.y[order[i:i + 2]]
+
+
+def python_shuffle():
+    order = list(range(8))
+    random.shuffle(order)
+    return order
+
+
+@pytest.mark.parametrize("draw", [python_shuffle, lambda: np.random.permutation(8), lambda: torch.randperm(8)],
+                         ids=["random", "numpy", "torch"])
+def test_an_iterable_shuffling_with_any_global_rng_resumes_mid_epoch_as_a_run_that_never_stopped(tmp_path, draw):
+    """The interrupted epoch is drawn again from every global RNG state it started with: Python's and NumPy's too."""
+    def run(directory, steps, resume=None):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        trainer = Trainer(model=torch.nn.Linear(4, 1), train_data=Shuffled(draw), max_steps=steps, device="cpu",
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=(),
+                          checkpoint={"dir": str(tmp_path / directory)}, resume=resume)
+        trainer.fit()
+        return trainer.model
+
+    straight = run("a", 8)
+    run("b", 2)  # mid-way through the first pass of 4 steps
+    assert all(torch.equal(a, b) for a, b in zip(run("b", 8, resume="auto").parameters(), straight.parameters()))
 
 
 class Note:

@@ -51,9 +51,10 @@ def _generators(data: Iterable) -> list[torch.Generator]:
 
 
 def epoch_start(data: Iterable) -> dict:
-    """The RNG states an epoch of ``data`` is about to draw its order from. A shuffling sampler
-    without a generator of its own seeds itself from the global torch RNG, so that is kept too."""
-    return {"generators": [g.get_state() for g in _generators(data)], "torch": torch.get_rng_state()}
+    """The RNG states an epoch of ``data`` is about to draw its order from: its own generators, and the global
+    ones (``rng_state``): a shuffling sampler without a generator seeds itself from torch's, and an iterable of
+    your own may draw from Python's ``random`` or NumPy's (a shuffle, a window length)."""
+    return {"generators": [g.get_state() for g in _generators(data)], **rng_state()}
 
 
 def set_generators(data: Iterable, states: dict) -> bool:
@@ -70,7 +71,8 @@ def set_generators(data: Iterable, states: dict) -> bool:
 def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
     """An iterator over the interrupted epoch of ``data``, past its first ``consumed`` batches.
 
-    The epoch's order is re-drawn from the RNG states it started with (``start``); the
+    The epoch's order is re-drawn from the RNG states it started with (``start``: its generators and the global
+    torch, Python and NumPy ones); the
     consumed batches are loaded and dropped (the only way to get past them for any
     iterable), and the global RNG states are put back afterwards, so the next step draws
     exactly what it would have drawn without the interruption. A list or tuple draws nothing:
@@ -83,7 +85,10 @@ def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
         if not set_generators(data, start):
             log.warning("resume: the data loader has %d generators, the checkpoint %d; the interrupted epoch "
                         "continues in a different order", len(_generators(data)), len(start["generators"]))
-        torch.set_rng_state(start["torch"])
+        if "python" in start:
+            set_rng_state(start)
+        else:  # a checkpoint of an earlier safeloop kept torch's alone
+            torch.set_rng_state(start["torch"])
     it = iter(data)
     for _ in range(consumed):
         if next(it, _END) is _END:

@@ -4,22 +4,16 @@
 Where a port keeps state on the Trainer, it saves it as docs/checkpoints.md says (``on_save_checkpoint`` /
 ``on_load_checkpoint``). JEM's replay buffer and labelled stream, and CycleGAN's image pools (made in
 ``on_fit_start``, which runs after ``on_load_checkpoint``), saved so, resume bit-identical, as timm's Lookahead does
-with nothing saved by hand. AWD-LSTM's hidden state and DINO's iteration counter are saved so too, yet those runs
-fail for the causes below. The cases that fail today are strict xfails naming the cause in safeloop:
+with nothing saved by hand; so does AWD-LSTM (its hidden state saved so), whose data iterable draws its window
+lengths from NumPy's global generator: the interrupted epoch is re-drawn from every global RNG state it started
+with. DINO's iteration counter is saved so too, yet that run fails for a cause below. The cases that fail today are strict xfails naming the cause in safeloop:
 
 - davda54/sam's ``SAM``: its ``state_dict()`` holds its own state (``old_p``) only; the base SGD's momentum lives
   in ``base_optimizer.state`` and is not saved, so the resumed run starts it from zero
   (``safeloop.checkpoint.contents.collect`` saves ``opt.state_dict()`` of the optimizers it is given);
-- salesforce/awd-lstm-lm's window lengths, drawn from NumPy's global generator by the data iterable: the
-  interrupted epoch is fast-forwarded from the epoch's torch RNG state only, so the consumed windows are drawn
-  again with other lengths and the resumed run reads the text from another position
-  (``safeloop.checkpoint.position.epoch_start`` / ``fast_forward``);
 - facebookresearch/dino's learning rate and weight decay, assigned from NumPy arrays (``cosine_scheduler``): the
   save pickles the ``numpy.float64`` in the optimizer's ``param_groups``, and the resume refuses the file as
   "corrupt or ... not written by safeloop" (``collect`` checks only what the hooks add with ``check_plain``);
-- AWD-LSTM as ported (its hidden state not saved) resumed mid-pass: a bare ``AttributeError`` in a ``StepError``,
-  without a word that ``on_epoch_start``, which sets it, is not called again within a pass
-  (``safeloop.step.runner.Runner.abandoned``);
 - JEM as ported: its replay buffer, a plain tensor on the Trainer written in place every step, is lost on resume
   without a warning (``safeloop.checkpoint.contents.warn_unsaved`` names modules only).
 """
@@ -30,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from safeloop import CheckpointError, ConfigWarning, StepError
+from safeloop import CheckpointError, ConfigWarning
 
 from . import test_awd_lstm as awd, test_dino as dino, test_gans as gans, test_jem as jem, test_sam as sam
 from . import test_timm_lookahead as la
@@ -79,10 +73,6 @@ class AWDTrainer(awd.AWDTrainer):
         self.hidden = checkpoint["awd"]["hidden"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the interrupted epoch is re-drawn from its start's torch RNG state only: Windows' "
-                          "NumPy draws of seq_len are replayed from the checkpoint's NumPy state, so the resumed "
-                          "run's windows start elsewhere in the text")
 @pytest.mark.filterwarnings("error")
 def test_awd_lstm_resumed_mid_epoch_reads_the_same_windows(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, awd.make_model, AWDTrainer,
@@ -90,16 +80,6 @@ def test_awd_lstm_resumed_mid_epoch_reads_the_same_windows(tmp_path):
                                              optimizer=awd.make_optimizer, grad_clip=awd.args.clip)
     assert_same(resumed.model, straight.model)
 
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the error is the bare AttributeError ('AWDTrainer' object has no attribute 'hidden'), "
-                          "not saying that the run resumed mid-pass, where on_epoch_start (which sets it) is not "
-                          "called again; facebookresearch/mae's port (data_iter_step) fails the same way")
-def test_awd_lstm_as_ported_resumed_mid_epoch_is_told_why_its_hidden_state_is_missing(tmp_path):
-    with pytest.raises(StepError, match="on_epoch_start"):
-        straight_and_resumed(tmp_path, awd.make_model, awd.AWDTrainer, lambda model: awd.Windows(awd.corpus(model)),
-                             awd.steps(), 1, optimizer=awd.make_optimizer, grad_clip=awd.args.clip)
 
 
 # -- facebookresearch/dino --------------------------------------------------------------------------------------
