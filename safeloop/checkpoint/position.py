@@ -53,7 +53,10 @@ def _generators(data: Iterable) -> list[torch.Generator]:
 def epoch_start(data: Iterable) -> dict:
     """The RNG states an epoch of ``data`` is about to draw its order from: its own generators, and the global
     ones (``rng_state``): a shuffling sampler without a generator seeds itself from torch's, and an iterable of
-    your own may draw from Python's ``random`` or NumPy's (a shuffle, a window length)."""
+    your own may draw from Python's ``random`` or NumPy's (a shuffle, a window length). A list or tuple draws
+    nothing: none."""
+    if isinstance(data, (list, tuple)):
+        return {"generators": []}
     return {"generators": [g.get_state() for g in _generators(data)], **rng_state()}
 
 
@@ -87,7 +90,7 @@ def fast_forward(data: Iterable, start: dict | None, consumed: int) -> Iterator:
                         "continues in a different order", len(_generators(data)), len(start["generators"]))
         if "python" in start:
             set_rng_state(start)
-        else:  # a checkpoint of an earlier safeloop kept torch's alone
+        elif "torch" in start:  # a checkpoint of an earlier safeloop kept torch's alone
             torch.set_rng_state(start["torch"])
     it = iter(data)
     for _ in range(consumed):
