@@ -578,23 +578,27 @@ def test_tensors_an_optimizer_trains_outside_the_modules_are_saved_and_resumed(t
 
 
 class KeptOnTheTrainer(Trainer):
-    """An EMA copy (updated every step) and a frozen teacher (never changed) kept on the Trainer, neither in
-    ``modules()``; ``save_ema``: the EMA's state saved by ``on_save_checkpoint``."""
+    """An EMA copy (updated every step), a frozen teacher (never changed), a queue (a tensor written in place) and the
+    last loss (replaced every step) kept on the Trainer, none in ``modules()``; ``save_ema``: the EMA's state and the
+    queue saved by ``on_save_checkpoint``."""
 
     save_ema = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ema, self.teacher = copy.deepcopy(self.model), copy.deepcopy(self.model).requires_grad_(False)
+        self.queue, self.last = torch.zeros(3), None  # a queue written in place; the last output, replaced
 
     def on_step_end(self, losses):
         with torch.no_grad():
             for average, p in zip(self.ema.parameters(), self.model.parameters()):
                 average.lerp_(p, 0.1)
+        self.queue.add_(1.0)
+        self.last = losses["loss"].detach()
 
     def on_save_checkpoint(self, checkpoint):
         if self.save_ema:
-            checkpoint["ema"] = self.ema.state_dict()
+            checkpoint["ema"], checkpoint["queue"] = self.ema.state_dict(), self.queue
 
 
 def test_a_module_kept_on_the_trainer_that_training_changed_and_no_checkpoint_holds_is_named(tmp_path):
@@ -605,14 +609,18 @@ def test_a_module_kept_on_the_trainer_that_training_changed_and_no_checkpoint_ho
     assert [str(w.message) for w in caught] == [
         "trainer.ema (Sequential) changed during this fit, and checkpoints do not hold it: a run resumed from one "
         "would start it from its first values. Return it from modules() ({**super().modules(), 'ema': self.ema}), or "
-        "save its state_dict() in on_save_checkpoint"]
+        "save its state_dict() in on_save_checkpoint",
+        "trainer.queue (Tensor) changed during this fit, and checkpoints do not hold it: a run resumed from one "
+        "would start it from its first values. Save it in on_save_checkpoint (checkpoint['queue'] = self.queue) and "
+        "put it back in on_load_checkpoint"]
     assert caught[0].filename == __file__  # at the user's line: fit()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         saved = type("SavesIt", (KeptOnTheTrainer,), {"save_ema": True})
         make(tmp_path / "b", 7, cls=saved).fit()
-        held = type("HeldByModules", (KeptOnTheTrainer,), {"modules": lambda self: {"model": self.model,
-                                                                                     "ema": self.ema}})
+        held = type("HeldByModules", (KeptOnTheTrainer,), {
+            "modules": lambda self: {"model": self.model, "ema": self.ema},
+            "on_save_checkpoint": lambda self, checkpoint: checkpoint.update(queue=self.queue)})
         make(tmp_path / "c", 7, cls=held).fit()
 
 

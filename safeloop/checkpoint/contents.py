@@ -74,9 +74,12 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "format": FORMAT,
         "step": parts.state.step,
         "modules": {name: full(module.state_dict()) for name, module in parts.modules.items()},
-        "optimizers": {name: full(opt.state_dict()) for name, opt in parts.optimizers.items()},
+        "optimizers": {name: numbers(full(opt.state_dict())) for name, opt in parts.optimizers.items()},
+        "inner_optimizers": {name: {attr: numbers(full(inner.state_dict()))
+                                    for attr, inner in inner_optimizers(opt).items()}
+                             for name, opt in parts.optimizers.items()},
         "optimizer_classes": optimizer_classes(parts.optimizers),
-        "schedulers": {name: sched.state_dict() for name, sched in parts.schedulers.items()},
+        "schedulers": {name: numbers(sched.state_dict()) for name, sched in parts.schedulers.items()},
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "state": parts.state.state_dict(),
         "rng": position.rng_state(),
@@ -91,30 +94,69 @@ def collect(parts: Parts, config: dict | None) -> dict:
     return checkpoint
 
 
+def numbers(state: dict) -> dict:
+    """``state`` with NumPy scalars as Python numbers: ``param_group["lr"] = schedule[it]`` (DINO's schedules are
+    NumPy arrays) puts a ``numpy.float64`` in an optimizer's state, which ``torch.load(weights_only=True)`` refuses."""
+    return state if position.np is None else apply_to_collection(state, position.np.generic, lambda x: x.item())
+
+
+def inner_optimizers(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers ``optimizer`` wraps, by attribute (SAM's ``base_optimizer``, Lookahead's): a wrapper's
+    ``state_dict()`` may leave their state out (SAM's holds its own ``old_p`` only, not the base SGD's momentum), so
+    checkpoints keep theirs too, as the undo snapshots them."""
+    return {attr: inner for attr, inner in vars(optimizer).items()
+            if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer}
+
+
+def wrapped(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict) -> tuple[dict, dict]:
+    """The inner optimizers of ``optimizers`` that ``checkpoint`` holds a state for, and those states, each named
+    ``optimizer.attribute`` (none in a checkpoint of an earlier safeloop)."""
+    saved, inner, states = checkpoint.get("inner_optimizers", {}), {}, {}
+    for name, wrapper in optimizers.items():
+        for attr, opt in inner_optimizers(wrapper).items():
+            if attr in saved.get(name, {}):
+                inner[f"{name}.{attr}"], states[f"{name}.{attr}"] = opt, saved[name][attr]
+    return inner, states
+
+
 def versions(attributes: dict[str, Any]) -> dict[int, int]:
-    """The version counter of each tensor of the modules among ``attributes`` (a Trainer's), by ``id``."""
-    return {id(t): t._version for m in attributes.values() if isinstance(m, torch.nn.Module)
-            for t in (*m.parameters(), *m.buffers())}
+    """The version counter of each tensor ``kept`` among ``attributes`` (a Trainer's), by ``id``."""
+    return {id(t): t._version for value in attributes.values() for t in kept(value)}
+
+
+def kept(value: Any) -> list[torch.Tensor]:
+    """The tensors a Trainer's attribute holds: a module's parameters and buffers, a tensor, or those of the modules
+    and tensors in a list, tuple or dict (guided diffusion's list of EMA parameters)."""
+    if isinstance(value, torch.nn.Module):
+        return [*value.parameters(), *value.buffers()]
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if type(value) is dict else value if type(value) in (list, tuple) else ()
+    return [t for item in items if isinstance(item, (torch.nn.Module, torch.Tensor)) for t in kept(item)]
 
 
 def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int, int] | None) -> None:
-    """A ``ConfigWarning`` for each module among ``attributes`` (a Trainer's: an EMA copy, a target network)
-    that changed since ``before`` (``versions`` at the fit's start) and none of whose tensors ``checkpoint`` holds:
-    a run resumed from it would start that module from its first values (Lightning saves every submodule).
-    Nothing before a fit's first step (``before`` None)."""
+    """A ``ConfigWarning`` for each of ``attributes`` (a Trainer's) that changed during the fit and none of whose
+    tensors ``checkpoint`` holds: a run resumed from it would start it from its first values (Lightning saves every
+    submodule). Changed: a module made since ``before`` (``versions`` at the fit's first step) or written since (an
+    EMA copy, a target network; not a frozen teacher), a tensor, or a list or dict of them, written in place since
+    (JEM's replay buffer), not one replaced (an output kept for logging). Nothing before a fit (``before`` None)."""
     if before is None:
         return
     held: set[int | None] = set()
     apply_to_collection(checkpoint, torch.Tensor, lambda t: held.add(_storage(t)))
-    for name, module in attributes.items():
-        tensors = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-        if not any(before.get(id(t)) != t._version for t in tensors) or any(fsdp.local(t) is not t for t in tensors):
-            continue  # unchanged (a frozen teacher), or sharded (a checkpoint holds its gathered copy)
-        if not any(_storage(t) in held for t in tensors):
-            warnings.warn(f"trainer.{name} ({type(module).__name__}) changed during this fit, and checkpoints do not "
-                          "hold it: a run resumed from one would start it from its first values. Return it from "
-                          f"modules() ({{**super().modules(), {name!r}: self.{name}}}), or save its state_dict() in "
-                          "on_save_checkpoint", ConfigWarning, stacklevel=user_stacklevel())
+    for name, value in attributes.items():
+        tensors, module = kept(value), isinstance(value, torch.nn.Module)
+        changed = any(before[id(t)] != t._version if id(t) in before else module for t in tensors)
+        if not changed or any(fsdp.local(t) is not t for t in tensors) or any(_storage(t) in held for t in tensors):
+            continue  # unchanged, sharded (a checkpoint holds its gathered copy), or saved
+        fix = (f"Return it from modules() ({{**super().modules(), {name!r}: self.{name}}}), or save its state_dict() "
+               "in on_save_checkpoint" if module else
+               f"Save it in on_save_checkpoint (checkpoint[{name!r}] = self.{name}) and put it back in "
+               "on_load_checkpoint")
+        warnings.warn(f"trainer.{name} ({type(value).__name__}) changed during this fit, and checkpoints do not hold "
+                      f"it: a run resumed from one would start it from its first values. {fix}", ConfigWarning,
+                      stacklevel=user_stacklevel())
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
@@ -137,6 +179,10 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     parts.data.load_state_dict(checkpoint["data"])
     load_modules(parts.modules, checkpoint)
     load_gradients(parts.parameters, gradients_for(checkpoint, dist))
+    # a wrapper's inner optimizers first: its own load_state_dict may link their param_groups to its (SAM's)
+    inner, states = wrapped(parts.optimizers, checkpoint)
+    load_named("optimizer", inner, {key: fsdp.optimizer_shards(inner[key], state) for key, state in states.items()},
+               path)
     load_optimizers(parts.optimizers, checkpoint, path)
     load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
     load_scaler(parts.scaler, checkpoint["scaler"])
@@ -167,6 +213,8 @@ def check_fits(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, 
     loaded: a checkpoint that does not fit leaves the modules, the optimizers and the rest as they were."""
     check_modules(modules, parameters, checkpoint, path)
     check_optimizers(optimizers, checkpoint, path, {id(p): name for name, p in parameters})
+    inner, saved = wrapped(optimizers, checkpoint)
+    check_optimizers(inner, {"optimizers": saved}, path, {id(p): name for name, p in parameters})
     check_names("scheduler", schedulers, checkpoint["schedulers"], path)
     check_schedulers(schedulers, checkpoint["schedulers"], path)
     check_scaler(scaler, checkpoint["scaler"], path)

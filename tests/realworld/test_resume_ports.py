@@ -2,20 +2,18 @@
 (``resume="auto"``), against the same port run straight through: every parameter and buffer bit for bit.
 
 Where a port keeps state on the Trainer, it saves it as docs/checkpoints.md says (``on_save_checkpoint`` /
-``on_load_checkpoint``). JEM's replay buffer and labelled stream, and CycleGAN's image pools (made in
-``on_fit_start``, which runs after ``on_load_checkpoint``), saved so, resume bit-identical, as timm's Lookahead does
-with nothing saved by hand; so does AWD-LSTM (its hidden state saved so), whose data iterable draws its window
-lengths from NumPy's global generator: the interrupted epoch is re-drawn from every global RNG state it started
-with. DINO's iteration counter is saved so too, yet that run fails for a cause below. The cases that fail today are strict xfails naming the cause in safeloop:
+``on_load_checkpoint``). JEM's replay buffer and labelled stream, CycleGAN's image pools (made in ``on_fit_start``,
+which runs after ``on_load_checkpoint``: put back there), AWD-LSTM's hidden state and DINO's iteration counter are
+saved so. Each resumes bit-identical, as timm's Lookahead and davda54/sam's ``SAM`` do with nothing saved by hand.
+What these cases showed, each fixed:
 
-- davda54/sam's ``SAM``: its ``state_dict()`` holds its own state (``old_p``) only; the base SGD's momentum lives
-  in ``base_optimizer.state`` and is not saved, so the resumed run starts it from zero
-  (``safeloop.checkpoint.contents.collect`` saves ``opt.state_dict()`` of the optimizers it is given);
-- facebookresearch/dino's learning rate and weight decay, assigned from NumPy arrays (``cosine_scheduler``): the
-  save pickles the ``numpy.float64`` in the optimizer's ``param_groups``, and the resume refuses the file as
-  "corrupt or ... not written by safeloop" (``collect`` checks only what the hooks add with ``check_plain``);
-- JEM as ported: its replay buffer, a plain tensor on the Trainer written in place every step, is lost on resume
-  without a warning (``safeloop.checkpoint.contents.warn_unsaved`` names modules only).
+- ``SAM.state_dict()`` leaves out its base SGD's momentum: checkpoints keep a wrapper's inner optimizers too;
+- AWD-LSTM's data iterable draws its window lengths from NumPy's global generator: the interrupted epoch is drawn
+  again from every global RNG state it started with, not torch's alone;
+- DINO assigns its learning rate and weight decay from NumPy arrays (``param_group["lr"] = lr_schedule[it]``): the
+  ``numpy.float64`` is saved as a Python number, where it made every checkpoint unloadable;
+- JEM as ported keeps its replay buffer, a plain tensor written in place every step, on the Trainer without saving
+  it: each save names it (``ConfigWarning``), as it names a module kept there.
 """
 import itertools
 import re
@@ -24,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from safeloop import CheckpointError, ConfigWarning
+from safeloop import ConfigWarning
 
 from . import test_awd_lstm as awd, test_dino as dino, test_gans as gans, test_jem as jem, test_sam as sam
 from . import test_timm_lookahead as la
@@ -50,10 +48,6 @@ def straight_and_resumed(tmp_path, make_model, trainer, data, steps, stop, **kwa
 
 
 # -- davda54/sam ----------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SAM.state_dict() does not hold base_optimizer.state (SGD's momentum_buffer), and "
-                          "checkpoints save only the optimizers' own state_dict(): the resumed run's momentum "
-                          "restarts from zero")
 @pytest.mark.filterwarnings("error")
 def test_sam_resumed_midway_keeps_the_base_optimizers_momentum(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, sam.make_net, sam.SAMTrainer, sam.cifar,
@@ -112,10 +106,6 @@ def dino_runs(tmp_path, trainer):
                                     dino.EPOCHS * dino.PER_EPOCH, 2, max_epochs=dino.EPOCHS)
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError,
-                   reason="param_group['lr'] = lr_schedule[it] puts a numpy.float64 in the optimizer's state; the "
-                          "save pickles it without a word and the resume refuses every such checkpoint as "
-                          "holding a pickled object ('corrupt or was not written by safeloop')")
 def test_dino_resumed_midway_with_its_numpy_schedules(tmp_path):
     straight, resumed = dino_runs(tmp_path, DINOTrainer)
     assert_same(resumed.model, straight.model)
@@ -150,9 +140,6 @@ def test_jem_resumed_with_its_replay_buffer_and_labelled_stream_saved_by_hand(tm
     assert torch.equal(resumed.replay_buffer, straight.replay_buffer)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="only modules kept on the Trainer are named when checkpoints miss them: the replay "
-                          "buffer, a plain tensor written in place every step, is lost on resume without a word")
 def test_jem_as_ported_is_warned_that_checkpoints_miss_its_replay_buffer(tmp_path):
     args = jem.make_args(None)
     torch.manual_seed(0)
