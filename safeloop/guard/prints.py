@@ -18,12 +18,26 @@ nothing while torch.compile traces, under ``torch.func`` transforms, or for tens
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from . import walk
+
+
+class Unsaved(OrderedDict):
+    """A module's forward hooks, the fingerprints' among them (``ours``: their ids): pickled (``torch.save(model)``,
+    ``copy.deepcopy``) as the plain ``OrderedDict`` of the others, as the module would pickle without the guard, so
+    that a saved model holds nothing of safeloop (a local function pickle cannot save, besides)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ours: set[int] = set()
+
+    def __reduce__(self):
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self.items() if k not in self.ours])
 
 
 class Prints:
@@ -49,7 +63,11 @@ class Prints:
         for root in modules:
             for module in _uncompiled(root):
                 if id(module) not in self._handles:
-                    self._handles[id(module)] = module.register_forward_hook(hook)
+                    if type(module._forward_hooks) is OrderedDict and not module._forward_hooks:
+                        module._forward_hooks = Unsaved()  # no hook of the module's own yet: nothing refers to it
+                    handle = self._handles[id(module)] = module.register_forward_hook(hook)
+                    if isinstance(module._forward_hooks, Unsaved):
+                        module._forward_hooks.ours.add(handle.id)
 
     def stop(self) -> None:
         for handle in self._handles.values():

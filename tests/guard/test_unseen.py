@@ -3,6 +3,8 @@ loop (``python -m safeloop.watch`` runs them in tests/watch/scripts): graphs kep
 kept for an epoch metric; a ``.grad`` that ``backward(create_graph=True)`` gave a graph) warn naming the holder,
 and a tensor an autograd Function keeps on its ``ctx`` and that is changed in place before backward stops the step.
 Each fix the message gives is applied as written: the fixed program is quiet, and trains as without the guard."""
+import copy
+import io
 import re
 import sys
 import warnings
@@ -522,3 +524,29 @@ def test_a_data_write_after_a_forward_the_loss_does_not_hold_is_no_mistake_under
     with quiet():
         checked = fit_critic(cls, "always", clip_after=True)
     assert all(torch.equal(a, b) for a, b in zip(checked, fit_critic(cls, "off", clip_after=True)))
+
+
+def save_whole_model_loop(guard_check: str | None) -> list[bytes]:
+    """pytorch/examples' word_language_model saves the whole module (``torch.save(model, f)``) inside its loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    saved = []
+    for x in torch.randn(3, 4, 3):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        saved.append(buffer.getvalue())
+    assert not copy.deepcopy(model)[0]._forward_hooks  # a copy holds none of the guard's hooks either
+    return saved
+
+
+def test_a_model_saved_whole_under_check_always_is_the_bytes_saved_without_the_guard():
+    """The fingerprints' forward hooks stay out of what the module pickles: a local function pickle cannot save, and
+    nothing of safeloop belongs in a user's file."""
+    with quiet():
+        assert save_whole_model_loop("always") == save_whole_model_loop(None)
