@@ -64,7 +64,9 @@ class Prints:
             for module in _uncompiled(root):
                 if id(module) not in self._handles:
                     if type(module._forward_hooks) is OrderedDict and not module._forward_hooks:
-                        module._forward_hooks = Unsaved()  # no hook of the module's own yet: nothing refers to it
+                        # torch's own attribute (set by name: not a name of safeloop's); no hook of the module's own
+                        # is in it yet, so no handle refers to the dict it replaces
+                        setattr(module, "_forward_hooks", Unsaved())
                     handle = self._handles[id(module)] = module.register_forward_hook(hook)
                     if isinstance(module._forward_hooks, Unsaved):
                         module._forward_hooks.ours.add(handle.id)
