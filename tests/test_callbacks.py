@@ -207,7 +207,7 @@ def test_a_callbacks_on_exception_is_a_config_error_saying_that_fit_raises():
     """Lightning calls a callback's ``on_exception`` when fit fails; safeloop never would: said before any step."""
     class Alerting(Callback):
         def on_exception(self, trainer, pl_module, exception):
-            pass
+            """Lightning's signature; a port would send an alert here."""
 
     trainer = Trainer(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), callbacks=[Alerting()], device="cpu",

@@ -250,7 +250,7 @@ class RestoringBeforeBackward(BinaryTrainer):
                 p.data.copy_(p.org)
 
     def on_before_optimizer_step(self, name, optimizer):
-        pass
+        """Nothing here: the real weights were copied back before backward (``on_before_backward``)."""
 
 
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice")
