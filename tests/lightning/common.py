@@ -141,3 +141,16 @@ class PortScored(Port):
     def validation_step(self, batch):
         loss = mse(self.model, batch)
         return {"loss": loss, "score": -loss}
+
+
+def saved_and_resumed(tmp_path, at: int, lit_run, port_run) -> tuple[dict, dict]:
+    """For each framework (``lit_run(**kwargs)``, ``port_run(**kwargs)``: a run, given these settings): a run that
+    never stopped (``whole``), one saved at step ``at`` with ``max_steps=at`` (``first``), and one resumed from that
+    file by a new Trainer (``resumed``)."""
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=at, save_top_k=-1,
+                                         filename="{step}")
+    lit = {"whole": lit_run(), "first": lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])}
+    lit["resumed"] = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
+    ours = {"whole": port_run(), "first": port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})}
+    ours["resumed"] = port_run(resume=str(tmp_path / "sl" / f"step-{at:09d}.pt"))
+    return lit, ours

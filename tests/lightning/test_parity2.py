@@ -21,7 +21,7 @@ pl = pytest.importorskip("pytorch_lightning")
 import safeloop  # noqa: E402
 
 from .common import (Lit, LitScored, Port, PortScored, adam, assert_same, close, dataset, lightning,  # noqa: E402
-                     loader, max_diff, mse, net, settings, sgd)
+                     loader, max_diff, mse, net, saved_and_resumed, settings, sgd)
 from .test_parity import (GAN, LitEarly, LitGAN, LitScaled, LitValidated, PortEarly, PortGAN,  # noqa: E402
                           PortScaled, PortValidated, d_loss_of, g_loss_of, gan_adam, ring)
 
@@ -164,13 +164,7 @@ def resumed_runs(tmp_path, at, shuffle=False, epochs=3):
         port.fit()
         return port
 
-    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=at, save_top_k=-1,
-                                         filename="{step}")
-    lit = {"whole": lit_run(), "first": lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])}
-    lit["resumed"] = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
-    ours = {"whole": port_run(), "first": port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})}
-    ours["resumed"] = port_run(resume=str(tmp_path / "sl" / f"step-{at:09d}.pt"))
-    return lit, ours
+    return saved_and_resumed(tmp_path, at, lit_run, port_run)
 
 
 def assert_resumed_as_whole(whole, resumed, at):

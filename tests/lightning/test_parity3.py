@@ -20,7 +20,7 @@ pl = pytest.importorskip("pytorch_lightning")
 import safeloop  # noqa: E402
 
 from .common import (Lit, Port, adam, assert_same, close, lightning, loader, max_diff, mse, net, settings,  # noqa: E402
-                     sgd)
+                     saved_and_resumed, sgd)
 from .test_parity2 import checkpointed_runs, lightning_files, safeloop_files  # noqa: E402
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
@@ -467,13 +467,7 @@ def accumulated_resumes(tmp_path, at, epochs=3):
         port.fit()
         return port
 
-    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=at, save_top_k=-1,
-                                         filename="{step}")
-    lit = {"whole": lit_run(), "first": lit_run(max_steps=at, enable_checkpointing=True, callbacks=[saver])}
-    lit["resumed"] = lit_run(ckpt_path=tmp_path / "lit" / f"step={at}.ckpt")
-    ours = {"whole": port_run(), "first": port_run(max_steps=at, checkpoint={"dir": str(tmp_path / "sl"), "every": at})}
-    ours["resumed"] = port_run(resume=str(tmp_path / "sl" / f"step-{at:09d}.pt"))
-    return lit, ours
+    return saved_and_resumed(tmp_path, at, lit_run, port_run)
 
 
 def test_resume_under_accumulation_at_a_pass_end_matches(tmp_path):
