@@ -19,7 +19,8 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from safeloop import Callback, CheckpointError, ConfigError, ConfigWarning, SafeloopError, Trainer, checkpoint
+from safeloop import (Callback, CheckpointError, ConfigError, ConfigWarning, SafeloopError, StepError, Trainer,
+                      checkpoint)
 from safeloop.checkpoint import FORMAT, Checkpointer, atomic_save, load
 from safeloop.config import compose, train
 from safeloop.recipes.gan import GAN, GANTrainer, ring
@@ -660,6 +661,35 @@ def test_an_iterable_shuffling_with_any_global_rng_resumes_mid_epoch_as_a_run_th
     straight = run("a", 8)
     run("b", 2)  # mid-way through the first pass of 4 steps
     assert all(torch.equal(a, b) for a, b in zip(run("b", 8, resume="auto").parameters(), straight.parameters()))
+
+
+class SetAtPassStart(Trainer):
+    """A scale set in ``on_epoch_start`` (as facebookresearch/mae's port sets its per-pass counter), not saved."""
+
+    def on_epoch_start(self):
+        self.scale = 1.0 + self.state.epoch
+
+    def training_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x) * self.scale, y)
+
+
+def test_an_attribute_set_at_a_pass_start_missing_after_a_resume_mid_pass_is_explained(tmp_path):
+    data = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(4)]
+
+    def make(steps, resume=None):
+        return SetAtPassStart(model=torch.nn.Linear(3, 1), train_data=data, max_steps=steps, device="cpu",
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=(),
+                              checkpoint={"dir": str(tmp_path)}, resume=resume)
+
+    make(2).fit()
+    with pytest.raises(StepError, match=re.escape(
+            "AttributeError: 'SetAtPassStart' object has no attribute 'scale'. This fit began 2 batches into pass 0 (a "
+            "resume mid-pass): on_epoch_start ran when the pass began, before the checkpoint, and not again; if it "
+            "sets `scale`, save it in on_save_checkpoint and put it back in on_load_checkpoint")):
+        make(8, resume="auto").fit()
+    make(4).fit()  # a new run of one whole pass: its checkpoint of step 4, now the newest, is at the pass's end
+    assert make(8, resume="auto").fit().step == 8  # resumed there, the next pass starts: on_epoch_start runs
 
 
 class Note:

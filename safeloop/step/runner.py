@@ -155,6 +155,7 @@ class Runner:
         # the mode-changing layers, if the fit began with every one in eval mode (after the first step: reported if
         # they still are; set to eval by the run's own code, a hook or training_step, they are taken as meant)
         self.left_in_eval = in_eval(c.model)
+        self.mid_pass: tuple[int, int] | None = None  # (pass, batches of it before this fit) if the fit began in one
         self.model_order = {id(p): i for i, (_, p) in enumerate(c.named_parameters())}  # grad_clip's order
         if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)
             for p in [*self.params, *(p for _, p in c.named_parameters())]:
@@ -168,6 +169,8 @@ class Runner:
         if self.dist is not None:
             self.dist.step = step  # named by its errors, whichever collective call fails
         timed = guard.begin_step(step)
+        if self.mid_pass is None:  # the fit's first step: did its pass begin before the fit (a resume mid-pass)?
+            self.mid_pass = (state.epoch, state.batch_in_epoch - len(batches))
         started = time.perf_counter()
         self.versions, self.began = [p._version for p in self.params], {}
         if guard.checking and not self.automatic:
@@ -566,9 +569,21 @@ class Runner:
         if explained is not None:
             explained.__cause__ = err
             return explained
-        wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}", step)
+        wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}"
+                            + self.missing_hint(err), step)
         wrapped.__cause__ = err
         return wrapped
+
+    def missing_hint(self, err: BaseException) -> str:
+        """For a Trainer attribute missing in the first pass of a fit that began mid-pass (a resume): the hook that
+        sets it at each pass's start did not run in this process."""
+        epoch, before = self.mid_pass or (None, 0)
+        trainer = getattr(self.config.training_step, "__self__", None)
+        if not (isinstance(err, AttributeError) and err.obj is trainer and before > 0 and epoch == self.state.epoch):
+            return ""
+        return (f". This fit began {before} batches into pass {epoch} (a resume mid-pass): on_epoch_start ran when the "
+                f"pass began, before the checkpoint, and not again; if it sets `{err.name}`, save it in "
+                "on_save_checkpoint and put it back in on_load_checkpoint")
 
     def left(self) -> str:
         """What abandoning the step now leaves as it was before the step, and what it does not."""
