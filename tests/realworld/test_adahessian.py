@@ -30,7 +30,8 @@ The port a Lightning user writes first, an automatic-mode Trainer overriding ``b
 ``create_graph=True`` (Lightning's ``LightningModule.backward`` hook), is not called: the Trainer's own backward
 runs, and AdaHessian fails inside its step with PyTorch's "element 0 of tensors does not require grad". Lightning's
 names safeloop never calls are a ``ConfigError`` at start-up; ``backward`` is not among them, as it is the name of
-manual mode's method.
+manual mode's method. Nor is ``setup``, which a port keeping Lightning's ``setup(self, stage)`` replaces: its
+``fit()`` fails with an ``AttributeError`` from inside the Trainer.
 """
 import math
 import warnings
@@ -442,6 +443,25 @@ def test_adahessian_resumed_midway_without_its_generator_is_the_same_or_says_so(
     named = [w for w in seen if issubclass(w.category, ConfigWarning) and "generator" in str(w.message)]
     if not named:
         assert_same(resumed.model, straight.model)
+
+
+class LightningSetupTrainer(AdaHessianTrainer):
+    """A port that also keeps Lightning's ``setup(self, stage)`` hook (here freezing nothing), as
+    ``LIGHTNING_NAMES`` has advice for: it replaces ``Trainer.setup`` itself."""
+
+    def setup(self, stage=None):
+        pass
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="Lightning's setup(stage) on a Trainer subclass replaces Trainer.setup: fit() fails with "
+                          "\"'NoneType' object has no attribute 'run'\"; the advice for setup is never given")
+def test_a_port_keeping_lightnings_setup_hook_is_refused_at_start_up():
+    torch.manual_seed(0)
+    trainer = LightningSetupTrainer(model=make_wrn(), train_data=cifar(), max_steps=1, device="cpu", progress=False,
+                                    loggers=())
+    with pytest.raises(ConfigError, match="setup"):
+        trainer.fit()
 
 
 # -- amirgholami/adahessian, image_classification/optim_adahessian.py ---------------------------------------------
