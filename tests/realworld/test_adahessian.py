@@ -1,7 +1,8 @@
 """AdaHessian: an optimizer whose ``step()`` differentiates the gradients themselves, so the backward before it
 must build their graph (``loss.backward(create_graph=True)``).
 
-- davda54/ada-hessian (5e1bebc21b64ff9c02f8c42e2b0afe9baac364d8): ``ada_hessian.py`` (``AdaHessian``, verbatim),
+- davda54/ada-hessian (5e1bebc21b64ff9c02f8c42e2b0afe9baac364d8): ``ada_hessian.py`` (``AdaHessian``, verbatim
+  but for its docstring's argument list, left out, and long lines wrapped),
   ``example/train.py`` (the loop: ``zero_grad``, forward, ``loss.mean().backward(create_graph=True)``, ``step``,
   then the ``StepLR`` of ``example/utility/step_lr.py`` called with the epoch under ``no_grad`` after every step),
   ``example/model/smooth_cross_entropy.py`` and ``example/model/wide_res_net.py`` (verbatim). Inside ``step()``,
@@ -11,15 +12,15 @@ must build their graph (``loss.backward(create_graph=True)``).
   (``p.mul_``, ``p.addcdiv_``) while ``p.grad`` still holds its graph, until the next ``zero_grad``.
 - amirgholami/adahessian (85ebc00ce873c8497a64ca80bbfa5d996109efea), the authors' code:
   ``image_classification/optim_adahessian.py`` (``Adahessian``, verbatim but for the distributed branch, which
-  needs ``single_gpu=False``) and ``image_classification/main.py`` (forward, ``backward(create_graph=True)``,
-  ``step``, then ``zero_grad``; a ``MultiStepLR`` stepped at each epoch's start). Its ``step()`` runs with grad
+  needs ``single_gpu=False``, and the docstrings shortened) and ``image_classification/main.py`` (forward,
+  ``backward(create_graph=True)``, ``step``, then ``zero_grad``; a ``MultiStepLR`` stepped at each epoch's start). Its ``step()`` runs with grad
   enabled, draws its Rademacher vectors from torch's global generator (``torch.randint_like``), calls
   ``autograd.grad(..., retain_graph=True)``, detaches each gradient in place (``grad.detach_()``) and replaces
   each parameter's data (``p.data = p.data - ...``).
 
 Changes for a seconds-long test: a Wide-ResNet of depth 4 and width 1 (16 and 8) on 2 CIFAR-sized images a batch,
-2 batches an epoch and 3 epochs (200); the second case a small MLP for the authors' ResNet; the logs, the
-evaluation and DataParallel left out.
+2 batches an epoch and 3 epochs (200); the second case a small MLP for the authors' ResNet, 3 epochs of 2 batches
+(160) with the decay at epoch 2 (80 and 120); the logs, the evaluation and DataParallel left out.
 
 The Trainer's backward takes no ``create_graph``, so the ports run in manual mode: the gradient with its graph
 taken by ``torch.autograd.grad(loss, params, create_graph=True)`` and assigned to ``p.grad`` (which writes the
@@ -32,6 +33,9 @@ runs, and AdaHessian fails inside its step with PyTorch's "element 0 of tensors 
 names safeloop never calls are a ``ConfigError`` at start-up; ``backward`` is not among them, as it is the name of
 manual mode's method. Nor is ``setup``, which a port keeping Lightning's ``setup(self, stage)`` replaces: its
 ``fit()`` fails with an ``AttributeError`` from inside the Trainer.
+
+Resumed midway, the port trains as the run that never stopped only when the optimizer's generator is saved by hand:
+it is an attribute of the optimizer, outside its ``state_dict()``, and no checkpoint entry or warning covers it.
 """
 import math
 import warnings
