@@ -13,10 +13,10 @@ must build their graph (``loss.backward(create_graph=True)``).
 - amirgholami/adahessian (85ebc00ce873c8497a64ca80bbfa5d996109efea), the authors' code:
   ``image_classification/optim_adahessian.py`` (``Adahessian``, verbatim but for the distributed branch, which
   needs ``single_gpu=False``, and the docstrings shortened) and ``image_classification/main.py`` (forward,
-  ``backward(create_graph=True)``, ``step``, then ``zero_grad``; a ``MultiStepLR`` stepped at each epoch's start). Its ``step()`` runs with grad
-  enabled, draws its Rademacher vectors from torch's global generator (``torch.randint_like``), calls
-  ``autograd.grad(..., retain_graph=True)``, detaches each gradient in place (``grad.detach_()``) and replaces
-  each parameter's data (``p.data = p.data - ...``).
+  ``backward(create_graph=True)``, ``step``, then ``zero_grad``; a ``MultiStepLR`` stepped at each epoch's start).
+  Its ``step()`` runs with grad enabled, draws its Rademacher vectors from torch's global generator
+  (``torch.randint_like``), calls ``autograd.grad(..., retain_graph=True)``, detaches each gradient in place
+  (``grad.detach_()``) and replaces each parameter's data (``p.data = p.data - ...``).
 
 Changes for a seconds-long test: a Wide-ResNet of depth 4 and width 1 (16 and 8) on 2 CIFAR-sized images a batch,
 2 batches an epoch and 3 epochs (200); the second case a small MLP for the authors' ResNet, 3 epochs of 2 batches
