@@ -20,7 +20,7 @@ must build their graph (``loss.backward(create_graph=True)``).
 
 Changes for a seconds-long test: a Wide-ResNet of depth 4 and width 1 (16 and 8) on 2 CIFAR-sized images a batch,
 2 batches an epoch and 3 epochs (200); the second case a small MLP for the authors' ResNet, 3 epochs of 2 batches
-(160) with the decay at epoch 2 (80 and 120); the logs, the evaluation and DataParallel left out.
+(160) with the decay at epoch 2 (80 and 120); the logs, the evaluation, the progress bar and DataParallel left out.
 
 The Trainer's backward takes no ``create_graph``, so the ports run in manual mode: the gradient with its graph
 taken by ``torch.autograd.grad(loss, params, create_graph=True)`` and assigned to ``p.grad`` (which writes the
@@ -615,12 +615,20 @@ def authors_hand(model, train_loader):
     optimizer = authors_optimizer(model)
     scheduler = lr_scheduler.MultiStepLR(optimizer, A_DECAY_EPOCHS, gamma=A_DECAY, last_epoch=-1)
     for epoch in range(1, A_EPOCHS + 1):
+        train_loss = 0.
+        total_num = 0
+        correct = 0
+
         scheduler.step()
         model.train()
         for batch_idx, (data, target) in enumerate(train_loader):
             output = model(data)
             loss = criterion(output, target)
             loss.backward(create_graph=True)
+            train_loss += loss.item() * target.size()[0]
+            total_num += target.size()[0]
+            _, predicted = output.max(1)
+            correct += predicted.eq(target).sum().item()
             optimizer.step()
             optimizer.zero_grad()
 
