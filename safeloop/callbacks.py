@@ -84,6 +84,28 @@ LIGHTNING_NAMES = {
 }
 
 
+# The Trainer's own methods that Lightning's hooks of the same name would replace: (when an override is Lightning's,
+# what to do instead)
+REPLACED = {
+    "setup": (lambda method, automatic: bool(inspect.signature(method).parameters),  # Lightning's setup(stage)
+              "Trainer.setup() places the model and builds the optimizers, and fit() calls it; Lightning's "
+              "setup(stage) would replace it: " + LIGHTNING_NAMES["setup"]),
+    "backward": (lambda method, automatic: automatic,
+                 "Trainer.backward is manual mode's self.backward(loss): in automatic mode the Trainer back-propagates "
+                 "each loss itself and never calls it. For backward(create_graph=True) (AdaHessian, a gradient "
+                 "penalty) set automatic = False and call self.backward(loss, create_graph=True)"),
+}
+
+
+def replaced(obj: object, base: type) -> list[str]:
+    """A problem for each of the Trainer's own methods (``REPLACED``) that ``obj``'s class overrides as Lightning's
+    hook of the same name."""
+    return [f"{type(obj).__name__}.{name} overrides the Trainer's own {name}: {advice}"
+            for name, (lightning, advice) in REPLACED.items()
+            if getattr(type(obj), name) is not getattr(base, name)
+            and lightning(getattr(obj, name), getattr(obj, "automatic", True))]
+
+
 def lightning_names(obj: object, base: type) -> list[str]:
     """A problem for each of Lightning's names (``LIGHTNING_NAMES``) that ``obj`` defines (on its class or itself)
     and ``base`` does not, and for each step method of ``base`` that ``obj`` gives Lightning's ``batch_idx``."""
@@ -123,11 +145,14 @@ class Hooks:
 
     def __init__(self, trainer, base: type):
         self.trainer, self.base = trainer, base
+        if replaced(trainer, base):  # here, before fit() calls an overridden setup
+            raise ConfigError(replaced(trainer, base))
         self.bound: dict[str, list[Callable]] = {name: [] for name in HOOKS}
 
     def bind(self, callbacks: list[Callback]) -> None:
         trainer = self.trainer
-        problems = lightning_names(trainer, self.base) + [p for cb in callbacks for p in lightning_names(cb, Callback)]
+        problems = replaced(trainer, self.base) + lightning_names(trainer, self.base)
+        problems += [p for cb in callbacks for p in lightning_names(cb, Callback)]
         if problems:
             raise ConfigError(problems)
         for name in HOOKS:

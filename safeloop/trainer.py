@@ -182,11 +182,11 @@ class Trainer:
         self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
 
     # -- manual mode -------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False) -> None:
-        """Manual mode: back-propagate ``loss`` into ``optimizer``'s parameters only (required with several
-        optimizers), through the guard. If an optimizer stepped earlier in this step and changed tensors
-        ``loss``'s graph saved, this raises ``InplaceModificationError`` naming it, and the step is undone."""
-        self._runner.backward(loss, optimizer, retain_graph)
+    def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,
+                 create_graph: bool = False) -> None:
+        """Manual mode: ``loss.backward(...)`` into ``optimizer``'s parameters only (required with several optimizers),
+        through the guard: a tensor its graph saved that an update changed is an ``InplaceModificationError``."""
+        self._runner.backward(loss, optimizer, retain_graph or create_graph, create_graph)
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does (sync, non-finite

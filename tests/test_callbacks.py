@@ -203,6 +203,45 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
     assert trainer.state.step == 0
 
 
+def test_lightnings_setup_and_backward_hooks_are_refused_where_they_would_replace_the_trainers_own():
+    """Lightning's ``setup(stage)`` and an automatic-mode ``backward(loss)`` hook share a name with the Trainer's
+    own methods: kept from a port, the first would replace the Trainer's set-up, the second never be called. Both
+    are refused when the Trainer is made; a ``setup()`` that extends the Trainer's, and manual mode's ``backward``
+    overridden, are not."""
+    kwargs = dict(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=())
+
+    class Port(Trainer):
+        def setup(self, stage):
+            pass
+
+        def backward(self, loss, *args, **kwargs):
+            loss.backward()
+
+    with pytest.raises(ConfigError) as caught:
+        Port(**kwargs)
+    assert [line.split(":")[0] for line in str(caught.value).splitlines()[1:]] == [
+        "  - Port.setup overrides the Trainer's own setup", "  - Port.backward overrides the Trainer's own backward"]
+
+    class Extending(Trainer):
+        automatic = False
+
+        def setup(self):
+            super().setup()
+            self.made = True
+
+        def backward(self, loss, optimizer=None, retain_graph=False, create_graph=False):
+            super().backward(loss * 2, optimizer, retain_graph, create_graph)
+
+        def training_step(self, batch):
+            self.backward(super().training_step(batch))
+            self.step()
+
+    trainer = Extending(**kwargs)
+    trainer.fit()
+    assert trainer.made and trainer.state.step == 1
+
+
 def test_a_callbacks_on_exception_is_a_config_error_saying_that_fit_raises():
     """Lightning calls a callback's ``on_exception`` when fit fails; safeloop never would: said before any step."""
     class Alerting(Callback):

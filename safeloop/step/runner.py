@@ -263,7 +263,8 @@ class Runner:
                 dist.flush(armed)
             self.hooks("on_after_backward", item.name)
 
-    def backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool,
+                 create_graph: bool = False) -> None:
         """Manual mode's ``self.backward``: one loss into one optimizer's parameters, through the guard."""
         if self.diagnosing:
             return
@@ -294,20 +295,20 @@ class Runner:
         if self.hooks.has("on_before_backward"):
             guard.check_written_again(name)
         self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
-                       route=optimizer if self.sharded and self.routed else None)
+                       route=optimizer if self.sharded and self.routed else None, create_graph=create_graph)
         guard.backward_done(retain_graph, inputs)
         if self.finite is not None:  # checked with the gradients at the next update
             self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.detach()
         self.hooks("on_after_backward", name)
 
     def _backward(self, loss: torch.Tensor, name: str, step: int, batch, retain: bool, inputs,
-                  original: torch.Tensor, route: str | None = None) -> None:
+                  original: torch.Tensor, route: str | None = None, create_graph: bool = False) -> None:
         """The one ``backward`` call; an autograd error comes back explained by the guard. ``route``: under
         FSDP2, the optimizer whose parameters alone keep the gradients (``inputs=`` reaches no shard)."""
         self.own = True
         try:
             with fsdp.only(self.optimizers, route) if route is not None else nullcontext():
-                loss.backward(retain_graph=retain, inputs=inputs)
+                loss.backward(retain_graph=retain, create_graph=create_graph, inputs=inputs)
         except RuntimeError as err:
             explained = self.guard.explain(err, name, original, step, self.scope, batch, list(self.stepped))
             if explained is None:

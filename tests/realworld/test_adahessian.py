@@ -22,17 +22,16 @@ Changes for a seconds-long test: a Wide-ResNet of depth 4 and width 1 (16 and 8)
 2 batches an epoch and 3 epochs (200); the second case a small MLP for the authors' ResNet, 3 epochs of 2 batches
 (160) with the decay at epoch 2 (80 and 120); the logs, the evaluation, the progress bar and DataParallel left out.
 
-The Trainer's backward takes no ``create_graph``, so the ports run in manual mode: the gradient with its graph
-taken by ``torch.autograd.grad(loss, params, create_graph=True)`` and assigned to ``p.grad`` (which writes the
-same values as the source's backward into ``None`` gradients), or the source's own
-``loss.backward(create_graph=True)`` inside ``training_step``; then ``self.step()``.
+The ports run in manual mode: ``self.backward(loss, create_graph=True)``, as Lightning's
+``manual_backward(loss, create_graph=True)``; the gradient with its graph taken by
+``torch.autograd.grad(loss, params, create_graph=True)`` and assigned to ``p.grad`` (which writes the same values as
+the source's backward into ``None`` gradients); or the source's own ``loss.backward(create_graph=True)`` inside
+``training_step``; then ``self.step()``.
 
-The port a Lightning user writes first, an automatic-mode Trainer overriding ``backward(self, loss, ...)`` to pass
-``create_graph=True`` (Lightning's ``LightningModule.backward`` hook), is not called: the Trainer's own backward
-runs, and AdaHessian fails inside its step with PyTorch's "element 0 of tensors does not require grad". Lightning's
-names safeloop never calls are a ``ConfigError`` at start-up; ``backward`` is not among them, as it is the name of
-manual mode's method. Nor is ``setup``, which a port keeping Lightning's ``setup(self, stage)`` replaces: its
-``fit()`` fails with an ``AttributeError`` from inside the Trainer.
+The port a Lightning user may write first, an automatic-mode Trainer overriding ``backward(self, loss, ...)`` to
+pass ``create_graph=True`` (Lightning's ``LightningModule.backward`` hook), would never be called: the Trainer
+back-propagates itself. It is a ``ConfigError`` at start-up saying to use manual mode, as is a port keeping
+Lightning's ``setup(self, stage)``, which would replace the Trainer's own ``setup``.
 
 Resumed midway, the port trains as the run that never stopped only when the optimizer's generator is saved by hand:
 it is an attribute of the optimizer, outside its ``state_dict()``, and no checkpoint entry or warning covers it.
@@ -47,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim import lr_scheduler
 
-from safeloop import ConfigError, ConfigWarning, StepError, Trainer
+from safeloop import ConfigError, ConfigWarning, Trainer
 
 from .harness import assert_same, checks, compare, fixed
 from .test_resume_ports import straight_and_resumed
@@ -382,7 +381,20 @@ class SourceBackwardTrainer(AdaHessianTrainer):
         return loss.mean()
 
 
-@pytest.mark.parametrize("port", [AdaHessianTrainer, SourceBackwardTrainer])
+class CreateGraphTrainer(AdaHessianTrainer):
+    """``self.backward(loss, create_graph=True)``, the Trainer's manual backward (Lightning's ``manual_backward``)."""
+
+    def training_step(self, batch):
+        inputs, labels = batch
+        loss = smooth_crossentropy(self.model(inputs), labels)
+        self.backward(loss.mean(), create_graph=True)
+        self.step()
+        with torch.no_grad():
+            self.scheduler(self.state.epoch)
+        return loss.mean()
+
+
+@pytest.mark.parametrize("port", [CreateGraphTrainer, AdaHessianTrainer, SourceBackwardTrainer])
 @pytest.mark.parametrize("check", checks())
 def test_adahessian_with_hessian_vector_products_inside_the_step(check, port):
     compare(make_wrn, davda54_hand, port, fixed(cifar()), check, steps=EPOCHS * PER_EPOCH)
@@ -408,15 +420,12 @@ class LightningStyleTrainer(Trainer):
             self.scheduler(self.state.epoch)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError,
-                   reason="an automatic-mode override of Lightning's backward hook is never called: the Trainer's "
-                          "backward runs without create_graph and AdaHessian's step fails in autograd.grad")
 def test_adahessian_with_lightnings_backward_override_is_refused_at_start_up():
-    torch.manual_seed(0)
-    trainer = LightningStyleTrainer(model=make_wrn(), train_data=cifar(), max_steps=2, device="cpu", progress=False,
-                                    loggers=())
-    with pytest.raises(ConfigError, match="backward"):
-        trainer.fit()
+    with pytest.raises(ConfigError, match=r"LightningStyleTrainer.backward overrides the Trainer's own backward: "
+                                          r"Trainer.backward is manual mode's self.backward\(loss\): in automatic mode"
+                                          r".*set automatic = False and call self.backward\(loss, create_graph=True\)"):
+        LightningStyleTrainer(model=make_wrn(), train_data=cifar(), max_steps=2, device="cpu", progress=False,
+                              loggers=())
 
 
 class SavedGeneratorTrainer(AdaHessianTrainer):
@@ -457,15 +466,12 @@ class LightningSetupTrainer(AdaHessianTrainer):
         pass
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="Lightning's setup(stage) on a Trainer subclass replaces Trainer.setup: fit() fails with "
-                          "\"'NoneType' object has no attribute 'run'\"; the advice for setup is never given")
 def test_a_port_keeping_lightnings_setup_hook_is_refused_at_start_up():
-    torch.manual_seed(0)
-    trainer = LightningSetupTrainer(model=make_wrn(), train_data=cifar(), max_steps=1, device="cpu", progress=False,
-                                    loggers=())
-    with pytest.raises(ConfigError, match="setup"):
-        trainer.fit()
+    with pytest.raises(ConfigError, match=r"LightningSetupTrainer.setup overrides the Trainer's own setup: "
+                                          r"Trainer.setup\(\) places the model.*Lightning's setup\(stage\) would "
+                                          r"replace it: change the model before fit\(\)"):
+        LightningSetupTrainer(model=make_wrn(), train_data=cifar(), max_steps=1, device="cpu", progress=False,
+                              loggers=())
 
 
 # -- amirgholami/adahessian, image_classification/optim_adahessian.py ---------------------------------------------
