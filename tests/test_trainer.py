@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import Callback, ConfigError, ConfigWarning, Trainer
+from safeloop import Callback, ConfigError, ConfigWarning, DoubleBackwardError, StepError, Trainer
 from safeloop.models import MLP
 from safeloop.recipes.gan import GAN, GANTrainer, ring
 
@@ -111,6 +111,43 @@ def test_gradient_accumulation_equals_one_big_batch():
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False).fit()
     for a, b in zip(big.parameters(), small.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("check", ["auto", "always"])
+@pytest.mark.parametrize("inside, error, match", [
+    ("attack", DoubleBackwardError, r"\(step 1, loss 'loss'\): gradients were changed inside training_step since the "
+                                    r"last micro-batch's backward \(under gradient accumulation"),
+    ("zero_in_place", DoubleBackwardError, r"a zero_grad\(set_to_none=False\) changes them too"),
+    ("zero_grad", StepError, r"step 1: under gradient accumulation, the gradients this update's earlier micro-batches "
+                             r"left \(`self.model.0.weight`, `self.model.0.bias`, `self.model.2.weight` and more\) "
+                             r"were cleared in training_step"),
+])
+def test_gradients_changed_in_training_step_between_micro_batches_of_one_update_stop_it(check, inside, error, match):
+    """Under grad_accum, what a later micro-batch's training_step does to the gradients the earlier ones left (a
+    backward of its own adds to them, a zero_grad() drops them) would change the update without a word: it is an
+    error before that micro-batch's backward, the parameters unchanged, as in a step's first micro-batch."""
+    class Port(Trainer):
+        def training_step(self, batch):
+            x, y = batch
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls % 2 == 0:  # the second micro-batch of each update
+                if inside == "attack":  # an input's gradient taken by a plain backward
+                    x = x.clone().requires_grad_()
+                    F.mse_loss(self.model(x), y).backward()
+                    x = (x + 0.1 * x.grad.sign()).detach()
+                else:
+                    self.model.zero_grad(set_to_none=inside == "zero_grad")
+            return F.mse_loss(self.model(x), y)
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Port(model=model, train_data=loader(dataset(32), batch=8, shuffle=False), grad_accum=2, max_steps=2,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=(),
+                   guard={"check": check})
+    with pytest.raises(error, match=match):
+        trainer.fit()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_gradients_never_leak_into_the_next_step():

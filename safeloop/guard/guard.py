@@ -40,6 +40,7 @@ from ..errors import (
     GraphSharingWarning,
     InplaceModificationError,
     NoGraphError,
+    StepError,
     UnusedGradientWarning,
     user_stacklevel,
 )
@@ -292,6 +293,7 @@ class Guard:
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
         first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None, updates: bool = True,
+        kept: list | None = None,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
@@ -300,7 +302,8 @@ class Guard:
         began, when an earlier step of it came before: a graph made since is the iteration's, not carried;
         ``inputs``: the ``backward(inputs=...)`` of one loss's backward, which runs only the nodes on paths
         to them, so only those can meet saved tensors an earlier backward freed; ``updates``: the backward writes
-        the ``.grad`` of the leaves it reaches, which ``torch.autograd.grad`` does not).
+        the ``.grad`` of the leaves it reaches, which ``torch.autograd.grad`` does not; ``kept``: under gradient
+        accumulation, the gradients the step's earlier micro-batches left (``accumulated``), which must be there still).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -312,27 +315,54 @@ class Guard:
                 raise self.no_graph(name, loss, step, scope, batch)
         # every step but under check=off: one look at each trained parameter's .grad (a backward of training_step's
         # own can start at any step, an adversarial attack's after a warm-up); after the walk on a checked step
-        look = first and scope is not None and self.check != "off" and not self.is_off("consumed")
+        look = (first or kept is not None) and scope is not None and self.check != "off" \
+            and not self.is_off("consumed")
         if not self.checking:
             if look:
-                self._check_no_grads(next(iter(losses)), step, scope)
+                self._check_grads(next(iter(losses)), step, scope, kept)
             return None
         t0 = time.perf_counter()
         try:
             retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None)
             if look:
-                self._check_no_grads(next(iter(losses)), step, scope)
+                self._check_grads(next(iter(losses)), step, scope, kept)
             return retain
         finally:
             self.spent += time.perf_counter() - t0
 
-    def _check_no_grads(self, name: str, step: int, scope: Scope) -> None:
-        """Gradients present before the first backward mean training_step ran backward itself."""
-        if any(p.grad is not None for p in scope.parameters()):
+    @staticmethod
+    def accumulated(scope: Scope) -> list[tuple[torch.Tensor | None, int]]:
+        """Each trained parameter's gradient and its version, as a micro-batch's backward left them: what the next
+        micro-batch of the update must find (``preflight``'s ``kept``)."""
+        return [(p.grad, -1 if p.grad is None else p.grad._version) for p in scope.parameters()]
+
+    def _check_grads(self, name: str, step: int, scope: Scope, kept: list | None) -> None:
+        """Gradients present before the first backward, or changed since the last micro-batch's, mean training_step
+        ran backward itself; gone since the last micro-batch's, that it cleared them."""
+        params = scope.parameters()
+        if kept is None:
+            changed, why = [p for p in params if p.grad is not None], "already present when training_step returned"
+        else:
+            if any(grad is not None and p.grad is None for p, (grad, _) in zip(params, kept)):
+                names = explain.parameter_names(scope)
+                cleared = [f"`{names[id(p)][0]}`" if id(p) in names else "a parameter"
+                           for p, (grad, _) in zip(params, kept) if grad is not None and p.grad is None]
+                raise StepError(
+                    f"step {step}: under gradient accumulation, the gradients this update's earlier micro-batches "
+                    f"left ({', '.join(cleared[:3])}{' and more' if len(cleared) > 3 else ''}) were cleared in "
+                    "training_step before the next micro-batch's backward (a zero_grad() there, after a backward "
+                    "taken for an input's gradient, say): the update would apply the last micro-batch's gradient "
+                    "alone. Remove that zero_grad() (the Trainer clears the gradients after each update), and take "
+                    "an input's gradient with torch.autograd.grad(loss, [x]) or loss.backward(inputs=[x]), which "
+                    "leave the parameters' .grad alone", step)
+            changed = [p for p, (grad, version) in zip(params, kept)
+                       if p.grad is not None and (p.grad is not grad or p.grad._version != version)]
+            why = ("changed inside training_step since the last micro-batch's backward (under gradient accumulation; "
+                   "a zero_grad(set_to_none=False) changes them too)")
+        if changed:
             raise DoubleBackwardError(
-                "gradients were already present when training_step returned: training_step (or a hook) called "
-                "backward itself, so the Trainer's backward would add the loss's gradients to them and the update "
-                "would apply both",
+                f"gradients were {why}: training_step (or a hook) called backward itself, so the Trainer's "
+                "backward would add the loss's gradients to them and the update would apply both",
                 step=step, loss_name=name,
                 fixes=["return the loss from training_step and let the Trainer call backward",
                        "set automatic = False on your Trainer and call self.backward(loss) / "

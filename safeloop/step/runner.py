@@ -214,6 +214,7 @@ class Runner:
         """Forward and backward(s) of every micro-batch; returns their losses' values, summed.
         ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone."""
         total: dict[str, torch.Tensor] = {}
+        kept = None  # the gradients the last micro-batch's backward left, which the next one must find
         for i, batch in enumerate(batches):
             batch = batch if self.config.move is None else self.config.move(batch)
             self.batch = batch
@@ -226,7 +227,10 @@ class Runner:
                 if only is not None and self.routed:
                     losses = {only: losses[only]} if only in losses else {}
                 if losses:
-                    self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == len(batches) - 1)
+                    self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == len(batches) - 1,
+                                      kept=kept)
+                    if only is None and i < len(batches) - 1 and self.guard.check != "off":
+                        kept = self.guard.accumulated(self.scope)
             for name, loss in losses.items():
                 total[name] = total[name] + loss.detach() if name in total else loss.detach()
             del output, losses, batch  # the step's graph must not outlive it (checked at its end)
@@ -234,12 +238,14 @@ class Runner:
         return total
 
     # -- backward ----------------------------------------------------------------------------
-    def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool) -> None:
-        """Automatic mode: every loss of one micro-batch, through the guard's pre-flight."""
+    def backward_all(self, losses: dict[str, torch.Tensor], step: int, batch, first: bool, last: bool,
+                     kept: list | None = None) -> None:
+        """Automatic mode: every loss of one micro-batch, through the guard's pre-flight (``kept``: the gradients
+        the last micro-batch's backward left)."""
         guard, dist = self.guard, self.dist
         accum = self.settings.grad_accum  # each loss divided by it, as a hand loop's `loss / accum` and Lightning's
         summed = self.multi_loss == "sum" and not self.routed and len(losses) > 1
-        retain = guard.preflight(losses, step, self.scope, batch, first, summed)
+        retain = guard.preflight(losses, step, self.scope, batch, first, summed, kept=kept)
         todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights,
                     self.routes if self.routed else None, guard.start_seq, step)
         if len(todo) > 1:
