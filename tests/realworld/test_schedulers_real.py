@@ -34,6 +34,7 @@ from torch import nn
 from safeloop import ConfigError, Trainer
 
 from .harness import assert_same, checks, compare, fixed, labelled
+from . import test_build_nanogpt as gpt, test_finetune as glue, test_torchvision_ema as tv
 from .test_resume_ports import straight_and_resumed
 
 
@@ -506,3 +507,54 @@ def test_a_scheduler_whose_step_needs_the_epoch_is_refused_before_training():
     with pytest.raises(ConfigError, match="step"):
         trainer.fit()
     assert trainer.state.step == 0
+
+
+# -- torchvision's warmup-then-cosine SequentialLR, stepped once an epoch, resumed --------------------------------
+class ClassificationResumable(tv.ClassificationTrainer):
+    """test_torchvision_ema's port (pytorch/vision, references/classification/train.py), with the EMA model
+    checkpointed as train.py does (``checkpoint["model_ema"]``): returned from ``modules()``."""
+
+    def modules(self):
+        return {**super().modules(), "model_ema": self.model_ema}
+
+    def on_fit_start(self):
+        self.eval_data = tv.images()
+
+
+@pytest.mark.parametrize("stop", [3, 4, 8], ids=["at_the_warmup_end", "mid_epoch_after_the_milestone",
+                                                  "mid_last_epoch"])
+@pytest.mark.filterwarnings("error")
+def test_torchvision_warmup_then_cosine_resumed(tmp_path, stop):
+    """Stopped where ``SequentialLR`` hands over from ``LinearLR`` to ``CosineAnnealingLR`` (the pass's end steps it
+    before the save), within the next pass, and within the last."""
+    straight, resumed = straight_and_resumed(tmp_path, tv.make_net, ClassificationResumable, lambda model: tv.images(),
+                                             tv.EPOCHS * tv.BATCHES, stop, max_epochs=tv.EPOCHS,
+                                             grad_clip=tv.CLIP_GRAD_NORM)
+    assert_same(resumed.model, straight.model)
+    assert_same(resumed.model_ema, straight.model_ema)
+    assert resumed.schedulers["optimizer"].state_dict() == straight.schedulers["optimizer"].state_dict()
+
+
+# -- Hugging Face's linear warmup-decay LambdaLR per update, resumed between two micro-batches of an update -------
+@pytest.mark.parametrize("stop", [2, 4, 7], ids=["first_pass", "before_the_pass_end", "second_pass"])
+@pytest.mark.filterwarnings("error")
+def test_glue_linear_schedule_resumed_mid_accumulation(tmp_path, stop):
+    """test_finetune's port (run_glue_no_trainer.py: updates after batches 0, 2 and 4 of each pass, one micro-batch a
+    step in manual mode) stopped with one micro-batch's gradients waiting for the next update: the checkpoint holds
+    them, the LambdaLR's count and the dropout RNG."""
+    straight, resumed = straight_and_resumed(tmp_path, glue.TinyBertForSequenceClassification, glue.GlueFinetune,
+                                             fixed(glue.glue_batches()), glue.MICRO_BATCHES, stop)
+    assert_same(resumed.model, straight.model)
+    assert resumed.schedulers["optimizer"].state_dict() == straight.schedulers["optimizer"].state_dict()
+
+
+# -- nanoGPT's get_lr written into param_groups before each accumulated update, resumed ---------------------------
+@pytest.mark.parametrize("stop", [1, 3], ids=["in_the_warmup", "in_the_decay"])
+def test_build_nanogpt_lr_written_by_hand_resumed(tmp_path, stop):
+    """test_build_nanogpt's port (``get_lr(self.state.step)`` assigned in ``on_before_optimizer_step``, bf16 autocast,
+    ``grad_accum=2``, clipping): the rate of each resumed update comes from the restored step count."""
+    straight, resumed = straight_and_resumed(tmp_path, gpt.make_gpt, gpt.GPTTrainer, lambda model: gpt.MicroBatches(),
+                                             gpt.max_steps, stop, precision="bf16",
+                                             grad_accum=gpt.GRAD_ACCUM_STEPS, grad_clip=1.0)
+    assert_same(resumed.model, straight.model)
+    assert [g["lr"] for g in resumed.optimizers["optimizer"].param_groups] == [gpt.get_lr(gpt.max_steps - 1)] * 2
