@@ -21,17 +21,25 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   scheduler_factory.py (``t_initial`` and ``warmup_t`` in updates when on updates). The port calls
   ``step_update(self.state.step)`` in ``on_step_end`` and ``step(epoch + 1, metric)`` in ``on_epoch_end``.
 
+- A ``LambdaLR`` whose ``lr_lambda`` is a callable object holding its schedule as a NumPy array:
+  wensi-ai/brs-algo (f46286d), brs_algo/optim/lr_schedule.py (``CosineScheduleFunction``,
+  ``generate_cosine_schedule``) and brs_algo/learning/module/diffusion_module.py (``configure_optimizers``: AdamW,
+  ``LambdaLR(optimizer=optimizer, lr_lambda=CosineScheduleFunction(...))`` with ``"interval": "step"``; Lightning's
+  lists returned as the dict). ``LambdaLR.state_dict()`` holds the callable's ``__dict__``, the array included.
+
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
 import logging
 import math
+
+import numpy as np
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import ConfigError, Trainer
+from safeloop import CheckpointError, ConfigError, Trainer
 
 from .harness import assert_same, checks, compare, fixed, labelled
 from . import test_build_nanogpt as gpt, test_finetune as glue, test_torchvision_ema as tv
@@ -558,3 +566,88 @@ def test_build_nanogpt_lr_written_by_hand_resumed(tmp_path, stop):
                                              grad_accum=gpt.GRAD_ACCUM_STEPS, grad_clip=1.0)
     assert_same(resumed.model, straight.model)
     assert [g["lr"] for g in resumed.optimizers["optimizer"].param_groups] == [gpt.get_lr(gpt.max_steps - 1)] * 2
+
+
+# -- brs-algo's LambdaLR over a NumPy schedule --------------------------------------------------------------------
+def generate_cosine_schedule(base_value, final_value, epochs, steps_per_epoch, warmup_epochs=0,
+                             warmup_start_value=0) -> np.ndarray:
+    warmup_schedule = np.array([])
+    warmup_iters = int(warmup_epochs * steps_per_epoch)
+    if warmup_epochs > 0:
+        warmup_schedule = np.linspace(warmup_start_value, base_value, warmup_iters)
+
+    iters = np.arange(int(epochs * steps_per_epoch) - warmup_iters)
+    schedule = np.array([final_value + 0.5 * (base_value - final_value) * (1 + math.cos(math.pi * i / (len(iters))))
+                         for i in iters])
+    schedule = np.concatenate((warmup_schedule, schedule))
+    assert len(schedule) == int(epochs * steps_per_epoch)
+    return schedule
+
+
+class CosineScheduleFunction:
+    def __init__(self, base_value, final_value, epochs, steps_per_epoch, warmup_epochs=0, warmup_start_value=0):
+        assert warmup_epochs < epochs, f"{warmup_epochs=} must be < {epochs=}"
+        self._effective_steps = int(epochs * steps_per_epoch)
+        self.schedule = generate_cosine_schedule(base_value=base_value, final_value=final_value, epochs=epochs,
+                                                 steps_per_epoch=steps_per_epoch, warmup_epochs=warmup_epochs,
+                                                 warmup_start_value=warmup_start_value)
+        assert self.schedule.shape == (self._effective_steps,)
+        self._final_value = final_value
+        self._steps_tensor = torch.tensor(0, dtype=torch.long)  # for register buffer
+
+    def __call__(self, step):
+        self._steps_tensor.copy_(torch.tensor(step))
+        if step >= self._effective_steps:
+            val = self._final_value
+        else:
+            val = self.schedule[step]
+        return val
+
+
+BRS_LR, BRS_MIN, BRS_WARMUP, BRS_COSINE, BRS_BATCHES = 1e-2, 1e-3, 2, 8, 4
+
+
+def brs_optimizer(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=BRS_LR, weight_decay=0.1)
+    scheduler_kwargs = dict(base_value=1.0,  # anneal from the original LR value
+                            final_value=BRS_MIN / BRS_LR, epochs=BRS_COSINE, warmup_start_value=BRS_MIN / BRS_LR,
+                            warmup_epochs=BRS_WARMUP, steps_per_epoch=1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer=optimizer,
+                                                  lr_lambda=CosineScheduleFunction(**scheduler_kwargs))
+    return optimizer, scheduler
+
+
+def brs_hand(model, loader):
+    """Lightning's automatic optimization of the module: per batch zero_grad, backward, step, then the scheduler."""
+    optimizer, scheduler = brs_optimizer(model)
+    for epoch in range(BRS_COSINE // BRS_BATCHES):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+
+
+class BRSModule(Trainer):
+    def configure_optimizers(self):
+        optimizer, scheduler = brs_optimizer(self.model)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_lambda_lr_over_a_numpy_schedule(check):
+    compare(classifier, brs_hand, BRSModule, fixed(labelled(BRS_BATCHES)), check, steps=BRS_COSINE)
+
+
+@pytest.mark.xfail(strict=True, raises=CheckpointError,
+                   reason="the LambdaLR's state holds the callable's NumPy array: every checkpoint is written, and "
+                          "none can be read back (weights_only refuses numpy's _reconstruct, and the error calls the "
+                          "file corrupt or not written by safeloop)")
+def test_lambda_lr_over_a_numpy_schedule_resumed(tmp_path):
+    straight, resumed = straight_and_resumed(tmp_path, classifier, BRSModule, fixed(labelled(BRS_BATCHES)),
+                                             BRS_COSINE, 3)
+    assert_same(resumed.model, straight.model)
