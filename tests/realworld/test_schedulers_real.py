@@ -27,6 +27,11 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   ``LambdaLR(optimizer=optimizer, lr_lambda=CosineScheduleFunction(...))`` with ``"interval": "step"``; Lightning's
   lists returned as the dict). ``LambdaLR.state_dict()`` holds the callable's ``__dict__``, the array included.
 
+- torchvision's detection recipe: pytorch/vision, references/detection/engine.py (``train_one_epoch``: in epoch
+  0 a ``LinearLR`` warmup made at the epoch's start and stepped after every iteration) and
+  references/detection/train.py (``MultiStepLR`` over ``--lr-steps``, stepped after each epoch): two schedulers on
+  one optimizer, the Trainer stepping the epoch one, the port the warmup.
+
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
 import logging
@@ -650,4 +655,101 @@ def test_lambda_lr_over_a_numpy_schedule(check):
 def test_lambda_lr_over_a_numpy_schedule_resumed(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, classifier, BRSModule, fixed(labelled(BRS_BATCHES)),
                                              BRS_COSINE, 3)
+    assert_same(resumed.model, straight.model)
+
+
+# -- torchvision's detection recipe: a per-iteration warmup in epoch 0 beside a per-epoch MultiStepLR ---------------
+DET_EPOCHS, DET_BATCHES, DET_LR_STEPS, DET_GAMMA = 3, 5, [2], 0.1
+
+
+def detection_optimizer(model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=1e-4)
+    return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=DET_LR_STEPS, gamma=DET_GAMMA)
+
+
+def warmup(optimizer, data_loader):
+    warmup_factor = 1.0 / 1000
+    warmup_iters = min(1000, len(data_loader) - 1)
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=warmup_factor, total_iters=warmup_iters)
+
+
+def detection_train_one_epoch(model, optimizer, data_loader, epoch):
+    model.train()
+    lr_scheduler = None
+    if epoch == 0:
+        lr_scheduler = warmup(optimizer, data_loader)
+    for images, targets in data_loader:
+        losses = F.cross_entropy(model(images), targets)
+        optimizer.zero_grad()
+        losses.backward()
+        optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+
+
+def detection_hand(model, data_loader):
+    optimizer, lr_scheduler = detection_optimizer(model)
+    for epoch in range(DET_EPOCHS):
+        detection_train_one_epoch(model, optimizer, data_loader, epoch)
+        lr_scheduler.step()
+
+
+class Detection(Trainer):
+    """The warmup made in ``on_epoch_start`` of epoch 0, as train_one_epoch makes it, and stepped in
+    ``on_step_end``."""
+
+    def configure_optimizers(self):
+        optimizer, lr_scheduler = detection_optimizer(self.model)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "epoch"}}
+
+    def training_step(self, batch):
+        images, targets = batch
+        return F.cross_entropy(self.model(images), targets)
+
+    def on_epoch_start(self):
+        self.warmup = warmup(self.optimizers["optimizer"], self.train_data) if self.state.epoch == 0 else None
+
+    def on_step_end(self, losses):
+        if self.warmup is not None:
+            self.warmup.step()
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["warmup"] = self.warmup.state_dict() if self.warmup is not None else None
+
+
+class DetectionMadeBeforeLoading(Detection):
+    """To resume within epoch 0 (whose ``on_epoch_start`` a resumed run does not call again), the warmup is made
+    with the optimizer, before any batch as in the source, and dropped after epoch 0. A resumed run so makes it before
+    the checkpoint's learning rates are loaded over the ones its constructor scaled; made in ``on_load_checkpoint``,
+    which runs after them, it would scale the loaded rate by ``start_factor`` once more."""
+
+    def configure_optimizers(self):
+        returned = super().configure_optimizers()
+        self.warmup = warmup(returned["optimizer"], self.train_data)
+        return returned
+
+    def on_epoch_start(self):
+        if self.state.epoch > 0:
+            self.warmup = None
+
+    def on_load_checkpoint(self, checkpoint):
+        if checkpoint["warmup"] is None:
+            self.warmup = None
+        else:
+            self.warmup.load_state_dict(checkpoint["warmup"])
+
+
+@pytest.mark.parametrize("port", [Detection, DetectionMadeBeforeLoading], ids=["made_in_on_epoch_start",
+                                                                                "made_with_the_optimizer"])
+@pytest.mark.parametrize("check", checks())
+def test_detection_warmup_per_iteration_beside_a_multistep_schedule(check, port):
+    compare(classifier, detection_hand, port, fixed(labelled(DET_BATCHES)), check, steps=DET_EPOCHS * DET_BATCHES)
+
+
+@pytest.mark.parametrize("stop", [2, 5, 7], ids=["mid_warmup", "at_the_warmup_end", "after_the_warmup"])
+@pytest.mark.filterwarnings("error")
+def test_detection_warmup_made_with_the_optimizer_resumed(tmp_path, stop):
+    straight, resumed = straight_and_resumed(tmp_path, classifier, DetectionMadeBeforeLoading,
+                                             fixed(labelled(DET_BATCHES)), DET_EPOCHS * DET_BATCHES, stop)
     assert_same(resumed.model, straight.model)
