@@ -38,10 +38,18 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   ``CosineAnnealingLR`` after 5 warmup epochs, one empty ``optim.step()`` and ``scheduler_warmup.step()`` before the
   loop, then once an epoch).
 
+- Lightning's fine-tuning example: Lightning-AI/pytorch-lightning,
+  examples/pytorch/domain_templates/computer_vision_fine_tuning.py (``MilestonesFinetuning``: the backbone frozen
+  before training, its last layers unfrozen and added to Adam as a new parameter group at the first milestone
+  epoch, the rest at the second; ``MultiStepLR`` over the same milestones) with src/lightning/pytorch/callbacks/
+  finetuning.py's ``BaseFinetuning`` helpers (2.5.0). Lightning resumes such a run: ``BaseFinetuning`` saves the
+  groups it added and puts them back on the optimizer before the optimizer's state is loaded.
+
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
 import logging
 import math
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -853,3 +861,156 @@ def test_a_scheduler_state_holding_a_scheduler_object_is_named_when_saved(tmp_pa
                             progress=False, loggers=(), checkpoint={"dir": str(tmp_path)})
     with pytest.raises((CheckpointError, ConfigError), match="after_scheduler"):
         trainer.fit()
+
+
+# -- Lightning's fine-tuning example: parameter groups added at milestones ------------------------------------------
+# BaseFinetuning's static helpers (lightning 2.5.0, src/lightning/pytorch/callbacks/finetuning.py)
+def flatten_modules(modules):
+    if isinstance(modules, nn.ModuleDict):
+        modules = modules.values()
+    if isinstance(modules, Iterable):
+        _flatten_modules = []
+        for m in modules:
+            _flatten_modules.extend(flatten_modules(m))
+        _modules = iter(_flatten_modules)
+    else:
+        _modules = modules.modules()
+    # Capture all leaf modules as well as parent modules that have parameters directly themselves
+    return [m for m in _modules if not list(m.children()) or m._parameters]
+
+
+def filter_params(modules, train_bn=True, requires_grad=True):
+    for mod in flatten_modules(modules):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and not train_bn:
+            continue
+        # recursion could yield duplicate parameters for parent modules w/ parameters so disabling it
+        for param in mod.parameters(recurse=False):
+            if param.requires_grad == requires_grad:
+                yield param
+
+
+def make_trainable(modules):
+    for module in flatten_modules(modules):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.track_running_stats = True
+        for param in module.parameters(recurse=False):
+            param.requires_grad = True
+
+
+def freeze(modules, train_bn=True):
+    for mod in flatten_modules(modules):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and train_bn:
+            make_trainable(mod)
+        else:
+            for param in mod.parameters(recurse=False):
+                param.requires_grad = False
+
+
+def filter_on_optimizer(optimizer, params):
+    return [param for param in params
+            if not any(torch.equal(p, param) for group in optimizer.param_groups for p in group["params"])]
+
+
+def unfreeze_and_add_param_group(modules, optimizer, lr=None, initial_denom_lr=10.0, train_bn=True):
+    make_trainable(modules)
+    params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+    denom_lr = initial_denom_lr if lr is None else 1.0
+    params = filter_params(modules, train_bn=train_bn, requires_grad=True)
+    params = filter_on_optimizer(optimizer, params)
+    if params:
+        optimizer.add_param_group({"params": params, "lr": params_lr / denom_lr})
+
+
+FT_EPOCHS, FT_BATCHES, FT_MILESTONES = 3, 3, (1, 2)
+
+
+class TransferNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.feature_extractor = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.fc = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.fc(self.feature_extractor(x))
+
+
+def transfer_net():
+    net = TransferNet()
+    freeze(net.feature_extractor, train_bn=False)  # MilestonesFinetuning.freeze_before_training
+    return net
+
+
+def transfer_optimizer(model):
+    trainable_parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable_parameters, lr=1e-2)
+    return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=FT_MILESTONES, gamma=0.1)
+
+
+def finetune_function(model, epoch, optimizer):
+    if epoch == FT_MILESTONES[0]:
+        unfreeze_and_add_param_group(modules=model.feature_extractor[-2:], optimizer=optimizer, train_bn=False)
+    elif epoch == FT_MILESTONES[1]:
+        unfreeze_and_add_param_group(modules=model.feature_extractor[:-2], optimizer=optimizer, train_bn=False)
+
+
+def transfer_hand(model, loader):
+    """Lightning's loop for the example: BaseFinetuning.on_train_epoch_start runs finetune_function, the batches,
+    MultiStepLR at the epoch's end."""
+    optimizer, scheduler = transfer_optimizer(model)
+    for epoch in range(FT_EPOCHS):
+        finetune_function(model, epoch, optimizer)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        scheduler.step()
+
+
+class Transfer(Trainer):
+    def configure_optimizers(self):
+        optimizer, scheduler = transfer_optimizer(self.model)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def on_epoch_start(self):
+        finetune_function(self.model, self.state.epoch, self.optimizers["optimizer"])
+
+
+class TransferGroupsPutBack(Transfer):
+    """What ``BaseFinetuning`` does on a restart, before the optimizer's state is loaded: the milestones passed
+    unfreeze their layers and add their groups again (the only place a port can: ``load_state_dict`` itself)."""
+
+    def load_state_dict(self, checkpoint, path=None):
+        for epoch in range(checkpoint["state"]["epoch"] + 1):
+            if epoch < checkpoint["state"]["epoch"] or checkpoint["state"]["batch_in_epoch"]:
+                finetune_function(self.model, epoch, self.optimizers["optimizer"])
+        super().load_state_dict(checkpoint, path)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_lightning_finetuning_milestones_with_groups_added_mid_run(check):
+    compare(transfer_net, transfer_hand, Transfer, fixed(labelled(FT_BATCHES)), check, steps=FT_EPOCHS * FT_BATCHES)
+
+
+@pytest.mark.xfail(strict=True, raises=CheckpointError,
+                   reason="the checkpoint's Adam has the groups added at the milestones, the resumed run's the one "
+                          "configure_optimizers made; there is no hook before the optimizer's state is loaded to add "
+                          "them back (on_load_checkpoint runs after), and the error says to resume with the same "
+                          "configure_optimizers")
+@pytest.mark.filterwarnings("error")
+def test_lightning_finetuning_milestones_resumed_after_a_milestone(tmp_path):
+    straight, resumed = straight_and_resumed(tmp_path, transfer_net, Transfer, fixed(labelled(FT_BATCHES)),
+                                             FT_EPOCHS * FT_BATCHES, 5)
+    assert_same(resumed.model, straight.model)
+
+
+@pytest.mark.parametrize("stop", [3, 5, 7], ids=["at_the_first_milestone", "after_it", "after_the_second"])
+@pytest.mark.filterwarnings("error")
+def test_lightning_finetuning_milestones_resumed_with_the_groups_put_back_before_loading(tmp_path, stop):
+    straight, resumed = straight_and_resumed(tmp_path, transfer_net, TransferGroupsPutBack,
+                                             fixed(labelled(FT_BATCHES)), FT_EPOCHS * FT_BATCHES, stop)
+    assert_same(resumed.model, straight.model)
+    assert [len(g["params"]) for g in resumed.optimizers["optimizer"].param_groups] == [4, 2, 2]
