@@ -45,6 +45,14 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   finetuning.py's ``BaseFinetuning`` helpers (2.5.0). Lightning resumes such a run: ``BaseFinetuning`` saves the
   groups it added and puts them back on the optimizer before the optimizer's state is loaded.
 
+- YOLOv5's warmup: ultralytics/yolov5, train.py (v6: three SGD groups, BatchNorm weights, decayed weights and
+  biases; a linear ``LambdaLR`` once an epoch; for the first ``nw`` batches the rate and momentum of every group
+  interpolated with ``np.interp`` (``numpy.float64`` values) and the accumulation count grown from 1 to
+  ``nbs / batch_size``; an update when ``ni - last_opt_step >= accumulate``; ``optimizer.zero_grad()`` at each
+  epoch's start, dropping what the last batches accumulated). Changes: ``nw`` is one epoch (not at least 100
+  iterations), BatchNorm1d for BatchNorm2d, cross entropy for the detection loss, no AMP, EMA or validation.
+  Ported in manual mode, one batch a step; ``last_opt_step`` and ``accumulate`` saved by hand.
+
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
 import logging
@@ -60,7 +68,7 @@ from torch import nn
 
 from safeloop import CheckpointError, ConfigError, Trainer
 
-from .harness import assert_same, checks, compare, fixed, labelled
+from .harness import assert_same, bn_classifier, checks, compare, fixed, labelled
 from . import test_build_nanogpt as gpt, test_finetune as glue, test_torchvision_ema as tv
 from .test_resume_ports import straight_and_resumed
 
@@ -1014,3 +1022,124 @@ def test_lightning_finetuning_milestones_resumed_with_the_groups_put_back_before
                                              fixed(labelled(FT_BATCHES)), FT_EPOCHS * FT_BATCHES, stop)
     assert_same(resumed.model, straight.model)
     assert [len(g["params"]) for g in resumed.optimizers["optimizer"].param_groups] == [4, 2, 2]
+
+
+# -- YOLOv5: warmup of rate, momentum and accumulation per batch, a LambdaLR per epoch ------------------------------
+YOLO_HYP = {"lr0": 0.01, "lrf": 0.01, "momentum": 0.937, "weight_decay": 5e-4, "warmup_epochs": 1.0,
+            "warmup_momentum": 0.8, "warmup_bias_lr": 0.1}
+YOLO_EPOCHS, YOLO_NB, YOLO_BATCH, YOLO_NBS = 3, 4, 8, 32
+
+
+def yolo_optimizer(model, hyp=YOLO_HYP, epochs=YOLO_EPOCHS):
+    g0, g1, g2 = [], [], []  # optimizer parameter groups
+    for v in model.modules():
+        if hasattr(v, 'bias') and isinstance(v.bias, nn.Parameter):  # bias
+            g2.append(v.bias)
+        if isinstance(v, nn.BatchNorm1d):  # weight (no decay)
+            g0.append(v.weight)
+        elif hasattr(v, 'weight') and isinstance(v.weight, nn.Parameter):  # weight (with decay)
+            g1.append(v.weight)
+    optimizer = torch.optim.SGD(g0, lr=hyp['lr0'], momentum=hyp['momentum'], nesterov=True)
+    optimizer.add_param_group({'params': g1, 'weight_decay': hyp['weight_decay']})  # add g1 with weight_decay
+    optimizer.add_param_group({'params': g2})  # add g2 (biases)
+    lf = lambda x: (1 - x / epochs) * (1.0 - hyp['lrf']) + hyp['lrf']  # linear  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
+    return optimizer, scheduler, lf
+
+
+def yolo_warmup(optimizer, ni, nw, epoch, lf, hyp=YOLO_HYP):
+    """The ``if ni <= nw:`` block: the accumulation count it sets, the groups' rate and momentum."""
+    xi = [0, nw]  # x interp
+    accumulate = max(1, np.interp(ni, xi, [1, YOLO_NBS / YOLO_BATCH]).round())
+    for j, x in enumerate(optimizer.param_groups):
+        # bias lr falls from 0.1 to lr0, all other lrs rise from 0.0 to lr0
+        x['lr'] = np.interp(ni, xi, [hyp['warmup_bias_lr'] if j == 2 else 0.0, x['initial_lr'] * lf(epoch)])
+        if 'momentum' in x:
+            x['momentum'] = np.interp(ni, xi, [hyp['warmup_momentum'], hyp['momentum']])
+    return accumulate
+
+
+def compute_loss(pred, targets):
+    return F.cross_entropy(pred, targets) * len(targets)  # loss scaled by batch_size
+
+
+def yolo_hand(model, train_loader, epochs=YOLO_EPOCHS, hyp=YOLO_HYP):
+    optimizer, scheduler, lf = yolo_optimizer(model)
+    accumulate = max(round(YOLO_NBS / YOLO_BATCH), 1)  # accumulate loss before optimizing
+    nb = len(train_loader)  # number of batches
+    nw = round(hyp['warmup_epochs'] * nb)  # number of warmup iterations
+    last_opt_step = -1
+    scheduler.last_epoch = 0 - 1  # do not move
+    for epoch in range(0, epochs):
+        model.train()
+        optimizer.zero_grad()
+        for i, (imgs, targets) in enumerate(train_loader):
+            ni = i + nb * epoch  # number integrated batches (since train start)
+            # Warmup
+            if ni <= nw:
+                accumulate = yolo_warmup(optimizer, ni, nw, epoch, lf)
+            # Forward
+            pred = model(imgs)  # forward
+            loss = compute_loss(pred, targets)  # loss scaled by batch_size
+            # Backward
+            loss.backward()
+            # Optimize
+            if ni - last_opt_step >= accumulate:
+                optimizer.step()
+                optimizer.zero_grad()
+                last_opt_step = ni
+        # Scheduler
+        scheduler.step()
+
+
+class YOLO(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        optimizer, scheduler, self.lf = yolo_optimizer(self.model)
+        self.accumulate, self.last_opt_step = max(round(YOLO_NBS / YOLO_BATCH), 1), -1
+        scheduler.last_epoch = 0 - 1  # do not move (the first step() gives lf(0) again: one epoch behind)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+    def on_epoch_start(self):
+        self.optimizers["optimizer"].zero_grad()
+
+    def training_step(self, batch):
+        imgs, targets = batch
+        nb, epoch = len(self.train_data), self.state.epoch
+        ni = self.state.batch_in_epoch - 1 + nb * epoch
+        nw = round(YOLO_HYP['warmup_epochs'] * nb)
+        if ni <= nw:
+            self.accumulate = yolo_warmup(self.optimizers["optimizer"], ni, nw, epoch, self.lf)
+        loss = compute_loss(self.model(imgs), targets)
+        self.backward(loss)
+        if ni - self.last_opt_step >= self.accumulate:
+            self.step()
+            self.last_opt_step = ni
+        return loss
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["yolo"] = {"accumulate": float(self.accumulate), "last_opt_step": self.last_opt_step}
+
+    def on_load_checkpoint(self, checkpoint):
+        self.accumulate, self.last_opt_step = checkpoint["yolo"]["accumulate"], checkpoint["yolo"]["last_opt_step"]
+
+
+def yolo_data():
+    return fixed(labelled(YOLO_NB))
+
+
+@pytest.mark.parametrize("check", checks())
+def test_yolov5_warmup_of_rate_momentum_and_accumulation(check):
+    compare(bn_classifier, yolo_hand, YOLO, yolo_data(), check, steps=YOLO_EPOCHS * YOLO_NB)
+
+
+@pytest.mark.parametrize("stop", [2, 4, 5, 7], ids=["mid_warmup_pending", "at_a_pass_end_pending",
+                                                  "after_the_warmup_pending", "mid_pass"])
+@pytest.mark.filterwarnings("error")
+def test_yolov5_warmup_resumed(tmp_path, stop):
+    """Stopped with a batch's gradients pending (the update waits for ``accumulate``), including at a pass's end,
+    where the next pass's ``zero_grad`` drops them in both runs."""
+    straight, resumed = straight_and_resumed(tmp_path, bn_classifier, YOLO, yolo_data(), YOLO_EPOCHS * YOLO_NB, stop)
+    assert_same(resumed.model, straight.model)
+    assert [g["momentum"] for g in resumed.optimizers["optimizer"].param_groups] == [YOLO_HYP["momentum"]] * 3
