@@ -500,20 +500,29 @@ TIMM = {True: TimmLoop, False: TimmLoopOnEpochs}
 TIMM_STEPS = TIMM_EPOCHS * (TIMM_BATCHES + TIMM_ACCUM - 1) // TIMM_ACCUM
 
 
+def shuffled_loader(model):
+    """timm's loader shuffles: the 5 batches of ``labelled`` as a shuffled DataLoader of 40 samples."""
+    x, y = (torch.cat(t) for t in zip(*labelled(TIMM_BATCHES)))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
+
+
+@pytest.mark.parametrize("loader", [fixed(labelled(TIMM_BATCHES)), shuffled_loader], ids=["list", "shuffled"])
 @pytest.mark.parametrize("sched_on_updates", [True, False], ids=["on_updates", "on_epochs"])
 @pytest.mark.parametrize("check", checks())
-def test_timm_cosine_schedule_stepped_by_the_loop_with_accumulation(check, sched_on_updates):
+def test_timm_cosine_schedule_stepped_by_the_loop_with_accumulation(check, sched_on_updates, loader):
     compare(classifier, lambda model, loader: timm_hand(model, loader, sched_on_updates), TIMM[sched_on_updates],
-            fixed(labelled(TIMM_BATCHES)), check, steps=TIMM_STEPS, grad_accum=TIMM_ACCUM)
+            loader, check, steps=TIMM_STEPS, grad_accum=TIMM_ACCUM)
 
 
+@pytest.mark.parametrize("loader", [fixed(labelled(TIMM_BATCHES)), shuffled_loader], ids=["list", "shuffled"])
 @pytest.mark.parametrize("sched_on_updates", [True, False], ids=["on_updates", "on_epochs"])
 @pytest.mark.parametrize("stop", [3, 4], ids=["at_an_epoch_end", "mid_epoch"])
 @pytest.mark.filterwarnings("error")
-def test_timm_cosine_schedule_resumed(tmp_path, stop, sched_on_updates):
-    """Nothing of the scheduler saved: timm's schedules are functions of the count the loop passes in."""
-    straight, resumed = straight_and_resumed(tmp_path, classifier, TIMM[sched_on_updates],
-                                             fixed(labelled(TIMM_BATCHES)), TIMM_STEPS, stop, grad_accum=TIMM_ACCUM)
+def test_timm_cosine_schedule_resumed(tmp_path, stop, sched_on_updates, loader):
+    """Nothing of the scheduler saved: timm's schedules are functions of the count the loop passes in. The shuffled
+    loader's interrupted pass is drawn again in the same order."""
+    straight, resumed = straight_and_resumed(tmp_path, classifier, TIMM[sched_on_updates], loader, TIMM_STEPS, stop,
+                                             grad_accum=TIMM_ACCUM)
     assert_same(resumed.model, straight.model)
     lrs = [run.optimizers["optimizer"].param_groups[0]["lr"] for run in (resumed, straight)]
     assert lrs[0] == lrs[1]
