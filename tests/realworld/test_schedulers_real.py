@@ -20,31 +20,26 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   (``CosineLRScheduler`` with warmup, ``t_in_epochs`` False for ``--sched-on-updates``), the sizes of
   scheduler_factory.py (``t_initial`` and ``warmup_t`` in updates when on updates). The port calls
   ``step_update(self.state.step)`` in ``on_step_end`` and ``step(epoch + 1, metric)`` in ``on_epoch_end``.
-
 - A ``LambdaLR`` whose ``lr_lambda`` is a callable object holding its schedule as a NumPy array:
   wensi-ai/brs-algo (f46286d), brs_algo/optim/lr_schedule.py (``CosineScheduleFunction``,
   ``generate_cosine_schedule``) and brs_algo/learning/module/diffusion_module.py (``configure_optimizers``: AdamW,
   ``LambdaLR(optimizer=optimizer, lr_lambda=CosineScheduleFunction(...))`` with ``"interval": "step"``; Lightning's
   lists returned as the dict). ``LambdaLR.state_dict()`` holds the callable's ``__dict__``, the array included.
-
 - torchvision's detection recipe: pytorch/vision, references/detection/engine.py (``train_one_epoch``: in epoch
   0 a ``LinearLR`` warmup made at the epoch's start and stepped after every iteration) and
   references/detection/train.py (``MultiStepLR`` over ``--lr-steps``, stepped after each epoch): two schedulers on
   one optimizer, the Trainer stepping the epoch one, the port the warmup.
-
 - ildoonet/pytorch-gradual-warmup-lr, warmup_scheduler/scheduler.py (``GradualWarmupScheduler``, an
   ``_LRScheduler`` that holds the scheduler it hands over to, ``after_scheduler``, and keeps ``state_dict()``'s
   default: its ``__dict__``, that scheduler object included) and warmup_scheduler/run.py (the usage: a
   ``CosineAnnealingLR`` after 5 warmup epochs, one empty ``optim.step()`` and ``scheduler_warmup.step()`` before the
   loop, then once an epoch).
-
 - Lightning's fine-tuning example: Lightning-AI/pytorch-lightning,
   examples/pytorch/domain_templates/computer_vision_fine_tuning.py (``MilestonesFinetuning``: the backbone frozen
   before training, its last layers unfrozen and added to Adam as a new parameter group at the first milestone
   epoch, the rest at the second; ``MultiStepLR`` over the same milestones) with src/lightning/pytorch/callbacks/
   finetuning.py's ``BaseFinetuning`` helpers (2.5.0). Lightning resumes such a run: ``BaseFinetuning`` saves the
   groups it added and puts them back on the optimizer before the optimizer's state is loaded.
-
 - YOLOv5's warmup: ultralytics/yolov5, train.py (v6: three SGD groups, BatchNorm weights, decayed weights and
   biases; a linear ``LambdaLR`` once an epoch; for the first ``nw`` batches the rate and momentum of every group
   interpolated with ``np.interp`` (``numpy.float64`` values) and the accumulation count grown from 1 to
@@ -52,6 +47,9 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   epoch's start, dropping what the last batches accumulated). Changes: ``nw`` is one epoch (not at least 100
   iterations), BatchNorm1d for BatchNorm2d, cross entropy for the detection loss, no AMP, EMA or validation.
   Ported in manual mode, one batch a step; ``last_opt_step`` and ``accumulate`` saved by hand.
+- Resumed ports of other cases: torchvision's warmup-then-cosine ``SequentialLR`` (test_torchvision_ema),
+  Hugging Face's linear schedule in manual accumulation (test_finetune), nanoGPT's ``get_lr`` (test_build_nanogpt);
+  and a run continued with a longer ``CosineAnnealingLR``, as docs/checkpoints.md continues one.
 
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
@@ -60,7 +58,6 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
