@@ -47,6 +47,12 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
   epoch's start, dropping what the last batches accumulated). Changes: ``nw`` is one epoch (not at least 100
   iterations), BatchNorm1d for BatchNorm2d, cross entropy for the detection loss, no AMP, EMA or validation.
   Ported in manual mode, one batch a step; ``last_opt_step`` and ``accumulate`` saved by hand.
+- The Annotated Transformer: harvardnlp/annotated-transformer, the_annotated_transformer.py (``rate``: the
+  Noam schedule as a ``LambdaLR``; ``run_epoch``: a backward every batch, ``optimizer.step()`` when
+  ``i % accum_iter == 0`` (a pass's first batch alone), ``scheduler.step()`` after *every batch*, updates or not;
+  no ``zero_grad`` between passes, so a pass's last batches go into the next pass's first update). Ported in manual
+  mode, the scheduler kept out of the Trainer's (whose ``"step"`` interval is per update) and stepped in
+  ``on_step_end``.
 - Resumed ports of other cases: torchvision's warmup-then-cosine ``SequentialLR`` (test_torchvision_ema),
   Hugging Face's linear schedule in manual accumulation (test_finetune), nanoGPT's ``get_lr`` (test_build_nanogpt);
   and a run continued with a longer ``CosineAnnealingLR``, as docs/checkpoints.md continues one.
@@ -1195,3 +1201,85 @@ def test_a_changed_scheduler_setting_is_logged_when_a_run_is_continued(tmp_path,
     run = continued(tmp_path, CosineOverTheRun)
     assert run.schedulers["optimizer"].T_max == 4  # the checkpoint's, as a hand loop's load_state_dict gives it
     assert any("T_max" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+# -- The Annotated Transformer: the Noam schedule stepped every batch, updates every accum_iter batches --------------
+AT_D_MODEL, AT_WARMUP, AT_ACCUM, AT_EPOCHS, AT_BATCHES = 8, 3, 2, 2, 4
+
+
+def rate(step, model_size, factor, warmup):
+    """
+    we have to default the step to 1 for LambdaLR function
+    to avoid zero raising to negative power.
+    """
+    if step == 0:
+        step = 1
+    return factor * (
+        model_size ** (-0.5) * min(step ** (-0.5), step * warmup ** (-1.5))
+    )
+
+
+def annotated_optimizer(model):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer=optimizer, lr_lambda=lambda step: rate(step, AT_D_MODEL, factor=1, warmup=AT_WARMUP))
+    return optimizer, lr_scheduler
+
+
+def run_epoch(data_iter, model, optimizer, scheduler, accum_iter=1):
+    """``run_epoch`` in "train" mode, its statistics left out; cross entropy for ``SimpleLossCompute``."""
+    for i, (x, y) in enumerate(data_iter):
+        loss_node = F.cross_entropy(model(x), y)
+        loss_node.backward()
+        if i % accum_iter == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+
+def annotated_hand(model, train_dataloader):
+    optimizer, lr_scheduler = annotated_optimizer(model)
+    for epoch in range(AT_EPOCHS):
+        model.train()
+        run_epoch(train_dataloader, model, optimizer, lr_scheduler, accum_iter=AT_ACCUM)
+
+
+class Annotated(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        optimizer, self.lr_scheduler = annotated_optimizer(self.model)
+        return optimizer
+
+    def training_step(self, batch):
+        x, y = batch
+        loss_node = F.cross_entropy(self.model(x), y)
+        self.backward(loss_node)
+        if (self.state.batch_in_epoch - 1) % AT_ACCUM == 0:
+            self.step()
+        return loss_node
+
+    def on_step_end(self, losses):
+        self.lr_scheduler.step()
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["lr_scheduler"] = self.lr_scheduler.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        self.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+
+
+@pytest.mark.parametrize("check", checks())
+def test_annotated_transformer_noam_schedule_stepped_every_batch(check):
+    compare(classifier, annotated_hand, Annotated, fixed(labelled(AT_BATCHES)), check, steps=AT_EPOCHS * AT_BATCHES)
+
+
+@pytest.mark.parametrize("stop", [2, 4, 5], ids=["pending", "pending_at_a_pass_end", "after_a_carried_update"])
+@pytest.mark.filterwarnings("error")
+def test_annotated_transformer_noam_schedule_resumed(tmp_path, stop):
+    """Stopped with a batch's gradients waiting, among them a pass's last batch, whose gradients the next pass's
+    first update takes."""
+    straight, resumed = straight_and_resumed(tmp_path, classifier, Annotated, fixed(labelled(AT_BATCHES)),
+                                             AT_EPOCHS * AT_BATCHES, stop)
+    assert_same(resumed.model, straight.model)
+    assert resumed.lr_scheduler.state_dict() == straight.lr_scheduler.state_dict()
