@@ -177,6 +177,12 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
                             "yourself in a hook (on_before_optimizer_step, on_step_end)")
             continue
         plateau = steps_on_a_metric(schedule.scheduler)
+        needs = [] if plateau else needed_arguments(schedule.scheduler.step)
+        if needs:
+            problems.append(f"{where} is a {type(schedule.scheduler).__name__}, whose step() needs {', '.join(needs)}: "
+                            "the Trainer calls step() without arguments. Leave it out of configure_optimizers and "
+                            "step it yourself in a hook (timm's: step_update(num_updates) in on_step_end, "
+                            "step(epoch) in on_epoch_end), saving its state_dict() in on_save_checkpoint")
         if schedule.interval not in INTERVALS:
             problems.append(f"{where}: interval={schedule.interval!r} is not one of {', '.join(INTERVALS)}")
         if plateau and schedule.monitor is None:
@@ -198,6 +204,16 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
     if problems:
         raise ConfigError(problems)
     return Schedules(out)
+
+
+def needed_arguments(method: Any) -> list[str]:
+    """The arguments ``method`` cannot be called without (none where its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def steps_on_a_metric(scheduler: Any) -> bool:
