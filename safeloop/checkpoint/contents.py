@@ -88,6 +88,7 @@ def collect(parts: Parts, config: dict | None) -> dict:
                       if p.grad is not None and id(p) not in parts.applied},
         "config": config,
     }
+    check_schedulers_plain(checkpoint["schedulers"])
     if parts.gather is not None and not parts.gather.sharded:  # FSDP2's gradients are the ranks' mean already
         every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
         checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
@@ -395,23 +396,47 @@ def load_scaler(scaler, saved: dict | None) -> None:
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
+def unplain(value: Any, where: str) -> tuple[str, Any] | None:
+    """Where in ``value`` the first object is that ``torch.load(weights_only=True)`` does not read (anything but
+    tensors, numbers, strings and lists, tuples and dicts of them), and that object; None when there is none."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return None
+    if type(value) in (dict, OrderedDict):
+        items = [(key, f"a key of {where}") for key in value] + [(v, f"{where}[{k!r}]") for k, v in value.items()]
+    elif type(value) in (list, tuple):
+        items = [(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    else:
+        return where, value
+    return next((found for item, at in items if (found := unplain(item, at)) is not None), None)
+
+
+def _kind(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def check_plain(value: Any, where: str) -> None:
     """Raise unless ``value`` is tensors and plain containers, which ``torch.load(weights_only=True)`` reads:
     a checkpoint that cannot be loaded would be found out only when resuming."""
-    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            check_plain(key, f"a key of {where}")
-            check_plain(item, f"{where}[{key!r}]")
-    elif type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-    else:
+    found = unplain(value, where)
+    if found is not None:
         raise CheckpointError(
-            f"on_save_checkpoint put a {type(value).__module__}.{type(value).__qualname__} at {where}: a checkpoint "
-            "holds only tensors, numbers, strings, and lists, tuples and dicts of them, so that it loads with "
-            "torch.load(weights_only=True). Store its state_dict() or its values instead")
+            f"on_save_checkpoint put a {_kind(found[1])} at {found[0]}: a checkpoint holds only tensors, numbers, "
+            "strings, and lists, tuples and dicts of them, so that it loads with torch.load(weights_only=True). "
+            "Store its state_dict() or its values instead")
+
+
+def check_schedulers_plain(states: dict) -> None:
+    """Raise unless every scheduler's state is tensors and plain containers (``check_plain``): otherwise each
+    checkpoint would be written, and none could be read back."""
+    for name, state in states.items():
+        found = unplain(state, f"scheduler {name!r}'s state_dict()")
+        if found is not None:
+            raise CheckpointError(
+                f"{found[0]} holds a {_kind(found[1])}, which a checkpoint cannot hold (it loads with "
+                "torch.load(weights_only=True)): no run could resume from it. Make that state plain (a NumPy array "
+                "kept by an lr_lambda object as a list), chain schedulers with SequentialLR rather than one kept "
+                "inside another (a warm-up's after_scheduler), or leave the scheduler out of configure_optimizers, "
+                "step it in a hook and save what it needs in on_save_checkpoint")
 
 
 def _mismatch(module: str, mine: dict, theirs: dict) -> list[str]:
