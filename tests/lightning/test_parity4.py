@@ -8,7 +8,9 @@ its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user reli
 tests assert a difference the docs state, exactly. A difference the docs do not state is a test asserting
 Lightning's behaviour, marked ``xfail(strict=True)`` with the reason, until it is fixed or documented.
 """
+import collections
 import math
+import random
 
 import pytest
 import torch
@@ -412,3 +414,255 @@ def test_on_train_batch_start_returning_minus_one_matches():
     assert lit.steps == port.steps
     assert port.state.step == trainer.global_step
     assert_same(lit.model, port.model)
+
+
+# -- Lightning's examples/pytorch/domain_templates/reinforce_learn_Qnet.py, on a small environment of its own
+
+
+class Chain:
+    """A gym-like environment (the example's old 4-tuple ``step``): a position on a line of 6, 2 actions (left,
+    right), reward 1 at the right end, which ends the episode; ``action_space.sample()`` draws from ``random``."""
+
+    class Space:
+        n = 2
+
+        @staticmethod
+        def sample():
+            return random.randrange(2)
+
+    action_space = Space()
+
+    def __init__(self):
+        self.position = 0
+
+    def observe(self):
+        return [float(self.position == i) for i in range(6)]
+
+    def reset(self):
+        self.position = 0
+        return self.observe()
+
+    def step(self, action):
+        self.position = max(0, min(5, self.position + (1 if action else -1)))
+        done = self.position == 5
+        return self.observe(), float(done), done, {}
+
+
+class ReplayBuffer:
+    """The example's, as written."""
+
+    def __init__(self, capacity):
+        self.buffer = collections.deque(maxlen=capacity)
+
+    def __len__(self):
+        return len(self.buffer)
+
+    def append(self, experience):
+        self.buffer.append(experience)
+
+    def sample(self, batch_size):
+        indices = random.sample(range(len(self.buffer)), batch_size)
+        states, actions, rewards, dones, next_states = zip(*(self.buffer[idx] for idx in indices))
+        return (torch.tensor(states), torch.tensor(actions), torch.tensor(rewards, dtype=torch.float32),
+                torch.tensor(dones, dtype=torch.bool), torch.tensor(next_states))
+
+
+class RLDataset(IterableDataset):
+    """The example's: the pass's samples drawn from the buffer when the pass starts."""
+
+    def __init__(self, buffer, sample_size=200):
+        self.buffer, self.sample_size = buffer, sample_size
+
+    def __iter__(self):
+        states, actions, rewards, dones, new_states = self.buffer.sample(self.sample_size)
+        for i in range(len(dones)):
+            yield states[i], actions[i], rewards[i], dones[i], new_states[i]
+
+
+class Agent:
+    """The example's (the device argument left out: the CPU)."""
+
+    def __init__(self, env, replay_buffer):
+        self.env, self.replay_buffer = env, replay_buffer
+        self.state = self.env.reset()
+
+    def get_action(self, net, epsilon):
+        if random.random() < epsilon:
+            return self.env.action_space.sample()
+        _, action = torch.max(net(torch.tensor([self.state])), dim=1)
+        return int(action.item())
+
+    @torch.no_grad()
+    def play_step(self, net, epsilon=0.0):
+        action = self.get_action(net, epsilon)
+        new_state, reward, done, _ = self.env.step(action)
+        self.replay_buffer.append((self.state, action, reward, done, new_state))
+        self.state = new_state
+        if done:
+            self.state = self.env.reset()
+        return reward, done
+
+
+def q_net():
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+class DQNParts:
+    """The example's ``DQNLightning`` but its hooks, shared by both sides: small sizes, the buffer filled at random
+    when made."""
+
+    gamma, eps_start, eps_end, eps_last_frame, sync_rate, episode_length, batch_size = 0.99, 1.0, 0.01, 20, 4, 12, 4
+
+    def make(self):
+        self.env = Chain()
+        self.buffer = ReplayBuffer(60)
+        self.agent = Agent(self.env, self.buffer)
+        self.rewards = []
+        for _ in range(30):  # populate(warm_start_steps)
+            self.agent.play_step(self.net, epsilon=1.0)
+
+    def dqn_mse_loss(self, batch):
+        states, actions, rewards, dones, next_states = batch
+        state_action_values = self.net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            next_state_values = self.target_net(next_states).max(1)[0]
+            next_state_values[dones] = 0.0
+            next_state_values = next_state_values.detach()
+        return torch.nn.MSELoss()(state_action_values, next_state_values * self.gamma + rewards)
+
+    def dqn_step(self, batch, global_step):
+        epsilon = max(self.eps_end, self.eps_start - (global_step + 1) / self.eps_last_frame)
+        reward, done = self.agent.play_step(self.net, epsilon)
+        self.rewards.append(reward)
+        loss = self.dqn_mse_loss(batch)
+        if global_step % self.sync_rate == 0:
+            self.target_net.load_state_dict(self.net.state_dict())
+        return loss
+
+    def data(self):
+        return DataLoader(RLDataset(self.buffer, self.episode_length), batch_size=self.batch_size)
+
+
+class DQNLightning(DQNParts, pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.target_net = q_net(), q_net()
+        self.make()
+
+    def training_step(self, batch, nb_batch):
+        return self.dqn_step(batch, self.global_step)
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.net.parameters(), lr=1e-2)]
+
+
+class DQNPort(DQNParts, safeloop.Trainer):
+    """The port: ``self.net`` is the model; the target network a module beside it, saved with it (``modules``)."""
+
+    def training_step(self, batch):
+        return self.dqn_step(batch, self.state.step)
+
+    def modules(self):
+        return {**super().modules(), "target_net": self.target_net}
+
+    @property
+    def net(self):
+        return self.model
+
+
+def test_lightning_example_dqn_matches():
+    """The DQN example (replay buffer, epsilon-greedy agent playing a step in each ``training_step``, target network
+    synced every 4 steps from ``global_step``; ``random`` drawn by the agent and the buffer), 3 passes of 3 batches
+    (12 samples in 4s) from ``seed_everything(3)``: the rewards, the buffer, both networks. Lightning reads its
+    iterable data a batch ahead, but this dataset draws a pass's samples when the pass starts, before its first step
+    in both."""
+    pl.seed_everything(3, verbose=False)
+    lit = DQNLightning()
+    lightning(max_epochs=3).fit(lit, train_dataloaders=lit.data())
+    safeloop.seed_everything(3)
+    net_, target = q_net(), q_net()
+    port = DQNPort(model=net_, train_data=[None], optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+                   **settings(max_epochs=3))
+    port.target_net = target
+    port.make()
+    port.train_data = port.data()
+    port.fit()
+    assert len(lit.rewards) == len(port.rewards) == 9
+    assert lit.rewards == port.rewards and list(lit.buffer.buffer) == list(port.buffer.buffer)
+    assert_same(lit.net, port.model)
+    assert_same(lit.target_net, port.target_net)
+
+
+# -- the epoch hooks of a run resumed from a checkpoint saved at a pass's last step, during the run
+
+
+class LitEpochs(Lit):
+    """``(hook, global_step, current_epoch, lr)`` at each epoch's start and end."""
+
+    def note(self, hook):
+        self.calls.append((hook, self.global_step, self.current_epoch, lr_of(self.trainer.optimizers[0])))
+
+    def on_train_epoch_start(self):
+        self.note("epoch_start")
+
+    def on_train_epoch_end(self):
+        self.note("epoch_end")
+
+
+class PortEpochs(Port):
+    calls: list
+    configure = staticmethod(step_lr)
+
+    def note(self, hook):
+        self.calls.append((hook, self.state.step, self.state.epoch, lr_of(self.optimizers["optimizer"])))
+
+    def on_epoch_start(self):
+        self.note("epoch_start")
+
+    def on_epoch_end(self):
+        self.note("epoch_end")
+
+
+def epoch_hook_runs(tmp_path):
+    """3 epochs, a StepLR each epoch, a checkpoint every 7 steps (each pass's last); resumed from step 7's."""
+    def lit_run(ckpt_path=None):
+        lit = LitEpochs(configure=step_lr)
+        lit.calls = []
+        saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=STEPS, save_top_k=-1,
+                                             filename="{step}")
+        lightning(max_epochs=3, enable_checkpointing=True, callbacks=[saver]).fit(
+            lit, train_dataloaders=loader(), ckpt_path=ckpt_path)
+        return lit
+
+    def port_run(**kwargs):
+        port = PortEpochs(model=net(), train_data=loader(), checkpoint={"dir": str(tmp_path / "sl"), "every": STEPS},
+                          **settings(max_epochs=3, **kwargs))
+        port.calls = []
+        port.fit()
+        return port
+
+    whole = lit_run(), port_run()
+    resumed = lit_run(ckpt_path=tmp_path / "lit" / f"step={STEPS}.ckpt"), \
+        port_run(resume=str(tmp_path / "sl" / f"step-{STEPS:09d}.pt"))
+    return whole, resumed
+
+
+def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_follow_the_run_that_never_stopped(tmp_path):
+    """docs/trainer.md: "Epoch boundaries follow the run that never stopped". The checkpoint of step 7 was saved
+    before the first pass's end ran, so safeloop's resumed run ends that pass (its StepLR step, ``on_epoch_end``),
+    then starts the next with ``on_epoch_start``, as the run that never stopped did; the parameters of all four
+    runs are the same."""
+    (lit, port), (lit_resumed, port_resumed) = epoch_hook_runs(tmp_path)
+    assert lit.calls == port.calls and len(port.calls) == 6
+    assert port_resumed.calls == port.calls[1:]
+    for run in (port, lit_resumed, port_resumed):
+        assert_same(lit.model, run.model)
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning's run resumed from a checkpoint saved at a pass's last step, during "
+                   "the run, calls neither that pass's on_train_epoch_end nor the next pass's on_train_epoch_start; "
+                   "safeloop's calls both, as the run that never stopped did")
+def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_match(tmp_path):
+    (lit, port), (lit_resumed, port_resumed) = epoch_hook_runs(tmp_path)
+    assert lit_resumed.calls == lit.calls[3:]  # from the second pass's end on
+    assert lit_resumed.calls == port_resumed.calls
