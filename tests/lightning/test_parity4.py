@@ -795,3 +795,55 @@ def test_gradient_accumulation_scheduler_ported_to_on_epoch_start_matches():
     assert max_diff(halved.model, port.model) == 0  # (what it does now)
     assert port.state.step == trainer.global_step
     assert_same(lit.model, port.model)
+
+
+# -- EMAWeightAveraging
+
+
+class LitVal(Lit):
+    """Notes each validation's loss."""
+
+    def on_validation_epoch_end(self):
+        self.val_losses.append(self.trainer.callback_metrics["val_loss"].item())
+
+
+class PortEma(Port):
+    """Lightning's ``EMAWeightAveraging(decay=0.9)`` ported: an ``AveragedModel`` made when the fit starts and
+    updated after each update (``on_step_end``), validated in place of the model, copied into it at the end."""
+
+    def on_fit_start(self):
+        self.ema = torch.optim.swa_utils.AveragedModel(self.model, use_buffers=True,
+                                                       avg_fn=torch.optim.swa_utils.get_ema_avg_fn(0.9))
+
+    def on_step_end(self, losses):
+        self.ema.update_parameters(self.model)
+
+    def validation_step(self, batch):  # (the validation before training: before on_fit_start, the model itself)
+        return mse(self.ema.module if hasattr(self, "ema") else self.model, batch)
+
+    def on_fit_end(self):
+        for average, current in zip(self.ema.module.parameters(), self.model.parameters()):
+            current.data.copy_(average.data)
+
+    def modules(self):
+        return {**super().modules(), **({"ema": self.ema} if hasattr(self, "ema") else {})}
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_ema_weight_averaging_ported_matches(accum):
+    """``EMAWeightAveraging(decay=0.9)``, with and without accumulation (3: its update once per optimizer step),
+    validation each epoch (of the averaged weights): each validation's loss (Lightning's float32 mean of batch means
+    over equal batches: ``close``), the parameters after the fit (the average, copied in)."""
+    lit = LitVal(configure=lambda model: sgd(model.parameters()))
+    lit.val_losses = []
+    lightning(max_epochs=EPOCHS, accumulate_grad_batches=accum,
+              callbacks=[pl.callbacks.EMAWeightAveraging(decay=0.9)]).fit(
+        lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2))
+    port = PortEma(model=net(), train_data=loader(), val_data=loader(n=4, seed=2), optimizer=sgd,
+                   **settings(max_epochs=EPOCHS, grad_accum=accum, val_every=STEPS if accum == 1 else 3))
+    port.fit()
+    ours = [metrics["val_loss"] for _, metrics in port.state.val_history[1:]]
+    assert len(ours) == len(lit.val_losses) == EPOCHS
+    assert all(close(a, b) for a, b in zip(lit.val_losses, ours))
+    assert int(port.ema.n_averaged) == port.state.step
+    assert_same(lit.model, port.model)
