@@ -22,8 +22,8 @@ torchmetrics = pytest.importorskip("torchmetrics")
 
 import safeloop  # noqa: E402
 
-from .common import (Lit, Port, assert_same, close, dataset, lightning, loader, max_diff, mse, net, saved_and_resumed,  # noqa: E402
-                     settings, sgd)
+from .common import (Lit, Port, assert_same, close, dataset, lightning, loader, max_diff, mse, net,  # noqa: E402
+                     saved_and_resumed, settings, sgd)
 
 EPOCHS, STEPS = 2, 7  # passes of 7 batches by default
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -846,4 +846,135 @@ def test_ema_weight_averaging_ported_matches(accum):
     assert len(ours) == len(lit.val_losses) == EPOCHS
     assert all(close(a, b) for a, b in zip(lit.val_losses, ours))
     assert int(port.ema.n_averaged) == port.state.step
+    assert_same(lit.model, port.model)
+
+
+# -- Lightning's examples/pytorch/basics/autoencoder.py, on 4x4 random images
+
+
+def images(n=12, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(torch.rand(n, 1, 4, 4, generator=gen), torch.zeros(n)), batch_size=4)
+
+
+class AutoEncoder(torch.nn.Module):
+    def __init__(self, hidden_dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.encoder = nn.Sequential(nn.Linear(16, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 16))
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+class LitAutoEncoder(pl.LightningModule):
+    """The example's module (``on_step=True`` kept), its encoder and decoder in ``self.model``; the example's
+    ``ImageSampler`` at each epoch's end reduced to what it does to a run: a DataLoader iterated and the model run
+    in eval mode, then put back in train mode."""
+
+    def __init__(self, learning_rate=10e-3):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = AutoEncoder()
+        self.val_losses, self.samples = [], []
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        return self._common_step(batch, batch_idx, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._common_step(batch, batch_idx, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._common_step(batch, batch_idx, "test")
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=None):
+        return self(self._prepare_batch(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
+
+    def _prepare_batch(self, batch):
+        x, _ = batch
+        return x.view(x.size(0), -1)
+
+    def _common_step(self, batch, batch_idx, stage):
+        x = self._prepare_batch(batch)
+        loss = F.mse_loss(x, self(x))
+        self.log(f"{stage}_loss", loss, on_step=True)
+        return loss
+
+    def on_validation_epoch_end(self):
+        self.val_losses.append(self.trainer.callback_metrics["val_loss_epoch"].item())
+
+
+class ImageSampler(pl.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        x, _ = next(iter(DataLoader(images(n=4, seed=3).dataset, batch_size=2)))
+        with torch.no_grad():
+            pl_module.eval()
+            pl_module.samples.append(pl_module(x.view(x.size(0), -1)))
+            pl_module.train()
+
+
+class PortAutoEncoder(safeloop.Trainer):
+    """The port: ``self.log(..., on_step=True)`` dropped (refused: docs/trainer.md), validation and test returning
+    their loss."""
+
+    samples: list
+
+    def training_step(self, batch):
+        return self._common_step(batch)
+
+    def validation_step(self, batch):
+        return self._common_step(batch)
+
+    def predict_step(self, batch):
+        return self.model(self._prepare_batch(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.model.parameters(), lr=10e-3)
+
+    def _prepare_batch(self, batch):
+        x, _ = batch
+        return x.view(x.size(0), -1)
+
+    def _common_step(self, batch):
+        x = self._prepare_batch(batch)
+        return F.mse_loss(x, self.model(x))
+
+
+class PortImageSampler(safeloop.Callback):
+    def on_epoch_end(self, trainer):
+        x, _ = next(iter(DataLoader(images(n=4, seed=3).dataset, batch_size=2)))
+        with torch.no_grad():
+            trainer.model.eval()
+            trainer.samples.append(trainer.model(x.view(x.size(0), -1)))
+            trainer.model.train()
+
+
+def test_lightning_example_autoencoder_matches():
+    """3 epochs of 3 batches, validation each epoch, then ``test`` and ``predict``: each validation's and the test's
+    loss (float32 means against float64: ``close``), the images sampled at each epoch's end, the predictions, the
+    parameters."""
+    torch.manual_seed(11)
+    lit = LitAutoEncoder()
+    trainer = lightning(max_epochs=3, callbacks=[ImageSampler()])
+    trainer.fit(lit, train_dataloaders=images(), val_dataloaders=images(n=8, seed=2))
+    tested = trainer.test(lit, dataloaders=images(n=8, seed=2), verbose=False)[0]["test_loss_epoch"]
+    predicted = trainer.predict(lit, dataloaders=images(n=8, seed=2))
+    torch.manual_seed(11)
+    port = PortAutoEncoder(model=AutoEncoder(), train_data=images(), val_data=images(n=8, seed=2),
+                           callbacks=[PortImageSampler()], **settings(max_epochs=3, val_every=3))
+    port.samples = []
+    port.fit()
+    ours = [metrics["val_loss"] for _, metrics in port.state.val_history[1:]]
+    assert len(ours) == len(lit.val_losses) == 3 and all(close(a, b) for a, b in zip(lit.val_losses, ours))
+    assert all(torch.equal(a, b) for a, b in zip(lit.samples, port.samples)) and len(port.samples) == 3
+    assert close(tested, port.test(images(n=8, seed=2))["test_loss"])
+    assert all(torch.equal(a, b) for a, b in zip(predicted, port.predict(images(n=8, seed=2))))
     assert_same(lit.model, port.model)
