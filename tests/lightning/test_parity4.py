@@ -1030,3 +1030,52 @@ def test_batch_idx_from_batch_in_epoch_under_accumulation_matches():
     assert port.seen[:STEPS] == [2, 2, 2, 5, 5, 5, 6]  # (what it is now)
     assert lit.seen == port.seen
     assert_same(lit.model, port.model)
+
+
+# -- the gradients training_step sees
+
+
+def first_grad_norm(model):
+    grad = next(model.parameters()).grad
+    return None if grad is None else float(grad.norm())
+
+
+class LitGradSeen(Lit):
+    """The first parameter's gradient norm ``on_train_batch_start`` and ``training_step`` see (the last update's,
+    as a step logging it reads it)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(("batch_start", first_grad_norm(self.model)))
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(("training_step", first_grad_norm(self.model)))
+        return super().training_step(batch, batch_idx)
+
+
+class PortGradSeen(Port):
+    seen: list
+
+    def on_step_start(self):
+        self.seen.append(("batch_start", first_grad_norm(self.model)))
+
+    def training_step(self, batch):
+        self.seen.append(("training_step", first_grad_norm(self.model)))
+        return super().training_step(batch)
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning zeroes the gradients after the first micro-batch's training_step, "
+                   "before its backward; safeloop after on_step_start, before training_step: training_step sees the "
+                   "last update's gradients there and None here")
+def test_gradients_training_step_sees_match():
+    """3 steps: ``on_train_batch_start`` / ``on_step_start`` see the last update's gradients in both (none at the
+    first); ``training_step`` should see them too, as Lightning's does."""
+    lit = LitGradSeen(configure=lambda model: sgd(model.parameters()))
+    lit.seen = []
+    lightning(max_steps=3).fit(lit, train_dataloaders=loader())
+    port = PortGradSeen(model=net(), train_data=loader(), optimizer=sgd, **settings(max_steps=3))
+    port.seen = []
+    port.fit()
+    assert_same(lit.model, port.model)
+    assert lit.seen[0::2] == port.seen[0::2] and lit.seen[2][1] is not None  # on_train_batch_start / on_step_start
+    assert port.seen[1::2] == [("training_step", None)] * 3  # (what it is now)
+    assert lit.seen == port.seen
