@@ -1079,3 +1079,52 @@ def test_gradients_training_step_sees_match():
     assert lit.seen[0::2] == port.seen[0::2] and lit.seen[2][1] is not None  # on_train_batch_start / on_step_start
     assert port.seen[1::2] == [("training_step", None)] * 3  # (what it is now)
     assert lit.seen == port.seen
+
+
+# -- a plateau scheduler, as on_train_epoch_end sees it
+
+
+def plateau(model):
+    """ReduceLROnPlateau on val_loss, halving the learning rate at every validation that does not improve."""
+    opt = sgd(model.parameters())
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+class LitPlateauSeen(Lit):
+    def on_train_epoch_start(self):
+        self.seen.append(("epoch_start", lr_of(self.trainer.optimizers[0])))
+
+    def on_train_epoch_end(self):
+        self.seen.append(("epoch_end", lr_of(self.trainer.optimizers[0])))
+
+
+class PortPlateauSeen(Port):
+    seen: list
+    configure = staticmethod(plateau)
+
+    def on_epoch_start(self):
+        self.seen.append(("epoch_start", lr_of(self.optimizers["optimizer"])))
+
+    def on_epoch_end(self):
+        self.seen.append(("epoch_end", lr_of(self.optimizers["optimizer"])))
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning steps a monitored (plateau) scheduler after on_train_epoch_end; "
+                   "safeloop right after the validation, before on_epoch_end, which sees the next pass's learning "
+                   "rate (docs/trainer.md says so of epoch schedulers only, 'as Lightning's on_train_epoch_end')")
+def test_plateau_seen_by_on_train_epoch_end_matches():
+    """3 epochs, validation at each epoch's end, the second not improving: the learning rate each epoch's start and
+    end hooks see, the final one, the parameters."""
+    lit = LitPlateauSeen(configure=plateau)
+    lit.seen = []
+    lightning(max_epochs=3).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2))
+    port = PortPlateauSeen(model=net(), train_data=loader(), val_data=loader(n=4, seed=2),
+                           **settings(max_epochs=3, val_every=STEPS))
+    port.seen = []
+    port.fit()
+    assert_same(lit.model, port.model)
+    assert lr_of(lit.optimizers()) == lr_of(port.optimizers["optimizer"]) == 0.0125
+    assert lit.seen[::2] == port.seen[::2] == [("epoch_start", 0.05), ("epoch_start", 0.05), ("epoch_start", 0.025)]
+    assert [lr for _, lr in port.seen[1::2]] == [0.05, 0.025, 0.0125]  # (what it is now)
+    assert lit.seen == port.seen
