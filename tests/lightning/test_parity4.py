@@ -1128,3 +1128,75 @@ def test_plateau_seen_by_on_train_epoch_end_matches():
     assert lit.seen[::2] == port.seen[::2] == [("epoch_start", 0.05), ("epoch_start", 0.05), ("epoch_start", 0.025)]
     assert [lr for _, lr in port.seen[1::2]] == [0.05, 0.025, 0.0125]  # (what it is now)
     assert lit.seen == port.seen
+
+
+# -- the gradients validation and the epoch's end see
+
+
+class LitGradsAfter(Lit):
+    """The first parameter's gradient norm ``validation_step`` (first batch), ``on_train_epoch_end`` and
+    ``on_fit_end`` see."""
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.seen.append(("validation", first_grad_norm(self.model)))
+        return super().validation_step(batch, batch_idx)
+
+    def on_train_epoch_end(self):
+        self.seen.append(("epoch_end", first_grad_norm(self.model)))
+
+    def on_fit_end(self):
+        self.seen.append(("fit_end", first_grad_norm(self.model)))
+
+
+class PortGradsAfter(Port):
+    seen: list
+
+    def validation_step(self, batch):
+        if self.state.step > 0 and self.state.val_history[-1][0] != self.state.step and not self.noted:
+            self.seen.append(("validation", first_grad_norm(self.model)))  # (the first batch, during training)
+            self.noted = True
+        return super().validation_step(batch)
+
+    def on_validation_end(self, metrics):
+        self.noted = False
+
+    def on_epoch_end(self):
+        self.seen.append(("epoch_end", first_grad_norm(self.model)))
+
+    def on_fit_end(self):
+        self.seen.append(("fit_end", first_grad_norm(self.model)))
+
+
+def grads_after_runs(validate: bool):
+    """2 passes of 2 batches, validation at each pass's end or none."""
+    val = loader(n=4, seed=2) if validate else None
+    lit = LitGradsAfter(configure=lambda model: sgd(model.parameters()))
+    lit.seen = []
+    lightning(max_epochs=EPOCHS).fit(lit, train_dataloaders=loader(n=4), val_dataloaders=val)
+    port = PortGradsAfter(model=net(), train_data=loader(n=4), val_data=val, optimizer=sgd,
+                          **settings(max_epochs=EPOCHS, val_every=2 if validate else None))
+    port.seen, port.noted = [], False
+    port.fit()
+    assert_same(lit.model, port.model)
+    return lit, port
+
+
+def test_gradients_at_an_epoch_end_without_validation_match():
+    """docs/trainer.md: "An update's gradients stay until the next step begins: on_step_end, on_epoch_end, validation
+    and the end of fit() see them, as in Lightning". Without validation: each epoch's end and the fit's end see the
+    last update's gradients in both."""
+    lit, port = grads_after_runs(validate=False)
+    assert lit.seen == port.seen and len(port.seen) == 3 and all(norm is not None for _, norm in port.seen)
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning clears the gradients before a validation during training "
+                   "(on_validation_model_zero_grad): validation_step, the epoch's end after it and the fit's end see "
+                   "None there; docs/trainer.md says they see them 'as in Lightning'")
+def test_gradients_at_an_epoch_end_after_validation_match():
+    """With validation at each pass's end (Lightning's default when given validation data): what validation, each
+    epoch's end and the fit's end see."""
+    lit, port = grads_after_runs(validate=True)
+    assert all(norm is None for _, norm in lit.seen) and len(lit.seen) == 5
+    assert all(norm is not None for _, norm in port.seen)  # (what it is now)
+    assert lit.seen == port.seen
