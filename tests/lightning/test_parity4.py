@@ -1,7 +1,9 @@
-"""safeloop's Trainer against pytorch-lightning's, bit for bit: what hooks see of an epoch schedule at a pass's last
-step, ``on_fit_start`` in a resumed run, Lightning's documented ``optimizer_step`` warm-up and a OneCycleLR over
-``estimated_stepping_batches`` ported, the less common shapes of ``configure_optimizers``, iterable data read a batch
-ahead, and Lightning's own examples ported.
+"""safeloop's Trainer against pytorch-lightning's, bit for bit: what hooks see of an epoch or plateau schedule and of
+the gradients (at a pass's last step, in ``training_step``, after a validation), ``on_fit_start`` and the epoch hooks
+of a resumed run, Lightning's documented ``optimizer_step`` warm-up, a OneCycleLR over ``estimated_stepping_batches``,
+``GradientAccumulationScheduler`` and ``EMAWeightAveraging`` ported, the less common shapes of
+``configure_optimizers`` and schedulers, ``on_train_batch_start``'s -1, ``batch_idx`` under accumulation, iterable
+data read a batch ahead, and Lightning's own examples and tutorials ported (DQN, autoencoder, mnist-hello-world).
 
 As in ``test_parity.py``: each test trains the same tiny seeded model with ``pytorch_lightning.Trainer`` and with
 its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user relies on, ``..._differs_as_documented``
@@ -1200,3 +1202,46 @@ def test_gradients_at_an_epoch_end_after_validation_match():
     assert all(norm is None for _, norm in lit.seen) and len(lit.seen) == 5
     assert all(norm is not None for _, norm in port.seen)  # (what it is now)
     assert lit.seen == port.seen
+
+
+# -- a scheduler whose step() needs the epoch (timm's)
+
+
+class TimmLike:
+    """``timm.scheduler.Scheduler``'s interface: ``step(epoch, metric=None)``, ``step_update(num_updates)``,
+    ``state_dict`` and ``load_state_dict``; the learning rate halved each epoch."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.base = optimizer, [group["lr"] for group in optimizer.param_groups]
+
+    def step(self, epoch, metric=None):
+        for group, base in zip(self.optimizer.param_groups, self.base):
+            group["lr"] = base * 0.5 ** epoch
+
+    def step_update(self, num_updates, metric=None):
+        pass
+
+    def state_dict(self):
+        return {"base": self.base}
+
+    def load_state_dict(self, state):
+        self.base = state["base"]
+
+
+def timm_like(model):
+    opt = sgd(model.parameters())
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": TimmLike(opt), "interval": "epoch"}}
+
+
+@pytest.mark.xfail(strict=True, reason="a scheduler whose step() takes a required epoch is taken at start-up and "
+                   "fails at the first pass's end with step()'s TypeError, after a pass of training; Lightning "
+                   "refuses it before training (override lr_scheduler_step)")
+def test_a_scheduler_needing_the_epoch_is_refused_before_training():
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="lr_scheduler_step"):
+        lightning(max_epochs=EPOCHS).fit(Lit(configure=timm_like), train_dataloaders=loader())
+    port = Port(model=net(), train_data=loader(), **settings(max_epochs=EPOCHS))
+    port.configure = staticmethod(timm_like)
+    with pytest.raises(Exception) as raised:
+        port.fit()
+    assert port.state.step == STEPS and isinstance(raised.value, TypeError)  # (what it is now)
+    assert isinstance(raised.value, safeloop.ConfigError) and port.state.step == 0
