@@ -1245,3 +1245,42 @@ def test_a_scheduler_needing_the_epoch_is_refused_before_training():
         port.fit()
     assert port.state.step == STEPS and isinstance(raised.value, TypeError)  # (what it is now)
     assert isinstance(raised.value, safeloop.ConfigError) and port.state.step == 0
+
+
+# -- SequentialLR: a linear warm-up, then a cosine decay
+
+
+def warm_then_cosine(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[3])
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LitLrSeen(Lit):
+    def on_before_optimizer_step(self, optimizer):
+        self.lrs.append(lr_of(optimizer))
+
+
+class PortLrSeen(Port):
+    lrs: list
+    configure = staticmethod(warm_then_cosine)
+
+    def on_before_optimizer_step(self, name, optimizer):
+        self.lrs.append(lr_of(optimizer))
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_sequential_warm_up_then_cosine_matches(accum):
+    """A SequentialLR (LinearLR for 3 updates, then CosineAnnealingLR) each update, with clipping, with and without
+    accumulation: the learning rate of every update, the parameters."""
+    lit = LitLrSeen(configure=warm_then_cosine)
+    lit.lrs = []
+    lightning(max_epochs=EPOCHS, accumulate_grad_batches=accum, gradient_clip_val=0.1).fit(
+        lit, train_dataloaders=loader())
+    port = PortLrSeen(model=net(), train_data=loader(), **settings(max_epochs=EPOCHS, grad_accum=accum, grad_clip=0.1))
+    port.lrs = []
+    port.fit()
+    assert lit.lrs == port.lrs and len(port.lrs) == port.state.step
+    assert_same(lit.model, port.model)
