@@ -1284,3 +1284,27 @@ def test_sequential_warm_up_then_cosine_matches(accum):
     port.fit()
     assert lit.lrs == port.lrs and len(port.lrs) == port.state.step
     assert_same(lit.model, port.model)
+
+
+# -- Lightning's default sanity check
+
+
+def test_lightnings_default_sanity_check_against_the_validation_before_training_matches():
+    """Lightning's default ``num_sanity_val_steps=2`` (validation batches before training, its random state put back
+    after) against safeloop's validation before training: ``seed_everything(7)``, the model built after it, dropout,
+    a shuffled DataLoader, a pass, validated after it: the batches ``training_step`` sees, the parameters."""
+    from .test_parity import LitSeen, PortSeen, shuffled, unseeded_net
+
+    pl.seed_everything(7, verbose=False)
+    lit = LitSeen(unseeded_net())
+    lit.seen = []
+    lightning(max_epochs=1, num_sanity_val_steps=2).fit(lit, train_dataloaders=shuffled(),
+                                                       val_dataloaders=loader(n=6, seed=2))
+    safeloop.seed_everything(7)
+    port = PortSeen(model=unseeded_net(), train_data=shuffled(), val_data=loader(n=6, seed=2),
+                    optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), **settings(max_epochs=1, val_every=STEPS))
+    port.seen = []
+    port.fit()
+    assert len(lit.seen) == len(port.seen) == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(lit.seen, port.seen))
+    assert_same(lit.model, port.model)
