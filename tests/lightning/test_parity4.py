@@ -554,14 +554,17 @@ class DQNLightning(DQNParts, pl.LightningModule):
         self.make()
 
     def training_step(self, batch, nb_batch):
-        return self.dqn_step(batch, self.global_step)
+        loss = self.dqn_step(batch, self.global_step)
+        log = {"reward": torch.tensor(self.rewards[-1]), "steps": torch.tensor(self.global_step)}
+        return collections.OrderedDict({"loss": loss, "log": log, "progress_bar": log})  # the example's
 
     def configure_optimizers(self):
         return [torch.optim.Adam(self.net.parameters(), lr=1e-2)]
 
 
 class DQNPort(DQNParts, safeloop.Trainer):
-    """The port: ``self.net`` is the model; the target network a module beside it, saved with it (``modules``)."""
+    """The port: ``self.net`` is the model; the target network a module beside it, saved with it (``modules``); the
+    loss returned alone (a dict with ``"loss"`` and other keys is refused: docs/trainer.md)."""
 
     def training_step(self, batch):
         return self.dqn_step(batch, self.state.step)
