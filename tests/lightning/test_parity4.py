@@ -483,8 +483,8 @@ class RLDataset(IterableDataset):
             yield states[i], actions[i], rewards[i], dones[i], new_states[i]
 
 
-class Agent:
-    """The example's (the device argument left out: the CPU)."""
+class Player:
+    """The example's epsilon-greedy player (the device argument left out: the CPU)."""
 
     def __init__(self, env, replay_buffer):
         self.env, self.replay_buffer = env, replay_buffer
@@ -520,10 +520,10 @@ class DQNParts:
     def make(self):
         self.env = Chain()
         self.buffer = ReplayBuffer(60)
-        self.agent = Agent(self.env, self.buffer)
+        self.player = Player(self.env, self.buffer)
         self.rewards = []
         for _ in range(30):  # populate(warm_start_steps)
-            self.agent.play_step(self.net, epsilon=1.0)
+            self.player.play_step(self.net, epsilon=1.0)
 
     def dqn_mse_loss(self, batch):
         states, actions, rewards, dones, next_states = batch
@@ -536,7 +536,7 @@ class DQNParts:
 
     def dqn_step(self, batch, global_step):
         epsilon = max(self.eps_end, self.eps_start - (global_step + 1) / self.eps_last_frame)
-        reward, done = self.agent.play_step(self.net, epsilon)
+        reward, done = self.player.play_step(self.net, epsilon)
         self.rewards.append(reward)
         loss = self.dqn_mse_loss(batch)
         if global_step % self.sync_rate == 0:
@@ -578,8 +578,8 @@ class DQNPort(DQNParts, safeloop.Trainer):
 
 
 def test_lightning_example_dqn_matches():
-    """The DQN example (replay buffer, epsilon-greedy agent playing a step in each ``training_step``, target network
-    synced every 4 steps from ``global_step``; ``random`` drawn by the agent and the buffer), 3 passes of 3 batches
+    """The DQN example (replay buffer, epsilon-greedy player taking a step in each ``training_step``, target network
+    synced every 4 steps from ``global_step``; ``random`` drawn by the player and the buffer), 3 passes of 3 batches
     (12 samples in 4s) from ``seed_everything(3)``: the rewards, the buffer, both networks. Lightning reads its
     iterable data a batch ahead, but this dataset draws a pass's samples when the pass starts, before its first step
     in both."""
