@@ -62,14 +62,16 @@ class TrainData:
         self.left = batches, self._steps, grad_accum, self.data, self.state.step
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
-        """Each step's micro-batches (``settings.grad_accum`` of them, as it was when this began), forever
-        or for ``settings.max_epochs`` passes."""
-        state, pending, grad_accum = self.state, [], settings.grad_accum
+        """Each step's micro-batches (``settings.grad_accum`` of them, as it is when each pass begins, after
+        ``on_epoch_start``: Lightning's ``GradientAccumulationScheduler``), forever or for ``settings.max_epochs``
+        passes. A change in the middle of a pass is refused: that pass's batches are grouped by the old value."""
+        state, pending = self.state, []
         while settings.max_epochs is None or state.epoch < settings.max_epochs:
             start = state.batch_in_epoch  # > 0: going on mid-pass (a resume)
             if not start:  # before the pass draws anything: its RNG states are taken after the hook
                 hooks("on_epoch_start")
                 self.shard_again()
+            grad_accum = settings.grad_accum
             data = seeded_workers(self.data)  # seed_everything(..., workers=True)
             for sampler in epoch_samplers(data):  # a new order each pass (DistributedSampler, a bucketing sampler's)
                 sampler.set_epoch(state.epoch)
@@ -84,6 +86,10 @@ class TrainData:
                 batches = data
             empty = True
             for i, batch in enumerate(batches, start):
+                if settings.grad_accum != grad_accum:
+                    raise ConfigError(f"grad_accum changed from {grad_accum} to {settings.grad_accum} in the middle "
+                                      f"of pass {state.epoch}, whose batches are grouped by {grad_accum}: change it "
+                                      "in on_epoch_start, and it applies from that pass on")
                 empty = False
                 state.batch_in_epoch = i + 1
                 pending.append(batch)

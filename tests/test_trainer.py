@@ -150,6 +150,38 @@ def test_gradients_changed_in_training_step_between_micro_batches_of_one_update_
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+def test_grad_accum_set_in_on_epoch_start_groups_that_pass_and_a_change_mid_pass_is_refused():
+    """``grad_accum`` changed in ``on_epoch_start`` (Lightning's ``GradientAccumulationScheduler``) groups that pass's
+    batches and divides their losses by the new value, as a fit begun with it; changed in the middle of a pass, it
+    would group the pass by one value and divide by the other: refused."""
+    class Scheduled(Trainer):
+        def on_epoch_start(self):
+            self.grad_accum = 2 if self.state.epoch >= 1 else 1
+
+    def run(trainer_class, **kwargs):
+        torch.manual_seed(0)
+        trainer = trainer_class(model=MLP(8, 16, 1), train_data=loader(dataset(32), batch=8, shuffle=False),
+                                optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False,
+                                loggers=(), **kwargs)
+        trainer.fit()
+        return trainer
+
+    scheduled = run(Scheduled, max_epochs=2)
+    assert scheduled.state.step == 4 + 2
+    first = run(Trainer, max_epochs=1)
+    first.grad_accum, first.max_epochs = 2, 2  # a second fit goes on with the new value
+    first.fit()
+    assert all(torch.equal(a, b) for a, b in zip(scheduled.model.parameters(), first.model.parameters()))
+
+    class MidPass(Trainer):
+        def on_step_end(self, losses):
+            self.grad_accum = 2
+
+    with pytest.raises(ConfigError, match=r"grad_accum changed from 1 to 2 in the middle of pass 0, whose batches are "
+                                          r"grouped by 1: change it in on_epoch_start"):
+        run(MidPass, max_epochs=1)
+
+
 def test_gradients_never_leak_into_the_next_step():
     """The gradient each backward leaves is exactly that step's gradient, not a sum with earlier ones."""
     seen = []
