@@ -162,7 +162,10 @@ class Hooks:
 
     def __call__(self, name: str, *args) -> None:
         for fn in self.bound[name]:
-            fn(*args)
+            if fn(*args) is not None and name == "on_step_start":
+                raise ConfigError("on_step_start returned a value: Lightning's on_train_batch_start returns -1 to end "
+                                  "the epoch there; safeloop's hooks return nothing. Leave the batches out of "
+                                  "train_data instead, or end the fit with self.request_stop(reason)")
         if vars(self.trainer).pop("should_stop", False):  # Lightning's way, kept from a port (in a hook or the step)
             self.trainer.request_stop("trainer.should_stop was set (Lightning's name for request_stop)")
 

@@ -13,7 +13,8 @@ class TrainState:
     Attributes:
         step: optimizer steps completed.
         epoch: passes over ``train_data`` started (0-based).
-        batch_in_epoch: batches consumed in the current epoch (micro-batches included).
+        batch_in_epoch: batches consumed in the current epoch (micro-batches included; in training_step, those up to
+            the micro-batch it runs: Lightning's batch_idx + 1).
         losses: the last step's losses, detached (turned into floats only when logged,
             so that CUDA runs do not sync every step).
         skipped: steps skipped for non-finite values so far (``on_nonfinite: skip``).

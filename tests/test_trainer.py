@@ -182,6 +182,31 @@ def test_grad_accum_set_in_on_epoch_start_groups_that_pass_and_a_change_mid_pass
         run(MidPass, max_epochs=1)
 
 
+def test_training_step_sees_batch_in_epoch_count_its_own_micro_batch_and_a_hook_returning_a_value_is_refused():
+    """Under grad_accum=3, each micro-batch's training_step sees the pass's batches counted up to itself (Lightning's
+    batch_idx + 1: 1..7 over windows of 3, 3 and 1); on_step_start returning a value (Lightning's -1 from
+    on_train_batch_start, which ends the epoch) is refused rather than ignored."""
+    class Seeing(Trainer):
+        def training_step(self, batch):
+            self.seen.append(self.state.batch_in_epoch)
+            return super().training_step(batch)
+
+        def on_step_end(self, losses):
+            self.ends.append(self.state.batch_in_epoch)
+
+    trainer = Seeing(model=MLP(8, 16, 1), train_data=loader(dataset(28), batch=4, shuffle=False), grad_accum=3,
+                     max_epochs=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False,
+                     loggers=())
+    trainer.seen, trainer.ends = [], []
+    trainer.fit()
+    assert trainer.seen == [1, 2, 3, 4, 5, 6, 7] and trainer.ends == [3, 6, 7]
+
+    trainer.on_step_start = lambda: -1
+    trainer.max_epochs = 2
+    with pytest.raises(ConfigError, match="on_step_start returned a value: Lightning's on_train_batch_start returns -1"):
+        trainer.fit()
+
+
 def test_gradients_never_leak_into_the_next_step():
     """The gradient each backward leaves is exactly that step's gradient, not a sum with earlier ones."""
     seen = []

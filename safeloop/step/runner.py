@@ -215,25 +215,31 @@ class Runner:
         ``only``: an evaluation for optimizer ``only``'s closure, which back-propagates its losses alone."""
         total: dict[str, torch.Tensor] = {}
         kept = None  # the gradients the last micro-batch's backward left, which the next one must find
-        for i, batch in enumerate(batches):
-            batch = batch if self.config.move is None else self.config.move(batch)
-            self.batch = batch
-            with self.config.autocast():
-                output = self.config.forward(batch)
-            if not self.automatic:  # the losses training_step returns, if any, are logged
-                losses = named_losses(output, step, (), trained=False) if output is not None else {}
-            else:
-                losses = named_losses(output, step, self.optimizers)
-                if only is not None and self.routed:
-                    losses = {only: losses[only]} if only in losses else {}
-                if losses:
-                    self.backward_all(losses, step, batch, first=i == 0 and only is None, last=i == len(batches) - 1,
-                                      kept=kept)
-                    if only is None and i < len(batches) - 1 and self.guard.check != "off":
-                        kept = self.guard.accumulated(self.scope)
-            for name, loss in losses.items():
-                total[name] = total[name] + loss.detach() if name in total else loss.detach()
-            del output, losses, batch  # the step's graph must not outlive it (checked at its end)
+        read = self.state.batch_in_epoch  # the pass's batches read, the step's all
+        try:
+            for i, batch in enumerate(batches):
+                # counted up to this micro-batch, as training_step sees it (Lightning's batch_idx + 1)
+                self.state.batch_in_epoch = read - len(batches) + 1 + i
+                batch = batch if self.config.move is None else self.config.move(batch)
+                self.batch = batch
+                with self.config.autocast():
+                    output = self.config.forward(batch)
+                if not self.automatic:  # the losses training_step returns, if any, are logged
+                    losses = named_losses(output, step, (), trained=False) if output is not None else {}
+                else:
+                    losses = named_losses(output, step, self.optimizers)
+                    if only is not None and self.routed:
+                        losses = {only: losses[only]} if only in losses else {}
+                    if losses:
+                        self.backward_all(losses, step, batch, first=i == 0 and only is None,
+                                          last=i == len(batches) - 1, kept=kept)
+                        if only is None and i < len(batches) - 1 and self.guard.check != "off":
+                            kept = self.guard.accumulated(self.scope)
+                for name, loss in losses.items():
+                    total[name] = total[name] + loss.detach() if name in total else loss.detach()
+                del output, losses, batch  # the step's graph must not outlive it (checked at its end)
+        finally:
+            self.state.batch_in_epoch = read
         self.batch = None
         return total
 
