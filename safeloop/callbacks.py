@@ -14,7 +14,9 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
+import torch
 from lightning_utilities.core.overrides import is_overridden
 
 from .errors import ConfigError
@@ -189,14 +191,24 @@ LOG_OPTIONS = {
 }
 
 
-def check_log_options(options: Mapping[str, object]) -> None:
-    """Lightning's ``self.log(name, value, **options)``: ``prog_bar`` and ``logger=True`` are taken (safeloop does
-    that anyway); any other option is a ``ConfigError`` saying what safeloop does instead, rather than a TypeError."""
+def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.Tensor | float:
+    """What Lightning's ``self.log(name, value, **options)`` keeps: the value detached, or as a float. ``prog_bar``
+    and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no number (a
+    torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, rather than a TypeError."""
     problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
                 + LOG_OPTIONS.get(key, "it has no such option") for key, value in options.items()
                 if key != "prog_bar" and not (key == "logger" and value is True)]
     if problems:
         raise ConfigError(problems)
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"self.log({name!r}, <{type(value).__name__}>): safeloop logs a number or a one-element "
+                          "tensor. For a torchmetrics Metric (Lightning computes it at the epoch's end), log what "
+                          "it returns for the batch, self.log(name, metric(preds, target)): from validation_step "
+                          "that is averaged over the samples; or log metric.compute() in on_epoch_end") from None
 
 
 MODES = ("min", "max")

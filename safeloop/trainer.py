@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
-from .callbacks import Callback, Hooks, check_log_options, check_monitor
+from .callbacks import Callback, Hooks, check_monitor, logged_value
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
@@ -178,8 +178,7 @@ class Trainer:
     def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
         """Log a metric (Lightning's ``self.log``): from ``training_step`` or a hook, written every ``log_every`` steps;
         from ``validation_step`` / ``test_step``, its mean over the samples. Lightning's ``prog_bar`` is taken."""
-        check_log_options(lightning)
-        self.logged[str(name)] = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        self.logged[str(name)] = logged_value(name, value, lightning)
 
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,

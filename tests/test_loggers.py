@@ -251,3 +251,12 @@ def test_lightnings_self_log_options_are_taken_where_safeloop_does_the_same_and_
     with pytest.raises(ConfigError, match=re.escape("self.log(..., reduce_fx='max'): safeloop's self.log(name, value) "
                                                     "takes no reduce_fx: it has no such option")):
         fit(reduce_fx="max")
+
+    class Metric(torch.nn.Module):  # what a torchmetrics Metric is to self.log: a module, not a number
+        pass
+
+    with pytest.raises(ConfigError, match=re.escape("self.log('acc', <Metric>): safeloop logs a number or a "
+                                                    "one-element tensor. For a torchmetrics Metric")):
+        safeloop.Trainer(model=torch.nn.Linear(3, 1), train_data=[(torch.ones(2, 3), torch.ones(2, 1))],
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", progress=False,
+                         loggers=(), max_steps=1).log("acc", Metric())

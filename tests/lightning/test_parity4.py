@@ -753,14 +753,12 @@ def test_lightning_tutorial_mnist_accuracy_logged_per_batch_matches():
     assert_same(lit.model, port.model)
 
 
-@pytest.mark.xfail(strict=True, reason="self.log(name, metric) with a torchmetrics Metric (Lightning's own way, the "
-                   "mnist-hello-world tutorial's) stops the first validation with float()'s TypeError; "
-                   "docs/trainer.md does not say a Metric object is not taken")
-def test_lightning_tutorial_mnist_accuracy_logged_as_a_metric_matches():
-    lit, port = mnist_runs(metric=True)
-    ours = [metrics["acc"] for _, metrics in port.state.val_history[1:]]
-    assert all(close(a, b) for a, b in zip(lit.accuracies, ours))
-    assert_same(lit.model, port.model)
+def test_lightning_tutorial_mnist_accuracy_logged_as_a_metric_is_refused_saying_what_to_log():
+    """``self.log(name, metric)`` with a torchmetrics ``Metric`` (the mnist-hello-world tutorial's way): a
+    ``ConfigError`` at the first validation, saying to log the batch's value (the test above: it matches)."""
+    with pytest.raises(safeloop.ConfigError, match=r"self.log\('acc', <MulticlassAccuracy>\): safeloop logs a number "
+                                                   r"or a one-element tensor. For a torchmetrics Metric"):
+        mnist_runs(metric=True)
 
 
 # -- GradientAccumulationScheduler
