@@ -56,9 +56,12 @@ class Schedules:
     ``after_update`` (the step, after optimizer ``name`` stepped), ``after_epoch`` (the end of a
     pass over ``train_data``) and ``after_validation`` (a validation during training)."""
 
-    def __init__(self, schedules: Mapping[str, Schedule] | None = None):
+    def __init__(self, schedules: Mapping[str, Schedule] | None = None, configured: dict | None = None):
         self.schedules = dict(schedules or {})
         self.schedulers = {name: s.scheduler for name, s in self.schedules.items()}  # what checkpoints save
+        # each optimizer's hyperparameters as configure_optimizers made them (its schedulers built), which schedules
+        # change later: what a resumed run compares its own with, to tell a setting changed for it
+        self.configured = dict(configured or {})
         self.mark()
 
     def after_update(self, name: str, step: int) -> None:
@@ -203,7 +206,14 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
         out[name] = schedule
     if problems:
         raise ConfigError(problems)
-    return Schedules(out)
+    return Schedules(out, {name: hyperparameters(opt) for name, opt in optimizers.items()})
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (all but its parameters), as plain values."""
+    return [{key: value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
+             for key, value in group.items() if key != "params" and not isinstance(value, torch.Tensor)}
+            for group in optimizer.param_groups]
 
 
 def needed_arguments(method: Any) -> list[str]:

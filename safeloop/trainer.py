@@ -393,7 +393,7 @@ class Trainer:
         modules, named = ckpt.with_outside(self.modules(), self._named_parameters(), self.optimizers)
         return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
                           None if self.automatic else self.dist, bool(self.checkpointer and self.checkpointer.sharded),
-                          self._runner.applied_parameters() if self._runner else frozenset())
+                          self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured)
 
     def _need_setup(self, method: str) -> None:
         if not self.optimizers:

@@ -1021,8 +1021,9 @@ def test_another_optimizer_class_is_refused_by_name_and_differing_settings_are_l
     trainer._optimizer = partial(torch.optim.Adam, lr=1e-3, weight_decay=0.1)
     with caplog.at_level(logging.WARNING, logger="safeloop"):
         trainer.fit()
-    assert re.search(r"resume: optimizer 'optimizer' of checkpoint \S+step-000000007\.pt has weight_decay 0 \(this "
-                     r"run: 0\.1\), initial_lr 0\.01 \(this run: 0\.001\): the checkpoint's values are used", caplog.text)
+    assert re.search(r"resume: optimizer 'optimizer' of checkpoint \S+step-000000007\.pt was configured with lr 0\.01 "
+                     r"\(this run: 0\.001\), weight_decay 0 \(this run: 0\.1\), initial_lr 0\.01 \(this run: 0\.001\): "
+                     r"the checkpoint's values are used", caplog.text)
     assert trainer.optimizers["optimizer"].param_groups[0]["weight_decay"] == 0
 
 

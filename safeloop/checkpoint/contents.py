@@ -2,9 +2,10 @@
 loaded back into them only once all of it is checked to fit, so that a checkpoint that does not fit changes nothing."""
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class Parts:
     gather: Any = None
     sharded: bool = False  # checkpoint.sharded: FSDP2's DTensors kept as they are (each rank writes its shards)
     applied: frozenset[int] = frozenset()  # ids of the parameters whose gradients an update already applied
+    configured: dict | None = None  # the optimizers' settings as configure_optimizers made them (Schedules)
 
 
 OUTSIDE = "outside_modules"  # the module name under which the parameters trained outside Trainer.modules() are saved
@@ -79,6 +81,7 @@ def collect(parts: Parts, config: dict | None) -> dict:
                                     for attr, inner in inner_optimizers(opt).items()}
                              for name, opt in parts.optimizers.items()},
         "optimizer_classes": optimizer_classes(parts.optimizers),
+        "configured": parts.configured,
         "schedulers": {name: numbers(sched.state_dict()) for name, sched in parts.schedulers.items()},
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "state": parts.state.state_dict(),
@@ -184,7 +187,8 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     inner, states = wrapped(parts.optimizers, checkpoint)
     load_named("optimizer", inner, {key: fsdp.optimizer_shards(inner[key], state) for key, state in states.items()},
                path)
-    load_optimizers(parts.optimizers, checkpoint, path)
+    load_optimizers(parts.optimizers, checkpoint, path, parts.configured)
+    log_scheduler_settings(parts.schedulers, checkpoint["schedulers"], path)
     load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
     load_scaler(parts.scaler, checkpoint["scaler"])
     parts.state.load_state_dict(checkpoint["state"])
@@ -347,22 +351,45 @@ def check_schedulers(schedulers: dict, saved: dict, path: Path | None) -> None:
                 path)
 
 
-def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None) -> None:
-    """Load the optimizers' states (``check_fits`` first). Where this run's hyperparameters differ from
-    the checkpoint's, the checkpoint's are kept (the run goes on as it was), and a warning says so."""
-    saved = checkpoint["optimizers"]
+def load_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None,
+                    configured: dict | None = None) -> None:
+    """Load the optimizers' states (``check_fits`` first). Where this run configures other hyperparameters than the
+    run that wrote the checkpoint (``configured``: as ``configure_optimizers`` made them, before any schedule changed
+    them), the checkpoint's values are kept (the run goes on as it was), and a warning says so. A checkpoint without
+    them (written before they were saved) is compared with the values it holds."""
+    saved, theirs = checkpoint["optimizers"], checkpoint.get("configured") or {}
     for name, opt in optimizers.items():
-        groups = saved[name]["param_groups"]
-        differ = [f"{key} {_show(g_saved[key])} (this run: {_show(g_live[key])})"
-                  for i, (g_live, g_saved) in enumerate(zip(opt.param_groups, groups))
-                  for key in g_live if key != "params" and key in g_saved and not _same(g_live[key], g_saved[key])
-                  and not (key == "lr" and "initial_lr" in g_live and "initial_lr" in g_saved)]  # a scheduler's
+        if configured and name in configured and name in theirs:
+            pairs = zip(configured[name], theirs[name])
+        else:
+            pairs = zip(opt.param_groups, [{k: v for k, v in g.items() if not (k == "lr" and "initial_lr" in g)}
+                                           for g in saved[name]["param_groups"]])  # lr: a scheduler's
+        differ = [f"{key} {_show(g_saved[key])} (this run: {_show(g_live[key])})" for g_live, g_saved in pairs
+                  for key in g_live if key != "params" and key in g_saved and not _same(g_live[key], g_saved[key])]
         if differ:
-            log.warning("resume: optimizer %r of %s has %s: the checkpoint's values are used, so the run goes on as "
-                        "it was. To use this run's, set them in on_load_checkpoint (trainer.optimizers[%r]"
-                        ".param_groups)", name, named(path), ", ".join(differ), name)
+            log.warning("resume: optimizer %r of %s was configured with %s: the checkpoint's values are used, so the "
+                        "run goes on as it was. To use this run's, set them in on_load_checkpoint "
+                        "(trainer.optimizers[%r].param_groups)", name, named(path), ", ".join(differ), name)
     load_named("optimizer", optimizers, {name: fsdp.optimizer_shards(opt, saved[name]) for name, opt in
                                          optimizers.items()}, path)
+
+
+def log_scheduler_settings(schedulers: dict, saved: dict, path: Path | None) -> None:
+    """Before loading: a warning for each setting (an argument of its class, such as ``T_max``) that a scheduler of
+    this run was made with and the checkpoint's was not. The checkpoint's is kept, as an optimizer's is."""
+    for name, scheduler in schedulers.items():
+        try:
+            arguments = set(inspect.signature(type(scheduler).__init__).parameters)
+        except (TypeError, ValueError):  # no signature to read
+            continue
+        arguments -= {"self", "optimizer", "last_epoch"}  # last_epoch: where it stands, not a setting
+        mine, theirs = scheduler.state_dict(), saved[name]
+        differ = [f"{key} {_show(theirs[key])} (this run: {_show(mine[key])})" for key in mine
+                  if key in arguments and key in theirs and not _same(mine[key], theirs[key])]
+        if differ:
+            log.warning("resume: scheduler %r of %s was made with %s: the checkpoint's values are used, so the run "
+                        "goes on as it was. To use this run's, set them in on_load_checkpoint (trainer.schedulers[%r])",
+                        name, named(path), ", ".join(differ), name)
 
 
 def _class_name(cls: type) -> str:
@@ -398,12 +425,13 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 def unplain(value: Any, where: str) -> tuple[str, Any] | None:
     """Where in ``value`` the first object is that ``torch.load(weights_only=True)`` does not read (anything but
-    tensors, numbers, strings and lists, tuples and dicts of them), and that object; None when there is none."""
-    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+    tensors, numbers, strings and lists, tuples, sets and dicts of them: a MultiStepLR's ``Counter`` too), and that
+    object; None when there is none."""
+    if isinstance(value, (torch.Tensor, torch.device, torch.dtype)) or type(value) in (*_PLAIN, bytearray):
         return None
-    if type(value) in (dict, OrderedDict):
+    if type(value) in (dict, OrderedDict, Counter):
         items = [(key, f"a key of {where}") for key in value] + [(v, f"{where}[{k!r}]") for k, v in value.items()]
-    elif type(value) in (list, tuple):
+    elif type(value) in (list, tuple, set, torch.Size):
         items = [(item, f"{where}[{i}]") for i, item in enumerate(value)]
     else:
         return where, value

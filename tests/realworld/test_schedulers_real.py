@@ -60,6 +60,7 @@ and, where a run can stop inside the schedule, resumed from its checkpoint again
 Sizes are a few batches of 8 samples of 4 features, a two-layer classifier, 2-4 epochs.
 """
 import logging
+import re
 import math
 from collections.abc import Iterable
 
@@ -224,9 +225,6 @@ def resume_warnings(tmp_path, caplog, trainer, data, steps, stop, **kwargs):
     return [r.getMessage() for r in caplog.records if r.name == "safeloop" and r.levelno >= logging.WARNING]
 
 
-@pytest.mark.xfail(strict=True, reason="a rate the plateau reduced is taken for a hyperparameter this run changed: "
-                                       "load_optimizers exempts lr only where the group has initial_lr, which "
-                                       "ReduceLROnPlateau does not set")
 def test_a_plateau_resumed_after_a_reduction_logs_no_changed_hyperparameter(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="safeloop")
     said = resume_warnings(tmp_path, caplog, Plateau, fixed(labelled(PL_BATCHES)), PL_EPOCHS * PL_BATCHES, 6,
@@ -285,8 +283,6 @@ def test_one_cycle_over_accumulated_updates_resumed(tmp_path, stop):
     assert resumed.schedulers["optimizer"].state_dict() == straight.schedulers["optimizer"].state_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="Adam's betas, which OneCycleLR cycles (cycle_momentum), are taken for a "
-                                       "hyperparameter this run changed: load_optimizers exempts only lr")
 def test_one_cycle_resumed_logs_no_changed_hyperparameter(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="safeloop")
     said = resume_warnings(tmp_path, caplog, OneCycle, fixed(labelled(OC_BATCHES)),
@@ -1195,14 +1191,15 @@ def test_a_changed_optimizer_setting_is_logged_when_a_run_is_continued(tmp_path,
     assert any("momentum 0.9 (this run: 0.8)" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.xfail(strict=True, reason="a scheduler's settings are taken from the checkpoint without a word: T_max "
-                                       "stays the stopped run's 4, and the rate climbs back to 0.1 over steps 5-8, "
-                                       "where a changed optimizer setting is logged")
 def test_a_changed_scheduler_setting_is_logged_when_a_run_is_continued(tmp_path, caplog):
+    """T_max stays the stopped run's 4 (the rate climbs back to 0.1 over steps 5-8), as an optimizer's setting
+    stays the checkpoint's; both are logged."""
     caplog.set_level(logging.WARNING, logger="safeloop")
     run = continued(tmp_path, CosineOverTheRun)
     assert run.schedulers["optimizer"].T_max == 4  # the checkpoint's, as a hand loop's load_state_dict gives it
-    assert any("T_max" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(re.search(r"resume: scheduler 'optimizer' of .* was made with T_max 4 \(this run: 8\): "
+                         r"the checkpoint's values are used", r.getMessage()) for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 # -- The Annotated Transformer: the Noam schedule stepped every batch, updates every accum_iter batches --------------
