@@ -123,9 +123,14 @@ def wrapped(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict) -> t
     return inner, states
 
 
+SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 def versions(attributes: dict[str, Any]) -> dict[int, int]:
-    """The version counter of each tensor ``kept`` among ``attributes`` (a Trainer's), by ``id``."""
-    return {id(t): t._version for value in attributes.values() for t in kept(value)}
+    """The version counter of each tensor ``kept`` among ``attributes`` (a Trainer's), and where each scheduler
+    among them stands (``last_epoch``), by ``id``."""
+    return {**{id(t): t._version for value in attributes.values() for t in kept(value)},
+            **{id(value): value.last_epoch for value in attributes.values() if isinstance(value, SCHEDULERS)}}
 
 
 def kept(value: Any) -> list[torch.Tensor]:
@@ -149,7 +154,17 @@ def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int,
         return
     held: set[int | None] = set()
     apply_to_collection(checkpoint, torch.Tensor, lambda t: held.add(_storage(t)))
+    states = _scheduler_states(checkpoint)
     for name, value in attributes.items():
+        if isinstance(value, SCHEDULERS) and value.last_epoch != before.get(id(value), 0) and not any(
+                state.keys() == value.state_dict().keys() and state["last_epoch"] == value.last_epoch
+                for state in states):
+            warnings.warn(f"trainer.{name} ({type(value).__name__}) stepped during this fit, and checkpoints do not "
+                          "hold its state: a run resumed from one would start its schedule again. Save its "
+                          f"state_dict() in on_save_checkpoint (checkpoint[{name!r}] = self.{name}.state_dict()) "
+                          "and load it in on_load_checkpoint, or give it to the Trainer from configure_optimizers",
+                          ConfigWarning, stacklevel=user_stacklevel())
+            continue
         tensors, module = kept(value), isinstance(value, torch.nn.Module)
         changed = any(before[id(t)] != t._version if id(t) in before else module for t in tensors)
         if not changed or any(fsdp.local(t) is not t for t in tensors) or any(_storage(t) in held for t in tensors):
@@ -161,6 +176,16 @@ def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int,
         warnings.warn(f"trainer.{name} ({type(value).__name__}) changed during this fit, and checkpoints do not hold "
                       f"it: a run resumed from one would start it from its first values. {fix}", ConfigWarning,
                       stacklevel=user_stacklevel())
+
+
+def _scheduler_states(value: Any) -> list[dict]:
+    """The dicts in ``value`` that may be a scheduler's state (they hold a ``last_epoch``)."""
+    if isinstance(value, dict):
+        own = [value] if "last_epoch" in value else []
+        return own + [state for item in value.values() for state in _scheduler_states(item)]
+    if isinstance(value, (list, tuple)):
+        return [state for item in value for state in _scheduler_states(item)]
+    return []
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
