@@ -348,9 +348,14 @@ def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: d
                 f"the optimizer it was saved with, or start a new run without resume", path)
         sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in opt.param_groups]
         if sizes[0] != sizes[1]:
-            raise CheckpointError(f"{named(path)}: optimizer {name!r} does not fit this run's (parameters per group: "
-                                  f"{sizes[0]} saved, {sizes[1]} now): resume with the same configure_optimizers",
-                                  path)
+            added = len(sizes[0]) > len(sizes[1]) and sizes[0][:len(sizes[1])] == sizes[1]
+            raise CheckpointError(
+                f"{named(path)}: optimizer {name!r} does not fit this run's (parameters per group: {sizes[0]} saved, "
+                f"{sizes[1]} now): " + ("its last groups were added during the run (add_param_group: unfreezing at "
+                                        "a milestone, as Lightning's BaseFinetuning does). Add them again before the "
+                                        "state is loaded: override load_state_dict(self, checkpoint, path=None) to "
+                                        "add them, then call super().load_state_dict(checkpoint, path)" if added else
+                                        "resume with the same configure_optimizers"), path)
         live = [p for g in opt.param_groups for p in g["params"]]
         for i, p in enumerate(live):  # the state is saved by position: a parameter in another place gets another's
             shapes = {tuple(v.shape) for v in saved[name]["state"].get(i, {}).values()
