@@ -80,6 +80,8 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "inner_optimizers": {name: {attr: numbers(full(inner.state_dict()))
                                     for attr, inner in inner_optimizers(opt).items()}
                              for name, opt in parts.optimizers.items()},
+        "optimizer_generators": {name: {attr: g.get_state() for attr, g in generators(opt).items()}
+                                 for name, opt in parts.optimizers.items()},
         "optimizer_classes": optimizer_classes(parts.optimizers),
         "configured": parts.configured,
         "schedulers": {name: numbers(sched.state_dict()) for name, sched in parts.schedulers.items()},
@@ -121,6 +123,13 @@ def wrapped(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict) -> t
             if attr in saved.get(name, {}):
                 inner[f"{name}.{attr}"], states[f"{name}.{attr}"] = opt, saved[name][attr]
     return inner, states
+
+
+def generators(optimizer: torch.optim.Optimizer) -> dict[str, torch.Generator]:
+    """The random generators an optimizer keeps as attributes (AdaHessian's, for its Rademacher draws): its
+    ``state_dict()`` leaves them out, so checkpoints keep their states, for a resumed run to draw as the straight
+    run does."""
+    return {attr: g for attr, g in vars(optimizer).items() if isinstance(g, torch.Generator)}
 
 
 SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -213,6 +222,10 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     load_named("optimizer", inner, {key: fsdp.optimizer_shards(inner[key], state) for key, state in states.items()},
                path)
     load_optimizers(parts.optimizers, checkpoint, path, parts.configured)
+    for name, states in checkpoint.get("optimizer_generators", {}).items():  # none before they were saved
+        for attr, generator in generators(parts.optimizers[name]).items():
+            if attr in states:
+                generator.set_state(states[attr])
     log_scheduler_settings(parts.schedulers, checkpoint["schedulers"], path)
     load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
     load_scaler(parts.scaler, checkpoint["scaler"])
