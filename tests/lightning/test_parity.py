@@ -314,8 +314,9 @@ def test_scheduler_dict_steps_as_lightning_steps_it(config, accum):
 
 @pytest.mark.parametrize("key, value", [("frequency", 2), ("strict", False)])
 def test_scheduler_frequency_and_strict_differs_as_documented(key, value):
-    """docs/trainer.md: "Lightning's frequency and strict keys are not supported (an error at start-up)". Lightning
-    trains with them; safeloop raises a ConfigError naming the key before its first step."""
+    """docs/trainer.md: "Lightning's frequency, strict and name keys are not supported (an error at start-up)".
+    Lightning trains with them; safeloop raises a ConfigError naming the key before its first step ('name':
+    test_parity4.py)."""
     config = {"interval": "epoch", key: value}
     lit, port = scheduled_runs(step_lr(config))
     assert lit.trainer.global_step == 3 * STEPS

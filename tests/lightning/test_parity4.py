@@ -1,7 +1,7 @@
 """safeloop's Trainer against pytorch-lightning's, bit for bit: what hooks see of an epoch or plateau schedule and of
 the gradients (at a pass's last step, in ``training_step``, after a validation), ``on_fit_start`` and the epoch hooks
 of a resumed run, Lightning's documented ``optimizer_step`` warm-up, a OneCycleLR over ``estimated_stepping_batches``,
-``GradientAccumulationScheduler`` and ``EMAWeightAveraging`` ported, the less common shapes of
+``GradientAccumulationScheduler``, ``EMAWeightAveraging`` and ``limit_train_batches`` ported, the less common shapes of
 ``configure_optimizers`` and schedulers, ``on_train_batch_start``'s -1, ``batch_idx`` under accumulation, iterable
 data read a batch ahead, and Lightning's own examples and tutorials ported (DQN, autoencoder, mnist-hello-world).
 
@@ -11,6 +11,7 @@ tests assert a difference the docs state, exactly. A difference the docs do not 
 Lightning's behaviour, marked ``xfail(strict=True)`` with the reason, until it is fixed or documented.
 """
 import collections
+import itertools
 import math
 import random
 
@@ -68,13 +69,13 @@ class PortLastStep(Port):
         return super().validation_step(batch)
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning steps an epoch scheduler at the pass's last batch, before that "
-                   "step's on_train_batch_end and the epoch's validation; safeloop when the next step asks for a "
-                   "batch, after on_step_end and the validation: they see the pass's learning rate, not the next's")
-def test_epoch_scheduler_seen_by_the_hooks_of_a_pass_last_step_matches():
-    """A StepLR given alone (each epoch), validation at each epoch's end (safeloop: ``val_every`` = one pass's steps),
-    2 epochs: the learning rate ``on_train_batch_end`` / ``on_step_end`` sees at each step, and ``validation_step``
-    at each validation (safeloop's before training aside). The parameters are the same."""
+def test_epoch_scheduler_seen_by_the_hooks_of_a_pass_last_step_differs_as_documented():
+    """docs/trainer.md, "Also different": "The pass's last ``on_step_end``, and a validation at the pass's end, see the
+    pass's learning rate. Lightning steps it at the pass's last batch, before that batch's ``on_train_batch_end`` and
+    the epoch's validation: they see the next pass's." A StepLR given alone (halving each epoch), validation at each
+    epoch's end (safeloop: ``val_every`` = one pass's steps), 2 epochs: the learning rate ``on_train_batch_end`` /
+    ``on_step_end`` sees at each step, and ``validation_step`` at each validation (safeloop's before training aside).
+    The other steps see the same, and the parameters are the same."""
     lit = LitLastStep(configure=step_lr)
     lit.lrs, lit.val_lrs = [], []
     lightning(max_epochs=EPOCHS).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=2, seed=2))
@@ -83,10 +84,11 @@ def test_epoch_scheduler_seen_by_the_hooks_of_a_pass_last_step_matches():
     port.lrs, port.val_lrs = [], []
     port.fit()
     assert_same(lit.model, port.model)
-    assert lit.lrs[STEPS - 1] == 0.025 and lit.val_lrs == [0.025, 0.0125]  # the next pass's
-    assert port.lrs[STEPS - 1] == 0.05 and port.val_lrs[1:] == [0.05, 0.025]  # the pass's own
-    assert lit.lrs == port.lrs
-    assert lit.val_lrs == port.val_lrs[1:]
+    last = [STEPS - 1, EPOCHS * STEPS - 1]  # each pass's last step
+    assert [lit.lrs[i] for i in last] == lit.val_lrs == [0.025, 0.0125]  # the next pass's
+    assert [port.lrs[i] for i in last] == port.val_lrs[1:] == [0.05, 0.025]  # the pass's own
+    assert len(lit.lrs) == len(port.lrs) == EPOCHS * STEPS
+    assert all(a == b for i, (a, b) in enumerate(zip(lit.lrs, port.lrs)) if i not in last)
 
 
 # -- on_fit_start in a resumed run
@@ -117,7 +119,15 @@ class PortFitStart(Port):
             group["lr"] = 0.01
 
 
-def fit_start_runs(tmp_path):
+class PortFitStartNewRun(PortFitStart):
+    """The port docs/trainer.md gives: the learning rate set for a new run only."""
+
+    def on_fit_start(self):
+        if self.state.step == 0:
+            super().on_fit_start()
+
+
+def fit_start_runs(tmp_path, port_class=PortFitStart):
     def lit_run(ckpt_path=None, **kwargs):
         lit = LitFitStart(configure=step_lr)
         lit.seen = []
@@ -125,7 +135,7 @@ def fit_start_runs(tmp_path):
         return lit
 
     def port_run(**kwargs):
-        port = PortFitStart(model=net(), train_data=loader(), **settings(**{"max_epochs": 3, **kwargs}))
+        port = port_class(model=net(), train_data=loader(), **settings(**{"max_epochs": 3, **kwargs}))
         port.seen = []
         port.fit()
         return port
@@ -143,19 +153,24 @@ def test_on_fit_start_of_a_new_run_matches(tmp_path):
     assert lr_of(lit["whole"].optimizers()) == lr_of(ours["whole"].optimizers["optimizer"]) == 0.01 / 8
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's on_fit_start runs before the checkpoint's optimizer, scheduler "
-                   "and loop state are restored (global_step 0, the configured lr; an lr set there is overwritten); "
-                   "safeloop's after (on_train_start's place), and an lr set there is trained with")
-def test_on_fit_start_of_a_resumed_run_matches(tmp_path):
-    """Saved at the end of the first pass (step 7) and resumed by a new Trainer to 3 epochs: what ``on_fit_start``
-    sees of the counters and the learning rate, and the parameters after training on with what it set."""
+def test_on_fit_start_of_a_resumed_run_differs_as_documented(tmp_path):
+    """docs/trainer.md, "Also different": "on_fit_start of a resumed run runs after the checkpoint is loaded: it sees
+    the checkpoint's step, epoch and learning rate, and a learning rate it sets is trained with. Lightning's runs
+    before the restore (step 0, epoch 0, the configured learning rate), and the checkpoint's optimizer state replaces
+    what it set (its on_train_start sees the restored state). A port that sets the learning rate there for a new run
+    only checks self.state.step == 0." Saved at the end of the first pass (step 7) and resumed by a new Trainer to 3
+    epochs: what ``on_fit_start`` sees, the learning rate trained on; the port that checks, bit for bit."""
     lit, ours = fit_start_runs(tmp_path)
     assert lit["resumed"].seen == [("fit_start", 0, 0, 0.05), ("train_start", STEPS, 1, 0.005)]
     assert ours["resumed"].seen == [("fit_start", STEPS, 1, 0.005)]
     assert lr_of(lit["resumed"].optimizers()) == 0.005 / 4  # the checkpoint's lr, trained on
     assert lr_of(ours["resumed"].optimizers["optimizer"]) == 0.01 / 4  # on_fit_start's
-    assert lit["resumed"].seen[0] == ours["resumed"].seen[0]
-    assert_same(lit["resumed"].model, ours["resumed"].model)
+    assert max_diff(lit["resumed"].model, ours["resumed"].model) > 0
+    _, checked = fit_start_runs(tmp_path / "checked", PortFitStartNewRun)
+    assert checked["resumed"].seen == []
+    assert lr_of(checked["resumed"].optimizers["optimizer"]) == 0.005 / 4
+    for key in ("whole", "resumed"):
+        assert_same(lit[key].model, checked[key].model)
 
 
 # -- Lightning's documented warm-up in optimizer_step, and a OneCycleLR over estimated_stepping_batches
@@ -221,8 +236,8 @@ class LitOneCycle(Lit):
 
 
 class PortOneCycle(Port):
-    """Lightning's ``estimated_stepping_batches`` from the settings: the updates of ``max_epochs`` passes (a pass's
-    last window may be short), at most ``max_steps``."""
+    """Lightning's ``estimated_stepping_batches`` from the settings, as docs/trainer.md's map gives it: the updates of
+    ``max_epochs`` passes (a pass's last window may be short), at most ``max_steps``."""
 
     def configure_optimizers(self):
         total = self.max_epochs * math.ceil(len(self.train_data) / self.grad_accum)
@@ -244,6 +259,38 @@ def test_one_cycle_over_estimated_stepping_batches_matches(accum, limit, total):
     assert_same(lit.model, port.model)
 
 
+class FirstBatches:
+    """``limit_train_batches=n`` ported as docs/trainer.md's map gives it: the first ``n`` batches of each pass, with a
+    length."""
+
+    def __init__(self, data, n: int):
+        self.data, self.n = data, n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return itertools.islice(self.data, self.n)
+
+
+@pytest.mark.parametrize("limit", [3, 0.5], ids=["batches", "fraction"])
+def test_limit_train_batches_ported_matches(limit):
+    """``limit_train_batches`` (3 batches, or half of 7: ``int(0.5 * 7)``) over a shuffled DataLoader, 3 epochs, and
+    its port: the updates, the parameters (each pass shuffles anew in both)."""
+    torch.manual_seed(5)
+    lit = Lit(configure=lambda model: sgd(model.parameters()))
+    trainer = lightning(max_epochs=3, limit_train_batches=limit)
+    shuffled = DataLoader(dataset(), batch_size=2, shuffle=True)
+    trainer.fit(lit, train_dataloaders=shuffled)
+    torch.manual_seed(5)
+    n = limit if isinstance(limit, int) else int(limit * len(shuffled))
+    port = Port(model=net(), train_data=FirstBatches(DataLoader(dataset(), batch_size=2, shuffle=True), n),
+                optimizer=sgd, **settings(max_epochs=3))
+    port.fit()
+    assert trainer.global_step == port.state.step == 3 * 3
+    assert_same(lit.model, port.model)
+
+
 # -- the less common shapes of configure_optimizers
 
 
@@ -254,13 +301,28 @@ def named_step_lr(model):
                                                "interval": "epoch", "name": "lr-sgd"}}
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler dict's 'name' key is a ConfigError at start-up; docs/trainer.md "
-                   "names only 'frequency' and 'strict' as not supported")
-def test_scheduler_dict_with_a_name_matches():
+def test_scheduler_dict_with_a_name_differs_as_documented():
+    """docs/trainer.md: "Lightning's frequency, strict and name keys are not supported (an error at start-up)".
+    Lightning trains with ``"name"``; safeloop raises a ConfigError naming the key before its first step. The same
+    dict without it trains as Lightning's, bit for bit."""
     lit = Lit(configure=named_step_lr)
-    lightning(max_epochs=EPOCHS).fit(lit, train_dataloaders=loader())
+    trainer = lightning(max_epochs=EPOCHS)
+    trainer.fit(lit, train_dataloaders=loader())
+    assert trainer.global_step == EPOCHS * STEPS and lr_of(lit.optimizers()) == 0.05 / 4
     port = Port(model=net(), train_data=loader(), **settings(max_epochs=EPOCHS))
     port.configure = staticmethod(named_step_lr)
+    with pytest.raises(safeloop.ConfigError, match="keys .*'name'"):
+        port.fit()
+    assert port.state.step == 0
+    assert_same(net(), port.model)
+
+    def unnamed(model):
+        config = named_step_lr(model)
+        del config["lr_scheduler"]["name"]
+        return config
+
+    port = Port(model=net(), train_data=loader(), **settings(max_epochs=EPOCHS))
+    port.configure = staticmethod(unnamed)
     port.fit()
     assert_same(lit.model, port.model)
 
@@ -269,6 +331,38 @@ def lists(model):
     """Lightning's ``[optimizers], [schedulers]``."""
     opt = sgd(model.parameters())
     return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
+
+
+def two_on_one(model):
+    """Lightning's list of two schedulers on one optimizer, each stepped at each epoch's end, in order."""
+    opt = sgd(model.parameters())
+    return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]
+
+
+def chained(model):
+    """The port docs/trainer.md's map gives: one ``ChainedScheduler`` of the two."""
+    opt = sgd(model.parameters())
+    both = [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]
+    return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ChainedScheduler(both)}
+
+
+def test_two_schedulers_on_one_optimizer_chained_matches(tmp_path):
+    """Two schedulers on one optimizer, 3 epochs: Lightning's ``[opt], [s1, s2]`` and a ``ChainedScheduler([s1, s2])``,
+    saved every pass and resumed from step 14: the learning rate, the parameters."""
+    lit = Lit(configure=two_on_one)
+    lightning(max_epochs=3).fit(lit, train_dataloaders=loader())
+    port = Port(model=net(), train_data=loader(), checkpoint={"dir": str(tmp_path), "every": STEPS},
+                **settings(max_epochs=3))
+    port.configure = staticmethod(chained)
+    port.fit()
+    resumed = Port(model=net(), train_data=loader(), resume=str(tmp_path / f"step-{2 * STEPS:09d}.pt"),
+                   **settings(max_epochs=3))
+    resumed.configure = staticmethod(chained)
+    resumed.fit()
+    assert lr_of(lit.optimizers()) == lr_of(port.optimizers["optimizer"]) == lr_of(resumed.optimizers["optimizer"])
+    assert math.isclose(lr_of(lit.optimizers()), 0.05 * (0.5 * 0.9) ** 3)
+    assert_same(lit.model, port.model)
+    assert_same(lit.model, resumed.model)
 
 
 def test_a_tuple_of_lists_differs_loudly():
@@ -289,33 +383,51 @@ def test_a_tuple_of_lists_differs_loudly():
 
 class NoisyStream(IterableDataset):
     """``dataset()``'s samples, each with a random augmentation drawn from the global generator as it is read (in
-    the main process: no workers), as a synthetic or streamed dataset draws."""
+    the main process: no workers), as a synthetic or streamed dataset draws; ``reads`` counts the samples read."""
+
+    reads = 0
 
     def __iter__(self):
         for x, y in dataset():
+            self.reads += 1
             yield x + 0.1 * torch.rand(x.shape), y
 
 
 class Replay(IterableDataset):
     """A replay buffer's samples, one batch of 2 drawn at each read (pl_bolts' and many DQN's ``ExperienceSource``),
-    7 a pass; ``training_step`` appends to the buffer."""
+    7 a pass; ``training_step`` appends to the buffer. ``reads`` counts the batches read, ``sizes`` notes the
+    buffer's size at each."""
 
     def __init__(self, buffer: list):
-        self.buffer = buffer
+        self.buffer, self.reads, self.sizes = buffer, 0, []
 
     def __iter__(self):
         for _ in range(STEPS):
+            self.reads += 1
+            self.sizes.append(len(self.buffer))
             picks = torch.randint(len(self.buffer), (2,))
             yield torch.stack([self.buffer[i][0] for i in picks]), torch.stack([self.buffer[i][1] for i in picks])
 
 
+class SizedStream(NoisyStream):
+    def __len__(self):
+        return 2 * STEPS
+
+
+class SizedReplay(Replay):
+    def __len__(self):
+        return STEPS
+
+
 class LitFed(Lit):
-    """Notes each batch; ``self.buffer`` (when set) gets the batch's first sample, moved, after each step."""
+    """Notes each batch and how much of ``self.data`` was read before it; ``self.buffer`` (when set) gets the
+    batch's first sample, moved, after each step."""
 
     buffer = None
 
     def training_step(self, batch, batch_idx):
         self.seen.append(batch[0].clone())
+        self.read.append(self.data.reads)
         if self.buffer is not None:
             self.buffer.append((batch[0][0] + 0.5, batch[1][0]))
         return super().training_step(batch, batch_idx)
@@ -323,58 +435,84 @@ class LitFed(Lit):
 
 class PortFed(Port):
     seen: list
+    read: list
     buffer = None
 
     def training_step(self, batch):
         self.seen.append(batch[0].clone())
+        self.read.append(self.data.reads)
         if self.buffer is not None:
             self.buffer.append((batch[0][0] + 0.5, batch[1][0]))
         return super().training_step(batch)
 
 
-def fed_runs(replay: bool):
+def fed_runs(replay: bool, sized: bool = False):
     """``seed_everything(7)``, dropout 0.5, 2 passes of ``NoisyStream`` (batches of 2) or of ``Replay`` over a buffer
-    of ``dataset(4)``'s samples."""
-    def data(buffer):
-        return DataLoader(Replay(buffer), batch_size=None) if replay else DataLoader(NoisyStream(), batch_size=2)
-
+    of ``dataset(4)``'s samples; ``sized``: the dataset has a length (7 batches)."""
     runs = []
     for framework in (Lit, Port):
         buffer = list(dataset(n=4)) if replay else None
+        if replay:
+            data = (SizedReplay if sized else Replay)(buffer)
+            batches = DataLoader(data, batch_size=None)
+        else:
+            data = SizedStream() if sized else NoisyStream()
+            batches = DataLoader(data, batch_size=2)
         pl.seed_everything(7, verbose=False)
         if framework is Lit:
             run = LitFed(net(dropout=0.5), configure=lambda model: sgd(model.parameters()))
-            run.seen, run.buffer = [], buffer
-            lightning(max_epochs=EPOCHS).fit(run, train_dataloaders=data(buffer))
+            run.seen, run.read, run.buffer, run.data = [], [], buffer, data
+            lightning(max_epochs=EPOCHS).fit(run, train_dataloaders=batches)
         else:
-            run = PortFed(model=net(dropout=0.5), train_data=data(buffer), optimizer=sgd,
-                          **settings(max_epochs=EPOCHS))
-            run.seen, run.buffer = [], buffer
+            run = PortFed(model=net(dropout=0.5), train_data=batches, optimizer=sgd, **settings(max_epochs=EPOCHS))
+            run.seen, run.read, run.buffer, run.data = [], [], buffer, data
             run.fit()
         runs.append(run)
     return runs
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning reads the next batch of data without a length before training_step "
-                   "(to know a pass's last batch); safeloop when the next step asks: a stream drawing from the global "
-                   "generator interleaves its draws with dropout's otherwise")
-def test_an_iterable_stream_drawing_random_augmentations_matches():
-    """An IterableDataset drawing a random augmentation per sample in the main process, a model with dropout: the
-    batches ``training_step`` sees, the parameters. The first batch is drawn before any dropout in both."""
+def read_before_each_step(per_batch: int, ahead: int) -> list:
+    """How much of the data is read before each ``training_step``: its own batch and ``ahead`` more, in each pass."""
+    return [per_batch * (epoch * STEPS + min(k + 1 + ahead, STEPS)) for epoch in range(EPOCHS) for k in range(STEPS)]
+
+
+def test_an_iterable_stream_drawing_random_augmentations_differs_as_documented():
+    """docs/trainer.md, "Also different": "Data without a length ... is read when a step asks for its batch. Lightning
+    reads it one batch ahead, before training_step ... So data that draws from the global random generators as it is
+    read (augmentations in the main process) interleaves its draws with dropout's otherwise". An IterableDataset
+    drawing a random augmentation per sample in the main process, a model with dropout: the samples read before each
+    ``training_step``, the batches it sees (the first, drawn before any dropout in both, is the same), the
+    parameters."""
     lit, port = fed_runs(replay=False)
+    assert lit.read == read_before_each_step(2, ahead=1)
+    assert port.read == read_before_each_step(2, ahead=0)
+    assert len(lit.seen) == len(port.seen) == EPOCHS * STEPS
+    assert torch.equal(lit.seen[0], port.seen[0]) and not torch.equal(lit.seen[1], port.seen[1])
+    assert max_diff(lit.model, port.model) > 0
+
+
+def test_a_replay_buffer_filled_by_training_step_differs_as_documented():
+    """docs/trainer.md, "Also different": "a batch sampled from a replay buffer that training_step fills holds the
+    last step's experience here, not there". Batches sampled from a replay buffer at each read (an IterableDataset),
+    each ``training_step`` appending to it (DQN): the batches read before each ``training_step``, the buffer's size
+    at each read (4 samples, and one more after each step), the first batch (the same), the parameters."""
+    lit, port = fed_runs(replay=True)
+    assert lit.read == read_before_each_step(1, ahead=1)
+    assert port.read == read_before_each_step(1, ahead=0)
+    assert port.data.sizes == [4 + i for i in range(EPOCHS * STEPS)]  # each step's experience, from the next on
+    assert lit.data.sizes == [4 + i - (i % STEPS > 0) for i in range(EPOCHS * STEPS)]  # one step later in a pass
     assert len(lit.seen) == len(port.seen) == EPOCHS * STEPS
     assert torch.equal(lit.seen[0], port.seen[0])
-    assert all(torch.equal(a, b) for a, b in zip(lit.seen, port.seen))
-    assert_same(lit.model, port.model)
+    assert max_diff(lit.model, port.model) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning reads the next batch of data without a length before training_step; "
-                   "safeloop after it: a batch sampled from a replay buffer that training_step fills misses the "
-                   "previous step's experience in Lightning and holds it in safeloop")
-def test_a_replay_buffer_filled_by_training_step_matches():
-    """Batches sampled from a replay buffer at each read (an IterableDataset), each ``training_step`` appending to
-    it (DQN): the batches ``training_step`` sees, the parameters."""
-    lit, port = fed_runs(replay=True)
+@pytest.mark.parametrize("replay", [False, True], ids=["stream", "replay buffer"])
+def test_iterable_data_with_a_length_matches(replay):
+    """docs/trainer.md, "Also different": "From data with a length Lightning reads none ahead, as here". The same two
+    datasets with a ``__len__`` (7 batches): the data read before each step, the batches, the parameters."""
+    lit, port = fed_runs(replay=replay, sized=True)
+    per_batch = 1 if replay else 2
+    assert lit.read == port.read == read_before_each_step(per_batch, ahead=0)
     assert len(lit.seen) == len(port.seen) == EPOCHS * STEPS
     assert all(torch.equal(a, b) for a, b in zip(lit.seen, port.seen))
     assert_same(lit.model, port.model)
@@ -663,13 +801,16 @@ def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_follow_the_run_that_never_st
         assert_same(lit.model, run.model)
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's run resumed from a checkpoint saved at a pass's last step, during "
-                   "the run, calls neither that pass's on_train_epoch_end nor the next pass's on_train_epoch_start; "
-                   "safeloop's calls both, as the run that never stopped did")
-def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_match(tmp_path):
+def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_differ_as_documented(tmp_path):
+    """docs/trainer.md, "Also different": the resumed run "ends that pass (its epoch schedulers step, on_epoch_end) and
+    starts the next (on_epoch_start)"; "Lightning's resumed run calls neither that pass's on_train_epoch_end nor the
+    next pass's on_train_epoch_start". From the second pass's end on, both call the same hooks with the same
+    counters and learning rates, and the parameters are the same."""
     (lit, port), (lit_resumed, port_resumed) = epoch_hook_runs(tmp_path)
     assert lit_resumed.calls == lit.calls[3:]  # from the second pass's end on
-    assert lit_resumed.calls == port_resumed.calls
+    assert port_resumed.calls[:2] == [("epoch_end", STEPS, 0, 0.025), ("epoch_start", STEPS, 1, 0.025)]
+    assert port_resumed.calls[2:] == lit_resumed.calls
+    assert_same(lit_resumed.model, port_resumed.model)
 
 
 # -- Lightning's mnist-hello-world tutorial: a torchmetrics Accuracy logged in validation_step
@@ -1046,12 +1187,11 @@ class PortGradSeen(Port):
         return super().training_step(batch)
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning zeroes the gradients after the first micro-batch's training_step, "
-                   "before its backward; safeloop after on_step_start, before training_step: training_step sees the "
-                   "last update's gradients there and None here")
-def test_gradients_training_step_sees_match():
-    """3 steps: ``on_train_batch_start`` / ``on_step_start`` see the last update's gradients in both (none at the
-    first); ``training_step`` should see them too, as Lightning's does."""
+def test_gradients_training_step_sees_differ_as_documented():
+    """docs/trainer.md, "Also different": "Gradients are cleared after on_step_start: training_step sees None.
+    Lightning clears them after the first micro-batch's training_step, before its backward, so its training_step
+    sees the last update's." 3 steps: ``on_train_batch_start`` / ``on_step_start`` see the last update's gradients
+    in both (none at the first); the parameters are the same."""
     lit = LitGradSeen(configure=lambda model: sgd(model.parameters()))
     lit.seen = []
     lightning(max_steps=3).fit(lit, train_dataloaders=loader())
@@ -1059,9 +1199,10 @@ def test_gradients_training_step_sees_match():
     port.seen = []
     port.fit()
     assert_same(lit.model, port.model)
-    assert lit.seen[0::2] == port.seen[0::2] and lit.seen[2][1] is not None  # on_train_batch_start / on_step_start
-    assert port.seen[1::2] == [("training_step", None)] * 3  # (what it is now)
-    assert lit.seen == port.seen
+    started = [norm for _, norm in port.seen[0::2]]
+    assert lit.seen[0::2] == port.seen[0::2] and started[0] is None and None not in started[1:]
+    assert lit.seen[1::2] == [("training_step", norm) for norm in started]  # the last update's
+    assert port.seen[1::2] == [("training_step", None)] * 3
 
 
 # -- a plateau scheduler, as on_train_epoch_end sees it
@@ -1093,12 +1234,11 @@ class PortPlateauSeen(Port):
         self.seen.append(("epoch_end", lr_of(self.optimizers["optimizer"])))
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning steps a monitored (plateau) scheduler after on_train_epoch_end; "
-                   "safeloop right after the validation, before on_epoch_end, which sees the next pass's learning "
-                   "rate (docs/trainer.md says so of epoch schedulers only, 'as Lightning's on_train_epoch_end')")
-def test_plateau_seen_by_on_train_epoch_end_matches():
-    """3 epochs, validation at each epoch's end, the second not improving: the learning rate each epoch's start and
-    end hooks see, the final one, the parameters."""
+def test_plateau_seen_by_on_epoch_end_differs_as_documented():
+    """docs/trainer.md, "Also different": "After a validation at a pass's end, on_epoch_end sees the learning rate
+    it set. Lightning steps it after on_train_epoch_end, which sees the one before. The next pass's start sees the
+    same in both." 3 epochs, validation at each epoch's end, the second not improving: the learning rate each
+    epoch's start and end hooks see, the final one, the parameters."""
     lit = LitPlateauSeen(configure=plateau)
     lit.seen = []
     lightning(max_epochs=3).fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2))
@@ -1107,10 +1247,12 @@ def test_plateau_seen_by_on_train_epoch_end_matches():
     port.seen = []
     port.fit()
     assert_same(lit.model, port.model)
-    assert lr_of(lit.optimizers()) == lr_of(port.optimizers["optimizer"]) == 0.0125
+    final = lr_of(port.optimizers["optimizer"])
+    assert lr_of(lit.optimizers()) == final == 0.0125
     assert lit.seen[::2] == port.seen[::2] == [("epoch_start", 0.05), ("epoch_start", 0.05), ("epoch_start", 0.025)]
-    assert [lr for _, lr in port.seen[1::2]] == [0.05, 0.025, 0.0125]  # (what it is now)
-    assert lit.seen == port.seen
+    starts = [lr for _, lr in port.seen[::2]]
+    assert [lr for _, lr in lit.seen[1::2]] == starts  # the one before the plateau's step
+    assert [lr for _, lr in port.seen[1::2]] == starts[1:] + [final]  # the one it set
 
 
 # -- the gradients validation and the epoch's end see
@@ -1166,23 +1308,26 @@ def grads_after_runs(validate: bool):
 
 
 def test_gradients_at_an_epoch_end_without_validation_match():
-    """docs/trainer.md: "An update's gradients stay until the next step begins: on_step_end, on_epoch_end, validation
-    and the end of fit() see them, as in Lightning". Without validation: each epoch's end and the fit's end see the
-    last update's gradients in both."""
+    """docs/trainer.md: "An update's gradients stay until the next step begins ...: on_step_end, on_epoch_end,
+    validation, the end of fit() and the next on_step_start see them"; "Without a validation they see the same in
+    both". Each epoch's end and the fit's end see the last update's gradients in both."""
     lit, port = grads_after_runs(validate=False)
     assert lit.seen == port.seen and len(port.seen) == 3 and all(norm is not None for _, norm in port.seen)
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning clears the gradients before a validation during training "
-                   "(on_validation_model_zero_grad): validation_step, the epoch's end after it and the fit's end see "
-                   "None there; docs/trainer.md says they see them 'as in Lightning'")
-def test_gradients_at_an_epoch_end_after_validation_match():
-    """With validation at each pass's end (Lightning's default when given validation data): what validation, each
-    epoch's end and the fit's end see."""
+def test_gradients_after_a_validation_differ_as_documented():
+    """docs/trainer.md, "Also different": "Gradients are kept through validation: validation_step, and on_epoch_end or
+    the end of fit() after a validation, see the last update's. Lightning clears them before each validation during
+    training (on_validation_model_zero_grad): there they see None." Validation at each pass's end (Lightning's
+    default when given validation data): what validation, each epoch's end and the fit's end see, against the
+    gradients the same runs leave without validation."""
     lit, port = grads_after_runs(validate=True)
-    assert all(norm is None for _, norm in lit.seen) and len(lit.seen) == 5
-    assert all(norm is not None for _, norm in port.seen)  # (what it is now)
-    assert lit.seen == port.seen
+    _, plain = grads_after_runs(validate=False)
+    first, second, _ = [norm for _, norm in plain.seen]
+    hooks = ["validation", "epoch_end", "validation", "epoch_end", "fit_end"]
+    assert [hook for hook, _ in lit.seen] == [hook for hook, _ in port.seen] == hooks
+    assert all(norm is None for _, norm in lit.seen)
+    assert [norm for _, norm in port.seen] == [first, first, second, second, second] and None not in (first, second)
 
 
 # -- a scheduler whose step() needs the epoch (timm's)
@@ -1334,11 +1479,15 @@ def test_plateau_resumed_at_a_pass_end_follows_the_run_that_never_stopped(tmp_pa
     assert_same(port.model, port_resumed.model)
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's run resumed from a checkpoint saved at a pass's last step, during "
-                   "the run, skips that pass's validation and the plateau's step on it (and trains otherwise than its "
-                   "run that never stopped); safeloop's goes on as the run that never stopped")
-def test_plateau_resumed_at_a_pass_end_matches(tmp_path):
-    (_, _), (lit_resumed, port_resumed) = plateau_resumed_runs(tmp_path)
-    assert lit_resumed.validated == [14, 21]
-    assert lr_of(lit_resumed.optimizers()) == lr_of(port_resumed.optimizers["optimizer"])
-    assert_same(lit_resumed.model, port_resumed.model)
+def test_plateau_resumed_at_a_pass_end_differs_as_documented(tmp_path):
+    """docs/trainer.md, "Also different": "A validation at that step, and a plateau's step on it, came before the save"
+    (safeloop); "It skips that pass's validation and a plateau scheduler's step on it, so it trains otherwise than its
+    run that never stopped" (Lightning's resumed run). safeloop's resumed run ends as Lightning's that never
+    stopped."""
+    (lit, port), (lit_resumed, port_resumed) = plateau_resumed_runs(tmp_path)
+    assert lit.validated == [7, 14, 21] and lit_resumed.validated == [14, 21]
+    assert [step for step, _ in port_resumed.state.val_history] == [0, 7, 14, 21]
+    assert lr_of(lit_resumed.optimizers()) == 0.05
+    assert lr_of(port_resumed.optimizers["optimizer"]) == lr_of(lit.optimizers()) == 0.0125
+    assert max_diff(lit.model, lit_resumed.model) > 0
+    assert_same(lit.model, port_resumed.model)
