@@ -358,39 +358,30 @@ class AdaHessianTrainer(Trainer):
     def training_step(self, batch):
         inputs, labels = batch
         loss = smooth_crossentropy(self.model(inputs), labels)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p, g in zip(params, torch.autograd.grad(loss.mean(), params, create_graph=True)):
-            p.grad = g
+        self.gradient(loss.mean())
         self.step()
         with torch.no_grad():
             self.scheduler(self.state.epoch)
         return loss.mean()
+
+    def gradient(self, loss):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p, g in zip(params, torch.autograd.grad(loss, params, create_graph=True)):
+            p.grad = g
 
 
 class SourceBackwardTrainer(AdaHessianTrainer):
     """The source's own ``loss.mean().backward(create_graph=True)`` inside ``training_step``."""
 
-    def training_step(self, batch):
-        inputs, labels = batch
-        loss = smooth_crossentropy(self.model(inputs), labels)
-        loss.mean().backward(create_graph=True)
-        self.step()
-        with torch.no_grad():
-            self.scheduler(self.state.epoch)
-        return loss.mean()
+    def gradient(self, loss):
+        loss.backward(create_graph=True)
 
 
 class CreateGraphTrainer(AdaHessianTrainer):
     """``self.backward(loss, create_graph=True)``, the Trainer's manual backward (Lightning's ``manual_backward``)."""
 
-    def training_step(self, batch):
-        inputs, labels = batch
-        loss = smooth_crossentropy(self.model(inputs), labels)
-        self.backward(loss.mean(), create_graph=True)
-        self.step()
-        with torch.no_grad():
-            self.scheduler(self.state.epoch)
-        return loss.mean()
+    def gradient(self, loss):
+        self.backward(loss, create_graph=True)
 
 
 @pytest.mark.parametrize("port", [CreateGraphTrainer, AdaHessianTrainer, SourceBackwardTrainer])
