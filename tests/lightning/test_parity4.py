@@ -765,6 +765,15 @@ class PortEpochs(Port):
         self.note("epoch_end")
 
 
+
+def runs_whole_and_resumed_at_step_7(tmp_path, lit_run, port_run):
+    """Each framework's run that never stopped, and its run resumed from the checkpoint of step 7 (a pass's end)."""
+    whole = lit_run(), port_run()
+    resumed = lit_run(ckpt_path=tmp_path / "lit" / f"step={STEPS}.ckpt"), \
+        port_run(resume=str(tmp_path / "sl" / f"step-{STEPS:09d}.pt"))
+    return whole, resumed
+
+
 def epoch_hook_runs(tmp_path):
     """3 epochs, a StepLR each epoch, a checkpoint every 7 steps (each pass's last); resumed from step 7's."""
     def lit_run(ckpt_path=None):
@@ -783,10 +792,7 @@ def epoch_hook_runs(tmp_path):
         port.fit()
         return port
 
-    whole = lit_run(), port_run()
-    resumed = lit_run(ckpt_path=tmp_path / "lit" / f"step={STEPS}.ckpt"), \
-        port_run(resume=str(tmp_path / "sl" / f"step-{STEPS:09d}.pt"))
-    return whole, resumed
+    return runs_whole_and_resumed_at_step_7(tmp_path, lit_run, port_run)
 
 
 def test_epoch_hooks_of_a_run_resumed_at_a_pass_end_follow_the_run_that_never_stopped(tmp_path):
@@ -1460,10 +1466,7 @@ def plateau_resumed_runs(tmp_path):
         port.fit()
         return port
 
-    whole = lit_run(), port_run()
-    resumed = lit_run(ckpt_path=tmp_path / "lit" / f"step={STEPS}.ckpt"), \
-        port_run(resume=str(tmp_path / "sl" / f"step-{STEPS:09d}.pt"))
-    return whole, resumed
+    return runs_whole_and_resumed_at_step_7(tmp_path, lit_run, port_run)
 
 
 def test_plateau_resumed_at_a_pass_end_follows_the_run_that_never_stopped(tmp_path):
