@@ -765,7 +765,6 @@ class PortEpochs(Port):
         self.note("epoch_end")
 
 
-
 def runs_whole_and_resumed_at_step_7(tmp_path, lit_run, port_run):
     """Each framework's run that never stopped, and its run resumed from the checkpoint of step 7 (a pass's end)."""
     whole = lit_run(), port_run()
