@@ -13,7 +13,8 @@ a write after it is no mistake. Reading every parameter at every forward costs o
 the guard's budget, so only ``check=always`` takes them.
 
 The hook never changes what the model computes: it reads detached parameters, outside autograd, and records
-nothing while torch.compile traces, under ``torch.func`` transforms, or for tensors it cannot read.
+nothing while torch.compile or torch.jit.trace traces, under ``torch.func`` transforms, or for tensors it cannot
+read.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from . import walk
 class Unsaved(OrderedDict):
     """A module's forward hooks, the fingerprints' among them (``ours``: their ids): pickled (``torch.save(model)``,
     ``copy.deepcopy``) as the plain ``OrderedDict`` of the others, as the module would pickle without the guard, so
-    that a saved model holds nothing of safeloop (a local function pickle cannot save, besides)."""
+    that a saved model holds nothing of safeloop (a local function pickle cannot save, besides). ``values()``, which
+    ``torch.jit.script`` compiles and a module's own call does not read (it reads ``items()``), are the others too:
+    a model scripted for export after training is the model without the guard."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -38,6 +41,9 @@ class Unsaved(OrderedDict):
 
     def __reduce__(self):
         return OrderedDict, (), None, None, iter([(k, v) for k, v in self.items() if k not in self.ours])
+
+    def values(self):
+        return [v for k, v in self.items() if k not in self.ours]
 
 
 class Prints:
@@ -57,7 +63,8 @@ class Prints:
 
         def hook(module, args, output):
             prints = me()
-            if prints is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if prints is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+                    and not torch.jit.is_tracing():  # torch.jit.trace records what the model computes, not this
                 prints.record(module, output)
 
         for root in modules:

@@ -128,15 +128,6 @@ OWN_WARNING = ("acgan_softmax_no_dim",)
 FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py")
                if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH, *OWN_WARNING})
 
-# correct scripts that watch breaks today: script -> why (strict xfails of the test of FIXED)
-FIXED_XFAIL = {
-    "jit_export_after_training": "check=always leaves its fingerprint forward hooks (guard/prints.py) on the modules "
-                                 "after training: torch.jit.trace runs them, and its check finds the graphs differ "
-                                 "(TracingCheckError), and torch.jit.script compiles them (RuntimeError: Hook 'hook' "
-                                 "... expected the input argument to be typed as a Tuple)",
-}
-
-
 def options(name: str) -> list[str]:
     """The watch options a script gives on its first line ("# watch: --check always")."""
     first = (SCRIPTS / f"{name}.py").read_text().split("\n", 1)[0]
@@ -204,8 +195,7 @@ def test_a_script_catching_the_error_prints_the_explanation_instead(runs, name):
     assert "does not depend on any tensor that requires grad" in proc.stdout
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=FIXED_XFAIL[n]))
-                                  if n in FIXED_XFAIL else n for n in FIXED])
+@pytest.mark.parametrize("name", FIXED)
 def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothing(runs, name):
     proc = runs[0][name]
     assert proc.returncode == 0, proc.stderr
