@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import hydra
 import torch
+import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,7 +30,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.utils import get_class, instantiate
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from . import distributed
 from .errors import ConfigError
@@ -128,9 +129,9 @@ def check(cfg: DictConfig) -> list[str]:
     set, the seed, the Trainer class and the recipe's arguments, and the groups without a schema
     (``model``, ``optimizer``...) against their ``_target_``'s signature. The ``trainer``, ``guard``
     and ``checkpoint`` groups are typed by their schema, and their values checked by the Trainer."""
-    problems = missing_values(cfg)
+    problems = missing_values(cfg) or unresolved(cfg)
     if problems:
-        return problems  # resolving a ??? value would raise
+        return problems  # resolving it would raise
     seed = cfg.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         problems.append(f"seed={seed!r} is not an integer: give one (seed=0), or null not to seed")
@@ -254,6 +255,17 @@ def _instantiate(node: DictConfig, where: str) -> Any:
     return made
 
 
+def unresolved(cfg: DictConfig) -> list[str]:
+    """An interpolation that cannot be resolved (an environment variable not set, a key that does not exist), by
+    its key: one, the first OmegaConf meets."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as err:
+        return [f"{err.full_key}: its interpolation cannot be resolved ({str(err).splitlines()[0]}): set what it "
+                "reads, or give the value itself"]
+    return []
+
+
 def missing_values(cfg: DictConfig) -> list[str]:
     """One problem per required value (``???``) left unset (an interpolation of one is not reported again:
     resolving it would raise)."""
@@ -309,6 +321,8 @@ def composition(overrides: Sequence[str], config_name: str = "train",
             return [], hydra.compose(config_name, overrides=[o.input_line for o in parsed])
         except ConfigCompositionException:
             pass  # an override is at fault: found below
+        except yaml.YAMLError as err:  # a config file of the user's own
+            return [not_yaml(err)], None
         # Every override at fault, not only the first: each one tried on the config of those that compose.
         cfg, kept, refused = hydra.compose(config_name), [], []
         for o in parsed:
@@ -319,6 +333,15 @@ def composition(overrides: Sequence[str], config_name: str = "train",
                 refused.append((o, err))
     known = list(dict.fromkeys([key for key, _ in _walk(OmegaConf.to_container(cfg, resolve=False))] + list(groups)))
     return [_problem(o, err, known) for o, err in refused], cfg
+
+
+def not_yaml(err: yaml.YAMLError) -> str:
+    """A config file that YAML cannot read, named with the place and what is wrong there."""
+    mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
+    return f"{where} is not valid YAML: " + (f"{problem}{f' ({context})' if context else ''}" if problem
+                                             else _first_lines(err))
 
 
 def _option_problems(o: Override, groups: dict[str, list[str]]) -> list[str]:

@@ -129,6 +129,25 @@ def test_values_of_groups_without_a_schema_are_named_by_their_key_path():
     ]
 
 
+def test_an_interpolation_that_cannot_be_resolved_or_a_config_file_that_is_not_yaml_is_named(tmp_path, monkeypatch):
+    """An environment variable not set or a key that does not exist, and a YAML error in a config file of the
+    user's own: one ConfigError each (the command line's exit code 2), not OmegaConf's or PyYAML's traceback."""
+    monkeypatch.delenv("SAFELOOP_UNSET", raising=False)
+    assert problems_of("data.seed=${oc.env:SAFELOOP_UNSET}") == [
+        "data.seed: its interpolation cannot be resolved (KeyError raised while resolving interpolation: \"Environment "
+        "variable 'SAFELOOP_UNSET' not found\"): set what it reads, or give the value itself"]
+    assert problems_of("data.seed=${model.nope}") == [
+        "data.seed: its interpolation cannot be resolved (Interpolation key 'model.nope' not found): set what it "
+        "reads, or give the value itself"]
+    (tmp_path / "configs" / "model").mkdir(parents=True)
+    (tmp_path / "configs" / "model" / "broken.yaml").write_text("_target_: safeloop.models.MLP\nhidden: [8\n")
+    monkeypatch.chdir(tmp_path)  # configs/ of the current directory: the user's own options
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}/configs/model/broken.yaml, line 2, column 9 is not "
+                                                    "valid YAML: expected ',' or ']', but got '<stream end>' (while "
+                                                    "parsing a flow sequence)")):
+        safeloop_compose(["model=broken"])
+
+
 def test_a_target_that_cannot_be_imported_or_a_group_without_one_is_named():
     assert problems_of("optimizer._target_=torch.optim.Adamm", "scheduler=abc") == [
         "optimizer._target_='torch.optim.Adamm' cannot be imported (no such module or attribute); give the dotted "
