@@ -157,9 +157,10 @@ def task(cfg: DictConfig) -> float:
         raise
     if trainer.stop_signal is not None:
         where = trainer.checkpointer.last if trainer.checkpointer is not None else None
+        # the directory named in full: the default one is inside this run's directory, which a new command changes
         print(f"stopped by signal {trainer.stop_signal} at step {trainer.state.step}; checkpoint: {where}. "
-              "Run the same command with trainer.resume=auto (and the same checkpoint.dir) to continue",
-              file=sys.stderr)
+              + (f"To continue, run the same command with trainer.resume=auto checkpoint.dir={Path(where).parent}"
+                 if where is not None else "No checkpoint was written (checkpoints are off)"), file=sys.stderr)
         sys.exit(128 + trainer.stop_signal)
     return Result.of(trainer.state, cfg.get("monitor", "val_loss"))
 
