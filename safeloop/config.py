@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, OverrideParseException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, instantiate, to_absolute_path
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
@@ -96,6 +96,12 @@ def build(cfg: DictConfig) -> Trainer:
         raise ConfigError(problems)
     settings: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     cls = get_class(settings.pop("_target_"))
+    checkpoint = OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None
+    if HydraConfig.initialized():  # a relative path is the command's, under hydra.job.chdir=True too
+        if isinstance(checkpoint, dict) and checkpoint.get("dir"):
+            checkpoint["dir"] = to_absolute_path(str(checkpoint["dir"]))
+        if settings.get("resume") not in (None, "auto"):
+            settings["resume"] = to_absolute_path(str(settings["resume"]))
     recipe: dict[str, Any] = OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") else {}
     seed = cfg.get("seed")
     if seed is not None:  # before anything is made: the seed decides the data and the model's initial weights
@@ -114,7 +120,7 @@ def build(cfg: DictConfig) -> Trainer:
             scheduler=made["scheduler"],
             callbacks=callbacks,
             guard=OmegaConf.to_container(cfg.guard, resolve=True) if cfg.get("guard") else None,
-            checkpoint=OmegaConf.to_container(cfg.checkpoint, resolve=True) if cfg.get("checkpoint") else None,
+            checkpoint=checkpoint,
             config=OmegaConf.to_container(cfg, resolve=True),  # plain containers: checkpoints load weights_only
             run_dir=run_dir(cfg),
             **settings,
