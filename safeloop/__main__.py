@@ -41,7 +41,8 @@ def main() -> None:
     is ``hydra.help`` there). The overrides of a run or of ``--help`` are checked first, so that a bad one
     gets safeloop's words and exit code 2 rather than Hydra's report, with the values and the run directory
     (``check_overrides``), before Hydra makes it; a sweep's each value, before its first run (``check_sweep``).
-    ``--cfg`` and Hydra's other modes report their own errors. The current directory is importable, as under
+    With ``--config-dir`` too (its options are checked). ``--cfg``, Hydra's other modes and a primary config of
+    your own (``--config-name``) report their own errors. The current directory is importable, as under
     ``python -m``, for ``_target_`` of your own. ``safeloop watch script.py [args]`` runs a script under the
     guard (``safeloop.watch``)."""
     args = sys.argv[1:]
@@ -51,20 +52,43 @@ def main() -> None:
         from .watch import main as watch
 
         sys.exit(watch(args[1:], prog="safeloop watch"))
+    args, where = config_flags(args)
     flags = {arg for arg in args if arg.startswith("-")}
     sweep = bool(flags & {"-m", "--multirun"}) or any(arg.split("=", 1)[0].lstrip("+~") == "hydra.mode"
                                                        for arg in args)
-    if flags <= {"-h", "--help", "-m", "--multirun"}:  # a run, a sweep, or --help
-        refusing(check_sweep if sweep else check_overrides, [arg for arg in args if arg not in flags])
+    # a run, a sweep, or --help, of train.yaml (a primary config of your own: Hydra's to compose and report)
+    if flags <= {"-h", "--help", "-m", "--multirun"} and where["config_name"] == "train":
+        refusing(check_sweep if sweep else check_overrides, [arg for arg in args if arg not in flags], **where)
     run()
 
 
-def refusing(func, *args):
+def config_flags(args: list[str]) -> tuple[list[str], dict]:
+    """``args`` without Hydra's ``--config-dir``/``-cd`` and ``--config-name``/``-cn`` (and their values), and
+    what they give ``compose``: the directories searched, the primary config's name. ``--config-path`` is left in
+    ``args``: Hydra's to resolve (the checks before the run are then left to Hydra, as for another primary config:
+    ``compose`` finds the primary config in safeloop's directory only)."""
+    rest, where = [], {"search": [], "config_name": "train"}
+    names = {"--config-dir": "search", "-cd": "search", "--config-name": "config_name", "-cn": "config_name"}
+    values = iter(args)
+    for arg in values:
+        flag, given, value = arg.partition("=")
+        if flag in names:
+            value = value if given else next(values, "")
+            if names[flag] == "search":
+                where["search"].append(os.path.abspath(value))
+            else:
+                where["config_name"] = value
+        else:
+            rest.append(arg)
+    return rest, where
+
+
+def refusing(func, *args, **kwargs):
     """``func(*args)``, a ``ConfigError`` ending the program with its message and exit code 2, a second
     SIGTERM/SIGINT (``Interrupted``) with the signal's exit code (143, 130), any other ``SafeloopError``
     or an ``OSError`` with its message, the user's own frames (``your_frames``) and exit code 1."""
     try:
-        return func(*args)
+        return func(*args, **kwargs)
     except ConfigError as err:
         print(f"safeloop: {err}", file=sys.stderr)
         sys.exit(2)
@@ -95,11 +119,11 @@ def your_frames(err: BaseException) -> list[str]:
                                   if not f.filename.startswith(_LIBRARIES)])
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], **where) -> None:
     """Everything the command line can get wrong before a run directory is made: the overrides and the
-    values (``compose``), a run directory that cannot be made (``hydra.run.dir``, or ``outputs/``), and one
-    that another run holds (before Hydra writes this run's ``.hydra/`` over that run's)."""
-    compose(overrides)
+    values (``compose``; ``where``: ``config_flags``'), a run directory that cannot be made (``hydra.run.dir``, or
+    ``outputs/``), and one that another run holds (before Hydra writes this run's ``.hydra/`` over that run's)."""
+    compose(overrides, **where)
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
     path = Path(given[-1] if given else "outputs").absolute()
     held_by = holder(path) if given else None
@@ -112,7 +136,7 @@ def check_overrides(overrides: list[str]) -> None:
                           "to with hydra.run.dir=PATH")
 
 
-def check_sweep(overrides: list[str]) -> None:
+def check_sweep(overrides: list[str], **where) -> None:
     """A sweep's overrides before its first run, so that a bad value is refused before any run trains: each value
     of each swept key (``key=a,b``, ``range``, ``choice``) once, the other swept keys at their first value. A sweep
     with a sweeper of its own (``hydra/sweeper=optuna``) or a range that is no list of values (``interval``) is
@@ -133,7 +157,7 @@ def check_sweep(overrides: list[str]) -> None:
 
     for overrides_of_run in [one({})] + [one({i: f"{key}={value}"}) for i, (key, values) in swept.items()
                                          for value in values[1:]]:
-        compose(overrides_of_run)
+        compose(overrides_of_run, **where)
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")

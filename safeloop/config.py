@@ -52,8 +52,8 @@ def register() -> None:
         cs.store(group=group, name="schema", node=_schema(schema))
     OmegaConf.register_new_resolver("safeloop.groups", _options_text, replace=True)
     # train.yaml's search path names the current directory's configs/ (the user's own options), there or not
-    warnings.filterwarnings("ignore", message=f"provider=hydra.searchpath in main, path={USER_CONFIG_DIR} is not "
-                            "available", category=UserWarning)
+    warnings.filterwarnings("ignore", message=f"provider=hydra.searchpath in (main|command-line), "
+                            f"path={USER_CONFIG_DIR} is not available", category=UserWarning)
     # Under torchrun every rank runs @hydra.main: ranks > 0 make no output directory or log file.
     sys.argv += [o for o in distributed.hydra_overrides() if o not in sys.argv]
 
@@ -68,11 +68,12 @@ def _schema(cls) -> DictConfig:
     return node
 
 
-def options(config_dir: str | Path = CONFIG_DIR) -> dict[str, list[str]]:
-    """Each config group and its options: the YAML files under ``config_dir`` and under the current directory's
-    ``configs/`` (the user's own; the schemas are no options)."""
+def options(config_dir: str | Path = CONFIG_DIR, search: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Each config group and its options: the YAML files under ``config_dir``, under the current directory's
+    ``configs/`` (the user's own; the schemas are no options) and under the ``search`` directories (the command
+    line's ``--config-dir``)."""
     found: dict[str, set[str]] = {}
-    for root in (Path(config_dir), Path(USER_CONFIG_DIR)):
+    for root in (Path(config_dir), Path(USER_CONFIG_DIR), *map(Path, search)):
         for d in root.iterdir() if root.is_dir() else ():
             if d.is_dir():
                 found.setdefault(d.name, set()).update(f.stem for f in d.glob("*.yaml"))
@@ -289,14 +290,15 @@ def _walk(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train",
-            config_dir: str | Path = CONFIG_DIR) -> DictConfig:
+            config_dir: str | Path = CONFIG_DIR, search: Sequence[str] = ()) -> DictConfig:
     """``hydra.compose`` with safeloop's errors, for programs, notebooks and the command line.
 
     Every problem is reported in one ``ConfigError``: a group option that does not exist, an
     unknown key with the closest known keys ("did you mean"), a wrong type with the key and what
     was expected, a required value left ``???``, a value its ``_target_`` does not take (``check``).
+    ``search``: more config directories, as the command line's ``--config-dir`` adds them.
     """
-    problems, cfg = composition(overrides, config_name, config_dir)
+    problems, cfg = composition(overrides, config_name, config_dir, search)
     if cfg is not None:
         problems += check(cfg)
     if problems:
@@ -304,8 +306,8 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train",
     return cfg
 
 
-def composition(overrides: Sequence[str], config_name: str = "train",
-                config_dir: str | Path = CONFIG_DIR) -> tuple[list[str], DictConfig | None]:
+def composition(overrides: Sequence[str], config_name: str = "train", config_dir: str | Path = CONFIG_DIR,
+                search: Sequence[str] = ()) -> tuple[list[str], DictConfig | None]:
     """Every problem with the overrides themselves, and the config that those Hydra accepts make (None when
     one is no override or chooses no option: the others alone would compose a different run)."""
     register()
@@ -315,7 +317,9 @@ def composition(overrides: Sequence[str], config_name: str = "train",
             parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
             problems.append(f"{line}: {_first_lines(err)}")
-    groups = options(config_dir)
+    groups = options(config_dir, search)
+    # the search path train.yaml gives, and the --config-dir ones
+    where = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
     problems += [problem for o in parsed for problem in _option_problems(o, groups)]
     if problems:
         return problems, None
@@ -324,16 +328,16 @@ def composition(overrides: Sequence[str], config_name: str = "train",
     parsed.sort(key=lambda o: o.key_or_group not in groups)
     with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
         try:
-            return [], hydra.compose(config_name, overrides=[o.input_line for o in parsed])
+            return [], hydra.compose(config_name, overrides=[*where, *(o.input_line for o in parsed)])
         except ConfigCompositionException:
             pass  # an override is at fault: found below
         except yaml.YAMLError as err:  # a config file of the user's own
             return [not_yaml(err)], None
         # Every override at fault, not only the first: each one tried on the config of those that compose.
-        cfg, kept, refused = hydra.compose(config_name), [], []
+        cfg, kept, refused = hydra.compose(config_name, overrides=where), [], []
         for o in parsed:
             try:
-                cfg = hydra.compose(config_name, overrides=[*kept, o.input_line])
+                cfg = hydra.compose(config_name, overrides=[*where, *kept, o.input_line])
                 kept.append(o.input_line)
             except ConfigCompositionException as err:
                 refused.append((o, err))
