@@ -1,5 +1,5 @@
 """KL annealing: hubertrybka/vae-annealing, README.md's usage and annealing.py (``Annealer`` with
-``shape='linear'``: the KL term multiplied by ``current_step / total_steps``, ``annealing_agent.step()`` after
+``shape='linear'``: the KL term multiplied by ``current_step / total_steps``, the annealer's ``step()`` after
 each optimizer step; ``VAELoss``: binary cross-entropy summed, KL divergence of a diagonal Gaussian).
 
 Changes for a seconds-long test: a linear VAE of 6 inputs and a latent of 2, 4 steps of 8 samples,
@@ -60,15 +60,15 @@ def items():
 
 def hand(model, data):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    annealing_agent = Annealer(TOTAL)
+    annealer = Annealer(TOTAL)
     for x0 in data:
         x, mu, logvar = model(x0)
         bce, kld = vae_loss(x, x0, mu, logvar)
-        kld = annealing_agent(kld)
+        kld = annealer(kld)
         optimizer.zero_grad()
         (bce + kld).backward()
         optimizer.step()
-        annealing_agent.step()
+        annealer.step()
 
 
 class Port(Trainer):
