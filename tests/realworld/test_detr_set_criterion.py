@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safeloop import Trainer
+from safeloop import NoGraphError, Trainer
 
 from .harness import checks, compare, fixed
 
@@ -144,7 +144,7 @@ def test_detr_full_dict_sum(check):
             loss_weights=weight_dict, multi_loss="sum")
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
+@pytest.mark.xfail(strict=True, raises=NoGraphError,
                    reason="NoGraphError at step 1 for 'class_error' under 'sequential', accepted under 'sum'")
 def test_detr_full_dict_sequential():
     compare(Detr, hand, FullDictPort, fixed(data_items()), "auto", STEPS, grad_clip=0.1,
