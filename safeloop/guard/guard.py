@@ -312,7 +312,8 @@ class Guard:
         for name, loss in losses.items():
             if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())) \
                     and not _placeholder(loss):
-                raise self.no_graph(name, loss, step, scope, batch)
+                raise self.no_graph(name, loss, step, scope, batch,
+                                    among=any(x.grad_fn is not None for x in losses.values()))
         # every step but under check=off: one look at each trained parameter's .grad (a backward of training_step's
         # own can start at any step, an adversarial attack's after a warm-up); after the walk on a checked step
         look = (first or kept is not None) and scope is not None and self.check != "off" \
@@ -898,7 +899,8 @@ class Guard:
         raise self._error(DoubleBackwardError, loss.grad_fn, Case(name, loss, step, scope), detail, fixes)
 
     # -- loss without a graph --------------------------------------------------------
-    def no_graph(self, name, loss, step, scope=None, batch=None) -> NoGraphError:
+    def no_graph(self, name, loss, step, scope=None, batch=None, among: bool = False) -> NoGraphError:
+        """``among``: ``loss`` is one of several returned, some of which have a graph (a metric returned with them)."""
         params = list(scope.parameters()) if scope is not None else []
         if loss.is_inference():
             why = "it was computed under torch.inference_mode()"
@@ -915,6 +917,9 @@ class Guard:
         else:
             seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
             why, fixes = _why_detached(seen, self.words)
+        if among:  # every entry of a returned dict is trained (Lightning's {"loss": ..., "acc": ...} trains "loss")
+            fixes = [f"if {name!r} is a metric, log it with self.log({name!r}, value) rather than return it: every "
+                     "entry of the dict training_step returns is a loss the Trainer back-propagates", *fixes]
         return NoGraphError(
             f"{why}, so backward has no parameter to differentiate (loss is a {loss.dtype} tensor with "
             f"requires_grad={loss.requires_grad} and no grad_fn)", step=step, loss_name=name, fixes=fixes)

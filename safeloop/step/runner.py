@@ -102,7 +102,6 @@ class Runner:
         # FSDP2: the graph's leaves are the gathered parameters, not the optimizers' shards, so a routed loss is
         # back-propagated plainly and the gradients it leaves on other optimizers' parameters dropped (safeloop.fsdp)
         self.sharded = self.dist is not None and self.dist.sharded
-        self.weights = dict(c.settings.loss_weights or {})
         # under DDP several losses are back-propagated as their sum (see safeloop.distributed)
         self.multi_loss = "sum" if self.dist is not None and self.dist.losses_summed else c.settings.multi_loss
         self.finite = nonfinite.FiniteCheck() if c.settings.on_nonfinite != "off" else None
@@ -160,6 +159,11 @@ class Runner:
         if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)
             for p in [*self.params, *(p for _, p in c.named_parameters())]:
                 p.grad = None
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """``loss_weights`` as they are now: a hook may change them between steps (a KL weight annealed)."""
+        return self.settings.loss_weights or {}
 
     # -- the step ----------------------------------------------------------------------------
     def run(self, batches: list) -> None:
