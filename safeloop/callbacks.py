@@ -147,8 +147,9 @@ class Hooks:
 
     def __init__(self, trainer, base: type):
         self.trainer, self.base = trainer, base
-        if replaced(trainer, base):  # here, before fit() calls an overridden setup
-            raise ConfigError(replaced(trainer, base))
+        problems = replaced(trainer, base)  # here, before fit() calls an overridden setup
+        if problems:
+            raise ConfigError(problems)
         self.bound: dict[str, list[Callable]] = {name: [] for name in HOOKS}
 
     def bind(self, callbacks: list[Callback]) -> None:
