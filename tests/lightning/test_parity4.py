@@ -765,6 +765,15 @@ class PortEpochs(Port):
         self.note("epoch_end")
 
 
+def fit_saving_each_pass(lit, tmp_path, ckpt_path=None, **loaders):
+    """Lightning's 3 epochs of ``lit``, a checkpoint every 7 steps (each pass's last) in ``tmp_path / "lit"``."""
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=STEPS, save_top_k=-1,
+                                         filename="{step}")
+    lightning(max_epochs=3, enable_checkpointing=True, callbacks=[saver]).fit(
+        lit, train_dataloaders=loader(), ckpt_path=ckpt_path, **loaders)
+    return lit
+
+
 def runs_whole_and_resumed_at_step_7(tmp_path, lit_run, port_run):
     """Each framework's run that never stopped, and its run resumed from the checkpoint of step 7 (a pass's end)."""
     whole = lit_run(), port_run()
@@ -778,11 +787,7 @@ def epoch_hook_runs(tmp_path):
     def lit_run(ckpt_path=None):
         lit = LitEpochs(configure=step_lr)
         lit.calls = []
-        saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=STEPS, save_top_k=-1,
-                                             filename="{step}")
-        lightning(max_epochs=3, enable_checkpointing=True, callbacks=[saver]).fit(
-            lit, train_dataloaders=loader(), ckpt_path=ckpt_path)
-        return lit
+        return fit_saving_each_pass(lit, tmp_path, ckpt_path)
 
     def port_run(**kwargs):
         port = PortEpochs(model=net(), train_data=loader(), checkpoint={"dir": str(tmp_path / "sl"), "every": STEPS},
@@ -1451,11 +1456,7 @@ def plateau_resumed_runs(tmp_path):
     def lit_run(ckpt_path=None):
         lit = LitPlateauResumed(configure=plateau)
         lit.validated = []
-        saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", every_n_train_steps=STEPS, save_top_k=-1,
-                                             filename="{step}")
-        lightning(max_epochs=3, enable_checkpointing=True, callbacks=[saver]).fit(
-            lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2), ckpt_path=ckpt_path)
-        return lit
+        return fit_saving_each_pass(lit, tmp_path, ckpt_path, val_dataloaders=loader(n=4, seed=2))
 
     def port_run(**kwargs):
         port = Port(model=net(), train_data=loader(), val_data=loader(n=4, seed=2),

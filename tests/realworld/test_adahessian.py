@@ -390,13 +390,9 @@ def test_adahessian_with_hessian_vector_products_inside_the_step(check, port):
     compare(make_wrn, davda54_hand, port, fixed(cifar()), check, steps=EPOCHS * PER_EPOCH)
 
 
-class LightningStyleTrainer(Trainer):
+class LightningStyleTrainer(AdaHessianTrainer):
     """Lightning's way: automatic mode, its ``backward`` hook overridden to pass ``create_graph=True``."""
-
-    def configure_optimizers(self):
-        optimizer = make_optimizer(self.model)
-        self.scheduler = StepLR(optimizer, LR, EPOCHS)
-        return optimizer
+    automatic = True
 
     def training_step(self, batch):
         inputs, labels = batch
