@@ -4,7 +4,7 @@ A write through ``.data`` (``p.data.clamp_(-c, c)``) moves no version counter, s
 graph saved a parameter whose values changed before its backward. A fingerprint can. Hooks on the modules the
 guard can name (the model, the modules in the loop's variables), put there at the first checked step, read the
 parameters a module holds directly after each of its forwards with grad enabled: version, data pointer, and the
-L2 norm of their values (float32, left on the device: no sync there; the comparison syncs). The norm, not the sum:
+L2 norm of their values (float32, left on the device: no sync there; the comparison syncs once). The norm, not the sum:
 weight clipping moves values at both ends towards zero, which a sum can cancel out (as many raised as lowered by
 the same amount) and a norm cannot. Before a checked backward, a reached parameter with the same version but another
 data pointer or norm than at a forward whose output the loss's graph holds was written since, unseen by autograd.
@@ -112,11 +112,12 @@ class Prints:
     def changed(self, leaves, nodes) -> list[torch.Tensor]:
         """The ``leaves`` written, without moving their version (``.data``), since a forward whose output nodes are
         among ``nodes`` (a loss's graph): that forward's graph saved values they no longer hold. Without node
-        sequence numbers (an older torch) nothing is said: which forwards a loss holds cannot be told."""
+        sequence numbers (an older torch) nothing is said: which forwards a loss holds cannot be told. The
+        comparisons stay on the parameters' device until one read per device at the end: one host sync a call."""
         if not walk.HAS_SEQ:
             return []
         held = {walk.sequence_nr(node) for node in nodes}
-        out = []
+        compared: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> [(leaf, written?)]
         for leaf in leaves:
             seen = self._seen.get(id(leaf))
             if seen is None or seen[0]() is not leaf:
@@ -126,10 +127,13 @@ class Prints:
                 continue
             total = _norm(leaf)
             norms = torch.stack([norm for _, norm in used])
-            if not bool(torch.isfinite(total)) or not bool(torch.isfinite(norms).all()):
-                continue  # an overflowing or non-finite norm tells nothing
-            if any(ptr != leaf.data_ptr() for ptr, _ in used) or not bool((norms == total).all()):
-                out.append(leaf)
+            moved = any(ptr != leaf.data_ptr() for ptr, _ in used)
+            finite = torch.isfinite(total) & torch.isfinite(norms).all()  # an overflowing norm tells nothing
+            compared.setdefault(total.device, []).append((leaf, finite & ((norms != total).any() | moved)))
+        out = []
+        for pairs in compared.values():
+            written = torch.stack([flag for _, flag in pairs]).tolist()
+            out.extend(leaf for (leaf, _), yes in zip(pairs, written) if yes)
         return out
 
 
