@@ -35,6 +35,8 @@ from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
 STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
 _LOOP_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"}
+# instructions after which the next one does not run
+_FLOW_ENDS = _LOOP_ENDS | {"JUMP_FORWARD", "RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
 _STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
            "DELETE_GLOBAL", "DELETE_DEREF"}
 
@@ -167,7 +169,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         return outside
     frame, (first, last) = found
     body = [i for i in dis.get_instructions(frame.f_code) if first <= i.offset <= last]
-    assigned = {i.argval for i in body if i.opname in _STORES}
+    assigned = {name for i in body for name in _stored(i)}
     attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
         assigned.update(i.argval for i in dis.get_instructions(code)
@@ -188,6 +190,15 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     return max(seqs) + 1 if seqs else None
 
 
+def _stored(ins: dis.Instruction) -> tuple[str, ...]:
+    """The variable names an instruction assigns or deletes (Python 3.13 stores two at once: ``a, b = ...``)."""
+    if ins.opname in _STORES:
+        return (ins.argval,)
+    if ins.opname == "STORE_FAST_STORE_FAST":
+        return ins.argval
+    return (ins.argval[0],) if ins.opname == "STORE_FAST_LOAD_FAST" else ()
+
+
 def _fields(obj) -> dict:
     """``vars(obj)`` of an object that is neither a tensor nor a module, else {}. Looked at through types only:
     an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op` does,
@@ -205,13 +216,38 @@ def _fields(obj) -> dict:
 def _loop_around(code, offset: int) -> tuple[int, int] | None:
     """The outermost loop body (first, last instruction offset) containing ``offset``: a tensor that an outer
     loop makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not
-    built before the loop."""
+    built before the loop. A loop is closed by a backward jump on the path without exceptions: since Python 3.12
+    the handlers of ``with`` and ``except`` sit at the function's end and jump back to the code after them,
+    which is no loop."""
     best = None
+    normal = _normal_path(code)
     for ins in dis.get_instructions(code):
-        if ins.opname in _LOOP_ENDS and isinstance(ins.argval, int) and ins.argval <= offset <= ins.offset:
+        if ins.opname in _LOOP_ENDS and isinstance(ins.argval, int) and ins.argval <= offset <= ins.offset \
+                and ins.offset in normal:
             if best is None or ins.offset - ins.argval > best[1] - best[0]:
                 best = ins.argval, ins.offset
     return best
+
+
+def _normal_path(code) -> set[int]:
+    """The offsets of the instructions of ``code`` that run when nothing raises: those reached from the first one
+    by falling through and by jumps, not through the exception table (3.11 on) or ``SETUP_*`` (3.10)."""
+    instructions = list(dis.get_instructions(code))
+    index = {ins.offset: k for k, ins in enumerate(instructions)}
+    seen: set[int] = set()
+    todo = [0]
+    while todo:
+        k = todo.pop()
+        if k in seen or k >= len(instructions):
+            continue
+        seen.add(k)
+        ins = instructions[k]
+        if (ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs) and not ins.opname.startswith("SETUP_") \
+                and ins.argval in index:
+            todo.append(index[ins.argval])
+        if ins.opname not in _FLOW_ENDS:
+            todo.append(k + 1)
+    return {instructions[k].offset for k in seen}
 
 
 def _set_by_methods(obj) -> set[str]:
