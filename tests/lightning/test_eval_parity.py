@@ -412,3 +412,64 @@ def test_predict_from_the_best_checkpoint_after_fit_matches(tmp_path):
     assert [len(p) for p in ours] == [4, 4, 2]
     assert len(theirs) == len(ours) and all(torch.equal(a, b) for a, b in zip(theirs, ours))
     assert all(m.training for m in fresh.model.modules())  # train mode given back
+
+
+# -- batch_idx in validation_step (Lightning's examples log sample images when ``batch_idx == 0``): the ConfigError
+# for a ``validation_step(batch, batch_idx)`` kept from Lightning says "drop batch_idx (Lightning's batch_idx:
+# self.state.batch_in_epoch counts the batches of the pass)"
+
+
+class LitIdx(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = classifier()
+        self.idx = []
+
+    def training_step(self, batch, batch_idx):
+        return ce(self.model, batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.idx.append(batch_idx)
+        self.log("val_loss", ce(self.model, batch))
+
+    def configure_optimizers(self):
+        return sgd(self.model.parameters(), 0.1)
+
+
+class PortIdxKept(safeloop.Trainer):
+    def training_step(self, batch):
+        return ce(self.model, batch)
+
+    def validation_step(self, batch, batch_idx):
+        return ce(self.model, batch)
+
+
+class PortIdx(PortIdxKept):
+    """Ported as the message says."""
+
+    idx: list
+
+    def validation_step(self, batch):
+        self.idx.append(self.state.batch_in_epoch)
+        return ce(self.model, batch)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="callbacks.lightning_names gives the training_step advice for validation_step too: "
+                          "self.state.batch_in_epoch counts the training pass's batches and stays put during a "
+                          "validation (0 before training, the pass's count after); nothing counts validation batches")
+def test_batch_idx_in_validation_step_ported_as_the_message_says_matches():
+    """Validation each epoch over 3 batches: Lightning's ``batch_idx`` is 0, 1, 2 at each; the port's value, as the
+    ConfigError tells to read it, should be the same (safeloop's validation before training aside)."""
+    run = dict(model=classifier(), train_data=classes(), val_data=classes(n=10, seed=2),
+               optimizer=lambda p: sgd(p, 0.1), **settings(max_epochs=EPOCHS, val_every=STEPS))
+    with pytest.raises(safeloop.ConfigError, match=r"drop batch_idx \(Lightning's batch_idx: "
+                                                   r"self.state.batch_in_epoch counts the batches of the pass\)"):
+        PortIdxKept(**run).fit()
+    lit = LitIdx()
+    lightning(max_epochs=EPOCHS).fit(lit, train_dataloaders=classes(), val_dataloaders=classes(n=10, seed=2))
+    port = PortIdx(**{**run, "model": classifier()})
+    port.idx = []
+    port.fit()
+    assert lit.idx == [0, 1, 2] * EPOCHS
+    assert port.idx[3:] == lit.idx
