@@ -473,3 +473,51 @@ def test_batch_idx_in_validation_step_ported_as_the_message_says_matches():
     port.fit()
     assert lit.idx == [0, 1, 2] * EPOCHS
     assert port.idx[3:] == lit.idx
+
+
+# -- the same macro F1 computed over the whole validation set, Lightning's other documented way: ``update`` in
+# ``validation_step``, ``self.log(name, metric.compute())`` and ``reset()`` in ``on_validation_epoch_end``, monitored by
+# EarlyStopping. Ported to ``on_validation_end(metrics)`` (docs/trainer.md's map), the value logged there is written
+# with the next step's losses, and is no validation metric.
+
+
+class LitF1Epoch(LitF1):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.f1.update(self.model(x), y)
+        self.log("val_loss", ce(self.model, batch))
+
+    def on_validation_epoch_end(self):
+        self.log("val_f1", self.f1.compute())
+        self.f1.reset()
+        self.val.append(float(self.trainer.callback_metrics["val_f1"]))
+
+
+class PortF1Epoch(PortF1):
+    def validation_step(self, batch):
+        x, y = batch
+        self.f1.update(self.model(x), y)
+        return ce(self.model, batch)
+
+    def on_validation_end(self, metrics):
+        self.log("val_f1", self.f1.compute())
+        self.f1.reset()
+
+
+@pytest.mark.xfail(strict=True, raises=safeloop.ConfigError,
+                   reason="a value self.log'ged in on_validation_end goes to the next log point with the training "
+                          "losses, not into the validation's metrics (Evaluator.means has already returned): "
+                          "EarlyStopping (and checkpoint.monitor) cannot take it, and nothing documents another way")
+def test_epoch_level_metric_logged_after_validation_monitored_by_early_stopping_matches():
+    """``EarlyStopping(monitor="val_f1", mode="max", patience=1)``, validation each epoch, 4 epochs: the step
+    training stopped after and each validation's F1."""
+    rule = dict(monitor="val_f1", mode="max", patience=1)
+    lit = LitF1Epoch()
+    trainer = lightning(max_epochs=4, callbacks=[pl.callbacks.EarlyStopping(**rule)])
+    trainer.fit(lit, train_dataloaders=classes(), val_dataloaders=classes(n=10, seed=2))
+    port = PortF1Epoch(model=classifier(), train_data=classes(), val_data=classes(n=10, seed=2),
+                       optimizer=lambda p: sgd(p, 0.1), callbacks=[safeloop.EarlyStopping(**rule)],
+                       **settings(max_epochs=4, val_every=STEPS))
+    port.fit()
+    assert port.state.step == trainer.global_step
+    assert all(close(a, m["val_f1"]) for a, (s, m) in zip(lit.val, port.state.val_history[1:]))
