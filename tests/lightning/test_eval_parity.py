@@ -1,7 +1,8 @@
 """Evaluation code from public repositories, ported to safeloop and run beside pytorch-lightning: a validation that
 needs gradients (pytorch/tutorials' FGSM robust accuracy), an EMA copy validated beside the model
-(real-stanford/diffusion_policy), a torchmetrics metric that is no mean over samples (macro F1), ``trainer.validate()``
-and its ``on_validation_end``, and ``predict`` from the best checkpoint.
+(real-stanford/diffusion_policy), a torchmetrics metric that is no mean over samples (macro F1, logged per batch or
+computed over the set after the validation and monitored by EarlyStopping), ``trainer.validate()`` and its
+``on_validation_end``, ``predict`` from the best checkpoint, and ``batch_idx`` in ``validation_step``.
 
 As in ``test_parity.py``: ``..._matches`` tests compare what a user relies on; a difference the docs do not state is a
 test asserting Lightning's behaviour, marked ``xfail(strict=True)`` with the reason.
