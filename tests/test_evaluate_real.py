@@ -3,7 +3,7 @@ pytorch/examples' ImageNet ``validate()`` (AverageMeter means weighted by the ba
 then train mode again, BatchNorm statistics untouched), its training loop with the validation inside
 ``torch.random.fork_rng()`` (docs/trainer.md's claim: then a port trains bit for bit as it), an EMA copy validated as
 timm's ``ModelEmaV2`` keeps it (in eval mode from its construction) and as a ``copy.deepcopy`` of the model, and the
-FGSM attack of pytorch/tutorials in ``validation_step``.
+FGSM attack of pytorch/tutorials in ``validation_step``, and which validations EarlyStopping counts.
 """
 import copy
 
@@ -304,3 +304,38 @@ def test_fgsm_in_validation_step_trains_as_the_hand_loop():
                          ids=["automatic, guard off", "manual", "manual, guard always"])
 def test_fgsm_in_validation_step_trains_as_the_hand_loop_silently_otherwise(automatic, guard):
     assert fgsm_run(automatic=automatic, **({"guard": guard} if guard else {})) == []
+
+
+# -- docs/trainer.md, Early stopping: "The validations during training count: every val_every steps, and the one at
+# the end of a run whose last step is not among those; a trainer.validate() of your own does not."
+
+
+class OwnValidation(ImageNet):
+    at: int | None = None  # the step after which on_step_end validates once more, of its own
+
+    def on_step_end(self, losses):
+        if self.state.step == self.at:
+            self.validate()
+
+
+def stopped_after(at):
+    """A constant validation loss (a linear model, lr 0), ``val_every=4``, ``EarlyStopping(patience=2)``: the step
+    training stopped after (best at step 4, then 8 and 12 without improvement: 12)."""
+    torch.manual_seed(0)
+    trainer = type("Own", (OwnValidation,), {"at": at})(
+        model=nn.Linear(10, 6), train_data=DataLoader(images(8), batch_size=4), val_data=DataLoader(images(8), batch_size=4),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.0), max_steps=40, val_every=4, device="cpu", progress=False,
+        loggers=[], callbacks=[safeloop.EarlyStopping(patience=2)])
+    trainer.fit()
+    return trainer.state.step
+
+
+def test_early_stopping_counts_the_validations_during_training():
+    assert stopped_after(None) == 12
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="EarlyStopping counts every validation while fitting is set (on_fit_start to on_fit_end), "
+                          "a trainer.validate() a hook calls during fit too: it stops after step 8, best 'at step 3'")
+def test_early_stopping_does_not_count_a_validate_of_its_own_during_fit():
+    assert stopped_after(3) == 12
