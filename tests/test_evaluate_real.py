@@ -323,8 +323,8 @@ def stopped_after(at):
     training stopped after (best at step 4, then 8 and 12 without improvement: 12)."""
     torch.manual_seed(0)
     trainer = type("Own", (OwnValidation,), {"at": at})(
-        model=nn.Linear(10, 6), train_data=DataLoader(images(8), batch_size=4), val_data=DataLoader(images(8), batch_size=4),
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.0), max_steps=40, val_every=4, device="cpu", progress=False,
+        model=nn.Linear(10, 6), train_data=DataLoader(images(8), batch_size=4),
+        val_data=DataLoader(images(8), batch_size=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.0), max_steps=40, val_every=4, device="cpu", progress=False,
         loggers=[], callbacks=[safeloop.EarlyStopping(patience=2)])
     trainer.fit()
     return trainer.state.step
