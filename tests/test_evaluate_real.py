@@ -324,8 +324,8 @@ def stopped_after(at):
     torch.manual_seed(0)
     trainer = type("Own", (OwnValidation,), {"at": at})(
         model=nn.Linear(10, 6), train_data=DataLoader(images(8), batch_size=4),
-        val_data=DataLoader(images(8), batch_size=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.0), max_steps=40, val_every=4, device="cpu", progress=False,
-        loggers=[], callbacks=[safeloop.EarlyStopping(patience=2)])
+        val_data=DataLoader(images(8), batch_size=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.0), max_steps=40,
+        val_every=4, device="cpu", progress=False, loggers=[], callbacks=[safeloop.EarlyStopping(patience=2)])
     trainer.fit()
     return trainer.state.step
 
