@@ -48,8 +48,8 @@ def ce(model, batch):
 # -- pytorch/tutorials, beginner_source/fgsm_tutorial.py (commit 03cd4915be50f10014722c35b8b04736c145d199), test():
 # the input's gradient for the Fast Gradient Sign attack, taken as written there (``model.zero_grad();
 # loss.backward(); data.grad``) or with ``torch.autograd.grad``, which writes no ``.grad``. Reduced: batches instead
-# of one image at a time, no skipping of misclassified images, the robust accuracy as a validation metric, a linear
-# classifier on seeded features instead of MNIST's LeNet.
+# of one image at a time, no skipping of misclassified images, the robust accuracy as a validation metric, a small
+# MLP on seeded features instead of MNIST's LeNet.
 
 
 def fgsm(model, batch, how, epsilon=0.05):
