@@ -205,3 +205,13 @@ def test_dcgan_step_skipped_for_a_nan_generator_loss_after_ds_update():
                                 loggers=(), precision="16-mixed", on_nonfinite="skip")
     trainer.fit()
     assert trainer.state.step == BATCHES and trainer.state.skipped == 1
+
+
+def test_dcgan_with_one_grad_scaler_resumed_midway(tmp_path):
+    from .harness import assert_same
+    from .test_resume_ports import straight_and_resumed
+    straight, resumed = straight_and_resumed(tmp_path, DCGAN, DCGANTrainer, lambda model: Images(), BATCHES, 2,
+                                             precision="16-mixed")
+    assert_same(resumed.model, straight.model)
+    assert resumed.scaler.state_dict() == straight.scaler.state_dict()
+    assert resumed.train_data.scales == straight.train_data.scales[2:]

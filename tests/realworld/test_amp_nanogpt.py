@@ -20,7 +20,9 @@ compile, logging or checkpoints. ``dtype='bfloat16'`` (the scaler disabled) is r
 The port: ``precision="16-mixed"`` (``"bf16-mixed"``), ``grad_accum=2``, ``grad_clip=1.0``, the lr assigned in
 ``on_step_start``; validation through ``val_data`` and the default ``validation_step`` (under the same autocast).
 Resumed from a checkpoint midway, the port trains as the run that never stopped, the scaler's growth tracker
-included.
+included. With ``precision="bf16-true"`` the port matches the same loop with the model cast to bfloat16
+(``model.to(dtype=torch.bfloat16)`` before the optimizer is made, no autocast and no scaler), the parameters as
+Lightning's ``bf16-true`` holds them (lightning/fabric/plugins/precision/half.py, ``HalfPrecision.convert_module``).
 """
 import math
 
@@ -193,3 +195,34 @@ def test_nanogpt_float16_resumed_midway_keeps_the_scalers_growth_tracker(tmp_pat
     assert resumed.scaler.state_dict() == straight.scaler.state_dict()
     # no update overflowed: the growth tracker counted every one, across the resume
     assert straight.scaler.state_dict()["_growth_tracker"] == max_iters + 1
+
+
+def nanogpt_bf16_true_hand(model, data):
+    """The loop with the model's parameters themselves in bfloat16 (Lightning's ``bf16-true``: HalfPrecision casts
+    the module and the floating inputs; the token ids stay integers), no autocast, no scaler."""
+    model.to(dtype=torch.bfloat16)
+    optimizer = model.configure_optimizers(weight_decay, learning_rate, device_type)
+    data.reset()
+    X, Y = data.get_batch()
+    iter_num = 0
+    while True:
+        lr = get_lr(iter_num)
+        for param_group in optimizer.param_groups:
+            param_group['lr'] = lr
+        for micro_step in range(gradient_accumulation_steps):
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
+            X, Y = data.get_batch()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        if iter_num > max_iters:
+            break
+
+
+@pytest.mark.parametrize("check", checks())
+def test_nanogpt_with_bf16_parameters(check):
+    compare(lambda: gpt2.GPT(gpt2.GPTConfig()), nanogpt_bf16_true_hand, NanoGPT, lambda model: Data(), check,
+            steps=max_iters + 1, precision="bf16-true", grad_accum=gradient_accumulation_steps, grad_clip=grad_clip)

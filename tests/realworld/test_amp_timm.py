@@ -152,3 +152,16 @@ def test_timm_native_scaler_with_accumulation_clipping_and_a_scheduler_over_skip
     assert watched == hand and port == hand
     # the updates over batches 0 and 5, in each pass, were skipped: the scale halved four times
     assert hand == [2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14, 2.0 ** 13, 2.0 ** 13, 2.0 ** 12, 2.0 ** 12], hand
+
+
+@pytest.mark.parametrize("stop", [3, 5], ids=["after_a_skipped_update", "in_the_second_pass"])
+def test_timm_native_scaler_resumed_midway(tmp_path, stop):
+    from .harness import assert_same
+    from .test_resume_ports import straight_and_resumed
+    straight, resumed = straight_and_resumed(tmp_path, make_model, TimmPort, lambda model: Loader(),
+                                             EPOCHS * BATCHES // ACCUM, stop, precision="16-mixed", grad_accum=ACCUM,
+                                             grad_clip=CLIP, optimizer=make_optimizer, scheduler=make_scheduler)
+    assert_same(resumed.model, straight.model)
+    assert resumed.scaler.state_dict() == straight.scaler.state_dict()
+    assert resumed.train_data.scales == straight.train_data.scales[stop:]
+    assert resumed.schedulers["optimizer"].state_dict() == straight.schedulers["optimizer"].state_dict()
