@@ -18,13 +18,18 @@
   init_scale=1024.0)``, a ``GradScaler`` argument the recipe leaves at its default. The Trainer has no setting for
   the scaler's arguments; a port that puts its own scaler on ``self.scaler`` (in ``on_fit_start``) trains with the
   Trainer's default one all the same, and checkpoints the unused one (strict xfail).
+- A failed step under 16-mixed: the port of ``test_amp_recipe`` with a hook that raises once, after the Trainer
+  unscaled the gradients (``on_before_optimizer_step`` at step 3). docs/checkpoints.md says the failed step is
+  abandoned, "parameters and optimizer state are unchanged"; under 32 and bf16-mixed a second ``fit()`` goes on from
+  there. Under 16-mixed the GradScaler is left mid-step (its optimizer marked unscaled, no ``update()``): every
+  later step fails in ``unscale_`` (strict xfail).
 """
 import math
 
 import pytest
 import torch
 
-from safeloop import NonFiniteError, Trainer
+from safeloop import NonFiniteError, StepError, Trainer
 
 from . import test_amp_recipe as recipe, test_mae as mae
 from .harness import assert_same, compare
@@ -150,3 +155,31 @@ class OwnScaler(recipe.AMP):
 def test_a_grad_scaler_with_its_own_initial_scale():
     compare(recipe.model, init_scale_hand, OwnScaler, lambda model: recipe.Batches(), "off",
             steps=recipe.num_batches, precision="16-mixed")
+
+
+class FailsOnce(recipe.AMP):
+    failed = False
+
+    def on_before_optimizer_step(self, name, optimizer):
+        if self.state.step + 1 == 3 and not self.failed:
+            self.failed = True
+            raise ValueError("a transient failure")
+
+    def on_fit_end(self):
+        pass
+
+
+@pytest.mark.parametrize("precision", [
+    "32", "bf16-mixed",
+    pytest.param("16-mixed", marks=pytest.mark.xfail(
+        strict=True, raises=StepError,
+        reason="a step abandoned after the GradScaler's unscale_ leaves the scaler's per-optimizer state 'unscaled' "
+               "(Runner.abandon resets no scaler state): the next step fails in unscale_"))])
+def test_a_fit_goes_on_after_a_failed_step(precision):
+    torch.manual_seed(0)
+    trainer = FailsOnce(model=recipe.model(), train_data=recipe.Batches(), max_steps=recipe.num_batches, device="cpu",
+                        progress=False, loggers=(), precision=precision)
+    with pytest.raises(StepError, match="step 3 failed and was abandoned .*ValueError: a transient failure"):
+        trainer.fit()
+    trainer.fit()
+    assert trainer.state.step == recipe.num_batches
