@@ -154,6 +154,7 @@ def test_timm_native_scaler_with_accumulation_clipping_and_a_scheduler_over_skip
     assert hand == [2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14, 2.0 ** 13, 2.0 ** 13, 2.0 ** 12, 2.0 ** 12], hand
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 @pytest.mark.parametrize("stop", [3, 5], ids=["after_a_skipped_update", "in_the_second_pass"])
 def test_timm_native_scaler_resumed_midway(tmp_path, stop):
     from .harness import assert_same
