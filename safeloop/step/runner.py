@@ -633,6 +633,8 @@ class Runner:
         self.applied.clear()
         for _, p in self.config.named_parameters():  # the model's parameters outside the optimizers too
             p.grad = None
+        if self.scaler is not None:  # its scale changes at update() only; forget which optimizers it unscaled, stepped
+            self.scaler._per_optimizer_states.clear()  # (torch's own name: update() resets it so)
         return report
 
     def rerun(self, batch) -> set[str] | None:
