@@ -453,9 +453,12 @@ def _show(value: Any) -> str:
 
 
 def check_scaler(scaler, saved: dict | None, path: Path | None) -> None:
-    if (scaler is None) != (saved is None):
-        raise CheckpointError(f"{named(path)} was saved {'with' if saved else 'without'} a GradScaler "
-                              "(precision 16) and this run is not: resume with the same precision", path)
+    if saved is not None and scaler is None:
+        raise CheckpointError(f"{named(path)} was saved with a GradScaler (precision 16) and this run has none: "
+                              "resume with the precision it was saved with", path)
+    if saved is None and scaler is not None:
+        raise CheckpointError(f"{named(path)} was saved without a GradScaler (precision 32 or bf16) and this run has "
+                              "one (precision 16): resume with the precision it was saved with", path)
 
 
 def load_scaler(scaler, saved: dict | None) -> None:
