@@ -60,6 +60,8 @@ class Evaluator:
     move: Callable
     step: int
     dist: Distributed | None = None
+    others: tuple = ()  # the modules kept outside ``model`` (``Trainer.modules()``: an EMA copy): in eval mode too
+    fitting: bool = False  # inside ``fit()``: the random generators come back after the pass
 
     def means(self, data: Iterable, step_fn: Callable[[object], torch.Tensor | Mapping | None],
               kind: Kind = VALIDATION, logged: dict | None = None) -> dict[str, float]:
@@ -106,14 +108,21 @@ class Evaluator:
     @torch.no_grad()
     def run(self, data: Iterable, step_fn: Callable, collect: Callable[[object, object], None], kind: Kind) -> int:
         """``collect(batch, step_fn(batch))`` for each batch; returns how many there were. ``model`` is in eval
-        mode meanwhile, and each module's own mode comes back afterwards: a part frozen in eval (BatchNorm
-        statistics) stays frozen. So do the global random generators: a DataLoader's iterator draws a seed
-        from torch's, a step may use dropout or Python's and numpy's, and training must draw what it would
-        have drawn without this pass. A failure is a ``StepError`` naming the batch."""
-        modes = [(m, m.training) for m in self.model.modules()] if self.model is not None else []
+        mode meanwhile, as are ``others``, and each module's own mode comes back afterwards: a part frozen in eval
+        (BatchNorm statistics) stays frozen. Inside ``fit`` so do the global random generators: a DataLoader's
+        iterator draws a seed from torch's, a step may use dropout or Python's and numpy's, and training must draw
+        what it would have drawn without this pass (outside it, each ``predict()`` draws anew: Monte Carlo dropout).
+        A failure is a ``StepError`` naming the batch."""
+        roots = [m for m in (self.model, *self.others) if m is not None]
+        modes = [(m, m.training) for root in roots for m in root.modules()]
         if self.model is not None:
-            place(self.model, self.device, self.precision).eval()
-        rng = rng_state()
+            place(self.model, self.device, self.precision)
+        for root in roots:
+            root.eval()
+        rng = rng_state() if self.fitting else None
+        # a step taking a gradient by backward() (an attack's input gradient) leaves the training's gradients as it
+        # found them: the next update is the training's alone
+        grads = [(p, p.grad, p.grad._version if p.grad is not None else 0) for root in roots for p in root.parameters()]
         done = 0
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
@@ -133,7 +142,14 @@ class Evaluator:
         finally:
             for module, training in modes:
                 module.training = training
-            set_rng_state(rng)
+            if rng is not None:
+                set_rng_state(rng)
+            for param, grad, _ in grads:
+                param.grad = grad
+        if any(grad is not None and grad._version != version for _, grad, version in grads):
+            raise StepError(f"{kind.step} added to gradients that training had accumulated (a backward() in it), "
+                            "which cannot be taken back: take its gradient with torch.autograd.grad(loss, inputs) "
+                            "instead", self.step)
         return done
 
 

@@ -104,9 +104,8 @@ class Trainer:
         self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
         problems += found
         self.device, self.precision, found = resolve(self.settings.device, self.settings.precision)
-        problems += found
-        if problems:
-            raise ConfigError(problems)
+        if problems + found:
+            raise ConfigError(problems + found)
         self.dist = distributed.from_env(self.device)  # under torchrun: this process joins the group
         self.device = self.dist.device if self.dist is not None else self.device  # cuda:LOCAL_RANK or the CPU
         self.state = TrainState()
@@ -123,7 +122,7 @@ class Trainer:
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
-        self._said: str | None = None  # the last fit's line on where it writes
+        self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
         self._runner: Runner | None = None  # the last setup's: it runs the steps
 
     # -- what users override ---------------------------------------------------------------
@@ -199,7 +198,7 @@ class Trainer:
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
-        failed, let_go = False, None
+        failed, let_go, self._fitting = False, None, True
         try:
             if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
                 seed_everything(self.settings.seed)
@@ -228,6 +227,7 @@ class Trainer:
             failed = True
             raise
         finally:
+            self._fitting = False
             if let_go is not None:
                 let_go()
             self.progress.close()
@@ -331,7 +331,8 @@ class Trainer:
         return self._evaluator().outputs(data, self.predict_step)
 
     def _evaluator(self) -> Evaluator:
-        return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist)
+        return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist,
+                         tuple(self.modules().values()), self._fitting)
 
     def to_device(self, batch):
         """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true)."""

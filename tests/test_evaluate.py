@@ -262,3 +262,35 @@ def test_a_validation_step_that_returns_nothing_and_logs_nothing_is_named():
                                                   "logged nothing: return the loss (or a dict of losses), or log the "
                                                   "metrics with self.log(name, value)")):
         trainer.validate()
+
+
+
+class InputGradient(Trainer):
+    """FGSM's validation (pytorch/tutorials, fgsm_tutorial.py): the input's gradient by ``model.zero_grad()`` and
+    ``loss.backward()`` (``zeroed``), or by ``loss.backward()`` alone."""
+    zeroed = True
+
+    def validation_step(self, batch):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            if self.zeroed:
+                self.model.zero_grad()
+            F.mse_loss(self.model(x), y).backward()
+        return F.mse_loss(self.model(x + 0.1 * x.grad.sign()), y)
+
+
+def test_a_backward_in_validation_leaves_the_gradients_as_it_found_them():
+    trainer = validating(InputGradient, val_data=DataLoader(dataset(8), batch_size=4))
+    trainer.validate()
+    assert all(p.grad is None for p in trainer.model.parameters())
+    kept = [torch.ones_like(p) for p in trainer.model.parameters()]  # gradients accumulating over steps
+    for p, g in zip(trainer.model.parameters(), kept):
+        p.grad = g
+    trainer.validate()
+    assert all(p.grad is g and torch.equal(g, torch.ones_like(g)) for p, g in zip(trainer.model.parameters(), kept))
+    trainer.zeroed = False  # its backward adds to them in place: no way back
+    with pytest.raises(StepError, match=r"validation_step added to gradients that training had accumulated \(a "
+                                        r"backward\(\) in it\), which cannot be taken back: take its gradient with "
+                                        r"torch.autograd.grad"):
+        trainer.validate()

@@ -221,10 +221,6 @@ def test_timm_model_ema_v2_validated_beside_the_model_matches_timm_validate():
     assert ours == theirs and moved == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Evaluator.run puts self.model alone in eval mode: a copy kept on the Trainer in train mode "
-                          "(and returned from modules()) is validated in train mode, on batch statistics, and the "
-                          "validation moves its BatchNorm statistics")
 def test_ema_deep_copy_validated_beside_the_model_matches_a_hand_validate():
     """diffusion_policy's ``copy.deepcopy(self.model)`` (in train mode), validated as its workspace does after
     ``policy.eval()``: ``val_ema`` should equal validate() of it, and the validation should leave its statistics
@@ -290,16 +286,10 @@ def test_fgsm_in_validation_step_with_autograd_grad_trains_as_the_hand_loop(auto
     assert fgsm_run(automatic=automatic, attack="grad") == []
 
 
-@pytest.mark.xfail(strict=True, raises=safeloop.DoubleBackwardError,
-                   reason="the validation before training leaves its backward's gradients on the parameters; step 1 "
-                          "does not clear them (Runner.clear_applied clears only what an update applied), and the "
-                          "guard blames training_step")
 def test_fgsm_in_validation_step_trains_as_the_hand_loop():
     assert fgsm_run(automatic=True) == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the validation's gradients are added to step 1's update, without a word")
 @pytest.mark.parametrize("automatic, guard", [(True, {"check": "off"}), (False, None), (False, {"check": "always"})],
                          ids=["automatic, guard off", "manual", "manual, guard always"])
 def test_fgsm_in_validation_step_trains_as_the_hand_loop_silently_otherwise(automatic, guard):

@@ -143,10 +143,6 @@ def test_fgsm_robust_accuracy_in_validation_with_autograd_grad_matches(automatic
     assert all(close(a, b) for pair_a, pair_b in zip(lit.val, ours) for a, b in zip(pair_a, pair_b))
 
 
-@pytest.mark.xfail(strict=True, raises=safeloop.DoubleBackwardError,
-                   reason="the validation before training leaves its backward's gradients on the parameters, and "
-                          "step 1 does not clear them (Runner.clear_applied clears only what an update applied): "
-                          "step 1 stops with a DoubleBackwardError that blames training_step")
 def test_fgsm_in_validation_as_written_with_loss_backward_matches():
     """The tutorial's ``model.zero_grad(); loss.backward(); data.grad`` in ``validation_step``: Lightning (and a hand
     loop, whose ``zero_grad`` comes before each training backward) trains as with ``autograd.grad``."""
@@ -154,9 +150,6 @@ def test_fgsm_in_validation_as_written_with_loss_backward_matches():
     assert_same(lit.model, port.model)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="manual mode: the gradients the validation before training left on the parameters are "
-                          "added to step 1's update (self.backward does not clear them), without a word")
 def test_fgsm_in_validation_as_written_with_loss_backward_in_manual_mode_matches():
     """As above, in manual mode (Lightning's ``opt.zero_grad(); self.manual_backward(loss); opt.step()``, the port's
     ``self.backward(loss); self.step()``)."""
@@ -224,10 +217,6 @@ class PortEMA(safeloop.Trainer):
         return {"loss": ce(self.model, batch), "ema": ce(self.ema_model, batch)}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Evaluator.run puts self.model alone in eval mode: an EMA copy kept on the Trainer (and "
-                          "returned from modules()) is validated in train mode, its BatchNorm on batch statistics, "
-                          "which the validation also moves")
 def test_ema_copy_validated_beside_the_model_matches():
     """Validation each epoch: the EMA copy's loss at each validation (to 1e-6), and its BatchNorm statistics after
     the fit (moved by the EMA updates only, in both)."""
@@ -580,10 +569,6 @@ def test_monte_carlo_dropout_predict_step_matches():
     assert torch.equal(theirs, ours)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Evaluator.run puts the global random generators back after each predict(): repeated "
-                          "calls draw the same dropout masks, so the Monte Carlo samples are identical (variance 0); "
-                          "docs/trainer.md's map does not list it")
 def test_monte_carlo_dropout_over_repeated_predict_calls_matches():
     """One pass per call, 4 calls: Lightning's samples differ from call to call; so should the port's. The first
     call's are bit for bit Lightning's."""
