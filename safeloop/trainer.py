@@ -157,6 +157,9 @@ class Trainer:
         (``safeloop.schedules``). Default: the configured ``scheduler`` (callable or such a dict) for each one."""
         return schedules.for_each(self._scheduler, optimizers)
 
+    def configure_grad_scaler(self) -> torch.amp.GradScaler:  # precision=16's, made once: your arguments here
+        return torch.amp.GradScaler(self.device.type)  # (Lightning: MixedPrecision(..., scaler=GradScaler(...)))
+
     def configure_sharding(self, model: torch.nn.Module) -> None:
         """``strategy=fsdp`` under torchrun: ``fully_shard`` the model in place (default: ``safeloop.fsdp.shard``)."""
         fsdp.shard(model, self.precision, self.device)
@@ -346,8 +349,7 @@ class Trainer:
     def _resume(self) -> None:
         """Load the checkpoint ``resume`` names."""
         resume = self.settings.resume
-        found = (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)
-        if found is None:
+        if (found := (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)) is None:
             return
         path, data = found
         self.load_state_dict(data, path)
@@ -359,8 +361,8 @@ class Trainer:
                  self.state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        """The modules checkpoints save, by name: ``{"model": self.model}``; add one kept outside it (an EMA copy).
-        Checkpoints also hold the tensors an optimizer trains that none of these modules holds."""
+        """The modules checkpoints save and evaluation puts in eval mode, by name: ``{"model": self.model}``; add one
+        kept outside it (an EMA copy). Checkpoints also hold the tensors an optimizer trains outside them."""
         return {"model": self.model} if self.model is not None else {}
 
     @property
@@ -417,8 +419,7 @@ class Trainer:
             schedules.check_optimizers(self.model, self.optimizers)
             self.schedules = schedules.read({**self.configure_schedulers(self.optimizers), **given}, self.optimizers,
                                             self.val_data is not None, self.settings.val_every is not None)
-            if self.precision == "16":
-                self.scaler = torch.amp.GradScaler(self.device.type)
+            self.scaler = self.configure_grad_scaler() if self.precision == "16" else None
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)
         self._hooks.bind(self.callbacks)
         forward = self.training_step
@@ -428,8 +429,7 @@ class Trainer:
                              per_backward_hooks=self._hooks.has("on_before_backward", "on_after_backward"))
             if self.dist.ddp is not None:
                 forward = self.dist.forward  # training_step runs inside DDP's forward
-        # listed once per fit, for the guard (on checked steps): a parameter added later by add_param_group can
-        # still hold the gradients of steps that did not train it, which no zero_grad cleared
+        # listed once per fit for the guard: a parameter add_param_group adds later may hold gradients nothing cleared
         trained = list({id(p): p for opt in self.optimizers.values() for g in opt.param_groups
                         for p in g["params"]}.values())
         scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),

@@ -17,9 +17,8 @@
   under 32 and bf16-mixed the update step stops; under 16-mixed nothing is said (strict xfail).
 - A GradScaler made with ``init_scale=1024``: pytorch/tutorials at commit db77dcf6e3637924f43852c014f2af9978b0f891,
   recipes_source/recipes/amp_recipe.py (the loop of ``test_amp_recipe``) with ``torch.amp.GradScaler(device,
-  init_scale=1024.0)``, a ``GradScaler`` argument the recipe leaves at its default. The Trainer has no setting for
-  the scaler's arguments; a port that puts its own scaler on ``self.scaler`` (in ``on_fit_start``) trains with the
-  Trainer's default one all the same, and checkpoints the unused one (strict xfail).
+  init_scale=1024.0)``, a ``GradScaler`` argument the recipe leaves at its default: the port returns that scaler
+  from ``configure_grad_scaler``.
 - A failed step under 16-mixed: the port of ``test_amp_recipe`` with a hook that raises once, after the Trainer
   unscaled the gradients (``on_before_optimizer_step`` at step 3). docs/checkpoints.md says the failed step is
   abandoned, "parameters and optimizer state are unchanged"; under 32 and bf16-mixed a second ``fit()`` goes on from
@@ -32,7 +31,7 @@ import torch
 from safeloop import NonFiniteError, StepError, Trainer
 
 from . import test_amp_recipe as recipe, test_mae as mae
-from .harness import assert_same, compare
+from .harness import assert_same, checks, compare
 
 POISONED = 3  # the batch whose loss is NaN: the second micro-batch of the second update
 
@@ -145,15 +144,13 @@ def init_scale_hand(net, batches):
 
 
 class OwnScaler(recipe.AMP):
-    def on_fit_start(self):
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=1024.0)
+    def configure_grad_scaler(self):
+        return torch.amp.GradScaler(self.device.type, init_scale=1024.0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the Trainer makes its GradScaler with the default arguments and hands it to the step in "
-                          "setup(); one assigned to self.scaler is not used (but is checkpointed), silently")
-def test_a_grad_scaler_with_its_own_initial_scale():
-    compare(recipe.model, init_scale_hand, OwnScaler, lambda model: recipe.Batches(), "off",
+@pytest.mark.parametrize("check", checks())
+def test_a_grad_scaler_with_its_own_initial_scale(check):
+    compare(recipe.model, init_scale_hand, OwnScaler, lambda model: recipe.Batches(), check,
             steps=recipe.num_batches, precision="16-mixed")
 
 
