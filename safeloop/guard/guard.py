@@ -65,9 +65,13 @@ def _average(mean: float | None, sample: float) -> float:
 
 class _Sentinel:
     """Put in the metadata of a step's nodes: it dies with the last of them, so a live one means some of
-    that step's graph outlived it."""
+    that step's graph outlived it. ``fed_by``: the ids of the sentinels of earlier steps whose nodes this step's
+    losses reached (a tensor made in one step and back-propagated through in the next: WGAN's ``fake``)."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "fed_by")
+
+    def __init__(self, fed_by: frozenset[int] = frozenset()):
+        self.fed_by = fed_by
 
 
 @dataclass(frozen=True)
@@ -428,7 +432,7 @@ class Guard:
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
             if len(self._sentinels) < len(losses):
-                self._sentinels.append(weakref.ref(self._watch(root, found.nodes)))
+                self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
         if reached and updates and scope is not None:
             self._unused_gradients(reached, step, scope)
         if len(losses) == 1:
@@ -618,12 +622,13 @@ class Guard:
             warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
                                    module_globals=frame.f_globals)
 
-    def _watch(self, root, nodes) -> _Sentinel:
+    def _watch(self, root, nodes, before=()) -> _Sentinel:
         """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
         any of them, not only the loss back-propagated (the loss itself while the step back-propagates
         ``loss / n``, as gradient accumulation does; an output; a running sum). Not on nodes whose carried check
-        is off: a graph carried from step to step on purpose is alive for several steps by design."""
-        sentinel = _Sentinel()
+        is off: a graph carried from step to step on purpose is alive for several steps by design. ``before``: the
+        nodes of earlier steps the loss reached, whose sentinels it was fed by."""
+        sentinel = _Sentinel(frozenset(id(s) for n in before if (s := n.metadata.get(_SENTINEL)) is not None))
         if self.is_off("carried"):
             nodes = ()
         elif self._regions:
@@ -1092,7 +1097,8 @@ class Guard:
         """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
         step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
         holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this
-        step's is its new one."""
+        step's is its new one; so did one whose earlier graph this step's loss went through (a tensor made in
+        one step, back-propagated in the next, and held until the next one replaces it: no pile)."""
         if not refs or self.is_off("leak"):
             return []
         out = []
@@ -1103,7 +1109,8 @@ class Guard:
             holder = _leak_holder(sentinel, scope)
             key = self.leak_key(holder)
             earlier = self._keeping.get(key)
-            if earlier is not None and earlier[2]() is not None:
+            alive = earlier[2]() if earlier is not None else None
+            if alive is not None and id(alive) not in sentinel.fed_by:
                 out.append(earlier[:2])
             else:
                 self._keeping[key] = (step, holder, ref)
