@@ -419,6 +419,11 @@ class Runner:
         if closure is not None and self.scaler is not None:
             raise StepError(f"step {step}: self.step({name!r}, closure=...) under precision=16: the GradScaler "
                             "does not support closures; use precision=bf16 or 32", step)
+        if self.scaler is not None and name in self.stepped:  # unscale_ would fail: "... called after step()"
+            raise StepError(f"step {step}: self.step({name!r}) a second time in one step under precision=16: the "
+                            "GradScaler is updated once per step, after every optimizer's update (as PyTorch's AMP "
+                            "examples do), so each optimizer updates once a step; make each update a step of its "
+                            "own, or use precision=bf16", step)
         if self.dist is not None:  # every rank checks the same averaged gradients
             self.dist.sync(name)
         if self.finite is not None:
