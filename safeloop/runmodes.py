@@ -19,7 +19,14 @@ log = logging.getLogger("safeloop")
 def during_fit(settings: Settings, model: torch.nn.Module | None, run_dir: Path | None,
                rank: int = 0) -> Iterator[Callable[[], None]]:
     """Deterministic algorithms on (as they were again afterwards), the model compiled, the profiler running;
-    yields what to call after each training step."""
+    yields what to call after each training step. Refused inside ``torch.autocast``: autocast keeps its copy of
+    each weight until its outermost region exits, so every step would compute with the first one's weights."""
+    outer = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    if outer:
+        raise ConfigError(f"fit() is called inside torch.autocast({outer[0]!r}): autocast keeps its low-precision "
+                          "copy of each weight until its outermost region exits, so every step would compute with "
+                          "the first step's weights; call fit() outside it and set precision='bf16-mixed' (or "
+                          "'16-mixed'): the Trainer opens a region around each step")
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     if settings.deterministic:
         # cuBLAS reads it when it starts; without it deterministic algorithms refuse CUDA matrix products

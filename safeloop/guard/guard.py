@@ -694,6 +694,15 @@ class Guard:
         attribute that each forward makes again (a pruned weight, see ``explain.remade_attribute``), read before this
         step's forward: said as such, kept or not (the attribute holds this step's value now)."""
         self._remade(CarriedGraphError, node, case, "by an earlier step's forward", why)
+        if type(node).__name__ == "ToCopyBackward0" and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")) \
+                and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions):
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, a low-precision copy of a weight that torch.autocast made during an "
+                "earlier step and keeps until its outermost region exits: this step's forward computed with that "
+                "step's weights, not the updated ones",
+                ["enter torch.autocast inside the loop, around each iteration's forward and loss (as PyTorch's AMP "
+                 "examples do), so that every iteration casts the weights anew",
+                 "or call torch.clear_autocast_cache() after each optimizer step"])
         kept, holder = self._kept(node, case)
         if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
             listed = _code(holder.list_of)

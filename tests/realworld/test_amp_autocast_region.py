@@ -8,17 +8,16 @@ and each step's loss reaches the ``ToCopyBackward0`` node made at step 1.
 
 Changes: a single ``nn.Linear(4, 2)``, ``mse_loss``, SGD, 6 random batches of 8, bf16 autocast on the CPU.
 
-The guard stops such a loop, but only at step 4 (steps 2 and 3 trained with stale weights), as a
-``CarriedGraphError`` whose fixes are those of carried hidden state (``tensor.detach()``, truncated BPTT): nothing
-names autocast's cache or says to enter ``autocast`` per iteration (strict xfails: the Trainer's case passes once
-it either trains as the per-iteration loop or names autocast). Entered per iteration, the same
-loop trains with the updated weights, and the port (``precision="bf16-mixed"``) matches it.
+The guard stops such a loop under watch, at step 4 (steps 2 and 3 trained with stale weights: a one-step lag is
+allowed), with a ``CarriedGraphError`` that names autocast's weight copies and says to enter ``autocast`` per
+iteration. ``fit()`` inside such a region is refused before training. Entered per iteration, the same loop trains
+with the updated weights, and the port (``precision="bf16-mixed"``) matches it.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
-from safeloop import CarriedGraphError, GraphGuard, Trainer
+from safeloop import CarriedGraphError, ConfigError, GraphGuard, Trainer
 from safeloop.watch import Watch
 
 from .harness import batches, checks, compare, fixed
@@ -78,33 +77,25 @@ def test_one_region_trains_with_stale_weights():
     assert not torch.equal(a.weight, b.weight)
 
 
-REASON = ("the guard stops the loop at step 4 (steps 2 and 3 trained with stale weights) with a CarriedGraphError "
-          "whose fixes (detach, truncated BPTT) do not apply; autocast's weight cache is not named")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=REASON)
 @pytest.mark.parametrize("check", ["auto", "always"])
 def test_one_region_under_watch_is_stopped_naming_autocast(check):
     torch.manual_seed(0)
     net = make_model()
     with pytest.raises(CarriedGraphError) as caught, Watch(GraphGuard(check=check), __file__):
         one_region_hand(net, data()(net))
-    assert "autocast" in str(caught.value), str(caught.value)
+    assert "a low-precision copy of a weight that torch.autocast made during an earlier step" in str(caught.value)
+    assert "enter torch.autocast inside the loop" in str(caught.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=REASON)
-def test_fit_inside_an_autocast_region_trains_as_per_iteration_or_says_why():
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32"])
+def test_fit_inside_an_autocast_region_is_refused_before_training(precision):
     torch.manual_seed(0)
-    ref = make_model()
     net = make_model()
-    net.load_state_dict(ref.state_dict())
-    per_iteration_hand(ref, data()(ref))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
     trainer = Port(model=net, train_data=data()(net), max_steps=STEPS, device="cpu", progress=False, loggers=(),
-                   precision="bf16-mixed")
-    try:
+                   precision=precision)
+    with pytest.raises(ConfigError, match=r"fit\(\) is called inside torch.autocast\('cpu'\): autocast keeps its "
+                                          r"low-precision copy of each weight.*call fit\(\) outside it"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             trainer.fit()
-    except CarriedGraphError as err:
-        assert "autocast" in str(err), str(err)
-    else:
-        assert torch.equal(net.weight, ref.weight) and torch.equal(net.bias, ref.bias)
+    assert trainer.state.step == 0 and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
