@@ -120,9 +120,11 @@ def lightning_names(obj: object, base: type) -> list[str]:
         except (AttributeError, TypeError, ValueError):  # not there, or no signature to read
             continue
         if len(needed) > 1:
+            counted = ("self.state.batch_in_epoch counts the batches of the pass" if name == "training_step" else
+                       "nothing counts an evaluation's batches: keep a count of your own, set to 0 where it starts")
             problems.append(f"{type(obj).__name__}.{name} takes ({', '.join(p.name for p in needed)}), and safeloop "
                             f"calls {name}(batch): drop {', '.join(p.name for p in needed[1:])} (Lightning's "
-                            "batch_idx: self.state.batch_in_epoch counts the batches of the pass)")
+                            f"batch_idx: {counted})")
     return problems
 
 
