@@ -145,14 +145,15 @@ class Callback:
 
 class Hooks:
     """The hooks a run calls: those overridden on the Trainer (its class or the instance itself,
-    ``trainer.on_step_end = fn``) and on its callbacks, bound again at every ``fit`` (``bind``)."""
+    ``trainer.on_step_end = fn``) and on its callbacks, bound again at every ``fit`` (``bind``); before the first,
+    at the first call (``trainer.validate()`` of a loaded model calls ``on_validation_end`` too)."""
 
     def __init__(self, trainer, base: type):
         self.trainer, self.base = trainer, base
         problems = replaced(trainer, base)  # here, before fit() calls an overridden setup
         if problems:
             raise ConfigError(problems)
-        self.bound: dict[str, list[Callable]] = {name: [] for name in HOOKS}
+        self.bound: dict[str, list[Callable]] | None = None
 
     def bind(self, callbacks: list[Callback]) -> None:
         trainer = self.trainer
@@ -160,12 +161,14 @@ class Hooks:
         problems += [p for cb in callbacks for p in lightning_names(cb, Callback)]
         if problems:
             raise ConfigError(problems)
-        for name in HOOKS:
-            fns = [getattr(trainer, name)] if is_overridden(name, trainer, self.base) else []
+        self.bound = {name: [getattr(trainer, name)] if is_overridden(name, trainer, self.base) else []
+                      for name in HOOKS}
+        for name, fns in self.bound.items():
             fns += [partial(getattr(cb, name), trainer) for cb in callbacks if is_overridden(name, cb, Callback)]
-            self.bound[name] = fns
 
     def __call__(self, name: str, *args) -> None:
+        if self.bound is None:
+            self.bind(self.trainer.callbacks)
         for fn in self.bound[name]:
             if fn(*args) is not None and name == "on_step_start":
                 raise ConfigError("on_step_start returned a value: Lightning's on_train_batch_start returns -1 to end "
@@ -176,6 +179,8 @@ class Hooks:
 
     def has(self, *names: str) -> bool:
         """Whether any of these hooks is overridden anywhere."""
+        if self.bound is None:
+            self.bind(self.trainer.callbacks)
         return any(self.bound[name] for name in names)
 
 

@@ -327,9 +327,6 @@ class Recorder(safeloop.Callback):
         self.seen.append(metrics["val_loss"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="hooks are bound by setup(), which fit() calls: a trainer.validate() before any fit calls "
-                          "neither the Trainer's on_validation_end nor the callbacks'")
 def test_on_validation_end_of_a_validate_before_fit_matches():
     """``trainer.validate(model, dataloaders)`` before any fit (evaluating a loaded model): Lightning calls
     ``on_validation_end``; so should safeloop's ``trainer.validate()``, the Trainer's hook and a callback's."""
