@@ -140,6 +140,16 @@ KNOWN_BUGS = {
                                      r"AddmmBackward0, built before the step \(before the loop\) and held by "
                                      r"`global feat`", "Python 3.11's `while cond:` is no loop to watch._loop_around: "
                                      "the graph made before it is reported at step 2 as made during an earlier step"),
+    # Python 3.12 puts an `except` block's code after the function's end, outside the loop's range of offsets
+    "oom_retry_in_halves": ({(3, 12)}, None, "watch.loop_start takes the loop's body as the offsets between its "
+                            "backward jump's target and the jump: on 3.12 the `except` block's stores lie outside, so "
+                            "`first`, assigned only there, is taken for a graph built before the loop (a false "
+                            "GraphReuseError at step 1)"),
+    "oom_retry_backward_in_except": ({(3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                     r"AddmmBackward0, built before the step \(before the loop\) and held by "
+                                     r"`global feat`", "on 3.12 a backward called in an `except` block lies outside "
+                                     "every loop to watch._loop_around (the block sits after the function's end): no "
+                                     "loop is found and the graph made before it is reported at step 3 as carried"),
     # torch.autograd.grad called inside a list comprehension in the loop
     "pcgrad_trunk_before_loop": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
                                  r"ReluBackward0, built before the step \(before the loop\) and held by `global feat`",
