@@ -150,6 +150,16 @@ KNOWN_BUGS = {
                                      r"`global feat`", "on 3.12 a backward called in an `except` block lies outside "
                                      "every loop to watch._loop_around (the block sits after the function's end): no "
                                      "loop is found and the graph made before it is reported at step 3 as carried"),
+    "loop_in_except_block": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
+                             r"AddmmBackward0, built before the step \(before the loop\) and held by `global feat`",
+                             "watch._loop_around counts a backward jump only on the path run when nothing raises "
+                             "(_normal_path): a loop inside an `except` block is no loop, and the graph made before "
+                             "it is reported at step 2 as carried"),
+    "ensemble_backward_in_comprehension": ({(3, 11)}, None, "watch.Watch.first_step reads f_locals of every frame of "
+                                           "the script (`seen`), which before 3.13 leaves a copy on the frame, but "
+                                           "GraphGuard refreshes only the frames read through its `variables`: on "
+                                           "3.11 the backward's frame is the <listcomp>, and train()'s stale copy "
+                                           "keeps the first step's `losses` (a false GraphLeakWarning)"),
     # torch.autograd.grad called inside a list comprehension in the loop
     "pcgrad_trunk_before_loop": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
                                  r"ReluBackward0, built before the step \(before the loop\) and held by `global feat`",
