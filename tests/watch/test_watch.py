@@ -160,6 +160,11 @@ KNOWN_BUGS = {
                                            "GraphGuard refreshes only the frames read through its `variables`: on "
                                            "3.11 the backward's frame is the <listcomp>, and train()'s stale copy "
                                            "keeps the first step's `losses` (a false GraphLeakWarning)"),
+    # caught (CarriedGraphError at step 3), but the holder named is the loss itself and the fix it gives cannot help
+    "autocast_around_loop": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*the loss reaches ToCopyBackward0, (?!.*held by "
+                             r"`global loss`).*autocast", "explain.find_holder leaves the loss out only under a "
+                             "`local` name: a module-level loop's `global loss` is named, with `loss = loss.detach()` "
+                             "for a fix; autocast's cached weight copies, made in the first step, go unnamed"),
     # torch.autograd.grad called inside a list comprehension in the loop
     "pcgrad_trunk_before_loop": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
                                  r"ReluBackward0, built before the step \(before the loop\) and held by `global feat`",
