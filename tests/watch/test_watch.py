@@ -160,6 +160,10 @@ KNOWN_BUGS = {
                                            "GraphGuard refreshes only the frames read through its `variables`: on "
                                            "3.11 the backward's frame is the <listcomp>, and train()'s stale copy "
                                            "keeps the first step's `losses` (a false GraphLeakWarning)"),
+    "losses_backpropagated_by_function": ({(3, 11), (3, 12)}, None, "as ensemble_backward_in_comprehension: the loop "
+                                          "found is update()'s, and main()'s copy of its variables, left by "
+                                          "Watch.first_step's read, keeps the first iteration's `losses` (a false "
+                                          "GraphLeakWarning)"),
     # caught (CarriedGraphError at step 3), but the holder named is the loss itself and the fix it gives cannot help
     "autocast_around_loop": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*the loss reaches ToCopyBackward0, (?!.*held by "
                              r"`global loss`).*autocast", "explain.find_holder leaves the loss out only under a "
