@@ -164,6 +164,10 @@ KNOWN_BUGS = {
                                           "found is update()'s, and main()'s copy of its variables, left by "
                                           "Watch.first_step's read, keeps the first iteration's `losses` (a false "
                                           "GraphLeakWarning)"),
+    "wgan_n_critic_class": ({(3, 11), (3, 12)}, None, "Watch.first_step counts the loop's optimizers among the "
+                            "variables of the script's frames only, not their objects' attributes (`self.og`): "
+                            "GraphGuard expects none, so `fake`, made before the critic's steps for the generator's "
+                            "first step, is taken for a graph carried over (a false CarriedGraphError at step 3)"),
     # caught (CarriedGraphError at step 3), but the holder named is the loss itself and the fix it gives cannot help
     "autocast_around_loop": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*the loss reaches ToCopyBackward0, (?!.*held by "
                              r"`global loss`).*autocast", "explain.find_holder leaves the loss out only under a "
