@@ -1,0 +1,47 @@
+"""Truncated BPTT with the step in a closure (the shape of pytorch/examples time_sequence_prediction and of char-rnn
+loops): `out, h = rnn(x, h)` with the state kept by the enclosing function (`nonlocal h`) and detached after each
+step, batches from a generator, a `match` on the batch's shape (a dict or an (x, y) pair), and `continue` past
+empty batches. A GRU on random sequences."""
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+rnn, head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 1)
+optimizer = torch.optim.RMSprop([*rnn.parameters(), *head.parameters()], lr=1e-2)
+
+
+def batches(n):
+    for i in range(n):
+        x, y = torch.randn(2, 4, 3), torch.randn(2, 4, 1)
+        if i == 2:
+            yield {"x": x[:, :0], "y": y[:, :0]}
+        yield {"x": x, "y": y} if i % 2 else (x, y)
+
+
+def fit(n):
+    h = torch.zeros(1, 2, 5)
+
+    def step(x, y):
+        nonlocal h
+        out, h = rnn(x, h)
+        loss = nn.functional.mse_loss(head(out), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        h = h.detach()
+        return loss.item()
+
+    for batch in batches(n):
+        match batch:
+            case {"x": x, "y": y}:
+                pass
+            case (x, y):
+                pass
+        if x.shape[1] == 0:
+            continue
+        print(step(x, y))
+
+
+fit(5)
+for p in [*rnn.parameters(), *head.parameters()]:
+    print(p.sum().item())
