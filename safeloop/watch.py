@@ -34,9 +34,9 @@ from .guard.loop import GraphGuard
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
 STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
-_LOOP_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"}
 # instructions after which the next one does not run
-_FLOW_ENDS = _LOOP_ENDS | {"JUMP_FORWARD", "RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
+_FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
+              "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
 _STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
            "DELETE_GLOBAL", "DELETE_DEREF"}
 
@@ -130,9 +130,11 @@ class Watch:
         namespace = vars(sys.modules["__main__"])
         self.guard.search_globals(namespace)
         start = loop_start(frame, self.script, self.guard.variables, outside=self.first_update)
-        seen = [namespace, *(f.f_locals for f in _frames(frame) if f.f_code.co_filename == self.script)]
-        self.guard.expect_optimizers(len({id(v) for names in seen for v in names.values()
-                                          if issubclass(type(v), torch.optim.Optimizer)}))
+        # read through the guard, which reads them afresh later: before 3.13 a read leaves a copy on the frame
+        seen = [namespace, *(self.guard.variables(f) for f in _frames(frame) if f.f_code.co_filename == self.script)]
+        values = [v for names in seen for v in names.values()]
+        values += [a for v in values for a in _fields(v).values()]  # a trainer class's `self.opt` too
+        self.guard.expect_optimizers(len({id(v) for v in values if issubclass(type(v), torch.optim.Optimizer)}))
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
@@ -167,8 +169,8 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     del frames
     if found is None:
         return outside
-    frame, (first, last) = found
-    body = [i for i in dis.get_instructions(frame.f_code) if first <= i.offset <= last]
+    frame, offsets = found
+    body = [i for i in dis.get_instructions(frame.f_code) if i.offset in offsets]
     assigned = {name for i in body for name in _stored(i)}
     attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
@@ -213,41 +215,64 @@ def _fields(obj) -> dict:
     return dict(fields) if type(fields) is dict else {}
 
 
-def _loop_around(code, offset: int) -> tuple[int, int] | None:
-    """The outermost loop body (first, last instruction offset) containing ``offset``: a tensor that an outer
-    loop makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not
-    built before the loop. A loop is closed by a backward jump on the path without exceptions: since Python 3.12
-    the handlers of ``with`` and ``except`` sit at the function's end and jump back to the code after them,
-    which is no loop."""
+def _loop_around(code, offset: int) -> set[int] | None:
+    """The offsets of the outermost loop's body that holds ``offset``: a tensor that an outer loop makes (WGAN-GP's
+    ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the loop. A loop is
+    a backward jump whose source its target reaches without an exception (since Python 3.12 the handlers of ``with``
+    and ``except`` sit at the function's end and jump back to the code after them: no loop); its body, the offsets
+    from its target to the jump and the handlers of the ``try`` blocks among them (3.12 puts them after the end)."""
+    flow = _Flow(code)
     best = None
-    normal = _normal_path(code)
-    for ins in dis.get_instructions(code):
-        if ins.opname in _LOOP_ENDS and isinstance(ins.argval, int) and ins.argval <= offset <= ins.offset \
-                and ins.offset in normal:
-            if best is None or ins.offset - ins.argval > best[1] - best[0]:
-                best = ins.argval, ins.offset
+    for ins in flow.instructions:
+        target = flow.jump(ins)
+        if target is not None and target <= ins.offset and ins.offset in flow.reached([target]):
+            body = flow.body(target, ins.offset)
+            if offset in body and (best is None or len(body) > len(best)):
+                best = body
     return best
 
 
-def _normal_path(code) -> set[int]:
-    """The offsets of the instructions of ``code`` that run when nothing raises: those reached from the first one
-    by falling through and by jumps, not through the exception table (3.11 on) or ``SETUP_*`` (3.10)."""
-    instructions = list(dis.get_instructions(code))
-    index = {ins.offset: k for k, ins in enumerate(instructions)}
-    seen: set[int] = set()
-    todo = [0]
-    while todo:
-        k = todo.pop()
-        if k in seen or k >= len(instructions):
-            continue
-        seen.add(k)
-        ins = instructions[k]
+class _Flow:
+    """A code object's instructions and where each goes when nothing raises."""
+
+    def __init__(self, code):
+        self.instructions = list(dis.get_instructions(code))
+        self.index = {ins.offset: k for k, ins in enumerate(self.instructions)}
+        # (where a try begins, its handler): the exception table (3.11 on), or 3.10's SETUP_* instructions
+        self.handlers = [(e.start, e.target) for e in getattr(dis.Bytecode(code), "exception_entries", ())] \
+            + [(ins.offset, ins.argval) for ins in self.instructions if ins.opname.startswith("SETUP_")]
+
+    def jump(self, ins: dis.Instruction) -> int | None:
+        """Where ``ins`` jumps to (not ``SETUP_*``'s handler, 3.10's exception edge), else None."""
         if (ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs) and not ins.opname.startswith("SETUP_") \
-                and ins.argval in index:
-            todo.append(index[ins.argval])
-        if ins.opname not in _FLOW_ENDS:
-            todo.append(k + 1)
-    return {instructions[k].offset for k in seen}
+                and ins.argval in self.index:
+            return ins.argval
+        return None
+
+    def reached(self, starts: list[int], within=lambda offset: True) -> set[int]:
+        """The offsets reached from ``starts`` by falling through and jumps, staying ``within``."""
+        seen: set[int] = set()
+        todo = [self.index[s] for s in starts]
+        while todo:
+            k = todo.pop()
+            if k >= len(self.instructions) or k in seen or not within(self.instructions[k].offset):
+                continue
+            seen.add(k)
+            ins = self.instructions[k]
+            if (target := self.jump(ins)) is not None:
+                todo.append(self.index[target])
+            if ins.opname not in _FLOW_ENDS:
+                todo.append(k + 1)
+        return {self.instructions[k].offset for k in seen}
+
+    def body(self, first: int, last: int) -> set[int]:
+        """The offsets from ``first`` to ``last``, and the handler code of the ``try`` blocks among them up to where
+        it goes back between the two; every byte of their instructions (a frame's ``f_lasti`` may be inside one's
+        inline caches)."""
+        handlers = [target for start, target in self.handlers if first <= start <= last and not first <= target <= last]
+        code = sorted(self.reached(handlers, within=lambda offset: not first <= offset <= last))
+        ends = {ins.offset: after.offset for ins, after in zip(self.instructions, self.instructions[1:])}
+        return set(range(first, last + 2)).union(*(range(offset, ends.get(offset, offset + 2)) for offset in code))
 
 
 def _set_by_methods(obj) -> set[str]:

@@ -30,6 +30,16 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 # script -> what its last line of stderr says under watch (the error, the tensor, the fix)
 BROKEN = {
+    # the whole loop inside one torch.autocast region: its cached weight copies, made in the first step
+    "autocast_around_loop": r"CarriedGraphError: .*the loss reaches ToCopyBackward0, a low-precision copy of a weight "
+                            r"that torch.autocast made during an earlier step.*enter torch.autocast inside the loop",
+    "loop_in_except_block": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, built "
+                            r"before the step \(before the loop\) and held by `global feat`",
+    # a backward in an `except` block of the loop (an out-of-memory retry; Python 3.12 puts the block after the end)
+    "oom_retry_backward_in_except": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, "
+                                    r"built before the step \(before the loop\) and held by `global feat`",
+    "while_loop_graph_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, "
+                                    r"built before the step \(before the loop\) and held by `global feat`",
     "seed000_ex1_backward_twice": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): this loss \(ViewBackward0, held by "
                                   r"`local loss`\) was already back-propagated in step 1 .*pass retain_graph=True",
     "seed000_ex2_reused_input": r"GraphReuseError: .*\(step 1, loss 'loss'\).*held by `local input_data`.*"
@@ -136,47 +146,6 @@ OWN_WARNING = ("acgan_softmax_no_dim",)
 # (those Pythons, what the last line of stderr must say or None for a correct script, quiet and as without watch,
 # the reason)
 KNOWN_BUGS = {
-    "wgan_n_critic_while": ({(3, 11)}, None, "Python 3.11 closes `while cond:` with POP_JUMP_BACKWARD_IF_TRUE, which "
-                            "watch._loop_around does not take for a loop's end (_LOOP_ENDS): the critic's `for` is "
-                            "taken for the training loop and `fake`, made by the outer loop, for a graph built before "
-                            "it (a false GraphReuseError at step 3)"),
-    "while_loop_graph_before_loop": ({(3, 11)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
-                                     r"AddmmBackward0, built before the step \(before the loop\) and held by "
-                                     r"`global feat`", "Python 3.11's `while cond:` is no loop to watch._loop_around: "
-                                     "the graph made before it is reported at step 2 as made during an earlier step"),
-    # Python 3.12 puts an `except` block's code after the function's end, outside the loop's range of offsets
-    "oom_retry_in_halves": ({(3, 12)}, None, "watch.loop_start takes the loop's body as the offsets between its "
-                            "backward jump's target and the jump: on 3.12 the `except` block's stores lie outside, so "
-                            "`first`, assigned only there, is taken for a graph built before the loop (a false "
-                            "GraphReuseError at step 1)"),
-    "oom_retry_backward_in_except": ({(3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
-                                     r"AddmmBackward0, built before the step \(before the loop\) and held by "
-                                     r"`global feat`", "on 3.12 a backward called in an `except` block lies outside "
-                                     "every loop to watch._loop_around (the block sits after the function's end): no "
-                                     "loop is found and the graph made before it is reported at step 3 as carried"),
-    "loop_in_except_block": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
-                             r"AddmmBackward0, built before the step \(before the loop\) and held by `global feat`",
-                             "watch._loop_around counts a backward jump only on the path run when nothing raises "
-                             "(_normal_path): a loop inside an `except` block is no loop, and the graph made before "
-                             "it is reported at step 2 as carried"),
-    "ensemble_backward_in_comprehension": ({(3, 11)}, None, "watch.Watch.first_step reads f_locals of every frame of "
-                                           "the script (`seen`), which before 3.13 leaves a copy on the frame, but "
-                                           "GraphGuard refreshes only the frames read through its `variables`: on "
-                                           "3.11 the backward's frame is the <listcomp>, and train()'s stale copy "
-                                           "keeps the first step's `losses` (a false GraphLeakWarning)"),
-    "losses_backpropagated_by_function": ({(3, 11), (3, 12)}, None, "as ensemble_backward_in_comprehension: the loop "
-                                          "found is update()'s, and main()'s copy of its variables, left by "
-                                          "Watch.first_step's read, keeps the first iteration's `losses` (a false "
-                                          "GraphLeakWarning)"),
-    "wgan_n_critic_class": ({(3, 11), (3, 12)}, None, "Watch.first_step counts the loop's optimizers among the "
-                            "variables of the script's frames only, not their objects' attributes (`self.og`): "
-                            "GraphGuard expects none, so `fake`, made before the critic's steps for the generator's "
-                            "first step, is taken for a graph carried over (a false CarriedGraphError at step 3)"),
-    # caught (CarriedGraphError at step 3), but the holder named is the loss itself and the fix it gives cannot help
-    "autocast_around_loop": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*the loss reaches ToCopyBackward0, (?!.*held by "
-                             r"`global loss`).*autocast", "explain.find_holder leaves the loss out only under a "
-                             "`local` name: a module-level loop's `global loss` is named, with `loss = loss.detach()` "
-                             "for a fix; autocast's cached weight copies, made in the first step, go unnamed"),
     # torch.autograd.grad called inside a list comprehension in the loop
     "pcgrad_trunk_before_loop": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
                                  r"ReluBackward0, built before the step \(before the loop\) and held by `global feat`",
