@@ -214,9 +214,11 @@ def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"self.log({name!r}, <{type(value).__name__}>): safeloop logs a number or a one-element "
-                          "tensor. For a torchmetrics Metric (Lightning computes it at the epoch's end), log what "
-                          "it returns for the batch, self.log(name, metric(preds, target)): from validation_step "
-                          "that is averaged over the samples; or log metric.compute() in on_epoch_end") from None
+                          "tensor. For a torchmetrics Metric (Lightning computes it over the epoch): a mean over "
+                          "samples (accuracy, MSE) ports as self.log(name, metric(preds, target)) in "
+                          "validation_step, which safeloop averages over the samples; any other (F1, AUROC) as "
+                          "metric.update(preds, target) there and, in on_validation_end(metrics), "
+                          "metrics[name] = float(metric.compute()) and metric.reset()") from None
 
 
 MODES = ("min", "max")
