@@ -195,8 +195,9 @@ class Runner:
         except BaseException as err:
             raise self.abandoned(err, step)
         self.undo.end()
+        if self.stepped or self.automatic:  # (manual mode accumulating over steps: checked at the next update)
+            self.fresh.clear()
         self.stepped.clear()
-        self.fresh.clear()
         self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
         state.step = step
