@@ -155,13 +155,13 @@ class Evaluator:
 
 def counted(out: tuple, kind: Kind = VALIDATION) -> tuple:
     """``validation_step``'s (``kind.step``'s) ``(losses, n)``, checked: a tuple of two losses would pass for one
-    loss counted by the other's value."""
+    loss counted by the other's value; so is a loss and a tensor (``return loss, correct``: a count of right answers,
+    not of samples): the count is an int (``len(x)``, ``int(mask.sum())``)."""
     losses, n = out if len(out) == 2 else (None, None)
-    if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
-        n = int(n)
     if not isinstance(n, numbers.Integral):  # an int, or numpy's
         raise TypeError(f"{kind.step} returned a tuple of {', '.join(type(v).__name__ for v in out)}: a tuple "
-                        "is (losses, number of samples), the number an int; several losses go in a dict")
+                        "is (losses, number of samples), the number an int (len(x), int(mask.sum())); several "
+                        "losses or metrics go in a dict")
     return losses, n
 
 

@@ -70,18 +70,21 @@ def test_validation_step_returns_the_sample_count_where_the_first_tensor_does_no
         assert metrics["val_abs"] == pytest.approx(F.l1_loss(trainer.model(x), y).item(), rel=1e-6)
 
 
-def test_two_losses_returned_as_a_tuple_are_not_taken_for_a_loss_and_its_count():
+@pytest.mark.parametrize("second", ["another loss", "a count of right answers"])
+def test_a_loss_and_a_tensor_returned_as_a_tuple_are_not_taken_for_a_loss_and_its_count(second):
     class Two(Trainer):
         def validation_step(self, batch):
             x, y = batch
             out = self.model(x)
-            return F.mse_loss(out, y), F.l1_loss(out, y)
+            if second == "another loss":
+                return F.mse_loss(out, y), F.l1_loss(out, y)
+            return F.mse_loss(out, y), ((out - y).abs() < 0.5).sum()  # `return loss, correct`: an int tensor
 
     trainer = validating(Two, val_data=DataLoader(dataset(8), batch_size=4))
     with pytest.raises(StepError, match=re.escape(
             "failed on batch 1 of val_data (training is unchanged): TypeError: validation_step returned a tuple of "
-            "Tensor, Tensor: a tuple is (losses, number of samples), the number an int; several losses go in a "
-            "dict")):
+            "Tensor, Tensor: a tuple is (losses, number of samples), the number an int (len(x), int(mask.sum())); "
+            "several losses or metrics go in a dict")):
         trainer.validate()
 
 
