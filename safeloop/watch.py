@@ -37,6 +37,7 @@ STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize 
 # instructions after which the next one does not run
 _FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
               "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
+_COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 _STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
            "DELETE_GLOBAL", "DELETE_DEREF"}
 
@@ -160,7 +161,8 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     for i, frame in enumerate(frames):
         code = frame.f_code
         if code.co_filename == filename:
-            if found is None and (not forwards or i > forwards[-1]):
+            # a comprehension's own loop (3.11 runs it as a function: `<listcomp>`) is no training loop
+            if found is None and (not forwards or i > forwards[-1]) and code.co_name not in _COMPREHENSIONS:
                 body = _loop_around(code, frame.f_lasti)
                 if body is not None:
                     found = frame, body

@@ -384,7 +384,8 @@ class GraphGuard:
         frame = self._frame
         if frame is not None:
             variables = self.variables(frame)
-            if variables is not frame.f_globals:
+            # a module's code (not its copy of them while 3.12 runs a comprehension inlined: PEP 709) has no locals
+            if variables is not frame.f_globals and frame.f_code.co_name != "<module>":
                 out.append(("local", variables))
             out.append(("global", frame.f_globals))
         if self._globals is not None and (frame is None or self._globals is not frame.f_globals):

@@ -38,6 +38,9 @@ BROKEN = {
     # a backward in an `except` block of the loop (an out-of-memory retry; Python 3.12 puts the block after the end)
     "oom_retry_backward_in_except": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, "
                                     r"built before the step \(before the loop\) and held by `global feat`",
+    # torch.autograd.grad called inside a list comprehension in the loop (3.11: the comprehension's own frame)
+    "pcgrad_trunk_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches ReluBackward0, built "
+                                r"before the step \(before the loop\) and held by `global feat`",
     "while_loop_graph_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, "
                                     r"built before the step \(before the loop\) and held by `global feat`",
     "seed000_ex1_backward_twice": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): this loss \(ViewBackward0, held by "
@@ -146,13 +149,6 @@ OWN_WARNING = ("acgan_softmax_no_dim",)
 # (those Pythons, what the last line of stderr must say or None for a correct script, quiet and as without watch,
 # the reason)
 KNOWN_BUGS = {
-    # torch.autograd.grad called inside a list comprehension in the loop
-    "pcgrad_trunk_before_loop": ({(3, 11), (3, 12)}, r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
-                                 r"ReluBackward0, built before the step \(before the loop\) and held by `global feat`",
-                                 "3.11: the comprehension's own frame (<listcomp>) is taken for the training loop by "
-                                 "watch.loop_start (a CarriedGraphError at step 2); 3.12 inlines it (PEP 709) and the "
-                                 "module frame's f_locals is then a copy, not f_globals: GraphGuard._namespaces names "
-                                 "the global `local feat`"),
     # the state an RNN carries is `h`; `out` also reaches the last step's graph, through the new step's forward
     "rnn_output_named_first": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by "
                                r"`global h`", "explain.find_holder names the first variable whose graph reaches the "
