@@ -147,19 +147,22 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
                 loss: torch.Tensor | None = None) -> str | None:
-    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it); a local variable holding
-    ``loss`` (a plain loop's ``loss = ...``, made in the step) does not count."""
-    near = None
+    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the first of the shape
+    ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the `out` of
+    ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the step)
+    does not count."""
+    near = []
     for name, tensor in candidates(scope, batch):
         fn = tensor.grad_fn
         if fn is None or (tensor is loss and name.startswith("local ")):
             continue
         if fn is node:
             return name
-        if near is None and reachable(fn, node, limit=2_000):
-            near = name
-    if near is not None:
-        return near
+        if reachable(fn, node, limit=2_000):
+            near.append((name, tuple(tensor.shape)))
+    if near:
+        made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
+        return next((name for name, shape in near if [shape] == made), near[0][0])
     if scan_gc:
         # by type only: isinstance looks an object's __class__ up, which some deprecated objects answer with a
         # warning (and silencing warnings would show the program's own ones again: see watch._fields)

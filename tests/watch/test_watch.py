@@ -41,6 +41,9 @@ BROKEN = {
     # torch.autograd.grad called inside a list comprehension in the loop (3.11: the comprehension's own frame)
     "pcgrad_trunk_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches ReluBackward0, built "
                                 r"before the step \(before the loop\) and held by `global feat`",
+    # a recurrent state carried without detach, where another variable (`out`, above it) reaches the same node
+    "rnn_output_named_first": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global h`",
+    "gru_closure_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `(local|closure) h`",
     "while_loop_graph_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, "
                                     r"built before the step \(before the loop\) and held by `global feat`",
     "seed000_ex1_backward_twice": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): this loss \(ViewBackward0, held by "
@@ -145,21 +148,8 @@ LEAKED = {
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
 # correct scripts that warn by themselves (a torch deprecation inside a module's forward): tested on their own below
 OWN_WARNING = ("acgan_softmax_no_dim",)
-# scripts that watch reads wrongly today on the Pythons named, where their test is expected to fail: script ->
-# (those Pythons, what the last line of stderr must say or None for a correct script, quiet and as without watch,
-# the reason)
-KNOWN_BUGS = {
-    # the state an RNN carries is `h`; `out` also reaches the last step's graph, through the new step's forward
-    "rnn_output_named_first": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by "
-                               r"`global h`", "explain.find_holder names the first variable whose graph reaches the "
-                               "node, in the namespace's order: `global out`, defined above `h`"),
-    "gru_closure_state_not_detached": ({(3, 11), (3, 12)}, r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by "
-                                       r"`(local|closure) h`", "explain.find_holder: a frame's free variables come "
-                                       "after its own in f_locals, so `local out` is named and `out = out.detach()` "
-                                       "suggested, not the closure's `nonlocal h`"),
-}
 FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py")
-               if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH, *OWN_WARNING, *KNOWN_BUGS})
+               if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH, *OWN_WARNING})
 
 def options(name: str) -> list[str]:
     """The watch options a script gives on its first line ("# watch: --check always")."""
@@ -179,7 +169,7 @@ def runs(tmp_path_factory):
     mode): each in a process of its own, forked from one that imported torch (``forked.run_all``)."""
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
-    plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED), *sorted(n for n, bug in KNOWN_BUGS.items() if bug[1] is None)]
+    plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED)]
     modes = [(n, mode) for fixed in FIRST_FIX.values() for n in fixed[:2] for mode in ("always", "off")]
     results = run_all([([*options(n), str(SCRIPTS / f"{n}.py")], True) for n in names]
                       + [([str(SCRIPTS / f"{n}.py")], False) for n in plain]
@@ -234,21 +224,6 @@ def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothi
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == runs[1][name]
     assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
-    sys.version_info[:2] in pythons, strict=True, reason=reason)) for name, (pythons, _, reason) in sorted(
-    KNOWN_BUGS.items())])
-def test_a_loop_shape_read_wrongly_on_some_python(runs, name):
-    expected = KNOWN_BUGS[name][1]
-    proc = runs[0][name]
-    if expected is None:  # a correct script: as a fixed one
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout == runs[1][name]
-        assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
-    else:
-        assert proc.returncode == 1
-        assert re.search(expected, proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
 
 
 def _code(name: str) -> list[str]:
