@@ -261,7 +261,7 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None  # the step of the best validation
         self.wait = 0  # validations since the best
-        self.fitting = False  # only a fit's validations count (not a trainer.validate() of its own)
+        self.fitting = False  # only the validations during a fit count (not a trainer.validate() outside one)
 
     @property
     def stopped(self) -> bool:
