@@ -77,6 +77,9 @@ class Evaluator:
 
         def add(batch, out) -> None:
             losses, n = counted(out, kind) if isinstance(out, tuple) else (out, samples(batch, kind))
+            if losses is not None and not isinstance(losses, (torch.Tensor, Mapping)):
+                raise TypeError(f"{kind.step} returned a {type(losses).__name__}: return the loss as a tensor (or a "
+                                "dict of them, or (losses, n)), or log metrics with self.log(name, value)")
             losses = {"loss": losses} if isinstance(losses, torch.Tensor) else dict(losses or {})
             if not losses and not logs:
                 raise TypeError(f"{kind.step} returned {type(out).__name__} and logged nothing: return the loss (or "
@@ -113,6 +116,9 @@ class Evaluator:
         iterator draws a seed from torch's, a step may use dropout or Python's and numpy's, and training must draw
         what it would have drawn without this pass (outside it, each ``predict()`` draws anew: Monte Carlo dropout).
         A failure is a ``StepError`` naming the batch."""
+        if data is None:
+            raise ConfigError(f"{kind.name} has no data: " + ("pass val_data=... to the Trainer" if kind is VALIDATION
+                                                              else f"pass the batches, trainer.{kind.name}(loader)"))
         roots = [m for m in (self.model, *self.others) if m is not None]
         modes = [(m, m.training) for root in roots for m in root.modules()]
         if self.model is not None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import ConfigWarning, StepError, Trainer
+from safeloop import ConfigError, ConfigWarning, StepError, Trainer
 from safeloop.models import MLP
 
 from .conftest import manual
@@ -297,3 +297,24 @@ def test_a_backward_in_validation_leaves_the_gradients_as_it_found_them():
                                         r"backward\(\) in it\), which cannot be taken back: take its gradient with "
                                         r"torch.autograd.grad"):
         trainer.validate()
+
+
+def test_a_number_returned_from_validation_step_is_refused_saying_what_to_return():
+    class Item(Trainer):
+        def validation_step(self, batch):
+            x, y = batch
+            return F.mse_loss(self.model(x), y).item()
+
+    trainer = validating(Item, val_data=DataLoader(dataset(8), batch_size=4))
+    with pytest.raises(StepError, match=re.escape(
+            "TypeError: validation_step returned a float: return the loss as a tensor (or a dict of them, or "
+            "(losses, n)), or log metrics with self.log(name, value)")):
+        trainer.validate()
+
+
+def test_validate_without_val_data_says_to_pass_it():
+    trainer = validating()
+    with pytest.raises(ConfigError, match=r"validation has no data: pass val_data=\.\.\. to the Trainer"):
+        trainer.validate()
+    with pytest.raises(ConfigError, match=r"predict has no data: pass the batches, trainer.predict\(loader\)"):
+        trainer.predict(None)
