@@ -33,13 +33,10 @@ def fit(n):
 
     for batch in batches(n):
         match batch:
-            case {"x": x, "y": y}:
-                pass
-            case (x, y):
-                pass
-        if x.shape[1] == 0:
-            continue
-        print(step(x, y))
+            case {"x": x, "y": y} | (x, y):
+                if x.shape[1] == 0:
+                    continue
+                print(step(x, y))
 
 
 fit(5)
