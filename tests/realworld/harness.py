@@ -63,6 +63,19 @@ def compare(make_model: Callable[[], torch.nn.Module], hand: Callable, port: typ
     assert trained, "the hand-written loop changed no parameter: the comparison would prove nothing"
 
 
+def compare_runs(make_model: Callable[[], torch.nn.Module], hand: Callable, port: type, make_data: Callable,
+                 check: str, steps: int, **kwargs) -> list:
+    """``compare`` with ``make_data()`` made afresh for each run: returns them in the order of the runs (the
+    hand-written loop, the watched loop, the port), with what each run recorded on them (loss scales, rates)."""
+    runs = []
+
+    def data(model):
+        runs.append(make_data())
+        return runs[-1]
+    compare(make_model, hand, port, data, check, steps, **kwargs)
+    return runs
+
+
 @contextmanager
 def strict(own: list[warnings.WarningMessage]) -> Iterator[None]:
     """Warnings as errors, except those in ``own`` (the hand-written loop's)."""

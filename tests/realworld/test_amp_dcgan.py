@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import checks, compare_runs
 
 nz, ngf, ndf, nc = 4, 4, 4, 1
 lr, beta1 = 0.0002, 0.5
@@ -176,12 +176,7 @@ class DCGANTrainer(Trainer):
 
 @pytest.mark.parametrize("check", checks())
 def test_dcgan_with_one_grad_scaler_for_both_optimizers(check):
-    runs = []
-
-    def data(model):
-        runs.append(Images())
-        return runs[-1]
-    compare(DCGAN, dcgan_hand, DCGANTrainer, data, check, steps=BATCHES, precision="16-mixed")
+    runs = compare_runs(DCGAN, dcgan_hand, DCGANTrainer, Images, check, steps=BATCHES, precision="16-mixed")
     hand, watched, port = (run.scales for run in runs)
     assert watched == hand and port == hand
     assert hand[0] == 2.0 ** 15, "the first iteration overflowed at GradScaler's initial scale: one was skipped"

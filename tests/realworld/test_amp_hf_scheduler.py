@@ -25,7 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import checks, compare_runs
 
 STEPS, WARMUP, MAX_GRAD_NORM = 8, 2, 1.0
 WIDE = (0, 4)
@@ -112,12 +112,8 @@ class HFPortWithTheTrainersScheduler(HFPort):
 
 @pytest.mark.parametrize("check", checks())
 def test_hf_schedule_held_while_the_scaler_skips(check):
-    runs = []
-
-    def data(model):
-        runs.append(Batches())
-        return runs[-1]
-    compare(make_model, hf_hand, HFPort, data, check, steps=STEPS, precision="16-mixed", grad_clip=MAX_GRAD_NORM)
+    runs = compare_runs(make_model, hf_hand, HFPort, Batches, check, steps=STEPS, precision="16-mixed",
+                        grad_clip=MAX_GRAD_NORM)
     hand, watched, port = (run.lrs for run in runs)
     assert watched == hand and port == hand
     assert hand[0] == 0.0 and hand[1] > 0.0, "the first update was not skipped: the schedule would have moved"

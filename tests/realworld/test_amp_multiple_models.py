@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import checks, compare_runs
 
 BATCHES = 6
 
@@ -112,12 +112,7 @@ class TwoModels(Trainer):
 
 @pytest.mark.parametrize("check", checks())
 def test_two_models_two_losses_two_optimizers_one_scaler(check):
-    runs = []
-
-    def data(model):
-        runs.append(Data())
-        return runs[-1]
-    compare(Models, amp_examples_hand, TwoModels, data, check, steps=BATCHES, precision="16-mixed")
+    runs = compare_runs(Models, amp_examples_hand, TwoModels, Data, check, steps=BATCHES, precision="16-mixed")
     hand, watched, port = (run.scales for run in runs)
     assert watched == hand and port == hand
     assert hand[0] == 2.0 ** 15, hand

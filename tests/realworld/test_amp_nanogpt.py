@@ -35,7 +35,7 @@ import torch
 from safeloop import CheckpointError, Trainer
 
 from . import test_build_nanogpt as gpt2
-from .harness import assert_same, checks, compare
+from .harness import assert_same, checks, compare, compare_runs
 
 batch_size, block_size, gradient_accumulation_steps = 2, gpt2.T, 2
 learning_rate, min_lr = 6e-4, 6e-5
@@ -144,14 +144,9 @@ class NanoGPT(Trainer):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("check", checks())
 def test_nanogpt_with_a_grad_scaler_accumulation_and_clipping(check, dtype):
-    runs = []
-
-    def data(model):
-        runs.append(Data())
-        return runs[-1]
-    compare(lambda: gpt2.GPT(gpt2.GPTConfig()), nanogpt_hand if dtype == "float16" else nanogpt_bf16_hand, NanoGPT,
-            data, check, steps=max_iters + 1, precision=PRECISIONS[dtype], grad_accum=gradient_accumulation_steps,
-            grad_clip=grad_clip)
+    runs = compare_runs(lambda: gpt2.GPT(gpt2.GPTConfig()), nanogpt_hand if dtype == "float16" else nanogpt_bf16_hand,
+                        NanoGPT, Data, check, steps=max_iters + 1, precision=PRECISIONS[dtype],
+                        grad_accum=gradient_accumulation_steps, grad_clip=grad_clip)
     hand, watched, port = (run.scales for run in runs)
     assert watched == hand
     if dtype == "float16":

@@ -22,7 +22,7 @@ import torch
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import checks, compare_runs
 
 batch_size, in_size, out_size, num_layers, num_batches = 8, 16, 16, 3, 6
 device = 'cpu'
@@ -92,14 +92,9 @@ def model():
 @pytest.mark.parametrize("clip", [False, True], ids=["scaled", "unscaled_and_clipped"])
 @pytest.mark.parametrize("check", checks())
 def test_amp_recipe_with_a_grad_scaler(check, clip):
-    runs = []
-
-    def data(model):
-        runs.append(Batches())
-        return runs[-1]
     extra = {"grad_clip": 0.1} if clip else {}
-    compare(model, amp_clip_hand if clip else amp_hand, AMP, data, check, steps=num_batches, precision="16",
-            **extra)
+    runs = compare_runs(model, amp_clip_hand if clip else amp_hand, AMP, Batches, check, steps=num_batches,
+                        precision="16", **extra)
     hand, watched, port = (run.scale for run in runs)
     assert watched == hand and port == hand
     assert hand < 2.0 ** 16, "no update overflowed: the skipped steps are not exercised"

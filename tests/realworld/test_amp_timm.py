@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from safeloop import Trainer
 
-from .harness import checks, compare
+from .harness import checks, compare_runs
 
 EPOCHS, BATCHES, ACCUM, CLIP, LR = 2, 8, 2, 1.0, 0.05
 WIDE = (0, 5)  # the batches drawn 1000 times wider
@@ -141,13 +141,9 @@ class TimmPort(Trainer):
 
 @pytest.mark.parametrize("check", checks())
 def test_timm_native_scaler_with_accumulation_clipping_and_a_scheduler_over_skipped_updates(check):
-    runs = []
-
-    def data(model):
-        runs.append(Loader())
-        return runs[-1]
-    compare(make_model, timm_hand, TimmPort, data, check, steps=EPOCHS * BATCHES // ACCUM, precision="16-mixed",
-            grad_accum=ACCUM, grad_clip=CLIP, optimizer=make_optimizer, scheduler=make_scheduler)
+    runs = compare_runs(make_model, timm_hand, TimmPort, Loader, check, steps=EPOCHS * BATCHES // ACCUM,
+                        precision="16-mixed", grad_accum=ACCUM, grad_clip=CLIP, optimizer=make_optimizer,
+                        scheduler=make_scheduler)
     hand, watched, port = (run.scales for run in runs)
     assert watched == hand and port == hand
     # the updates over batches 0 and 5, in each pass, were skipped: the scale halved four times
