@@ -31,13 +31,8 @@ log = logging.getLogger("safeloop")
 class Trainer:
     """Trains ``model`` on ``train_data``; you write the math, it runs the step.
 
-    Plain use::
-
-        trainer = Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters()), max_steps=1000)
-        trainer.fit()
-
-    The default ``training_step`` unpacks ``(x, y)`` and returns ``loss_fn(model(x), y)``.
-    Subclass to write your own::
+    Plain use: ``Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters())).fit()``.
+    The default ``training_step`` unpacks ``(x, y)`` and returns ``loss_fn(model(x), y)``. Subclass to write your own::
 
         class MyTrainer(Trainer):
             def training_step(self, batch):
@@ -181,6 +176,11 @@ class Trainer:
         """Log a metric (Lightning's ``self.log``): from ``training_step`` or a hook, written every ``log_every`` steps;
         from ``validation_step`` / ``test_step``, its mean over the samples. Lightning's ``prog_bar`` is taken."""
         self.logged[str(name)] = logged_value(name, value, lightning)
+
+    def log_dict(self, values: Mapping[str, torch.Tensor | float], **lightning: Any) -> None:
+        """``self.log(name, value, ...)`` for each entry (Lightning's ``self.log_dict``)."""
+        for name, value in values.items():
+            self.log(name, value, **lightning)
 
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,

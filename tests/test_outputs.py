@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from safeloop import Trainer, curves
+from safeloop import ConfigError, Trainer, curves
 
 from .conftest import subprocess_env
 
@@ -124,6 +124,40 @@ def test_self_log_writes_metrics_with_the_losses_at_each_log_point(tmp_path, cap
         assert any("step 4/4 loss" in r.getMessage() and "mae" in r.getMessage() for r in caplog.records)
         assert [type(logger).__name__ for logger in trainer.loggers] == ["CSVLogger"]
         assert trainer.logged == {} and set(trainer.state.losses) == {"loss"}
+
+
+class LogsDict(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.log_dict({"mae": (out - y).abs().mean(), "step_seen": self.state.step + 1}, prog_bar=True)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def validation_step(self, batch):
+        x, y = batch
+        self.log_dict({"val_mae": (self.model(x) - y).abs().mean()})
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+
+def test_self_log_dict_logs_each_entry_as_self_log_does_in_training_and_validation(tmp_path):
+    """Lightning's ``self.log_dict({...})`` is ``self.log`` of each entry: the same rows in metrics.csv, the
+    validation value a mean over the pass; its options are ``self.log``'s (``on_epoch`` refused with its text)."""
+    def rows(cls, **kwargs) -> list[str]:
+        torch.manual_seed(0)
+        trainer = cls(model=torch.nn.Linear(4, 1), train_data=data(), max_steps=4, log_every=2, device="cpu",
+                      run_dir=tmp_path / cls.__name__, checkpoint=False, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                      progress=False, **kwargs)
+        trainer.fit()
+        return (tmp_path / cls.__name__ / "metrics.csv").read_text().splitlines()
+
+    got = rows(LogsDict, val_data=data(2), val_every=2)
+    assert [r for r in got if ",val_" not in r] == rows(LogsMae)
+    assert sum(",val_mae," in r for r in got) == 3  # before training, at step 2 and at step 4
+    bad = type("Bad", (LogsDict,), {"validation_step": Trainer.validation_step,
+                                    "training_step": lambda self, b: self.log_dict({"m": 1.0}, on_epoch=True)})
+    with pytest.raises(ConfigError, match=re.escape("self.log(..., on_epoch=True): safeloop's self.log(name, value) "
+                                                    "takes no on_epoch")):
+        rows(bad)
 
 
 def test_a_returned_dict_with_loss_and_other_keys_is_an_error_pointing_to_self_log():

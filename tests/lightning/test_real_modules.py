@@ -155,7 +155,7 @@ class Nets(nn.Module):
 
 class PortGAN(safeloop.Trainer):
     """``GAN`` ported: ``automatic = False``; ``self.manual_backward`` and ``opt.step()`` with ``zero_grad`` as
-    ``self.backward(loss, optimizer=name)`` and ``self.step(name)``; ``self.log_dict`` as ``self.log``;
+    ``self.backward(loss, optimizer=name)`` and ``self.step(name)``; ``self.log_dict`` kept;
     ``toggle_optimizer`` dropped (``self.backward(optimizer=...)`` reaches only that optimizer's parameters)."""
 
     automatic = False
@@ -179,8 +179,7 @@ class PortGAN(safeloop.Trainer):
         d_loss = (real_loss + fake_loss) / 2
         self.backward(d_loss, optimizer="d")
         self.step("d")
-        self.log("d_loss", d_loss)
-        self.log("g_loss", g_loss)
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
         return {"g": g_loss, "d": d_loss}
 
 
