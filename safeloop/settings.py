@@ -312,6 +312,12 @@ def samples_problem(name: str, data) -> str | None:
     if isinstance(data, torch.Tensor):
         return (f"{name} is a Tensor: iterated, it gives one unbatched row per step. Pass batches: "
                 "DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True) (from torch.utils.data)")
+    if isinstance(data, (list, tuple)) and data and all(isinstance(d, torch.utils.data.DataLoader) for d in data):
+        return (f"{name} is a {type(data).__name__} of {len(data)} DataLoaders: safeloop reads one iterable of "
+                "batches. For one loader over them all: DataLoader(ConcatDataset([...]), ...) (torch.utils.data)" +
+                ("; for a metric of each (Lightning's dataloader_idx): val_data=the first, and in "
+                 "on_validation_end(metrics), metrics['val_other'] = self.test(other)['test_loss']"
+                 if name == "val_data" else ""))
     if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
         return None
     return (f"{name} is a {type(data).__name__}, a Dataset of single samples: each step would train on one "

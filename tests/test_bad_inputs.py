@@ -185,6 +185,9 @@ class Unplain:
     pass
 
 
+LOADER = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 5), torch.ones(4, 1)), batch_size=2)
+
+
 # Trainer arguments -> the error's text, raised before anything is trained or written (test below)
 ARGUMENTS = [
     (dict(callbacks="cb"), r"callbacks='cb' is a str; give an Iterable\[Callback\]"),
@@ -208,6 +211,13 @@ ARGUMENTS = [
     (dict(scheduler=functools.partial(torch.optim.lr_scheduler.StepLR)),
      r"scheduler: StepLR cannot be called with the optimizer alone \(missing a required argument: 'step_size'\)"),
     (dict(val_data=[]), r"val_data yielded no batches"),
+    (dict(val_data=[LOADER, LOADER]), re.escape(
+        "val_data is a list of 2 DataLoaders: safeloop reads one iterable of batches. For one loader over them all: "
+        "DataLoader(ConcatDataset([...]), ...) (torch.utils.data); for a metric of each (Lightning's dataloader_idx): "
+        "val_data=the first, and in on_validation_end(metrics), metrics['val_other'] = self.test(other)['test_loss']")),
+    (dict(data=(LOADER, LOADER)), re.escape("train_data is a tuple of 2 DataLoaders: safeloop reads one iterable of "
+                                            "batches. For one loader over them all: DataLoader(ConcatDataset([...]), "
+                                            "...) (torch.utils.data)") + "$"),
 ]
 
 

@@ -50,6 +50,25 @@ def test_the_validation_loss_is_the_mean_over_samples_when_the_last_batch_is_sma
     assert abs(sum(batch_means) / 4 - expected) > 1e-3
 
 
+def test_a_second_validation_loader_is_a_metric_of_its_own_through_test_in_on_validation_end(tmp_path):
+    """What the refusal of a list of validation loaders advises (Lightning's ``dataloader_idx``): the first as
+    ``val_data``, the other's ``self.test(...)`` put in ``metrics`` in ``on_validation_end``. Each is its own
+    loader's mean over samples, and ``checkpoint.monitor`` ranks by it."""
+    first, other = dataset(12, seed=5), dataset(8, seed=6)
+
+    class TwoLoaders(Trainer):
+        def on_validation_end(self, metrics):
+            metrics["val_other"] = self.test(DataLoader(other, batch_size=3))["test_loss"]
+
+    trainer = validating(TwoLoaders, val_data=DataLoader(first, batch_size=5), checkpoint={"dir": str(tmp_path),
+                                                                                          "monitor": "val_other"})
+    trainer.fit()
+    step, metrics = trainer.state.val_history[-1]
+    assert step == 1 and metrics["val_loss"] == pytest.approx(per_sample_mean(trainer.model, first), rel=1e-6)
+    assert metrics["val_other"] == pytest.approx(per_sample_mean(trainer.model, other), rel=1e-6)
+    assert (tmp_path / "best.txt").read_text().strip() == "step-000000001.pt"
+
+
 def test_validation_step_returns_the_sample_count_where_the_first_tensor_does_not_hold_it():
     """Sequence-first batches, (time, batch, features): the first tensor's leading size is the time."""
     val = dataset(36, seed=5)
