@@ -70,6 +70,13 @@ class Progress:
             self._redirect.__enter__()
         self.total = total
 
+    def start(self, step: int) -> None:
+        """The steps begin at ``step`` (a later fit, a resumed run): the rate counts from here."""
+        self._last = (time.perf_counter(), step)
+        if self.bar is not None:
+            self.bar.reset(self.total)
+            self.bar.n = self.bar.last_print_n = self.bar.initial = step
+
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Called at log points only, so that the bar costs nothing per step."""
         if not self.enabled:

@@ -31,6 +31,9 @@ class TrainState:
     skipped_in_row: int = 0
     val_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
+    def reached(self, max_steps: int | None) -> bool:
+        return max_steps is not None and self.step >= max_steps
+
     def floats(self) -> dict[str, float]:
         """The last losses as Python floats (a device sync on CUDA)."""
         return {name: float(value) for name, value in self.losses.items()}

@@ -241,9 +241,11 @@ class Trainer:
         return self.state
 
     def _loop(self, step_done: Callable[[], None]) -> None:
-        """The steps, each followed by what is due after it, until ``_after_step`` says to stop."""
-        if self._done() or self._stop.reason is not None:  # resumed from the end, or asked to stop
+        """The steps, each followed by what is due after it, until ``_after_step`` says to stop (none when resumed at
+        the end, or asked to stop before the first)."""
+        if self.state.reached(self.settings.max_steps) or self._stop.reason is not None:
             return
+        self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
         batches = self._data.batches(self.settings, self._hooks, self.schedules)
         for group in batches:
             self._runner.run(group)
@@ -268,10 +270,7 @@ class Trainer:
         stop = self._stop.agreed(step, self.dist)
         if stop or (self.checkpointer is not None and not end and self.checkpointer.due(step, validated)):
             self.save_checkpoint()
-        return stop or self._done()
-
-    def _done(self) -> bool:
-        return self.settings.max_steps is not None and self.state.step >= self.settings.max_steps
+        return stop or self.state.reached(self.settings.max_steps)
 
     def _finish(self) -> None:
         """The end of ``fit``: last validation and checkpoint, ``on_fit_end``, loss curves (a signal: the save only)."""
@@ -358,7 +357,8 @@ class Trainer:
         for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
             logger.resume(self.state.step)
         log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, self.state.step, self.state.epoch,
-                 self.state.batch_in_epoch, "; max_steps is reached: nothing to train" if self._done() else "")
+                 self.state.batch_in_epoch,
+                 "; max_steps is reached: nothing to train" if self.state.reached(self.settings.max_steps) else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """The modules checkpoints save and evaluation puts in eval mode, by name: ``{"model": self.model}``; add one

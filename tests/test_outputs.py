@@ -4,6 +4,7 @@ import subprocess
 import sys
 import re
 import textwrap
+import time
 
 import pytest
 import torch
@@ -90,6 +91,24 @@ class LogsMae(Trainer):
         self.log("mae", (out - y).abs().mean())
         self.log("step_seen", self.state.step + 1)
         return torch.nn.functional.mse_loss(out, y)
+
+
+def test_steps_per_second_counts_the_steps_of_this_fit_only(caplog):
+    """A later fit (or a resumed run) starts at step 2: its first rate counts its own steps, 2 of 20 ms each,
+    so at most 50 steps/s (counted from step 0 it read about 4 steps in that time)."""
+    class Slow(Trainer):
+        def training_step(self, batch):
+            time.sleep(0.02)
+            return super().training_step(batch)
+
+    trainer = Slow(model=torch.nn.Linear(4, 1), train_data=data(), max_steps=2, log_every=2, device="cpu",
+                   progress=False, loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer.fit()
+    trainer.max_steps = 4
+    with caplog.at_level("INFO", logger="safeloop"):
+        trainer.fit()
+    line, = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 4/4")]
+    assert float(line.split()[-2]) <= 50, line
 
 
 class ReturnsLossAndMae(Trainer):
