@@ -128,6 +128,26 @@ def lightning_names(obj: object, base: type) -> list[str]:
     return problems
 
 
+def hook_signatures(obj: object, base: type) -> list[str]:
+    """A problem for each hook ``obj`` overrides that cannot take the arguments ``base``'s takes (a port that kept
+    Lightning's ``on_after_backward(self)`` or ``on_before_optimizer_step(self, optimizer)``, say)."""
+    problems = []
+    for name in HOOKS:
+        if not is_overridden(name, obj, base):
+            continue
+        args = list(inspect.signature(getattr(base, name)).parameters)[1:]
+        try:
+            inspect.signature(getattr(obj, name)).bind(*args)
+        except TypeError:
+            given = ", ".join(args)
+            fix = f"a function of ({given})" if name in vars(obj) else f"def {name}({', '.join(['self', *args])})"
+            problems.append(f"{type(obj).__name__}.{name} takes {inspect.signature(getattr(obj, name))}, and safeloop "
+                            f"calls {name}({given}): write it as {fix}")
+        except ValueError:  # no signature to read
+            pass
+    return problems
+
+
 class Callback:
     def on_fit_start(self, trainer) -> None: ...
     def on_step_start(self, trainer) -> None: ...
@@ -158,7 +178,8 @@ class Hooks:
     def bind(self, callbacks: list[Callback]) -> None:
         trainer = self.trainer
         problems = replaced(trainer, self.base) + lightning_names(trainer, self.base)
-        problems += [p for cb in callbacks for p in lightning_names(cb, Callback)]
+        problems += hook_signatures(trainer, self.base)
+        problems += [p for cb in callbacks for p in lightning_names(cb, Callback) + hook_signatures(cb, Callback)]
         if problems:
             raise ConfigError(problems)
         self.bound = {name: [getattr(trainer, name)] if is_overridden(name, trainer, self.base) else []

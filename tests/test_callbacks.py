@@ -203,6 +203,42 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
     assert trainer.state.step == 0
 
 
+def test_a_hook_that_cannot_take_safeloops_arguments_is_a_config_error_at_start_up_naming_its_signature(tmp_path):
+    """Lightning's signatures kept on a port (``on_after_backward(self)``, ``on_before_optimizer_step(self,
+    optimizer)``, a callback's ``on_fit_start(self, trainer, pl_module)``), or a function set on the instance that
+    takes nothing: refused before the validation that precedes training, each with the signature to write."""
+    class Port(Trainer):
+        def on_after_backward(self):
+            pass
+
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+        def on_validation_end(self, metrics, *more):  # takes what safeloop gives: fine
+            pass
+
+    class Lightningish(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            pass
+
+    data = [(torch.ones(2, 2), torch.ones(2, 1))]
+    trainer = Port(model=torch.nn.Linear(2, 1), train_data=data, val_data=data, max_steps=1, callbacks=[Lightningish()],
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=(),
+                   checkpoint={"dir": str(tmp_path)})
+    trainer.on_step_end = lambda: None
+    with pytest.raises(ConfigError) as caught:
+        trainer.fit()
+    assert str(caught.value).splitlines()[1:] == [
+        "  - Port.on_after_backward takes (), and safeloop calls on_after_backward(name): write it as "
+        "def on_after_backward(self, name)",
+        "  - Port.on_before_optimizer_step takes (optimizer), and safeloop calls on_before_optimizer_step(name, "
+        "optimizer): write it as def on_before_optimizer_step(self, name, optimizer)",
+        "  - Port.on_step_end takes (), and safeloop calls on_step_end(losses): write it as a function of (losses)",
+        "  - Lightningish.on_fit_start takes (trainer, pl_module), and safeloop calls on_fit_start(trainer): write it "
+        "as def on_fit_start(self, trainer)"]
+    assert trainer.state.step == 0 and trainer.state.val_history == [] and not list(tmp_path.iterdir())
+
+
 def test_lightnings_setup_and_backward_hooks_are_refused_where_they_would_replace_the_trainers_own():
     """Lightning's ``setup(stage)`` and an automatic-mode ``backward(loss)`` hook share a name with the Trainer's
     own methods: kept from a port, the first would replace the Trainer's set-up, the second never be called. Both
