@@ -221,7 +221,7 @@ LOG_OPTIONS = {
 
 
 def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.Tensor | float:
-    """What Lightning's ``self.log(name, value, **options)`` keeps: the value detached, or as a float. ``prog_bar``
+    """What Lightning's ``self.log(name, value, **options)`` keeps: a detached copy of the value, or a float. ``prog_bar``
     and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no number (a
     torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, rather than a TypeError."""
     problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
@@ -229,8 +229,8 @@ def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.
                 if key != "prog_bar" and not (key == "logger" and value is True)]
     if problems:
         raise ConfigError(problems)
-    if isinstance(value, torch.Tensor):
-        return value.detach()
+    if isinstance(value, torch.Tensor):  # a copy: a parameter logged (CLIP's logit_scale) is updated after the step
+        return value.detach().clone()
     try:
         return float(value)
     except (TypeError, ValueError):

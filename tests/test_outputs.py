@@ -93,6 +93,25 @@ class LogsMae(Trainer):
         return torch.nn.functional.mse_loss(out, y)
 
 
+def test_a_parameter_logged_in_training_step_is_logged_as_the_step_saw_it(tmp_path):
+    """``self.log("logit_scale", self.model.logit_scale)`` (CLIP's learnable scale): the value written is the one
+    the step used, not the parameter after the step's update changed it in place."""
+    class LogsWeight(Trainer):
+        seen: list = []
+
+        def training_step(self, batch):
+            self.log("w", self.model.weight[0, 0])
+            self.seen.append(self.model.weight[0, 0].item())
+            return super().training_step(batch)
+
+    trainer = LogsWeight(model=torch.nn.Linear(4, 1), train_data=data(), max_steps=3, log_every=1, device="cpu",
+                         progress=False, run_dir=tmp_path, checkpoint=False, optimizer=lambda p: torch.optim.SGD(p, lr=1))
+    trainer.fit()
+    rows = [r.split(",") for r in (tmp_path / "metrics.csv").read_text().splitlines()]
+    assert [float(value) for step, name, value in rows if name == "w"] == pytest.approx(LogsWeight.seen, rel=1e-5)
+    assert len(set(LogsWeight.seen)) == 3  # the updates changed it
+
+
 def test_steps_per_second_counts_the_steps_of_this_fit_only(caplog):
     """A later fit (or a resumed run) starts at step 2: its first rate counts its own steps, 2 of 20 ms each,
     so at most 50 steps/s (counted from step 0 it read about 4 steps in that time)."""
