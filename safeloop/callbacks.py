@@ -221,9 +221,9 @@ LOG_OPTIONS = {
 
 
 def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.Tensor | float:
-    """What Lightning's ``self.log(name, value, **options)`` keeps: a detached copy of the value, or a float. ``prog_bar``
-    and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no number (a
-    torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, rather than a TypeError."""
+    """What Lightning's ``self.log(name, value, **options)`` keeps: a detached copy of the value, or a float.
+    ``prog_bar`` and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no
+    number (a torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, not a TypeError."""
     problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
                 + LOG_OPTIONS.get(key, "it has no such option") for key, value in options.items()
                 if key != "prog_bar" and not (key == "logger" and value is True)]
