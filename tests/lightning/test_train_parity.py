@@ -81,3 +81,33 @@ def test_a_parameter_logged_in_training_step_is_the_value_the_step_saw():
     (theirs, ours), _, _ = logged_parameter_runs()
     assert theirs[0] == 0.5
     assert ours == theirs
+
+
+# -- Lightning's hook signatures kept on a port. docs/trainer.md's map: "on_before_backward, on_after_backward | the
+# same names"; safeloop's take the loss's name first (``on_before_backward(name, loss)``, ``on_after_backward(name)``),
+# and ``on_before_optimizer_step(name, optimizer)``, ``on_validation_end(metrics)``. Lightning's own signatures, as
+# Lightning-AI/pytorch-lightning's docs/source-pytorch/common/lightning_module.rst lists them (``on_after_backward``:
+# the gradient-norm logging of its debugging docs; ``on_before_optimizer_step(self, optimizer)``: its
+# ``grad_norm`` example), are refused only when step 1 calls them: a TypeError ("takes 1 positional argument but 2
+# were given") inside a StepError, or bare from the validation before training.
+
+LIGHTNING_SIGNATURES = {
+    "on_before_backward": lambda self, loss: None,
+    "on_after_backward": lambda self: None,
+    "on_before_optimizer_step": lambda self, optimizer: None,
+    "on_validation_end": lambda self: None,
+}
+
+
+@pytest.mark.xfail(strict=True, reason="a hook kept with Lightning's signature is called with safeloop's arguments: a "
+                                       "TypeError at its first call, where Lightning's batch_idx on a step method is a "
+                                       "ConfigError at start-up naming safeloop's signature")
+@pytest.mark.parametrize("hook", sorted(LIGHTNING_SIGNATURES))
+def test_a_hook_kept_with_lightnings_signature_is_refused_at_start_up(hook):
+    """A port that keeps ``def on_after_backward(self):`` (and the like) gets a ConfigError naming the hook and its
+    safeloop signature before anything runs, as a ``training_step(self, batch, batch_idx)`` does."""
+    port = type("PortHook", (Port,), {hook: LIGHTNING_SIGNATURES[hook]})(
+        model=net(), train_data=loader(), val_data=loader(n=4, seed=2), optimizer=adam, **settings(max_steps=2))
+    with pytest.raises(safeloop.ConfigError, match=hook):
+        port.fit()
+    assert port.state.step == 0
