@@ -111,3 +111,22 @@ def test_a_hook_kept_with_lightnings_signature_is_refused_at_start_up(hook):
     with pytest.raises(safeloop.ConfigError, match=hook):
         port.fit()
     assert port.state.step == 0
+
+
+# -- several loaders in a list: Lightning's ``trainer.fit(model, train_dataloaders=[a, b])`` (a CombinedLoader: each
+# batch is ``[batch_a, batch_b]``) and ``val_dataloaders=[a, b]`` with ``validation_step(batch, batch_idx,
+# dataloader_idx=0)`` (Lightning-AI/pytorch-lightning, docs/source-pytorch/data/iterables.rst, "Multiple
+# Iterables"). A dict of loaders is refused at construction ("is a dict; give an Iterable"); a list is taken as a
+# list of batches, each batch a DataLoader, and the first step or validation dies inside the user's unpacking.
+
+
+@pytest.mark.xfail(strict=True, reason="a list of DataLoaders is iterated as a list of batches: the error is the "
+                                       "user's unpacking failing on a DataLoader ('too many values to unpack'), at "
+                                       "step 1 or in the validation before training, not a ConfigError at construction")
+@pytest.mark.parametrize("where", ["train_data", "val_data"])
+def test_a_list_of_loaders_is_refused_at_construction(where):
+    """``train_data=[loader_a, loader_b]`` or ``val_data=[...]``: a ConfigError naming the setting and saying it
+    holds DataLoaders (one iterable of batches is taken), as for a dict of them."""
+    data = {"train_data": loader(), "val_data": loader(n=4, seed=2), where: [loader(seed=2), loader(n=4, seed=3)]}
+    with pytest.raises(safeloop.ConfigError, match=where):
+        Port(model=net(), optimizer=adam, **data, **settings(max_steps=2, val_every=1)).fit()
