@@ -7,15 +7,18 @@ its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user reli
 state is a test asserting Lightning's behaviour (or the error a port should get), marked ``xfail(strict=True)`` with
 the reason, until it is fixed or documented.
 """
+import math
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 pl = pytest.importorskip("pytorch_lightning")
 
 import safeloop  # noqa: E402
 
-from .common import Lit, Port, adam, assert_same, lightning, loader, mse, net, settings  # noqa: E402
+from .common import Lit, Port, adam, assert_same, lightning, loader, net, settings  # noqa: E402
 from .test_parity2 import PlainRecorder, Recorder  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -130,3 +133,130 @@ def test_a_list_of_loaders_is_refused_at_construction(where):
     data = {"train_data": loader(), "val_data": loader(n=4, seed=2), where: [loader(seed=2), loader(n=4, seed=3)]}
     with pytest.raises(safeloop.ConfigError, match=where):
         Port(model=net(), optimizer=adam, **data, **settings(max_steps=2, val_every=1)).fit()
+
+
+# -- Lightning-Universe/lightning-bolts, src/pl_bolts/models/self_supervised/swav/swav_module.py (commit
+# e5e12667f25be6c1d638c2f679f3086d5aa32e1f), its training side kept as written at tiny sizes: the prototypes
+# normalized in place under no_grad at the start of each step (``shared_step``), their gradient dropped in
+# ``on_after_backward`` while ``current_epoch < freeze_prototypes_epochs``, ``exclude_from_wt_decay``'s two groups, and
+# ``linear_warmup_decay`` (pl_bolts/optimizers/lr_scheduler.py, cosine) as a LambdaLR with ``"interval": "step"``,
+# returned as ``[optimizer], [scheduler]``. The loss is SwaV's swapped prediction with ``distributed_sinkhorn``'s
+# iterations (swav/loss.py) on one process; two noisy views stand in for the crops.
+
+
+def linear_warmup_decay(warmup_steps, total_steps):
+    def fn(step):
+        if step < warmup_steps:
+            return float(step) / float(max(1, warmup_steps))
+        progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return fn
+
+
+class SwavNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+        self.prototypes = nn.Linear(4, 5, bias=False)
+
+    def forward(self, views):
+        return [self.prototypes(F.normalize(self.backbone(v), dim=1)) for v in views]
+
+
+@torch.no_grad()
+def sinkhorn(out, epsilon=0.05, iterations=3):
+    q = torch.exp(out / epsilon).t()
+    q /= q.sum()
+    k, b = q.shape
+    for _ in range(iterations):
+        q /= q.sum(dim=1, keepdim=True)
+        q /= k
+        q /= q.sum(dim=0, keepdim=True)
+        q /= b
+    return (q * b).t()
+
+
+def swav_step(model, batch):
+    x, _ = batch
+    with torch.no_grad():  # 1. normalize the prototypes, as shared_step does
+        w = model.prototypes.weight.data.clone()
+        w = F.normalize(w, dim=1, p=2)
+        model.prototypes.weight.copy_(w)
+    out = model([x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)])
+    loss = 0
+    for i in range(2):
+        q = sinkhorn(out[i].detach())
+        loss = loss - (q * F.log_softmax(out[1 - i] / 0.1, dim=1)).sum(1).mean()
+    return loss / 2
+
+
+def exclude_from_wt_decay(named_params, weight_decay, skip_list=("bias", "backbone.1.")):
+    params, excluded_params = [], []
+    for name, param in named_params:
+        (excluded_params if any(layer_name in name for layer_name in skip_list) else params).append(param)
+    return [{"params": params, "weight_decay": weight_decay}, {"params": excluded_params, "weight_decay": 0.0}]
+
+
+def swav_optimizer(model, iters_per_epoch, epochs):
+    optimizer = torch.optim.Adam(exclude_from_wt_decay(model.named_parameters(), 1e-3), lr=1e-2, weight_decay=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(iters_per_epoch,
+                                                                                 iters_per_epoch * epochs))
+    return optimizer, scheduler
+
+
+FREEZE_PROTOTYPES_EPOCHS, SWAV_EPOCHS = 1, 3
+
+
+class LitSwav(pl.LightningModule):
+    def __init__(self, iters_per_epoch):
+        super().__init__()
+        self.model, self.iters_per_epoch = SwavNet(), iters_per_epoch
+
+    def on_after_backward(self):
+        if self.current_epoch < FREEZE_PROTOTYPES_EPOCHS:
+            for name, p in self.model.named_parameters():
+                if "prototypes" in name:
+                    p.grad = None
+
+    def training_step(self, batch, batch_idx):
+        return swav_step(self.model, batch)
+
+    def configure_optimizers(self):
+        optimizer, scheduler = swav_optimizer(self.model, self.iters_per_epoch, SWAV_EPOCHS)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step", "frequency": 1}]
+
+
+class PortSwav(safeloop.Trainer):
+    """``LitSwav`` ported: ``on_after_backward(name)``, ``self.state.epoch``, the scheduler dict without
+    ``frequency`` (refused, docs/trainer.md)."""
+
+    iters_per_epoch = None
+
+    def on_after_backward(self, name):
+        if self.state.epoch < FREEZE_PROTOTYPES_EPOCHS:
+            for n, p in self.model.named_parameters():
+                if "prototypes" in n:
+                    p.grad = None
+
+    def training_step(self, batch):
+        return swav_step(self.model, batch)
+
+    def configure_optimizers(self):
+        optimizer, scheduler = swav_optimizer(self.model, self.iters_per_epoch, SWAV_EPOCHS)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_lightning_bolts_swav_training_side_matches(accum):
+    """Three epochs (the prototypes frozen in the first), under accumulation ``accum`` (the step schedule over
+    updates): every parameter and BatchNorm's running statistics, bit for bit."""
+    iters = math.ceil(7 / accum)
+    lit = LitSwav(iters)
+    torch.manual_seed(5)
+    lightning(max_epochs=SWAV_EPOCHS, accumulate_grad_batches=accum).fit(lit, train_dataloaders=loader())
+    port = type("Port", (PortSwav,), {"iters_per_epoch": iters})(
+        model=SwavNet(), train_data=loader(), **settings(max_epochs=SWAV_EPOCHS, grad_accum=accum))
+    torch.manual_seed(5)
+    port.fit()
+    assert_same(lit.model, port.model)
