@@ -260,3 +260,40 @@ def test_lightning_bolts_swav_training_side_matches(accum):
     torch.manual_seed(5)
     port.fit()
     assert_same(lit.model, port.model)
+
+
+# -- Lightning's attributes read from a step, kept on a port. docs/trainer.md's map gives safeloop's name for each
+# (``self.global_step`` / ``self.current_epoch``: ``self.state.step`` / ``.epoch``; ``self.optimizers()``,
+# ``self.lr_schedulers()``: ``self.optimizers``, ``self.schedulers``); ``self.trainer.*`` (lightning-bolts' SwAV:
+# ``self.trainer.current_epoch``), ``self.log_dict`` (Lightning's docs, ``on_before_optimizer_step``'s ``grad_norm``
+# example) and ``self.toggle_optimizer`` (Lightning-AI/tutorials, lightning_examples/basic-gan) have none. Each is a
+# bare AttributeError ("'PortReads' object has no attribute 'current_epoch'") or TypeError ("'dict' object is not
+# callable") inside the StepError of step 1, where a Lightning hook name kept on a port is a ConfigError at start-up
+# naming safeloop's way.
+
+LIGHTNING_READS = {
+    "current_epoch": (lambda self: self.current_epoch, "state.epoch"),
+    "global_step": (lambda self: self.global_step, "state.step"),
+    "trainer": (lambda self: self.trainer.current_epoch, "state.epoch"),
+    "log_dict": (lambda self: self.log_dict({"a": 1.0}), r"self\.log\("),
+    "optimizers()": (lambda self: self.optimizers(), r"self\.optimizers\b"),
+    "lr_schedulers()": (lambda self: self.lr_schedulers(), r"self\.schedulers"),
+    "toggle_optimizer": (lambda self: self.toggle_optimizer(None), r"self\.backward"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="a Lightning attribute kept on a port is a bare AttributeError (or TypeError "
+                                       "for self.optimizers()) that does not name safeloop's way")
+@pytest.mark.parametrize("read", sorted(LIGHTNING_READS))
+def test_a_lightning_attribute_read_by_a_step_names_safeloops_way(read):
+    """The error says which safeloop name the port wants (the map's right column)."""
+    reads, instead = LIGHTNING_READS[read]
+
+    class PortReads(Port):
+        def training_step(self, batch):
+            reads(self)
+            return super().training_step(batch)
+
+    port = PortReads(model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=1))
+    with pytest.raises(safeloop.SafeloopError, match=instead):
+        port.fit()
