@@ -297,3 +297,74 @@ def test_a_lightning_attribute_read_by_a_step_names_safeloops_way(read):
     port = PortReads(model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=1))
     with pytest.raises(safeloop.SafeloopError, match=instead):
         port.fit()
+
+
+# -- a curriculum: Lightning's ``train_dataloader()`` reading ``self.current_epoch``, called again at each epoch's
+# start under ``Trainer(reload_dataloaders_every_n_epochs=1)`` (Lightning-AI/pytorch-lightning,
+# docs/source-pytorch/common/trainer.rst, ``reload_dataloaders_every_n_epochs``), each pass one batch longer, a
+# StepLR given alone (each epoch), validation at each epoch's end. Ported (docs/trainer.md: ``train_data`` "may be
+# replaced between fits or in on_epoch_start"): ``self.train_data = ...`` in ``on_epoch_start``; passes of changing
+# length have no ``val_every``, so the port validates in ``on_epoch_end``.
+
+
+def curriculum(epoch):
+    return loader(n=6 + 2 * epoch)
+
+
+def step_lr(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+class LitCurriculum(Lit):
+    def train_dataloader(self):
+        return curriculum(self.current_epoch)
+
+    def on_validation_end(self):
+        self.validated.append(self.trainer.global_step)
+
+
+class PortCurriculum(Port):
+    configure = staticmethod(step_lr)
+
+    def on_epoch_start(self):
+        self.train_data = curriculum(self.state.epoch)
+
+    def on_epoch_end(self):
+        self.validate()
+
+    def on_validation_end(self, metrics):
+        self.validated.append(self.state.step)
+
+
+def lightning_curriculum():
+    lit = LitCurriculum(configure=step_lr)
+    lit.validated = []
+    lightning(max_epochs=3, reload_dataloaders_every_n_epochs=1).fit(lit, val_dataloaders=loader(n=4, seed=2))
+    return lit
+
+
+def test_reload_dataloaders_every_epoch_ported_to_on_epoch_start_matches():
+    """Passes of 3, 4 and 5 batches: the steps validated after (safeloop's own before training aside), the
+    parameters bit for bit."""
+    lit = lightning_curriculum()
+    port = PortCurriculum(model=net(), train_data=curriculum(0), val_data=loader(n=4, seed=2), **settings(max_epochs=3))
+    port.validated = []
+    port.fit()
+    assert lit.validated == port.validated[1:] == [3, 7, 12]
+    assert_same(lit.model, port.model)
+
+
+@pytest.mark.xfail(strict=True, reason="train_dataloader, test_dataloader and predict_dataloader are not among "
+                                       "safeloop's refused Lightning names (val_dataloader is): kept on a port, "
+                                       "train_dataloader is never called, and every pass trains on train_data")
+@pytest.mark.parametrize("name", ["train_dataloader", "test_dataloader", "predict_dataloader"])
+def test_a_dataloader_hook_kept_on_a_port_is_refused(name):
+    """``LitCurriculum.train_dataloader`` kept on the port, ``train_data=`` its first pass: the port trains 9 steps on
+    the first pass's 3 batches where Lightning trains 12 on growing passes, without a word. A ConfigError naming the
+    hook, as for ``val_dataloader`` ("is Lightning's name, which safeloop never calls: pass val_data=...")."""
+    port = type("PortKept", (Port,), {"configure": staticmethod(step_lr),
+                                      name: lambda self: curriculum(self.state.epoch)})(
+        model=net(), train_data=curriculum(0), **settings(max_epochs=3))
+    with pytest.raises(safeloop.ConfigError, match=name):
+        port.fit()
