@@ -368,3 +368,45 @@ def test_a_dataloader_hook_kept_on_a_port_is_refused(name):
         model=net(), train_data=curriculum(0), **settings(max_epochs=3))
     with pytest.raises(safeloop.ConfigError, match=name):
         port.fit()
+
+
+# -- Lightning's ``self.automatic_optimization = False`` kept on a manual-mode port (set in ``__init__`` as
+# Lightning-AI/pytorch-lightning's examples/pytorch/domain_templates/generative_adversarial_net.py does, or as a class
+# attribute), in place of safeloop's ``automatic = False``: the port runs in automatic mode. Its ``training_step``
+# returning nothing (Lightning's manual steps mostly do) stops with "training_step returned None ... (did you forget
+# `return loss`?)"; one returning its loss stops with a DoubleBackwardError about a consumed graph. Neither names
+# ``automatic``, where Lightning's hook names kept on a port are a ConfigError saying safeloop's.
+
+
+class PortKeepsLightningsFlag(safeloop.Trainer):
+    returns = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.backward(loss)
+        self.step()
+        return loss if self.returns else None
+
+
+class PortFlagInInit(PortKeepsLightningsFlag):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+@pytest.mark.xfail(strict=True, reason="automatic_optimization = False is not read: the port runs in automatic mode "
+                                       "and fails at step 1 with an error about None or a consumed graph, not naming "
+                                       "safeloop's automatic = False")
+@pytest.mark.parametrize("where", ["class", "__init__"])
+@pytest.mark.parametrize("returns", [False, True], ids=["returns None", "returns the loss"])
+def test_lightnings_automatic_optimization_flag_kept_on_a_port_names_automatic(where, returns):
+    """The error names ``automatic = False``; nothing is trained."""
+    cls = PortFlagInInit if where == "__init__" else type("PortFlag", (PortKeepsLightningsFlag,),
+                                                          {"automatic_optimization": False})
+    port = type("Port", (cls,), {"returns": returns})(
+        model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=2))
+    before = {k: v.clone() for k, v in port.model.state_dict().items()}
+    with pytest.raises(safeloop.SafeloopError, match="automatic = False"):
+        port.fit()
+    assert all(torch.equal(before[k], v) for k, v in port.model.state_dict().items())
