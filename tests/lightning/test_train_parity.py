@@ -410,3 +410,48 @@ def test_lightnings_automatic_optimization_flag_kept_on_a_port_names_automatic(w
     with pytest.raises(safeloop.SafeloopError, match="automatic = False"):
         port.fit()
     assert all(torch.equal(before[k], v) for k, v in port.model.state_dict().items())
+
+
+# -- ``self.log("lr", optimizer.param_groups[0]["lr"])`` in ``training_step``, common in public LightningModules
+# (``self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])``), under a warm-up stepped each update: the
+# rate the step trained with, as Lightning's ``LearningRateMonitor`` logs it (Lightning-AI/pytorch-lightning,
+# src/lightning/pytorch/callbacks/lr_monitor.py, ``on_train_batch_start``). safeloop logs each optimizer's rate as
+# ``lr`` itself (docs/trainer.md, Learning-rate schedules), after the update and its scheduler step, and writes it
+# over the user's value of the same name.
+
+
+def warm_up(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 4)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class LitLogsLr(Lit):
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+
+class PortLogsLr(Port):
+    configure = staticmethod(warm_up)
+
+    def training_step(self, batch):
+        (optimizer,) = self.optimizers.values()
+        self.log("lr", optimizer.param_groups[0]["lr"])
+        return super().training_step(batch)
+
+
+@pytest.mark.xfail(strict=True, reason="the Trainer's own 'lr' (the rate after the update's scheduler step) replaces "
+                                       "the value self.log('lr', ...) gave: each log point writes the next step's rate")
+def test_a_learning_rate_logged_as_lr_is_the_value_logged():
+    """``log_every_n_steps=1`` / ``log_every=1``, 4 steps of a warm-up 0.0125, 0.025, 0.0375, 0.05: Lightning's logger
+    gets those; safeloop's gets 0.025, 0.0375, 0.05, 0.0625 under the user's name. The training is the same."""
+    recorder, plain = Recorder(), PlainRecorder()
+    lit = LitLogsLr(configure=warm_up)
+    lightning(max_steps=4, logger=recorder, log_every_n_steps=1).fit(lit, train_dataloaders=loader())
+    port = PortLogsLr(model=net(), train_data=loader(), **settings(max_steps=4, log_every=1, loggers=[plain]))
+    port.fit()
+    assert_same(lit.model, port.model)
+    theirs, ours = ([metrics["lr"] for _, metrics in rows.rows if "lr" in metrics] for rows in (recorder, plain))
+    assert theirs == pytest.approx([0.0125, 0.025, 0.0375, 0.05])
+    assert ours == pytest.approx(theirs)
