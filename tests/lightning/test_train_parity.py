@@ -522,3 +522,33 @@ def test_manual_zero_grad_ported_as_the_map_says_matches():
     """The port as the map writes it (``zero_grad()`` dropped): the parameters, bit for bit."""
     lit, port = sometimes_runs(keeps_zero_grad=False)
     assert_same(lit.model, port.model)
+
+
+# -- Lightning's Trainer arguments given to safeloop's Trainer, as a port of ``pl.Trainer(...)`` writes them (the
+# lightning-hydra-template's configs/trainer/default.yaml holds ``check_val_every_n_epoch``, ``accelerator``,
+# ``devices``, ``min_epochs``; its callbacks, ``gradient_clip_val`` and ``accumulate_grad_batches``). Each is a
+# ConfigError listing every safeloop setting, with a "did you mean" only where the names are alike
+# (``log_every_n_steps``: log_every), where docs/trainer.md's map gives the translation of each.
+
+LIGHTNING_ARGUMENTS = {
+    "accumulate_grad_batches": (2, "grad_accum"),
+    "gradient_clip_val": (1.0, "grad_clip"),
+    "gradient_clip_algorithm": ("value", "clip_grad_value_"),
+    "check_val_every_n_epoch": (1, "val_every"),
+    "val_check_interval": (3, "val_every"),
+    "limit_train_batches": (3, "islice"),
+    "detect_anomaly": (True, "trace"),
+    "enable_progress_bar": (False, "progress"),
+    "default_root_dir": ("runs", "run_dir"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="a Lightning Trainer argument is refused as an unknown setting, listing every "
+                                       "setting, without the translation docs/trainer.md's map gives")
+@pytest.mark.parametrize("name", sorted(LIGHTNING_ARGUMENTS))
+def test_a_lightning_trainer_argument_is_refused_naming_safeloops_way(name):
+    """The error says the name is Lightning's and gives safeloop's way (as for a Lightning hook kept on a port)."""
+    value, instead = LIGHTNING_ARGUMENTS[name]
+    with pytest.raises(safeloop.ConfigError) as refused:
+        Port(model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=1), **{name: value})
+    assert "Lightning" in str(refused.value) and instead in str(refused.value)
