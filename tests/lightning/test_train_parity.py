@@ -8,11 +8,15 @@ state is a test asserting Lightning's behaviour (or the error a port should get)
 the reason, until it is fixed or documented.
 """
 import math
+import random
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("pytorch_lightning")
 
@@ -552,3 +556,150 @@ def test_a_lightning_trainer_argument_is_refused_naming_safeloops_way(name):
     with pytest.raises(safeloop.ConfigError) as refused:
         Port(model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=1), **{name: value})
     assert "Lightning" in str(refused.value) and instead in str(refused.value)
+
+
+# -- Lightning-AI/tutorials, course_UvA-DL/07-deep-energy-based-generative-models/Deep_Energy_Models.py (commit
+# 753defcec34a8e9fe7f9e34f37cce47fef468ff7): ``CNNModel``, ``Sampler`` and ``DeepEnergyModel``'s training side as
+# written (``hidden_features=4``, 5 MCMC steps for 60, ``.to(device)`` dropped on the CPU), trained with the tutorial's
+# ``gradient_clip_val=0.1``. Each step runs Langevin dynamics inside ``training_step``: the parameters'
+# ``requires_grad`` turned off, ``backward()`` of the model's output into the input images, the parameters turned on
+# again; the sampled images kept in a buffer (``Sampler.examples``) drawn from with ``random`` and NumPy. The
+# validation (``torch.rand_like`` in ``validation_step``) is left out: validation leaves training's random streams
+# here, not in Lightning (docs/trainer.md, Validation).
+
+
+class CNNModel(nn.Module):
+    def __init__(self, hidden_features=32, out_dim=1, **kwargs):
+        super().__init__()
+        c_hid1 = hidden_features // 2
+        c_hid2 = hidden_features
+        c_hid3 = hidden_features * 2
+        self.cnn_layers = nn.Sequential(
+            nn.Conv2d(1, c_hid1, kernel_size=5, stride=2, padding=4), nn.SiLU(),
+            nn.Conv2d(c_hid1, c_hid2, kernel_size=3, stride=2, padding=1), nn.SiLU(),
+            nn.Conv2d(c_hid2, c_hid3, kernel_size=3, stride=2, padding=1), nn.SiLU(),
+            nn.Conv2d(c_hid3, c_hid3, kernel_size=3, stride=2, padding=1), nn.SiLU(),
+            nn.Flatten(), nn.Linear(c_hid3 * 4, c_hid3), nn.SiLU(), nn.Linear(c_hid3, out_dim))
+
+    def forward(self, x):
+        return self.cnn_layers(x).squeeze(dim=-1)
+
+
+class Sampler:
+    def __init__(self, model, img_shape, sample_size, max_len=8192):
+        super().__init__()
+        self.model = model
+        self.img_shape = img_shape
+        self.sample_size = sample_size
+        self.max_len = max_len
+        self.examples = [(torch.rand((1,) + img_shape) * 2 - 1) for _ in range(self.sample_size)]
+
+    def sample_new_exmps(self, steps=60, step_size=10):
+        n_new = np.random.binomial(self.sample_size, 0.05)
+        rand_imgs = torch.rand((n_new,) + self.img_shape) * 2 - 1
+        old_imgs = torch.cat(random.choices(self.examples, k=self.sample_size - n_new), dim=0)
+        inp_imgs = torch.cat([rand_imgs, old_imgs], dim=0).detach()
+        inp_imgs = Sampler.generate_samples(self.model, inp_imgs, steps=steps, step_size=step_size)
+        self.examples = list(inp_imgs.to(torch.device("cpu")).chunk(self.sample_size, dim=0)) + self.examples
+        self.examples = self.examples[: self.max_len]
+        return inp_imgs
+
+    @staticmethod
+    def generate_samples(model, inp_imgs, steps=60, step_size=10):
+        is_training = model.training
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad = False
+        inp_imgs.requires_grad = True
+        had_gradients_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+        noise = torch.randn(inp_imgs.shape, device=inp_imgs.device)
+        for _ in range(steps):
+            noise.normal_(0, 0.005)
+            inp_imgs.data.add_(noise.data)
+            inp_imgs.data.clamp_(min=-1.0, max=1.0)
+            out_imgs = -model(inp_imgs)
+            out_imgs.sum().backward()
+            inp_imgs.grad.data.clamp_(-0.03, 0.03)
+            inp_imgs.data.add_(-step_size * inp_imgs.grad.data)
+            inp_imgs.grad.detach_()
+            inp_imgs.grad.zero_()
+            inp_imgs.data.clamp_(min=-1.0, max=1.0)
+        for p in model.parameters():
+            p.requires_grad = True
+        model.train(is_training)
+        torch.set_grad_enabled(had_gradients_enabled)
+        return inp_imgs
+
+
+ENERGY_IMG, ENERGY_BATCH = (1, 28, 28), 4
+
+
+def energy_loss(cnn, sampler, batch, alpha=0.1):
+    real_imgs, _ = batch
+    small_noise = torch.randn_like(real_imgs) * 0.005
+    real_imgs.add_(small_noise).clamp_(min=-1.0, max=1.0)
+    fake_imgs = sampler.sample_new_exmps(steps=5, step_size=10)
+    inp_imgs = torch.cat([real_imgs, fake_imgs], dim=0)
+    real_out, fake_out = cnn(inp_imgs).chunk(2, dim=0)
+    reg_loss = alpha * (real_out**2 + fake_out**2).mean()
+    cdiv_loss = fake_out.mean() - real_out.mean()
+    return reg_loss + cdiv_loss
+
+
+def energy_optimizer(params, lr=1e-4, beta1=0.0):
+    optimizer = torch.optim.Adam(params, lr=lr, betas=(beta1, 0.999))
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.97)
+
+
+class DeepEnergyModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.cnn = CNNModel(hidden_features=4)
+        self.sampler = Sampler(self.cnn, img_shape=ENERGY_IMG, sample_size=ENERGY_BATCH)
+
+    def configure_optimizers(self):
+        optimizer, scheduler = energy_optimizer(self.parameters())
+        return [optimizer], [scheduler]
+
+    def training_step(self, batch, batch_idx):
+        loss = energy_loss(self.cnn, self.sampler, batch)
+        self.log("loss", loss)
+        return loss
+
+
+class PortEnergy(safeloop.Trainer):
+    """``DeepEnergyModel`` ported: the sampler kept on the Trainer, ``[optimizer], [scheduler]`` as Lightning's dict."""
+
+    def configure_optimizers(self):
+        optimizer, scheduler = energy_optimizer(self.model.parameters())
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    def training_step(self, batch):
+        loss = energy_loss(self.model, self.sampler, batch)
+        self.log("loss", loss)
+        return loss
+
+
+def mnist_like():
+    gen = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.rand(12, *ENERGY_IMG, generator=gen) * 2 - 1, torch.zeros(12)),
+                      batch_size=ENERGY_BATCH)
+
+
+def test_lightning_tutorial_deep_energy_model_matches():
+    """Two epochs of 3 batches after ``seed_everything``: the CNN's parameters bit for bit, and the sampler's buffer,
+    without a guard warning (the MCMC's backward inside ``training_step`` is into the images only)."""
+    pl.seed_everything(7, verbose=False)
+    lit = DeepEnergyModel()
+    lightning(max_epochs=2, gradient_clip_val=0.1).fit(lit, train_dataloaders=mnist_like())
+    safeloop.seed_everything(7)
+    port = PortEnergy(model=CNNModel(hidden_features=4), train_data=mnist_like(),
+                      **settings(max_epochs=2, grad_clip=0.1, guard={"check": "always"}))
+    port.sampler = Sampler(port.model, img_shape=ENERGY_IMG, sample_size=ENERGY_BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", safeloop.GraphLifecycleWarning)
+        port.fit()
+    assert_same(lit.cnn, port.model)
+    assert len(lit.sampler.examples) == len(port.sampler.examples) == 7 * ENERGY_BATCH
+    assert all(torch.equal(a, b) for a, b in zip(lit.sampler.examples, port.sampler.examples))
