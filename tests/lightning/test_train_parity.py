@@ -755,3 +755,28 @@ def test_a_stop_asked_at_an_epochs_edge_trains_no_further_step(hook):
     port.fit()
     assert port.state.step == 7
     assert_same(lit.model, port.model)
+
+
+class PortValidatesAtEpochEnd(Port):
+    def on_epoch_end(self):
+        self.validate()
+
+
+@pytest.mark.xfail(strict=True, reason="EarlyStopping's stop, decided at a validation on_epoch_end runs "
+                                       "(docs/trainer.md: a validate() a hook calls during fit() counts), is honoured "
+                                       "after the next pass's first step, which is trained and validated")
+def test_early_stopping_on_a_validation_at_each_epochs_end_trains_no_further_step():
+    """Lightning's ``EarlyStopping("val_loss", patience=1)`` with validation each epoch stops after step 14 (two
+    passes, the second no better); the port validating in ``on_epoch_end`` (passes of changing or unknown length have
+    no ``val_every``) should stop there too, with the same parameters. It stops after step 15."""
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    lit = Lit(configure=lambda model: sgd(model.parameters()))
+    trainer = lightning(max_epochs=4, callbacks=[pl.callbacks.EarlyStopping("val_loss", patience=1)])
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=4, seed=2))
+    assert trainer.global_step == 14
+    port = PortValidatesAtEpochEnd(model=net(), train_data=loader(), val_data=loader(n=4, seed=2), optimizer=sgd,
+                                   callbacks=[safeloop.EarlyStopping(monitor="val_loss", patience=1)],
+                                   **settings(max_epochs=4, val_every=1000))
+    port.fit()
+    assert port.state.step == 14
+    assert_same(lit.model, port.model)
