@@ -1,6 +1,8 @@
 """safeloop's Trainer against pytorch-lightning's on the training side, for Lightning code kept as public modules write
-it: a learnable parameter passed to ``self.log``, Lightning's hook signatures kept on a port, several validation
-loaders, and the Lightning attributes a ``training_step`` reads.
+it: values passed to ``self.log`` (a learnable parameter, ``lr``), Lightning's hook signatures, attributes, Trainer
+arguments, ``automatic_optimization`` and dataloader hooks kept on a port, several loaders in a list, a curriculum
+reloading its data each epoch, manual mode's ``zero_grad`` before an update made on some batches only, a stop asked at
+an epoch's edge, and public modules ported whole (lightning-bolts' SwAV, the UvA deep energy model tutorial).
 
 As in ``test_parity.py``: each test trains the same tiny seeded model with ``pytorch_lightning.Trainer`` and with
 its port to ``safeloop.Trainer``; ``..._matches`` tests compare what a user relies on. A difference the docs do not
