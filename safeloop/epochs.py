@@ -42,14 +42,14 @@ class TrainData:
         self.left: tuple | None = None
         self._steps: Iterator | None = None  # the current fit's ``steps`` (its pass ends too: see ``keep``)
 
-    def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
+    def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator[list]:
         """The steps of a fit: the last fit's iterator where it stopped (so that nothing is read again) when
         ``data`` and ``grad_accum`` are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
         left, self.left = self.left, None
         if left is not None and left[2] == settings.grad_accum and left[3:] == (self.data, self.state.step):
             self._steps = left[1]
             return left[0]
-        self._steps = self.steps(settings, hooks, schedules)
+        self._steps = self.steps(settings, hooks, schedules, stop)
         return (group for group in self._steps if group is not PASS_END)
 
     def keep(self, batches: Iterator[list], grad_accum: int) -> None:
@@ -58,18 +58,23 @@ class TrainData:
         schedulers step and ``on_epoch_end`` runs, before the end of ``fit`` validates and saves."""
         length = _length(self.data)
         if length is not None and self.state.batch_in_epoch >= length:
-            next(self._steps, None)  # up to the pass's end (``PASS_END``), asking the data for nothing more
+            if next(self._steps, None) is None:  # on_epoch_end asked to stop: the next fit begins the next pass
+                return
         self.left = batches, self._steps, grad_accum, self.data, self.state.step
 
-    def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules) -> Iterator[list]:
+    def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator[list]:
         """Each step's micro-batches (``settings.grad_accum`` of them, as it is when each pass begins, after
         ``on_epoch_start``: Lightning's ``GradientAccumulationScheduler``), forever or for ``settings.max_epochs``
-        passes. A change in the middle of a pass is refused: that pass's batches are grouped by the old value."""
+        passes. A change in the middle of a pass is refused: that pass's batches are grouped by the old value.
+        A stop asked for in ``on_epoch_start`` or ``on_epoch_end`` ends them there, before the pass's first step
+        (``stop``: ``Trainer.request_stop``'s, EarlyStopping on a validation the hook ran), as in Lightning."""
         state, pending = self.state, []
         while settings.max_epochs is None or state.epoch < settings.max_epochs:
             start = state.batch_in_epoch  # > 0: going on mid-pass (a resume)
             if not start:  # before the pass draws anything: its RNG states are taken after the hook
                 hooks("on_epoch_start")
+                if stop.reason is not None:
+                    return
                 self.shard_again()
             grad_accum = settings.grad_accum
             data = seeded_workers(self.data)  # seed_everything(..., workers=True)
@@ -108,6 +113,8 @@ class TrainData:
             state.epoch += 1
             state.batch_in_epoch = 0
             self.epoch_rng = ckpt.epoch_start(data)  # what the next pass draws from (a checkpoint between passes)
+            if stop.reason is not None:
+                return
             yield PASS_END
 
     def ends_run(self, max_epochs: int | None) -> bool:

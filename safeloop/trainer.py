@@ -246,7 +246,7 @@ class Trainer:
         if self.state.reached(self.settings.max_steps) or self._stop.reason is not None:
             return
         self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
-        batches = self._data.batches(self.settings, self._hooks, self.schedules)
+        batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
         for group in batches:
             self._runner.run(group)
             step_done()  # the profiler's step

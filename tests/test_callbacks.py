@@ -110,6 +110,57 @@ def test_a_stop_asked_for_lasts_one_fit(tmp_path):
     assert trainer.state.step == 10
 
 
+@pytest.mark.parametrize("hook", ["on_epoch_end", "on_epoch_start"])
+@pytest.mark.parametrize("last", [False, True], ids=["mid-run", "at-max_steps"])
+def test_a_stop_asked_at_a_passs_edge_trains_no_step_of_the_next_pass_and_the_next_fit_begins_it(tmp_path, hook,
+                                                                                                   last):
+    """Passes of 4 batches; the hook asks to stop at the end of pass 0 (or as pass 1 begins), as Lightning's Timer
+    callback does: the run ends after step 4, with its checkpoint, as Lightning's. The next fit trains pass 1 from its
+    first batch. ``last``: the fit's max_steps ends it at that very step too."""
+    seen = []
+
+    class EdgeStop(Trainer):
+        def training_step(self, batch):
+            seen.append(float(batch[0][0, 0]))
+            return super().training_step(batch)
+
+    def ask(trainer):
+        if trainer.state.epoch == (0 if hook == "on_epoch_end" else 1) and trainer.max_steps != 8:
+            trainer.request_stop("the time is up")
+
+    data = [(torch.full((2, 2), float(i)), torch.ones(2, 1)) for i in range(4)]
+    trainer = EdgeStop(model=torch.nn.Linear(2, 1), train_data=data, max_steps=4 if last else 10, device="cpu",
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=(),
+                       checkpoint={"dir": str(tmp_path), "every": 100})
+    setattr(trainer, hook, lambda: ask(trainer))
+    trainer.fit()
+    assert (trainer.state.step, seen) == (4, [0, 1, 2, 3])
+    assert [p.name for p in tmp_path.glob("step-*.pt")] == ["step-000000004.pt"]
+    trainer.max_steps = 8
+    trainer.fit()
+    assert (trainer.state.step, trainer.state.epoch, seen[4:]) == (8, 2, [0, 1, 2, 3])  # pass 1 ended with the fit
+
+
+def test_early_stopping_on_a_validation_run_by_on_epoch_end_stops_before_the_next_pass():
+    """``validate()`` called in ``on_epoch_end`` counts for EarlyStopping (docs): its stop is taken there, so the run
+    trains no batch of the next pass (nor validates after one). Passes of 3 batches; val_loss 5 before training,
+    then 4, 6, 7: patience 2 is spent at the end of pass 2."""
+    class EpochValidation(Trainer):
+        def validation_step(self, batch):
+            return torch.tensor([5.0, 4.0, 6.0, 7.0, 1.0, 1.0][len(self.state.val_history)])
+
+        def on_epoch_end(self):
+            self.validate()
+
+    data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+    trainer = EpochValidation(model=torch.nn.Linear(2, 1), train_data=data, val_data=data[:1], val_every=100,
+                              max_steps=20, callbacks=[EarlyStopping(patience=2)], progress=False, loggers=(),
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu")
+    trainer.fit()
+    assert [step for step, _ in trainer.state.val_history] == [0, 3, 6, 9]
+    assert trainer.state.step == 9
+
+
 def test_a_monitored_name_no_validation_reports_is_an_error_at_the_first_validation():
     trainer = Scripted([1, 2], max_steps=10, callbacks=[EarlyStopping(monitor="val_acc")])
     with pytest.raises(ConfigError, match=re.escape("EarlyStopping monitors 'val_acc', which validation does not "

@@ -80,9 +80,6 @@ def test_a_logged_parameter_trains_the_same():
     assert_same(lit.model, port.model)
 
 
-@pytest.mark.xfail(strict=True, reason="self.log keeps value.detach(), a view of the parameter that the step's update "
-                                       "then changes in place: each log point writes the value after the update "
-                                       "(Lightning logs a clone, the value training_step saw)")
 def test_a_parameter_logged_in_training_step_is_the_value_the_step_saw():
     """``self.log("logit_scale", self.model.logit_scale)`` in ``training_step``: Lightning logs 0.5 (the initial
     value) at the first step, then each step's value before its update. safeloop's loggers (and the progress line)
@@ -108,9 +105,6 @@ LIGHTNING_SIGNATURES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="a hook kept with Lightning's signature is called with safeloop's arguments: a "
-                                       "TypeError at its first call, where Lightning's batch_idx on a step method is a "
-                                       "ConfigError at start-up naming safeloop's signature")
 @pytest.mark.parametrize("hook", sorted(LIGHTNING_SIGNATURES))
 def test_a_hook_kept_with_lightnings_signature_is_refused_at_start_up(hook):
     """A port that keeps ``def on_after_backward(self):`` (and the like) gets a ConfigError naming the hook and its
@@ -129,9 +123,6 @@ def test_a_hook_kept_with_lightnings_signature_is_refused_at_start_up(hook):
 # list of batches, each batch a DataLoader, and the first step or validation dies inside the user's unpacking.
 
 
-@pytest.mark.xfail(strict=True, reason="a list of DataLoaders is iterated as a list of batches: the error is the "
-                                       "user's unpacking failing on a DataLoader ('too many values to unpack'), at "
-                                       "step 1 or in the validation before training, not a ConfigError at construction")
 @pytest.mark.parametrize("where", ["train_data", "val_data"])
 def test_a_list_of_loaders_is_refused_at_construction(where):
     """``train_data=[loader_a, loader_b]`` or ``val_data=[...]``: a ConfigError naming the setting and saying it
@@ -741,9 +732,6 @@ class EpochStopper(safeloop.Callback):
             trainer.request_stop("time is up")
 
 
-@pytest.mark.xfail(strict=True, reason="a stop asked in on_epoch_end or on_epoch_start is honoured only after the next "
-                                       "step: the port trains the first batch of the next pass, which Lightning does "
-                                       "not")
 @pytest.mark.parametrize("hook", ["end", "start"])
 def test_a_stop_asked_at_an_epochs_edge_trains_no_further_step(hook):
     """Passes of 7 batches, a stop asked at the end of the first pass (or the start of the second): Lightning stops
@@ -764,9 +752,6 @@ class PortValidatesAtEpochEnd(Port):
         self.validate()
 
 
-@pytest.mark.xfail(strict=True, reason="EarlyStopping's stop, decided at a validation on_epoch_end runs "
-                                       "(docs/trainer.md: a validate() a hook calls during fit() counts), is honoured "
-                                       "after the next pass's first step, which is trained and validated")
 def test_early_stopping_on_a_validation_at_each_epochs_end_trains_no_further_step():
     """Lightning's ``EarlyStopping("val_loss", patience=1)`` with validation each epoch stops after step 14 (two
     passes, the second no better); the port validating in ``on_epoch_end`` (passes of changing or unknown length have
