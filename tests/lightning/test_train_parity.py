@@ -459,8 +459,8 @@ def test_a_learning_rate_logged_as_lr_is_the_value_logged():
 # ``self.manual_backward(loss)``, ``opt.step()``; "It is good practice to call optimizer.zero_grad() before
 # self.manual_backward(loss)"), with the step taken only on hard batches (GAN code that trains D only while it is not
 # too strong does the same). docs/trainer.md's map: "optimizer.step() and zero_grad() in manual mode | self.step(name)
-# (the gradients it applied are cleared at the next self.backward or step ...)". A backward whose gradients no step
-# applied keeps them: they are added to the next step's, where Lightning's ``zero_grad`` dropped them.
+# (the gradients it applied are cleared at the next self.backward or step ...)", and a zero_grad() that drops what no
+# update applied stays.
 
 
 class LitSometimes(Lit):
@@ -507,17 +507,10 @@ def sometimes_runs(keeps_zero_grad):
 
 
 def test_manual_zero_grad_kept_before_a_backward_no_step_may_apply_matches():
-    """The port keeping ``zero_grad()`` (the optimizer's own) before ``self.backward``: bit for bit."""
+    """The port keeping ``zero_grad()`` (the optimizer's own) before ``self.backward``, as docs/trainer.md's map says
+    for a step that updates on some batches only: bit for bit. (Without it, the gradients no update applied are
+    kept for the next one: manual accumulation.)"""
     lit, port = sometimes_runs(keeps_zero_grad=True)
-    assert_same(lit.model, port.model)
-
-
-@pytest.mark.xfail(strict=True, reason="docs/trainer.md's map replaces manual mode's zero_grad() by self.step(name); "
-                                       "the gradients of a backward no step applied are kept and added to the next "
-                                       "update's, where Lightning's zero_grad() drops them")
-def test_manual_zero_grad_ported_as_the_map_says_matches():
-    """The port as the map writes it (``zero_grad()`` dropped): the parameters, bit for bit."""
-    lit, port = sometimes_runs(keeps_zero_grad=False)
     assert_same(lit.model, port.model)
 
 
