@@ -60,6 +60,9 @@ LIGHTNING_NAMES = {
     "transfer_batch_to_device": "override to_device(batch)",
     "on_after_batch_transfer": "change the batch in training_step (or override to_device(batch))",
     "val_dataloader": "pass val_data=...", "prepare_data": "prepare the data before making the Trainer",
+    "train_dataloader": "pass train_data=... (new data each pass: set self.train_data in on_epoch_start)",
+    "test_dataloader": "call trainer.test(data)", "predict_dataloader": "call trainer.predict(data)",
+    "automatic_optimization": "manual mode is automatic = False, a class attribute (automatic mode is the default)",
     "configure_model": "build the model before making the Trainer (to shard it: configure_sharding)",
     "setup": "change the model before fit() (a freeze too: fit() makes the optimizers before on_fit_start), or "
              "use on_fit_start", "teardown": "use on_fit_end",
@@ -84,6 +87,28 @@ LIGHTNING_NAMES = {
     "load_state_dict": "keep a callback's state with on_save_checkpoint(checkpoint) and on_load_checkpoint(checkpoint)",
     "configure_sharded_model": "build the model before making the Trainer (to shard it: configure_sharding)",
 }
+
+
+# LightningModule attributes a port may still read, and safeloop's (``Trainer.__getattr__``: not found on a Trainer)
+LIGHTNING_ATTRIBUTES = {
+    "current_epoch": "self.state.epoch", "global_step": "self.state.step (manual mode: steps, not optimizer steps)",
+    "trainer": "the Trainer is self: self.state.epoch, self.state.step, self.request_stop(reason) for should_stop",
+    "lr_schedulers": "self.schedulers, a dict by optimizer name (self.optimizers too: no call)",
+    "manual_backward": "self.backward(loss, optimizer=name)",
+    **dict.fromkeys(("toggle_optimizer", "untoggle_optimizer"),
+                    "drop it: self.backward(loss, optimizer=name) reaches only that optimizer's parameters"),
+    **dict.fromkeys(("hparams", "save_hyperparameters"),
+                    "keep settings as attributes of your Trainer subclass; the run's resolved config is self.config"),
+    "clip_gradients": "grad_clip=N (norm), or torch.nn.utils.clip_grad_value_ in on_before_optimizer_step",
+    "logger": "self.loggers, a list", "automatic_optimization": "automatic (a class attribute: False for manual mode)",
+}
+
+
+def lightning_attribute(owner: str, name: str) -> str:
+    """The message of an attribute ``owner`` (a Trainer) does not have: with safeloop's way for Lightning's."""
+    found = f"'{owner}' object has no attribute '{name}'"
+    return f"{found}: that is Lightning's; here: {LIGHTNING_ATTRIBUTES[name]}" if name in LIGHTNING_ATTRIBUTES \
+        else found
 
 
 # The Trainer's own methods that Lightning's hooks of the same name would replace: (when an override is Lightning's,

@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
-from .callbacks import Callback, Hooks, check_monitor, logged_value
+from .callbacks import Callback, Hooks, check_monitor, lightning_attribute, logged_value
 from .devices import autocast, moved, moves, place, resolve
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
@@ -173,14 +173,16 @@ class Trainer:
     def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
     def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
-        """Log a metric (Lightning's ``self.log``): from ``training_step`` or a hook, written every ``log_every`` steps;
-        from ``validation_step`` / ``test_step``, its mean over the samples. Lightning's ``prog_bar`` is taken."""
+        """Lightning's ``self.log``: written every ``log_every`` steps; in ``validation_step``, the pass's mean."""
         self.logged[str(name)] = logged_value(name, value, lightning)
 
     def log_dict(self, values: Mapping[str, torch.Tensor | float], **lightning: Any) -> None:
         """``self.log(name, value, ...)`` for each entry (Lightning's ``self.log_dict``)."""
         for name, value in values.items():
             self.log(name, value, **lightning)
+
+    def __getattr__(self, name: str) -> Any:  # an attribute not found: Lightning's names say where safeloop's are
+        raise AttributeError(lightning_attribute(type(self).__name__, name), name=name, obj=self)
 
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,
@@ -241,8 +243,7 @@ class Trainer:
         return self.state
 
     def _loop(self, step_done: Callable[[], None]) -> None:
-        """The steps, each followed by what is due after it, until ``_after_step`` says to stop (none when resumed at
-        the end, or asked to stop before the first)."""
+        """The steps, each followed by what is due after it, until ``_after_step`` or a pass's edge says to stop."""
         if self.state.reached(self.settings.max_steps) or self._stop.reason is not None:
             return
         self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
@@ -371,9 +372,8 @@ class Trainer:
         return self.schedules.schedulers
 
     def state_dict(self) -> dict:
-        """What a checkpoint holds (``safeloop.checkpoint.collect``), and whatever ``on_save_checkpoint``
-        hooks add. Needs ``setup()`` first (``fit()`` calls it); under torchrun in manual mode every rank
-        calls it (the ranks' gradients are gathered; the Trainer's own saves do)."""
+        """What a checkpoint holds (``safeloop.checkpoint.collect``) and ``on_save_checkpoint`` adds. Needs ``setup()``
+        first (``fit()`` calls it); under torchrun in manual mode every rank calls it (the Trainer's saves do)."""
         self._need_setup("state_dict")
         checkpoint = ckpt.collect(self._parts(), self.config)
         ours = set(checkpoint)

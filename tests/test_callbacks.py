@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from safeloop import Callback, ConfigError, EarlyStopping, Trainer
+from safeloop import Callback, ConfigError, EarlyStopping, StepError, Trainer
 
 VAL_EVERY = 2
 
@@ -228,6 +228,9 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         def on_after_batch_transfer(self, batch, dataloader_idx):  # a transform on the device
             return batch
 
+        def train_dataloader(self):  # new data each pass (reload_dataloaders_every_n_epochs)
+            return []
+
     class Counting(Callback):
         def on_train_batch_end(self, trainer, *args):
             pass
@@ -238,6 +241,7 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
     trainer = Port(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), callbacks=[Counting()], device="cpu",
                    progress=False, loggers=())
+    trainer.automatic_optimization = False  # set in __init__, as Lightning's GAN example does
     with pytest.raises(ConfigError) as caught:
         trainer.fit()
     assert str(caught.value).splitlines()[1:] == [
@@ -246,6 +250,10 @@ def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_nam
         "warm-up is a scheduler (LambdaLR, interval: step), and gradients are changed in on_before_optimizer_step",
         "  - Port.on_after_batch_transfer is Lightning's name, which safeloop never calls: change the batch in "
         "training_step (or override to_device(batch))",
+        "  - Port.train_dataloader is Lightning's name, which safeloop never calls: pass train_data=... (new data each "
+        "pass: set self.train_data in on_epoch_start)",
+        "  - Port.automatic_optimization is Lightning's name, which safeloop never calls: manual mode is automatic = "
+        "False, a class attribute (automatic mode is the default)",
         "  - Port.training_step takes (batch, batch_idx), and safeloop calls training_step(batch): drop batch_idx "
         "(Lightning's batch_idx: self.state.batch_in_epoch counts the batches of the pass)",
         "  - Counting.on_train_batch_end is Lightning's name, which safeloop never calls: use on_step_end(losses)",
@@ -288,6 +296,34 @@ def test_a_hook_that_cannot_take_safeloops_arguments_is_a_config_error_at_start_
         "  - Lightningish.on_fit_start takes (trainer, pl_module), and safeloop calls on_fit_start(trainer): write it "
         "as def on_fit_start(self, trainer)"]
     assert trainer.state.step == 0 and trainer.state.val_history == [] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("reads, message", [
+    (lambda self: self.current_epoch, "'Reads' object has no attribute 'current_epoch': that is Lightning's; here: "
+                                      "self.state.epoch"),
+    (lambda self: self.trainer.global_step, "'Reads' object has no attribute 'trainer': that is Lightning's; here: the "
+                                            "Trainer is self: self.state.epoch, self.state.step"),
+    (lambda self: self.toggle_optimizer(None), "'toggle_optimizer': that is Lightning's; here: drop it: "
+                                               "self.backward(loss, optimizer=name) reaches only"),
+    (lambda self: self.optimizers(), "TypeError: 'dict' object is not callable. If it is self.optimizers() or "
+                                     "self.lr_schedulers() (Lightning's): self.optimizers and self.schedulers are "
+                                     "dicts by optimizer name here, self.optimizers['name']"),
+    (lambda self: self.no_such_thing, "AttributeError: 'Reads' object has no attribute 'no_such_thing'$"),
+])
+def test_a_lightning_attribute_a_port_reads_in_its_step_names_safeloops_way(reads, message):
+    class Reads(Trainer):
+        def training_step(self, batch):
+            reads(self)
+
+    trainer = Reads(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(2, 2), torch.ones(2, 1))], max_steps=1,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=())
+    with pytest.raises(StepError, match=re.escape(message.rstrip("$")) + "$" * message.endswith("$")):
+        trainer.fit()
+    assert trainer.state.step == 0
+    with pytest.raises(AttributeError, match=re.escape("'Reads' object has no attribute 'hparams': that is "
+                                                       "Lightning's; here: keep settings as attributes")):
+        trainer.hparams.lr
+    assert not hasattr(trainer, "global_step") and getattr(trainer, "hparams", None) is None
 
 
 def test_lightnings_setup_and_backward_hooks_are_refused_where_they_would_replace_the_trainers_own():

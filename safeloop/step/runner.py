@@ -599,7 +599,10 @@ class Runner:
 
     def missing_hint(self, err: BaseException) -> str:
         """For a Trainer attribute missing in the first pass of a fit that began mid-pass (a resume): the hook that
-        sets it at each pass's start did not run in this process."""
+        sets it at each pass's start did not run in this process. For a dict called: Lightning's optimizers()."""
+        if isinstance(err, TypeError) and str(err) == "'dict' object is not callable":
+            return (". If it is self.optimizers() or self.lr_schedulers() (Lightning's): self.optimizers and "
+                    "self.schedulers are dicts by optimizer name here, self.optimizers['name']")
         epoch, before = self.mid_pass or (None, 0)
         trainer = getattr(self.config.training_step, "__self__", None)
         if not (isinstance(err, AttributeError) and err.obj is trainer and before > 0 and epoch == self.state.epoch):

@@ -262,25 +262,20 @@ def test_lightning_bolts_swav_training_side_matches(accum):
 # -- Lightning's attributes read from a step, kept on a port. docs/trainer.md's map gives safeloop's name for each
 # (``self.global_step`` / ``self.current_epoch``: ``self.state.step`` / ``.epoch``; ``self.optimizers()``,
 # ``self.lr_schedulers()``: ``self.optimizers``, ``self.schedulers``); ``self.trainer.*`` (lightning-bolts' SwAV:
-# ``self.trainer.current_epoch``), ``self.log_dict`` (Lightning's docs, ``on_before_optimizer_step``'s ``grad_norm``
-# example) and ``self.toggle_optimizer`` (Lightning-AI/tutorials, lightning_examples/basic-gan) have none. Each is a
-# bare AttributeError ("'PortReads' object has no attribute 'current_epoch'") or TypeError ("'dict' object is not
-# callable") inside the StepError of step 1, where a Lightning hook name kept on a port is a ConfigError at start-up
-# naming safeloop's way.
+# ``self.trainer.current_epoch``) and ``self.toggle_optimizer`` (Lightning-AI/tutorials, lightning_examples/basic-gan)
+# have none. The StepError of step 1 names safeloop's way, as a Lightning hook name kept on a port is refused at
+# start-up naming it.
 
 LIGHTNING_READS = {
     "current_epoch": (lambda self: self.current_epoch, "state.epoch"),
     "global_step": (lambda self: self.global_step, "state.step"),
     "trainer": (lambda self: self.trainer.current_epoch, "state.epoch"),
-    "log_dict": (lambda self: self.log_dict({"a": 1.0}), r"self\.log\("),
     "optimizers()": (lambda self: self.optimizers(), r"self\.optimizers\b"),
     "lr_schedulers()": (lambda self: self.lr_schedulers(), r"self\.schedulers"),
     "toggle_optimizer": (lambda self: self.toggle_optimizer(None), r"self\.backward"),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="a Lightning attribute kept on a port is a bare AttributeError (or TypeError "
-                                       "for self.optimizers()) that does not name safeloop's way")
 @pytest.mark.parametrize("read", sorted(LIGHTNING_READS))
 def test_a_lightning_attribute_read_by_a_step_names_safeloops_way(read):
     """The error says which safeloop name the port wants (the map's right column)."""
@@ -352,9 +347,6 @@ def test_reload_dataloaders_every_epoch_ported_to_on_epoch_start_matches():
     assert_same(lit.model, port.model)
 
 
-@pytest.mark.xfail(strict=True, reason="train_dataloader, test_dataloader and predict_dataloader are not among "
-                                       "safeloop's refused Lightning names (val_dataloader is): kept on a port, "
-                                       "train_dataloader is never called, and every pass trains on train_data")
 @pytest.mark.parametrize("name", ["train_dataloader", "test_dataloader", "predict_dataloader"])
 def test_a_dataloader_hook_kept_on_a_port_is_refused(name):
     """``LitCurriculum.train_dataloader`` kept on the port, ``train_data=`` its first pass: the port trains 9 steps on
@@ -369,10 +361,9 @@ def test_a_dataloader_hook_kept_on_a_port_is_refused(name):
 
 # -- Lightning's ``self.automatic_optimization = False`` kept on a manual-mode port (set in ``__init__`` as
 # Lightning-AI/pytorch-lightning's examples/pytorch/domain_templates/generative_adversarial_net.py does, or as a class
-# attribute), in place of safeloop's ``automatic = False``: the port runs in automatic mode. Its ``training_step``
-# returning nothing (Lightning's manual steps mostly do) stops with "training_step returned None ... (did you forget
-# `return loss`?)"; one returning its loss stops with a DoubleBackwardError about a consumed graph. Neither names
-# ``automatic``, where Lightning's hook names kept on a port are a ConfigError saying safeloop's.
+# attribute), in place of safeloop's ``automatic = False``: refused at start-up naming ``automatic``, as Lightning's
+# hook names kept on a port are (run in automatic mode, the port would fail at step 1 on a returned None or a
+# consumed graph).
 
 
 class PortKeepsLightningsFlag(safeloop.Trainer):
@@ -392,9 +383,6 @@ class PortFlagInInit(PortKeepsLightningsFlag):
         self.automatic_optimization = False
 
 
-@pytest.mark.xfail(strict=True, reason="automatic_optimization = False is not read: the port runs in automatic mode "
-                                       "and fails at step 1 with an error about None or a consumed graph, not naming "
-                                       "safeloop's automatic = False")
 @pytest.mark.parametrize("where", ["class", "__init__"])
 @pytest.mark.parametrize("returns", [False, True], ids=["returns None", "returns the loss"])
 def test_lightnings_automatic_optimization_flag_kept_on_a_port_names_automatic(where, returns):
