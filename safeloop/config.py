@@ -34,7 +34,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 
 from . import distributed
 from .errors import ConfigError
-from .settings import CheckpointSettings, GuardSettings, Settings, TrainerGroup, mistyped, names, read
+from .settings import (LIGHTNING_SETTINGS, CheckpointSettings, GuardSettings, Settings, TrainerGroup, mistyped, names,
+                       read)
 from .sweeps import MonitorCheck
 from .trainer import Trainer
 
@@ -373,6 +374,10 @@ def _problem(o: Override, err: ConfigCompositionException, known: list[str]) -> 
     something (the closest keys, how to add a key on purpose); Hydra's own words otherwise."""
     cause = err.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        group, _, leaf = o.key_or_group.rpartition(".")
+        if group == "trainer" and leaf in LIGHTNING_SETTINGS:
+            return f"{o.input_line}: there is no config key {o.key_or_group!r}: that is Lightning's; here: " + \
+                LIGHTNING_SETTINGS[leaf]
         return (f"{o.input_line}: there is no config key {o.key_or_group!r}; {_closest(o.key_or_group, known)} "
                 f"(to add a new key on purpose, write +{o.input_line})")
     if isinstance(cause, ValidationError):

@@ -353,12 +353,33 @@ def names(cls) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+# Lightning Trainer arguments a port may pass, and safeloop's way (docs/trainer.md, Coming from Lightning)
+LIGHTNING_SETTINGS = {
+    "accumulate_grad_batches": "grad_accum", "gradient_clip_val": "grad_clip (the norm)",
+    "gradient_clip_algorithm": "grad_clip is the norm; for 'value', torch.nn.utils.clip_grad_value_ in "
+                               "on_before_optimizer_step",
+    "val_check_interval": "val_every=N (optimizer steps, counted across passes)",
+    "check_val_every_n_epoch": "val_every=k * steps per pass (math.ceil(len(train_data) / grad_accum))",
+    "limit_train_batches": "train_data=an object whose __iter__ returns itertools.islice(loader, N) and __len__ N",
+    "limit_val_batches": "val_data=itertools.islice(loader, N) as a list, or such an object",
+    "log_every_n_steps": "log_every", "detect_anomaly": "guard={'trace': True}", "enable_progress_bar": "progress",
+    "default_root_dir": "run_dir", "max_time": "a callback calling trainer.request_stop(reason) when the time is up",
+    "accelerator": "device ('cpu', 'cuda', 'auto')", "devices": "launch with torchrun --nproc-per-node=N",
+    "num_nodes": "launch with torchrun --nnodes=N", "logger": "loggers", "enable_checkpointing": "checkpoint=False",
+    "reload_dataloaders_every_n_epochs": "set self.train_data in on_epoch_start",
+}
+
+
 def read(cls, values: Mapping[str, Any], section: str, suggest: bool = False) -> tuple[Any, list[str]]:
     """``cls(**values)`` from a mapping (``guard={...}``), and every problem with it: each key that
-    is no setting (``suggest``: with the closest setting's name), each bad value."""
+    is no setting (``suggest``: with the closest setting's name; a Lightning Trainer argument: with safeloop's
+    way), each bad value."""
     known = names(cls)
-    unknown = [f"{section} has no setting {key!r}: use {', '.join(known)}" + (_did_you_mean(key, known) if suggest
-               else "") for key in values if key not in known]
+    unknown = [f"{section} has no setting {key!r}: that is Lightning's; here: {LIGHTNING_SETTINGS[key]}"
+               if cls is Settings and key in LIGHTNING_SETTINGS else
+               f"{section} has no setting {key!r}: use {', '.join(known)}" + (_did_you_mean(key, known) if suggest
+                                                                              else "")
+               for key in values if key not in known]
     settings = cls(**{key: value for key, value in values.items() if key in known})
     return settings, unknown + settings.problems()
 

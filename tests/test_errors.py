@@ -46,6 +46,20 @@ def test_unknown_key_through_compose_suggests_the_right_one():
         compose(["trainer.lr=0.1"])
 
 
+def test_a_lightning_trainer_argument_is_refused_with_safeloops_way_in_python_and_on_the_command_line():
+    """A port keeping ``pl.Trainer(accumulate_grad_batches=2, ...)``: each named with what does its work here."""
+    with pytest.raises(ConfigError) as info:
+        trainer(accumulate_grad_batches=2, check_val_every_n_epoch=1, detect_anomaly=True)
+    assert info.value.problems == [
+        "Trainer has no setting 'accumulate_grad_batches': that is Lightning's; here: grad_accum",
+        "Trainer has no setting 'check_val_every_n_epoch': that is Lightning's; here: val_every=k * steps per pass "
+        "(math.ceil(len(train_data) / grad_accum))",
+        "Trainer has no setting 'detect_anomaly': that is Lightning's; here: guard={'trace': True}"]
+    with pytest.raises(ConfigError, match=re.escape("trainer.gradient_clip_val=1: there is no config key "
+                                                    "'trainer.gradient_clip_val': that is Lightning's; here: grad_clip")):
+        compose(["trainer.gradient_clip_val=1"])
+
+
 def test_every_bad_override_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
         compose(["trainer.max_steps=lots", "optimzer=sgd", "checkpoint.evry=5"])

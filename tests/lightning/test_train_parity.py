@@ -521,8 +521,6 @@ LIGHTNING_ARGUMENTS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="a Lightning Trainer argument is refused as an unknown setting, listing every "
-                                       "setting, without the translation docs/trainer.md's map gives")
 @pytest.mark.parametrize("name", sorted(LIGHTNING_ARGUMENTS))
 def test_a_lightning_trainer_argument_is_refused_naming_safeloops_way(name):
     """The error says the name is Lightning's and gives safeloop's way (as for a Lightning hook kept on a port)."""
