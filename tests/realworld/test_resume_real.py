@@ -60,7 +60,7 @@ def straight_and_resumed(tmp_path, make_model, make_data, steps, stop, trainer=T
 class Sequence(nn.Module):
     """time_sequence_prediction/train.py's two stacked ``LSTMCell``s and a linear head, in float64 (51 units there)."""
 
-    def __init__(self, hidden=6):
+    def __init__(self, hidden=4):
         super().__init__()
         self.hidden = hidden
         self.lstm1 = nn.LSTMCell(1, hidden)
@@ -78,15 +78,15 @@ class Sequence(nn.Module):
 
 
 def sine_waves():
-    """generate_sine_wave.py's shifted sines (T=20), 4 of 16 points; the whole set is every step's batch."""
+    """generate_sine_wave.py's shifted sines (T=20), 4 of 10 points; the whole set is every step's batch."""
     rng = np.random.RandomState(2)
-    x = np.arange(16) + rng.randint(-80, 80, 4).reshape(4, 1)
+    x = np.arange(10) + rng.randint(-80, 80, 4).reshape(4, 1)
     data = torch.from_numpy(np.sin(x / 20.0))
     return [(data[:, :-1], data[:, 1:])]
 
 
 def lbfgs(params):
-    return torch.optim.LBFGS(params, lr=0.8, max_iter=4)
+    return torch.optim.LBFGS(params, lr=0.8, max_iter=3)
 
 
 @pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
@@ -95,8 +95,8 @@ def lbfgs(params):
 @pytest.mark.filterwarnings("error")
 def test_lbfgs_time_sequence_prediction_resumed_midway(tmp_path):
     """pytorch/examples, time_sequence_prediction/train.py: ``optim.LBFGS(seq.parameters(), lr=0.8)`` stepped with a
-    closure over the whole set (here the Trainer's closure, automatic mode), stopped after 2 of 4 steps."""
-    straight, resumed = straight_and_resumed(tmp_path, lambda: Sequence().double(), sine_waves, 4, 2,
+    closure over the whole set (here the Trainer's closure, automatic mode), stopped after 1 of 3 steps."""
+    straight, resumed = straight_and_resumed(tmp_path, lambda: Sequence().double(), sine_waves, 3, 1,
                                              optimizer=lbfgs, loss_fn=nn.MSELoss())
     assert_same(resumed.model, straight.model)
 
