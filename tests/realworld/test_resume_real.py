@@ -19,7 +19,10 @@ Cases that fail today are strict xfails naming the cause:
 - an EMA module kept by a callback, changed during the fit and held by no checkpoint, is not named (one kept on the
   Trainer is);
 - a module made in ``on_fit_start`` and returned from ``modules()``: the resume stops with the port's bare
-  ``AttributeError``, nothing saying that ``modules()`` is loaded before ``on_fit_start``.
+  ``AttributeError``, nothing saying that ``modules()`` is loaded before ``on_fit_start``;
+- one ``torch.Generator`` given to the training and the validation loader (PyTorch's reproducibility notes):
+  validation moves it, so a run with ``val_data`` trains otherwise than one without, and a run resumed after a
+  mid-pass validation goes on in another order.
 """
 import copy
 import random
@@ -430,3 +433,53 @@ def test_a_module_made_in_on_fit_start_and_returned_from_modules_is_explained_on
     run(2)
     with pytest.raises(SafeloopError, match="on_fit_start"):
         run(4, resume="auto")
+
+
+# -- one generator for the training and the validation loader --------------------------------------------------------
+def shared_generator_loaders():
+    """pytorch/pytorch, docs/source/notes/randomness.rst ('DataLoader'): ``g = torch.Generator(); g.manual_seed(0)``
+    given as ``generator=g`` to the loaders, here the training loader (shuffled, 6 batches a pass) and the validation
+    loader both. Each ``iter()`` of a DataLoader draws its base seed from its generator: validation moves ``g``."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 4, generator=gen), torch.randn(32, 1, generator=gen)
+    g = torch.Generator()
+    g.manual_seed(0)
+    train = DataLoader(TensorDataset(x[:24], y[:24]), batch_size=4, shuffle=True, generator=g)
+    return train, DataLoader(TensorDataset(x[24:], y[24:]), batch_size=4, generator=g)
+
+
+def shared_generator_run(directory, max_steps, validate=True, resume=None):
+    torch.manual_seed(0)
+    train, val = shared_generator_loaders()
+    trainer = Trainer(model=mlp(), train_data=train, val_data=val if validate else None,
+                      val_every=4 if validate else None, optimizer=sgd, max_steps=max_steps, device="cpu",
+                      progress=False, loggers=(), checkpoint={"dir": str(directory)}, resume=resume)
+    trainer.fit()
+    return trainer
+
+
+SHARED = ("validation restores the global torch, Python and NumPy generators (evaluate.py), not the generators of "
+          "val_data's loader: when it is train_data's too, the validation at step 4 moves it, and the next pass's "
+          "order with it")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SHARED)
+def test_with_one_generator_for_both_loaders_a_run_with_val_data_trains_as_the_run_without(tmp_path):
+    """docs/trainer.md, Validation: 'a run with val_data trains exactly as the same run without it: the same data
+    order, the same dropout masks'."""
+    with_val = shared_generator_run(tmp_path / "with", 14)
+    without = shared_generator_run(tmp_path / "without", 14, validate=False)
+    assert_same(with_val.model, without.model)
+
+
+@pytest.mark.parametrize("stop", [
+    3,
+    pytest.param(5, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        SHARED + "; the checkpoint at step 5 keeps the pass's first state, so the resumed run never redoes that "
+                 "draw, and its second pass goes in another order than the run that never stopped"))),
+    7,
+], ids=["before_a_validation", "after_a_validation_in_the_same_pass", "in_the_next_pass"])
+def test_with_one_generator_for_both_loaders_resumed(tmp_path, stop):
+    straight = shared_generator_run(tmp_path / "straight", 14)
+    shared_generator_run(tmp_path / "stopped", stop)
+    assert_same(shared_generator_run(tmp_path / "stopped", 14, resume="auto").model, straight.model)
