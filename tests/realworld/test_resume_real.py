@@ -275,16 +275,20 @@ def test_timm_style_loader_with_persistent_workers_resumed_in_the_second_pass(tm
 
 
 # -- the checkpoint directory's lock and DataLoader workers --------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
+@pytest.mark.xfail(strict=True, raises=SafeloopError, reason=(
     "the workers forked during the first fit inherit the open .lock (flock) and stay alive for the next fit; "
     "closing the Trainer's descriptor at the fit's end does not let go, so the second fit finds the directory "
     "'in use by another run', its own process"))
-def test_a_second_fit_with_dataloader_workers_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("held", ["checkpoint_dir", "run_dir"])
+def test_a_second_fit_with_dataloader_workers_and_a_locked_directory(tmp_path, held):
     """docs/checkpoints.md: 'A run trained in several fit() calls of one Trainer reads nothing again ... A
-    DataLoader's iterator, and its worker processes, stay alive in between.'"""
+    DataLoader's iterator, and its worker processes, stay alive in between.' The checkpoint directory's lock, and
+    the run directory's (metrics.csv; no checkpoints)."""
+    where = dict(checkpoint={"dir": str(tmp_path)}, loggers=()) if held == "checkpoint_dir" else \
+        dict(run_dir=str(tmp_path), checkpoint=False)
     torch.manual_seed(0)
     trainer = Trainer(model=mlp(), train_data=workers(True)(), optimizer=sgd, max_steps=2, device="cpu",
-                      progress=False, loggers=(), checkpoint={"dir": str(tmp_path)})
+                      progress=False, **where)
     try:
         trainer.fit()
         trainer.max_steps = 4
