@@ -14,8 +14,8 @@ Cases that fail today are strict xfails naming the cause:
 - DataLoader workers forked during a fit inherit the checkpoint directory's lock, and outlive the fit (the Trainer
   keeps the iterator for the next): a second ``fit()`` of the same Trainer is refused, naming its own process as
   "another run";
-- the validation at the end of a run ended by ``max_steps`` counts for ``EarlyStopping`` and is in the final
-  checkpoint: resumed with a larger ``max_steps``, the run stops where the run that never stopped trains on;
+- the validation at the end of a run ended by ``max_steps`` or ``request_stop`` (a time limit) counts for
+  ``EarlyStopping`` and is in the final checkpoint: resumed, the run stops where the run that never stopped trains on;
 - an EMA module kept by a callback, changed during the fit and held by no checkpoint, is not named (one kept on the
   Trainer is);
 - a module made in ``on_fit_start`` and returned from ``modules()``: the resume stops with the port's bare
@@ -310,28 +310,49 @@ class ValidatedByStep(Trainer):
         return torch.tensor(VAL_LOSS.get(self.state.step, 100.0))
 
 
-def early_stopped(directory, max_steps, resume=None):
+class TimeLimit(Callback):
+    """Lightning's ``Timer(duration=...)`` callback (src/lightning/pytorch/callbacks/timer.py: ``should_stop`` once
+    the time is up, checked after each batch) as docs/trainer.md ports a stop: ``trainer.request_stop(reason)``. The
+    time is up after step ``at`` here; the job is then submitted again with ``resume="auto"``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, trainer, losses):
+        if trainer.state.step == self.at:
+            trainer.request_stop("time limit")
+
+
+def early_stopped(directory, max_steps, resume=None, time_limit=None):
     torch.manual_seed(0)
     data = regression()
+    callbacks = [EarlyStopping("val_loss", "min", patience=2)] + ([TimeLimit(time_limit)] if time_limit else [])
     trainer = ValidatedByStep(model=mlp(), train_data=data, val_data=data[:1], val_every=4, max_steps=max_steps,
                               optimizer=sgd, device="cpu", progress=False, loggers=(),
-                              checkpoint={"dir": str(directory)}, resume=resume,
-                              callbacks=[EarlyStopping("val_loss", "min", patience=2)])
+                              checkpoint={"dir": str(directory)}, resume=resume, callbacks=callbacks)
     trainer.fit()
     return trainer
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+END_VALIDATION = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "the validation at the end of a run whose last step had none (step 6) counts for EarlyStopping and is saved in "
-    "the final checkpoint; resumed from it to a larger max_steps, the run counts one validation the run that never "
-    "stopped does not have, and stops after step 8 where that one trains on to step 20"))
-def test_a_run_ended_by_max_steps_and_resumed_further_stops_early_as_the_run_that_never_stopped(tmp_path):
+    "the final checkpoint; resumed from it, the run counts one validation the run that never stopped does not have, "
+    "and stops after step 8 where that one trains on to step 20 (a SIGTERM stop skips that validation)"))
+
+
+@pytest.mark.parametrize("ended_by", [pytest.param("max_steps", marks=END_VALIDATION),
+                                      pytest.param("time_limit", marks=END_VALIDATION)])
+def test_a_run_ended_at_step_6_and_resumed_stops_early_as_the_run_that_never_stopped(tmp_path, ended_by):
     """docs/checkpoints.md: the last checkpoint is written 'at the end, after the final validation ... so a resumed
     run goes on as one that never stopped'; the Resume section's second command resumes a run with a larger
-    max_steps. Validations every 4 steps, patience 2: the run that never stopped validates at 4 (best), 8, 12
-    (better) and trains to step 20; stopped at step 6 (validated there, worse), then resumed to step 20."""
+    max_steps; a time limit stops a job that is submitted again with resume=auto. Validations every 4 steps,
+    patience 2: the run that never stopped validates at 4 (best), 8, 12 (better) and trains to step 20; stopped at
+    step 6 (validated there, worse), then resumed to step 20."""
     straight = early_stopped(tmp_path / "straight", 20)
-    early_stopped(tmp_path / "stopped", 6)
+    if ended_by == "max_steps":
+        early_stopped(tmp_path / "stopped", 6)
+    else:
+        assert early_stopped(tmp_path / "stopped", 20, time_limit=6).state.step == 6
     resumed = early_stopped(tmp_path / "stopped", 20, resume="auto")
     assert resumed.state.step == straight.state.step == 20
     assert_same(resumed.model, straight.model)
