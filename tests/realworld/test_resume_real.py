@@ -22,7 +22,9 @@ Cases that fail today are strict xfails naming the cause:
   ``AttributeError``, nothing saying that ``modules()`` is loaded before ``on_fit_start``;
 - one ``torch.Generator`` given to the training and the validation loader (PyTorch's reproducibility notes):
   validation moves it, so a run with ``val_data`` trains otherwise than one without, and a run resumed after a
-  mid-pass validation goes on in another order.
+  mid-pass validation goes on in another order;
+- ``resume`` is applied at every ``fit()`` of a Trainer: its second fit goes back to the checkpoint (a path: its
+  first fit's steps are trained again) and what was set between the fits on the optimizer is lost.
 """
 import copy
 import random
@@ -508,3 +510,34 @@ def test_with_one_generator_for_both_loaders_resumed(tmp_path, stop):
     straight = shared_generator_run(tmp_path / "straight", 14)
     shared_generator_run(tmp_path / "stopped", stop)
     assert_same(shared_generator_run(tmp_path / "stopped", 14, resume="auto").model, straight.model)
+
+
+# -- resume set on a Trainer fitted twice ----------------------------------------------------------------------------
+def fitted_twice(resume, directory):
+    """docs/trainer.md's table maps Lightning's ``fit(ckpt_path=path)`` to ``Trainer(resume=path)`` (or ``"auto"``),
+    and its settings to attributes a later ``fit()`` reads: the run is resumed, trained to step 6, then, at a lower
+    learning rate set on the optimizer between the fits, to step 9."""
+    torch.manual_seed(0)
+    trainer = Trainer(model=mlp(), train_data=regression(), optimizer=sgd, max_steps=6, device="cpu", progress=False,
+                      loggers=(), checkpoint={"dir": str(directory)}, resume=resume)
+    trainer.fit()
+    trainer.optimizers["optimizer"].param_groups[0]["lr"] = 0.01
+    trainer.max_steps = 9
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("resume", ["path", "auto"])
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "fit() loads the checkpoint resume names at every call, not once: the second fit goes back to it (resume=path: "
+    "step 3, the first fit's steps 4-6 trained again) or to the first fit's last checkpoint (auto), and the rate set "
+    "between the fits is replaced by the checkpoint's, without a word"))
+def test_a_resumed_trainer_fitted_again_goes_on_from_its_first_fit(tmp_path, resume):
+    torch.manual_seed(0)
+    Trainer(model=mlp(), train_data=regression(), optimizer=sgd, max_steps=3, device="cpu", progress=False,
+            loggers=(), checkpoint={"dir": str(tmp_path / "first")}).fit()
+    never_resumed = fitted_twice(None, tmp_path / "never")  # the same steps 1-3: deterministic data and model
+    name = str(tmp_path / "first" / "step-000000003.pt") if resume == "path" else "auto"
+    resumed = fitted_twice(name, tmp_path / ("other" if resume == "path" else "first"))
+    assert resumed.optimizers["optimizer"].param_groups[0]["lr"] == 0.01
+    assert_same(resumed.model, never_resumed.model)
