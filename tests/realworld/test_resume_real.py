@@ -24,7 +24,10 @@ Cases that fail today are strict xfails naming the cause:
   validation moves it, so a run with ``val_data`` trains otherwise than one without, and a run resumed after a
   mid-pass validation goes on in another order;
 - ``resume`` is applied at every ``fit()`` of a Trainer: its second fit goes back to the checkpoint (a path: its
-  first fit's steps are trained again) and what was set between the fits on the optimizer is lost.
+  first fit's steps are trained again) and what was set between the fits on the optimizer is lost;
+- a run restarted from an older checkpoint of its directory (the best): its own checkpoints rank below the first
+  run's newer ones, so ``resume=auto`` goes back to the abandoned run, and with a ``monitor`` they are deleted as
+  soon as written.
 """
 import copy
 import random
@@ -541,3 +544,33 @@ def test_a_resumed_trainer_fitted_again_goes_on_from_its_first_fit(tmp_path, res
     resumed = fitted_twice(name, tmp_path / ("other" if resume == "path" else "first"))
     assert resumed.optimizers["optimizer"].param_groups[0]["lr"] == 0.01
     assert_same(resumed.model, never_resumed.model)
+
+
+# -- a restart from an older checkpoint in the same directory ------------------------------------------------------
+def in_one_directory(directory, max_steps, best, resume=None):
+    """Checkpoints every 3 steps, the newest 2 kept; or (``best``) a validation every 3 steps (``VAL_LOSS``: step 6
+    is the best) and the best one kept beside the newest (``monitor``, keep=1)."""
+    torch.manual_seed(0)
+    data = regression()
+    where = dict(val_data=data[:1], val_every=3, checkpoint={"dir": str(directory), "monitor": "val_loss", "keep": 1}) \
+        if best else dict(checkpoint={"dir": str(directory), "every": 3, "keep": 2})
+    trainer = ValidatedByStep(model=mlp(), train_data=data, optimizer=sgd, max_steps=max_steps, device="cpu",
+                              progress=False, loggers=(), resume=resume, **where)
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("best", [False, True], ids=["newest_kept", "best_kept"])
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "checkpoints are ranked by their step: the restarted run's own (step 7) is older than the first run's step 9, "
+    "so resume=auto takes the first run's step 9 over it, and where the best is kept beside the newest, pruning "
+    "deletes the restarted run's checkpoint as soon as it is written; without a word"))
+def test_a_run_restarted_from_an_older_checkpoint_in_its_directory_resumes_from_its_own(tmp_path, best):
+    """docs/checkpoints.md: 'To start from it [the best], give resume= that file', and ``resume=auto`` after a crash
+    (the same ``checkpoint.dir``). A first run to step 9; a new run from its step 6 (the best, where ranked) stopped
+    at step 7, as a crash would stop it, then resumed with ``resume="auto"``."""
+    in_one_directory(tmp_path, 9, best)
+    assert (tmp_path / "step-000000006.pt").exists()
+    in_one_directory(tmp_path, 7, best, resume=str(tmp_path / "step-000000006.pt"))
+    assert (tmp_path / "step-000000007.pt").exists(), sorted(p.name for p in tmp_path.glob("step-*.pt"))
+    assert in_one_directory(tmp_path, 7, best, resume="auto").state.step == 7
