@@ -16,7 +16,7 @@ from ..callbacks import check_monitor
 from ..errors import CheckpointError
 from ..settings import CheckpointSettings, read
 from .files import atomic_save, cause, is_rank_zero, load
-from .locks import alive, lock
+from .locks import alive, lock, release
 
 log = logging.getLogger("safeloop")
 
@@ -145,7 +145,7 @@ class Checkpointer:
     def close(self) -> None:
         """Let the directory go (the end of ``fit``)."""
         if self._lock is not None:
-            os.close(self._lock)  # closing releases the lock; the file stays, so that no one locks a stale inode
+            release(self._lock)  # the file stays, so that no one locks a stale inode
             self._lock = None
 
     def save(self, step: int, checkpoint: dict) -> Path | None:

@@ -77,8 +77,11 @@ def holder(directory: Path) -> str | None:
 
 
 def release(held: int | None) -> None:
-    """Let go of what ``lock_run_dir`` returned (the end of ``fit``)."""
+    """Let go of what ``lock`` returned (the end of ``fit``): unlocked first, as DataLoader workers forked while it
+    was held share the lock, and a Trainer keeps its workers alive between fits (closing alone would not free it)."""
     if held is not None:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_UN)
         os.close(held)
 
 

@@ -277,10 +277,6 @@ def test_timm_style_loader_with_persistent_workers_resumed_in_the_second_pass(tm
 
 
 # -- the checkpoint directory's lock and DataLoader workers --------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=SafeloopError, reason=(
-    "the workers forked during the first fit inherit the open .lock (flock) and stay alive for the next fit; "
-    "closing the Trainer's descriptor at the fit's end does not let go, so the second fit finds the directory "
-    "'in use by another run', its own process"))
 @pytest.mark.parametrize("held", ["checkpoint_dir", "run_dir"])
 def test_a_second_fit_with_dataloader_workers_and_a_locked_directory(tmp_path, held):
     """docs/checkpoints.md: 'A run trained in several fit() calls of one Trainer reads nothing again ... A
