@@ -345,8 +345,9 @@ def optimizer_classes(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str,
 
 def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict, path: Path | None,
                      names: dict[int, str] | None = None) -> None:
-    """Each optimizer is of the class it was saved from, with as many parameters in each group, each of the
-    shape its saved state has (``names``: the parameters' names by ``id``, for the message)."""
+    """Each optimizer is of the class it was saved from, with as many parameters in each group, each of a shape
+    its saved state fits (its own, one broadcast to it, or one vector over all the parameters) (``names``: the
+    parameters' names by ``id``, for the message)."""
     saved, classes = checkpoint["optimizers"], checkpoint.get("optimizer_classes") or {}
     check_names("optimizer", optimizers, saved, path)
     for name, opt in optimizers.items():
@@ -370,12 +371,16 @@ def check_optimizers(optimizers: dict[str, torch.optim.Optimizer], checkpoint: d
                                         "add them, then call super().load_state_dict(checkpoint, path)" if added else
                                         "resume with the same configure_optimizers"), path)
         live = [p for g in opt.param_groups for p in g["params"]]
+        flat = (sum(p.numel() for p in live),)  # L-BFGS keeps its vectors over all the parameters under the first
         for i, p in enumerate(live):  # the state is saved by position: a parameter in another place gets another's
             shapes = {tuple(v.shape) for v in saved[name]["state"].get(i, {}).values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0}
-            if shapes and shapes != {tuple(p.shape)}:
+            # the parameter's shape, or one that broadcasts to it (Adafactor's row and column statistics)
+            misfits = sorted(s for s in shapes if s != flat and not (
+                len(s) == p.dim() and all(n in (1, m) for n, m in zip(s, p.shape))))
+            if misfits:
                 raise CheckpointError(
-                    f"{named(path)}: optimizer {name!r} saved state of shape {sorted(shapes)[0]} for its parameter "
+                    f"{named(path)}: optimizer {name!r} saved state of shape {misfits[0]} for its parameter "
                     f"{i}, and this run's parameter {i} ({(names or {}).get(id(p), 'unnamed')}) has shape "
                     f"{tuple(p.shape)}: its parameters are in another order, or are others. Resume with "
                     "configure_optimizers listing the parameters as when it was saved", path)

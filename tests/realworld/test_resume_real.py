@@ -102,9 +102,6 @@ def lbfgs(params):
     return torch.optim.LBFGS(params, lr=0.8, max_iter=3)
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "L-BFGS keeps its flat direction and gradient (d, prev_flat_grad: one vector over all parameters) under its "
-    "first parameter; check_optimizers takes that shape for a parameter in another order and refuses the resume"))
 @pytest.mark.filterwarnings("error")
 def test_lbfgs_time_sequence_prediction_resumed_midway(tmp_path):
     """pytorch/examples, time_sequence_prediction/train.py: ``optim.LBFGS(seq.parameters(), lr=0.8)`` stepped with a
@@ -131,9 +128,6 @@ def regression():
     return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(4)]
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "Adafactor's row_var (8, 1) and col_var (1, 4) are not its weight's shape (8, 4): check_optimizers refuses the "
-    "resume, saying the parameters are in another order"))
 @pytest.mark.filterwarnings("error")
 def test_adafactor_resumed_midway(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, mlp, regression, 6, 3, optimizer=adafactor)
