@@ -212,7 +212,7 @@ class Trainer:
                 show_logs()
                 self._said = say_once(outputs_line(self.run_dir, self.checkpointer, bool(self.loggers)), self._said)
             let_go = ckpt.take(self.run_dir, self.checkpointer)  # this run's: a second run writing there is refused
-            if self.settings.resume is not None:
+            if self.settings.resume is not None and self.state.step == 0:  # a later fit goes on from this one
                 self._resume()
             with self.guard.context(), slurm.stop_signals(self._stop, self.state, self.settings), runmodes.during_fit(
                     self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:

@@ -518,10 +518,6 @@ def fitted_twice(resume, directory):
 
 
 @pytest.mark.parametrize("resume", ["path", "auto"])
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "fit() loads the checkpoint resume names at every call, not once: the second fit goes back to it (resume=path: "
-    "step 3, the first fit's steps 4-6 trained again) or to the first fit's last checkpoint (auto), and the rate set "
-    "between the fits is replaced by the checkpoint's, without a word"))
 def test_a_resumed_trainer_fitted_again_goes_on_from_its_first_fit(tmp_path, resume):
     torch.manual_seed(0)
     Trainer(model=mlp(), train_data=regression(), optimizer=sgd, max_steps=3, device="cpu", progress=False,
