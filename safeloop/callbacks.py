@@ -290,9 +290,11 @@ class EarlyStopping(Callback):
     or higher (``"max"``) by more than ``min_delta``; after ``patience`` validations in a row without improvement,
     training stops after that step, as at ``max_steps`` (``Trainer.request_stop``): the checkpoint is saved and
     ``on_fit_end`` runs. The validation before training only checks that ``monitor`` is a metric validation
-    reports; every later one of a fit counts (a ``trainer.validate()`` of your own does not). The best value, its
-    step and the count are saved in checkpoints, so a resumed run counts on exactly, and one resumed after the stop
-    trains nothing (unless ``patience`` was raised). A fit without validations during training is refused.
+    reports; every later one of a fit counts but the one a fit ends with after a step that had none, which a run
+    that never stopped does not have (``trainer.ending``), and a ``trainer.validate()`` outside ``fit``. The
+    best value, its step and the count are saved in checkpoints, so a resumed run counts on exactly, and one
+    resumed after the stop trains nothing (unless ``patience`` was raised). A fit without validations during
+    training is refused.
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
@@ -333,7 +335,7 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer, metrics) -> None:
         check_monitor("EarlyStopping", self.monitor, metrics)
         step = trainer.state.step
-        if step == 0 or not self.fitting:  # before training, or outside fit: a check only
+        if step == 0 or not self.fitting or trainer.ending:  # before training, outside fit, or the one fit ends with
             return
         value = metrics[self.monitor]
         if improved(value, self.best, self.mode, self.min_delta):

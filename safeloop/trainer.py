@@ -118,6 +118,7 @@ class Trainer:
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
         self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
+        self.ending = False  # True from the last step's end to the end of fit(): its validation, checkpoint, on_fit_end
         self._runner: Runner | None = None  # the last setup's: it runs the steps
 
     # -- what users override ---------------------------------------------------------------
@@ -232,7 +233,7 @@ class Trainer:
             failed = True
             raise
         finally:
-            self._fitting = False
+            self._fitting = self.ending = False
             if let_go is not None:
                 let_go()
             self.progress.close()
@@ -279,6 +280,7 @@ class Trainer:
             self.log_metrics({name: float(self.logged.pop(name)) for name in list(self.logged)})
         last = self.state.val_history[-1][0] if self.state.val_history else None
         validated = self.stop_signal is None and self.val_data is not None and last != self.state.step
+        self.ending = True  # that validation is not one of training's (EarlyStopping does not count it)
         if validated:
             self.validate()  # before the final checkpoint, so that it holds the last metrics
         if self.checkpointer is not None and self.checkpointer.due_at_end(self.state.step, validated):
@@ -294,8 +296,7 @@ class Trainer:
         return self._runner.retain_plans if self._runner is not None else {}
 
     def request_stop(self, reason: str) -> None:
-        """End ``fit`` after this step as ``max_steps`` does (checkpoint, ``on_fit_end``), logging ``reason``, for one
-        fit (before its first step: nothing is trained). Under torchrun every rank must ask after the same step."""
+        """End this ``fit`` after this step as ``max_steps`` does, logging ``reason`` (under torchrun: every rank)."""
         self._stop.ask(reason, self.state.step)
 
     @property
@@ -362,8 +363,7 @@ class Trainer:
                  "; max_steps is reached: nothing to train" if self.state.reached(self.settings.max_steps) else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        """The modules checkpoints save and evaluation puts in eval mode, by name: ``{"model": self.model}``; add one
-        kept outside it (an EMA copy). Checkpoints also hold the tensors an optimizer trains outside them."""
+        """The modules checkpoints save and evaluation puts in eval mode: ``{"model": self.model}``; add an EMA copy."""
         return {"model": self.model} if self.model is not None else {}
 
     @property
