@@ -223,7 +223,7 @@ class Trainer:
                     self.schedules.check_monitors(metrics)
                     check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
                 self.guard.start_fit()
-                self._kept = ckpt.versions(vars(self))  # the modules kept on the Trainer, as the steps find them
+                self._kept = ckpt.versions(ckpt.attributes(self))  # what the Trainer keeps, as the steps find it
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
                     ckpt.set_rng_state(self._loaded_rng)
                     self._loaded_rng = None
@@ -380,7 +380,7 @@ class Trainer:
         self._hooks("on_save_checkpoint", checkpoint)
         for key in checkpoint.keys() - ours:
             ckpt.check_plain(checkpoint[key], f"checkpoint[{key!r}]")
-        ckpt.warn_unsaved(vars(self), checkpoint, self._kept)
+        ckpt.warn_unsaved(ckpt.attributes(self), checkpoint, self._kept)
         return checkpoint
 
     def load_state_dict(self, checkpoint: Mapping, path: str | Path | None = None) -> None:

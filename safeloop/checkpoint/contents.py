@@ -135,8 +135,15 @@ def generators(optimizer: torch.optim.Optimizer) -> dict[str, torch.Generator]:
 SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
+def attributes(trainer: Any) -> dict[str, Any]:
+    """What a Trainer keeps that a checkpoint may miss, by the name a warning gives it: its own attributes
+    (``trainer.ema``) and its callbacks' (``ModelEma.ema``: timm's EMA kept by a callback)."""
+    return {**{f"trainer.{k}": v for k, v in vars(trainer).items()},
+            **{f"{type(cb).__name__}.{k}": v for cb in trainer.callbacks for k, v in vars(cb).items()}}
+
+
 def versions(attributes: dict[str, Any]) -> dict[int, int]:
-    """The version counter of each tensor ``kept`` among ``attributes`` (a Trainer's), and where each scheduler
+    """The version counter of each tensor ``kept`` among ``attributes`` (``attributes()``), and where each scheduler
     among them stands (``last_epoch``), by ``id``."""
     return {**{id(t): t._version for value in attributes.values() for t in kept(value)},
             **{id(value): value.last_epoch for value in attributes.values() if isinstance(value, SCHEDULERS)}}
@@ -154,7 +161,7 @@ def kept(value: Any) -> list[torch.Tensor]:
 
 
 def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int, int] | None) -> None:
-    """A ``ConfigWarning`` for each of ``attributes`` (a Trainer's) that changed during the fit and none of whose
+    """A ``ConfigWarning`` for each of ``attributes`` (``attributes()``) that changed during the fit and none of whose
     tensors ``checkpoint`` holds: a run resumed from it would start it from its first values (Lightning saves every
     submodule). Changed: a module made since ``before`` (``versions`` at the fit's first step) or written since (an
     EMA copy, a target network; not a frozen teacher), a tensor, or a list or dict of them, written in place since
@@ -165,12 +172,13 @@ def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int,
     apply_to_collection(checkpoint, torch.Tensor, lambda t: held.add(_storage(t)))
     states = _scheduler_states(checkpoint)
     for name, value in attributes.items():
+        owner, attr = name.split(".", 1)
         if isinstance(value, SCHEDULERS) and value.last_epoch != before.get(id(value), 0) and not any(
                 state.keys() == value.state_dict().keys() and state["last_epoch"] == value.last_epoch
                 for state in states):
-            warnings.warn(f"trainer.{name} ({type(value).__name__}) stepped during this fit, and checkpoints do not "
+            warnings.warn(f"{name} ({type(value).__name__}) stepped during this fit, and checkpoints do not "
                           "hold its state: a run resumed from one would start its schedule again. Save its "
-                          f"state_dict() in on_save_checkpoint (checkpoint[{name!r}] = self.{name}.state_dict()) "
+                          f"state_dict() in on_save_checkpoint (checkpoint[{attr!r}] = self.{attr}.state_dict()) "
                           "and load it in on_load_checkpoint, or give it to the Trainer from configure_optimizers",
                           ConfigWarning, stacklevel=user_stacklevel())
             continue
@@ -178,11 +186,13 @@ def warn_unsaved(attributes: dict[str, Any], checkpoint: dict, before: dict[int,
         changed = any(before[id(t)] != t._version if id(t) in before else module for t in tensors)
         if not changed or any(fsdp.local(t) is not t for t in tensors) or any(_storage(t) in held for t in tensors):
             continue  # unchanged, sharded (a checkpoint holds its gathered copy), or saved
-        fix = (f"Return it from modules() ({{**super().modules(), {name!r}: self.{name}}}), or save its state_dict() "
+        fix = (f"Save its state_dict() in {owner}'s on_save_checkpoint(trainer, checkpoint) and load it in its "
+               "on_load_checkpoint" if owner != "trainer" else
+               f"Return it from modules() ({{**super().modules(), {attr!r}: self.{attr}}}), or save its state_dict() "
                "in on_save_checkpoint" if module else
-               f"Save it in on_save_checkpoint (checkpoint[{name!r}] = self.{name}) and put it back in "
+               f"Save it in on_save_checkpoint (checkpoint[{attr!r}] = self.{attr}) and put it back in "
                "on_load_checkpoint")
-        warnings.warn(f"trainer.{name} ({type(value).__name__}) changed during this fit, and checkpoints do not hold "
+        warnings.warn(f"{name} ({type(value).__name__}) changed during this fit, and checkpoints do not hold "
                       f"it: a run resumed from one would start it from its first values. {fix}", ConfigWarning,
                       stacklevel=user_stacklevel())
 

@@ -404,10 +404,6 @@ def test_an_ema_a_callback_saves_through_its_checkpoint_hooks_resumes_bit_identi
     assert_same(with_ema(tmp_path / "stopped", 6, SavedModelEma, resume="auto").module, straight.module)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "checkpoints name what the Trainer keeps that changed during the fit and that they do not hold (a ConfigWarning: "
-    "trainer.ema ... changed during this fit), but look at the Trainer's attributes only: an EMA module kept by a "
-    "callback is lost on resume without a word"))
 def test_an_ema_a_callback_keeps_and_no_checkpoint_holds_is_named(tmp_path):
     with pytest.warns(ConfigWarning, match="changed during this fit, and checkpoints do not hold it"):
         with_ema(tmp_path, 3, ModelEma)
