@@ -1,0 +1,185 @@
+"""More cases run under ``torchrun`` (2 ranks, gloo) and in one process, for test_distributed_more.
+
+``torchrun --nproc-per-node=2 tests/ddp_more_cases.py OUT_DIR CASE...`` runs each case and saves what it
+records to ``OUT_DIR/CASE_rankR.pt``; ``result(case, world=1)`` runs the same case in one process over the
+same global batches.
+
+- ``masked_nan``: a loss that is the mean over a mask, empty on rank 1's batch at step 2 only (a batch without
+  positives): the loss is NaN there, its gradient finite (zeros). ``on_nonfinite=skip`` promises that every rank
+  skips the same step.
+- ``fp16_nan``: ``precision="16"`` (a GradScaler on the CPU) with ``on_nonfinite=skip``, a NaN loss on rank 1
+  only at step 2: the GradScaler's scale and the parameters must stay the same on every rank.
+- ``NAME-straight`` / ``NAME-resumed`` (``RESUMED``): the same steps run straight, and stopped at a checkpoint then
+  resumed in a new Trainer. ``rng_resume``: dropout, each rank seeded with its own seed before ``fit``
+  (karpathy/nanoGPT train.py: ``torch.manual_seed(1337 + seed_offset)``, ``seed_offset = ddp_rank``);
+  ``rng_same``: one seed for every rank; ``shuffled``: a shuffled DataLoader, resumed in the second pass by a
+  process seeded otherwise than the first (``shuffled_same_seed``: seeded as the first).
+- ``val_drop_last``: ``val_data`` a DataLoader with ``drop_last=True`` (37 samples, batches of 4).
+- ``bf16``: ``precision="bf16-mixed"`` under DDP, against one process over the same global batches.
+- ``batchnorm`` / ``batchnorm_accum``: a model with BatchNorm, validated at the end, trained through
+  DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
+- ``class_metrics`` (run last): ``validation_step`` logs a metric per class its batch holds; each rank's share holds
+  one class, so the ranks log different names.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from safeloop import SafeloopError, Trainer
+from safeloop.models import MLP
+from tests.ddp_cases import GLOBAL_BATCH, dataset, val_dataset
+
+STEPS = 4
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+class Recording(Trainer):
+    """Keeps the GradScaler's scale after every step."""
+
+    def on_step_end(self, losses):
+        if self.scaler is not None:
+            self.scales = getattr(self, "scales", []) + [float(self.scaler.get_scale())]
+
+
+class MaskedLoss(Recording):
+    """The loss over the samples whose target is positive, as a detection loss over a batch's positives. At step 2
+    rank 1's batch (every sample in one process) counts none: the mean over no sample is NaN, and its gradient is
+    zeros, finite; the all-reduce carries no NaN to rank 0."""
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        positive = y[:, 0] > -2.0  # every sample: sin() > -2
+        if self.state.step == 1 and (world() == 1 or rank() == 1):
+            positive = torch.zeros_like(positive)
+        return F.mse_loss(out[positive], y[positive])
+
+
+class NanOnRank1(Recording):
+    """Step 2's loss is NaN on rank 1 only (on every sample in one process)."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step == 1 and (world() == 1 or rank() == 1):
+            return loss * float("nan")
+        return loss
+
+
+class ClassMetrics(Recording):
+    """Logs in validation_step the mean error of each class that the batch holds (as a per-class accuracy
+    would): rank 0's share here holds only class "a", rank 1's only class "b" (one process: both)."""
+
+    def validation_step(self, batch):
+        x, y = batch
+        which = "a" if (world() == 1 and x[0, 0] > 0) or rank() == 0 else "b"
+        self.log(f"val_err_{which}", (self.model(x) - y).abs().mean())
+        return F.mse_loss(self.model(x), y)
+
+
+def batchnorm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5),
+                         nn.Linear(32, 1))
+
+
+def build(case: str, world_size: int, **settings) -> Trainer:
+    torch.manual_seed(0)
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size, shuffle=case == "shuffled")
+    common = dict(train_data=loader, max_steps=STEPS, device="cpu", progress=False, loggers=())
+    model = MLP(8, 32, 1, 3)
+    cls = Recording
+    if case == "masked_nan":
+        cls, common["on_nonfinite"] = MaskedLoss, "skip"
+    if case == "fp16_nan":
+        cls = NanOnRank1
+        common.update(on_nonfinite="skip", precision="16")
+    if case == "bf16":
+        common["precision"] = "bf16-mixed"
+    if case in ("rng_resume", "shuffled"):
+        model = dropout_model()
+    if case in ("batchnorm", "batchnorm_accum"):  # through DistributedDataParallel, or safeloop's reducer
+        model = batchnorm_model()
+        common.update(val_data=DataLoader(val_dataset(), batch_size=4))
+        if case == "batchnorm_accum":
+            common["grad_accum"] = 2
+            loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // 2, shuffle=False)
+            common["train_data"] = loader
+    if case == "class_metrics":
+        cls = ClassMetrics
+        common.update(val_data=DataLoader(val_dataset(), batch_size=4), max_steps=1)
+    if case == "val_drop_last":
+        common.update(val_data=DataLoader(val_dataset(), batch_size=4, drop_last=True), max_steps=1)
+    common.update(settings)
+    return cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
+
+
+def record(trainer: Trainer, **more) -> dict:
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "step": trainer.state.step,
+            "buffers": [b.detach().clone() for b in trainer.model.buffers()],
+            "skipped": trainer.state.skipped, "scales": getattr(trainer, "scales", None),
+            "val_history": trainer.state.val_history, "error": None, **more}
+
+
+# the resumed cases: what build() makes, the seed each rank sets before the first fit(), the seed set before the
+# resumed one (which the checkpoint's random state replaces), the steps in all, and the step the first fit stops at
+RESUMED = {"rng_resume": ("rng_resume", lambda: 1337 + rank(), 12345, STEPS, STEPS // 2),  # nanoGPT's per-rank seed
+           "rng_same": ("rng_resume", lambda: 1337, 12345, STEPS, STEPS // 2),  # one seed for every rank
+           # 8 steps a pass, shuffled: stopped 2 steps into the second pass, resumed in a process seeded otherwise
+           "shuffled": ("shuffled", lambda: 1337, 12345, 12, 10),
+           "shuffled_same_seed": ("shuffled", lambda: 1337, 1337, 12, 10)}  # ... or seeded as the first
+
+
+def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
+    name, how = case.rsplit("-", 1) if "-" in case else (case, None)
+    if how is not None:  # NAME-straight: one fit; NAME-resumed: stopped at a checkpoint, resumed in a new Trainer
+        built, seed, again, steps, stop = RESUMED[name]
+        if how == "straight":
+            trainer = build(built, world_size, max_steps=steps)
+            torch.manual_seed(seed())
+            trainer.fit()
+            return record(trainer)
+        directory = (out or Path(".")) / f"{name}-checkpoints"
+        first = build(built, world_size, max_steps=stop, checkpoint={"dir": str(directory)})
+        torch.manual_seed(seed())
+        first.fit()
+        if world_size > 1:
+            torch.distributed.barrier()  # rank zero has written the checkpoint
+        trainer = build(built, world_size, max_steps=steps, resume=str(directory), checkpoint=False)
+        torch.manual_seed(again)  # the checkpoint's random state is set before the next step
+        trainer.fit()
+        return record(trainer)
+    trainer = build(case, world_size)
+    try:
+        trainer.fit()
+    except SafeloopError as err:  # class_metrics' (run last), once the ranks' different names are refused
+        return record(trainer, error=str(err))
+    return record(trainer)
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    for name in sys.argv[2:]:
+        torch.save(result(name, dist.get_world_size(), out_dir), out_dir / f"{name}_rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
