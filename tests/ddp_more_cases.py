@@ -18,12 +18,15 @@ same global batches.
 - ``bf16``: ``precision="bf16-mixed"`` under DDP, against one process over the same global batches.
 - ``batchnorm`` / ``batchnorm_accum``: a model with BatchNorm, validated at the end, trained through
   DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
+- ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
+  ``fit()``, rank zero's last save taking a second longer.
 - ``class_metrics`` (run last): ``validation_step`` logs a metric per class its batch holds; each rank's share holds
   one class, so the ranks log different names.
 """
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,6 +92,14 @@ class ClassMetrics(Recording):
         return F.mse_loss(self.model(x), y)
 
 
+class SlowSave(Recording):
+    """Rank zero's last save takes a moment longer (a large checkpoint, a slow file system)."""
+
+    def on_save_checkpoint(self, checkpoint):
+        if rank() == 0 and self.state.step == self.max_steps:
+            time.sleep(1.0)
+
+
 def batchnorm_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
@@ -122,13 +133,18 @@ def build(case: str, world_size: int, **settings) -> Trainer:
             common["grad_accum"] = 2
             loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // 2, shuffle=False)
             common["train_data"] = loader
+    if case == "best_k":  # validated at steps 0, 2 and 4, each improving; the best kept, and the newest
+        cls = SlowSave
+        common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2,
+                      checkpoint={"dir": settings.pop("directory"), "monitor": "val_loss", "keep": 1})
     if case == "class_metrics":
         cls = ClassMetrics
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), max_steps=1)
     if case == "val_drop_last":
         common.update(val_data=DataLoader(val_dataset(), batch_size=4, drop_last=True), max_steps=1)
     common.update(settings)
-    return cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **common)
+    lr = 2e-3 if case == "best_k" else 1e-2  # best_k: each validation improves on the last
+    return cls(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=lr), **common)
 
 
 def record(trainer: Trainer, **more) -> dict:
@@ -166,6 +182,14 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
         torch.manual_seed(again)  # the checkpoint's random state is set before the next step
         trainer.fit()
         return record(trainer)
+    if case == "best_k":
+        trainer = build(case, world_size, directory=str((out or Path(".")) / "best_k"))
+        trainer.fit()
+        best = trainer.checkpointer.best  # right after fit, as a script would take it to test the best model
+        if world_size > 1:
+            torch.distributed.barrier()
+        return record(trainer, best=str(best), best_exists=best is not None and best.exists(),
+                      best_txt=(trainer.checkpointer.dir / "best.txt").read_text().strip())
     trainer = build(case, world_size)
     try:
         trainer.fit()

@@ -18,7 +18,7 @@ from tests.ddp_cases import val_dataset
 from tests.test_distributed import torchrun
 
 RESUMED = [f"{name}-{how}" for name in ddp_more_cases.RESUMED for how in ("straight", "resumed")]
-CASES = ("masked_nan", "fp16_nan", *RESUMED, "val_drop_last", "bf16", "batchnorm", "batchnorm_accum",
+CASES = ("masked_nan", "fp16_nan", *RESUMED, "val_drop_last", "bf16", "batchnorm", "batchnorm_accum", "best_k",
          "class_metrics")
 
 pytestmark = pytest.mark.distributed
@@ -152,6 +152,19 @@ def test_batch_norm_statistics_through_ddp_are_rank_zeros_and_validated_as_such(
     assert same(rank0["params"], rank1["params"])
     assert same(rank0["buffers"], rank1["buffers"]), "rank 1 kept other running statistics than rank 0"
     assert rank0["val_history"][-1][1]["val_loss"] == pytest.approx(validated_alone(rank0), rel=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="Checkpoints.best lists the directory on each rank, and a rank other than zero "
+                   "returns from its save at once (checkpoint/directory.py): read right after fit() it names the "
+                   "checkpoint that was best before rank zero's last save, which that save's pruning deleted")
+def test_every_rank_names_the_same_best_checkpoint_after_fit(ranks):
+    """docs/checkpoints.md: "trainer.checkpointer.best is its path". A script that tests the best model after
+    fit() on every rank (trainer.test after loading it) needs every rank to name the same, existing file."""
+    rank0, rank1 = load(ranks, "best_k")
+    assert [s for s, _ in rank0["val_history"]] == [0, 2, 4]
+    assert rank0["best"].endswith("step-000000004.pt") and rank0["best_exists"] and rank0["best_txt"] == \
+        "step-000000004.pt"
+    assert rank1["best"] == rank0["best"] and rank1["best_exists"]
 
 
 @pytest.mark.xfail(strict=True, reason="evaluate.summed adds up the ranks' sums by position in their sorted names: "
