@@ -20,6 +20,8 @@ same global batches.
   DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
 - ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
   ``fit()``, rank zero's last save taking a second longer.
+- ``create_graph``: manual mode, ``self.backward(loss, create_graph=True)`` then ``self.step()``; a failure is
+  recorded as its error.
 - ``class_metrics`` (run last): ``validation_step`` logs a metric per class its batch holds; each rank's share holds
   one class, so the ranks log different names.
 """
@@ -92,6 +94,20 @@ class ClassMetrics(Recording):
         return F.mse_loss(self.model(x), y)
 
 
+class CreateGraph(Recording):
+    """Manual mode back-propagating with ``create_graph=True``, the way docs/trainer.md gives for AdaHessian or a
+    gradient penalty (the gradients keep their graph for a second backward), then one update."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.backward(loss, create_graph=True)
+        self.step()
+        return loss.detach()
+
+
 class SlowSave(Recording):
     """Rank zero's last save takes a moment longer (a large checkpoint, a slow file system)."""
 
@@ -137,6 +153,8 @@ def build(case: str, world_size: int, **settings) -> Trainer:
         cls = SlowSave
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2,
                       checkpoint={"dir": settings.pop("directory"), "monitor": "val_loss", "keep": 1})
+    if case == "create_graph":
+        cls = CreateGraph
     if case == "class_metrics":
         cls = ClassMetrics
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), max_steps=1)
@@ -193,7 +211,7 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
     trainer = build(case, world_size)
     try:
         trainer.fit()
-    except SafeloopError as err:  # class_metrics' (run last), once the ranks' different names are refused
+    except SafeloopError as err:  # create_graph's; class_metrics' (run last) once the ranks' names are refused
         return record(trainer, error=str(err))
     return record(trainer)
 
