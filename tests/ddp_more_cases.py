@@ -20,6 +20,8 @@ same global batches.
   DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
 - ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
   ``fit()``, rank zero's last save taking a second longer.
+- ``sparse_accum``: ``nn.Embedding(sparse=True)`` with ``grad_accum=2`` (safeloop's own reducer); a failure is
+  recorded as its error.
 - ``create_graph``: manual mode, ``self.backward(loss, create_graph=True)`` then ``self.step()``; a failure is
   recorded as its error.
 - ``class_metrics`` (run last): ``validation_step`` logs a metric per class its batch holds; each rank's share holds
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from safeloop import SafeloopError, Trainer
 from safeloop.models import MLP
@@ -116,6 +118,23 @@ class SlowSave(Recording):
             time.sleep(1.0)
 
 
+class Bag(nn.Module):
+    """A bag of embeddings with sparse gradients (``nn.Embedding(sparse=True)``), then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, i):
+        return self.out(self.emb(i).mean(1))
+
+
+def bags() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, 50, (128, 5), generator=gen), torch.randn(128, 1, generator=gen))
+
+
 def batchnorm_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
@@ -153,6 +172,10 @@ def build(case: str, world_size: int, **settings) -> Trainer:
         cls = SlowSave
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2,
                       checkpoint={"dir": settings.pop("directory"), "monitor": "val_loss", "keep": 1})
+    if case == "sparse_accum":  # grad_accum=2: through safeloop's own reducer
+        model = Bag()
+        common.update(grad_accum=2, train_data=DataLoader(bags(), batch_size=GLOBAL_BATCH // world_size // 2))
+        return cls(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **common)
     if case == "create_graph":
         cls = CreateGraph
     if case == "class_metrics":
@@ -211,7 +234,7 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
     trainer = build(case, world_size)
     try:
         trainer.fit()
-    except SafeloopError as err:  # create_graph's; class_metrics' (run last) once the ranks' names are refused
+    except SafeloopError as err:  # sparse_accum's, create_graph's; class_metrics' (last) once its names are refused
         return record(trainer, error=str(err))
     return record(trainer)
 
