@@ -167,10 +167,6 @@ def test_every_rank_names_the_same_best_checkpoint_after_fit(ranks):
     assert rank1["best"] == rank0["best"] and rank1["best_exists"]
 
 
-@pytest.mark.xfail(strict=True, reason="safeloop's reducer packs the gradients with torch.cat(..., out=bucket.buffer) "
-                   "(distributed.py Distributed._launch), which refuses gradients that keep a graph: every rank stops "
-                   "at step 1 with torch's 'cat(): functions with out=... arguments don't support automatic "
-                   "differentiation'")
 @pytest.mark.xfail(strict=True, reason="safeloop's reducer flattens every gradient with reshape (distributed.py "
                    "Distributed._launch), which sparse tensors do not have: every rank stops at step 1 with torch's "
                    "'reshape is not implemented for sparse tensors'; the usual run (DDP) takes them")
@@ -187,6 +183,10 @@ def test_sparse_gradients_with_accumulation_train_under_torchrun_as_in_one_proce
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.xfail(strict=True, reason="safeloop's reducer packs the gradients with torch.cat(..., out=bucket.buffer) "
+                   "(distributed.py Distributed._launch), which refuses gradients that keep a graph: every rank stops "
+                   "at step 1 with torch's 'cat(): functions with out=... arguments don't support automatic "
+                   "differentiation'")
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 def test_manual_backward_with_create_graph_trains_under_torchrun_as_in_one_process(ranks):
     """docs/trainer.md: "for create_graph=True (AdaHessian, a gradient penalty), use manual mode and
