@@ -20,6 +20,8 @@ same global batches.
   DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
 - ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
   ``fit()``, rank zero's last save taking a second longer.
+- ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
+  (``requires_grad_(False)``) for a first ``fit()`` and unfrozen for a second, its optimizer holding it throughout.
 - ``sparse_accum``: ``nn.Embedding(sparse=True)`` with ``grad_accum=2`` (safeloop's own reducer); a failure is
   recorded as its error.
 - ``create_graph``: manual mode, ``self.backward(loss, create_graph=True)`` then ``self.step()``; a failure is
@@ -172,6 +174,9 @@ def build(case: str, world_size: int, **settings) -> Trainer:
         cls = SlowSave
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), val_every=2,
                       checkpoint={"dir": settings.pop("directory"), "monitor": "val_loss", "keep": 1})
+    if case == "unfreeze":  # grad_accum=2: through safeloop's own reducer; its optimizer holds every parameter
+        model = nn.Sequential(MLP(8, 32, 16, 2), nn.ReLU(), nn.Linear(16, 1))
+        common.update(grad_accum=2, train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // 2))
     if case == "sparse_accum":  # grad_accum=2: through safeloop's own reducer
         model = Bag()
         common.update(grad_accum=2, train_data=DataLoader(bags(), batch_size=GLOBAL_BATCH // world_size // 2))
@@ -221,6 +226,14 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
             torch.distributed.barrier()  # rank zero has written the checkpoint
         trainer = build(built, world_size, max_steps=steps, resume=str(directory), checkpoint=False)
         torch.manual_seed(again)  # the checkpoint's random state is set before the next step
+        trainer.fit()
+        return record(trainer)
+    if case == "unfreeze":  # a backbone frozen for the first fit, trained in the second
+        trainer = build(case, world_size, max_steps=STEPS // 2)
+        trainer.model[0].requires_grad_(False)
+        trainer.fit()
+        trainer.model[0].requires_grad_(True)
+        trainer.max_steps = STEPS
         trainer.fit()
         return record(trainer)
     if case == "best_k":
