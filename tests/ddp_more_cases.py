@@ -22,6 +22,9 @@ same global batches.
   ``fit()``, rank zero's last save taking a second longer.
 - ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
   (``requires_grad_(False)``) for a first ``fit()`` and unfrozen for a second, its optimizer holding it throughout.
+- ``unfreeze_epoch``: the usual run (DistributedDataParallel); the backbone frozen before ``fit()`` and unfrozen
+  in ``on_epoch_start`` of the second pass (Lightning's ``BaseFinetuning``). ``freeze_at_start``: the backbone
+  frozen in ``on_fit_start`` instead, and never trained; a failure is recorded as its error.
 - ``sparse_accum``: ``nn.Embedding(sparse=True)`` with ``grad_accum=2`` (safeloop's own reducer); a failure is
   recorded as its error.
 - ``create_graph``: manual mode, ``self.backward(loss, create_graph=True)`` then ``self.step()``; a failure is
@@ -112,6 +115,23 @@ class CreateGraph(Recording):
         return loss.detach()
 
 
+class UnfreezeAtEpoch(Recording):
+    """Lightning's BaseFinetuning done by hand: the backbone, frozen before ``fit()``, trained from the second pass on
+    (its optimizer holds it throughout)."""
+
+    def on_epoch_start(self):
+        if self.state.epoch == 1:
+            self.model[0].requires_grad_(True)
+
+
+class FreezeAtStart(Recording):
+    """The backbone frozen in ``on_fit_start``, its optimizer holding it (docs/trainer.md: "done in on_fit_start,
+    the optimizer already holds the frozen layers"): a linear probe."""
+
+    def on_fit_start(self):
+        self.model[0].requires_grad_(False)
+
+
 class SlowSave(Recording):
     """Rank zero's last save takes a moment longer (a large checkpoint, a slow file system)."""
 
@@ -177,6 +197,12 @@ def build(case: str, world_size: int, **settings) -> Trainer:
     if case == "unfreeze":  # grad_accum=2: through safeloop's own reducer; its optimizer holds every parameter
         model = nn.Sequential(MLP(8, 32, 16, 2), nn.ReLU(), nn.Linear(16, 1))
         common.update(grad_accum=2, train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // 2))
+    if case in ("unfreeze_epoch", "freeze_at_start"):  # through DistributedDataParallel; 4 steps a pass, two passes
+        cls = UnfreezeAtEpoch if case == "unfreeze_epoch" else FreezeAtStart
+        model = nn.Sequential(MLP(8, 32, 16, 2), nn.ReLU(), nn.Linear(16, 1))
+        model[0].requires_grad_(case == "freeze_at_start")
+        common.update(max_steps=8, train_data=DataLoader(TensorDataset(*dataset()[:GLOBAL_BATCH * 4]),
+                                                         batch_size=GLOBAL_BATCH // world_size))
     if case == "sparse_accum":  # grad_accum=2: through safeloop's own reducer
         model = Bag()
         common.update(grad_accum=2, train_data=DataLoader(bags(), batch_size=GLOBAL_BATCH // world_size // 2))
@@ -247,7 +273,7 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
     trainer = build(case, world_size)
     try:
         trainer.fit()
-    except SafeloopError as err:  # sparse_accum's, create_graph's; class_metrics' (last) once its names are refused
+    except SafeloopError as err:  # the cases whose failure is recorded (create_graph...), class_metrics last
         return record(trainer, error=str(err))
     return record(trainer)
 
