@@ -20,6 +20,8 @@ same global batches.
   DistributedDataParallel (the usual run) or safeloop's own reducer (``grad_accum=2``).
 - ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
   ``fit()``, rank zero's last save taking a second longer.
+- ``handwritten``: the usual run (DDP) and safeloop's reducer (``grad_accum=2``), with and without ``grad_clip``,
+  against a hand-written DDP loop (pytorch/examples' ddp-tutorial-series), bit for bit.
 - ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
   (``requires_grad_(False)``) for a first ``fit()`` and unfrozen for a second, its optimizer holding it throughout.
 - ``unfreeze_epoch``: the usual run (DistributedDataParallel); the backbone frozen before ``fit()`` and unfrozen
@@ -226,6 +228,58 @@ def record(trainer: Trainer, **more) -> dict:
             "val_history": trainer.state.val_history, "error": None, **more}
 
 
+def by_hand(world_size: int, accum: int, clip: float | None, steps: int = 12) -> list[torch.Tensor]:
+    """pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py's loop: DDP over the model, a shuffling
+    DistributedSampler (``set_epoch`` at each pass, as the examples' imagenet does), ``zero_grad``, backward, step;
+    accumulation under ``no_sync`` for all but the last micro-batch, and ``clip_grad_norm_`` before the step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = MLP(8, 32, 1, 3)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sampler = torch.utils.data.DistributedSampler(dataset(), shuffle=True, seed=0)
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // accum, sampler=sampler)
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for _ in range(len(loader) // accum):
+            optimizer.zero_grad(set_to_none=True)
+            for k in range(accum):
+                x, y = next(batches)
+                if k < accum - 1:
+                    with ddp.no_sync():
+                        (F.mse_loss(ddp(x), y) / accum).backward()
+                else:
+                    (F.mse_loss(ddp(x), y) / accum).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def against_hand(world_size: int) -> dict:
+    """For each (grad_accum, grad_clip): whether the Trainer's weights after 12 steps (a pass and a half, shuffled)
+    equal the hand-written loop's, bit for bit."""
+    equal = {}
+    for accum, clip in ((1, None), (2, None), (1, 0.05), (2, 0.05)):
+        torch.manual_seed(0)  # the DistributedSampler's seed: torch.initial_seed(), 0 as the loop's
+        model = MLP(8, 32, 1, 3)
+        trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), device="cpu",
+                          train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // accum,
+                                                shuffle=True),
+                          grad_accum=accum, grad_clip=clip, max_steps=12, progress=False, loggers=())
+        trainer.fit()
+        ours = [p.detach().clone() for p in model.parameters()]
+        equal[(accum, clip)] = all(torch.equal(a, b) for a, b in zip(ours, by_hand(world_size, accum, clip)))
+    return equal
+
+
 # the resumed cases: what build() makes, the seed each rank sets before the first fit(), the seed set before the
 # resumed one (which the checkpoint's random state replaces), the steps in all, and the step the first fit stops at
 RESUMED = {"rng_resume": ("rng_resume", lambda: 1337 + rank(), 12345, STEPS, STEPS // 2),  # nanoGPT's per-rank seed
@@ -254,6 +308,8 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
         torch.manual_seed(again)  # the checkpoint's random state is set before the next step
         trainer.fit()
         return record(trainer)
+    if case == "handwritten":
+        return {"equal": against_hand(world_size)}
     if case == "unfreeze":  # a backbone frozen for the first fit, trained in the second
         trainer = build(case, world_size, max_steps=STEPS // 2)
         trainer.model[0].requires_grad_(False)
