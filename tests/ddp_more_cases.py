@@ -22,6 +22,8 @@ same global batches.
   ``fit()``, rank zero's last save taking a second longer.
 - ``handwritten``: the usual run (DDP) and safeloop's reducer (``grad_accum=2``), with and without ``grad_clip``,
   against a hand-written DDP loop (pytorch/examples' ddp-tutorial-series), bit for bit.
+- ``test_before_fit``: each rank makes its model after seeding with its own seed (nanoGPT), and ``test()`` runs
+  before any ``fit()``.
 - ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
   (``requires_grad_(False)``) for a first ``fit()`` and unfrozen for a second, its optimizer holding it throughout.
 - ``unfreeze_epoch``: the usual run (DistributedDataParallel); the backbone frozen before ``fit()`` and unfrozen
@@ -310,6 +312,13 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
         return record(trainer)
     if case == "handwritten":
         return {"equal": against_hand(world_size)}
+    if case == "test_before_fit":  # each rank's model made after its own seed (nanoGPT); tested before any fit
+        torch.manual_seed(1337 + rank())
+        model = MLP(8, 32, 1, 3)
+        trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), device="cpu",
+                          train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size), max_steps=1,
+                          progress=False, loggers=())
+        return record(trainer, tested=trainer.test(DataLoader(val_dataset(), batch_size=4)))
     if case == "unfreeze":  # a backbone frozen for the first fit, trained in the second
         trainer = build(case, world_size, max_steps=STEPS // 2)
         trainer.model[0].requires_grad_(False)
