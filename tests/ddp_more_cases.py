@@ -7,6 +7,8 @@ same global batches.
 - ``masked_nan``: a loss that is the mean over a mask, empty on rank 1's batch at step 2 only (a batch without
   positives): the loss is NaN there, its gradient finite (zeros). ``on_nonfinite=skip`` promises that every rank
   skips the same step.
+- ``masked_manual_gan``: the same in tests/ddp_cases.py's manual-mode GAN (its own launch: the ranks' collective
+  calls part).
 - ``fp16_nan``: ``precision="16"`` (a GradScaler on the CPU) with ``on_nonfinite=skip``, a NaN loss on rank 1
   only at step 2: the GradScaler's scale and the parameters must stay the same on every rank.
 - ``NAME-straight`` / ``NAME-resumed`` (``RESUMED``): the same steps run straight, and stopped at a checkpoint then
@@ -49,7 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from safeloop import SafeloopError, Trainer
 from safeloop.models import MLP
-from tests.ddp_cases import GLOBAL_BATCH, dataset, val_dataset
+from tests.ddp_cases import GLOBAL_BATCH, GanLike, ManualGan, dataset, val_dataset
 
 STEPS = 4
 
@@ -82,6 +84,25 @@ class MaskedLoss(Recording):
         if self.state.step == 1 and (world() == 1 or rank() == 1):
             positive = torch.zeros_like(positive)
         return F.mse_loss(out[positive], y[positive])
+
+
+class MaskedManualGan(ManualGan):
+    """tests/ddp_cases.py's manual-mode GAN whose discriminator loss on real samples is a mean over a mask, empty on
+    rank 1's batch at step 2 only (every sample in one process): NaN there, with zero gradients."""
+
+    def training_step(self, batch):
+        real, y = batch
+        if self.state.step == 1 and (world() == 1 or rank() == 1):
+            real = real[:0]  # no sample kept: the mean over none is NaN, its gradient zeros
+        z = torch.tanh(2 * batch[0][:, :4])
+        fake = self.model.g(z)
+        d_loss = F.softplus(self.model.d(fake.detach())).mean() + F.softplus(-self.model.d(real)).mean()
+        self.backward(d_loss, "d")
+        self.step("d")
+        g_loss = F.softplus(-self.model.d(self.model.g(z))).mean()
+        self.backward(g_loss, "g")
+        self.step("g")
+        return {"d": d_loss.detach(), "g": g_loss.detach()}
 
 
 class NanOnRank1(Recording):
@@ -180,6 +201,8 @@ def build(case: str, world_size: int, **settings) -> Trainer:
     cls = Recording
     if case == "masked_nan":
         cls, common["on_nonfinite"] = MaskedLoss, "skip"
+    if case == "masked_manual_gan":
+        return MaskedManualGan(model=GanLike(), on_nonfinite="skip", **common)
     if case == "fp16_nan":
         cls = NanOnRank1
         common.update(on_nonfinite="skip", precision="16")
