@@ -56,8 +56,8 @@ def test_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_every_rank(r
 
 
 @pytest.mark.xfail(strict=True, reason="rank 1 alone skips at self.step('d') (its own NaN loss), leaving "
-                   "training_step; rank 0 goes on to optimizer g's all-reduce, which meets rank 1's next step's d all-reduce: gloo "
-                   "aborts rank 1 (SIGABRT, 'collective mismatch'); rank 0 says another rank failed")
+                   "training_step; rank 0 goes on to optimizer g's all-reduce, which meets rank 1's next step's d "
+                   "all-reduce: gloo aborts rank 1 (SIGABRT, 'collective mismatch'); rank 0 says another rank failed")
 def test_manual_mode_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_every_rank(tmp_path):
     """The masked loss of the test above in a manual-mode GAN (two optimizers): the run crashes at step 2. Had the
     two optimizers' buckets been of one size, their gradients would have been added together without an error."""
