@@ -14,7 +14,8 @@ same global batches.
 - ``NAME-straight`` / ``NAME-resumed`` (``RESUMED``): the same steps run straight, and stopped at a checkpoint then
   resumed in a new Trainer. ``rng_resume``: dropout, each rank seeded with its own seed before ``fit``
   (karpathy/nanoGPT train.py: ``torch.manual_seed(1337 + seed_offset)``, ``seed_offset = ddp_rank``);
-  ``rng_same``: one seed for every rank; ``shuffled``: a shuffled DataLoader, resumed in the second pass by a
+  ``rng_same``: one seed for every rank; ``stateful``: precision=16, a schedule per update, EarlyStopping,
+  ``checkpoint.monitor`` and dropout; ``shuffled``: a shuffled DataLoader, resumed in the second pass by a
   process seeded otherwise than the first (``shuffled_same_seed``: seeded as the first).
 - ``val_drop_last``: ``val_data`` a DataLoader with ``drop_last=True`` (37 samples, batches of 4).
 - ``bf16``: ``precision="bf16-mixed"`` under DDP, against one process over the same global batches.
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import SafeloopError, Trainer
+from safeloop import EarlyStopping, SafeloopError, Trainer
 from safeloop.models import MLP
 from tests.ddp_cases import GLOBAL_BATCH, GanLike, ManualGan, dataset, val_dataset
 
@@ -157,6 +158,15 @@ class FreezeAtStart(Recording):
         self.model[0].requires_grad_(False)
 
 
+class Scheduled(Recording):
+    """A learning rate stepped after every update."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 class SlowSave(Recording):
     """Rank zero's last save takes a moment longer (a large checkpoint, a slow file system)."""
 
@@ -239,6 +249,12 @@ def build(case: str, world_size: int, **settings) -> Trainer:
     if case == "class_metrics":
         cls = ClassMetrics
         common.update(val_data=DataLoader(val_dataset(), batch_size=4), max_steps=1)
+    if case == "stateful":  # what a checkpoint holds beyond weights: GradScaler, schedule, EarlyStopping, best-k
+        cls, model = Scheduled, dropout_model()
+        common.update(precision="16", val_data=DataLoader(val_dataset(), batch_size=4), val_every=1,
+                      callbacks=[EarlyStopping(patience=3)])
+        if "checkpoint" in settings and settings["checkpoint"]:
+            settings["checkpoint"] = {**settings["checkpoint"], "monitor": "val_loss", "keep": 2}
     if case == "val_drop_last":
         common.update(val_data=DataLoader(val_dataset(), batch_size=4, drop_last=True), max_steps=1)
     common.update(settings)
@@ -309,6 +325,8 @@ def against_hand(world_size: int) -> dict:
 # resumed one (which the checkpoint's random state replaces), the steps in all, and the step the first fit stops at
 RESUMED = {"rng_resume": ("rng_resume", lambda: 1337 + rank(), 12345, STEPS, STEPS // 2),  # nanoGPT's per-rank seed
            "rng_same": ("rng_resume", lambda: 1337, 12345, STEPS, STEPS // 2),  # one seed for every rank
+           # precision=16, a schedule per update, EarlyStopping, checkpoint.monitor, dropout: one seed for every rank
+           "stateful": ("stateful", lambda: 1337, 12345, 6, 3),
            # 8 steps a pass, shuffled: stopped 2 steps into the second pass, resumed in a process seeded otherwise
            "shuffled": ("shuffled", lambda: 1337, 12345, 12, 10),
            "shuffled_same_seed": ("shuffled", lambda: 1337, 1337, 12, 10)}  # ... or seeded as the first

@@ -110,6 +110,17 @@ def test_resumed_with_one_seed_for_every_rank_is_bit_identical_to_the_run_that_n
         assert same(straight["params"], resumed["params"])
 
 
+def test_resumed_with_a_grad_scaler_a_schedule_and_early_stopping_is_bit_identical(ranks):
+    """precision=16 (the GradScaler's scale halves at step 2), a learning rate stepped every update, EarlyStopping
+    (it stops both runs at step 4 of 6), checkpoint.monitor and dropout: stopped at step 3 and resumed on 2 ranks."""
+    for rank in (0, 1):
+        straight, resumed = (torch.load(ranks / f"stateful-{how}_rank{rank}.pt") for how in ("straight", "resumed"))
+        assert straight["step"] == resumed["step"] == 4
+        assert straight["scales"][-1] == resumed["scales"][-1] == 32768.0
+        assert straight["val_history"] == resumed["val_history"]
+        assert same(straight["params"], resumed["params"])
+
+
 @pytest.mark.xfail(strict=True, reason="a checkpoint holds rank zero's random state alone (checkpoint/contents.py "
                    "'rng'), and every rank sets it on resume: rank 1's dropout masks after the resume are rank 0's")
 def test_resumed_with_one_seed_per_rank_is_bit_identical_to_the_run_that_never_stopped(ranks):
