@@ -24,7 +24,8 @@ same global batches.
 - ``best_k``: ``checkpoint.monitor`` with ``keep=1``; ``trainer.checkpointer.best`` read on every rank right after
   ``fit()``, rank zero's last save taking a second longer.
 - ``handwritten``: the usual run (DDP) and safeloop's reducer (``grad_accum=2``), with and without ``grad_clip``,
-  against a hand-written DDP loop (pytorch/examples' ddp-tutorial-series), bit for bit.
+  in float32 and under ``precision="16"`` (a GradScaler), against a hand-written DDP loop (pytorch/examples'
+  ddp-tutorial-series, with PyTorch's AMP recipe), bit for bit.
 - ``test_before_fit``: each rank makes its model after seeding with its own seed (nanoGPT), and ``test()`` runs
   before any ``fit()``.
 - ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
@@ -269,16 +270,21 @@ def record(trainer: Trainer, **more) -> dict:
             "val_history": trainer.state.val_history, "error": None, **more}
 
 
-def by_hand(world_size: int, accum: int, clip: float | None, steps: int = 12) -> list[torch.Tensor]:
+def by_hand(world_size: int, accum: int, clip: float | None, precision: str, steps: int = 12) -> list[torch.Tensor]:
     """pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py's loop: DDP over the model, a shuffling
     DistributedSampler (``set_epoch`` at each pass, as the examples' imagenet does), ``zero_grad``, backward, step;
-    accumulation under ``no_sync`` for all but the last micro-batch, and ``clip_grad_norm_`` before the step."""
+    accumulation under ``no_sync`` for all but the last micro-batch, and ``clip_grad_norm_`` before the step. Under
+    ``precision="16"`` PyTorch's AMP recipe: autocast to float16, ``GradScaler`` scale, ``unscale_`` before clipping,
+    ``step``, ``update``."""
+    from contextlib import nullcontext
+
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = MLP(8, 32, 1, 3)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu") if precision == "16" else None
     sampler = torch.utils.data.DistributedSampler(dataset(), shuffle=True, seed=0)
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // accum, sampler=sampler)
     step, epoch = 0, 0
@@ -289,14 +295,19 @@ def by_hand(world_size: int, accum: int, clip: float | None, steps: int = 12) ->
             optimizer.zero_grad(set_to_none=True)
             for k in range(accum):
                 x, y = next(batches)
-                if k < accum - 1:
-                    with ddp.no_sync():
-                        (F.mse_loss(ddp(x), y) / accum).backward()
-                else:
-                    (F.mse_loss(ddp(x), y) / accum).backward()
+                with ddp.no_sync() if k < accum - 1 else nullcontext():
+                    with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                        loss = F.mse_loss(ddp(x), y) / accum
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             step += 1
             if step == steps:
                 break
@@ -304,20 +315,25 @@ def by_hand(world_size: int, accum: int, clip: float | None, steps: int = 12) ->
     return [p.detach().clone() for p in model.parameters()]
 
 
+HAND = ((1, None, "32"), (2, None, "32"), (1, 0.05, "32"), (2, 0.05, "32"), (1, 0.05, "16"), (2, None, "16"))
+
+
 def against_hand(world_size: int) -> dict:
-    """For each (grad_accum, grad_clip): whether the Trainer's weights after 12 steps (a pass and a half, shuffled)
-    equal the hand-written loop's, bit for bit."""
+    """For each (grad_accum, grad_clip, precision) of ``HAND``: whether the Trainer's weights after 12 steps (a pass
+    and a half, shuffled) equal the hand-written loop's, bit for bit."""
     equal = {}
-    for accum, clip in ((1, None), (2, None), (1, 0.05), (2, 0.05)):
+    for accum, clip, precision in HAND:
         torch.manual_seed(0)  # the DistributedSampler's seed: torch.initial_seed(), 0 as the loop's
         model = MLP(8, 32, 1, 3)
         trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), device="cpu",
                           train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // accum,
                                                 shuffle=True),
-                          grad_accum=accum, grad_clip=clip, max_steps=12, progress=False, loggers=())
+                          grad_accum=accum, grad_clip=clip, precision=precision, max_steps=12, progress=False,
+                          loggers=())
         trainer.fit()
         ours = [p.detach().clone() for p in model.parameters()]
-        equal[(accum, clip)] = all(torch.equal(a, b) for a, b in zip(ours, by_hand(world_size, accum, clip)))
+        hand = by_hand(world_size, accum, clip, precision)
+        equal[(accum, clip, precision)] = all(torch.equal(a, b) for a, b in zip(ours, hand, strict=True))
     return equal
 
 
