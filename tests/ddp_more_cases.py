@@ -27,7 +27,7 @@ same global batches.
   in float32 and under ``precision="16"`` (a GradScaler), against a hand-written DDP loop (pytorch/examples'
   ddp-tutorial-series, with PyTorch's AMP recipe), bit for bit.
 - ``test_before_fit``: each rank makes its model after seeding with its own seed (nanoGPT), and ``test()`` runs
-  before any ``fit()``.
+  before any ``fit()``; then ``predict()`` over one sample (fewer samples than ranks).
 - ``unfreeze``: ``grad_accum=2`` (safeloop's own reducer), in the process group the script made; a backbone frozen
   (``requires_grad_(False)``) for a first ``fit()`` and unfrozen for a second, its optimizer holding it throughout.
 - ``unfreeze_epoch``: the usual run (DistributedDataParallel); the backbone frozen before ``fit()`` and unfrozen
@@ -375,7 +375,9 @@ def result(case: str, world_size: int = 1, out: Path | None = None) -> dict:
         trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), device="cpu",
                           train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size), max_steps=1,
                           progress=False, loggers=())
-        return record(trainer, tested=trainer.test(DataLoader(val_dataset(), batch_size=4)))
+        one = DataLoader(TensorDataset(*val_dataset()[:1]), batch_size=4)  # fewer samples than ranks
+        return record(trainer, tested=trainer.test(DataLoader(val_dataset(), batch_size=4)),
+                      predicted_one=[len(out) for out in trainer.predict(one)])
     if case == "unfreeze":  # a backbone frozen for the first fit, trained in the second
         trainer = build(case, world_size, max_steps=STEPS // 2)
         trainer.model[0].requires_grad_(False)
