@@ -191,12 +191,14 @@ class Distributed:
         return self.rank == 0
 
     def agree(self, value: int) -> int:
-        """The largest ``value`` over all ranks (a stop signal's number any rank received, or 0)."""
+        """The largest ``value`` over all ranks (a stop signal's number any rank received, or 0; 1 where a rank
+        found a non-finite value)."""
         flag = torch.tensor([value], dtype=torch.int64, device=self.device)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         except RuntimeError as err:
-            raise self._lost(err, "agree with the other ranks on a stop signal or the guard's next check") from err
+            raise self._lost(err, "agree with the other ranks on a stop signal, a non-finite value or the guard's next "
+                             "check") from err
         return int(flag.item())
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:

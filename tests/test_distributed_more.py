@@ -42,9 +42,6 @@ def same(a: list, b: list) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.xfail(strict=True, reason="the skip decision takes each rank's own losses (runner.check_finite): a NaN "
-                   "loss whose gradient is finite (the mean over an empty mask) is skipped on rank 1 alone, and the "
-                   "ranks' weights part")
 def test_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_every_rank(ranks):
     """docs/distributed.md: "on_nonfinite: skip skips the same step everywhere". A loss averaged over the batch's
     positives is NaN on a batch without any, and its gradient is zeros: nothing carries the NaN to rank 0."""
@@ -55,9 +52,6 @@ def test_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_every_rank(r
     assert same(rank0["params"], rank1["params"]), "the ranks hold different weights"
 
 
-@pytest.mark.xfail(strict=True, reason="rank 1 alone skips at self.step('d') (its own NaN loss), leaving "
-                   "training_step; rank 0 goes on to optimizer g's all-reduce, which meets rank 1's next step's d "
-                   "all-reduce: gloo aborts rank 1 (SIGABRT, 'collective mismatch'); rank 0 says another rank failed")
 def test_manual_mode_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_every_rank(tmp_path):
     """The masked loss of the test above in a manual-mode GAN (two optimizers): the run crashes at step 2. Had the
     two optimizers' buckets been of one size, their gradients would have been added together without an error."""
@@ -69,9 +63,6 @@ def test_manual_mode_a_nan_loss_with_finite_gradients_on_one_rank_is_skipped_on_
     assert same(rank0["params"], rank1["params"])
 
 
-@pytest.mark.xfail(strict=True, reason="under precision=16 on_nonfinite looks at each rank's own losses only: rank 1 "
-                   "skips (its GradScaler unchanged), rank 0 steps through the GradScaler (its scale halves); from "
-                   "then on each rank unscales the averaged gradients by its own scale and the weights part")
 def test_precision_16_a_nan_loss_on_one_rank_keeps_the_scale_and_the_weights_alike_on_every_rank(ranks):
     rank0, rank1 = load(ranks, "fp16_nan")
     single = ddp_more_cases.result("fp16_nan")

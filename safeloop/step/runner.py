@@ -540,7 +540,7 @@ class Runner:
         # under precision 16 the GradScaler skips steps whose gradients overflow: only the losses are ours
         grads = nonfinite.gradients(optimizers) if self.scaler is None else []
         finite = self.finite(losses.values(), grads)
-        if self.sharded:  # each rank holds a shard of the gradients: all skip or stop if one finds a NaN
+        if self.dist is not None:  # a loss (or a shard of the gradients) is this rank's: all skip or stop together
             finite = self.dist.agree(int(not finite)) == 0
         if finite:
             self.state.skipped_in_row = 0
