@@ -179,6 +179,7 @@ class Distributed:
         self.find_unused = False
         self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
+        self.shared = False  # rank zero's weights copied to every rank (``share``)
         self.seed = 0  # rank zero's, at ``share``: every shard of the data shuffles with it
         self.step = 0  # the step running (set by the step itself), for error messages
         self._hooks: list = []
@@ -219,15 +220,15 @@ class Distributed:
             raise self._lost(err, "add up the ranks' validation metrics") from err
         return values.cpu()
 
-    def gather(self, value: Any) -> list:
+    def gather(self, value: Any, doing: str = "gather every rank's gradients for a checkpoint (in manual mode, "
+               "every rank calls Trainer.state_dict() together, as the Trainer's saves do: not under `if rank == 0`)"
+               ) -> list:
         """Every rank's ``value`` (plain containers of CPU tensors), in rank order."""
         every: list = [None] * self.world
         try:
             dist.all_gather_object(every, value)
         except RuntimeError as err:
-            raise self._lost(err, "gather every rank's gradients for a checkpoint (in manual mode, every rank "
-                             "calls Trainer.state_dict() together, as the Trainer's saves do: not under "
-                             "`if rank == 0`)") from err
+            raise self._lost(err, doing) from err
         return every
 
     # -- start of fit --------------------------------------------------------------------
@@ -301,6 +302,7 @@ class Distributed:
         self._broadcast(tensors + list({id(p): p for opt in optimizers.values() for g in opt.param_groups
                                         for p in g["params"] if id(p) not in inside}.values()))
         self.buffers = [b for b in model.buffers() if b.is_floating_point()] if model is not None else []
+        self.shared = True
         seed = train_data.generator.initial_seed() if getattr(train_data, "generator", None) else torch.initial_seed()
         shared = [str(run_dir) if run_dir is not None else None, seed]
         dist.broadcast_object_list(shared, src=0)
@@ -311,6 +313,14 @@ class Distributed:
         """This rank's share of ``train_data`` (see ``shard``), shuffled with the seed ``share`` agreed on: no
         collective call, so data replaced later (between fits, in ``on_epoch_start``) is sharded the same way."""
         return shard(train_data, self.rank, self.world, self.seed)
+
+    def align(self, model: torch.nn.Module | None) -> None:
+        """Before an evaluation: rank zero's floating buffers on every rank (BatchNorm's running statistics, which
+        each rank keeps between DDP's forwards: the metrics and checkpoints are then those of rank zero's model),
+        and before the first fit its weights too, which nothing has copied yet."""
+        if model is not None:
+            buffers = [b for b in model.buffers() if b.is_floating_point()]
+            self._broadcast(buffers if self.shared else list(model.parameters()) + buffers)
 
     def shard_val(self, val_data):
         """This rank's share of ``val_data`` (see ``shard_in_order``), made once per data object: a loader with
@@ -537,14 +547,20 @@ def shard_in_order(data, rank: int, world: int):
     a validation would count those twice. So shares differ by one sample, and ranks may validate
     different numbers of batches (validation communicates once, at its end). A loader's own
     ``DistributedSampler`` is replaced for the same reason. With fewer samples than ranks, every rank
-    validates them all. Anything else as ``shard`` does: a ``shard(rank, world)`` method, or the data
-    as it is, with a warning; each rank then validates what it is given, and since validation adds up
-    every rank's sums and counts, the metrics are still the mean over samples.
+    validates them all. A loader with ``drop_last`` leaves out the samples one process leaves out (those of
+    its last incomplete batch), and no rank drops more. Anything else as ``shard`` does: a ``shard(rank,
+    world)`` method, or the data as it is, with a warning; each rank then validates what it is given, and
+    since validation adds up every rank's sums and counts, the metrics are still the mean over samples.
     """
     if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and len(data.dataset) < world:
         return data  # a share of nothing would leave a rank without a batch
-    return _split(data, rank, world, "val_data", lambda loader: _InOrder(len(loader.dataset), rank, world),
-                  replaces=("DistributedSampler",))
+
+    def in_order(loader: DataLoader) -> _InOrder:
+        size = len(loader.dataset)
+        if loader.drop_last and loader.batch_size:
+            size -= size % loader.batch_size
+        return _InOrder(size, rank, world)
+    return _split(data, rank, world, "val_data", in_order, replaces=("DistributedSampler",), drop_last=False)
 
 
 # what every rank does with data it is given as it is, by the argument's name
@@ -554,10 +570,11 @@ _AS_GIVEN = {"train_data": "trains on the batches it is given, so shard them you
                          "it a shard(rank, world) method (the metrics are the mean over samples either way)"}
 
 
-def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str, ...] = ()):
+def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str, ...] = (),
+           drop_last: bool | None = None):
     """``data`` (the argument ``name``) split for ``rank``: by its own ``shard(rank, world)``, or a DataLoader
-    rebuilt with ``sampler(data)`` in place of the sampler ``shuffle=...`` made (or one named in ``replaces``).
-    Anything else as it is, with a warning."""
+    rebuilt with ``sampler(data)`` in place of the sampler ``shuffle=...`` made (or one named in ``replaces``),
+    and ``drop_last`` unless given. Anything else as it is, with a warning."""
     if not isinstance(data, DataLoader) and callable(getattr(data, "shard", None)):
         return data.shard(rank, world)
     if not isinstance(data, DataLoader):
@@ -577,7 +594,8 @@ def _split(data, rank: int, world: int, name: str, sampler, replaces: tuple[str,
     # save where it stands; it takes DataLoader's arguments
     loader = type(data) if stateful(data) else DataLoader
     return loader(data.dataset, batch_size=data.batch_size, sampler=sampler(data), num_workers=data.num_workers,
-                  collate_fn=data.collate_fn, pin_memory=data.pin_memory, drop_last=data.drop_last,
+                  collate_fn=data.collate_fn, pin_memory=data.pin_memory,
+                  drop_last=data.drop_last if drop_last is None else drop_last,
                   timeout=data.timeout, worker_init_fn=data.worker_init_fn,
                   multiprocessing_context=data.multiprocessing_context, generator=data.generator,
                   prefetch_factor=data.prefetch_factor, persistent_workers=data.persistent_workers)

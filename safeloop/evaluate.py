@@ -123,6 +123,8 @@ class Evaluator:
         modes = [(m, m.training) for root in roots for m in root.modules()]
         if self.model is not None:
             place(self.model, self.device, self.precision)
+        if self.dist is not None:
+            self.dist.align(self.model)
         for root in roots:
             root.eval()
         rng = rng_state() if self.fitting else None
@@ -195,5 +197,12 @@ def summed(totals: dict[str, list[float]], batches: int, dist: Distributed,
         raise SafeloopError(f"{kind.data} gave rank {dist.rank} of {dist.world} no batch for {kind.name}: each rank "
                             f"runs {kind.step} over its own share, so give {kind.data} at least one batch per rank")
     names = sorted(totals)  # the same order on every rank
+    every = dist.gather(names, "agree with the other ranks on the names of the validation metrics")
+    if any(theirs != names for theirs in every):
+        raise SafeloopError(f"{kind.step} reported other metrics on other ranks ("
+                            + "; ".join(f"rank {i}: {', '.join(n) or 'none'}" for i, n in enumerate(every))
+                            + "): their sums are added up by name, so every rank must report the same names: log "
+                            "each metric from every batch (one only some batches have, such as a per-class error, "
+                            "can be summed yourself and set in on_validation_end(metrics))")
     flat = dist.sum(torch.tensor([totals[name] for name in names], dtype=torch.float64))
     return dict(zip(names, flat.tolist()))
