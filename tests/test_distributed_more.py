@@ -296,5 +296,5 @@ def test_ranks_that_log_different_metric_names_in_validation_are_told(ranks):
     only. docs/trainer.md: "Under torchrun every rank must log the same names"; a mistake should not pass silently."""
     rank0, rank1 = load(ranks, "class_metrics")
     for found in (rank0, rank1):
-        assert "validation_step reported other metrics on other ranks (rank 0: val_err_a; rank 1: val_err_b)" in \
-            found["error"], found["error"]
+        assert ("validation_step reported other metrics on other ranks (rank 0: val_err_a, val_loss; rank 1: "
+                "val_err_b, val_loss)") in found["error"], found["error"]
