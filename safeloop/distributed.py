@@ -184,7 +184,7 @@ class Distributed:
         self.step = 0  # the step running (set by the step itself), for error messages
         self._hooks: list = []
         self._quieted: int | None = None
-        self._val: tuple | None = None  # (val_data, this rank's share of it), made at its first validation
+        self._val: tuple | None = None  # (val_data, for metrics, this rank's share of it), made at its first use
         self.joined = False  # weights, run directory and data seed shared by the ranks (``join``)
 
     @property
@@ -322,12 +322,12 @@ class Distributed:
             buffers = [b for b in model.buffers() if b.is_floating_point()]
             self._broadcast(buffers if self.shared else list(model.parameters()) + buffers)
 
-    def shard_val(self, val_data):
-        """This rank's share of ``val_data`` (see ``shard_in_order``), made once per data object: a loader with
-        persistent workers keeps them from one validation to the next."""
-        if self._val is None or self._val[0] is not val_data:
-            self._val = val_data, shard_in_order(val_data, self.rank, self.world)
-        return self._val[1]
+    def shard_val(self, val_data, means: bool = True):
+        """This rank's share of ``val_data`` (see ``shard_in_order``; ``means``: for metrics, not ``predict``),
+        made once per data object: a loader with persistent workers keeps them from one validation to the next."""
+        if self._val is None or self._val[0] is not val_data or self._val[1] != means:
+            self._val = val_data, means, shard_in_order(val_data, self.rank, self.world, means)
+        return self._val[2]
 
     def forward(self, batch):
         """The Trainer's forward under DDP. Only this object holds the wrapper, so that ``close`` ends it:
@@ -540,20 +540,23 @@ def shard(data, rank: int, world: int, seed: int):
         seed=seed, drop_last=loader.drop_last))
 
 
-def shard_in_order(data, rank: int, world: int):
+def shard_in_order(data, rank: int, world: int, means: bool = True):
     """This rank's part of ``val_data``: samples ``rank``, ``rank + world``, ... in order.
 
     Nothing is padded: ``DistributedSampler`` repeats samples so that every rank gets as many, and
     a validation would count those twice. So shares differ by one sample, and ranks may validate
     different numbers of batches (validation communicates once, at its end). A loader's own
     ``DistributedSampler`` is replaced for the same reason. With fewer samples than ranks, every rank
-    validates them all. A loader with ``drop_last`` leaves out the samples one process leaves out (those of
-    its last incomplete batch), and no rank drops more. Anything else as ``shard`` does: a ``shard(rank,
-    world)`` method, or the data as it is, with a warning; each rank then validates what it is given, and
-    since validation adds up every rank's sums and counts, the metrics are still the mean over samples.
+    validates them all (``means``: its sums and counts are added up, the mean is the same), and for
+    ``predict`` (not ``means``) the ranks past the last sample get none. A loader with ``drop_last`` leaves
+    out the samples one process leaves out (those of its last incomplete batch), and no rank drops more.
+    Anything else as ``shard`` does: a ``shard(rank, world)`` method, or the data as it is, with a warning;
+    each rank then validates what it is given, and since validation adds up every rank's sums and counts,
+    the metrics are still the mean over samples.
     """
-    if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and len(data.dataset) < world:
-        return data  # a share of nothing would leave a rank without a batch
+    if means and isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and \
+            len(data.dataset) < world:
+        return data  # a share of nothing would leave a rank without a batch to add up
 
     def in_order(loader: DataLoader) -> _InOrder:
         size = len(loader.dataset)

@@ -134,7 +134,7 @@ class Evaluator:
         done = 0
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
-            for batch in self.dist.shard_val(data) if self.dist is not None else data:
+            for batch in self.dist.shard_val(data, kind is not PREDICT) if self.dist is not None else data:
                 with autocast(self.precision, self.device):
                     out = step_fn(self.move(batch))
                 collect(batch, out)

@@ -92,9 +92,6 @@ def test_test_before_the_first_fit_evaluates_rank_zeros_weights_on_every_rank(ra
     assert rank0["tested"]["test_loss"] == pytest.approx(single["tested"]["test_loss"], rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="shard_in_order gives every rank the whole data when it has fewer samples than "
-                   "ranks (distributed.py), which keeps a validation's mean right but makes predict() return the "
-                   "sample on every rank")
 def test_predict_over_fewer_samples_than_ranks_returns_each_sample_once(ranks):
     """docs/trainer.md: under torchrun each rank returns the predictions of its own share (every world-th sample from
     its rank on); nothing is gathered. Rank 1's share of one sample is none; gathered, the ranks' predictions hold
