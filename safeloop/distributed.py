@@ -434,6 +434,13 @@ class Distributed:
         """Without find_unused_parameters, DDP all-reduces a parameter's bucket only once every
         parameter in it has a gradient: one left without leaves the bucket unsynced."""
         unused = [name for name, p in self.trained if p.grad is None]
+        frozen = [name for name, p in self.trained if not p.requires_grad]
+        if frozen:
+            raise DistributedError(
+                f"step {step}: {len(frozen)} model parameter(s) were frozen after fit() began (the first: {frozen[0]}; "
+                "in on_fit_start, say): DistributedDataParallel was built over the parameters that required grad "
+                "when fit() started, and waits for their gradients. The step was abandoned before the optimizer "
+                "step. Under torchrun freeze them before calling fit()")
         if unused:
             raise DistributedError(
                 f"step {step}: {len(unused)} model parameter(s) got no gradient on rank {self.rank} (the first: "
