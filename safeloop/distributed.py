@@ -383,6 +383,18 @@ class Distributed:
     def _launch(self, bucket: _Bucket) -> None:
         # A parameter without a gradient sends zeros plus a 0 in the presence vector, so that it
         # stays None (skipped by the optimizer) only when no rank produced a gradient for it.
+        odd = next((p.grad for p in bucket.params if p.grad is not None and (p.grad.is_sparse or p.grad.requires_grad)),
+                   None)
+        if odd is not None:
+            raise DistributedError(
+                f"step {self.step}: " + ("a sparse gradient (nn.Embedding(sparse=True))" if odd.is_sparse else
+                                         "a gradient with a graph (backward(create_graph=True), for an optimizer that "
+                                         "differentiates it: AdaHessian)") +
+                " cannot go through safeloop's all-reduce (manual mode, several optimizers, grad_accum, backward "
+                "hooks): not supported under torchrun. " + ("Use a dense embedding, or the usual run (automatic "
+                                                            "mode, one optimizer, no accumulation), where "
+                                                            "DistributedDataParallel averages it" if odd.is_sparse
+                                                            else "It trains in one process"))
         parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params]
         parts.append(torch.tensor([p.grad is not None for p in bucket.params], dtype=parts[0].dtype,
                                   device=parts[0].device))
