@@ -488,11 +488,16 @@ class Distributed:
         the group's threads alive past the caller's destroy_process_group (see ``forward``). In a group
         the caller made, the reducer's hooks stay for a later fit(). In one the Trainer made, they go
         too and the group stays until exit, unless the fit failed: then the group ends, and with it the
-        other ranks' wait in their next all-reduce."""
+        other ranks' wait in their next all-reduce. A fit that did not fail ends together on every rank."""
         if self._quieted is not None:
             log.setLevel(self._quieted)
             self._quieted = None
         self.ddp = None
+        if not failed:  # every rank returns once rank zero's last save and pruning are done: checkpointer.best agrees
+            try:
+                dist.barrier()
+            except RuntimeError as err:
+                raise self._lost(err, "wait for the other ranks at the end of fit()") from err
         if not self.owned:
             return
         for handle in self._hooks:

@@ -195,9 +195,6 @@ def test_batch_norm_statistics_through_ddp_are_rank_zeros_and_validated_as_such(
     assert rank0["val_history"][-1][1]["val_loss"] == pytest.approx(validated_alone(rank0), rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="Checkpoints.best lists the directory on each rank, and a rank other than zero "
-                   "returns from its save at once (checkpoint/directory.py): read right after fit() it names the "
-                   "checkpoint that was best before rank zero's last save, which that save's pruning deleted")
 def test_every_rank_names_the_same_best_checkpoint_after_fit(ranks):
     """docs/checkpoints.md: "trainer.checkpointer.best is its path". A script that tests the best model after
     fit() on every rank (trainer.test after loading it) needs every rank to name the same, existing file."""
