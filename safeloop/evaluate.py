@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from .checkpoint import rng_state, set_rng_state
+from .checkpoint import epoch_start, rng_state, set_generators, set_rng_state
 from .devices import autocast, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
@@ -127,11 +127,12 @@ class Evaluator:
             self.dist.align(self.model)
         for root in roots:
             root.eval()
-        rng = rng_state() if self.fitting else None
+        # the global generators, and the data's own (one torch.Generator may order both train_data and val_data)
+        rng = {**epoch_start(data), **rng_state()} if self.fitting else None
         # a step taking a gradient by backward() (an attack's input gradient) leaves the training's gradients as it
         # found them: the next update is the training's alone
         grads = [(p, p.grad, p.grad._version if p.grad is not None else 0) for root in roots for p in root.parameters()]
-        done = 0
+        done, given = 0, data
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data, kind is not PREDICT) if self.dist is not None else data:
@@ -152,6 +153,7 @@ class Evaluator:
                 module.training = training
             if rng is not None:
                 set_rng_state(rng)
+                set_generators(given, rng)
             for param, grad, _ in grads:
                 param.grad = grad
         if any(grad is not None and grad._version != version for _, grad, version in grads):

@@ -464,12 +464,6 @@ def shared_generator_run(directory, max_steps, validate=True, resume=None):
     return trainer
 
 
-SHARED = ("validation restores the global torch, Python and NumPy generators (evaluate.py), not the generators of "
-          "val_data's loader: when it is train_data's too, the validation at step 4 moves it, and the next pass's "
-          "order with it")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SHARED)
 def test_with_one_generator_for_both_loaders_a_run_with_val_data_trains_as_the_run_without(tmp_path):
     """docs/trainer.md, Validation: 'a run with val_data trains exactly as the same run without it: the same data
     order, the same dropout masks'."""
@@ -480,9 +474,7 @@ def test_with_one_generator_for_both_loaders_a_run_with_val_data_trains_as_the_r
 
 @pytest.mark.parametrize("stop", [
     3,
-    pytest.param(5, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        SHARED + "; the checkpoint at step 5 keeps the pass's first state, so the resumed run never redoes that "
-                 "draw, and its second pass goes in another order than the run that never stopped"))),
+    5,
     7,
 ], ids=["before_a_validation", "after_a_validation_in_the_same_pass", "in_the_next_pass"])
 def test_with_one_generator_for_both_loaders_resumed(tmp_path, stop):
