@@ -62,12 +62,20 @@ class Schedules:
         # each optimizer's hyperparameters as configure_optimizers made them (its schedulers built), which schedules
         # change later: what a resumed run compares its own with, to tell a setting changed for it
         self.configured = dict(configured or {})
+        self.used: dict[str, list[float]] = {}  # the rates of the last update a per-step scheduler has moved on since
         self.mark()
 
     def after_update(self, name: str, step: int) -> None:
         schedule = self.schedules.get(name)
         if schedule is not None and schedule.every_step:
+            self.used[name] = [float(g["lr"]) for g in schedule.scheduler.optimizer.param_groups]
             self._step(name, step)
+
+    def rates(self, optimizers: Mapping[str, torch.optim.Optimizer], but: Mapping | tuple = ()) -> dict[str, float]:
+        """``learning_rates`` as the last update used them (what a log point shows with that step's losses), but
+        those of names in ``but`` (a value ``self.log`` gave under the same name)."""
+        used, self.used = self.used, {}
+        return {k: v for k, v in learning_rates(optimizers, used).items() if k not in but}
 
     def after_epoch(self, step: int) -> None:
         for name, schedule in self.schedules.items():
@@ -290,13 +298,14 @@ def for_each(given: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> dic
     return {name: given(opt) for name, opt in optimizers.items()}
 
 
-def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, float]:
-    """Each optimizer's learning rate, named ``lr`` (one optimizer) or ``lr_<name>``; with several
-    parameter groups, one per group (``lr_<name>_<i>``)."""
+def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer],
+                   used: Mapping[str, list[float]] | None = None) -> dict[str, float]:
+    """Each optimizer's learning rate (``used``: its groups' as given), named ``lr`` (one optimizer) or
+    ``lr_<name>``; with several parameter groups, one per group (``lr_<name>_<i>``)."""
     out = {}
     for name, opt in optimizers.items():
         base = "lr" if len(optimizers) == 1 else f"lr_{name}"
-        groups = opt.param_groups
-        for i, group in enumerate(groups):
-            out[base if len(groups) == 1 else f"{base}_{i}"] = float(group["lr"])
+        rates = (used or {}).get(name) or [float(group["lr"]) for group in opt.param_groups]
+        for i, rate in enumerate(rates):
+            out[base if len(rates) == 1 else f"{base}_{i}"] = rate
     return out

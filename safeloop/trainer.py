@@ -265,7 +265,7 @@ class Trainer:
         if step % s.log_every == 0 or end:
             metrics = self.state.metrics(self.logged)  # empties self.logged
             self.progress.update(step, metrics)
-            self.log_metrics({**metrics, **schedules.learning_rates(self.optimizers)})
+            self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, but=metrics)})
         validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
         if validated:
             self.schedules.after_validation(self.validate(), step)

@@ -39,11 +39,12 @@ def test_a_scheduler_steps_after_every_update_or_once_an_epoch_and_its_rate_is_l
                       scheduler=halving(interval), max_epochs=3, log_every=1, device="cpu", progress=False,
                       run_dir=tmp_path, checkpoint=False)
     trainer.fit()
-    lrs = logged(tmp_path)["lr"]  # 4 batches an epoch; logged after each step, with the losses
+    lrs = logged(tmp_path)["lr"]  # 4 batches an epoch; logged after each step, with its losses: the rate it used
     if interval == "epoch":
         assert lrs == [1.0] * 4 + [0.5] * 4 + [0.25] * 4
     else:
-        assert lrs == pytest.approx([0.5 ** k for k in range(1, 13)], rel=1e-5)  # written with 6 digits
+        assert lrs == pytest.approx([0.5 ** k for k in range(12)], rel=1e-5)  # written with 6 digits
+    assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == (0.125 if interval == "epoch" else 0.5 ** 12)
 
 
 def test_reduce_on_plateau_steps_on_the_named_validation_metric_in_lightnings_dict_form(tmp_path):

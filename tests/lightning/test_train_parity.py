@@ -426,8 +426,6 @@ class PortLogsLr(Port):
         return super().training_step(batch)
 
 
-@pytest.mark.xfail(strict=True, reason="the Trainer's own 'lr' (the rate after the update's scheduler step) replaces "
-                                       "the value self.log('lr', ...) gave: each log point writes the next step's rate")
 def test_a_learning_rate_logged_as_lr_is_the_value_logged():
     """``log_every_n_steps=1`` / ``log_every=1``, 4 steps of a warm-up 0.0125, 0.025, 0.0375, 0.05: Lightning's logger
     gets those; safeloop's gets 0.025, 0.0375, 0.05, 0.0625 under the user's name. The training is the same."""
