@@ -169,12 +169,14 @@ def read(schedulers: Mapping[str, Any], optimizers: Mapping[str, Any], validates
             problems.append(f"{where}: there is no optimizer {name!r}; choose from {sorted(optimizers)}")
             continue
         given = dict(value) if isinstance(value, Mapping) else {"scheduler": value}
+        if given.get("frequency") == 1:  # Lightning's default, kept by many configs: every interval
+            del given["frequency"]
         unknown = [key for key in given if key not in KEYS]
         if unknown or "scheduler" not in given:
             problems.append(f"{where} is a dict with keys {sorted(given)}: give 'scheduler' and optionally "
                             f"'interval' ({' or '.join(INTERVALS)}) and 'monitor' (a validation metric)"
-                            + ("; Lightning's 'frequency' is not supported: step it yourself in a hook, leaving it "
-                               "out of the Trainer's schedulers" if "frequency" in unknown else ""))
+                            + ("; Lightning's 'frequency' other than 1 is not supported: step it yourself in a hook, "
+                               "leaving it out of the Trainer's schedulers" if "frequency" in unknown else ""))
             continue
         # Lightning's dict steps once per epoch unless it says otherwise; a scheduler given alone, after every update
         schedule = Schedule(given["scheduler"], given.get("interval") or ("epoch" if isinstance(value, Mapping)

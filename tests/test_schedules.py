@@ -65,6 +65,26 @@ def test_reduce_on_plateau_steps_on_the_named_validation_metric_in_lightnings_di
     assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == 0.25
 
 
+def test_lightnings_frequency_1_is_taken_and_another_frequency_refused_saying_what_to_do():
+    """``"frequency": 1`` is Lightning's default, which lightning-hydra-template's configure_optimizers writes out."""
+    def run(frequency):
+        class Dict(Trainer):
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                           "interval": "step", "frequency": frequency}}
+
+        trainer = Dict(model=MLP(8, 16, 1, 2), train_data=data(), max_steps=3, device="cpu", progress=False,
+                       loggers=())
+        trainer.fit()
+        return trainer.optimizers["optimizer"].param_groups[0]["lr"]
+
+    assert run(1) == 0.125
+    with pytest.raises(ConfigError, match=re.escape("Lightning's 'frequency' other than 1 is not supported: step it "
+                                                    "yourself in a hook")):
+        run(2)
+
+
 def test_each_optimizers_rate_is_logged_by_name(tmp_path):
     class TwoOptimizers(Trainer):
         def configure_optimizers(self):
