@@ -16,9 +16,11 @@ What these cases showed, each fixed:
   it: each save names it (``ConfigWarning``), as it names a module kept there.
 """
 import itertools
+import random
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,14 +33,19 @@ from .harness import assert_same, batches, bn_classifier, fixed, labelled
 
 def straight_and_resumed(tmp_path, make_model, trainer, data, steps, stop, **kwargs):
     """The port run to ``steps``, and run to ``stop`` then resumed to ``steps`` by a new Trainer; each run starts
-    as in a fresh process: the model built from the seed, the RNGs seeded."""
+    as in a fresh process: the model built from the seed, the RNGs seeded. Persistent DataLoader workers are shut
+    down after each run."""
     def run(directory, max_steps, resume=None):
         torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
         model = make_model()
         torch.manual_seed(1)
         t = trainer(model=model, train_data=data(model), max_steps=max_steps, device="cpu", progress=False,
                     loggers=(), checkpoint={"dir": str(tmp_path / directory)}, resume=resume, **kwargs)
         t.fit()
+        if getattr(t.train_data, "_iterator", None) is not None:  # persistent workers
+            t.train_data._iterator._shutdown_workers()
         return t
     straight = run("straight", steps)
     run("stopped", stop)

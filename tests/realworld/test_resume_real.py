@@ -41,32 +41,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from safeloop import Callback, CheckpointError, ConfigWarning, EarlyStopping, SafeloopError, Trainer
+from safeloop import Callback, ConfigWarning, EarlyStopping, SafeloopError, Trainer
 
+from . import test_resume_ports as ports
 from .harness import assert_same, bn_classifier, fixed, labelled
 
 
 def straight_and_resumed(tmp_path, make_model, make_data, steps, stop, trainer=Trainer, **kwargs):
-    """The port run to ``steps``, and run to ``stop`` then resumed to ``steps`` by a new Trainer, each run started
-    as in a fresh process (the model and the data built from their seeds, the RNGs seeded). The stopped Trainer's
-    persistent DataLoader workers, which hold the checkpoint directory's lock, are shut down after each run."""
-    def run(directory, max_steps, resume=None):
-        torch.manual_seed(0)
-        random.seed(0)
-        np.random.seed(0)
-        model = make_model()
-        torch.manual_seed(1)
-        t = trainer(model=model, train_data=make_data(), max_steps=max_steps, device="cpu", progress=False,
-                    loggers=(), checkpoint={"dir": str(tmp_path / directory)}, resume=resume, **kwargs)
-        t.fit()
-        if getattr(t.train_data, "_iterator", None) is not None:  # persistent workers
-            t.train_data._iterator._shutdown_workers()
-        return t
-    straight = run("straight", steps)
-    run("stopped", stop)
-    resumed = run("stopped", steps, resume="auto")
-    assert resumed.state.step == steps
-    return straight, resumed
+    """``test_resume_ports.straight_and_resumed`` with data made without the model."""
+    return ports.straight_and_resumed(tmp_path, make_model, trainer, lambda model: make_data(), steps, stop, **kwargs)
 
 
 # -- pytorch/examples, time_sequence_prediction: L-BFGS ------------------------------------------------------------
