@@ -7,8 +7,8 @@ same global batches.
 - ``masked_nan``: a loss that is the mean over a mask, empty on rank 1's batch at step 2 only (a batch without
   positives): the loss is NaN there, its gradient finite (zeros). ``on_nonfinite=skip`` promises that every rank
   skips the same step.
-- ``masked_manual_gan``: the same in tests/ddp_cases.py's manual-mode GAN (its own launch: the ranks' collective
-  calls part).
+- ``masked_manual_gan``: the same in tests/ddp_cases.py's manual-mode GAN, where a rank skipping alone would leave
+  ``training_step`` while the other goes on into the next optimizer's all-reduce.
 - ``fp16_nan``: ``precision="16"`` (a GradScaler on the CPU) with ``on_nonfinite=skip``, a NaN loss on rank 1
   only at step 2: the GradScaler's scale and the parameters must stay the same on every rank.
 - ``NAME-straight`` / ``NAME-resumed`` (``RESUMED``): the same steps run straight, and stopped at a checkpoint then
