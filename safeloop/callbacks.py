@@ -136,8 +136,9 @@ def replaced(obj: object, base: type) -> list[str]:
 def lightning_names(obj: object, base: type) -> list[str]:
     """A problem for each of Lightning's names (``LIGHTNING_NAMES``) that ``obj`` defines (on its class or itself)
     and ``base`` does not, and for each step method of ``base`` that ``obj`` gives Lightning's ``batch_idx``."""
+    defined = set(dir(obj))  # (not hasattr: a Trainer's __getattr__ words a message for each name it misses)
     problems = [f"{type(obj).__name__}.{name} is Lightning's name, which safeloop never calls: {advice}"
-                for name, advice in LIGHTNING_NAMES.items() if hasattr(obj, name) and not hasattr(base, name)]
+                for name, advice in LIGHTNING_NAMES.items() if name in defined and not hasattr(base, name)]
     for name in ("training_step", "validation_step", "test_step", "predict_step"):
         try:
             needed = [p for p in inspect.signature(getattr(obj, name)).parameters.values()
@@ -153,13 +154,11 @@ def lightning_names(obj: object, base: type) -> list[str]:
     return problems
 
 
-def hook_signatures(obj: object, base: type) -> list[str]:
-    """A problem for each hook ``obj`` overrides that cannot take the arguments ``base``'s takes (a port that kept
-    Lightning's ``on_after_backward(self)`` or ``on_before_optimizer_step(self, optimizer)``, say)."""
+def hook_signatures(obj: object, base: type, names: list[str]) -> list[str]:
+    """A problem for each hook of ``names`` (those ``obj`` overrides) that cannot take the arguments ``base``'s takes
+    (a port that kept Lightning's ``on_after_backward(self)`` or ``on_before_optimizer_step(self, optimizer)``)."""
     problems = []
-    for name in HOOKS:
-        if not is_overridden(name, obj, base):
-            continue
+    for name in names:
         args = list(inspect.signature(getattr(base, name)).parameters)[1:]
         try:
             inspect.signature(getattr(obj, name)).bind(*args)
@@ -202,15 +201,18 @@ class Hooks:
 
     def bind(self, callbacks: list[Callback]) -> None:
         trainer = self.trainer
+        own = [name for name in HOOKS if is_overridden(name, trainer, self.base)]
+        theirs = [(cb, [name for name in HOOKS if is_overridden(name, cb, Callback)]) for cb in callbacks]
         problems = replaced(trainer, self.base) + lightning_names(trainer, self.base)
-        problems += hook_signatures(trainer, self.base)
-        problems += [p for cb in callbacks for p in lightning_names(cb, Callback) + hook_signatures(cb, Callback)]
+        problems += hook_signatures(trainer, self.base, own)
+        problems += [p for cb, names in theirs for p in lightning_names(cb, Callback) + hook_signatures(cb, Callback,
+                                                                                                         names)]
         if problems:
             raise ConfigError(problems)
-        self.bound = {name: [getattr(trainer, name)] if is_overridden(name, trainer, self.base) else []
-                      for name in HOOKS}
-        for name, fns in self.bound.items():
-            fns += [partial(getattr(cb, name), trainer) for cb in callbacks if is_overridden(name, cb, Callback)]
+        self.bound = {name: [getattr(trainer, name)] if name in own else [] for name in HOOKS}
+        for cb, names in theirs:  # each hook's in the callbacks' order
+            for name in names:
+                self.bound[name].append(partial(getattr(cb, name), trainer))
 
     def __call__(self, name: str, *args) -> None:
         if self.bound is None:
