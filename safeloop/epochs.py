@@ -132,12 +132,21 @@ class TrainData:
 
     def state_dict(self) -> dict:
         return {"epoch_start": self.epoch_rng,
-                "iterable": self.data.state_dict() if ckpt.stateful(self.data) else None}
+                "iterable": self.data.state_dict() if ckpt.stateful(self.data) else None,
+                "seeds": [sampler.seed for sampler in _seeded(self.data)]}
 
     def load_state_dict(self, saved: dict) -> None:
         self.left = None  # the data goes on from the checkpoint's position, not from the last fit's
         ckpt.load_data(self.data, saved["iterable"])
         self.epoch_rng = saved["epoch_start"]
+        for sampler, seed in zip(_seeded(self.data), saved.get("seeds", [])):  # (none in older checkpoints)
+            sampler.seed = seed
+
+
+def _seeded(data) -> list:
+    """The samplers of ``data`` that shuffle from a seed of their own (a DistributedSampler's, under torchrun the
+    first run's process seed): a resumed process, seeded otherwise, must read the same order."""
+    return [sampler for sampler in epoch_samplers(data) if isinstance(getattr(sampler, "seed", None), int)]
 
 
 def _length(data) -> int | None:

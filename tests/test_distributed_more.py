@@ -133,9 +133,6 @@ def test_a_shuffled_run_resumed_in_a_process_seeded_as_the_first_reads_the_same_
         assert same(straight["params"], resumed["params"])
 
 
-@pytest.mark.xfail(strict=True, reason="the DistributedSampler's shuffling seed is torch.initial_seed() of the process "
-                   "that resumes (distributed.py Distributed.share), not saved in the checkpoint: a resumed pass "
-                   "reads another order")
 def test_a_shuffled_run_resumed_in_a_process_seeded_otherwise_reads_the_same_batches(ranks):
     """In one process the checkpoint's random state gives the resumed pass its order back whatever the process was
     seeded with (docs/trainer.md, Seeding: "A resumed run takes the random state its checkpoint saved instead");
