@@ -180,6 +180,7 @@ class Distributed:
         self.trained: list[tuple[str, torch.Tensor]] = []  # under DDP: the parameters every step must reach
         self.buffers: list[torch.Tensor] = []
         self.shared = False  # rank zero's weights copied to every rank (``share``)
+        self.trainable: list[int] = []  # the parameters the reducer's buckets were made for, by id
         self.seed = 0  # rank zero's, at ``share``: every shard of the data shuffles with it
         self.step = 0  # the step running (set by the step itself), for error messages
         self._hooks: list = []
@@ -241,9 +242,17 @@ class Distributed:
             self._quieted = log.level
             log.setLevel(logging.WARNING)
         self.sharded = fsdp.is_sharded(model)
-        # a later fit() in a group the caller made: the reducer's hooks are in place; FSDP2 needs neither
-        if self.groups or self.sharded:
+        trainable = [id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]
+                     if p.requires_grad]
+        # a later fit() in a group the caller made: the reducer's hooks are in place, unless the parameters that
+        # require grad changed since (a layer unfrozen for this fit): then they are made again; FSDP2 needs neither
+        if (self.groups and trainable == self.trainable) or self.sharded:
             return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.groups.clear()
+        self.trainable = trainable
         if not dist.is_initialized():
             raise DistributedError(
                 "the process group ended with an earlier fit() that failed (the other ranks stopped with it): "

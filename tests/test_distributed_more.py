@@ -200,9 +200,6 @@ def test_every_rank_names_the_same_best_checkpoint_after_fit(ranks):
     assert rank1["best"] == rank0["best"] and rank1["best_exists"]
 
 
-@pytest.mark.xfail(strict=True, reason="in a process group the script made, the reducer's buckets are made at the "
-                   "first fit() and kept (distributed.py Distributed.attach returns when self.groups is set; close() "
-                   "keeps them): a parameter that requires grad from the second fit on is in no bucket, never averaged")
 def test_a_layer_unfrozen_for_a_second_fit_is_averaged_over_the_ranks(ranks):
     """docs/distributed.md: gradients are averaged over ranks, accumulation included, and a Trainer joins a process
     group the script made; docs/trainer.md names "a layer unfrozen for a later fit" as a use of a later fit(). Each
