@@ -68,7 +68,9 @@ class Schedules:
     def after_update(self, name: str, step: int) -> None:
         schedule = self.schedules.get(name)
         if schedule is not None and schedule.every_step:
-            self.used[name] = [float(g["lr"]) for g in schedule.scheduler.optimizer.param_groups]
+            optimizer = getattr(schedule.scheduler, "optimizer", None)  # (a scheduler of your own may keep none)
+            if optimizer is not None:
+                self.used[name] = [float(g["lr"]) for g in optimizer.param_groups]
             self._step(name, step)
 
     def rates(self, optimizers: Mapping[str, torch.optim.Optimizer], but: Mapping | tuple = ()) -> dict[str, float]:
