@@ -455,7 +455,7 @@ class Distributed:
         """Without find_unused_parameters, DDP all-reduces a parameter's bucket only once every
         parameter in it has a gradient: one left without leaves the bucket unsynced."""
         unused = [name for name, p in self.trained if p.grad is None]
-        frozen = [name for name, p in self.trained if not p.requires_grad]
+        frozen = [name for name, p in self.trained if not p.requires_grad] if unused else []
         if frozen:
             raise DistributedError(
                 f"step {step}: {len(frozen)} model parameter(s) were frozen after fit() began (the first: {frozen[0]}; "
