@@ -167,8 +167,8 @@ def hook_signatures(obj: object, base: type, names: list[str]) -> list[str]:
             fix = f"a function of ({given})" if name in vars(obj) else f"def {name}({', '.join(['self', *args])})"
             problems.append(f"{type(obj).__name__}.{name} takes {inspect.signature(getattr(obj, name))}, and safeloop "
                             f"calls {name}({given}): write it as {fix}")
-        except ValueError:  # no signature to read
-            pass
+        except ValueError:  # no signature to read (a builtin): nothing to check
+            continue
     return problems
 
 

@@ -268,17 +268,17 @@ def test_a_hook_that_cannot_take_safeloops_arguments_is_a_config_error_at_start_
     takes nothing: refused before the validation that precedes training, each with the signature to write."""
     class Port(Trainer):
         def on_after_backward(self):
-            pass
+            """Lightning's signature: safeloop calls on_after_backward(name)."""
 
         def on_before_optimizer_step(self, optimizer):
-            pass
+            """Lightning's signature: safeloop calls on_before_optimizer_step(name, optimizer)."""
 
-        def on_validation_end(self, metrics, *more):  # takes what safeloop gives: fine
-            pass
+        def on_validation_end(self, metrics, *more):
+            """Takes what safeloop gives: fine."""
 
     class Lightningish(Callback):
         def on_fit_start(self, trainer, pl_module):
-            pass
+            """Lightning's callback signature: safeloop calls on_fit_start(trainer)."""
 
     data = [(torch.ones(2, 2), torch.ones(2, 1))]
     trainer = Port(model=torch.nn.Linear(2, 1), train_data=data, val_data=data, max_steps=1, callbacks=[Lightningish()],
