@@ -9,6 +9,8 @@ import torch
 
 from safeloop import Callback, ConfigError, EarlyStopping, StepError, Trainer
 
+from .conftest import manual
+
 VAL_EVERY = 2
 
 
@@ -110,10 +112,11 @@ def test_a_stop_asked_for_lasts_one_fit(tmp_path):
     assert trainer.state.step == 10
 
 
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
 @pytest.mark.parametrize("hook", ["on_epoch_end", "on_epoch_start"])
 @pytest.mark.parametrize("last", [False, True], ids=["mid-run", "at-max_steps"])
 def test_a_stop_asked_at_a_passs_edge_trains_no_step_of_the_next_pass_and_the_next_fit_begins_it(tmp_path, hook,
-                                                                                                   last):
+                                                                                                   last, mode):
     """Passes of 4 batches; the hook asks to stop at the end of pass 0 (or as pass 1 begins), as Lightning's Timer
     callback does: the run ends after step 4, with its checkpoint, as Lightning's. The next fit trains pass 1 from its
     first batch. ``last``: the fit's max_steps ends it at that very step too."""
@@ -129,9 +132,10 @@ def test_a_stop_asked_at_a_passs_edge_trains_no_step_of_the_next_pass_and_the_ne
             trainer.request_stop("the time is up")
 
     data = [(torch.full((2, 2), float(i)), torch.ones(2, 1)) for i in range(4)]
-    trainer = EdgeStop(model=torch.nn.Linear(2, 1), train_data=data, max_steps=4 if last else 10, device="cpu",
-                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=(),
-                       checkpoint={"dir": str(tmp_path), "every": 100})
+    cls = manual(EdgeStop) if mode == "manual" else EdgeStop
+    trainer = cls(model=torch.nn.Linear(2, 1), train_data=data, max_steps=4 if last else 10, device="cpu",
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), progress=False, loggers=(),
+                  checkpoint={"dir": str(tmp_path), "every": 100})
     setattr(trainer, hook, lambda: ask(trainer))
     trainer.fit()
     assert (trainer.state.step, seen) == (4, [0, 1, 2, 3])
