@@ -37,30 +37,30 @@ class TrainData:
         self.epoch_rng: dict | None = None  # the RNG states the current pass's order was drawn from
         self.shard: Callable[[Iterable], Iterable] | None = None
         self._sharded: Iterable | None = None  # the data this rank's share was made as
-        # where the last fit() stopped: (its step iterator, the steps under it, grad_accum, data, step): the next
-        # goes on from there
+        # where the last fit() stopped: (its step iterator, grad_accum, data, step): the next goes on from there
         self.left: tuple | None = None
         self._steps: Iterator | None = None  # the current fit's ``steps`` (its pass ends too: see ``keep``)
 
-    def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator[list]:
-        """The steps of a fit: the last fit's iterator where it stopped (so that nothing is read again) when
-        ``data`` and ``grad_accum`` are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
+    def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator:
+        """The steps of a fit (``steps``: each step's micro-batches, and ``PASS_END`` after each pass's end): the
+        last fit's iterator where it stopped (so that nothing is read again) when ``data`` and ``grad_accum`` are as
+        then and no checkpoint was loaded since; ``steps`` anew otherwise."""
         left, self.left = self.left, None
-        if left is not None and left[2] == settings.grad_accum and left[3:] == (self.data, self.state.step):
-            self._steps = left[1]
-            return left[0]
-        self._steps = self.steps(settings, hooks, schedules, stop)
-        return (group for group in self._steps if group is not PASS_END)
+        if left is not None and left[1] == settings.grad_accum and left[2:] == (self.data, self.state.step):
+            self._steps = left[0]
+        else:
+            self._steps = self.steps(settings, hooks, schedules, stop)
+        return self._steps
 
-    def keep(self, batches: Iterator[list], grad_accum: int) -> None:
-        """A fit stopped after this step: the next one goes on with ``batches``, its iterator, from here. A pass
-        whose last batch the step took (data whose length is known) ends now, as Lightning ends it: its epoch
-        schedulers step and ``on_epoch_end`` runs, before the end of ``fit`` validates and saves."""
+    def keep(self, grad_accum: int) -> None:
+        """A fit stopped after this step: the next one goes on with its iterator from here. A pass whose last
+        batch the step took (data whose length is known) ends now, as Lightning ends it: its epoch schedulers step
+        and ``on_epoch_end`` runs, before the end of ``fit`` validates and saves."""
         length = _length(self.data)
         if length is not None and self.state.batch_in_epoch >= length:
             if next(self._steps, None) is None:  # on_epoch_end asked to stop: the next fit begins the next pass
                 return
-        self.left = batches, self._steps, grad_accum, self.data, self.state.step
+        self.left = self._steps, grad_accum, self.data, self.state.step
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator[list]:
         """Each step's micro-batches (``settings.grad_accum`` of them, as it is when each pass begins, after

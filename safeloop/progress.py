@@ -47,8 +47,11 @@ def outputs_line(run_dir, checkpointer, logs: bool) -> str:
     return "writing " + "; ".join(p for p in parts if p)
 
 
-def say_once(line: str, said: str | None) -> str:
-    """Log ``line`` unless it is what was ``said`` last (a run trained in several fit() calls); returns it."""
+def say_outputs(run_dir, checkpointer, logs: bool, said: str | None) -> str:
+    """Log where a fit writes (``outputs_line``), with ``show_logs``, unless it is what was ``said`` last (a run
+    trained in several fit() calls); returns the line."""
+    show_logs()
+    line = outputs_line(run_dir, checkpointer, logs)
     if line != said:
         log.info(line)
     return line

@@ -292,11 +292,21 @@ def plain_problems(value: Any, where: str) -> list[str]:
             "tuples and dicts of them); give a plain value (a name, a number) or leave it out"]
 
 
-def manual_problems(own_validation: bool, val_data: Any, settings: Settings) -> list[str]:
-    """What a manual-mode Trainer (``automatic = False``) cannot do with these arguments
-    (``own_validation``: it overrides ``validation_step``)."""
+def model_problem(cls: type, base: type) -> str | None:
+    """``model`` is None: the problem if ``cls`` keeps ``base``'s ``training_step`` or ``configure_optimizers``,
+    which use it."""
+    defaults = [m for m in ("training_step", "configure_optimizers") if getattr(cls, m) is vars(base)[m]]
+    return f"model is None, and the default {' and '.join(defaults)} use self.model: pass model=..., or override " \
+        "them" if defaults else None
+
+
+def manual_problems(cls: type, base: type, val_data: Any, settings: Settings) -> list[str]:
+    """What a Trainer class ``cls`` in manual mode (``automatic = False``) cannot do with these arguments (the
+    default validation_step is ``base``'s)."""
     out = []
-    if val_data is not None and not own_validation:
+    if cls.automatic:
+        return out
+    if val_data is not None and cls.validation_step is base.validation_step:
         out.append("val_data is given, and in manual mode (automatic = False) the default validation_step "
                    "cannot re-run training_step (it calls self.backward and self.step): override "
                    "validation_step(batch) to return the validation loss(es), or drop val_data")

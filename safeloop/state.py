@@ -34,6 +34,9 @@ class TrainState:
     def reached(self, max_steps: int | None) -> bool:
         return max_steps is not None and self.step >= max_steps
 
+    def where(self) -> str:
+        return f"step {self.step}, epoch {self.epoch}, {self.batch_in_epoch} batches into it"
+
     def floats(self) -> dict[str, float]:
         """The last losses as Python floats (a device sync on CUDA)."""
         return {name: float(value) for name, value in self.losses.items()}

@@ -18,11 +18,11 @@ from .evaluate import TEST, Evaluator
 from .guard import GraphGuard, Guard, for_trainer
 from .guard.explain import Scope
 from .loggers import make_loggers
-from .progress import Progress, outputs_line, say_once, show_logs
+from .progress import Progress, say_outputs
 from .seed import seed_everything
-from .settings import Settings, argument_problems, attach, manual_problems, mistyped, read
+from .settings import Settings, argument_problems, attach, manual_problems, mistyped, model_problem, read
 from .state import TrainState
-from .epochs import TrainData
+from .epochs import PASS_END, TrainData
 from .step import Runner, StepConfig, Undo
 
 log = logging.getLogger("safeloop")
@@ -40,22 +40,18 @@ class Trainer:
                 return F.cross_entropy(self.model(x), y)        # or {"name": loss, ...}
 
     Every step (``safeloop.step``): the last update's ``zero_grad(set_to_none=True)`` -> batch to device ->
-    ``training_step`` (under autocast) -> guard pre-flight (the loss's graph is checked before any ``.grad``
-    changes) -> backward(s) -> clip -> optimizer step(s) -> scheduler. If anything raises, the step is
-    abandoned: parameters and optimizer state are as they were before it, and the error names the step.
-    After each step: logging, validation, checkpoint, stop (``_after_step``).
-
-    Several losses (a dict) are back-propagated in order with ``retain_graph`` set only where a later loss shares
-    the graph (``multi_loss="sum"`` back-propagates their sum). If ``configure_optimizers`` returns
-    ``{name: optimizer}``, each loss key names the optimizer whose parameters receive its gradient.
-    ``automatic = False``: ``training_step`` calls ``self.backward(loss, optimizer=name)`` and ``self.step(name)``.
+    ``training_step`` (under autocast) -> guard pre-flight (before any ``.grad`` changes) -> backward(s) -> clip ->
+    optimizer step(s) -> scheduler. A step that raises is abandoned: parameters and optimizer state are as they were,
+    and the error names the step. After each step: logging, validation, checkpoint, stop (``_after_step``).
+    Several losses (a dict) are back-propagated in order, ``retain_graph`` set only where a later one shares the
+    graph; with ``{name: optimizer}``, each loss key names its optimizer. ``automatic = False``: ``training_step``
+    calls ``self.backward(loss, optimizer=name)`` and ``self.step(name)``.
 
     Hooks, in firing order (override them here, on the instance, or in ``callbacks``): ``on_fit_start``; per step
     ``on_step_start``, per loss ``on_before_backward`` and ``on_after_backward``, per optimizer
     ``on_before_optimizer_step``, then ``on_step_end``; ``on_epoch_start`` / ``on_epoch_end`` around each pass over
-    ``train_data`` (once per pass, also across a resume); ``on_validation_end``; ``on_fit_end``.
-    ``on_load_checkpoint`` when resuming (before ``on_fit_start``), ``on_save_checkpoint`` at each save: put what you
-    need saved into ``checkpoint`` under a key of your own, as tensors and plain containers.
+    ``train_data``; ``on_validation_end``; ``on_fit_end``. ``on_load_checkpoint`` when resuming (before
+    ``on_fit_start``), ``on_save_checkpoint`` at each save (put yours in under a key of your own).
 
     Args:
         model: the ``nn.Module`` to train (moved to ``device``).
@@ -65,16 +61,15 @@ class Trainer:
         loss_fn: used by the default ``training_step`` (default: mean squared error).
         scheduler: a callable taking an optimizer (a ``_partial_`` LR scheduler), or
             ``{"scheduler": callable, "interval": "epoch", "monitor": "val_loss"}`` (``safeloop.schedules``).
-        guard: the guard's settings (``{"check": "always"}``: ``safeloop.settings.GuardSettings``), or a
-            ``GraphGuard``, whose guard this Trainer then drives.
+        guard: its settings (``{"check": "always"}``: ``safeloop.settings.GuardSettings``), or a ``GraphGuard``.
         callbacks: ``Callback`` objects.
         run_dir: where metrics, checkpoints (unless ``checkpoint`` names a ``dir``) and graph pictures go.
         checkpoint: ``{"every": N, "keep": 3, "dir": path}`` (``safeloop.settings.CheckpointSettings``), or
             ``False``: no checkpoints (neither are there without a ``dir`` and a ``run_dir``).
         config: the resolved run config (plain containers), stored in checkpoints.
-        **settings: ``max_steps``, ``max_epochs``, ``grad_accum``, ``precision``, ``device``...: the fields
-            of ``safeloop.settings.Settings`` (the ``trainer`` config group), each documented there with its
-            default. Kept in ``self.settings``; each is an attribute too (``trainer.max_steps = 500``).
+        **settings: ``max_steps``, ``max_epochs``, ``grad_accum``, ``precision``, ``device``...: the fields of
+            ``safeloop.settings.Settings`` (the ``trainer`` config group), each documented there with its default.
+            Kept in ``self.settings``; each is an attribute too (``trainer.max_steps = 500``).
     """
 
     automatic: bool = True  # False: training_step calls self.backward / self.step itself
@@ -87,12 +82,9 @@ class Trainer:
                  config: Mapping[str, Any] | None = None, **settings: Any):
         self.settings, found = read(Settings, settings, "Trainer", suggest=True)
         problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config) + found
-        if not self.automatic:
-            problems += manual_problems(type(self).validation_step is not Trainer.validation_step, val_data,
-                                        self.settings)
-        given = dict(train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn,
-                     scheduler=scheduler, guard=guard, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint,
-                     config=config)
+        problems += manual_problems(type(self), Trainer, val_data, self.settings)
+        given = dict(train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn, guard=guard,
+                     scheduler=scheduler, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint, config=config)
         problems += mistyped(Trainer, {k: v for k, v in given.items() if v is not None})
         self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
         problems += found
@@ -115,6 +107,7 @@ class Trainer:
         self.loggers: list = []  # made at each setup (rank zero's)
         self.schedules, self.scaler = schedules.Schedules(), None  # the schedulers and when each steps; a GradScaler
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
+        self._save_now, self._save_asked = True, False  # save_checkpoint() in a step's hooks: after what follows it
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
         self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
@@ -210,11 +203,11 @@ class Trainer:
                 seed_everything(self.settings.seed)
             self.setup()
             if zero:
-                show_logs()
-                self._said = say_once(outputs_line(self.run_dir, self.checkpointer, bool(self.loggers)), self._said)
-            let_go = ckpt.take(self.run_dir, self.checkpointer)  # this run's: a second run writing there is refused
-            if self.settings.resume is not None and self.state.step == 0:  # a later fit goes on from this one
-                self._resume()
+                self._said = say_outputs(self.run_dir, self.checkpointer, bool(self.loggers), self._said)
+            resume = self.settings.resume if self.state.step == 0 else None  # a later fit goes on from this one
+            let_go = ckpt.take(self.run_dir, self.checkpointer, self.state.step == 0 and resume is None)
+            if resume is not None:
+                self._resume(resume)
             with self.guard.context(), slurm.stop_signals(self._stop, self.state, self.settings), runmodes.during_fit(
                     self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:
                 self._hooks("on_fit_start")
@@ -233,7 +226,7 @@ class Trainer:
             failed = True
             raise
         finally:
-            self._fitting = self.ending = False
+            self._fitting, self.ending, self._save_asked, self._save_now = False, False, False, True
             if let_go is not None:
                 let_go()
             self.progress.close()
@@ -250,10 +243,16 @@ class Trainer:
         self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
         batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
         for group in batches:
+            if group is PASS_END:  # on_epoch_end ran: the save it asked for; the next on_epoch_start's is not delayed
+                if self._save_asked:
+                    self._save()
+                self._save_now = True
+                continue
+            self._save_now = False  # from here to the pass's end, a hook's save waits for what follows the step
             self._runner.run(group)
             step_done()  # the profiler's step
             if self._after_step():
-                self._data.keep(batches, self.settings.grad_accum)  # the next fit goes on from here
+                self._data.keep(self.settings.grad_accum)  # the next fit goes on from here
                 return
 
     def _after_step(self) -> bool:
@@ -270,8 +269,8 @@ class Trainer:
         if validated:
             self.schedules.after_validation(self.validate(), step)
         stop = self._stop.agreed(step, self.dist)
-        if stop or (self.checkpointer is not None and not end and self.checkpointer.due(step, validated)):
-            self.save_checkpoint()
+        if stop or (not end and (self._save_asked or self.checkpointer and self.checkpointer.due(step, validated))):
+            self._save()
         return stop or self.state.reached(self.settings.max_steps)
 
     def _finish(self) -> None:
@@ -283,8 +282,9 @@ class Trainer:
         self.ending = True  # that validation is not one of training's (EarlyStopping does not count it)
         if validated:
             self.validate()  # before the final checkpoint, so that it holds the last metrics
-        if self.checkpointer is not None and self.checkpointer.due_at_end(self.state.step, validated):
-            self.save_checkpoint()
+        self._save_now = True
+        if self._save_asked or self.checkpointer and self.checkpointer.due_at_end(self.state.step, validated):
+            self._save()
         if self.stop_signal is None:
             self._hooks("on_fit_end")
             if self.loggers:  # there are none without a run directory
@@ -344,22 +344,28 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        """Save a checkpoint now (the Trainer does at every ``checkpoint.every`` steps and at the end)."""
+        """Save a checkpoint now, as the Trainer does every ``checkpoint.every`` steps; from a step's hooks, once
+        its validation, schedulers and pass end are done, so that a resume goes on as the run did. Returns the file."""
+        if self._save_now or self.checkpointer is None:
+            return self._save()
+        self._save_asked = True
+        return self.checkpointer.path(self.state.step)
+
+    def _save(self) -> Path | None:
+        self._save_asked = False
         return self.checkpointer.save(self.state.step, self.state_dict()) if self.checkpointer is not None else None
 
-    def _resume(self) -> None:
+    def _resume(self, resume: str | Path) -> None:
         """Load the checkpoint ``resume`` names."""
-        resume = self.settings.resume
-        if (found := (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)) is None:
+        found = (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)
+        if found is None:
             return
-        path, data = found
-        self.load_state_dict(data, path)
+        self.load_state_dict(found[1], found[0])
         if self.checkpointer is not None:
-            self.checkpointer.resumed(path, data)
+            self.checkpointer.resumed(*found)
         for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
             logger.resume(self.state.step)
-        log.info("resumed from %s: step %d, epoch %d, %d batches into it%s", path, self.state.step, self.state.epoch,
-                 self.state.batch_in_epoch,
+        log.info("resumed from %s: %s%s", found[0], self.state.where(),
                  "; max_steps is reached: nothing to train" if self.state.reached(self.settings.max_steps) else "")
 
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -374,42 +380,35 @@ class Trainer:
     def state_dict(self) -> dict:
         """What a checkpoint holds (``safeloop.checkpoint.collect``) and ``on_save_checkpoint`` adds. Needs ``setup()``
         first (``fit()`` calls it); under torchrun in manual mode every rank calls it (the Trainer's saves do)."""
-        self._need_setup("state_dict")
-        checkpoint = ckpt.collect(self._parts(), self.config)
+        checkpoint = ckpt.collect(self._parts("state_dict"), self.config)
         ours = set(checkpoint)
         self._hooks("on_save_checkpoint", checkpoint)
-        for key in checkpoint.keys() - ours:
-            ckpt.check_plain(checkpoint[key], f"checkpoint[{key!r}]")
+        ckpt.check_added(checkpoint, ours)
         ckpt.warn_unsaved(ckpt.attributes(self), checkpoint, self._kept)
         return checkpoint
 
     def load_state_dict(self, checkpoint: Mapping, path: str | Path | None = None) -> None:
         """Load what ``state_dict()`` saved (``path``: its file, for errors and shards), then ``on_load_checkpoint``;
         the RNG states are set as ``fit()`` starts its next step. Needs ``setup()`` first (``fit()`` calls it)."""
-        self._need_setup("load_state_dict")
-        ckpt.restore(self._parts(), checkpoint, path, self.dist)
+        ckpt.restore(self._parts("load_state_dict"), checkpoint, path, self.dist)
         self._loaded_rng = checkpoint["rng"]
         self._hooks("on_load_checkpoint", checkpoint)
         self.schedules.mark()  # loaded: where the schedulers stand now is the Trainer's doing
 
-    def _parts(self) -> ckpt.Parts:
+    def _parts(self, method: str) -> ckpt.Parts:
+        if not self.optimizers:
+            raise SafeloopError(f"Trainer.{method}() needs the optimizers: call trainer.setup() first (fit() does)")
         modules, named = ckpt.with_outside(self.modules(), self._named_parameters(), self.optimizers)
         return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
                           None if self.automatic else self.dist, bool(self.checkpointer and self.checkpointer.sharded),
                           self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured)
 
-    def _need_setup(self, method: str) -> None:
-        if not self.optimizers:
-            raise SafeloopError(f"Trainer.{method}() needs the optimizers: call trainer.setup() first (fit() does)")
-
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
         """Place the model; build optimizers, schedulers and the undo once; hooks, loggers and the step
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
-        defaults = [m for m in ("training_step", "configure_optimizers") if getattr(type(self), m) is vars(Trainer)[m]]
-        if self.model is None and defaults:
-            raise ConfigError(f"model is None, and the default {' and '.join(defaults)} use self.model: pass "
-                              "model=..., or override them")
+        if self.model is None and (problem := model_problem(type(self), Trainer)):
+            raise ConfigError(problem)
         if self.model is not None:
             place(self.model, self.device, self.precision)
         if self.dist is not None and not self.optimizers:  # strategy=fsdp: sharded before the optimizers are made
@@ -443,8 +442,9 @@ class Trainer:
             previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []
 
-    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(f"{m}.{n}", p) for m, module in self.modules().items() for n, p in module.named_parameters()]
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:  # read first at set-up, in every fit
+        named = ckpt.read_modules(self.modules).items()
+        return [(f"{m}.{n}", p) for m, module in named for n, p in module.named_parameters()]
 
 
 attach(Trainer, made=("device", "precision", "loggers"))

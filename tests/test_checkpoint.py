@@ -689,7 +689,9 @@ def test_an_attribute_set_at_a_pass_start_missing_after_a_resume_mid_pass_is_exp
             "resume mid-pass): on_epoch_start ran when the pass began, before the checkpoint, and not again; if it "
             "sets `scale`, save it in on_save_checkpoint and put it back in on_load_checkpoint")):
         make(8, resume="auto").fit()
-    make(4).fit()  # a new run of one whole pass: its checkpoint of step 4, now the newest, is at the pass's end
+    for old in tmp_path.glob("step-*.pt"):  # a new run from scratch, in the same directory
+        old.unlink()
+    make(4).fit()  # one whole pass: its checkpoint of step 4 is at the pass's end
     assert make(8, resume="auto").fit().step == 8  # resumed there, the next pass starts: on_epoch_start runs
 
 

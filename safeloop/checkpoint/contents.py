@@ -15,7 +15,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from .. import fsdp
-from ..errors import CheckpointError, ConfigWarning, user_stacklevel
+from ..errors import CheckpointError, ConfigError, ConfigWarning, user_stacklevel
 from ..state import TrainState
 from . import position
 from .files import FORMAT, check_payload, gradient_sets, named
@@ -43,6 +43,16 @@ class Parts:
 
 
 OUTSIDE = "outside_modules"  # the module name under which the parameters trained outside Trainer.modules() are saved
+
+
+def read_modules(modules: Callable[[], dict[str, torch.nn.Module]]) -> dict[str, torch.nn.Module]:
+    """``Trainer.modules()``: an attribute it reads that is not there yet is explained."""
+    try:
+        return modules()
+    except AttributeError as err:
+        raise ConfigError(
+            f"Trainer.modules() raised AttributeError: {err}. It is read before on_fit_start (as fit() sets up, and "
+            "to load a checkpoint with resume=): make the modules it returns in __init__, not in on_fit_start") from err
 
 
 def with_outside(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],
@@ -503,19 +513,21 @@ def _kind(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
-def check_plain(value: Any, where: str) -> None:
-    """Raise unless ``value`` is tensors and plain containers, which ``torch.load(weights_only=True)`` reads:
-    a checkpoint that cannot be loaded would be found out only when resuming."""
-    found = unplain(value, where)
-    if found is not None:
-        raise CheckpointError(
-            f"on_save_checkpoint put a {_kind(found[1])} at {found[0]}: a checkpoint holds only tensors, numbers, "
-            "strings, and lists, tuples and dicts of them, so that it loads with torch.load(weights_only=True). "
-            "Store its state_dict() or its values instead")
+def check_added(checkpoint: dict, ours: set[str]) -> None:
+    """Raise unless what ``on_save_checkpoint`` added (the keys not in ``ours``) is tensors and plain containers,
+    which ``torch.load(weights_only=True)`` reads: a checkpoint that cannot be loaded would be found out only when
+    resuming."""
+    for key in checkpoint.keys() - ours:
+        found = unplain(checkpoint[key], f"checkpoint[{key!r}]")
+        if found is not None:
+            raise CheckpointError(
+                f"on_save_checkpoint put a {_kind(found[1])} at {found[0]}: a checkpoint holds only tensors, "
+                "numbers, strings, and lists, tuples and dicts of them, so that it loads with "
+                "torch.load(weights_only=True). Store its state_dict() or its values instead")
 
 
 def check_schedulers_plain(states: dict) -> None:
-    """Raise unless every scheduler's state is tensors and plain containers (``check_plain``): otherwise each
+    """Raise unless every scheduler's state is tensors and plain containers (``check_added``): otherwise each
     checkpoint would be written, and none could be read back."""
     for name, state in states.items():
         found = unplain(state, f"scheduler {name!r}'s state_dict()")

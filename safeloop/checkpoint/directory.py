@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -170,8 +171,36 @@ class Checkpointer:
         """The run resumed from ``path`` (``checkpoint``, loaded): the newest checkpoint it has; and the directory
         is pruned to ``keep`` (a run killed between a save and its pruning left more)."""
         self.last = path
+        self.set_aside(checkpoint["step"])
         self.score(checkpoint)
         self.prune()
+
+    def from_scratch(self) -> None:
+        """A run from scratch saves here: checkpoints already here are another run's, which pruning would keep over
+        its own (of lower steps) and ``resume=auto`` would take: a ``CheckpointError``. Rank zero only."""
+        if is_rank_zero() and (saved := self.saved()):
+            raise CheckpointError(
+                f"checkpoint directory {self.dir} holds the checkpoints of another run ({saved[0].name} to "
+                f"{saved[-1].name}), and this run starts from scratch: pruning would delete its own as older than "
+                "those, and resume=auto would go on from theirs. To go on from them, set resume=auto; to start "
+                "again, give this run another checkpoint.dir, or move them away", self.dir)
+
+    def set_aside(self, step: int) -> None:
+        """Resumed at ``step`` (a restart from an earlier checkpoint, the best say): the checkpoints of later steps
+        here are of the run that went on from there. Moved to ``superseded-<time>/`` (nothing is deleted), so that
+        pruning and ``resume=auto`` take this run's; damaged ones stay (see ``prune``). Rank zero only."""
+        later = [p for p in self.saved() if int(_NAME.fullmatch(p.name).group(1)) > step and p not in self.damaged]
+        if not later or not is_rank_zero():
+            return
+        aside = self.dir / time.strftime("superseded-%Y%m%d-%H%M%S")
+        aside.mkdir(exist_ok=True)
+        for path in later:
+            for part in (path, path.with_suffix(".shards")):
+                if part.exists():
+                    os.replace(part, aside / part.name)
+        log.warning("resumed at step %d: the later checkpoints in %s (%s) are of a run that went on from there; moved "
+                    "to %s, so that pruning and resume=auto take this run's", step, self.dir,
+                    ", ".join(p.name for p in later), aside)
 
     def prune(self) -> None:
         """Delete the checkpoints older than the newest ``keep`` that are not known to be damaged (after each save,

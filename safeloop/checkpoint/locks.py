@@ -85,14 +85,19 @@ def release(held: int | None) -> None:
         os.close(held)
 
 
-def take(run_dir: Path | None, checkpointer: Checkpointer | None) -> Callable[[], None]:
+def take(run_dir: Path | None, checkpointer: Checkpointer | None, from_scratch: bool) -> Callable[[], None]:
     """Before anything is trained: take the run directory and the checkpoint directory for this run (a second
-    run writing there is refused); returns what lets them go at the end of ``fit``."""
+    run writing there is refused; a run ``from_scratch`` is refused one holding checkpoints: see
+    ``Checkpointer.from_scratch``); returns what lets them go at the end of ``fit``."""
     held = lock_run_dir(run_dir, checkpointer)
     try:
         if checkpointer is not None:
             checkpointer.open()
+            if from_scratch:
+                checkpointer.from_scratch()
     except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
         release(held)
         raise
 

@@ -2,38 +2,20 @@
 against the same port run straight through: every parameter and buffer bit for bit, as docs/checkpoints.md promises
 ("A run resumed at step N is bit-identical to one that never stopped").
 
-Cases that fail today are strict xfails naming the cause:
+Each case began as a problem found on such code; the fixed ones are plain tests now (L-BFGS and Adafactor states,
+DataLoader workers and the directory's lock, the validation a fit ends with and EarlyStopping, an EMA kept by a
+callback, one generator for both loaders, resume on a Trainer fitted twice, a restart from an older checkpoint of
+the directory, ``save_checkpoint()`` from hooks, a module made in ``on_fit_start``). Cases that fail today are strict
+xfails naming the cause:
 
-- an optimizer whose per-parameter state is not shaped as its parameter (L-BFGS keeps flat vectors under its first
-  parameter; Adafactor factored row and column moments) is refused on resume, as if the parameters were in another
-  order (``check_optimizers`` compares each saved state's shape with its parameter's);
 - random generators kept by the dataset (MONAI's ``Randomizable`` transforms) or by a batch sampler are neither saved
   nor put back: a run resumed after its first pass draws other augmentations or another order, without a word;
 - ``persistent_workers=True`` (timm's ``create_loader`` default): the workers' random state after a pass is in no
-  checkpoint, so a resumed run's workers draw other augmentations;
-- DataLoader workers forked during a fit inherit the checkpoint directory's lock, and outlive the fit (the Trainer
-  keeps the iterator for the next): a second ``fit()`` of the same Trainer is refused, naming its own process as
-  "another run";
-- the validation at the end of a run ended by ``max_steps`` or ``request_stop`` (a time limit) counts for
-  ``EarlyStopping`` and is in the final checkpoint: resumed, the run stops where the run that never stopped trains on;
-- an EMA module kept by a callback, changed during the fit and held by no checkpoint, is not named (one kept on the
-  Trainer is);
-- a module made in ``on_fit_start`` and returned from ``modules()``: the resume stops with the port's bare
-  ``AttributeError``, nothing saying that ``modules()`` is loaded before ``on_fit_start``;
-- one ``torch.Generator`` given to the training and the validation loader (PyTorch's reproducibility notes):
-  validation moves it, so a run with ``val_data`` trains otherwise than one without, and a run resumed after a
-  mid-pass validation goes on in another order;
-- ``resume`` is applied at every ``fit()`` of a Trainer: its second fit goes back to the checkpoint (a path: its
-  first fit's steps are trained again) and what was set between the fits on the optimizer is lost;
-- a run restarted from an older checkpoint of its directory (the best): its own checkpoints rank below the first
-  run's newer ones, so ``resume=auto`` goes back to the abandoned run, and with a ``monitor`` they are deleted as
-  soon as written;
-- ``self.save_checkpoint()`` from ``on_epoch_end`` (a save every epoch, as imagenet/main.py saves) or from
-  ``on_validation_end`` (nanoGPT's save after an evaluation): resumed from it, the epoch schedulers step twice for
-  that pass, or the plateau and EarlyStopping never see that validation.
+  checkpoint, so a resumed run's workers draw other augmentations.
 """
 import copy
 import random
+import re
 
 import numpy as np
 import pytest
@@ -42,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from safeloop import Callback, ConfigWarning, EarlyStopping, SafeloopError, Trainer
+from safeloop.errors import CheckpointError, ConfigError
 
 from . import test_resume_ports as ports
 from .harness import assert_same, bn_classifier, fixed, labelled
@@ -410,18 +393,18 @@ class EmaMadeAtFitStart(Trainer):
                 ema_v.lerp_(model_v, 0.1)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "the first run trains and saves; the resume stops with the port's own AttributeError ('no attribute ema') from "
-    "modules(), with nothing saying that a resumed run loads modules() before on_fit_start (docs/trainer.md says so "
-    "only in its Lightning table), as the error for an attribute set in on_epoch_start does"))
-def test_a_module_made_in_on_fit_start_and_returned_from_modules_is_explained_on_resume(tmp_path):
-    def run(max_steps, resume=None):
-        torch.manual_seed(0)
-        EmaMadeAtFitStart(model=mlp(), train_data=regression(), optimizer=sgd, max_steps=max_steps, device="cpu",
-                          progress=False, loggers=(), checkpoint={"dir": str(tmp_path)}, resume=resume).fit()
-    run(2)
-    with pytest.raises(SafeloopError, match="on_fit_start"):
-        run(4, resume="auto")
+def test_a_module_made_in_on_fit_start_and_returned_from_modules_is_explained(tmp_path):
+    """``modules()`` is read as ``fit()`` sets up, and a resume loads the checkpoint into it, both before
+    ``on_fit_start``: the port's AttributeError is explained, at the first fit, before anything is trained."""
+    model = mlp()
+    before = copy.deepcopy(model)
+    with pytest.raises(ConfigError, match=re.escape(
+            "Trainer.modules() raised AttributeError: 'EmaMadeAtFitStart' object has no attribute 'ema'. It is read "
+            "before on_fit_start (as fit() sets up, and to load a checkpoint with resume=): make the modules it "
+            "returns in __init__, not in on_fit_start")):
+        EmaMadeAtFitStart(model=model, train_data=regression(), optimizer=sgd, max_steps=2, device="cpu",
+                          progress=False, loggers=(), checkpoint={"dir": str(tmp_path)}).fit()
+    assert_same(model, before)
 
 
 # -- one generator for the training and the validation loader --------------------------------------------------------
@@ -508,10 +491,6 @@ def in_one_directory(directory, max_steps, best, resume=None):
 
 
 @pytest.mark.parametrize("best", [False, True], ids=["newest_kept", "best_kept"])
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "checkpoints are ranked by their step: the restarted run's own (step 7) is older than the first run's step 9, "
-    "so resume=auto takes the first run's step 9 over it, and where the best is kept beside the newest, pruning "
-    "deletes the restarted run's checkpoint as soon as it is written; without a word"))
 def test_a_run_restarted_from_an_older_checkpoint_in_its_directory_resumes_from_its_own(tmp_path, best):
     """docs/checkpoints.md: 'To start from it [the best], give resume= that file', and ``resume=auto`` after a crash
     (the same ``checkpoint.dir``). A first run to step 9; a new run from its step 6 (the best, where ranked) stopped
@@ -520,7 +499,18 @@ def test_a_run_restarted_from_an_older_checkpoint_in_its_directory_resumes_from_
     assert (tmp_path / "step-000000006.pt").exists()
     in_one_directory(tmp_path, 7, best, resume=str(tmp_path / "step-000000006.pt"))
     assert (tmp_path / "step-000000007.pt").exists(), sorted(p.name for p in tmp_path.glob("step-*.pt"))
+    assert [p.name for p in tmp_path.glob("superseded-*/step-*.pt")] == ["step-000000009.pt"]  # kept, set aside
     assert in_one_directory(tmp_path, 7, best, resume="auto").state.step == 7
+
+
+def test_a_run_from_scratch_in_a_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
+    """The same command run again without ``resume=auto`` (after a crash, a SLURM requeue): its checkpoints, of lower
+    steps than the first run's, would be pruned as soon as written, and ``resume=auto`` would take the first run's."""
+    in_one_directory(tmp_path, 9, False)
+    with pytest.raises(CheckpointError, match=r"holds the checkpoints of another run \(step-000000006.pt to "
+                       r"step-000000009.pt\), and this run starts from scratch.*To go on from them, set resume=auto"):
+        in_one_directory(tmp_path, 4, False)
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-000000006.pt", "step-000000009.pt"]
 
 
 # -- checkpoints saved from a hook: every epoch, at the best validation -------------------------------------------
@@ -557,6 +547,10 @@ class EverySavePort(Trainer):
         if self.save_in == "on_validation_end" and self.state.step:
             self.save_checkpoint()
 
+    def on_step_end(self, losses):
+        if self.save_in == "on_step_end" and self.state.step % 4 == 0:
+            assert self.save_checkpoint() == self.checkpointer.path(self.state.step)  # written after the validation
+
 
 def saved_from_a_hook(directory, save_in, schedule, crash=None, resume=None):
     """4 batches a pass, to step 20; validation every 4 steps (``HOOK_VAL_LOSS``); a StepLR once a pass, a plateau on
@@ -583,13 +577,9 @@ def saved_from_a_hook(directory, save_in, schedule, crash=None, resume=None):
     ("on_epoch_end", "step_lr", 11),
     ("on_validation_end", "plateau", 11),
     ("on_validation_end", "early_stopping", 11),
-], ids=["imagenet_every_epoch_step_lr", "nanogpt_at_validation_plateau", "nanogpt_at_validation_early_stopping"])
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a checkpoint saved by a hook holds the state midway through what follows a step, and the resume does not take "
-    "it up there: saved in on_epoch_end (after the epoch schedulers stepped, before the pass is over), the resumed "
-    "run ends that pass again, stepping StepLR a second time; saved in on_validation_end, before the monitored "
-    "scheduler steps and before the callbacks' on_validation_end, the resumed run never takes that validation into "
-    "the plateau nor EarlyStopping"))
+    ("on_step_end", "plateau", 11),
+], ids=["imagenet_every_epoch_step_lr", "nanogpt_at_validation_plateau", "nanogpt_at_validation_early_stopping",
+        "every_4_steps_before_that_step_validates"])
 def test_a_checkpoint_saved_from_a_hook_resumes_as_the_run_that_never_stopped(tmp_path, save_in, schedule, crash):
     straight = saved_from_a_hook(tmp_path / "straight", save_in, schedule)
     with pytest.raises(Exception, match="node failure"):
