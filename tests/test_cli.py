@@ -211,10 +211,10 @@ def test_the_entry_point_returns_the_monitored_metric_as_a_float_for_a_sweeper()
     assert logged[-1]["step"] == "6" and value == pytest.approx(float(logged[-1]["value"]), rel=1e-5)
     with pytest.raises(ConfigError, match=re.escape("the run monitors 'val_acc', which validation does not report: it "
                                                     "reports val_loss; give monitor=<one of those>")):
-        task(compose([*small, "monitor=val_acc"]))  # at the validation before training: nothing trained
+        task(compose([*small, "monitor=val_acc", "+run_dir=acc"]))  # at the validation before training
     with pytest.raises(ConfigError, match=re.escape("the run monitors 'los', which validation does not report: it "
                                                     "reports loss, val_loss")):
-        task(compose([*small, "monitor=los"]))  # a training loss's name is only known once the run has one
+        task(compose([*small, "monitor=los", "+run_dir=los"]))  # a training loss's name is known once there is one
     # a run that did not validate: its final training loss (their sum, for several losses)
     state = TrainState(losses={"g": torch.tensor(1.5), "d": torch.tensor(0.25)})
     assert Result.of(state, "val_loss") == 1.75 and Result.of(state, "d") == 0.25  # or the loss it names
