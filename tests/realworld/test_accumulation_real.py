@@ -652,7 +652,9 @@ class HFTrainerPort(Trainer):
     the loop's running sums of it, logged at the end of training."""
 
     def configure_optimizers(self):
-        optimizer, scheduler = hf_optimizer(self.model)
+        # docs/trainer.md's stand-in for Lightning's estimated_stepping_batches
+        updates = self.max_epochs * math.ceil(len(self.train_data) / self.grad_accum)
+        optimizer, scheduler = hf_optimizer(self.model, min(updates, self.max_steps or updates))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self):
@@ -771,13 +773,15 @@ def latents(n=DF_BATCHES):
     return [torch.randn(DF_BSZ, 4, generator=gen) for _ in range(n)]
 
 
-def diffusers_hand(unet, train_dataloader, gradient_accumulation_steps=DF_GA, max_grad_norm=1.0):
+def diffusers_hand(unet, train_dataloader, gradient_accumulation_steps=DF_GA, max_grad_norm=1.0,
+                   max_train_steps=None):
     """``main``'s loop, ``accelerator.accumulate(unet)`` written out for one process: every loss divided by
     ``gradient_accumulation_steps`` (``accelerator.backward``); the optimizer, the scheduler and ``zero_grad`` act on
     the micro-batch that ends a group of that many or the pass (``sync_gradients``); ``train_loss`` logged then."""
     noise_scheduler = DDPMScheduler()
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / gradient_accumulation_steps)
-    max_train_steps = DF_EPOCHS * num_update_steps_per_epoch
+    if max_train_steps is None:
+        max_train_steps = DF_EPOCHS * num_update_steps_per_epoch
     optimizer, lr_scheduler = diffusers_optimizer(unet, max_train_steps)
     num_train_epochs = math.ceil(max_train_steps / num_update_steps_per_epoch)
     global_step = 0
@@ -814,7 +818,7 @@ def diffusers_hand(unet, train_dataloader, gradient_accumulation_steps=DF_GA, ma
 
 class TextToImage(Trainer):
     def configure_optimizers(self):
-        optimizer, scheduler = diffusers_optimizer(self.model)
+        optimizer, scheduler = diffusers_optimizer(self.model, self.max_steps)
         self.noise_scheduler = DDPMScheduler()
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -825,11 +829,13 @@ class TextToImage(Trainer):
         return F.mse_loss(self.model(noisy_latents, timesteps).float(), noise.float(), reduction="mean")
 
 
+@pytest.mark.parametrize("max_train_steps", [None, 4], ids=["from_the_epochs", "mid_pass"])
 @pytest.mark.parametrize("check", checks())
-def test_diffusers_text_to_image_under_accelerate_accumulation(check):
-    """huggingface/diffusers, examples/text_to_image/train_text_to_image.py."""
-    compare(TinyDenoiser, diffusers_hand, TextToImage, fixed(latents()), check, steps=DF_STEPS, grad_accum=DF_GA,
-            grad_clip=1.0)
+def test_diffusers_text_to_image_under_accelerate_accumulation(check, max_train_steps):
+    """huggingface/diffusers, examples/text_to_image/train_text_to_image.py; ``--max_train_steps 4`` makes
+    ``num_train_epochs`` 2 and stops at its ``break`` after the second pass's first 4 micro-batches."""
+    compare(TinyDenoiser, lambda unet, data: diffusers_hand(unet, data, max_train_steps=max_train_steps),
+            TextToImage, fixed(latents()), check, steps=max_train_steps or DF_STEPS, grad_accum=DF_GA, grad_clip=1.0)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
