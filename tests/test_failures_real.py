@@ -88,7 +88,8 @@ def no_gradients(t: Trainer) -> bool:
 
 # -- out of memory: caught, and the fit tried again --------------------------------------------------------------
 class OutOfMemoryAt(Trainer):
-    """``torch.OutOfMemoryError`` from the forward of micro-batch ``micro`` (1-based) of step ``step``."""
+    """``oom = (step, micro)``: ``torch.OutOfMemoryError`` from the forward of micro-batch ``micro`` (from 1) of
+    step ``step``."""
 
     oom: tuple[int, int] | None = None
 
@@ -307,7 +308,7 @@ def test_a_fit_called_again_after_fixing_a_scheduler_config_error_as_it_says_tra
 @pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
     "the GradScaler is made once, with the optimizers, at the first setup(); after precision is set to 32 the next "
     "fit() still holds it, and the Runner refuses the closure again, saying 'precision=16's GradScaler' under "
-    "precision 32 (between two good fits, the scaler goes on scaling the losses and skipping updates under 32)"))
+    "precision 32 (between two good fits, it goes on scaling the losses and judging the gradients under 32)"))
 def test_a_fit_called_again_with_the_precision_the_closure_error_asks_for_trains_without_a_grad_scaler():
     """docs/trainer.md: L-BFGS under ``precision="16"`` is refused, "use precision=bf16 or 32"; a setting is an
     attribute a later ``fit()`` reads. The user of a PINN loop sets ``trainer.precision = "32"`` and fits again:
@@ -344,10 +345,10 @@ def scaled_trainer(*callbacks, **settings) -> Trainer:
 
 @pytest.mark.parametrize("hook", ["on_before_backward", "on_after_backward", "on_before_optimizer_step"])
 def test_a_callback_raising_in_a_step_hook_after_scaler_scale_leaves_everything_as_it_was(hook):
-    """A Lightning callback ported to safeloop's hooks (Lightning's ``GradientAccumulationScheduler``,
-    ``LearningRateMonitor``, a gradient-norm logger in ``on_before_optimizer_step``) raising mid-step, under
-    ``precision=16``: the loss is already ``scaler.scale``d (and unscaled, in ``on_before_optimizer_step``).
-    Parameters, Adam's state, the schedule, the GradScaler and the counters must be as before the step."""
+    """Lightning's documented ``on_before_optimizer_step`` (``self.log_dict(grad_norm(self.layer, norm_type=2))``)
+    and loss hooks ported to a callback, raising mid-step under ``precision=16``: the loss is already
+    ``scaler.scale``d (and the gradients unscaled, in ``on_before_optimizer_step``). Parameters, Adam's state, the
+    schedule, the GradScaler and the counters must be as before the step."""
     cb = raising(hook, at=3)
     t = scaled_trainer(cb, max_steps=2)
     t.fit()
@@ -751,6 +752,40 @@ def test_validation_failing_mid_fit_names_it_gives_back_train_mode_and_leaves_tr
     assert differences(never_failed.model.state_dict(), t.model.state_dict()) == []
     assert differences(never_failed.optimizers["optimizer"].state_dict(),
                        t.optimizers["optimizer"].state_dict()) == []
+
+
+class ValidationEndFails(Trainer):
+    """``on_validation_end`` raises once, at the validation after step ``fail_at``."""
+
+    fail_at: int | None = None
+
+    def on_validation_end(self, metrics):
+        if self.state.step == self.fail_at:
+            self.fail_at = None
+            raise KeyError("val_acc")
+
+
+def test_on_validation_end_failing_mid_fit_leaves_train_mode_and_the_random_streams_for_the_fit_tried_again():
+    """Lightning's ``on_validation_epoch_end`` ported as ``on_validation_end(metrics)`` (docs/trainer.md), reading
+    a metric the pass did not log: the user's own error comes out; the model is back in train mode and training's
+    random streams are as the validation found them, so the fit tried again (dropout) trains as the run that never
+    failed."""
+    def make():
+        torch.manual_seed(0)
+        return ValidationEndFails(WithDropout(), batches(), lambda p: torch.optim.Adam(p, lr=0.01),
+                                  val_data=batches(2), val_every=3, max_steps=8, **QUIET)
+
+    t = make()
+    t.fail_at = 3
+    with pytest.raises(KeyError, match="val_acc"):
+        t.fit()
+    assert t.model.training and t.state.step == 3
+    assert [step for step, _ in t.state.val_history] == [0, 3]
+    t.fit()
+    never_failed = make()
+    never_failed.fit()
+    assert differences(never_failed.model.state_dict(), t.model.state_dict()) == []
+    assert [step for step, _ in t.state.val_history] == [step for step, _ in never_failed.state.val_history]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
