@@ -325,6 +325,39 @@ def test_a_fit_called_again_with_the_precision_the_closure_error_asks_for_trains
     assert differences(everything(made_so), everything(t)) == []
 
 
+class OneCycleTooShort(Trainer):
+    """OneCycleLR stepped every update, its ``total_steps`` (4) fewer than the run's steps: its fifth ``step()``
+    raises "Tried to step 5 times. The specified number of total steps is 4" after the optimizer's update."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.model.parameters(), lr=0.1)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "Trainer.setup makes the Undo (with settings.undo's mode) once, with the optimizers, at the first fit(); "
+    "trainer.undo = 'full' set afterwards changes the setting only, so the next failure of the same kind is again "
+    "left not undone, with the same advice to set trainer.undo=full"))
+def test_undo_full_set_as_the_error_advises_undoes_the_next_failure_of_the_last_update():
+    """vLAR-group/GrowSP#11: OneCycleLR's "Tried to step 60002 times. The specified number of total steps is 60000",
+    raised by the scheduler after the last update of a step. safeloop's error says the update "is not undone; set
+    trainer.undo=full to make such failures undoable"; the user does (``trainer.undo = "full"``) and calls
+    ``fit()`` again, where the same step fails again: it must now be undone."""
+    t = OneCycleTooShort(mlp(), batches(), max_steps=6, **QUIET)
+    with pytest.raises(StepError, match=re.escape("step 5 failed and was abandoned (optimizer 'optimizer' had "
+                                                  "already updated its parameters or begun to, and is not undone; "
+                                                  "set trainer.undo=full to make such failures undoable): "
+                                                  "ValueError: Tried to step 5 times")):
+        t.fit()
+    t.undo = "full"
+    before = everything(t)
+    with pytest.raises(StepError, match=re.escape("step 5 failed and was abandoned (parameters and optimizer state "
+                                                  "are unchanged): ValueError: Tried to step")):
+        t.fit()
+    assert differences(before, everything(t)) == []
+
+
 # -- a callback raising at each hook -------------------------------------------------------------------------------
 def raising(hook: str, at: int) -> Callback:
     """A callback that overrides ``hook`` alone (safeloop calls only the hooks a callback overrides) and raises
