@@ -3,7 +3,8 @@
 Each case follows a public loop or a situation users meet: an out-of-memory error caught and the fit tried
 again (fairseq's trainer, accelerate's ``find_executable_batch_size``), a callback raising at each hook, the
 second optimizer of a GAN failing, a closure failing inside ``torch.optim.LBFGS``, Ctrl-C in a notebook, a
-checkpoint the system refuses to write, a hook failing as a resumed run loads its checkpoint. After the failure,
+checkpoint the system refuses to write, a hook failing as a resumed run loads its checkpoint, an error fixed the
+way its message says before ``fit()`` is called again. After the failure,
 parameters, optimizer state, schedulers, the GradScaler and the counters are compared bit for bit with a deep
 copy taken before it, and a fit tried again with a run that never failed, where the documentation promises it.
 
