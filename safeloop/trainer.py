@@ -105,7 +105,8 @@ class Trainer(TrainerHooks):
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.logged: dict[str, torch.Tensor | float] = {}  # self.log's values, until the next log point
         self.loggers: list = []  # made at each setup (rank zero's)
-        self.schedules, self.scaler = schedules.Schedules(), None  # the schedulers and when each steps; a GradScaler
+        self.schedules = schedules.Schedules()  # the schedulers and when each steps
+        self.scaler, self._undo = None, None  # precision=16's GradScaler; what undoes a failed step's updates
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._save_now, self._save_asked = True, False  # save_checkpoint() in a step's hooks: after what follows it
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
@@ -400,12 +401,14 @@ class Trainer(TrainerHooks):
             place(self.model, self.device, self.precision)
         if self.dist is not None and not self.optimizers:  # strategy=fsdp: sharded before the optimizers are made
             self.dist.shard_model(self.model, self.settings.strategy, self.precision, self.configure_sharding)
-        if not self.optimizers:
-            self.optimizers, given = schedules.split(self.configure_optimizers())
-            schedules.check_optimizers(self.model, self.optimizers)
-            self.schedules = schedules.read({**self.configure_schedulers(self.optimizers), **given}, self.optimizers,
+        if not self.optimizers:  # kept only once they and their schedulers are accepted
+            optimizers, given = schedules.split(self.configure_optimizers())
+            schedules.check_optimizers(self.model, optimizers)
+            self.schedules = schedules.read({**self.configure_schedulers(optimizers), **given}, optimizers,
                                             self.val_data is not None, self.settings.val_every is not None)
-            self.scaler = self.configure_grad_scaler() if self.precision == "16" else None
+            self.optimizers = optimizers
+        self.scaler = (self.scaler or self.configure_grad_scaler()) if self.precision == "16" else None
+        if self._undo is None or self._undo.mode != self.settings.undo:  # (trainer.undo set between fits)
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)
         self._hooks.bind(self.callbacks)
         forward = self.training_step

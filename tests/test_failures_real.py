@@ -265,10 +265,6 @@ class SkipsOnNaN(Trainer):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Runner.check_finite sets state.skipped_in_row = 0 as soon as the step's losses and gradients are finite, "
-    "before the update; a step that fails after that (an OOM in on_before_optimizer_step) is abandoned, yet the "
-    "counter max_skipped reads stays reset: the abandoned step counts as a good one"))
 def test_a_failed_step_leaves_the_count_of_steps_skipped_in_a_row_as_it_was():
     """fairseq's ``Trainer.train_step`` skips a batch that ran out of memory and goes on; safeloop counts non-finite
     steps skipped in a row (``on_nonfinite=skip``) across fits so that a diverging run stops at ``max_skipped``.
@@ -286,10 +282,6 @@ def test_a_failed_step_leaves_the_count_of_steps_skipped_in_a_row_as_it_was():
 
 
 # -- a start-up error, fixed as it says, and fit() called again ----------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "Trainer.setup assigns self.optimizers before schedules.read refuses the scheduler; the next fit() finds "
-    "optimizers and skips the block that makes the schedules, the GradScaler and the undo: it fails with "
-    "\"'Trainer' object has no attribute '_undo'\", and would otherwise train without the scheduler"))
 def test_a_fit_called_again_after_fixing_a_scheduler_config_error_as_it_says_trains_with_the_scheduler():
     """docs/trainer.md: a plateau scheduler's monitor without ``val_every`` is an error at start-up, whose message
     says "set val_every=N"; settings are attributes "which a later fit() reads". In a notebook the user sets
@@ -306,10 +298,6 @@ def test_a_fit_called_again_after_fixing_a_scheduler_config_error_as_it_says_tra
     assert t.state.step == 6 and plateau.last_epoch == 3  # after the validations of steps 2, 4 and 6
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
-    "the GradScaler is made once, with the optimizers, at the first setup(); after precision is set to 32 the next "
-    "fit() still holds it, and the Runner refuses the closure again, saying 'precision=16's GradScaler' under "
-    "precision 32 (between two good fits, it goes on scaling the losses and judging the gradients under 32)"))
 def test_a_fit_called_again_with_the_precision_the_closure_error_asks_for_trains_without_a_grad_scaler():
     """docs/trainer.md: L-BFGS under ``precision="16"`` is refused, "use precision=bf16 or 32"; a setting is an
     attribute a later ``fit()`` reads. The user of a PINN loop sets ``trainer.precision = "32"`` and fits again:
@@ -336,10 +324,6 @@ class OneCycleTooShort(Trainer):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Trainer.setup makes the Undo (with settings.undo's mode) once, with the optimizers, at the first fit(); "
-    "trainer.undo = 'full' set afterwards changes the setting only, so the next failure of the same kind is again "
-    "left not undone, with the same advice to set trainer.undo=full"))
 def test_undo_full_set_as_the_error_advises_undoes_the_next_failure_of_the_last_update():
     """vLAR-group/GrowSP#11: OneCycleLR's "Tried to step 60002 times. The specified number of total steps is 60000",
     raised by the scheduler after the last update of a step. safeloop's error says the update "is not undone; set
@@ -416,10 +400,6 @@ def test_a_callback_raising_in_on_step_end_says_the_update_was_applied_and_leave
     assert differences(everything(three), everything(t)) == []
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "Runner.run calls on_step_start outside the try that abandons a failed step: its error comes out as the raw "
-    "ValueError, which names no step and says nothing of what was left as it was (the hook of every other place in "
-    "the step gives a StepError saying both)"))
 def test_a_callback_raising_in_on_step_start_is_named_as_a_failure_of_that_step():
     """A ported ``on_train_batch_start`` (a schedule set by hand, a timer) raising: docs/trainer.md lists
     ``on_step_start`` as the first hook of a step, and the README says an error inside a step names the step and
@@ -612,11 +592,6 @@ def lbfgs_trainer(**settings) -> LBFGSFit:
                     **{**QUIET, **settings})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "undo's Snapshot copies an optimizer's state tensors but keeps its other values by reference; LBFGS keeps its "
-    "curvature history as Python lists (old_dirs, old_stps, ro, al) and appends to and pops from them in place "
-    "(torch/optim/lbfgs.py), so the failed step's pairs stay in the restored state, while the error says "
-    "'parameters and optimizer state are unchanged'; the step tried again then takes another direction"))
 def test_a_closure_failing_inside_lbfgs_leaves_its_history_as_it_was():
     """docs/trainer.md (Closures): "The update is snapshotted whatever undo=auto learned, so a failure inside the
     closure is undone". L-BFGS as in PINN and style-transfer loops (``optimizer.step(closure)``), its third
@@ -730,10 +705,6 @@ class CtrlCAt(Trainer):
         return super().training_step(batch)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "StopRequest.signum, set by the SIGINT handler, is never cleared (stop_signals clears request.reason alone, "
-    "as a fit starts): every later fit() stops after its first step as if interrupted again, skipping its final "
-    "validation and on_fit_end, and trainer.stop_signal still names SIGINT"))
 def test_a_fit_called_again_after_ctrl_c_stopped_the_last_one_trains_to_max_steps():
     """docs/checkpoints.md: on SIGINT "the run stops cleanly". In a notebook, interrupting the kernel sends SIGINT:
     the fit finishes its step and returns; the user looks at the model, then calls ``fit()`` to go on."""

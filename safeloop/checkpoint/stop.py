@@ -49,9 +49,9 @@ def stop_signals(request: StopRequest, state: TrainState, also: tuple[int, ...] 
     """While training: SIGTERM or SIGINT sets ``request``, and the Trainer finishes its step, saves and
     stops; a second one stops at once, without saving: ``Interrupted``, whose ``code`` (128 + the
     signal: 143, 130) ``python -m safeloop`` exits with. Older checkpoints are left as they are, and a
-    save cut short leaves no file. A stop the run asked for (``request.reason``) lasts one fit: it is cleared
-    here, as a fit starts. ``also``: signals that do as SIGTERM (SLURM's SIGUSR1, ``safeloop.slurm``)."""
-    request.reason = None
+    save cut short leaves no file. A stop, asked for by a signal or by the run (``request.reason``), lasts one fit:
+    it is cleared here, as a fit starts. ``also``: signals that do as SIGTERM (SLURM's SIGUSR1, ``safeloop.slurm``)."""
+    request.signum = request.reason = None
     second: list[int] = []
 
     def handler(signum, frame):

@@ -179,16 +179,18 @@ class Runner:
         self.versions, self.began = [p._version for p in self.params], {}
         if guard.checking and not self.automatic:
             self.watch_outside()
-        self.hooks("on_step_start")
-        self.clear_applied()  # every step starts from the gradients no update applied yet (None, or accumulating)
         total: dict[str, torch.Tensor] = {}
         try:
+            self.hooks("on_step_start")
+            self.clear_applied()  # every step starts from the gradients no update applied yet (None, or accumulating)
             total = self.forward_backward(batches, step)
             if self.automatic:
                 self.unweighted.difference_update(total)
                 self.update(total, step, batches)
             elif self.scaler is not None and self.stepped:
                 self.scaler.update()
+            if self.automatic or self.stepped:  # an update made (or tried: precision 16's scaler skips it)
+                state.skipped_in_row = 0
         except SkipStep:
             self.abandon()
             total = total or self.skipped_losses
@@ -542,8 +544,7 @@ class Runner:
         finite = self.finite(losses.values(), grads)
         if self.dist is not None:  # a loss (or a shard of the gradients) is this rank's: all skip or stop together
             finite = self.dist.agree(int(not finite)) == 0
-        if finite:
-            self.state.skipped_in_row = 0
+        if finite:  # (the count of steps skipped in a row starts again once the step is done: ``run``)
             return
         what = nonfinite.describe(losses, self.config.named_parameters())
         where = f"before optimizer {name!r} stepped" if name is not None and self.routed else \

@@ -52,8 +52,9 @@ class Snapshot:
             inner.take()
         self._numbers = {k: v for k, v in vars(opt).items() if type(v) in (int, float, bool)}
         self._params = [p for g in opt.param_groups for p in g["params"]]
-        # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry
-        self._state = [(p, dict(opt.state[p])) for p in self._params if p in opt.state]
+        # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry; a list in it
+        # (L-BFGS's history) is changed in place by the update: a copy of it is kept
+        self._state = [(p, {k: _copied(v) for k, v in opt.state[p].items()}) for p in self._params if p in opt.state]
         live = locals_of(self._params + [v for _, entry in self._state for v in entry.values()
                                          if isinstance(v, torch.Tensor)])  # under FSDP2 this rank's shards
         # the copies are reused while every tensor keeps its shape and dtype (one comparison of two lists: the
@@ -85,7 +86,7 @@ class Snapshot:
                 opt.state.pop(p, None)
             values = iter(self._saved[len(params):])
             for p, entry in self._state:  # each state tensor as it was taken, with the values it had
-                opt.state[p] = {key: _put(value, next(values)) if isinstance(value, torch.Tensor) else value
+                opt.state[p] = {key: _put(value, next(values)) if isinstance(value, torch.Tensor) else _copied(value)
                                 for key, value in entry.items()}
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
@@ -94,6 +95,11 @@ class Snapshot:
                 tensor.copy_(value)
         if self._schedule is not None:
             self.scheduler.load_state_dict(self._schedule)
+
+
+def _copied(value: Any) -> Any:
+    """A list or dict of an optimizer's state as a new one (its items the same objects), anything else itself."""
+    return type(value)(value) if type(value) in (list, dict) else value
 
 
 class Undo:
