@@ -9,6 +9,7 @@ batches already consumed (``safeloop.checkpoint.fast_forward``).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -37,30 +38,37 @@ class TrainData:
         self.epoch_rng: dict | None = None  # the RNG states the current pass's order was drawn from
         self.shard: Callable[[Iterable], Iterable] | None = None
         self._sharded: Iterable | None = None  # the data this rank's share was made as
-        # where the last fit() stopped: (its step iterator, grad_accum, data, step): the next goes on from there
+        # where the last fit() stopped: (its step iterator, grad_accum, data, step, batch): the next goes on from there
         self.left: tuple | None = None
         self._steps: Iterator | None = None  # the current fit's ``steps`` (its pass ends too: see ``keep``)
+        self.schedules_stepped: int | None = None  # the last pass whose end stepped the epoch schedulers
 
     def batches(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator:
         """The steps of a fit (``steps``: each step's micro-batches, and ``PASS_END`` after each pass's end): the
-        last fit's iterator where it stopped (so that nothing is read again) when ``data`` and ``grad_accum`` are as
-        then and no checkpoint was loaded since; ``steps`` anew otherwise."""
+        last fit's iterator where it stopped (so that nothing is read again) when ``data``, ``grad_accum`` and the
+        position are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
         left, self.left = self.left, None
-        if left is not None and left[1] == settings.grad_accum and left[2:] == (self.data, self.state.step):
+        if left is not None and left[1:] == (settings.grad_accum, self.data, *self._where()):
             self._steps = left[0]
         else:
             self._steps = self.steps(settings, hooks, schedules, stop)
         return self._steps
 
-    def keep(self, grad_accum: int) -> None:
-        """A fit stopped after this step: the next one goes on with its iterator from here. A pass whose last
-        batch the step took (data whose length is known) ends now, as Lightning ends it: its epoch schedulers step
-        and ``on_epoch_end`` runs, before the end of ``fit`` validates and saves."""
+    def keep(self, grad_accum: int, failed: bool = False) -> None:
+        """A fit stopped after this step (``failed``: in it, the step abandoned): the next one goes on with its
+        iterator from here, unless an error inside it (``on_epoch_end``...) ended it. A pass whose last batch the
+        step took (data whose length is known) ends now, as Lightning ends it: its epoch schedulers step and
+        ``on_epoch_end`` runs, before the end of ``fit`` validates and saves (a failed fit: the next fit ends it)."""
+        if inspect.getgeneratorstate(self._steps) == inspect.GEN_CLOSED:
+            return
         length = _length(self.data)
-        if length is not None and self.state.batch_in_epoch >= length:
+        if not failed and length is not None and self.state.batch_in_epoch >= length:
             if next(self._steps, None) is None:  # on_epoch_end asked to stop: the next fit begins the next pass
                 return
-        self.left = self._steps, grad_accum, self.data, self.state.step
+        self.left = self._steps, grad_accum, self.data, *self._where()
+
+    def _where(self) -> tuple[int, int]:
+        return self.state.step, self.state.batch_in_epoch
 
     def steps(self, settings: Settings, hooks: Hooks, schedules: Schedules, stop: ckpt.StopRequest) -> Iterator[list]:
         """Each step's micro-batches (``settings.grad_accum`` of them, as it is when each pass begins, after
@@ -108,7 +116,9 @@ class TrainData:
                 raise ConfigError(_no_batches(data, state.epoch))
             # the pass is over (found when the next step asks for its batch): the epoch schedulers step, then the hook
             # sees the next pass's learning rate (as Lightning orders them) and state.epoch still the pass's number
-            schedules.after_epoch(state.step)
+            if self.schedules_stepped != state.epoch:  # not when on_epoch_end failed, and this fit runs it again
+                schedules.after_epoch(state.step)
+                self.schedules_stepped = state.epoch
             hooks("on_epoch_end")
             state.epoch += 1
             state.batch_in_epoch = 0
@@ -137,6 +147,7 @@ class TrainData:
 
     def load_state_dict(self, saved: dict) -> None:
         self.left = None  # the data goes on from the checkpoint's position, not from the last fit's
+        self.schedules_stepped = None
         ckpt.load_data(self.data, saved["iterable"])
         self.epoch_rng = saved["epoch_start"]
         for sampler, seed in zip(_seeded(self.data), saved.get("seeds", [])):  # (none in older checkpoints)

@@ -230,18 +230,22 @@ class Trainer(TrainerHooks):
             return
         self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
         batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
-        for group in batches:
-            if group is PASS_END:  # on_epoch_end ran: the save it asked for; the next on_epoch_start's is not delayed
-                if self._save_asked:
-                    self._save()
-                self._save_now = True
-                continue
-            self._save_now = False  # from here to the pass's end, a hook's save waits for what follows the step
-            self._runner.run(group)
-            step_done()  # the profiler's step
-            if self._after_step():
-                self._data.keep(self.settings.grad_accum)  # the next fit goes on from here
-                return
+        try:
+            for group in batches:
+                if group is PASS_END:  # on_epoch_end ran: the save it asked for; the next on_epoch_start's at once
+                    if self._save_asked:
+                        self._save()
+                    self._save_now = True
+                    continue
+                self._save_now = False  # from here to the pass's end, a hook's save waits for what follows the step
+                self._runner.run(group)
+                step_done()  # the profiler's step
+                if self._after_step():
+                    self._data.keep(self.settings.grad_accum)  # the next fit goes on from here
+                    return
+        except BaseException:  # a fit tried again goes on with the next batch, as a resume would
+            self._data.keep(self.settings.grad_accum, failed=True)
+            raise
 
     def _after_step(self) -> bool:
         """Due after a step, in order: unused optimizers or loss weights, logging, validation (then the schedulers

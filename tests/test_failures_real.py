@@ -170,10 +170,6 @@ class RecordsBatches(OutOfMemoryAt):
         return loss
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "after a failed step TrainData.left is None, so the next fit() builds its steps anew and, mid-pass with a "
-    "stateful train_data, iterates it without loading any state; a StatefulDataLoader then starts the pass again: "
-    "batches 0 and 1 are trained twice, and the pass runs on to batch_in_epoch 8 of a 5-batch pass without ending"))
 def test_a_fit_tried_again_after_an_oom_goes_on_with_the_next_batch_of_a_stateful_data_loader():
     """fairseq skips the batch that ran out of memory and goes on with the next; docs/checkpoints.md says a failed
     step's batch is consumed ("the next step takes the next batch") and names torchdata's ``StatefulDataLoader`` as
@@ -426,11 +422,6 @@ class EpochScheduled(Trainer):
             raise ValueError("epoch metric failed: compute() called before update()")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "TrainData.steps steps the epoch schedulers (schedules.after_epoch) before on_epoch_end, and raises from the "
-    "hook with state.epoch and batch_in_epoch still at the pass's end; the next fit() finds that pass's end again "
-    "and steps them a second time: the learning rate is halved twice for one pass (a OneCycleLR so stepped runs past "
-    "its total_steps)"))
 def test_a_fit_tried_again_after_on_epoch_end_failed_steps_the_epoch_scheduler_once_for_that_pass():
     """Lightning's ``on_train_epoch_end`` computing an epoch metric (torchmetrics' ``compute()`` raising on a state
     it never updated), caught in a notebook, the fit called again: the run must go on as the one that never
