@@ -352,11 +352,14 @@ class Trainer(TrainerHooks):
         found = (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)
         if found is None:
             return
-        self.load_state_dict(found[1], found[0])
-        if self.checkpointer is not None:
-            self.checkpointer.resumed(*found)
-        for logger in self.loggers:  # what a stopped run logged after its checkpoint is superseded
-            logger.resume(self.state.step)
+        try:
+            self.load_state_dict(found[1], found[0])
+        finally:  # once loaded (an error in on_load_checkpoint leaves it so), this run goes on from it
+            loaded = self._loaded_rng is not None
+            if loaded and self.checkpointer is not None:
+                self.checkpointer.resumed(*found)
+            for logger in self.loggers if loaded else ():  # what the stopped run logged after it is superseded
+                logger.resume(self.state.step)
         log.info("resumed from %s: %s%s", found[0], self.state.where(),
                  "; max_steps is reached: nothing to train" if self.state.reached(self.settings.max_steps) else "")
 

@@ -664,11 +664,6 @@ def needs_the_main_thread():
         pytest.skip("signal handlers are installed from the main thread only")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Runner.abandoned returns an exception that is not an Exception (KeyboardInterrupt, safeloop.Interrupted) as it "
-    "is, without the report of what undo left; under undo=auto the step's last update is not snapshotted, so a "
-    "second Ctrl-C inside it leaves parameters half updated while state.step says the step never happened, and "
-    "the message speaks of checkpoints only"))
 def test_a_second_ctrl_c_inside_the_last_update_restores_it_or_says_it_was_not_undone():
     """docs/checkpoints.md: SIGINT finishes the step, a second one "stops at once without saving"
     (``safeloop.Interrupted``); "The error says exactly which optimizer was restored and which was not". A notebook
@@ -681,7 +676,8 @@ def test_a_second_ctrl_c_inside_the_last_update_restores_it_or_says_it_was_not_u
     with pytest.raises(Interrupted) as info:
         t.fit()
     said = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
-    assert differences(before, everything(t)) == [] or "not undone" in said, said
+    assert differences(before, everything(t)) != [] and "step 3 was abandoned: optimizer 'optimizer' had already " \
+        "updated its parameters or begun to, and is not undone; set trainer.undo=full" in said, said
 
 
 class CtrlCAt(Trainer):
@@ -896,11 +892,6 @@ def logged_steps(run_dir) -> list[int]:
         return [int(row["step"]) for row in csv.DictReader(f) if row["metric"] == "loss"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Trainer._resume calls the loggers' resume(step), which drops the stopped run's metrics.csv rows after the "
-    "checkpoint, only after load_state_dict returned; an error in on_load_checkpoint leaves the checkpoint loaded "
-    "(documented) but skips that, and the next fit() (state.step > 0) never resumes: the rows of step 5 are in "
-    "metrics.csv twice"))
 def test_a_fit_tried_again_after_on_load_checkpoint_failed_logs_each_step_once(tmp_path):
     """docs/checkpoints.md: "An error [on_load_checkpoint] raises leaves the checkpoint loaded", and a resumed run
     leaves "every step's metric ... in there once, in order". The TBPTT recipe's hook fails on an older checkpoint;

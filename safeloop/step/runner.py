@@ -584,7 +584,10 @@ class Runner:
             err.abandon(report)  # in manual mode updates of this step may have run before it: say what is left
         if type(err) is StepError and by_hand:  # ours, after parameters changed by hand: say that they stay so
             return StepError(f"{err} (the step was abandoned: {report})", err.step)
-        if isinstance(err, SafeloopError) or not isinstance(err, Exception):
+        if not isinstance(err, Exception):  # a KeyboardInterrupt (a second signal): as it is, saying what is left
+            err.add_note(f"step {step} was abandoned: {report}")
+            return err
+        if isinstance(err, SafeloopError):
             return err
         explained = self.guard.explain_outside(err, step, stepped, versions, report)
         if explained is None and self.dist is not None and collective_failed(err):
