@@ -62,15 +62,14 @@ class Schedules:
         # each optimizer's hyperparameters as configure_optimizers made them (its schedulers built), which schedules
         # change later: what a resumed run compares its own with, to tell a setting changed for it
         self.configured = dict(configured or {})
-        self.used: dict[str, list[float]] = {}  # the rates of the last update a per-step scheduler has moved on since
+        self.used: dict[str, list] = {}  # each optimizer's rates at its last update (a scheduler has moved them since)
         self.mark()
 
-    def after_update(self, name: str, step: int) -> None:
+    def after_update(self, name: str, optimizer: torch.optim.Optimizer, step: int) -> None:
+        # the rates the update used, which the log shows: its scheduler steps next (or one in on_step_end, timm's)
+        self.used[name] = [_copied(g["lr"]) for g in optimizer.param_groups]
         schedule = self.schedules.get(name)
         if schedule is not None and schedule.every_step:
-            optimizer = getattr(schedule.scheduler, "optimizer", None)  # (a scheduler of your own may keep none)
-            if optimizer is not None:
-                self.used[name] = [float(g["lr"]) for g in optimizer.param_groups]
             self._step(name, step)
 
     def rates(self, optimizers: Mapping[str, torch.optim.Optimizer], but: Mapping | tuple = ()) -> dict[str, float]:
@@ -309,7 +308,13 @@ def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer],
     out = {}
     for name, opt in optimizers.items():
         base = "lr" if len(optimizers) == 1 else f"lr_{name}"
-        rates = (used or {}).get(name) or [float(group["lr"]) for group in opt.param_groups]
+        rates = (used or {}).get(name) or [group["lr"] for group in opt.param_groups]
         for i, rate in enumerate(rates):
-            out[base if len(rates) == 1 else f"{base}_{i}"] = rate
+            out[base if len(rates) == 1 else f"{base}_{i}"] = float(rate)
     return out
+
+
+def _copied(rate: float | torch.Tensor) -> float | torch.Tensor:
+    """A rate as it is now: a tensor one (``lr=torch.tensor(...)``), which schedulers change in place, copied on
+    its device (no host sync; read at a log point)."""
+    return rate.detach().clone() if isinstance(rate, torch.Tensor) else rate

@@ -34,6 +34,11 @@ class TrainState:
     def reached(self, max_steps: int | None) -> bool:
         return max_steps is not None and self.step >= max_steps
 
+    @property
+    def validated(self) -> bool:
+        """Whether the last validation was at this step."""
+        return bool(self.val_history) and self.val_history[-1][0] == self.step
+
     def where(self) -> str:
         return f"step {self.step}, epoch {self.epoch}, {self.batch_in_epoch} batches into it"
 

@@ -267,10 +267,8 @@ class Trainer(TrainerHooks):
 
     def _finish(self) -> None:
         """The end of ``fit``: last validation and checkpoint, ``on_fit_end``, loss curves (a signal: the save only)."""
-        if self.logged:  # logged after the last log point (in the last pass's on_epoch_end)
-            self.log_metrics({name: float(self.logged.pop(name)) for name in list(self.logged)})
-        last = self.state.val_history[-1][0] if self.state.val_history else None
-        validated = self.stop_signal is None and self.val_data is not None and last != self.state.step
+        self._log_pending()  # logged after the last log point (in the last pass's on_epoch_end)
+        validated = self.stop_signal is None and self.val_data is not None and not self.state.validated
         self.ending = True  # that validation is not one of training's (EarlyStopping does not count it)
         if validated:
             self.validate()  # before the final checkpoint, so that it holds the last metrics
@@ -279,8 +277,13 @@ class Trainer(TrainerHooks):
             self._save()
         if self.stop_signal is None:
             self._hooks("on_fit_end")
+            self._log_pending()
             if self.loggers:  # there are none without a run directory
                 curves.draw_logged(self.run_dir)
+
+    def _log_pending(self) -> None:
+        if self.logged:  # what self.log kept since the last log point, at this step
+            self.log_metrics({name: float(self.logged.pop(name)) for name in list(self.logged)})
 
     @property
     def retain_plans(self) -> dict[tuple[tuple[str, ...], bool], int]:
@@ -314,8 +317,8 @@ class Trainer(TrainerHooks):
         samples, under torchrun over all ranks' shares, training's RNG untouched); logs and returns ``val_<name>``."""
         metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
+        self._hooks("on_validation_end", metrics)  # it may add a metric of the whole pass (F1): logged with them
         self.log_metrics(metrics)
-        self._hooks("on_validation_end", metrics)
         return metrics
 
     def test(self, data: Iterable) -> dict[str, float]:

@@ -457,7 +457,7 @@ class Runner:
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
         self.applied.add(name)  # its gradients stay until the next step begins (``clear_applied``)
-        self.config.schedules.after_update(name, step)
+        self.config.schedules.after_update(name, opt, step)
         self.stepped[name] = sequence_now()
         if self.recast:
             torch.clear_autocast_cache()
