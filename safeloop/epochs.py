@@ -48,6 +48,8 @@ class TrainData:
         last fit's iterator where it stopped (so that nothing is read again) when ``data``, ``grad_accum`` and the
         position are as then and no checkpoint was loaded since; ``steps`` anew otherwise."""
         left, self.left = self.left, None
+        if self.state.step == 0:  # nothing trained yet (a first step failed: out of memory, say): the run starts over
+            left, self.state.epoch, self.state.batch_in_epoch = None, 0, 0
         if left is not None and left[1:] == (settings.grad_accum, self.data, *self._where()):
             self._steps = left[0]
         else:

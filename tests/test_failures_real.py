@@ -220,11 +220,6 @@ def find_executable_batch_size(function, starting_batch_size: int):
     return run
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "an out-of-memory step is abandoned, but the batch it read still counts in state.batch_in_epoch; the next fit() "
-    "sees a new train_data (accelerate's pattern builds the loader inside the retried function) and, 'as on "
-    "resume', fast-forwards the new loader past that many of its own batches: samples never trained on are "
-    "skipped (here 32 of the 64, two steps of four), though nothing was trained at all"))
 def test_find_executable_batch_size_on_one_trainer_trains_every_sample_at_the_batch_size_that_fits():
     """accelerate's docs (usage_guides/memory.md): the model and optimizer made once outside (``nonlocal model,
     optimizer``), the data loaders made inside the function the decorator retries with half the batch size. Two
