@@ -260,6 +260,38 @@ def test_append_force_add_and_delete_overrides_do_what_hydras_grammar_says():
         compose(["+trainer.foo=1"])
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="without + a Lightning setting gets safeloop's name for it (trainer.accelerator -> device); "
+                          "with + or ++, as Hydra's own refusal of an unknown key advises, it gets 'give the Trainer "
+                          "subclass a keyword argument accelerator' instead: check() does not consult "
+                          "LIGHTNING_SETTINGS for keys the command line added")
+@pytest.mark.parametrize("override, here", [("+trainer.accelerator=gpu", "device ('cpu', 'cuda', 'auto')"),
+                                            ("++trainer.gradient_clip_val=0.5", "grad_clip (the norm)")])
+def test_a_lightning_setting_added_with_plus_gets_safeloops_name_for_it(override, here):
+    """ashleve/lightning-hydra-template, configs/trainer/default.yaml (``accelerator``, ``devices``) and
+    configs/experiment/example.yaml (``gradient_clip_val``), given with ``+``/``++`` as Hydra's "To append to your
+    config use +key=value" says for a key the config does not have."""
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    assert f"that is Lightning's; here: {here}" in str(info.value), str(info.value)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a Lightning key in an experiment file of one's own is reported in Hydra's words ('In "
+                          "'experiment/port': ConfigKeyError raised while composing config: Key "
+                          "'gradient_clip_val' not in 'TrainerGroup''): the Lightning name map and the 'did you mean' "
+                          "that an override gets are not applied to a key that comes from a config file")
+def test_a_lightning_experiment_file_ported_as_it_is_gets_safeloops_name_for_each_key(tmp_path):
+    """ashleve/lightning-hydra-template, configs/experiment/example.yaml (``trainer: gradient_clip_val: 0.5``),
+    copied into configs/experiment/ of the directory the command runs from."""
+    project(tmp_path, {"configs/experiment/port.yaml": "# @package _global_\nseed: 12345\ntrainer:\n"
+                                                      "  max_epochs: 10\n  gradient_clip_val: 0.5\n"})
+    with pytest.raises(ConfigError) as info:
+        compose(["experiment=port"])
+    assert "trainer.gradient_clip_val" in str(info.value) and "here: grad_clip (the norm)" in str(info.value), \
+        str(info.value)
+
+
 def test_an_environment_variable_with_a_default_sets_a_value(monkeypatch):
     """ashleve/lightning-hydra-template, configs/paths/default.yaml's first form (``${oc.env:PROJECT_ROOT}``), with
     OmegaConf's default for a variable not set (``${oc.env:VAR,default}``)."""
