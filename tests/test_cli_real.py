@@ -15,9 +15,10 @@ import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError
 
-from safeloop import ConfigError, EarlyStopping
+from safeloop import ConfigError
 from safeloop.__main__ import main
 from safeloop.config import build, compose, train
 
@@ -86,7 +87,7 @@ def test_an_experiment_of_your_own_overrides_groups_and_a_model_with_a_nested_ta
                                          "optimizer:\n  lr: 0.02\n",
     })
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = compose(["experiment=small", "device=cpu"])
+    cfg = compose(["experiment=small", "device=cpu", "data.n_train=64", "data.n_val=32"])
     assert (cfg.seed, cfg.trainer.max_steps, cfg.trainer.val_every) == (7, 3, 250)
     trainer = build(cfg)
     assert type(trainer.model).__name__ == "Wrapper" and trainer.model.scale == 2.0
@@ -251,7 +252,7 @@ def test_append_force_add_and_delete_overrides_do_what_hydras_grammar_says():
     key exists), ``++key`` adds or overrides, ``~key`` deletes (the target's default applies)."""
     cfg = compose(["~model.depth", "++trainer.max_steps=3", "++optimizer.weight_decay=0.1"])
     assert "depth" not in cfg.model and cfg.trainer.max_steps == 3 and cfg.optimizer.weight_decay == 0.1
-    assert len([m for m in build(cfg).model if isinstance(m, torch.nn.Linear)]) == 2  # MLP's own default depth
+    assert len([m for m in instantiate(cfg.model) if isinstance(m, torch.nn.Linear)]) == 2  # MLP's own default depth
     with pytest.raises(ConfigError, match=re.escape("+trainer.max_steps=3: Could not append to config. An item is "
                                                     "already at 'trainer.max_steps'")):
         compose(["+trainer.max_steps=3"])
@@ -298,7 +299,7 @@ def test_an_environment_variable_with_a_default_sets_a_value(monkeypatch):
     monkeypatch.delenv("SAFELOOP_STEPS", raising=False)
     assert compose(["trainer.max_steps=${oc.env:SAFELOOP_STEPS,3}"]).trainer.max_steps == 3
     monkeypatch.setenv("SAFELOOP_STEPS", "5")
-    assert build(compose(["trainer.max_steps=${oc.env:SAFELOOP_STEPS,3}", "device=cpu"])).max_steps == 5
+    assert compose(["trainer.max_steps=${oc.env:SAFELOOP_STEPS,3}"]).trainer.max_steps == 5
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
