@@ -246,6 +246,34 @@ def test_a_new_run_in_a_fixed_run_directory_writes_metrics_of_its_own(tmp_path, 
     assert rows(metrics, "lr") == [(2, 0.5)], metrics.read_text()  # this run's rows only, each step once
 
 
+DATAMODULE = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n\n"
+              "class DataModule:  # LightningDataModule's methods, without Lightning\n"
+              "    def __init__(self, batch_size: int = 32):\n        x = torch.randn(128, 16)\n"
+              "        self.data, self.batch_size = TensorDataset(x, x.sum(1, keepdim=True)), batch_size\n\n"
+              "    def setup(self, stage=None):\n        pass\n\n"
+              "    def train_dataloader(self):\n"
+              "        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)\n\n"
+              "    def val_dataloader(self):\n        return DataLoader(self.data, batch_size=64)\n")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a data target returning a Lightning-style DataModule is refused as "
+                          "'train_data=<dm.DataModule object at 0x...> is a DataModule; give an Iterable or None': the Trainer's argument name "
+                          "and an object's repr, not the data group the user wrote, nor the .train/.val contract of "
+                          "docs/own-model.md that would make it run")
+def test_a_lightning_datamodule_as_the_data_target_is_refused_naming_the_group_and_the_contract(tmp_path,
+                                                                                               monkeypatch):
+    """ashleve/lightning-hydra-template, configs/data/mnist.yaml (``_target_:`` a LightningDataModule) and
+    src/data/mnist_datamodule.py (``train_dataloader()``/``val_dataloader()``), as configs/data/dm.yaml."""
+    project(tmp_path, {"dm.py": DATAMODULE, "configs/data/dm.yaml": "_target_: dm.DataModule\nbatch_size: 32\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        build(compose(["data=dm", "device=cpu"]))
+    message = str(info.value)
+    assert re.search(r"(?<![\w.])data\b", message) and ".train" in message, message
+    assert " object at 0x" not in message, message
+
+
 # -- overrides: +, ++, ~, interpolations ------------------------------------------------------------------------
 def test_append_force_add_and_delete_overrides_do_what_hydras_grammar_says():
     """facebookresearch/hydra, website/docs/advanced/override_grammar/basic.md: ``+key`` appends (refused where the
