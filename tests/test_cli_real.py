@@ -258,9 +258,9 @@ DATAMODULE = ("import torch\nfrom torch.utils.data import DataLoader, TensorData
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="a data target returning a Lightning-style DataModule is refused as "
-                          "'train_data=<dm.DataModule object at 0x...> is a DataModule; give an Iterable or None': the Trainer's argument name "
-                          "and an object's repr, not the data group the user wrote, nor the .train/.val contract of "
-                          "docs/own-model.md that would make it run")
+                          "'train_data=<dm.DataModule object at 0x...> is a DataModule; give an Iterable or None': the "
+                          "Trainer's argument name and an object's repr, not the data group the user wrote, nor the "
+                          ".train/.val contract of docs/own-model.md that would make it run")
 def test_a_lightning_datamodule_as_the_data_target_is_refused_naming_the_group_and_the_contract(tmp_path,
                                                                                                monkeypatch):
     """ashleve/lightning-hydra-template, configs/data/mnist.yaml (``_target_:`` a LightningDataModule) and
