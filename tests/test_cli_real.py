@@ -207,7 +207,7 @@ def test_plus_experiment_as_hydras_docs_write_it_says_to_drop_the_plus():
     assert "override experiment: gan" not in str(info.value)
 
 
-# -- run directories and data -------------------------------------------------------------------------------------------
+# -- run directories and data -----------------------------------------------------------------------------------
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="check_overrides looks for another run's lock only in a literal hydra.run.dir: given by an "
                           "interpolation it is not resolved, so Hydra writes this run's .hydra/ over the running one's "
