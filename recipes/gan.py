@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import ConfigError, Trainer
-from safeloop.data import Data, positive
+from safeloop.data import Data, data_seed, positive
 
 
 def ring_modes(modes: int = 8, radius: float = 2.0) -> torch.Tensor:
@@ -70,9 +70,10 @@ class Batches:
 
 
 def ring(n: int = 32768, modes: int = 8, radius: float = 2.0, std: float = 0.05,
-         batch_size: int = 256, seed: int = 0) -> Data:
+         batch_size: int = 256, seed: int | None = 0) -> Data:
     """``n`` points from ``modes`` Gaussians (std ``std``) evenly spaced on a circle."""
     positive(n=n, modes=modes, radius=radius, std=std, batch_size=batch_size)
+    seed = data_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     centers = ring_modes(modes, radius)
     which = torch.randint(modes, (n,), generator=gen)

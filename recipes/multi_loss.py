@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import Trainer
-from safeloop.data import Data, positive
+from safeloop.data import Data, data_seed, positive
 
 
 class Batches:
@@ -69,10 +69,11 @@ class Batches:
 
 
 def tasks(n_train: int = 8192, n_val: int = 1024, in_dim: int = 16, classes: int = 4, batch_size: int = 128,
-          seed: int = 0) -> Data:
+          seed: int | None = 0) -> Data:
     """Batches ``(x, y_reg, y_cls, x_unlabelled)``: a smooth regression target and a class
     (which of ``classes`` directions ``x`` points to most) for ``x``, and unlabelled inputs."""
     positive(n_train=n_train, n_val=n_val, in_dim=in_dim, classes=classes, batch_size=batch_size)
+    seed = data_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(in_dim, 32, generator=gen) / in_dim**0.5
     b = torch.randn(32, 1, generator=gen) / 32**0.5

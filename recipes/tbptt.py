@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import Trainer
-from safeloop.data import Data, positive
+from safeloop.data import Data, data_seed, positive
 
 
 class Chunks:
@@ -58,9 +58,11 @@ class Chunks:
         self.batch = state["batch"]
 
 
-def signal(length: int = 200_000, streams: int = 16, chunk: int = 50, noise: float = 0.05, seed: int = 0) -> Data:
+def signal(length: int = 200_000, streams: int = 16, chunk: int = 50, noise: float = 0.05,
+           seed: int | None = 0) -> Data:
     """A long 1-D signal: two incommensurate sines plus noise, read as chunks of parallel streams."""
     positive(length=length, streams=streams, chunk=chunk)
+    seed = data_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t = torch.arange(length, dtype=torch.float32)
     s = torch.sin(0.05 * t) + 0.5 * torch.sin(0.05 * math.sqrt(2) * 7 * t + 1.0)

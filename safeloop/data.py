@@ -17,6 +17,12 @@ def positive(**values) -> None:
         raise ValueError(f"{', '.join(bad)}: {', '.join(values)} must be positive")
 
 
+def data_seed(seed: int | None) -> int:
+    """``seed``; with ``seed=null`` (nothing seeded, lightning-hydra-template's default) one drawn from torch's
+    random state, so that the data is drawn unseeded too."""
+    return int(torch.randint(2**31, ())) if seed is None else seed
+
+
 @dataclass
 class Data:
     train: Iterable
@@ -24,9 +30,10 @@ class Data:
 
 
 def regression(n_train: int = 4096, n_val: int = 512, in_dim: int = 16, out_dim: int = 1,
-               batch_size: int = 64, noise: float = 0.05, seed: int = 0) -> Data:
+               batch_size: int = 64, noise: float = 0.05, seed: int | None = 0) -> Data:
     """A smooth nonlinear target, y = sin(x A) B + noise, that a small MLP can learn."""
     positive(n_train=n_train, n_val=n_val, in_dim=in_dim, out_dim=out_dim, batch_size=batch_size)
+    seed = data_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(in_dim, 32, generator=gen) / in_dim**0.5
     b = torch.randn(32, out_dim, generator=gen) / 32**0.5

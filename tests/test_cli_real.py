@@ -361,10 +361,6 @@ def test_the_same_seed_trains_the_same_run_and_another_seed_another(tmp_path):
     assert final(12345, "b") == first and final(54321, "c") != first
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="check() offers seed=null ('or null not to seed'), but configs/data/regression.yaml takes "
-                          "seed: ${seed}, so data.seed is None and the run is refused with 'data.seed=None is a "
-                          "NoneType; give an integer', a key the user never wrote")
 def test_seed_null_trains_without_seeding(tmp_path):
     """ashleve/lightning-hydra-template, configs/train.yaml (``seed: null``: "seed for random number generators in
     pytorch, numpy and python.random", left unseeded by default)."""
