@@ -25,7 +25,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .checkpoint import holder, run_dir_in_use
@@ -155,9 +155,20 @@ def check_sweep(overrides: list[str], **where) -> None:
     def one(changed: dict[int, str]) -> list[str]:  # the overrides of one run, in the order given
         return [changed.get(i, first.get(i, o.input_line)) for i, o in enumerate(parsed)]
 
-    for overrides_of_run in [one({})] + [one({i: f"{key}={value}"}) for i, (key, values) in swept.items()
-                                         for value in values[1:]]:
+    shared_checkpoints(compose(one({}), **where), swept)
+    for overrides_of_run in [one({i: f"{key}={value}"}) for i, (key, values) in swept.items() for value in values[1:]]:
         compose(overrides_of_run, **where)
+
+
+def shared_checkpoints(cfg: DictConfig, swept: dict) -> None:
+    """A sweep of several jobs given one ``checkpoint.dir``: each job would resume the one before (``resume=auto``)
+    or be refused its directory. A directory of each job's own (``${hydra:...}``) is fine."""
+    given = OmegaConf.to_container(cfg.checkpoint, resolve=False).get("dir") if cfg.get("checkpoint") else None
+    if given is not None and "${hydra:" not in str(given) and any(len(values) > 1 for _, values in swept.values()):
+        raise ConfigError(f"checkpoint.dir={given} is one directory for every job of the sweep: each job would "
+                          "resume the one before it (resume=auto), or be refused it. Leave checkpoint.dir out (each "
+                          "job's checkpoints go to its run directory), or give each job its own: "
+                          "checkpoint.dir=" + str(given).rstrip("/") + "/${hydra:job.num}")
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")

@@ -156,7 +156,7 @@ def check(cfg: DictConfig) -> list[str]:
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         return problems + [f"trainer._target_={target!r} is not a safeloop.Trainer subclass"]
     # A recipe's own settings live under ``recipe:`` and become keyword arguments of its Trainer.
-    recipe: dict[str, Any] = OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") else {}
+    recipe: dict[str, Any] = checked(cfg.recipe) if cfg.get("recipe") else {}
     base = inspect.signature(Trainer).parameters
     own = [name for name, p in inspect.signature(cls).parameters.items()
            if name not in base and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
@@ -177,7 +177,7 @@ def check(cfg: DictConfig) -> list[str]:
         problems.append(f"monitor={monitor!r} is not a metric's name: give the metric the run returns to a sweeper, "
                         "e.g. monitor=val_loss")
     # the settings' own checks, which the Trainer runs again, so that one report holds everything
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    settings = checked(cfg.trainer)
     known = set(names(Settings))
     takes = inspect.signature(cls).parameters
     problems += [f"trainer.{k} is not a setting of {target} (+trainer.{k} added it): drop it, or give the Trainer "
@@ -186,7 +186,7 @@ def check(cfg: DictConfig) -> list[str]:
     problems += [keyed(p) for p in Settings(**{k: v for k, v in settings.items() if k in known}).problems()]
     for group, schema in (("guard", GuardSettings), ("checkpoint", CheckpointSettings)):
         if cfg.get(group) is not None:
-            problems += read(schema, OmegaConf.to_container(cfg[group], resolve=True), group)[1]
+            problems += read(schema, checked(cfg[group]), group)[1]
     return problems
 
 
@@ -209,7 +209,7 @@ def call_problems(node: Any, where: str) -> list[str]:
         return [f"{where}={OmegaConf.to_container(node) if isinstance(node, DictConfig) else node!r} is not "
                 f"a config with a _target_: choose one of configs/{where}/ ({where}=NAME), or give "
                 f"{where}._target_=dotted.path.of.a.Class and its arguments"]
-    values = OmegaConf.to_container(node, resolve=True)
+    values = checked(node)
     target = values.pop("_target_")
     try:
         call = pydoc.locate(target)
@@ -248,7 +248,7 @@ def _instantiate(node: DictConfig, where: str) -> Any:
     """``instantiate(node)``, a ``ConfigError`` naming the group and its values if the target refuses them.
     A ``_partial_`` optimizer is tried on a stand-in parameter, so that a value it refuses
     (``lr=-1``: torch checks its arguments with ``ValueError``) is found now, not when training starts."""
-    values = OmegaConf.to_container(node, resolve=True)
+    values = checked(node)
     try:
         made = instantiate(node)
         if where == "optimizer" and callable(made) and not isinstance(made, torch.optim.Optimizer):
@@ -263,12 +263,26 @@ def _instantiate(node: DictConfig, where: str) -> Any:
     return made
 
 
+def checked(node: DictConfig) -> Any:
+    """``node`` as plain containers, resolved, for the checks; made before the run (from the command line), where
+    Hydra's job does not exist yet, a node with a ``${hydra:...}`` (``${hydra:runtime.output_dir}/ckpt``) is taken as
+    written: the run resolves it."""
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except InterpolationResolutionError as err:
+        if HydraConfig.initialized() or "HydraConfig was not set" not in str(err):
+            raise
+        return OmegaConf.to_container(node, resolve=False)
+
+
 def unresolved(cfg: DictConfig) -> list[str]:
     """An interpolation that cannot be resolved (an environment variable not set, a key that does not exist), by
     its key: one, the first OmegaConf meets."""
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as err:
+        if not HydraConfig.initialized() and "HydraConfig was not set" in str(err):
+            return []  # ${hydra:runtime.output_dir}, checked before the run: Hydra's job resolves it
         return [f"{err.full_key}: its interpolation cannot be resolved ({str(err).splitlines()[0]}): set what it "
                 "reads, or give the value itself"]
     return []

@@ -331,10 +331,6 @@ def test_an_environment_variable_with_a_default_sets_a_value(monkeypatch):
     assert compose(["trainer.max_steps=${oc.env:SAFELOOP_STEPS,3}"]).trainer.max_steps == 5
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="check_overrides composes the config before Hydra's job exists, and unresolved() resolves "
-                          "every interpolation: ${hydra:runtime.output_dir} raises 'HydraConfig was not set', and the "
-                          "command refuses the run (exit 2) though Hydra would resolve it in the job")
 def test_a_checkpoint_dir_inside_the_run_directory_by_hydras_resolver(tmp_path, command):
     """ashleve/lightning-hydra-template, configs/paths/default.yaml (``output_dir: ${hydra:runtime.output_dir}``) and
     configs/callbacks/model_checkpoint.yaml (``dirpath: ${paths.output_dir}/checkpoints``)."""
@@ -383,25 +379,17 @@ def test_a_sweep_with_resume_auto_gives_each_job_its_own_checkpoints(tmp_path, c
     assert summary[2].split("|")[3:] != summary[3].split("|")[3:]  # two learning rates, two results
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="every job of the sweep gets the same checkpoint.dir: job 1 resumes job 0's final "
-                          "checkpoint (lr 0.01), trains nothing, and the sweep's table reports job 0's losses as "
-                          "lr=0.001's; only a warning in job 1's log says so (without resume=auto, job 1 overwrites "
-                          "job 0's checkpoints instead). The way out, checkpoint.dir=ckpt/${hydra:job.num}, is "
-                          "refused too (see test_a_checkpoint_dir_inside_the_run_directory_by_hydras_resolver)")
 def test_a_sweep_given_one_checkpoint_dir_never_resumes_one_job_from_anothers(tmp_path, command):
     """facebookresearch/hydra, website/docs/tutorials/basic/running_your_app/2_multirun.md (``-m``), with the
     restartable command safeloop's own configs/checkpoint/default.yaml advises (``checkpoint.dir=ckpt/exp1
     trainer.resume=auto``)."""
     code, _, err = command("-m", "optimizer.lr=0.01,0.001", *SMALL, "checkpoint.dir=ckpt/exp1", "trainer.resume=auto",
                            "hydra.sweep.dir=sweep")
-    if code == 2:  # refused before the first job: the jobs would share their checkpoints
-        assert "checkpoint.dir" in err and not (tmp_path / "sweep" / "0").exists()
-        return
-    assert code == 0, err
-    assert "resumed from" not in (tmp_path / "sweep" / "1" / "safeloop.log").read_text()
-    summary = (tmp_path / "sweep" / "summary.md").read_text().splitlines()
-    assert summary[2].split("|")[3:] != summary[3].split("|")[3:]
+    assert code == 2 and not (tmp_path / "sweep" / "0").exists()  # refused before the first job
+    assert err.startswith("safeloop: invalid configuration: checkpoint.dir=ckpt/exp1 is one directory for every job "
+                          "of the sweep: each job "
+                          "would resume the one before it"), err
+    assert err.rstrip().endswith("checkpoint.dir=ckpt/exp1/${hydra:job.num}"), err
 
 
 HPARAMS = "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.log_every: {}\n"
