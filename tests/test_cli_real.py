@@ -231,20 +231,22 @@ def test_a_run_directory_given_by_an_interpolation_that_another_run_holds_is_lef
     assert (run_dir / ".hydra" / "config.yaml").read_text() == "the first run's config\n"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="CSVLogger appends to an existing metrics.csv whether or not the run resumes: a new run in "
-                          "a fixed run directory adds a second series from step 0 after the first run's rows, and "
-                          "its metrics.csv (and curves) mix two runs without a word; only a resumed run trims the "
-                          "file to its checkpoint's step")
-def test_a_new_run_in_a_fixed_run_directory_writes_metrics_of_its_own(tmp_path, command):
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints_there", "checkpoints_elsewhere"])
+def test_a_new_run_in_a_fixed_run_directory_is_refused_and_leaves_the_first_runs_files(tmp_path, command,
+                                                                                       checkpoints):
     """facebookresearch/hydra, website/docs/tutorials/basic/running_your_app/3_working_directory.md (a fixed
     ``hydra.run.dir``), as safeloop's configs/checkpoint/default.yaml suggests one (``hydra.run.dir=runs/exp1``), run
-    again with another learning rate and without ``trainer.resume``."""
-    for lr in ("0.01", "0.5"):
-        code, _, err = command(*SMALL, f"optimizer.lr={lr}", "hydra.run.dir=runs/exp1")
-        assert code == 0, err
+    again with another learning rate and without ``trainer.resume``: its metrics would be appended to the first
+    run's, its checkpoints pruned as older than the first run's."""
+    elsewhere = () if checkpoints else ("checkpoint.dir=ckpt/first",)
+    code, _, err = command(*SMALL, "optimizer.lr=0.01", "hydra.run.dir=runs/exp1", *elsewhere)
+    assert code == 0, err
     metrics = tmp_path / "runs" / "exp1" / "metrics.csv"
-    assert rows(metrics, "lr") == [(2, 0.5)], metrics.read_text()  # this run's rows only, each step once
+    first = metrics.read_text()
+    elsewhere = () if checkpoints else ("checkpoint.dir=ckpt/second",)
+    code, _, err = command(*SMALL, "optimizer.lr=0.5", "hydra.run.dir=runs/exp1", *elsewhere)
+    assert code == 1 and "this run starts from scratch" in err and "set resume=auto" in err, err
+    assert metrics.read_text() == first
 
 
 DATAMODULE = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n\n"

@@ -2,6 +2,7 @@
 when the process dies, even by SIGKILL."""
 from __future__ import annotations
 
+import csv
 import os
 import socket
 import time
@@ -56,6 +57,21 @@ def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int
         raise SafeloopError(f"run directory {run_dir} cannot be used: {err.strerror or err} ({err.filename})") from err
 
 
+def trained_there(run_dir: Path) -> None:
+    """A run from scratch in ``run_dir``: an error if its metrics.csv holds another run's rows after step 0 (a
+    first step that failed leaves at most the validation before it), which this run's would be mixed with."""
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            trained = any(row and row[0].isdigit() and int(row[0]) > 0 for row in csv.reader(f))
+    except FileNotFoundError:
+        return
+    if trained:
+        raise SafeloopError(f"run directory {run_dir} holds the metrics.csv of another run, and this run starts "
+                            "from scratch: their rows would be mixed. To go on from that run, set resume=auto; to "
+                            "start again, give this run its own run directory (run_dir=..., or hydra.run.dir=... on "
+                            "the command line), or move metrics.csv away")
+
+
 def run_dir_in_use(run_dir: Path, holder: str) -> SafeloopError:
     return SafeloopError(f"run directory {run_dir} is in use by another run ({holder}): two runs writing there would "
                          "interleave their metrics.csv. Give this run its own run directory (run_dir=..., or "
@@ -91,6 +107,8 @@ def take(run_dir: Path | None, checkpointer: Checkpointer | None, from_scratch: 
     ``Checkpointer.from_scratch``); returns what lets them go at the end of ``fit``."""
     held = lock_run_dir(run_dir, checkpointer)
     try:
+        if from_scratch and run_dir is not None and is_rank_zero():
+            trained_there(run_dir)
         if checkpointer is not None:
             checkpointer.open()
             if from_scratch:
