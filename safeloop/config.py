@@ -113,6 +113,11 @@ def build(cfg: DictConfig) -> Trainer:
     callbacks = [_instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
     callbacks.append(MonitorCheck(cfg.get("monitor", "val_loss")))
     data = made["data"]
+    if not hasattr(data, "train") and callable(getattr(data, "train_dataloader", None)):
+        raise ConfigError(f"data: {cfg.data._target_} made a {type(data).__name__} with train_dataloader() (a "
+                          "Lightning DataModule); the data group's target returns an object with .train (and .val), "
+                          "iterables of batches (docs/own-model.md): e.g. a function that calls dm.setup('fit') and "
+                          "returns safeloop.data.Data(dm.train_dataloader(), dm.val_dataloader())")
     try:
         return cls(
             model=made["model"],
@@ -147,7 +152,12 @@ def check(cfg: DictConfig) -> list[str]:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         problems.append(f"threads={threads!r} is not a positive integer: give torch's CPU thread count (threads=4), "
                         "or null for torch's default")
-    target = cfg.trainer._target_
+    target = cfg.trainer.get("_target_")
+    if target is None:  # a trainer option of the user's own, without the schema
+        chosen = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else None
+        return problems + [f"the trainer config{f' {chosen!r}' if chosen else ''} has no _target_: begin the file with "
+                           "'defaults: [default]' (safeloop's trainer options, their schema and defaults), then set "
+                           "what differs"]
     try:
         cls = get_class(target)
     except Exception as err:
@@ -180,7 +190,9 @@ def check(cfg: DictConfig) -> list[str]:
     settings = checked(cfg.trainer)
     known = set(names(Settings))
     takes = inspect.signature(cls).parameters
-    problems += [f"trainer.{k} is not a setting of {target} (+trainer.{k} added it): drop it, or give the Trainer "
+    problems += [f"trainer.{k} (+trainer.{k} added it): that is Lightning's; here: {LIGHTNING_SETTINGS[k]}"
+                 if k in LIGHTNING_SETTINGS
+                 else f"trainer.{k} is not a setting of {target} (+trainer.{k} added it): drop it, or give the Trainer "
                  f"subclass a keyword argument {k}" for k in settings if k != "_target_" and k not in known
                  and k not in takes]
     problems += [keyed(p) for p in Settings(**{k: v for k, v in settings.items() if k in known}).problems()]
@@ -397,6 +409,17 @@ def _problem(o: Override, err: ConfigCompositionException, known: list[str]) -> 
     if isinstance(cause, ValidationError):
         return (f"{o.input_line}: {str(cause.msg).splitlines()[0].rstrip('.')}; give {cause.full_key} a value of "
                 "that type")
+    if o.input_line.startswith("+") and "Multiple values for" in str(err):  # +group=option of a chosen group
+        return (f"{o.input_line}: {o.key_or_group} has an option chosen already (train.yaml's defaults list): write "
+                f"{o.input_line.lstrip('+')}, without the +")
+    in_file = re.search(r"ConfigKeyError raised while composing config:\nKey '\w+' not in .*\n\s*full_key: (\S+)",
+                        str(err))  # a key that a config file the override chose sets (Hydra gives no cause)
+    if in_file is not None:
+        key = in_file[1]
+        group, _, leaf = key.rpartition(".")
+        return f"{o.input_line}: its config file sets {key}, which is no config key: " + (
+            f"that is Lightning's; here: {LIGHTNING_SETTINGS[leaf]}" if group == "trainer" and leaf in
+            LIGHTNING_SETTINGS else _closest(key, known))
     return f"{o.input_line}: {_first_lines(err)}"
 
 

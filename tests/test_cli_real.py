@@ -119,15 +119,12 @@ def test_a_trainer_option_of_your_own_that_extends_default_is_typed_by_the_schem
         compose(["trainer=typo"])
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigAttributeError,
-                   reason="a trainer option without `defaults: [default]` has no _target_: check() reads "
-                          "cfg.trainer._target_ unguarded and omegaconf's ConfigAttributeError ('Key _target_ is "
-                          "not in struct') comes out as a traceback (exit 1); a misspelt key in it is never reported")
 def test_a_trainer_option_of_your_own_without_the_schema_is_one_message_saying_what_to_add(tmp_path):
     """ashleve/lightning-hydra-template, configs/trainer/gpu.yaml, written without its ``defaults: [default]``
     line: the Trainer class, the schema and its defaults are then missing."""
     project(tmp_path, {"configs/trainer/bare.yaml": "max_steps: 3\nval_every: null\n"})
-    with pytest.raises(ConfigError, match=r"trainer.*(defaults|_target_)"):
+    with pytest.raises(ConfigError, match=re.escape("has no _target_: begin the file with 'defaults: [default]' "
+                                                    "(safeloop's trainer options, their schema and defaults)")):
         compose(["trainer=bare"])
 
 
@@ -194,16 +191,13 @@ def test_a_search_path_given_on_the_command_line_offers_its_options(tmp_path, co
     assert "hidden: 4" in (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="+experiment=gan is refused with Hydra's words, 'Multiple values for experiment. To override "
-                          "a value use 'override experiment: gan'': defaults-list syntax, which the command line does "
-                          "not take; the fix there, experiment=gan without the +, is not named")
 def test_plus_experiment_as_hydras_docs_write_it_says_to_drop_the_plus():
     """facebookresearch/hydra, website/docs/patterns/configuring_experiments.md (``python my_app.py
     +experiment=aplite``: there the experiment group is not in the primary config's defaults list)."""
     with pytest.raises(ConfigError) as info:
         compose(["+experiment=gan"])
-    assert re.search(r"(?<!\+)experiment=gan\b", str(info.value)), str(info.value)
+    assert "+experiment=gan: experiment has an option chosen already (train.yaml's defaults list): write " \
+        "experiment=gan, without the +" in str(info.value), str(info.value)
     assert "override experiment: gan" not in str(info.value)
 
 
@@ -259,11 +253,6 @@ DATAMODULE = ("import torch\nfrom torch.utils.data import DataLoader, TensorData
               "    def val_dataloader(self):\n        return DataLoader(self.data, batch_size=64)\n")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a data target returning a Lightning-style DataModule is refused as "
-                          "'train_data=<dm.DataModule object at 0x...> is a DataModule; give an Iterable or None': the "
-                          "Trainer's argument name and an object's repr, not the data group the user wrote, nor the "
-                          ".train/.val contract of docs/own-model.md that would make it run")
 def test_a_lightning_datamodule_as_the_data_target_is_refused_naming_the_group_and_the_contract(tmp_path,
                                                                                                monkeypatch):
     """ashleve/lightning-hydra-template, configs/data/mnist.yaml (``_target_:`` a LightningDataModule) and
@@ -273,7 +262,9 @@ def test_a_lightning_datamodule_as_the_data_target_is_refused_naming_the_group_a
     with pytest.raises(ConfigError) as info:
         build(compose(["data=dm", "device=cpu"]))
     message = str(info.value)
-    assert re.search(r"(?<![\w.])data\b", message) and ".train" in message, message
+    assert message.startswith("invalid configuration: data: dm.DataModule made a DataModule with "
+                              "train_dataloader() (a Lightning DataModule); the data group's target returns an "
+                              "object with .train"), message
     assert " object at 0x" not in message, message
 
 
@@ -292,11 +283,6 @@ def test_append_force_add_and_delete_overrides_do_what_hydras_grammar_says():
         compose(["+trainer.foo=1"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="without + a Lightning setting gets safeloop's name for it (trainer.accelerator -> device); "
-                          "with + or ++, as Hydra's own refusal of an unknown key advises, it gets 'give the Trainer "
-                          "subclass a keyword argument accelerator' instead: check() does not consult "
-                          "LIGHTNING_SETTINGS for keys the command line added")
 @pytest.mark.parametrize("override, here", [("+trainer.accelerator=gpu", "device ('cpu', 'cuda', 'auto')"),
                                             ("++trainer.gradient_clip_val=0.5", "grad_clip (the norm)")])
 def test_a_lightning_setting_added_with_plus_gets_safeloops_name_for_it(override, here):
@@ -308,11 +294,6 @@ def test_a_lightning_setting_added_with_plus_gets_safeloops_name_for_it(override
     assert f"that is Lightning's; here: {here}" in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a Lightning key in an experiment file of one's own is reported in Hydra's words ('In "
-                          "'experiment/port': ConfigKeyError raised while composing config: Key "
-                          "'gradient_clip_val' not in 'TrainerGroup''): the Lightning name map and the 'did you mean' "
-                          "that an override gets are not applied to a key that comes from a config file")
 def test_a_lightning_experiment_file_ported_as_it_is_gets_safeloops_name_for_each_key(tmp_path):
     """ashleve/lightning-hydra-template, configs/experiment/example.yaml (``trainer: gradient_clip_val: 0.5``),
     copied into configs/experiment/ of the directory the command runs from."""
