@@ -125,7 +125,7 @@ def check_overrides(overrides: list[str], **where) -> None:
     ``outputs/``), and one that another run holds (before Hydra writes this run's ``.hydra/`` over that run's)."""
     compose(overrides, **where)
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
-    path = Path(given[-1] if given else "outputs").absolute()
+    path = Path(_resolved(given[-1]) if given else "outputs").absolute()
     held_by = holder(path) if given else None
     if held_by is not None:
         raise run_dir_in_use(path, held_by)
@@ -134,6 +134,15 @@ def check_overrides(overrides: list[str], **where) -> None:
         why = "is not a directory" if not there.is_dir() else "is not writable"
         raise ConfigError(f"the run directory {path} cannot be made: {there} {why}; give a directory you can write "
                           "to with hydra.run.dir=PATH")
+
+
+def _resolved(value: str) -> str:
+    """A command-line value with its interpolations resolved where they can be before the run
+    (``${oc.env:RUN_DIR}``); as given where not (they read Hydra's own config)."""
+    try:
+        return str(OmegaConf.create({"value": value}).value)
+    except omegaconf.errors.OmegaConfBaseException:  # Hydra reports it in the run
+        return value
 
 
 def check_sweep(overrides: list[str], **where) -> None:

@@ -344,7 +344,7 @@ def composition(overrides: Sequence[str], config_name: str = "train", config_dir
             parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
             problems.append(f"{line}: {_first_lines(err)}")
-    groups = options(config_dir, search)
+    groups = options(config_dir, [*search, *searched(parsed)])
     # the search path train.yaml gives, and the --config-dir ones
     where = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
     problems += [problem for o in parsed for problem in _option_problems(o, groups)]
@@ -370,6 +370,13 @@ def composition(overrides: Sequence[str], config_name: str = "train", config_dir
                 refused.append((o, err))
     known = list(dict.fromkeys([key for key, _ in _walk(OmegaConf.to_container(cfg, resolve=False))] + list(groups)))
     return [_problem(o, err, known) for o, err in refused], cfg
+
+
+def searched(parsed: list[Override]) -> list[str]:
+    """The directories a ``hydra.searchpath=[file://DIR,...]`` override adds (its other kinds of path are left out)."""
+    paths = [o.value() for o in parsed if o.key_or_group == "hydra.searchpath"]
+    return [p.removeprefix("file://") for value in paths[-1:] for p in (value if isinstance(value, list) else [value])
+            if isinstance(p, str) and p.startswith("file://")]
 
 
 def not_yaml(err: yaml.YAMLError) -> str:

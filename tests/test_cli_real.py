@@ -177,10 +177,6 @@ def test_your_own_callbacks_beside_early_stopping_run_under_hydra_job_chdir(tmp_
     assert f"outputs: {tmp_path / 'run'}" in out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Hydra composes model=narrow from a directory added by hydra.searchpath on the command line, "
-                          "but safeloop's check lists a group's options from its own configs/, ./configs and "
-                          "--config-dir only, and refuses the run: 'model has no option 'narrow'; options: mlp'")
 def test_a_search_path_given_on_the_command_line_offers_its_options(tmp_path, command):
     """facebookresearch/hydra, website/docs/advanced/search_path.md (``hydra.searchpath`` overridden from the
     command line, to use configs kept in another directory or package)."""
@@ -202,10 +198,6 @@ def test_plus_experiment_as_hydras_docs_write_it_says_to_drop_the_plus():
 
 
 # -- run directories and data -----------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="check_overrides looks for another run's lock only in a literal hydra.run.dir: given by an "
-                          "interpolation it is not resolved, so Hydra writes this run's .hydra/ over the running one's "
-                          "record before the Trainer refuses the directory")
 def test_a_run_directory_given_by_an_interpolation_that_another_run_holds_is_left_as_it_was(tmp_path, command,
                                                                                            monkeypatch):
     """ashleve/lightning-hydra-template, configs/hydra/default.yaml (``run: dir:`` built from interpolations), here
