@@ -23,6 +23,7 @@ import lightning_utilities
 import omegaconf
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -184,7 +185,17 @@ def shared_checkpoints(cfg: DictConfig, swept: dict) -> None:
 def run(cfg: DictConfig) -> float:
     # Under torchrun, record() also puts the error in torchrun's failure summary (without it the summary
     # would read error_file: <N/A>), before ``refusing`` reports it.
-    return refusing(record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task, cfg)
+    try:
+        return refusing(record(task) if "TORCHELASTIC_ERROR_FILE" in os.environ else task, cfg)
+    except SystemExit as err:  # a sweep's job that failed (not one a signal stopped): the next jobs run, as in Hydra
+        if HydraConfig.get().mode != RunMode.MULTIRUN or not isinstance(err.code, int) or not 0 < err.code < 128:
+            raise
+        raise JobFailed(f"this job failed (exit code {err.code}, its error above); the sweep's other jobs ran") \
+            from None
+
+
+class JobFailed(SafeloopError):
+    """A job of a sweep failed; its error was reported as the job ended."""
 
 
 def task(cfg: DictConfig) -> float:

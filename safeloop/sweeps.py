@@ -60,16 +60,14 @@ class SweepTable(Callback):
         # a failed job's return_value raises its error: Hydra reports that error itself
         value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
         self.runs.append((list(job_return.overrides or []), getattr(value, "metrics", None)))
+        self.path = Path(config.hydra.sweep.dir).absolute() / "summary.md"  # after every job: a sweep that
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # fails (Hydra raises a job's error at its end) has it
+        self.path.write_text(table(self.runs) + "\n")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.runs:
-            return
-        text = table(self.runs)
-        print(text)
-        path = Path(config.hydra.sweep.dir).absolute() / "summary.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        print(f"sweep summary: {path}")
+        if self.runs:
+            print(table(self.runs))
+            print(f"sweep summary: {self.path}")
 
 
 def table(runs: list[tuple[list[str], dict[str, float] | None]]) -> str:
