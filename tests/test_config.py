@@ -120,7 +120,7 @@ def test_values_of_groups_without_a_schema_are_named_by_their_key_path():
         "seed='abc' is not an integer: give one (seed=0), or null not to seed",
         "threads=0 is not a positive integer: give torch's CPU thread count (threads=4), or null for torch's default",
         "data.batch_size=1.5 is a float; give an integer",
-        "data.seed='abc' is a str; give an integer",  # data.seed is ${seed}
+        "data.seed='abc' is a str; give an integer or None",  # data.seed is ${seed}
         "model.width: safeloop.models.MLP takes no argument 'width' (it takes in_dim, hidden, out_dim, depth); fix the "
         "key or drop it",
         "model.hidden='abc' is a str; give an integer",
@@ -183,7 +183,7 @@ def test_cli_reports_every_bad_value_at_once_before_anything_runs(tmp_path):
     assert out.stderr.splitlines() == [
         "safeloop: invalid configuration:",
         "  - seed='abc' is not an integer: give one (seed=0), or null not to seed",
-        "  - data.seed='abc' is a str; give an integer",
+        "  - data.seed='abc' is a str; give an integer or None",
         "  - model.hidden='abc' is a str; give an integer",
         "  - optimizer.lr='abc' is a str; give a number or a Tensor",
         "  - guard.budget must be a number in (0, 1] (the share of step time checks may take; 0.0025 is 0.25%), got 0.0",

@@ -8,8 +8,7 @@ way its message says before ``fit()`` is called again. After the failure,
 parameters, optimizer state, schedulers, the GradScaler and the counters are compared bit for bit with a deep
 copy taken before it, and a fit tried again with a run that never failed, where the documentation promises it.
 
-The strict xfails are what is wrong today: each test asserts what should happen, its ``reason`` says what goes
-wrong instead and why.
+A case that fails today would be a strict xfail whose ``reason`` says what goes wrong and why: there is none.
 """
 from __future__ import annotations
 

@@ -60,11 +60,11 @@ def lock_run_dir(run_dir: Path | None, checkpointer: Checkpointer | None) -> int
 def trained_there(run_dir: Path) -> None:
     """A run from scratch in ``run_dir``: an error if its metrics.csv holds another run's rows after step 0 (a
     first step that failed leaves at most the validation before it), which this run's would be mixed with."""
-    try:
-        with open(run_dir / "metrics.csv", newline="") as f:
-            trained = any(row and row[0].isdigit() and int(row[0]) > 0 for row in csv.reader(f))
-    except FileNotFoundError:
+    path = run_dir / "metrics.csv"
+    if not path.is_file():  # (or a device: /dev/null)
         return
+    with open(path, newline="") as f:
+        trained = any(row and row[0].isdigit() and int(row[0]) > 0 for row in csv.reader(f))
     if trained:
         raise SafeloopError(f"run directory {run_dir} holds the metrics.csv of another run, and this run starts "
                             "from scratch: their rows would be mixed. To go on from that run, set resume=auto; to "

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from safeloop import Callback, ConfigWarning, EarlyStopping, SafeloopError, Trainer
+from safeloop import Callback, ConfigWarning, EarlyStopping, Trainer
 from safeloop.errors import CheckpointError, ConfigError
 
 from . import test_resume_ports as ports

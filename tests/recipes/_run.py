@@ -24,7 +24,8 @@ def straight_and_resumed(tmp_path, experiment: str, steps: int, *overrides: str)
     fixture: bit-identical comparisons need the same thread count on both sides)."""
     common = [f"experiment={experiment}", "trainer.progress=false", *overrides]
     for name, n in (("straight", steps), ("stopped", steps // 2)):
-        train(compose([*common, f"trainer.max_steps={n}", f"checkpoint.dir={tmp_path / name}"]))
+        train(compose([*common, f"trainer.max_steps={n}", f"checkpoint.dir={tmp_path / name}",
+                       f"+run_dir={tmp_path / name}"]))
     run([f"recipes/{experiment}.py", f"trainer.max_steps={steps}", "trainer.resume=auto",
          f"checkpoint.dir={tmp_path / 'stopped'}", *overrides], tmp_path)
     return tuple(load(Checkpointer(tmp_path / name).saved()[-1]) for name in ("straight", "stopped"))
