@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .checkpoint import holder, run_dir_in_use
-from .config import CONFIG_DIR, compose, register, train
+from .config import CONFIG_DIR, compose, declared_sweep, register, train
 from .errors import ConfigError, Interrupted, SafeloopError
 from .sweeps import Result
 
@@ -125,6 +125,8 @@ def check_overrides(overrides: list[str], **where) -> None:
     values (``compose``; ``where``: ``config_flags``'), a run directory that cannot be made (``hydra.run.dir``, or
     ``outputs/``), and one that another run holds (before Hydra writes this run's ``.hydra/`` over that run's)."""
     compose(overrides, **where)
+    if declared := declared_sweep(overrides, **where):  # a sweep a config file declares: its values checked too
+        check_sweep([*overrides, *declared], **where)
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
     path = Path(_resolved(given[-1]) if given else "outputs").absolute()
     held_by = holder(path) if given else None

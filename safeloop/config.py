@@ -27,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, OverrideParseException
+from hydra.types import RunMode
 from hydra.utils import get_class, instantiate, to_absolute_path
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -370,6 +371,18 @@ def composition(overrides: Sequence[str], config_name: str = "train", config_dir
                 refused.append((o, err))
     known = list(dict.fromkeys([key for key, _ in _walk(OmegaConf.to_container(cfg, resolve=False))] + list(groups)))
     return [_problem(o, err, known) for o, err in refused], cfg
+
+
+def declared_sweep(overrides: Sequence[str], config_name: str = "train", config_dir: str | Path = CONFIG_DIR,
+                   search: Sequence[str] = ()) -> list[str]:
+    """The swept values a config file declares (``hydra.mode: MULTIRUN`` with ``hydra.sweeper.params``, as
+    lightning-hydra-template's ``hparams_search/``), as overrides; none for a single run. For overrides ``compose``
+    takes."""
+    where = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
+    with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        declared = hydra.compose(config_name, overrides=[*where, *overrides], return_hydra_config=True).hydra
+    params = declared.sweeper.get("params") if declared.mode == RunMode.MULTIRUN else None
+    return [f"{key}={value}" for key, value in (params or {}).items()]
 
 
 def searched(parsed: list[Override]) -> list[str]:

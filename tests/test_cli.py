@@ -71,10 +71,10 @@ def test_help_is_titled_for_safeloop_and_lists_the_options_users_pick(tmp_path):
     assert "_target_: torch.optim.SGD" in out.stdout
 
 
-def test_a_run_composes_its_config_three_times_and_logs_to_safeloop_log(tmp_path):
-    """The config is composed three times: once by safeloop's check of the overrides (a bad one gets
-    safeloop's message and exit code 2), twice by ``@hydra.main`` (the first to read ``hydra.mode``);
-    counted on Hydra's real loader."""
+def test_a_run_composes_its_config_four_times_and_logs_to_safeloop_log(tmp_path):
+    """The config is composed four times: twice by safeloop's check of the overrides (a bad one gets
+    safeloop's message and exit code 2; the second reads a sweep a config file declares, 0.2 s), twice by
+    ``@hydra.main`` (the first to read ``hydra.mode``); counted on Hydra's real loader."""
     count = ("import atexit, sys, runpy\n"
              "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
              "load, calls = ConfigLoaderImpl.load_configuration, []\n"
@@ -88,7 +88,7 @@ def test_a_run_composes_its_config_three_times_and_logs_to_safeloop_log(tmp_path
     out = cli("trainer.max_steps=2", "trainer.val_every=null", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path,
               prefix=("-c", count))
     assert out.returncode == 0, out.stderr
-    assert "composed 3" in out.stdout
+    assert "composed 4" in out.stdout
     assert (tmp_path / "run" / "safeloop.log").exists() and not (tmp_path / "run" / "__main__.log").exists()
 
 

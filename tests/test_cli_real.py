@@ -369,10 +369,6 @@ def test_a_sweep_given_one_checkpoint_dir_never_resumes_one_job_from_anothers(tm
 HPARAMS = "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.log_every: {}\n"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="main() checks each swept value only for -m key=a,b on the command line: a sweep declared in "
-                          "a config (hydra.mode: MULTIRUN, hydra.sweeper.params) is composed once: job 0 trains before "
-                          "job 1's bad value is found, in job 1 (a failed job; the sweep exits 1)")
 def test_a_sweep_declared_in_a_config_is_refused_before_its_first_job_for_a_bad_value(tmp_path, command):
     """facebookresearch/hydra, website/docs/tutorials/basic/running_your_app/2_multirun.md ("Sweeping via
     hydra.sweeper.params") and ashleve/lightning-hydra-template, configs/hparams_search/mnist_optuna.yaml (a
