@@ -283,9 +283,14 @@ def checked(node: DictConfig) -> Any:
     try:
         return OmegaConf.to_container(node, resolve=True)
     except InterpolationResolutionError as err:
-        if HydraConfig.initialized() or "HydraConfig was not set" not in str(err):
+        if not resolved_in_the_run(err):
             raise
         return OmegaConf.to_container(node, resolve=False)
+
+
+def resolved_in_the_run(err: InterpolationResolutionError) -> bool:
+    """Whether ``err`` is a ``${hydra:...}`` met before the run (the command line's checks): Hydra's job resolves it."""
+    return not HydraConfig.initialized() and "HydraConfig was not set" in str(err)
 
 
 def unresolved(cfg: DictConfig) -> list[str]:
@@ -294,8 +299,8 @@ def unresolved(cfg: DictConfig) -> list[str]:
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as err:
-        if not HydraConfig.initialized() and "HydraConfig was not set" in str(err):
-            return []  # ${hydra:runtime.output_dir}, checked before the run: Hydra's job resolves it
+        if resolved_in_the_run(err):
+            return []
         return [f"{err.full_key}: its interpolation cannot be resolved ({str(err).splitlines()[0]}): set what it "
                 "reads, or give the value itself"]
     return []
@@ -346,8 +351,7 @@ def composition(overrides: Sequence[str], config_name: str = "train", config_dir
         except OverrideParseException as err:
             problems.append(f"{line}: {_first_lines(err)}")
     groups = options(config_dir, [*search, *searched(parsed)])
-    # the search path train.yaml gives, and the --config-dir ones
-    where = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
+    where = searchpath(search)
     problems += [problem for o in parsed for problem in _option_problems(o, groups)]
     if problems:
         return problems, None
@@ -373,12 +377,17 @@ def composition(overrides: Sequence[str], config_name: str = "train", config_dir
     return [_problem(o, err, known) for o, err in refused], cfg
 
 
+def searchpath(search: Sequence[str]) -> list[str]:
+    """The override giving Hydra the search path train.yaml gives, and the ``--config-dir`` ones (none without)."""
+    return [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
+
+
 def declared_sweep(overrides: Sequence[str], config_name: str = "train", config_dir: str | Path = CONFIG_DIR,
                    search: Sequence[str] = ()) -> list[str]:
     """The swept values a config file declares (``hydra.mode: MULTIRUN`` with ``hydra.sweeper.params``, as
     lightning-hydra-template's ``hparams_search/``), as overrides; none for a single run. For overrides ``compose``
     takes."""
-    where = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in (USER_CONFIG_DIR, *search))}]"] if search else []
+    where = searchpath(search)
     with hydra.initialize_config_dir(config_dir=str(config_dir), version_base=None):
         declared = hydra.compose(config_name, overrides=[*where, *overrides], return_hydra_config=True).hydra
     params = declared.sweeper.get("params") if declared.mode == RunMode.MULTIRUN else None
