@@ -181,6 +181,7 @@ class Distributed:
         self.buffers: list[torch.Tensor] = []
         self.shared = False  # rank zero's weights copied to every rank (``share``)
         self.trainable: list[int] = []  # the parameters the reducer's buckets were made for, by id
+        self.frozen: list[tuple[str, torch.Tensor]] = []  # the model's parameters that did not require grad at attach
         self.seed = 0  # rank zero's, at ``share``: every shard of the data shuffles with it
         self.step = 0  # the step running (set by the step itself), for error messages
         self._hooks: list = []
@@ -221,8 +222,8 @@ class Distributed:
             raise self._lost(err, "add up the ranks' validation metrics") from err
         return values.cpu()
 
-    def gather(self, value: Any, doing: str = "gather every rank's gradients for a checkpoint (in manual mode, "
-               "every rank calls Trainer.state_dict() together, as the Trainer's saves do: not under `if rank == 0`)"
+    def gather(self, value: Any, doing: str = "gather every rank's random state and gradients for a checkpoint "
+               "(every rank calls Trainer.state_dict() together, as the Trainer's saves do: not under `if rank == 0`)"
                ) -> list:
         """Every rank's ``value`` (plain containers of CPU tensors), in rank order."""
         every: list = [None] * self.world
@@ -242,6 +243,7 @@ class Distributed:
             self._quieted = log.level
             log.setLevel(logging.WARNING)
         self.sharded = fsdp.is_sharded(model)
+        self.frozen = [] if self.sharded else [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         trainable = [id(p) for opt in optimizers.values() for g in opt.param_groups for p in g["params"]
                      if p.requires_grad]
         # a later fit() in a group the caller made: the reducer's hooks are in place, unless the parameters that
@@ -418,6 +420,7 @@ class Distributed:
     def sync_all(self, step: int) -> None:
         """Finish the all-reduce of every optimizer whose last backward ran, so that every rank then
         decides on the same averaged gradients (the non-finite check skips or stops on all ranks alike)."""
+        self._check_unfrozen()
         if self.ddp is not None and not self.find_unused:
             self._check_used(step)
         for name, group in self.groups.items():
@@ -426,6 +429,7 @@ class Distributed:
 
     def sync(self, name: str) -> None:
         """Average optimizer ``name``'s gradients over all ranks (before unscale, the hook, clip and step)."""
+        self._check_unfrozen()
         group = self.groups.get(name)
         if group is None or group.synced:
             return
@@ -450,6 +454,19 @@ class Distributed:
                 self._broadcast(self.buffers)
         except RuntimeError as err:
             raise self._lost(err) from err
+
+    def _check_unfrozen(self) -> None:
+        """A layer unfrozen during the fit (Lightning's BaseFinetuning, in on_epoch_start) is in no all-reduce: each
+        rank would update it with its own gradient, and the ranks' weights would part without a word."""
+        unfrozen = [name for name, p in self.frozen if p.requires_grad and p.grad is not None]
+        if unfrozen:
+            raise DistributedError(
+                f"step {self.step}: {len(unfrozen)} model parameter(s) were unfrozen after fit() began (the first: "
+                f"{unfrozen[0]}; in on_epoch_start, say): the gradients averaged over the ranks are those of the "
+                "parameters that required grad when fit() started, so each rank would update these with its own "
+                "gradient and the ranks' weights would part. The step was abandoned before the optimizer step. Under "
+                "torchrun unfreeze between fits: end this fit (trainer.request_stop, or max_steps) and call fit() "
+                "again, which averages every parameter that requires grad then")
 
     def _check_used(self, step: int) -> None:
         """Without find_unused_parameters, DDP all-reduces a parameter's bucket only once every

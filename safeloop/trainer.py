@@ -389,7 +389,7 @@ class Trainer(TrainerHooks):
         """Load what ``state_dict()`` saved (``path``: its file, for errors and shards), then ``on_load_checkpoint``;
         the RNG states are set as ``fit()`` starts its next step. Needs ``setup()`` first (``fit()`` calls it)."""
         ckpt.restore(self._parts("load_state_dict"), checkpoint, path, self.dist)
-        self._loaded_rng = checkpoint["rng"]
+        self._loaded_rng = ckpt.rng_for(checkpoint, self.dist)
         self._hooks("on_load_checkpoint", checkpoint)
         self.schedules.mark()  # loaded: where the schedulers stand now is the Trainer's doing
 
@@ -398,7 +398,7 @@ class Trainer(TrainerHooks):
             raise SafeloopError(f"Trainer.{method}() needs the optimizers: call trainer.setup() first (fit() does)")
         modules, named = ckpt.with_outside(self.modules(), self._named_parameters(), self.optimizers)
         return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
-                          None if self.automatic else self.dist, bool(self.checkpointer and self.checkpointer.sharded),
+                          self.dist, bool(self.checkpointer and self.checkpointer.sharded),
                           self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured)
 
     # -- setup ---------------------------------------------------------------------------------

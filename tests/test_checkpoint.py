@@ -921,6 +921,8 @@ def test_a_restart_prunes_the_checkpoints_a_kill_between_save_and_pruning_left(t
     (lambda c: c.update(rank_gradients={"model.0.weight": 0.5}), r"rank_gradients is a dict \(.*\), not a list"),
     (lambda c: c.update(rank_gradients=[{}, {"model.0.weight": 0.5}]), r"rank_gradients\[1\]\['model.0.weight'\] is "
                                                                       r"a float \(0.5\), not a tensor"),
+    (lambda c: c.update(rank_rng=[c["rng"], {**c["rng"], "torch": None}]), r"rank_rng\[1\]\['torch'\] is a NoneType"),
+    (lambda c: c.update(rank_rng=[c["rng"], 7]), r"rank_rng\[1\] is an int \(7\), not a dict"),
 ])
 def test_a_checkpoint_of_the_wrong_structure_says_what_is_wrong(tmp_path, change, message):
     make(tmp_path, 7).fit()

@@ -78,10 +78,10 @@ def test_ranks_agree_with_one_process_over_the_same_global_batches(ranks, case):
 
 @pytest.mark.distributed
 def test_a_rank_left_alone_in_a_collective_says_which_and_why(ranks):
-    # rank 1 alone saves (manual mode: state_dict() gathers every rank's gradients); rank 0 has ended
+    # rank 1 alone saves (state_dict() gathers every rank's random state and gradients); rank 0 has ended
     error = torch.load(ranks / "lone_save_rank1.pt")
-    assert re.match(r"step 4: rank 1 of 2 could not gather every rank's gradients for a checkpoint \(in manual mode, "
-                    r"every rank calls Trainer\.state_dict\(\) together, as the Trainer's saves do: not under `if "
+    assert re.match(r"step 4: rank 1 of 2 could not gather every rank's random state and gradients for a checkpoint "
+                    r"\(every rank calls Trainer\.state_dict\(\) together, as the Trainer's saves do: not under `if "
                     r"rank == 0`\) \(.*\)\. Every rank makes this call at the same point, and another did not", error), error
 
 

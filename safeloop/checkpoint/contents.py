@@ -27,7 +27,7 @@ log = logging.getLogger("safeloop")
 class Parts:
     """What a checkpoint holds, as the Trainer hands it down: its modules (``Trainer.modules()``) and their
     named parameters, optimizers, schedulers, grad scaler, ``TrainState``, ``TrainData`` (where the data
-    stands), and, under torchrun in manual mode, ``gather``: the ``Distributed`` whose ranks' gradients differ."""
+    stands), and, under torchrun, ``gather``: the ``Distributed`` whose ranks' random states and gradients differ."""
 
     modules: dict[str, torch.nn.Module]
     parameters: list[tuple[str, torch.nn.Parameter]]
@@ -79,8 +79,9 @@ def collect(parts: Parts, config: dict | None) -> dict:
     """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
     ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
     mode accumulating over steps); under torchrun their mean over the ranks, and each rank's in
-    ``rank_gradients`` (gathered: every rank must call this). Under FSDP2 the full tensors, gathered from
-    every rank's shards (also a collective call), unless ``parts.sharded``."""
+    ``rank_gradients``, with each rank's random state in ``rank_rng`` (gathered: every rank must call this).
+    Under FSDP2 the full tensors, gathered from every rank's shards (also a collective call), unless
+    ``parts.sharded``."""
     full = (lambda value: value) if parts.sharded else fsdp.full
     checkpoint = {
         "format": FORMAT,
@@ -104,9 +105,14 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "config": config,
     }
     check_schedulers_plain(checkpoint["schedulers"])
-    if parts.gather is not None and not parts.gather.sharded:  # FSDP2's gradients are the ranks' mean already
-        every = parts.gather.gather({name: grad.cpu() for name, grad in checkpoint["gradients"].items()})
-        checkpoint["gradients"], checkpoint["rank_gradients"] = mean_gradients(every), every
+    if parts.gather is not None:  # one collective call: each rank's random state and (DDP) its gradients
+        sharded = parts.gather.sharded  # FSDP2's gradients are the ranks' mean already
+        grads = {} if sharded else {name: grad.cpu() for name, grad in checkpoint["gradients"].items()}
+        every = parts.gather.gather((checkpoint["rng"], grads))
+        checkpoint["rank_rng"] = [rng for rng, _ in every]
+        if not sharded:
+            checkpoint["rank_gradients"] = [grads for _, grads in every]
+            checkpoint["gradients"] = mean_gradients(checkpoint["rank_gradients"])
     return checkpoint
 
 
@@ -331,6 +337,16 @@ def mean_gradients(every: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
         for name, grad in grads.items():
             total[name] = total[name] + grad if name in total else grad.clone()
     return {name: grad.div_(len(every)) for name, grad in total.items()}
+
+
+def rng_for(checkpoint: dict, dist) -> dict:
+    """The random state this process resumes with: its own rank's when the checkpoint was written by as many
+    ranks (a rank seeded apart, as nanoGPT seeds each, draws its own dropout masks on), else the checkpoint's
+    ``rng`` (rank zero's)."""
+    every = checkpoint.get("rank_rng")
+    if every is not None and dist is not None and len(every) == dist.world:
+        return every[dist.rank]
+    return checkpoint["rng"]
 
 
 def gradients_for(checkpoint: dict, dist) -> dict[str, torch.Tensor]:

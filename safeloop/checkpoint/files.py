@@ -229,6 +229,12 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
         problems += _kinds(checkpoint["rng"], _RNG, "rng")
     if isinstance(checkpoint.get("data"), dict):
         problems += _kinds(checkpoint["data"], {"epoch_start": (dict, type(None)), "iterable": object}, "data")
+    ranks = checkpoint.get("rank_rng", [])
+    if not isinstance(ranks, list):
+        problems.append(f"rank_rng is {_a(ranks)}, not a list")
+    for rank, rng in enumerate(ranks if isinstance(ranks, list) else []):
+        where = f"rank_rng[{rank}]"
+        problems += _kinds(rng, _RNG, where) if isinstance(rng, dict) else [f"{where} is {_a(rng)}, not a dict"]
     if not isinstance(checkpoint.get("rank_gradients", []), list):
         problems.append(f"rank_gradients is {_a(checkpoint['rank_gradients'])}, not a list")
     for where, gradients in gradient_sets(checkpoint):
