@@ -109,6 +109,7 @@ class Trainer(TrainerHooks):
         self.scaler, self._undo = None, None  # precision=16's GradScaler; what undoes a failed step's updates
         self._stop = ckpt.StopRequest()  # set by SIGTERM/SIGINT: save after this step and stop
         self._save_now, self._save_asked = True, False  # save_checkpoint() in a step's hooks: after what follows it
+        self._unfinished: int | None = None  # the step whose validation and save are under way (or failed)
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
         self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
@@ -226,7 +227,8 @@ class Trainer(TrainerHooks):
 
     def _loop(self, step_done: Callable[[], None]) -> None:
         """The steps, each followed by what is due after it, until ``_after_step`` or a pass's edge says to stop."""
-        if self.state.reached(self.settings.max_steps) or self._stop.reason is not None:
+        if self.state.reached(self.settings.max_steps) or self._stop.reason is not None or \
+                (self._unfinished == self.state.step and self._after_step(again=True)):  # what a failure left, first
             return
         self.progress.start(self.state.step)  # steps/s counts the steps, from here: after set-up, resume, validation
         batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
@@ -247,22 +249,26 @@ class Trainer(TrainerHooks):
             self._data.keep(self.settings.grad_accum, failed=True)
             raise
 
-    def _after_step(self) -> bool:
+    def _after_step(self, again: bool = False) -> bool:
         """Due after a step, in order: unused optimizers or loss weights, logging, validation (then the schedulers
-        that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops."""
+        that monitor it), a checkpoint (the last step's: ``_finish``). True: the fit stops. ``again``: what a failed
+        validation or save left, in a fit tried again (a validation that ended is not run again)."""
         s, step = self.settings, self.state.step
         end = step == s.max_steps or self._data.ends_run(s.max_epochs)  # the last epoch's end: data with a length
-        self._runner.warn_unused(step, final=end)
-        if step % s.log_every == 0 or end:
-            metrics = self.state.metrics(self.logged)  # empties self.logged
-            self.progress.update(step, metrics)
-            self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, but=metrics)})
+        if not again:
+            self._runner.warn_unused(step, final=end)
+            if step % s.log_every == 0 or end:
+                metrics = self.state.metrics(self.logged)  # empties self.logged
+                self.progress.update(step, metrics)
+                self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, but=metrics)})
+        self._unfinished = step
         validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
-        if validated:
+        if validated and not (again and self.state.validated):
             self.schedules.after_validation(self.validate(), step)
         stop = self._stop.agreed(step, self.dist)
         if stop or (not end and (self._save_asked or self.checkpointer and self.checkpointer.due(step, validated))):
             self._save()
+        self._unfinished = None
         return stop or self.state.reached(self.settings.max_steps)
 
     def _finish(self) -> None:
@@ -377,7 +383,7 @@ class Trainer(TrainerHooks):
 
     def state_dict(self) -> dict:
         """What a checkpoint holds (``safeloop.checkpoint.collect``) and ``on_save_checkpoint`` adds. Needs ``setup()``
-        first (``fit()`` calls it); under torchrun in manual mode every rank calls it (the Trainer's saves do)."""
+        first (``fit()`` calls it); under torchrun every rank calls it (the Trainer's saves do)."""
         checkpoint = ckpt.collect(self._parts("state_dict"), self.config)
         ours = set(checkpoint)
         self._hooks("on_save_checkpoint", checkpoint)
@@ -396,7 +402,7 @@ class Trainer(TrainerHooks):
     def _parts(self, method: str) -> ckpt.Parts:
         if not self.optimizers:
             raise SafeloopError(f"Trainer.{method}() needs the optimizers: call trainer.setup() first (fit() does)")
-        modules, named = ckpt.with_outside(self.modules(), self._named_parameters(), self.optimizers)
+        modules, named = ckpt.with_outside(self.modules(), ckpt.named_parameters(self.modules), self.optimizers)
         return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
                           self.dist, bool(self.checkpointer and self.checkpointer.sharded),
                           self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured)
@@ -428,23 +434,15 @@ class Trainer(TrainerHooks):
                              per_backward_hooks=self._hooks.has("on_before_backward", "on_after_backward"))
             if self.dist.ddp is not None:
                 forward = self.dist.forward  # training_step runs inside DDP's forward
-        # listed once per fit for the guard: a parameter add_param_group adds later may hold gradients nothing cleared
-        trained = list({id(p): p for opt in self.optimizers.values() for g in opt.param_groups
-                        for p in g["params"]}.values())
-        scope = Scope(roots={"self": self, "self.model": self.model}, functions=(type(self).training_step,),
-                      parameters=lambda: trained)
+        scope = Scope.of_trainer(self, self.model, type(self).training_step, self.optimizers)
         self._runner = Runner(StepConfig(
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
             undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
             forward=forward, autocast=partial(autocast, self.precision, self.device), scaler=self.scaler,
-            move=self.to_device if moves(self.device, self.precision) else None, dist=self.dist,
-            scope=scope, named_parameters=self._named_parameters, model=self.model, precision=self.precision),
+            move=self.to_device if moves(self.device, self.precision) else None, dist=self.dist, scope=scope,
+            named_parameters=partial(ckpt.named_parameters, self.modules), model=self.model, precision=self.precision),
             previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []
-
-    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:  # read first at set-up, in every fit
-        named = ckpt.read_modules(self.modules).items()
-        return [(f"{m}.{n}", p) for m, module in named for n, p in module.named_parameters()]
 
 
 attach(Trainer, made=("device", "precision", "loggers"))

@@ -740,6 +740,47 @@ def test_validation_failing_mid_fit_names_it_gives_back_train_mode_and_leaves_tr
                        t.optimizers["optimizer"].state_dict()) == []
 
 
+class SaveFailsOnce(FlakyValidation):
+    """``on_save_checkpoint`` fails at step ``save_fails_at`` (a full disk), after that step's validation ran."""
+
+    save_fails_at: int | None = None
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.state.step == self.save_fails_at:
+            self.save_fails_at = None
+            raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("failing", ["validation", "save"])
+def test_a_fit_tried_again_first_does_what_the_failed_validation_or_save_left(tmp_path, failing):
+    """The validation after step 4 fails (an OOM in a larger eval batch), or the save after it (a full disk). The
+    fit tried again first does what was left of step 4: its validation, once, then the ReduceLROnPlateau monitoring
+    it, then its checkpoint. Validations, the plateau's state and the checkpoints kept are the run's that never
+    failed (imagenet/main.py validates and saves after each epoch, nanoGPT after each evaluation)."""
+    def make(directory):
+        torch.manual_seed(0)
+        plateau = {"scheduler": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
+                   "monitor": "val_loss"}
+        return SaveFailsOnce(WithDropout(), batches(), lambda p: torch.optim.Adam(p, lr=0.01), val_data=batches(3),
+                             val_every=2, max_steps=8, scheduler=plateau,
+                             checkpoint={"dir": str(directory), "every": 2, "keep": 10}, **QUIET)
+
+    t = make(tmp_path / "tried")
+    t.fail_at, t.save_fails_at = (4, None) if failing == "validation" else (None, 4)
+    with pytest.raises(StepError if failing == "validation" else OSError):
+        t.fit()
+    assert [step for step, _ in t.state.val_history] == ([0, 2] if failing == "validation" else [0, 2, 4])
+    t.fit()
+    never_failed = make(tmp_path / "never")
+    never_failed.fit()
+    assert [step for step, _ in t.state.val_history] == [step for step, _ in never_failed.state.val_history] == \
+        [0, 2, 4, 6, 8]
+    assert t.schedulers["optimizer"].state_dict() == never_failed.schedulers["optimizer"].state_dict()
+    assert [p.name for p in Checkpointer(tmp_path / "tried").saved()] == \
+        [p.name for p in Checkpointer(tmp_path / "never").saved()]
+    assert differences(never_failed.model.state_dict(), t.model.state_dict()) == []
+
+
 class ValidationEndFails(Trainer):
     """``on_validation_end`` raises once, at the validation after step ``fail_at``."""
 

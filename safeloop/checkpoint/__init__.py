@@ -21,7 +21,7 @@ One module a concern:
 - ``position``: the RNG states and where the data stands (``fast_forward``);
 - ``stop``: SIGTERM / SIGINT and the run's own stop requests (``StopRequest``, ``stop_signals``).
 """
-from .contents import (Parts, attributes, check_added, collect, read_modules, restore, rng_for, versions,
+from .contents import (Parts, attributes, check_added, collect, named_parameters, restore, rng_for, versions,
                        warn_unsaved, with_outside)
 from .directory import Checkpointer, configured
 from .files import FORMAT, atomic_save, is_rank_zero, load
@@ -31,5 +31,5 @@ from .stop import StopRequest, stop_signals
 
 __all__ = ["FORMAT", "Checkpointer", "Parts", "StopRequest", "atomic_save", "attributes", "check_added", "collect",
            "configured", "epoch_start", "fast_forward", "holder", "is_rank_zero", "load", "load_data", "lock",
-           "read_modules", "release", "restore", "rng_for", "rng_state", "run_dir_in_use", "set_generators",
+           "named_parameters", "release", "restore", "rng_for", "rng_state", "run_dir_in_use", "set_generators",
            "set_rng_state", "stateful", "stop_signals", "take", "versions", "warn_unsaved", "with_outside"]

@@ -51,6 +51,14 @@ class Scope:
     rerun: Callable[[Any], set[str] | None] | None = None
     optimized: Callable[[], Iterable[torch.Tensor] | None] = lambda: None
 
+    @classmethod
+    def of_trainer(cls, trainer: Any, model: Any, training_step: Callable, optimizers: Mapping) -> Scope:
+        """A Trainer's: ``self`` and ``self.model``, ``training_step``, and the parameters its optimizers hold, listed
+        once per fit (a parameter ``add_param_group`` adds later may hold gradients nothing cleared)."""
+        trained = list({id(p): p for opt in optimizers.values() for g in opt.param_groups
+                        for p in g["params"]}.values())
+        return cls(roots={"self": trainer, "self.model": model}, functions=(training_step,), parameters=lambda: trained)
+
 
 class Item(str):
     """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``): ``tuple_of`` names the tuple,
