@@ -1,10 +1,13 @@
 """Device and precision resolution, checked at start-up."""
 from __future__ import annotations
 
+from abc import ABC
 from contextlib import nullcontext
 from itertools import chain
+from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from .errors import ConfigError
 
@@ -83,6 +86,25 @@ def moved(tensor: torch.Tensor, device: torch.device, precision: str) -> torch.T
     """A batch's tensor on ``device``; under bf16-true a floating one in bf16, as the parameters are."""
     dtype = torch.bfloat16 if precision == "bf16-true" and tensor.is_floating_point() else None
     return tensor.to(device, dtype=dtype, non_blocking=True)
+
+
+class MovesItself(ABC):
+    """What has a ``to`` method of its own: a tensor, or Hugging Face's ``BatchEncoding``, whose tokenizer encodings
+    (``word_ids()``) a copy rebuilt from its tensors would lose. Lightning's ``move_data_to_device`` and accelerate's
+    ``send_to_device`` move such an object whole."""
+
+    @classmethod
+    def __subclasshook__(cls, subclass: type) -> bool:
+        return callable(getattr(subclass, "to", None)) or NotImplemented
+
+
+def to_device(batch: Any, device: torch.device, precision: str) -> Any:
+    """Every tensor in ``batch`` (lists, tuples, dicts) on ``device`` (``moved``), an object with a ``to`` method of
+    its own moved whole by it; under bf16-true the floating tensors inside such an object are cast too (it is then
+    rebuilt from its items, as Lightning's precision plugin rebuilds it)."""
+    kind = torch.Tensor if precision == "bf16-true" else MovesItself
+    return apply_to_collection(batch, kind, lambda x: moved(x, device, precision) if isinstance(x, torch.Tensor)
+                               else x.to(device))
 
 
 def moves(device: torch.device, precision: str) -> bool:

@@ -81,8 +81,10 @@ class TrainData:
         state, pending = self.state, []
         while settings.max_epochs is None or state.epoch < settings.max_epochs:
             start = state.batch_in_epoch  # > 0: going on mid-pass (a resume)
-            if not start:  # before the pass draws anything: its RNG states are taken after the hook
-                hooks("on_epoch_start")
+            if not start:  # before the pass draws anything: the generators as the last pass left them (a resume too)
+                if self.epoch_rng is not None and state.epoch > 0:
+                    ckpt.set_generators(self.data, self.epoch_rng)
+                hooks("on_epoch_start")  # which may reseed them, or replace the data: its RNG states are taken after
                 if stop.reason is not None:
                     return
                 self.shard_again()
@@ -94,9 +96,7 @@ class TrainData:
                 batches = data
             elif start:  # the order the pass had before the interruption, past the batches consumed
                 batches = ckpt.fast_forward(data, self.epoch_rng, start)
-            else:  # a new pass: its order drawn from the generators as the last pass left them (a resume too)
-                if self.epoch_rng is not None and state.epoch > 0:
-                    ckpt.set_generators(data, self.epoch_rng)
+            else:  # a new pass
                 self.epoch_rng = ckpt.epoch_start(data)
                 batches = data
             empty = True

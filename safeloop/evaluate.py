@@ -141,8 +141,7 @@ class Evaluator:
                 collect(batch, out)
                 done += 1
             if not done and self.dist is None:  # (under torchrun a rank may have none of a small data set)
-                raise ConfigError(f"{kind.data} yielded no batches: check the dataset and batch size"
-                                  + (", or pass no val_data" if kind is VALIDATION else ""))
+                raise ConfigError(_no_batches(kind, data))
         except Exception as err:
             if isinstance(err, SafeloopError):
                 raise
@@ -208,3 +207,12 @@ def summed(totals: dict[str, list[float]], batches: int, dist: Distributed,
                             "can be summed yourself and set in on_validation_end(metrics))")
     flat = dist.sum(torch.tensor([totals[name] for name in names], dtype=torch.float64))
     return dict(zip(names, flat.tolist()))
+
+
+def _no_batches(kind: Kind, data: Iterable) -> str:
+    if iter(data) is data:  # a generator an earlier pass used up (the validation before training)
+        return (f"{kind.data} is a {type(data).__name__}, an iterator that one pass uses up: this pass got no batches. "
+                "Pass something that can be iterated again (a DataLoader, a list, or an object whose __iter__ returns "
+                "a new generator each time)")
+    return f"{kind.data} yielded no batches: check the dataset and batch size" + \
+        (", or pass no val_data" if kind is VALIDATION else "")

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.overrides import is_overridden
 
 from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
 from .callbacks import Callback, Hooks, TrainerHooks, check_monitor, lightning_attribute, logged_value
-from .devices import autocast, moved, moves, place, resolve
+from .devices import autocast, moves, place, resolve, to_device
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
 from .guard import GraphGuard, Guard, for_trainer
@@ -340,8 +340,9 @@ class Trainer(TrainerHooks):
                          tuple(self.modules().values()), self._fitting)
 
     def to_device(self, batch):
-        """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true)."""
-        return apply_to_collection(batch, torch.Tensor, partial(moved, device=self.device, precision=self.precision))
+        """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true), an
+        object with a ``to`` method of its own (HF's ``BatchEncoding``) moved by it. Overridden, it runs on the CPU too."""
+        return to_device(batch, self.device, self.precision)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
@@ -439,7 +440,8 @@ class Trainer(TrainerHooks):
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
             undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
             forward=forward, autocast=partial(autocast, self.precision, self.device), scaler=self.scaler,
-            move=self.to_device if moves(self.device, self.precision) else None, dist=self.dist, scope=scope,
+            move=self.to_device if moves(self.device, self.precision) or is_overridden("to_device", self, Trainer)
+            else None, dist=self.dist, scope=scope,
             named_parameters=partial(ckpt.named_parameters, self.modules), model=self.model, precision=self.precision),
             previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []

