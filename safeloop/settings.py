@@ -314,6 +314,11 @@ def manual_problems(cls: type, base: type, val_data: Any, settings: Settings) ->
         out.append(f"loss_weights={dict(settings.loss_weights)!r} weights the losses an automatic "
                    "training_step returns; in manual mode (automatic = False) scale each loss "
                    "before self.backward(...) instead")
+    if settings.grad_accum > 1:
+        out.append(f"grad_accum={settings.grad_accum} groups micro-batches into the updates of an automatic "
+                   "training_step; in manual mode (automatic = False) every self.step() updates: accumulate by "
+                   "calling self.step(name) every N steps (the gradients no update applied are kept), dividing each "
+                   "loss by N, as Lightning's manual optimization does")
     return out
 
 

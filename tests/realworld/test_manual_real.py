@@ -501,11 +501,6 @@ def test_lbfgs_closure_with_a_scheduler_and_clipping_matches_the_hand_loop():
 
 
 # -- grad_accum with a manual step -----------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "grad_accum=2 in manual mode is taken silently: each step runs training_step on 2 micro-batches, every "
-    "self.step() updates, and no loss is divided by 2, where docs/trainer.md says grad_accum is 'micro-batches per "
-    "optimizer step, each loss divided by it' (Lightning refuses accumulate_grad_batches with manual optimization; "
-    "safeloop/settings.py manual_problems refuses loss_weights in manual mode, not grad_accum)."))
 def test_grad_accum_with_a_manual_step_is_refused_at_start_up():
     """A Lightning port keeping ``Trainer(accumulate_grad_batches=2)`` as ``grad_accum=2`` beside the guide's
     minimal manual step (``opt.zero_grad()``, ``self.manual_backward(loss)``, ``opt.step()``): Lightning stops with
