@@ -62,20 +62,22 @@ class Schedules:
         # each optimizer's hyperparameters as configure_optimizers made them (its schedulers built), which schedules
         # change later: what a resumed run compares its own with, to tell a setting changed for it
         self.configured = dict(configured or {})
-        self.used: dict[str, list] = {}  # each optimizer's rates at its last update (a scheduler has moved them since)
+        self.used: dict[str, tuple[int, list]] = {}  # each optimizer's last update: its step, the rates it used
         self.mark()
 
     def after_update(self, name: str, optimizer: torch.optim.Optimizer, step: int) -> None:
         # the rates the update used, which the log shows: its scheduler steps next (or one in on_step_end, timm's)
-        self.used[name] = [_copied(g["lr"]) for g in optimizer.param_groups]
+        self.used[name] = step, [_copied(g["lr"]) for g in optimizer.param_groups]
         schedule = self.schedules.get(name)
         if schedule is not None and schedule.every_step:
             self._step(name, step)
 
-    def rates(self, optimizers: Mapping[str, torch.optim.Optimizer], but: Mapping | tuple = ()) -> dict[str, float]:
-        """``learning_rates`` as the last update used them (what a log point shows with that step's losses), but
-        those of names in ``but`` (a value ``self.log`` gave under the same name)."""
-        used, self.used = self.used, {}
+    def rates(self, optimizers: Mapping[str, torch.optim.Optimizer], step: int,
+              but: Mapping | tuple = ()) -> dict[str, float]:
+        """``learning_rates`` as step ``step``'s updates used them, an optimizer no update of it stepped (manual mode)
+        as it is now (what a log point shows with that step's losses), but those of names in ``but`` (a value
+        ``self.log`` gave under the same name)."""
+        used, self.used = {name: rates for name, (at, rates) in self.used.items() if at == step}, {}
         return {k: v for k, v in learning_rates(optimizers, used).items() if k not in but}
 
     def after_epoch(self, step: int) -> None:

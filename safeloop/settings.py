@@ -300,6 +300,17 @@ def model_problem(cls: type, base: type) -> str | None:
         "them" if defaults else None
 
 
+def trainer_arguments(cls: type, base: type, given: Mapping[str, Any],
+                      settings: Mapping[str, Any]) -> tuple[Settings, list[str]]:
+    """The ``Settings`` of a Trainer of class ``cls`` made with the arguments ``given`` and the keyword ``settings``,
+    and every problem with them (``base``: safeloop's Trainer, whose ``__init__`` annotates the arguments)."""
+    out, found = read(Settings, settings, "Trainer", suggest=True)
+    problems = argument_problems(*(given[k] for k in ("model", "train_data", "val_data", "loss_fn", "optimizer",
+                                                      "scheduler", "config"))) + found
+    problems += manual_problems(cls, base, given["val_data"], out)
+    return out, problems + mistyped(base, {k: v for k, v in given.items() if v is not None and k != "model"})
+
+
 def manual_problems(cls: type, base: type, val_data: Any, settings: Settings) -> list[str]:
     """What a Trainer class ``cls`` in manual mode (``automatic = False``) cannot do with these arguments (the
     default validation_step is ``base``'s)."""

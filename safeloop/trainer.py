@@ -20,7 +20,7 @@ from .guard.explain import Scope
 from .loggers import make_loggers
 from .progress import Progress, say_outputs
 from .seed import seed_everything
-from .settings import Settings, argument_problems, attach, manual_problems, mistyped, model_problem, read
+from .settings import attach, model_problem, trainer_arguments
 from .state import TrainState
 from .epochs import PASS_END, TrainData
 from .step import Runner, StepConfig, Undo
@@ -80,12 +80,9 @@ class Trainer(TrainerHooks):
                  guard: Guard | GraphGuard | Mapping[str, Any] | None = None, callbacks: Iterable[Callback] = (),
                  run_dir: str | Path | None = None, checkpoint: Mapping[str, Any] | bool | None = None,
                  config: Mapping[str, Any] | None = None, **settings: Any):
-        self.settings, found = read(Settings, settings, "Trainer", suggest=True)
-        problems = argument_problems(model, train_data, val_data, loss_fn, optimizer, scheduler, config) + found
-        problems += manual_problems(type(self), Trainer, val_data, self.settings)
-        given = dict(train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn, guard=guard,
-                     scheduler=scheduler, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint, config=config)
-        problems += mistyped(Trainer, {k: v for k, v in given.items() if v is not None})
+        given = dict(model=model, train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn,
+                     guard=guard, scheduler=scheduler, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint)
+        self.settings, problems = trainer_arguments(type(self), Trainer, {**given, "config": config}, settings)
         self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
         problems += found
         self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
@@ -260,7 +257,7 @@ class Trainer(TrainerHooks):
             if step % s.log_every == 0 or end:
                 metrics = self.state.metrics(self.logged)  # empties self.logged
                 self.progress.update(step, metrics)
-                self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, but=metrics)})
+                self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, step, but=metrics)})
         self._unfinished = step
         validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
         if validated and not (again and self.state.validated):
@@ -340,8 +337,8 @@ class Trainer(TrainerHooks):
                          tuple(self.modules().values()), self._fitting)
 
     def to_device(self, batch):
-        """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true), an
-        object with a ``to`` method of its own (HF's ``BatchEncoding``) moved by it. Overridden, it runs on the CPU too."""
+        """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true),
+        an object with a ``to`` method of its own (HF's ``BatchEncoding``) moved by it. Overridden: on the CPU too."""
         return to_device(batch, self.device, self.precision)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -351,7 +348,7 @@ class Trainer(TrainerHooks):
         if self._save_now or self.checkpointer is None:
             return self._save()
         self._save_asked = True
-        return self.checkpointer.path(self.state.step)
+        return self.checkpointer.path(self._runner.running or self.state.step)  # the step under way, if any
 
     def _save(self) -> Path | None:
         self._save_asked = False
@@ -406,7 +403,8 @@ class Trainer(TrainerHooks):
         modules, named = ckpt.with_outside(self.modules(), ckpt.named_parameters(self.modules), self.optimizers)
         return ckpt.Parts(modules, named, self.optimizers, self.schedulers, self.scaler, self.state, self._data,
                           self.dist, bool(self.checkpointer and self.checkpointer.sharded),
-                          self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured)
+                          self._runner.applied_parameters() if self._runner else frozenset(), self.schedules.configured,
+                          self._loaded_rng)  # a checkpoint loaded: its random state until the next step begins
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:

@@ -40,6 +40,7 @@ class Parts:
     sharded: bool = False  # checkpoint.sharded: FSDP2's DTensors kept as they are (each rank writes its shards)
     applied: frozenset[int] = frozenset()  # ids of the parameters whose gradients an update already applied
     configured: dict | None = None  # the optimizers' settings as configure_optimizers made them (Schedules)
+    rng: dict | None = None  # the random state the next step starts from, where not the process's (one loaded)
 
 
 OUTSIDE = "outside_modules"  # the module name under which the parameters trained outside Trainer.modules() are saved
@@ -100,7 +101,7 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "schedulers": {name: numbers(sched.state_dict()) for name, sched in parts.schedulers.items()},
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "state": parts.state.state_dict(),
-        "rng": position.rng_state(),
+        "rng": parts.rng if parts.rng is not None else position.rng_state(),
         "data": parts.data.state_dict(),
         "gradients": {name: full(p.grad.detach()) for name, p in parts.parameters
                       if p.grad is not None and id(p) not in parts.applied},

@@ -151,6 +151,7 @@ class Runner:
         self.outside_hooks: list = []
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
+        self.running: int | None = None  # the step under way, until it counts itself (before on_step_end)
         # the mode-changing layers, if the fit began with every one in eval mode (after the first step: reported if
         # they still are; set to eval by the run's own code, a hook or training_step, they are taken as meant)
         self.left_in_eval = in_eval(c.model)
@@ -169,7 +170,7 @@ class Runner:
     def run(self, batches: list) -> None:
         """One optimizer step over ``batches`` (its micro-batches)."""
         state, guard = self.state, self.guard
-        step = state.step + 1
+        step = self.running = state.step + 1
         if self.dist is not None:
             self.dist.step = step  # named by its errors, whichever collective call fails
         timed = guard.begin_step(step)
@@ -202,7 +203,7 @@ class Runner:
         self.stepped.clear()
         self.unwatch_outside()
         state.losses = {k: v / len(batches) for k, v in total.items()} if len(batches) > 1 else total
-        state.step = step
+        state.step, self.running = step, None
         if self.left_in_eval:
             warn_evaluating(self.left_in_eval, step)
             self.left_in_eval = []

@@ -429,11 +429,6 @@ def test_a_wgan_generator_turn_failing_after_critic_only_steps_says_what_auto_le
 
 
 # -- the learning rate written to metrics.csv in manual mode ----------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "In manual mode a step that makes no update logs the rate of an earlier step's update if that step was not a "
-    "log point: Schedules.after_update keeps it in `used` until the next log (safeloop/schedules.py, "
-    "Schedules.rates), so the lr written for one step depends on log_every (step 3: 0.05 with log_every=1, 0.1 "
-    "with log_every=3)."))
 def test_the_rate_logged_for_a_step_does_not_depend_on_log_every(tmp_path):
     """Lightning's manual accumulation (N=2, updates at even steps) with a per-update LambdaLR; the ``lr`` written
     at steps 3, 6, 9 and 12 by ``log_every=3`` is the one ``log_every=1`` writes there: the rate the optimizer held
@@ -749,10 +744,6 @@ class SavesEarly(AccumulateEveryN):
         return loss
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "save_checkpoint() asked in on_step_start or training_step returns the path of step N-1's file "
-    "(safeloop/trainer.py Trainer.save_checkpoint: checkpointer.path(self.state.step), read before the step "
-    "counts itself), while the deferred save writes step N's: the path returned names no file."))
 @pytest.mark.parametrize("where", ["on_step_start", "training_step"])
 def test_the_path_save_checkpoint_returns_during_a_step_is_the_file_written(tmp_path, where):
     """docs/checkpoints.md: asked from a hook while a step's work is under way (``on_step_start`` to
@@ -1100,11 +1091,6 @@ def dropout_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 1))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "save_checkpoint() in on_fit_start of a resumed run rewrites the checkpoint it resumed from with this "
-    "process's random state: the checkpoint's is set only after on_fit_start, just before the first step "
-    "(safeloop/trainer.py fit(): _loaded_rng), and checkpoint.collect saves the live one; a run resumed from that "
-    "file again draws other dropout masks."))
 def test_a_checkpoint_saved_in_on_fit_start_of_a_resumed_run_resumes_as_the_run_that_never_stopped(tmp_path):
     """A run stopped at step 4 is resumed in a new process (other random state) with ``resume="auto"``; its
     ``on_fit_start`` saves, which writes step 4's file again. Resumed from that file once more, the run trains to
