@@ -445,7 +445,10 @@ class Runner:
         self.config.schedules.check(name, step)  # not stepped by other code too: before anything changes
         if self.dist is not None:  # average gradients over ranks (once: a no-op if already synced)
             self.dist.sync(name)
-        self.prepare(name, opt)  # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged
+        # gradients only: a failure in it (a hook, say) leaves the optimizer unchanged. With a closure, the gradients
+        # a backward left before it (SAM's first phase); its own are readied after each of its calls (L-BFGS's)
+        if closure is None or current is not None or any(p.grad is not None for p in trained(opt)):
+            self.prepare(name, opt)
         self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)

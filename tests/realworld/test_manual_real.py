@@ -847,11 +847,6 @@ def test_optimizers_stepping_at_different_frequencies_with_zero_grad_before_each
     assert (t.schedulers["d"].last_epoch, t.schedulers["g"].last_epoch) == (4, 2)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "In manual mode self.step(closure=...) runs on_before_optimizer_step (and the clip) once before the closure, "
-    "on the gradients as they are then (None in Lightning's L-BFGS pattern), then after every evaluation "
-    "(safeloop/step/runner.py Runner._update calls prepare() before opt.step(closure)); a hook that edits the "
-    "gradients fails on None. Lightning calls the hook after each closure evaluation only."))
 def test_a_gradient_hook_with_an_lbfgs_closure_sees_each_evaluations_gradients_only():
     """Gradient centralization (Yonghongwei/Gradient-Centralization, algorithm-GC/algorithm/Centralization.py:
     ``x.add_(-x.mean(dim=tuple(range(1, x.dim())), keepdim=True))`` for every gradient of more than one dimension)
