@@ -39,6 +39,8 @@ class CSVLogger:
     def _append(self, rows) -> None:
         """Write ``rows`` whole or not at all: a write the system refuses (a full disk) is cut back to where the file
         ended, and said with the file's name."""
+        if self._file.closed:  # fit() closed it: a validate() or test() after it writes on
+            self._file = open(self.path, "ab", buffering=0)
         text = io.StringIO(newline="")
         csv.writer(text).writerows(rows)
         data = memoryview(text.getvalue().encode())
@@ -88,6 +90,7 @@ class TensorBoardLogger:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
             self._writer = SummaryWriter(str(self.path), purge_step=self._purge_step)
+            self._purge_step = None  # (once: a writer opened again after close(), by a later validate(), purges none)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()  # on disk at every log point, as metrics.csv: a killed run keeps what it logged
@@ -95,6 +98,7 @@ class TensorBoardLogger:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
 
 
 def _kept_id(path: Path, make) -> str:
@@ -128,6 +132,7 @@ class WandbLogger:
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
+            self._run = None  # a later write (validate() after fit) resumes the same run (its id)
 
 
 class MLflowLogger:

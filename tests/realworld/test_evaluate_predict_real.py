@@ -828,10 +828,6 @@ def test_validation_counts_the_samples_of_a_frozen_dataclass_batch():
 # -- trainer.validate() after fit(), with the default metrics file
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "fit() closes its loggers when it ends (Trainer.fit's finally: logger.close()), and a later validate() "
-    "writes its metrics to them (Trainer.validate -> log_metrics): the default CSVLogger raises 'I/O operation on "
-    "closed file' from safeloop/loggers.py CSVLogger._append, after the validation itself ran."))
 def test_validate_after_fit_with_the_default_metrics_file_returns_and_logs_its_metrics(tmp_path):
     """Lightning's evaluation docs (docs/source-pytorch/common/evaluation_intermediate.rst): ``trainer.fit(model)``,
     then ``trainer.validate(model, dataloaders=...)``. Here with a run directory and the default loggers (csv):
