@@ -412,8 +412,8 @@ class Trainer(TrainerHooks):
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
         if self.model is None and (problem := model_problem(type(self), Trainer)):
             raise ConfigError(problem)
-        if self.model is not None:
-            place(self.model, self.device, self.precision)
+        for module in {self.model, *ckpt.read_modules(self.modules).values()} - {None}:  # an EMA copy too
+            place(module, self.device, self.precision)
         if self.dist is not None and not self.optimizers:  # strategy=fsdp: sharded before the optimizers are made
             self.dist.shard_model(self.model, self.settings.strategy, self.precision, self.configure_sharding)
         if not self.optimizers:  # kept only once they and their schedulers are accepted

@@ -21,8 +21,8 @@ One module a concern:
 - ``position``: the RNG states and where the data stands (``fast_forward``);
 - ``stop``: SIGTERM / SIGINT and the run's own stop requests (``StopRequest``, ``stop_signals``).
 """
-from .contents import (Parts, attributes, check_added, collect, named_parameters, restore, rng_for, versions,
-                       warn_unsaved, with_outside)
+from .contents import (Parts, attributes, check_added, collect, named_parameters, read_modules, restore, rng_for,
+                       versions, warn_unsaved, with_outside)
 from .directory import Checkpointer, configured
 from .files import FORMAT, atomic_save, is_rank_zero, load
 from .locks import holder, lock, release, run_dir_in_use, take
@@ -31,5 +31,6 @@ from .stop import StopRequest, stop_signals
 
 __all__ = ["FORMAT", "Checkpointer", "Parts", "StopRequest", "atomic_save", "attributes", "check_added", "collect",
            "configured", "epoch_start", "fast_forward", "holder", "is_rank_zero", "load", "load_data", "lock",
-           "named_parameters", "release", "restore", "rng_for", "rng_state", "run_dir_in_use", "set_generators",
-           "set_rng_state", "stateful", "stop_signals", "take", "versions", "warn_unsaved", "with_outside"]
+           "named_parameters", "read_modules", "release", "restore", "rng_for", "rng_state", "run_dir_in_use",
+           "set_generators", "set_rng_state", "stateful", "stop_signals", "take", "versions", "warn_unsaved",
+           "with_outside"]

@@ -46,16 +46,19 @@ class Parts:
 OUTSIDE = "outside_modules"  # the module name under which the parameters trained outside Trainer.modules() are saved
 
 
-def named_parameters(modules: Callable[[], dict[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters of ``Trainer.modules()``, as ``module.parameter``; an attribute it reads that is not there
-    yet (read first at set-up, in every fit) is explained."""
+def read_modules(modules: Callable[[], dict[str, torch.nn.Module]]) -> dict[str, torch.nn.Module]:
+    """``Trainer.modules()``: an attribute it reads that is not there yet (read first at set-up) is explained."""
     try:
-        named = modules().items()
+        return modules()
     except AttributeError as err:
         raise ConfigError(
             f"Trainer.modules() raised AttributeError: {err}. It is read before on_fit_start (as fit() sets up, and "
             "to load a checkpoint with resume=): make the modules it returns in __init__, not in on_fit_start") from err
-    return [(f"{m}.{n}", p) for m, module in named for n, p in module.named_parameters()]
+
+
+def named_parameters(modules: Callable[[], dict[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of ``Trainer.modules()``, as ``module.parameter``."""
+    return [(f"{m}.{n}", p) for m, module in read_modules(modules).items() for n, p in module.named_parameters()]
 
 
 def with_outside(modules: dict[str, torch.nn.Module], parameters: list[tuple[str, torch.nn.Parameter]],

@@ -454,10 +454,6 @@ class ModelEma(Classifier):
         return {"loss": F.cross_entropy(self.model(x), y), "ema": F.cross_entropy(self.ema(x), y)}
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "Under precision='bf16-true' only self.model is cast (safeloop/devices.py place(), called by Trainer.setup and "
-    "Evaluator.run for self.model alone): the EMA copy made in __init__ and returned from modules() stays float32, "
-    "and its validation fails on the bf16 batch with torch's 'mat1 and mat2 must have the same dtype'."))
 def test_ema_in_modules_is_validated_under_bf16_true_as_the_cast_copy():
     """Lightning's ``bf16-true`` casts the whole LightningModule, an EMA copy kept on it included. Here the copy the
     docs say to make in ``__init__`` is validated beside the model: ``val_ema`` equals the loss of the EMA cast to
