@@ -152,9 +152,10 @@ class Runner:
         self.own = False  # the Trainer's own backward is running
         self.diagnosing = False  # re-running training_step to explain a missing graph
         self.running: int | None = None  # the step under way, until it counts itself (before on_step_end)
-        # the mode-changing layers, if the fit began with every one in eval mode (after the first step: reported if
-        # they still are; set to eval by the run's own code, a hook or training_step, they are taken as meant)
-        self.left_in_eval = in_eval(c.model)
+        # the mode-changing layers, if the run began with every one in eval mode (after the first step: reported if
+        # they still are; set to eval by the run's own code, a hook or training_step, they are taken as meant, in a
+        # later fit too)
+        self.left_in_eval = in_eval(c.model) if c.state.step == 0 else []
         self.mid_pass: tuple[int, int] | None = None  # (pass, batches of it before this fit) if the fit began in one
         self.model_order = {id(p): i for i, (_, p) in enumerate(c.named_parameters())}  # grad_clip's order
         if c.state.step == 0:  # a run starts from no gradient, as every step does (not from a probe's before fit)

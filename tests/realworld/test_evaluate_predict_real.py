@@ -569,10 +569,6 @@ class Probe(Classifier):
         return sgd(self.model.head.parameters())
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigWarning, reason=(
-    "The check for a model left in eval mode (safeloop/step/runner.py, in_eval() in Runner.__init__) looks at the "
-    "modes as each fit() sets up: a second fit() finds the eval mode the first fit's own on_epoch_start set and "
-    "reports it, though docs/trainer.md says eval mode the run's own code sets there is not reported."))
 def test_linear_probe_eval_mode_set_in_on_epoch_start_stays_quiet_in_a_second_fit():
     """docs/trainer.md, Mistakes that would otherwise be silent: eval mode the run's own code sets (MoCo's
     ``main_lincls.py`` calls ``model.eval()`` at each epoch's start) is not reported. Training goes on in a second
