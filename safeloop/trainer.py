@@ -333,6 +333,8 @@ class Trainer(TrainerHooks):
         return self._evaluator().outputs(data, self.predict_step)
 
     def _evaluator(self) -> Evaluator:
+        if not self._fitting:  # Lightning's hook names are refused as fit() refuses them (a script that predicts)
+            self._hooks.bind(self.callbacks)
         return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist,
                          tuple(self.modules().values()), self._fitting)
 

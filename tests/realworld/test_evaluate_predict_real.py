@@ -757,10 +757,6 @@ class BatchWriter(Callback):
         torch.save(outputs, os.path.join(self.output_dir, f"{batch_idx}.pt"))
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "Lightning's hook names are refused only when the hooks are bound (safeloop/callbacks.py Hooks.bind, "
-    "lightning_names), which fit() and a validate() do but test() and predict() never do: a predict-only script "
-    "runs without the writer, silently (and a test_step(batch, batch_idx) fails with a bare TypeError)."))
 def test_a_lightning_prediction_writer_is_refused_by_predict_as_by_fit(tmp_path):
     """docs/trainer.md, Coming from Lightning: a callback that keeps one of Lightning's names safeloop never calls
     is a ``ConfigError`` naming safeloop's way. ``fit()`` says so; so does ``predict()`` in a script that only
