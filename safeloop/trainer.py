@@ -85,7 +85,8 @@ class Trainer(TrainerHooks):
         self.settings, problems = trainer_arguments(type(self), Trainer, {**given, "config": config}, settings)
         self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
         problems += found
-        self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
+        graphs = Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None
+        self.guard, found = for_trainer(guard, graphs, manual=not self.automatic)  # its messages speak of our step
         problems += found
         self.device, self.precision, found = resolve(self.settings.device, self.settings.precision)
         if problems + found:
@@ -188,8 +189,7 @@ class Trainer(TrainerHooks):
             if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
                 seed_everything(self.settings.seed)
             self.setup()
-            if zero:
-                self._said = say_outputs(self.run_dir, self.checkpointer, bool(self.loggers), self._said)
+            self._said = say_outputs(self.run_dir, self.checkpointer, bool(self.loggers), self._said) if zero else None
             resume = self.settings.resume if self.state.step == 0 else None  # a later fit goes on from this one
             let_go = ckpt.take(self.run_dir, self.checkpointer, self.state.step == 0 and resume is None)
             if resume is not None:

@@ -857,17 +857,19 @@ class Guard:
             if shared:
                 self.spent += time.perf_counter() - t0
                 backward = f"the backward of '{earlier}'{explain.at(where)}"
-                detail = (f"the loss reaches {{node}}, held by {{holder}}, which {backward} in this step already ran "
-                          "without retain_graph, freeing its saved tensors: both losses share that graph")
-                fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
-                         "shared graph but the last needs",
-                         "compute `{code}` again for the second loss, if it must see the updated parameters"]
-                if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
-                    detail = (f"this loss ({{node}}, held by {{holder}}) was already back-propagated by {backward} in "
-                              "this step, without retain_graph, which freed its saved tensors")
-                    fixes = [self.words.twice, self.words.shared]
                 holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
                 holder = holder or explain.find_holder(shared[0], scope, None)
+                held = ", held by {holder}" if holder else ""  # none found: a local of the step, most likely
+                detail = (f"the loss reaches {{node}}{held}, which {backward} in this step already ran without "
+                          "retain_graph, freeing its saved tensors: both losses share that graph")
+                fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
+                         "shared graph but the last needs",
+                         f"compute {'`{code}`' if _code(holder) else 'the shared part'} again (a fresh forward) for "
+                         "the second loss, if it must see the updated parameters"]
+                if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
+                    detail = (f"this loss ({{node}}{held}) was already back-propagated by {backward} in this step, "
+                              "without retain_graph, which freed its saved tensors")
+                    fixes = [self.words.twice, self.words.shared]
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
                     detail += _CHANGED.format(explain.leaf_names(changed, scope))

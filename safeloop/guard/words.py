@@ -35,6 +35,20 @@ TRAINER = Words(
     consumed_by="training_step, a hook or an earlier loss called backward on it",
 )
 
+MANUAL = Words(  # the Trainer in manual mode: training_step calls self.backward itself
+    place="training_step",
+    before=TRAINER.before,
+    trace=TRAINER.trace,
+    retain="self.backward(loss, ..., retain_graph=True)",
+    once="call self.backward once on each loss, and no loss.backward() in training_step: a second backward on it "
+         "adds the same gradient again",
+    twice="call self.backward once on each loss: delete the second (run with retain_graph=True, it would add the "
+          "same gradient again)",
+    shared="if several losses share a graph (one forward, each optimizer's loss), pass retain_graph=True to every "
+           "self.backward through it but the last",
+    consumed_by="an earlier self.backward (or a loss.backward() in training_step) of the step ran",
+)
+
 LOOP = Words(
     place="the loop",
     before="before the loop",

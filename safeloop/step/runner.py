@@ -113,6 +113,12 @@ class Runner:
         self.applied: set[str] = set()
         if previous is not None:  # a new fit: the last one's are dropped now
             previous.clear_applied()
+            previous.unhook()
+        # manual mode: an optimizer stepped in the step other than by self.step (a Lightning port keeping opt.step())
+        # would skip grad_clip, the non-finite check, its scheduler and the undo: refused before it changes anything
+        self.updating = False  # inside the Trainer's own opt.step()
+        self.step_hooks = [] if self.automatic else [opt.register_step_pre_hook(partial(self.stepped_directly, name))
+                                                     for name, opt in self.optimizers.items()]
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -453,12 +459,16 @@ class Runner:
         self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
-        if closure is not None:
-            opt.step(self.closure(name, step, opt, closure, current))
-        elif self.scaler is not None:
-            self.scaler.step(opt)
-        else:
-            opt.step()
+        self.updating = True
+        try:
+            if closure is not None:
+                opt.step(self.closure(name, step, opt, closure, current))
+            elif self.scaler is not None:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+        finally:
+            self.updating = False
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
         self.applied.add(name)  # its gradients stay until the next step begins (``clear_applied``)
@@ -466,6 +476,19 @@ class Runner:
         self.stepped[name] = sequence_now()
         if self.recast:
             torch.clear_autocast_cache()
+
+    def stepped_directly(self, name: str, *_: Any) -> None:
+        """An optimizer's step pre-hook (manual mode): its ``step()`` called by the step's own code."""
+        if self.running is not None and not self.updating and not self.diagnosing:
+            raise StepError(f"step {self.running}: optimizer {name!r} was stepped by its own step() in the step (as "
+                            f"Lightning's opt.step()); in manual mode call self.step({name!r}), which updates as the "
+                            "Trainer does: the non-finite check, grad_clip, on_before_optimizer_step, its scheduler, "
+                            "and the undo of a step that fails", self.running)
+
+    def unhook(self) -> None:
+        for handle in self.step_hooks:
+            handle.remove()
+        self.step_hooks = []
 
     def clear_applied(self) -> None:
         """Clear the gradients that updates already applied (at a step's start, and before the Trainer's backward)."""
@@ -579,6 +602,7 @@ class Runner:
         """Abandon the failed ``step``; returns the error to raise: ours as it is, any other
         exception as a StepError naming the step and saying what was undone (an in-place error of an
         autograd call made after an optimizer update of the step: the guard's explanation)."""
+        self.running = None
         stepped = {name: self.optimizers[name] for name in self.stepped}
         # the parameters' versions before the undo changes them: they name the one an in-place error is about
         named = self.config.named_parameters()

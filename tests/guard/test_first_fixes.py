@@ -176,7 +176,8 @@ def test_the_trainer_advises_one_loss_back_propagated_twice_away_rather_than_ret
 
     with pytest.raises(DoubleBackwardError, match=re.escape("this loss (MseLossBackward0, held by")) as info:
         fit(twice=True)
-    assert info.value.fixes[0] == "do not call backward on the same loss twice, nor in training_step; return the loss"
+    assert info.value.fixes[0] == ("call self.backward once on each loss: delete the second (run with retain_graph=True, "
+                                   "it would add the same gradient again)")  # manual mode's words
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in batches():

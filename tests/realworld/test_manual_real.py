@@ -890,11 +890,6 @@ def test_a_gradient_hook_with_an_lbfgs_closure_sees_each_evaluations_gradients_o
 
 
 # -- Lightning's opt.step() kept in a port ------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A manual step that keeps Lightning's opt.step() (self.optimizers['optimizer'].step()) instead of self.step() "
-    "trains with no word: grad_clip is not applied and the configured scheduler never steps (last_epoch stays 0); "
-    "a scheduler stepped outside the Trainer is a StepError (Schedules.check), an optimizer stepped outside "
-    "self.step is not reported at all (Lightning refuses gradient_clip_val with manual optimization)."))
 def test_an_optimizer_stepped_outside_self_step_with_grad_clip_and_a_scheduler_is_reported():
     """The guide's minimal example (``opt.zero_grad()``, ``self.manual_backward(loss)``, ``opt.step()``) ported
     with ``self.backward`` but ``opt.step()`` kept, with ``grad_clip`` and a per-update scheduler given to the
@@ -965,11 +960,6 @@ def test_reusing_d_fake_after_ds_step_on_a_later_step_is_named_and_the_step_undo
 
 
 # -- one forward, two optimizers' backwards, retain_graph forgotten ----------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "The DoubleBackwardError of a manual step whose two self.backward calls share a graph built inside the step "
-    "blames 'a tensor made outside the step' and says to compute `tensor` again (guard.py Guard._error's default "
-    "when find_holder finds no holder: a local of training_step); with checks off it gives automatic mode's fixes "
-    "(return the losses as a dict), which do nothing in manual mode, and never says retain_graph."))
 @pytest.mark.parametrize("check", ["auto", "off"])
 def test_two_backwards_through_one_graph_without_retain_graph_say_what_to_fix(check):
     """Simultaneous gradient descent-ascent on one value (a GAN's minimax written as in Lightning's manual
