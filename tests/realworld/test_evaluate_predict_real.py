@@ -626,10 +626,6 @@ class CtrlC(Classifier):
         return F.cross_entropy(self.model(x), y)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "EarlyStopping (safeloop/callbacks.py) tells a validation outside fit() by its own 'fitting' flag, cleared only "
-    "in on_fit_end, which a fit stopped by SIGINT does not call: each trainer.validate() after the stop counts as "
-    "a validation without improvement, and the next fit() stops at once without training."))
 def test_validate_after_ctrl_c_is_not_counted_by_early_stopping_and_the_fit_goes_on():
     """docs/trainer.md, Early stopping: a ``trainer.validate()`` of your own counts when a hook calls it during the
     steps, "not outside ``fit()``". In a notebook, Ctrl-C stops the fit after step 3 (docs/checkpoints.md: the run
