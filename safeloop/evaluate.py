@@ -111,11 +111,11 @@ class Evaluator:
     @torch.no_grad()
     def run(self, data: Iterable, step_fn: Callable, collect: Callable[[object, object], None], kind: Kind) -> int:
         """``collect(batch, step_fn(batch))`` for each batch; returns how many there were. ``model`` is in eval
-        mode meanwhile, as are ``others``, and each module's own mode comes back afterwards: a part frozen in eval
-        (BatchNorm statistics) stays frozen. Inside ``fit`` so do the global random generators: a DataLoader's
-        iterator draws a seed from torch's, a step may use dropout or Python's and numpy's, and training must draw
-        what it would have drawn without this pass (outside it, each ``predict()`` draws anew: Monte Carlo dropout).
-        A failure is a ``StepError`` naming the batch."""
+        mode meanwhile, as are ``others``, and each module's own mode comes back afterwards, by its ``train(mode)``:
+        a part frozen in eval (BatchNorm statistics) stays frozen. Inside ``fit`` so do the global random
+        generators: a DataLoader's iterator draws a seed from torch's, a step may use dropout or Python's and
+        numpy's, and training must draw what it would have drawn without this pass (outside it, each ``predict()``
+        draws anew: Monte Carlo dropout). A failure is a ``StepError`` naming the batch."""
         if data is None:
             raise ConfigError(f"{kind.name} has no data: " + ("pass val_data=... to the Trainer" if kind is VALIDATION
                                                               else f"pass the batches, trainer.{kind.name}(loader)"))
@@ -148,8 +148,12 @@ class Evaluator:
             raise StepError(f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training "
                             f"is unchanged): {type(err).__name__}: {err}", self.step) from err
         finally:
+            # by train(mode), so that an override runs (loralib's Linear takes back out the weights its eval() merged);
+            # parent first, as modules() lists them: a part left in eval mode under a training parent (a frozen
+            # BatchNorm) is set back to eval after its parent's train(True) set it to training
             for module, training in modes:
-                module.training = training
+                if module.training != training:
+                    module.train(training)
             if rng is not None:
                 set_rng_state(rng)
                 set_generators(given, rng)

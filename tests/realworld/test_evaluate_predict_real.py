@@ -708,11 +708,6 @@ class LoRA(Classifier):
         return torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.1)
 
 
-@pytest.mark.xfail(strict=True, raises=NoGraphError, reason=(
-    "Evaluator.run (safeloop/evaluate.py) calls eval() on the model, which runs loralib's train(False) and merges "
-    "B @ A into the weight, but gives the modes back by setting module.training, never calling train(True): the "
-    "layers stay merged, the next training forward skips the LoRA path, and the first step's loss has no graph "
-    "(Lightning's _ModuleMode.restore does the same: Lightning-AI/pytorch-lightning issue 20177)."))
 def test_lora_layers_merged_by_validation_are_unmerged_for_training():
     """microsoft/LoRA examples/NLG/src/gpt2_ft.py: ``evaluate`` calls ``model.eval()`` (merging) and training goes
     on after ``model.train()`` (unmerging). The same run with ``val_data``, validating before training and every 2
