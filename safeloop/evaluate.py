@@ -10,19 +10,19 @@ gets the same metrics over the whole set; predictions are not gathered: each ran
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import epoch_start, rng_state, set_generators, set_rng_state
-from .devices import autocast, place
+from .devices import autocast, moves, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
 
@@ -51,8 +51,9 @@ PREDICT = Kind("predict", "predict data", "predict_step")  # Trainer.predict(dat
 class Evaluator:
     """One loop over a data set in eval mode and without gradients, for ``validate``, ``test`` and ``predict``:
     ``model`` on ``device`` in ``precision`` (``test`` and ``predict`` may come before any ``fit``), each batch
-    moved by ``move`` and passed to a step under the precision's autocast; under torchrun (``dist``) over this
-    rank's share. ``step`` is the training step the pass follows, named in its errors."""
+    moved by ``move`` where training's are (``own_to_device``) and passed to a step under the precision's
+    autocast; under torchrun (``dist``) over this rank's share. ``step`` is the training step the pass follows,
+    named in its errors."""
 
     model: torch.nn.Module | None
     device: torch.device
@@ -132,12 +133,13 @@ class Evaluator:
         # a step taking a gradient by backward() (an attack's input gradient) leaves the training's gradients as it
         # found them: the next update is the training's alone
         grads = [(p, p.grad, p.grad._version if p.grad is not None else 0) for root in roots for p in root.parameters()]
+        move = self.move if moves(self.device, self.precision) or own_to_device(self.move) else None
         done, given = 0, data
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data, kind is not PREDICT) if self.dist is not None else data:
                 with autocast(self.precision, self.device):
-                    out = step_fn(self.move(batch))
+                    out = step_fn(move(batch) if move is not None else batch)
                 collect(batch, out)
                 done += 1
             if not done and self.dist is None:  # (under torchrun a rank may have none of a small data set)
@@ -166,6 +168,15 @@ class Evaluator:
         return done
 
 
+def own_to_device(move: Callable) -> bool:
+    """Whether ``move`` is not the Trainer's own ``to_device`` (an override, or a function given in its place),
+    and so runs on the CPU in float32 too. The Trainer's own moves nothing there; training skips it, and so does
+    evaluation: the step gets the batch as the DataLoader made it (a frozen dataclass, which it cannot rebuild)."""
+    from .trainer import Trainer  # (here: trainer.py imports this module)
+
+    return getattr(move, "__func__", None) is not Trainer.to_device
+
+
 def counted(out: tuple, kind: Kind = VALIDATION) -> tuple:
     """``validation_step``'s (``kind.step``'s) ``(losses, n)``, checked: a tuple of two losses would pass for one
     loss counted by the other's value; so is a loss and a tensor (``return loss, correct``: a count of right answers,
@@ -182,8 +193,7 @@ def samples(batch, kind: Kind = VALIDATION) -> int:
     """The number of samples in ``batch``: the leading size of its first tensor (of any nesting of lists,
     tuples, dicts, dataclasses). Tensors of other leading sizes beside it get a warning: the count may be
     wrong, and only ``validation_step`` (``kind.step``) can say."""
-    sizes: list[int] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
+    sizes = list(leading_sizes(batch))
     if not sizes:
         raise ValueError(f"the batch holds no tensor to count its samples by (each batch's losses count as many "
                          "times as it has samples: the leading size of its first tensor); return (losses, number "
@@ -193,6 +203,24 @@ def samples(batch, kind: Kind = VALIDATION) -> int:
                       "as the first tensor's leading size; if that is not its number of samples, return (losses, "
                       f"number of samples) from {kind.step}", ConfigWarning, stacklevel=user_stacklevel())
     return sizes[0]
+
+
+def leading_sizes(batch) -> Iterator[int]:
+    """The leading size of each tensor of ``batch`` but scalars, in order, through lists, tuples, dicts and
+    dataclasses. Only read: a frozen dataclass cannot be rebuilt (as apply_to_collection does); ``size(0)``, as
+    a nested tensor (sequences of different lengths) has no ``shape`` but has a number of sequences."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim():
+            yield batch.size(0)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from leading_sizes(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from leading_sizes(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from leading_sizes(getattr(batch, field.name))
 
 
 def summed(totals: dict[str, list[float]], batches: int, dist: Distributed,

@@ -797,10 +797,6 @@ class TypedBatches(Trainer):
         return F.cross_entropy(self.model(batch.x), batch.y)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/evaluate.py samples() counts a batch's samples with lightning_utilities' apply_to_collection, which "
-    "rebuilds the batch and refuses a frozen dataclass ('A frozen dataclass was passed to `apply_to_collection` but "
-    "this is not allowed'): training on such batches runs, their validation fails before its first metric."))
 def test_validation_counts_the_samples_of_a_frozen_dataclass_batch():
     """docs/trainer.md, Validation: a batch's samples are the leading size of its first tensor "in any nesting of
     tuples, lists, dicts and dataclasses". Batches of a frozen dataclass (10 samples in 4, 4, 2) train, and their
@@ -913,10 +909,6 @@ def sequences(lengths, seed):
     return x, torch.randint(0, 4, (len(lengths),), generator=gen)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/evaluate.py samples() reads each tensor's t.shape[0]; a nested tensor (torch.nested, strided layout, "
-    "the default) has no .shape and torch raises 'Internal error: NestedTensorImpl doesn't support sizes', though "
-    "t.size(0) gives its number of sequences: training on such batches runs, their validation fails."))
 def test_validation_counts_the_sequences_of_a_nested_tensor_batch():
     """docs/trainer.md, Validation: each batch counts as many samples as the leading size of its first tensor. A
     batch ``(nested tensor of 3 sequences, labels)``, as the nested-tensor tutorial builds one, trains; validated
