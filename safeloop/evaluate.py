@@ -85,6 +85,12 @@ class Evaluator:
             if not losses and not logs:
                 raise TypeError(f"{kind.step} returned {type(out).__name__} and logged nothing: return the loss (or "
                                 "a dict of losses), or log the metrics with self.log(name, value)")
+            for name, value in losses.items():  # (float() would name neither the entry nor its shape)
+                if isinstance(value, torch.Tensor) and value.numel() != 1:
+                    raise ValueError(f"{kind.step} returned {name!r} of shape {tuple(value.shape)}; each loss (each "
+                                     "entry of a returned dict) must be a scalar, averaged over the samples: reduce "
+                                     "it with .mean(), and keep predictions or labels for a metric of the whole set "
+                                     "on self, to compute it in on_validation_end(metrics)")
             for name, value in {**{kind.prefix + k: v for k, v in losses.items()}, **logs}.items():
                 total = totals.setdefault(name, [0.0, 0.0])
                 total[0] += float(value) * float(n)

@@ -544,11 +544,6 @@ class GlueDict(Glue):
         return {"loss": val_loss, "preds": preds, "labels": labels}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A validation_step returning a dict with a non-scalar tensor fails inside float() in Evaluator.means.add "
-    "(safeloop/evaluate.py) with torch's 'only one element tensors can be converted to Python scalars', which names "
-    "neither the entry nor its shape; training_step's same mistake says \"loss 'loss' has shape (4,); a loss must "
-    "be a scalar\"."))
 def test_glue_validation_step_returning_predictions_is_told_which_entry_is_no_loss():
     """Porting the tutorial's ``return {"loss": val_loss, "preds": preds, "labels": labels}`` as it is: the error
     names the entry ``preds`` and its shape, as a non-scalar loss from ``training_step`` is named."""
