@@ -270,14 +270,20 @@ LOG_OPTIONS = {
 def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.Tensor | float:
     """What Lightning's ``self.log(name, value, **options)`` keeps: a detached copy of the value, or a float.
     ``prog_bar`` and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no
-    number (a torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, not a TypeError."""
+    number (a torchmetrics ``Metric``, a tensor of several elements), is a ``ConfigError`` saying what safeloop
+    does instead, not a TypeError."""
     problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
                 + LOG_OPTIONS.get(key, "it has no such option") for key, value in options.items()
                 if key != "prog_bar" and not (key == "logger" and value is True)]
     if problems:
         raise ConfigError(problems)
-    if isinstance(value, torch.Tensor):  # a copy: a parameter logged (CLIP's logit_scale) is updated after the step
-        return value.detach().clone()
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:  # here, by name: float() at the log point or the pass's end would name neither
+            raise ConfigError(f"self.log({name!r}, <tensor of shape {tuple(value.shape)}>): a logged value is one "
+                              f"number, and this tensor holds {value.numel()} (one per sample?): reduce it, "
+                              f"self.log({name!r}, value.mean()); from validation_step those batch means are "
+                              "averaged over the samples")
+        return value.detach().clone()  # a copy: a parameter logged (CLIP's logit_scale) is updated after the step
     try:
         return float(value)
     except (TypeError, ValueError):

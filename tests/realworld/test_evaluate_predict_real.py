@@ -866,11 +866,6 @@ class PerSampleAccuracy(Classifier):
         return F.cross_entropy(out, y)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/callbacks.py logged_value keeps any tensor (a detached copy) without checking that it has one "
-    "element, though its own error says 'safeloop logs a number or a one-element tensor': the validation then fails "
-    "inside float() in Evaluator.means with torch's message, naming neither val_acc nor the fix (in training_step "
-    "the same mistake is a bare ValueError at the log point)."))
 def test_self_log_of_a_per_sample_tensor_in_validation_step_is_refused_by_name():
     """docs/trainer.md: ``self.log(name, value)`` in ``validation_step`` logs a number per batch, averaged over the
     samples; a value that is no number is refused with a ``ConfigError`` saying what to log instead (as Lightning's
