@@ -270,14 +270,20 @@ LOG_OPTIONS = {
 def logged_value(name: str, value: Any, options: Mapping[str, object]) -> torch.Tensor | float:
     """What Lightning's ``self.log(name, value, **options)`` keeps: a detached copy of the value, or a float.
     ``prog_bar`` and ``logger=True`` are taken (safeloop does that anyway); any other option, or a value that is no
-    number (a torchmetrics ``Metric``), is a ``ConfigError`` saying what safeloop does instead, not a TypeError."""
+    number (a torchmetrics ``Metric``, a tensor of several elements), is a ``ConfigError`` saying what safeloop
+    does instead, not a TypeError."""
     problems = [f"self.log(..., {key}={value!r}): safeloop's self.log(name, value) takes no {key}: "
                 + LOG_OPTIONS.get(key, "it has no such option") for key, value in options.items()
                 if key != "prog_bar" and not (key == "logger" and value is True)]
     if problems:
         raise ConfigError(problems)
-    if isinstance(value, torch.Tensor):  # a copy: a parameter logged (CLIP's logit_scale) is updated after the step
-        return value.detach().clone()
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:  # here, by name: float() at the log point or the pass's end would name neither
+            raise ConfigError(f"self.log({name!r}, <tensor of shape {tuple(value.shape)}>): a logged value is one "
+                              f"number, and this tensor holds {value.numel()} (one per sample?): reduce it, "
+                              f"self.log({name!r}, value.mean()); from validation_step those batch means are "
+                              "averaged over the samples")
+        return value.detach().clone()  # a copy: a parameter logged (CLIP's logit_scale) is updated after the step
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -305,6 +311,17 @@ def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bo
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
+def fit_running(trainer) -> bool:
+    """Whether ``trainer``'s ``Trainer.fit`` is on the call stack. A flag set in ``on_fit_start`` and cleared in
+    ``on_fit_end`` would outlive a fit that a signal (Ctrl-C) or an error ended, which calls no ``on_fit_end``."""
+    from .trainer import Trainer  # (here, not at the top: trainer.py imports this module)
+
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code is Trainer.fit.__code__ and frame.f_locals.get("self") is trainer):
+        frame = frame.f_back
+    return frame is not None
+
+
 class EarlyStopping(Callback):
     """Stop training when ``monitor`` (a validation metric) has not improved for ``patience`` validations.
 
@@ -313,10 +330,10 @@ class EarlyStopping(Callback):
     training stops after that step, as at ``max_steps`` (``Trainer.request_stop``): the checkpoint is saved and
     ``on_fit_end`` runs. The validation before training only checks that ``monitor`` is a metric validation
     reports; every later one of a fit counts but the one a fit ends with after a step that had none, which a run
-    that never stopped does not have (``trainer.ending``), and a ``trainer.validate()`` outside ``fit``. The
-    best value, its step and the count are saved in checkpoints, so a resumed run counts on exactly, and one
-    resumed after the stop trains nothing (unless ``patience`` was raised). A fit without validations during
-    training is refused.
+    that never stopped does not have (``trainer.ending``). A ``trainer.validate()`` outside ``fit`` does not
+    count, after a fit that Ctrl-C or an error ended too. The best value, its step and the count are saved in
+    checkpoints, so a resumed run counts on exactly, and one resumed after the stop trains nothing (unless
+    ``patience`` was raised). A fit without validations during training is refused.
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
@@ -331,7 +348,6 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None  # the step of the best validation
         self.wait = 0  # validations since the best
-        self.fitting = False  # only the validations during a fit count (not a trainer.validate() outside one)
 
     @property
     def stopped(self) -> bool:
@@ -347,17 +363,14 @@ class EarlyStopping(Callback):
                               + ("no val_data" if trainer.val_data is None else "val_every is not set: only at its end")
                               + "), so it would never stop the run: pass val_data=... and val_every=N, the steps "
                               "between validations (Lightning validates every epoch)")
-        self.fitting = True
         if self.stopped:  # resumed after the stop: nothing to train
             trainer.request_stop(self.reason())
-
-    def on_fit_end(self, trainer) -> None:
-        self.fitting = False
 
     def on_validation_end(self, trainer, metrics) -> None:
         check_monitor("EarlyStopping", self.monitor, metrics)
         step = trainer.state.step
-        if step == 0 or not self.fitting or trainer.ending:  # before training, outside fit, or the one fit ends with
+        # before training, the one a fit ends with, or outside fit (a trainer.validate() after Ctrl-C stopped it)
+        if step == 0 or trainer.ending or not fit_running(trainer):
             return
         value = metrics[self.monitor]
         if improved(value, self.best, self.mode, self.min_delta):

@@ -10,19 +10,19 @@ gets the same metrics over the whole set; predictions are not gathered: each ran
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
 from .checkpoint import epoch_start, rng_state, set_generators, set_rng_state
-from .devices import autocast, place
+from .devices import autocast, moves, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
 
@@ -51,8 +51,9 @@ PREDICT = Kind("predict", "predict data", "predict_step")  # Trainer.predict(dat
 class Evaluator:
     """One loop over a data set in eval mode and without gradients, for ``validate``, ``test`` and ``predict``:
     ``model`` on ``device`` in ``precision`` (``test`` and ``predict`` may come before any ``fit``), each batch
-    moved by ``move`` and passed to a step under the precision's autocast; under torchrun (``dist``) over this
-    rank's share. ``step`` is the training step the pass follows, named in its errors."""
+    moved by ``move`` where training's are (``own_to_device``) and passed to a step under the precision's
+    autocast; under torchrun (``dist``) over this rank's share. ``step`` is the training step the pass follows,
+    named in its errors."""
 
     model: torch.nn.Module | None
     device: torch.device
@@ -84,6 +85,12 @@ class Evaluator:
             if not losses and not logs:
                 raise TypeError(f"{kind.step} returned {type(out).__name__} and logged nothing: return the loss (or "
                                 "a dict of losses), or log the metrics with self.log(name, value)")
+            for name, value in losses.items():  # (float() would name neither the entry nor its shape)
+                if isinstance(value, torch.Tensor) and value.numel() != 1:
+                    raise ValueError(f"{kind.step} returned {name!r} of shape {tuple(value.shape)}; each loss (each "
+                                     "entry of a returned dict) must be a scalar, averaged over the samples: reduce "
+                                     "it with .mean(), and keep predictions or labels for a metric of the whole set "
+                                     "on self, to compute it in on_validation_end(metrics)")
             for name, value in {**{kind.prefix + k: v for k, v in losses.items()}, **logs}.items():
                 total = totals.setdefault(name, [0.0, 0.0])
                 total[0] += float(value) * float(n)
@@ -111,11 +118,11 @@ class Evaluator:
     @torch.no_grad()
     def run(self, data: Iterable, step_fn: Callable, collect: Callable[[object, object], None], kind: Kind) -> int:
         """``collect(batch, step_fn(batch))`` for each batch; returns how many there were. ``model`` is in eval
-        mode meanwhile, as are ``others``, and each module's own mode comes back afterwards: a part frozen in eval
-        (BatchNorm statistics) stays frozen. Inside ``fit`` so do the global random generators: a DataLoader's
-        iterator draws a seed from torch's, a step may use dropout or Python's and numpy's, and training must draw
-        what it would have drawn without this pass (outside it, each ``predict()`` draws anew: Monte Carlo dropout).
-        A failure is a ``StepError`` naming the batch."""
+        mode meanwhile, as are ``others``, and each module's own mode comes back afterwards, by its ``train(mode)``:
+        a part frozen in eval (BatchNorm statistics) stays frozen. Inside ``fit`` so do the global random
+        generators: a DataLoader's iterator draws a seed from torch's, a step may use dropout or Python's and
+        numpy's, and training must draw what it would have drawn without this pass (outside it, each ``predict()``
+        draws anew: Monte Carlo dropout). A failure is a ``StepError`` naming the batch."""
         if data is None:
             raise ConfigError(f"{kind.name} has no data: " + ("pass val_data=... to the Trainer" if kind is VALIDATION
                                                               else f"pass the batches, trainer.{kind.name}(loader)"))
@@ -132,12 +139,13 @@ class Evaluator:
         # a step taking a gradient by backward() (an attack's input gradient) leaves the training's gradients as it
         # found them: the next update is the training's alone
         grads = [(p, p.grad, p.grad._version if p.grad is not None else 0) for root in roots for p in root.parameters()]
+        move = self.move if moves(self.device, self.precision) or own_to_device(self.move) else None
         done, given = 0, data
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data, kind is not PREDICT) if self.dist is not None else data:
                 with autocast(self.precision, self.device):
-                    out = step_fn(self.move(batch))
+                    out = step_fn(move(batch) if move is not None else batch)
                 collect(batch, out)
                 done += 1
             if not done and self.dist is None:  # (under torchrun a rank may have none of a small data set)
@@ -148,8 +156,12 @@ class Evaluator:
             raise StepError(f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training "
                             f"is unchanged): {type(err).__name__}: {err}", self.step) from err
         finally:
+            # by train(mode), so that an override runs (loralib's Linear takes back out the weights its eval() merged);
+            # parent first, as modules() lists them: a part left in eval mode under a training parent (a frozen
+            # BatchNorm) is set back to eval after its parent's train(True) set it to training
             for module, training in modes:
-                module.training = training
+                if module.training != training:
+                    module.train(training)
             if rng is not None:
                 set_rng_state(rng)
                 set_generators(given, rng)
@@ -160,6 +172,15 @@ class Evaluator:
                             "which cannot be taken back: take its gradient with torch.autograd.grad(loss, inputs) "
                             "instead", self.step)
         return done
+
+
+def own_to_device(move: Callable) -> bool:
+    """Whether ``move`` is not the Trainer's own ``to_device`` (an override, or a function given in its place),
+    and so runs on the CPU in float32 too. The Trainer's own moves nothing there; training skips it, and so does
+    evaluation: the step gets the batch as the DataLoader made it (a frozen dataclass, which it cannot rebuild)."""
+    from .trainer import Trainer  # (here: trainer.py imports this module)
+
+    return getattr(move, "__func__", None) is not Trainer.to_device
 
 
 def counted(out: tuple, kind: Kind = VALIDATION) -> tuple:
@@ -178,8 +199,7 @@ def samples(batch, kind: Kind = VALIDATION) -> int:
     """The number of samples in ``batch``: the leading size of its first tensor (of any nesting of lists,
     tuples, dicts, dataclasses). Tensors of other leading sizes beside it get a warning: the count may be
     wrong, and only ``validation_step`` (``kind.step``) can say."""
-    sizes: list[int] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
+    sizes = list(leading_sizes(batch))
     if not sizes:
         raise ValueError(f"the batch holds no tensor to count its samples by (each batch's losses count as many "
                          "times as it has samples: the leading size of its first tensor); return (losses, number "
@@ -189,6 +209,24 @@ def samples(batch, kind: Kind = VALIDATION) -> int:
                       "as the first tensor's leading size; if that is not its number of samples, return (losses, "
                       f"number of samples) from {kind.step}", ConfigWarning, stacklevel=user_stacklevel())
     return sizes[0]
+
+
+def leading_sizes(batch) -> Iterator[int]:
+    """The leading size of each tensor of ``batch`` but scalars, in order, through lists, tuples, dicts and
+    dataclasses. Only read: a frozen dataclass cannot be rebuilt (as apply_to_collection does); ``size(0)``, as
+    a nested tensor (sequences of different lengths) has no ``shape`` but has a number of sequences."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim():
+            yield batch.size(0)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from leading_sizes(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from leading_sizes(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from leading_sizes(getattr(batch, field.name))
 
 
 def summed(totals: dict[str, list[float]], batches: int, dist: Distributed,

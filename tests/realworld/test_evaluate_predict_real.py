@@ -540,11 +540,6 @@ class GlueDict(Glue):
         return {"loss": val_loss, "preds": preds, "labels": labels}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A validation_step returning a dict with a non-scalar tensor fails inside float() in Evaluator.means.add "
-    "(safeloop/evaluate.py) with torch's 'only one element tensors can be converted to Python scalars', which names "
-    "neither the entry nor its shape; training_step's same mistake says \"loss 'loss' has shape (4,); a loss must "
-    "be a scalar\"."))
 def test_glue_validation_step_returning_predictions_is_told_which_entry_is_no_loss():
     """Porting the tutorial's ``return {"loss": val_loss, "preds": preds, "labels": labels}`` as it is: the error
     names the entry ``preds`` and its shape, as a non-scalar loss from ``training_step`` is named."""
@@ -618,10 +613,6 @@ class CtrlC(Classifier):
         return F.cross_entropy(self.model(x), y)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "EarlyStopping (safeloop/callbacks.py) tells a validation outside fit() by its own 'fitting' flag, cleared only "
-    "in on_fit_end, which a fit stopped by SIGINT does not call: each trainer.validate() after the stop counts as "
-    "a validation without improvement, and the next fit() stops at once without training."))
 def test_validate_after_ctrl_c_is_not_counted_by_early_stopping_and_the_fit_goes_on():
     """docs/trainer.md, Early stopping: a ``trainer.validate()`` of your own counts when a hook calls it during the
     steps, "not outside ``fit()``". In a notebook, Ctrl-C stops the fit after step 3 (docs/checkpoints.md: the run
@@ -704,11 +695,6 @@ class LoRA(Classifier):
         return torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.1)
 
 
-@pytest.mark.xfail(strict=True, raises=NoGraphError, reason=(
-    "Evaluator.run (safeloop/evaluate.py) calls eval() on the model, which runs loralib's train(False) and merges "
-    "B @ A into the weight, but gives the modes back by setting module.training, never calling train(True): the "
-    "layers stay merged, the next training forward skips the LoRA path, and the first step's loss has no graph "
-    "(Lightning's _ModuleMode.restore does the same: Lightning-AI/pytorch-lightning issue 20177)."))
 def test_lora_layers_merged_by_validation_are_unmerged_for_training():
     """microsoft/LoRA examples/NLG/src/gpt2_ft.py: ``evaluate`` calls ``model.eval()`` (merging) and training goes
     on after ``model.train()`` (unmerging). The same run with ``val_data``, validating before training and every 2
@@ -794,10 +780,6 @@ class TypedBatches(Trainer):
         return F.cross_entropy(self.model(batch.x), batch.y)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/evaluate.py samples() counts a batch's samples with lightning_utilities' apply_to_collection, which "
-    "rebuilds the batch and refuses a frozen dataclass ('A frozen dataclass was passed to `apply_to_collection` but "
-    "this is not allowed'): training on such batches runs, their validation fails before its first metric."))
 def test_validation_counts_the_samples_of_a_frozen_dataclass_batch():
     """docs/trainer.md, Validation: a batch's samples are the leading size of its first tensor "in any nesting of
     tuples, lists, dicts and dataclasses". Batches of a frozen dataclass (10 samples in 4, 4, 2) train, and their
@@ -868,11 +850,6 @@ class PerSampleAccuracy(Classifier):
         return F.cross_entropy(out, y)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/callbacks.py logged_value keeps any tensor (a detached copy) without checking that it has one "
-    "element, though its own error says 'safeloop logs a number or a one-element tensor': the validation then fails "
-    "inside float() in Evaluator.means with torch's message, naming neither val_acc nor the fix (in training_step "
-    "the same mistake is a bare ValueError at the log point)."))
 def test_self_log_of_a_per_sample_tensor_in_validation_step_is_refused_by_name():
     """docs/trainer.md: ``self.log(name, value)`` in ``validation_step`` logs a number per batch, averaged over the
     samples; a value that is no number is refused with a ``ConfigError`` saying what to log instead (as Lightning's
@@ -906,10 +883,6 @@ def sequences(lengths, seed):
     return x, torch.randint(0, 4, (len(lengths),), generator=gen)
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "safeloop/evaluate.py samples() reads each tensor's t.shape[0]; a nested tensor (torch.nested, strided layout, "
-    "the default) has no .shape and torch raises 'Internal error: NestedTensorImpl doesn't support sizes', though "
-    "t.size(0) gives its number of sequences: training on such batches runs, their validation fails."))
 def test_validation_counts_the_sequences_of_a_nested_tensor_batch():
     """docs/trainer.md, Validation: each batch counts as many samples as the leading size of its first tensor. A
     batch ``(nested tensor of 3 sequences, labels)``, as the nested-tensor tutorial builds one, trains; validated
