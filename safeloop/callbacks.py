@@ -190,6 +190,22 @@ class TrainerHooks:
     def on_load_checkpoint(self, checkpoint: Mapping) -> None: ...
 
 
+class Logging:
+    """``self.log`` and ``self.log_dict``, as Lightning's, which the Trainer inherits: each value waits in
+    ``self.logged`` for the next log point."""
+
+    logged: dict[str, torch.Tensor | float]
+
+    def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
+        """Lightning's ``self.log``: written every ``log_every`` steps; in ``validation_step``, the pass's mean."""
+        self.logged[str(name)] = logged_value(name, value, lightning)
+
+    def log_dict(self, values: Mapping[str, torch.Tensor | float], **lightning: Any) -> None:
+        """``self.log(name, value, ...)`` for each entry (Lightning's ``self.log_dict``)."""
+        for name, value in values.items():
+            self.log(name, value, **lightning)
+
+
 class Callback:
     """The same hooks as separate objects: each receives the trainer first."""
 
@@ -311,17 +327,6 @@ def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bo
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
-def fit_running(trainer) -> bool:
-    """Whether ``trainer``'s ``Trainer.fit`` is on the call stack. A flag set in ``on_fit_start`` and cleared in
-    ``on_fit_end`` would outlive a fit that a signal (Ctrl-C) or an error ended, which calls no ``on_fit_end``."""
-    from .trainer import Trainer  # (here, not at the top: trainer.py imports this module)
-
-    frame = inspect.currentframe()
-    while frame is not None and not (frame.f_code is Trainer.fit.__code__ and frame.f_locals.get("self") is trainer):
-        frame = frame.f_back
-    return frame is not None
-
-
 class EarlyStopping(Callback):
     """Stop training when ``monitor`` (a validation metric) has not improved for ``patience`` validations.
 
@@ -370,7 +375,7 @@ class EarlyStopping(Callback):
         check_monitor("EarlyStopping", self.monitor, metrics)
         step = trainer.state.step
         # before training, the one a fit ends with, or outside fit (a trainer.validate() after Ctrl-C stopped it)
-        if step == 0 or trainer.ending or not fit_running(trainer):
+        if step == 0 or trainer.ending or not trainer.fitting:
             return
         value = metrics[self.monitor]
         if improved(value, self.best, self.mode, self.min_delta):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import epoch_start, rng_state, set_generators, set_rng_state
-from .devices import autocast, moves, place
+from .devices import autocast, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
 
@@ -51,14 +51,14 @@ PREDICT = Kind("predict", "predict data", "predict_step")  # Trainer.predict(dat
 class Evaluator:
     """One loop over a data set in eval mode and without gradients, for ``validate``, ``test`` and ``predict``:
     ``model`` on ``device`` in ``precision`` (``test`` and ``predict`` may come before any ``fit``), each batch
-    moved by ``move`` where training's are (``own_to_device``) and passed to a step under the precision's
+    moved by ``move`` where training's are (None: as it is) and passed to a step under the precision's
     autocast; under torchrun (``dist``) over this rank's share. ``step`` is the training step the pass follows,
     named in its errors."""
 
     model: torch.nn.Module | None
     device: torch.device
     precision: str
-    move: Callable
+    move: Callable | None
     step: int
     dist: Distributed | None = None
     others: tuple = ()  # the modules kept outside ``model`` (``Trainer.modules()``: an EMA copy): in eval mode too
@@ -139,13 +139,12 @@ class Evaluator:
         # a step taking a gradient by backward() (an attack's input gradient) leaves the training's gradients as it
         # found them: the next update is the training's alone
         grads = [(p, p.grad, p.grad._version if p.grad is not None else 0) for root in roots for p in root.parameters()]
-        move = self.move if moves(self.device, self.precision) or own_to_device(self.move) else None
         done, given = 0, data
         data = seeded_workers(data)  # seed_everything(..., workers=True)
         try:
             for batch in self.dist.shard_val(data, kind is not PREDICT) if self.dist is not None else data:
                 with autocast(self.precision, self.device):
-                    out = step_fn(move(batch) if move is not None else batch)
+                    out = step_fn(self.move(batch) if self.move is not None else batch)
                 collect(batch, out)
                 done += 1
             if not done and self.dist is None:  # (under torchrun a rank may have none of a small data set)
@@ -172,15 +171,6 @@ class Evaluator:
                             "which cannot be taken back: take its gradient with torch.autograd.grad(loss, inputs) "
                             "instead", self.step)
         return done
-
-
-def own_to_device(move: Callable) -> bool:
-    """Whether ``move`` is not the Trainer's own ``to_device`` (an override, or a function given in its place),
-    and so runs on the CPU in float32 too. The Trainer's own moves nothing there; training skips it, and so does
-    evaluation: the step gets the batch as the DataLoader made it (a frozen dataclass, which it cannot rebuild)."""
-    from .trainer import Trainer  # (here: trainer.py imports this module)
-
-    return getattr(move, "__func__", None) is not Trainer.to_device
 
 
 def counted(out: tuple, kind: Kind = VALIDATION) -> tuple:

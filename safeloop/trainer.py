@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.overrides import is_overridden
 
 from . import checkpoint as ckpt, curves, distributed, fsdp, runmodes, schedules, slurm
-from .callbacks import Callback, Hooks, TrainerHooks, check_monitor, lightning_attribute, logged_value
+from .callbacks import Callback, Hooks, Logging, TrainerHooks, check_monitor, lightning_attribute
 from .devices import autocast, moves, place, resolve, to_device
 from .errors import ConfigError, SafeloopError
 from .evaluate import TEST, Evaluator
@@ -28,7 +28,7 @@ from .step import Runner, StepConfig, Undo
 log = logging.getLogger("safeloop")
 
 
-class Trainer(TrainerHooks):
+class Trainer(TrainerHooks, Logging):
     """Trains ``model`` on ``train_data``; you write the math, it runs the step.
 
     Plain use: ``Trainer(model=net, train_data=loader, optimizer=torch.optim.Adam(net.parameters())).fit()``.
@@ -110,7 +110,7 @@ class Trainer(TrainerHooks):
         self._unfinished: int | None = None  # the step whose validation and save are under way (or failed)
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
-        self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
+        self._said, self.fitting = None, False  # the last fit's line on where it writes; True inside fit()
         self.ending = False  # True from the last step's end to the end of fit(): its validation, checkpoint, on_fit_end
         self._runner: Runner | None = None  # the last setup's: it runs the steps
 
@@ -153,15 +153,6 @@ class Trainer(TrainerHooks):
         """``strategy=fsdp`` under torchrun: ``fully_shard`` the model in place (default: ``safeloop.fsdp.shard``)."""
         fsdp.shard(model, self.precision, self.device)
 
-    def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
-        """Lightning's ``self.log``: written every ``log_every`` steps; in ``validation_step``, the pass's mean."""
-        self.logged[str(name)] = logged_value(name, value, lightning)
-
-    def log_dict(self, values: Mapping[str, torch.Tensor | float], **lightning: Any) -> None:
-        """``self.log(name, value, ...)`` for each entry (Lightning's ``self.log_dict``)."""
-        for name, value in values.items():
-            self.log(name, value, **lightning)
-
     def __getattr__(self, name: str) -> Any:  # an attribute not found: Lightning's names say where safeloop's are
         raise AttributeError(lightning_attribute(type(self).__name__, name), name=name, obj=self)
 
@@ -184,7 +175,7 @@ class Trainer(TrainerHooks):
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
-        failed, let_go, self._fitting = False, None, True
+        failed, let_go, self.fitting = False, None, True
         try:
             if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
                 seed_everything(self.settings.seed)
@@ -212,7 +203,7 @@ class Trainer(TrainerHooks):
             failed = True
             raise
         finally:
-            self._fitting, self.ending, self._save_asked, self._save_now = False, False, False, True
+            self.fitting, self.ending, self._save_asked, self._save_now = False, False, False, True
             if let_go is not None:
                 let_go()
             self.progress.close()
@@ -333,10 +324,16 @@ class Trainer(TrainerHooks):
         return self._evaluator().outputs(data, self.predict_step)
 
     def _evaluator(self) -> Evaluator:
-        if not self._fitting:  # Lightning's hook names are refused as fit() refuses them (a script that predicts)
+        if not self.fitting:  # Lightning's hook names are refused as fit() refuses them (a script that predicts)
             self._hooks.bind(self.callbacks)
-        return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist,
-                         tuple(self.modules().values()), self._fitting)
+        return Evaluator(self.model, self.device, self.precision, self._mover(), self.state.step, self.dist,
+                         tuple(self.modules().values()), self.fitting)
+
+    def _mover(self) -> Callable | None:
+        """``to_device`` where batches need it: not on the CPU in float32, unless overridden (a batch goes to the step
+        as the DataLoader made it, which a frozen dataclass needs)."""
+        return self.to_device if moves(self.device, self.precision) or is_overridden("to_device", self, Trainer) \
+            else None
 
     def to_device(self, batch):
         """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true),
@@ -414,8 +411,8 @@ class Trainer(TrainerHooks):
         at every call (``fit()`` calls it, so that a later fit sees hooks and settings changed since)."""
         if self.model is None and (problem := model_problem(type(self), Trainer)):
             raise ConfigError(problem)
-        for module in {self.model, *ckpt.read_modules(self.modules).values()} - {None}:  # an EMA copy too
-            place(module, self.device, self.precision)
+        if self.model is not None:
+            place(self.model, self.device, self.precision)
         if self.dist is not None and not self.optimizers:  # strategy=fsdp: sharded before the optimizers are made
             self.dist.shard_model(self.model, self.settings.strategy, self.precision, self.configure_sharding)
         if not self.optimizers:  # kept only once they and their schedulers are accepted
@@ -424,6 +421,8 @@ class Trainer(TrainerHooks):
             self.schedules = schedules.read({**self.configure_schedulers(optimizers), **given}, optimizers,
                                             self.val_data is not None, self.settings.val_every is not None)
             self.optimizers = optimizers
+        for module in ckpt.read_modules(self.modules).values():  # an EMA copy too (made in configure_optimizers, say)
+            place(module, self.device, self.precision)
         self.scaler = (self.scaler or self.configure_grad_scaler()) if self.precision == "16" else None
         if self._undo is None or self._undo.mode != self.settings.undo:  # (trainer.undo set between fits)
             self._undo = Undo(self.settings.undo, self.optimizers, self.schedules)
@@ -440,8 +439,7 @@ class Trainer(TrainerHooks):
             settings=self.settings, automatic=self.automatic, optimizers=self.optimizers, schedules=self.schedules,
             undo=self._undo, hooks=self._hooks, guard=self.guard, state=self.state, training_step=self.training_step,
             forward=forward, autocast=partial(autocast, self.precision, self.device), scaler=self.scaler,
-            move=self.to_device if moves(self.device, self.precision) or is_overridden("to_device", self, Trainer)
-            else None, dist=self.dist, scope=scope,
+            move=self._mover(), dist=self.dist, scope=scope,
             named_parameters=partial(ckpt.named_parameters, self.modules), model=self.model, precision=self.precision),
             previous=self._runner)
         self.loggers = make_loggers(self.settings.loggers, self.run_dir) if not self.dist or self.dist.is_zero else []

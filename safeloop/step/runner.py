@@ -117,8 +117,8 @@ class Runner:
         # manual mode: an optimizer stepped in the step other than by self.step (a Lightning port keeping opt.step())
         # would skip grad_clip, the non-finite check, its scheduler and the undo: refused before it changes anything
         self.updating = False  # inside the Trainer's own opt.step()
-        self.step_hooks = [] if self.automatic else [opt.register_step_pre_hook(partial(self.stepped_directly, name))
-                                                     for name, opt in self.optimizers.items()]
+        self.step_hooks = [] if self.automatic else [handle for name, opt in self.optimizers.items() if (
+            handle := step_pre_hook(opt, partial(self.stepped_directly, name))) is not None]
         # optimizers whose step() cannot do without a closure (L-BFGS): the automatic step gives them one
         self.closures = {name for name, opt in self.optimizers.items() if needs_closure(opt)}
         if self.closures and self.scaler is not None:
@@ -723,6 +723,15 @@ class Runner:
                           "applied; fix the key", ConfigWarning, stacklevel=user_stacklevel())
         self.unreached.clear()
         self.unweighted.clear()
+
+
+def step_pre_hook(opt: torch.optim.Optimizer, fn: Callable) -> Any:
+    """``opt.register_step_pre_hook(fn)``'s handle; None for a wrapper that never ran ``Optimizer.__init__``, which
+    keeps no hooks (a Lookahead of its own making)."""
+    try:
+        return opt.register_step_pre_hook(fn)
+    except AttributeError:
+        return None
 
 
 def in_eval(model: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
