@@ -331,7 +331,6 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.best_step: int | None = None  # the step of the best validation
         self.wait = 0  # validations since the best
-        self.fitting = False  # only the validations during a fit count (not a trainer.validate() outside one)
 
     @property
     def stopped(self) -> bool:
@@ -347,17 +346,19 @@ class EarlyStopping(Callback):
                               + ("no val_data" if trainer.val_data is None else "val_every is not set: only at its end")
                               + "), so it would never stop the run: pass val_data=... and val_every=N, the steps "
                               "between validations (Lightning validates every epoch)")
-        self.fitting = True
+        if sum(isinstance(cb, EarlyStopping) and cb.monitor == self.monitor for cb in trainer.callbacks) > 1:
+            raise ConfigError(f"two EarlyStopping callbacks monitor {self.monitor!r}: checkpoints keep one state per "
+                              "monitored metric, so a resumed run would count both from one's (Lightning refuses them "
+                              "too); give one EarlyStopping per metric")
         if self.stopped:  # resumed after the stop: nothing to train
             trainer.request_stop(self.reason())
-
-    def on_fit_end(self, trainer) -> None:
-        self.fitting = False
 
     def on_validation_end(self, trainer, metrics) -> None:
         check_monitor("EarlyStopping", self.monitor, metrics)
         step = trainer.state.step
-        if step == 0 or not self.fitting or trainer.ending:  # before training, outside fit, or the one fit ends with
+        # before training, outside fit, or the one fit ends with. Outside fit is the Trainer's to say: a fit stopped by
+        # SIGTERM/SIGINT or by an error calls no on_fit_end, and a trainer.validate() after it is still outside one
+        if step == 0 or not trainer.fitting or trainer.ending:
             return
         value = metrics[self.monitor]
         if improved(value, self.best, self.mode, self.min_delta):

@@ -86,7 +86,7 @@ class Trainer(TrainerHooks):
         given = dict(train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn, guard=guard,
                      scheduler=scheduler, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint, config=config)
         problems += mistyped(Trainer, {k: v for k, v in given.items() if v is not None})
-        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
+        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings, val_data is not None)
         problems += found
         self.guard, found = for_trainer(guard, Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None)
         problems += found
@@ -111,7 +111,7 @@ class Trainer(TrainerHooks):
         self._save_now, self._save_asked = True, False  # save_checkpoint() in a step's hooks: after what follows it
         self._loaded_rng: dict | None = None  # a loaded checkpoint's RNG states, set just before the next step
         self._kept: dict[int, int] | None = None  # ckpt.versions at the fit's first step
-        self._said, self._fitting = None, False  # the last fit's line on where it writes; inside fit() (evaluate.py)
+        self._said, self.fitting = None, False  # the last fit's line on where it writes; True inside fit()
         self.ending = False  # True from the last step's end to the end of fit(): its validation, checkpoint, on_fit_end
         self._runner: Runner | None = None  # the last setup's: it runs the steps
 
@@ -185,7 +185,7 @@ class Trainer(TrainerHooks):
         """Train until ``max_steps`` or ``max_epochs``; returns the final ``TrainState``."""
         zero = self.dist is None or self.dist.is_zero
         self.progress = Progress(self.settings.max_steps, zero, bar=None if self.settings.progress else False)
-        failed, let_go, self._fitting = False, None, True
+        failed, let_go, self.fitting = False, None, True
         try:
             if self.settings.seed is not None and self.state.step == 0:  # a new run; a resumed one sets its RNG
                 seed_everything(self.settings.seed)
@@ -214,7 +214,7 @@ class Trainer(TrainerHooks):
             failed = True
             raise
         finally:
-            self._fitting, self.ending, self._save_asked, self._save_now = False, False, False, True
+            self.fitting, self.ending, self._save_asked, self._save_now = False, False, False, True
             if let_go is not None:
                 let_go()
             self.progress.close()
@@ -257,8 +257,7 @@ class Trainer(TrainerHooks):
             metrics = self.state.metrics(self.logged)  # empties self.logged
             self.progress.update(step, metrics)
             self.log_metrics({**metrics, **self.schedules.rates(self.optimizers, but=metrics)})
-        validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
-        if validated:
+        if validated := bool(self.val_data is not None and s.val_every and step % s.val_every == 0):
             self.schedules.after_validation(self.validate(), step)
         stop = self._stop.agreed(step, self.dist)
         if stop or (not end and (self._save_asked or self.checkpointer and self.checkpointer.due(step, validated))):
@@ -317,6 +316,7 @@ class Trainer(TrainerHooks):
         samples, under torchrun over all ranks' shares, training's RNG untouched); logs and returns ``val_<name>``."""
         metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
+        self._save_asked |= bool(self.checkpointer and self.checkpointer.monitor) and not self._save_now  # ranked
         self._hooks("on_validation_end", metrics)  # it may add a metric of the whole pass (F1): logged with them
         self.log_metrics(metrics)
         return metrics
@@ -331,7 +331,7 @@ class Trainer(TrainerHooks):
 
     def _evaluator(self) -> Evaluator:
         return Evaluator(self.model, self.device, self.precision, self.to_device, self.state.step, self.dist,
-                         tuple(self.modules().values()), self._fitting)
+                         tuple(self.modules().values()), self.fitting)
 
     def to_device(self, batch):
         """Every tensor in ``batch`` (lists, tuples, dicts) on the device (a floating one in bf16 under bf16-true)."""
