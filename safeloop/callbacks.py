@@ -368,6 +368,10 @@ class EarlyStopping(Callback):
                               + ("no val_data" if trainer.val_data is None else "val_every is not set: only at its end")
                               + "), so it would never stop the run: pass val_data=... and val_every=N, the steps "
                               "between validations (Lightning validates every epoch)")
+        if sum(isinstance(cb, EarlyStopping) and cb.monitor == self.monitor for cb in trainer.callbacks) > 1:
+            raise ConfigError(f"two EarlyStopping callbacks monitor {self.monitor!r}: checkpoints keep one state per "
+                              "monitored metric, so a resumed run would count both from one's (Lightning refuses them "
+                              "too); give one EarlyStopping per metric")
         if self.stopped:  # resumed after the stop: nothing to train
             trainer.request_stop(self.reason())
 

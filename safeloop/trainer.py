@@ -83,7 +83,7 @@ class Trainer(TrainerHooks, Logging):
         given = dict(model=model, train_data=train_data, optimizer=optimizer, val_data=val_data, loss_fn=loss_fn,
                      guard=guard, scheduler=scheduler, callbacks=callbacks, run_dir=run_dir, checkpoint=checkpoint)
         self.settings, problems = trainer_arguments(type(self), Trainer, {**given, "config": config}, settings)
-        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings.resume, val_data is not None)
+        self.checkpointer, found = ckpt.configured(checkpoint, run_dir, self.settings, val_data is not None)
         problems += found
         graphs = Path(run_dir) / "graphs" if isinstance(run_dir, (str, Path)) else None
         self.guard, found = for_trainer(guard, graphs, manual=not self.automatic)  # its messages speak of our step
@@ -311,6 +311,7 @@ class Trainer(TrainerHooks, Logging):
         samples, under torchrun over all ranks' shares, training's RNG untouched); logs and returns ``val_<name>``."""
         metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
+        self._save_asked |= bool(self.checkpointer and self.checkpointer.monitor) and not self._save_now  # ranked
         self._hooks("on_validation_end", metrics)  # it may add a metric of the whole pass (F1): logged with them
         self.log_metrics(metrics)
         return metrics

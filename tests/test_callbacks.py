@@ -2,7 +2,9 @@
 files, a validation metric scripted by step."""
 import logging
 import math
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -197,6 +199,47 @@ def test_validations_outside_fit_do_not_count():
     trainer.max_steps = 10
     trainer.fit()  # 6 and 7 at steps 6 and 8: patience 2 reached, the run stops at step 8
     assert trainer.state.step == 8 and stopper.wait == 2
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "an error"])
+def test_validations_after_a_fit_stopped_by_a_signal_or_an_error_do_not_count(how):
+    """docs/trainer.md: a ``trainer.validate()`` outside ``fit()`` does not count. A fit stopped by SIGTERM/SIGINT
+    (Ctrl-C in a notebook) or by an error calls no ``on_fit_end``: a look at the metrics after it, then ``fit()``
+    again, counts as the run that never stopped (it counted them, and trained nothing more, before)."""
+    stopper = EarlyStopping(patience=2)
+    trainer = Scripted([5, 4, 6, 7, 1], max_steps=10, callbacks=[stopper])
+    stop = Callback()
+    if how == "SIGTERM":
+        stop.on_step_end = lambda trainer, losses: trainer.state.step == 3 and os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        def fail(trainer):
+            if trainer.state.step == 2 and not stop.failed:
+                stop.failed = True
+                raise RuntimeError("out of memory")
+        stop.failed, stop.on_step_start = False, fail
+    trainer.callbacks.append(stop)
+    if how == "SIGTERM":
+        trainer.fit()
+    else:
+        with pytest.raises(StepError):
+            trainer.fit()
+    assert trainer.state.step in (2, 3) and (stopper.best, stopper.wait) == (5, 0)
+    for _ in range(3):  # values[0] = 5 again at steps 2 and 3: no improvement, three times over
+        trainer.validate()
+    assert (stopper.best, stopper.wait) == (5, 0)
+    trainer.fit()  # 4 at step 4, then 6 and 7 at steps 6 and 8: patience 2 reached, the run stops at step 8
+    assert trainer.state.step == 8 and (stopper.best, stopper.best_step, stopper.wait) == (4, 4, 2)
+
+
+def test_two_early_stoppings_on_one_metric_are_refused_before_the_first_step():
+    """Checkpoints keep EarlyStopping's state by its metric: the second's would overwrite the first's, and a resumed
+    run count both from it (Lightning refuses two of the same monitor and mode)."""
+    trainer = Scripted([5, 4, 3], max_steps=6, callbacks=[EarlyStopping(patience=3), EarlyStopping(patience=10,
+                                                                                                    min_delta=0.1)])
+    with pytest.raises(ConfigError, match=re.escape("two EarlyStopping callbacks monitor 'val_loss': checkpoints keep "
+                                                    "one state per monitored metric")):
+        trainer.fit()
+    assert trainer.trained == 0
 
 
 def test_should_stop_kept_from_a_lightning_port_stops_after_that_step():

@@ -336,6 +336,74 @@ def test_with_a_monitor_the_k_best_and_the_newest_are_kept_and_best_txt_names_th
                      if mode == "min" else ["step-000000014.pt", "step-000000018.pt", "step-000000020.pt"])
 
 
+def test_a_run_resumed_to_rank_by_a_metric_its_validation_reports_from_now_on_goes_on(tmp_path):
+    """Trained with ``monitor="val_loss"``, then ``val_acc`` added to the validation and the run resumed ranking by
+    it: the checkpoint's last validation has no ``val_acc``, which is no mistake (it was a ConfigError saying that
+    validation does not report it). The checkpoints since rank by it; a name it does not report is still refused at
+    the first validation."""
+    ScriptedVal([5, 3, 4], max_steps=6, checkpoint={"dir": str(tmp_path), "monitor": "val_loss", "every": None}).fit()
+
+    class WithAccuracy(ScriptedVal):
+        def validation_step(self, batch):
+            return {"loss": super().validation_step(batch), "acc": torch.tensor(self.state.step / 100)}
+
+    ckpt = {"dir": str(tmp_path), "monitor": "val_acc", "mode": "max", "keep": 1, "every": None}
+    resumed = WithAccuracy([5, 3, 4, 2, 1, 0], max_steps=12, checkpoint=ckpt, resume="auto")
+    resumed.fit()
+    assert resumed.trained == 6 and (tmp_path / "best.txt").read_text() == "step-000000012.pt\n"
+    typo = WithAccuracy([5] * 9, max_steps=14, checkpoint={**ckpt, "monitor": "val_acc1"}, resume="auto")
+    with pytest.raises(ConfigError, match=re.escape("checkpoint monitors 'val_acc1', which validation does not report: "
+                                                    "it reports val_loss, val_acc")):
+        typo.fit()
+    assert typo.trained == 2 and len(list(tmp_path.glob("step-*.pt"))) == 1
+
+
+class EpochValidation(Trainer):
+    """Validates at each pass's end, in ``on_epoch_end`` (a port of Lightning's validation every epoch, which
+    EarlyStopping counts), passes of 3 batches: ``val_loss`` is ``values[step]``. SIGTERM after step ``stop_at``."""
+
+    def __init__(self, values, stop_at=None, **kwargs):
+        torch.manual_seed(0)
+        data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+        super().__init__(model=torch.nn.Linear(2, 1), train_data=data, val_data=data[:1], val_every=100,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), progress=False, loggers=[],
+                         **kwargs)
+        self.values, self.stop_at = values, stop_at
+
+    def validation_step(self, batch):
+        return torch.tensor(self.values.get(self.state.step, 100.0))
+
+    def on_epoch_end(self):
+        self.validate()
+
+    def on_step_end(self, losses):
+        if self.state.step == self.stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_with_a_monitor_a_validation_a_hook_runs_during_the_steps_is_saved_and_ranked_too(tmp_path):
+    """docs/checkpoints.md: "A checkpoint is also saved after every validation during training", so after one that
+    ``on_epoch_end`` runs too, once the pass has ended. Before, only ``val_every``'s were: the best pass (step 3) had no
+    checkpoint, and best.txt named the best of the others. Stopped and resumed, the run keeps the same files."""
+    values = {3: 1.0, 6: 5.0, 9: 4.0, 12: 3.0, 15: 6.0}
+    ckpt = {"monitor": "val_loss", "keep": 2, "every": None}
+    straight = EpochValidation(values, max_steps=15, checkpoint={"dir": str(tmp_path / "a"), **ckpt})
+    straight.fit()
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.pt")) == [
+        "step-000000003.pt", "step-000000012.pt", "step-000000015.pt"]
+    assert (tmp_path / "a" / "best.txt").read_text() == "step-000000003.pt\n"
+    assert load(tmp_path / "a" / "step-000000003.pt")["state"]["epoch"] == 1  # saved once the pass had ended
+    for stop in (3, 4, 7):
+        where = tmp_path / f"stopped-{stop}"
+        EpochValidation(values, stop_at=stop, max_steps=15, checkpoint={"dir": str(where), **ckpt}).fit()
+        resumed = EpochValidation(values, max_steps=15, checkpoint={"dir": str(where), **ckpt}, resume="auto")
+        resumed.fit()
+        assert sorted(p.name for p in where.glob("*.pt")) == sorted(p.name for p in (tmp_path / "a").glob("*.pt"))
+        assert (where / "best.txt").read_text() == "step-000000003.pt\n"
+        assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
+        assert resumed.state.val_history == straight.state.val_history
+
+
 def test_the_last_checkpoint_holds_the_validation_that_ends_the_run_though_its_step_was_saved_before_it(tmp_path):
     # steps 1-3, saved every 3 steps: step 3's save comes first, then the end of fit validates (val_every=2 skips 3)
     trainer = ScriptedVal([5], max_steps=3, checkpoint={"dir": str(tmp_path), "every": 3, "monitor": "val_loss"})
@@ -368,6 +436,14 @@ def test_a_checkpoint_monitor_that_cannot_be_read_is_a_config_error_before_train
                                                     "metric, and there is no val_data")):
         Trainer(model=torch.nn.Linear(2, 1), train_data=[(torch.ones(1, 2), torch.ones(1, 1))], optimizer=torch.optim.SGD,
                 max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_loss"})
+    # without val_every (a port of ModelCheckpoint(monitor=...), which Lightning's validation every epoch feeds): the
+    # validation at the end alone would rank, and the best be the last, as EarlyStopping and a plateau refuse it
+    with pytest.raises(ConfigError, match=re.escape("checkpoint.monitor='val_loss' ranks checkpoints by a validation "
+                                                    "metric, and no validation runs during training (val_every is not "
+                                                    "set: only at its end), so the best would always be the last")):
+        data = [(torch.ones(1, 2), torch.ones(1, 1))]
+        Trainer(model=torch.nn.Linear(2, 1), train_data=data, val_data=data, optimizer=torch.optim.SGD, max_steps=4,
+                checkpoint={"dir": str(tmp_path), "monitor": "val_loss"})
     with pytest.raises(ConfigError, match=re.escape("checkpoint.mode='lowest' is not one of min, max")):
         ScriptedVal([1], max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_loss", "mode": "lowest"})
     trainer = ScriptedVal([1], max_steps=4, checkpoint={"dir": str(tmp_path), "monitor": "val_acc"})

@@ -60,8 +60,8 @@ def test_a_second_validation_loader_is_a_metric_of_its_own_through_test_in_on_va
         def on_validation_end(self, metrics):
             metrics["val_other"] = self.test(DataLoader(other, batch_size=3))["test_loss"]
 
-    trainer = validating(TwoLoaders, val_data=DataLoader(first, batch_size=5), checkpoint={"dir": str(tmp_path),
-                                                                                          "monitor": "val_other"})
+    trainer = validating(TwoLoaders, val_data=DataLoader(first, batch_size=5), val_every=1,
+                         checkpoint={"dir": str(tmp_path), "monitor": "val_other"})
     trainer.fit()
     step, metrics = trainer.state.val_history[-1]
     assert step == 1 and metrics["val_loss"] == pytest.approx(per_sample_mean(trainer.model, first), rel=1e-6)

@@ -15,7 +15,7 @@ from typing import Any
 from .. import fsdp
 from ..callbacks import check_monitor
 from ..errors import CheckpointError
-from ..settings import CheckpointSettings, read
+from ..settings import CheckpointSettings, Settings, read
 from .files import atomic_save, cause, is_rank_zero, load
 from .locks import alive, lock, release
 
@@ -25,15 +25,22 @@ _NAME = re.compile(r"step-(\d+)\.pt")
 _TEMP = re.compile(r"\..+\.(\d+)\.tmp")  # .step-000000100.pt.<pid>.tmp: a save under way, or a dead writer's
 
 
-def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | None, resume: str | Path | None,
+def configured(given: Mapping[str, Any] | bool | None, run_dir: str | Path | None, trainer: Settings,
                validates: bool = True) -> tuple[Checkpointer | None, list[str]]:
     """The ``Checkpointer`` that ``Trainer(checkpoint=given, run_dir=...)`` asks for (None: no checkpoints,
     when ``given`` is False or there is neither a ``dir`` nor a run directory), and every problem with it
-    (``validates``: there is ``val_data``, which a ``monitor`` needs)."""
+    (``validates``: there is ``val_data``, which a ``monitor`` needs, and so is ``trainer.val_every``: without it
+    only the last checkpoint would be ranked; ``trainer.resume=auto`` needs a directory)."""
+    resume, val_every = trainer.resume, trainer.val_every
     settings, problems = read(CheckpointSettings, given if isinstance(given, Mapping) else {}, "checkpoint")
     if settings.monitor is not None and not validates:
         problems.append(f"checkpoint.monitor={settings.monitor!r} ranks checkpoints by a validation metric, and "
                         "there is no val_data: pass val_data=... (and val_every=N), or drop checkpoint.monitor")
+    elif settings.monitor is not None and not val_every:
+        problems.append(f"checkpoint.monitor={settings.monitor!r} ranks checkpoints by a validation metric, and no "
+                        "validation runs during training (val_every is not set: only at its end), so the best would "
+                        "always be the last: set val_every=N, the steps between validations (Lightning validates "
+                        "every epoch: one pass's steps), or drop checkpoint.monitor")
     where = settings.dir or (Path(run_dir) / "checkpoints" if isinstance(run_dir, (str, Path)) else None)
     saves = given is not False and where is not None
     if str(resume) == "auto" and not saves:
@@ -92,14 +99,15 @@ class Checkpointer:
         scored = [p for p in paths if p in self.scores]
         return sorted(scored, key=lambda p: (math.isnan(self.scores[p]), sign * self.scores[p]))
 
-    def score(self, checkpoint: Mapping) -> None:
+    def score(self, checkpoint: Mapping, saving: bool = True) -> None:
         """Read each checkpoint's ``monitor`` value from ``checkpoint``'s validation history (every validation
-        of the run so far, the one at its own step last); a ``ConfigError`` if that one lacks the metric."""
+        of the run so far, the one at its own step last); ``saving`` it, a ``ConfigError`` if that one lacks the
+        metric (not resuming it: a run may go on monitoring a metric its validation reports from now on)."""
         history = checkpoint["state"]["val_history"] if self.monitor is not None else None
         if not history:
             return
         step, metrics = history[-1]
-        if step == checkpoint["step"]:
+        if step == checkpoint["step"] and saving:
             check_monitor("checkpoint", self.monitor, metrics)
         self.scores = {self.path(s): m[self.monitor] for s, m in history if self.monitor in m}
 
@@ -172,7 +180,7 @@ class Checkpointer:
         is pruned to ``keep`` (a run killed between a save and its pruning left more)."""
         self.last = path
         self.set_aside(checkpoint["step"])
-        self.score(checkpoint)
+        self.score(checkpoint, saving=False)
         self.prune()
 
     def from_scratch(self) -> None:

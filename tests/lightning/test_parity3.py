@@ -431,6 +431,39 @@ def test_best_checkpoints_on_tied_values_match(tmp_path):
     assert best == (7, 7)
 
 
+ACCURACIES = [0.75, 0.75, 0.8]  # by epoch: a tie at the bottom of the best two, then a better one
+
+
+class LitTied(Lit):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_acc", ACCURACIES[self.current_epoch])
+
+
+class PortTied(Port):
+    def validation_step(self, batch):
+        return {"acc": torch.tensor(ACCURACIES[self.state.epoch])}
+
+
+def test_best_checkpoints_when_a_better_value_follows_a_tie_differ_as_documented(tmp_path):
+    """Accuracies 0.75, 0.75, 0.8 (a small validation set gives ties), ``save_top_k=2, mode="max"`` against ``keep=2``
+    (docs/trainer.md, Coming from Lightning): Lightning lets no tie in, but when 0.8 comes in it deletes the older of
+    the two tied (its ``max`` over the top K takes the first), keeping steps 14 and 21. safeloop ranks the older of
+    equal values first throughout: it keeps steps 7 and 21. The best is step 21 in both."""
+    cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "lit", filename="{step}", monitor="val_acc", mode="max",
+                                      save_top_k=2)
+    lightning(max_epochs=3, enable_checkpointing=True, callbacks=[cb]).fit(
+        LitTied(configure=lambda m: sgd(m.parameters(), 0.0)), train_dataloaders=loader(),
+        val_dataloaders=loader(n=6, seed=2))
+    port = PortTied(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, 0.0),
+                    checkpoint={"dir": str(tmp_path / "safeloop"), "monitor": "val_acc", "mode": "max", "keep": 2,
+                                "every": None}, **settings(max_epochs=3, val_every=STEPS))
+    port.fit()
+    assert sorted(lightning_files(tmp_path / "lit").values()) == [14, 21]
+    assert sorted(safeloop_files(tmp_path / "safeloop").values()) == [7, 21]
+    assert torch.load(cb.best_model_path, weights_only=False)["global_step"] == 21
+    assert port.checkpointer.best.name == "step-000000021.pt"
+
+
 # -- resuming under accumulation
 
 
