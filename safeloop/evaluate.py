@@ -25,6 +25,7 @@ from .checkpoint import epoch_start, rng_state, set_generators, set_rng_state
 from .devices import autocast, place
 from .errors import ConfigError, ConfigWarning, SafeloopError, StepError, user_stacklevel
 from .seed import seeded_workers
+from .settings import samples_problem
 
 if TYPE_CHECKING:
     from .distributed import Distributed
@@ -126,6 +127,8 @@ class Evaluator:
         if data is None:
             raise ConfigError(f"{kind.name} has no data: " + ("pass val_data=... to the Trainer" if kind is VALIDATION
                                                               else f"pass the batches, trainer.{kind.name}(loader)"))
+        if (problem := samples_problem(kind.data, data)) is not None:  # (val_data's was said as the Trainer was made)
+            raise ConfigError(problem)
         roots = [m for m in (self.model, *self.others) if m is not None]
         modes = [(m, m.training) for root in roots for m in root.modules()]
         if self.model is not None:

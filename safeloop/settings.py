@@ -346,9 +346,10 @@ def samples_problem(name: str, data) -> str | None:
                  if name == "val_data" else ""))
     if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
         return None
-    return (f"{name} is a {type(data).__name__}, a Dataset of single samples: each step would train on one "
-            f"unbatched sample. Pass DataLoader(dataset, batch_size=..., shuffle=True) (from torch.utils.data); "
-            "if each item already is a whole batch, DataLoader(dataset, batch_size=None)")
+    one = "each step would train on one unbatched sample" if name == "train_data" else "each batch would be one sample"
+    return (f"{name} is a {type(data).__name__}, a Dataset of single samples: {one}. Pass DataLoader(dataset, "
+            "batch_size=..., shuffle=True) (from torch.utils.data); if each item already is a whole batch, "
+            "DataLoader(dataset, batch_size=None)")
 
 
 # The defaults, for signatures: ``max_steps: int | None = DEFAULTS.max_steps``. Read them, never change them.

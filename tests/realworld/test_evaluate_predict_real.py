@@ -817,10 +817,6 @@ def test_validate_after_fit_with_the_default_metrics_file_returns_and_logs_its_m
 # -- Lightning's several test loaders passed to test()
 
 
-@pytest.mark.xfail(strict=True, raises=StepError, reason=(
-    "val_data=[a, b] is refused at start-up (safeloop/settings.py samples_problem), but Trainer.test and "
-    "Trainer.predict never check their data: each loader is taken for a batch and test_step fails inside torch "
-    "('linear(): argument 'input' (position 1) must be Tensor, not list')."))
 def test_several_test_loaders_are_refused_as_several_validation_loaders_are():
     """Lightning's ``trainer.test(model, dataloaders=[test_a, test_b])`` (docs/source-pytorch/common/
     evaluation_intermediate.rst), ported as docs/trainer.md's table says, ``trainer.test([test_a, test_b])``: the
@@ -898,10 +894,6 @@ def test_validation_counts_the_sequences_of_a_nested_tensor_batch():
     assert trainer.state.val_history[-1] == (1, {"val_loss": total / 8})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "train_data=a Dataset is refused at start-up (safeloop/settings.py samples_problem: 'each step would train on "
-    "one unbatched sample'), but Trainer.predict never checks its data: a TensorDataset given without its "
-    "DataLoader is predicted one unbatched sample at a time, and torch.cat of the outputs is silently flat."))
 def test_predict_refuses_a_dataset_of_single_samples_as_fit_does():
     """docs/trainer.md's example, ``torch.cat(trainer.predict(DataLoader(TensorDataset(x_new), batch_size=256)))``,
     with the DataLoader forgotten: the same ``ConfigError`` as ``train_data=TensorDataset(...)`` gives (or
