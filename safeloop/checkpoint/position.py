@@ -39,35 +39,88 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((s["kind"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
 
 
-def _generators(data: Iterable) -> list[torch.Generator]:
-    """The generators an epoch of ``data`` draws its order from: the DataLoader's and its samplers'."""
-    found: list[torch.Generator] = []
+RANDOM = (torch.Generator, random.Random) + ((np.random.RandomState, np.random.Generator) if np is not None else ())
+
+
+def _generators(data: Iterable) -> list:
+    """The random generators a pass of ``data`` draws from, besides the global ones: the DataLoader's, its
+    samplers' and batch sampler's, and those its dataset keeps in attributes, a few levels down (a transform's own
+    ``np.random.RandomState``, as MONAI's ``Randomizable`` keeps ``self.R``; a ``random.Random``; a
+    ``torch.Generator``). With ``num_workers`` the dataset's run in the workers, each pass from their first state:
+    the training process's copies never move, and keeping their state changes nothing."""
+    found: list = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or obj is None:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, RANDOM):
+            found.append(obj)
+        elif depth and isinstance(obj, (list, tuple)) and len(obj) <= 64:  # a list of transforms, not of samples
+            for item in obj:
+                visit(item, depth - 1)
+        elif depth and isinstance(obj, dict) and len(obj) <= 64:
+            for item in obj.values():
+                visit(item, depth - 1)
+        elif depth and hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, torch.nn.Module, type)):
+            for item in vars(obj).values():
+                visit(item, depth - 1)
+
+    visit(getattr(data, "dataset", None), 4)  # the dataset, its transform, a Compose's list, a transform's R
     batch_sampler = getattr(data, "batch_sampler", None)
-    for obj in (data, getattr(data, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
-            found.append(gen)
+    for part in (getattr(data, "generator", None), getattr(data, "sampler", None), batch_sampler,
+                 getattr(batch_sampler, "sampler", None)):
+        visit(part, 2)  # (a sampler's data_source, the dataset, was seen first, to its depth)
     return found
 
 
+def _state(gen) -> Any:
+    """A generator's state as plain values (``torch.load(weights_only=True)`` reads them)."""
+    if isinstance(gen, torch.Generator):
+        return gen.get_state()
+    if isinstance(gen, random.Random):
+        return gen.getstate()
+    if isinstance(gen, np.random.RandomState):
+        kind, keys, pos, has_gauss, gauss = gen.get_state()
+        return {"kind": kind, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    return gen.bit_generator.state  # np.random.Generator: a dict of numbers
+
+
+def _set_state(gen, state: Any) -> None:
+    if isinstance(gen, torch.Generator):
+        gen.set_state(state)
+    elif isinstance(gen, random.Random):
+        version, internal, gauss = state
+        gen.setstate((version, tuple(internal), gauss))
+    elif isinstance(gen, np.random.RandomState):
+        gen.set_state((state["kind"], np.array(state["keys"], dtype=np.uint32), state["pos"], state["has_gauss"],
+                       state["gauss"]))
+    else:
+        gen.bit_generator.state = state
+
+
 def epoch_start(data: Iterable) -> dict:
-    """The RNG states an epoch of ``data`` is about to draw its order from: its own generators, and the global
-    ones (``rng_state``): a shuffling sampler without a generator seeds itself from torch's, and an iterable of
-    your own may draw from Python's ``random`` or NumPy's (a shuffle, a window length). A list or tuple draws
-    nothing: none."""
+    """The RNG states an epoch of ``data`` is about to draw its order and its random transforms from: its own
+    generators (``_generators``), and the global ones (``rng_state``): a shuffling sampler without a generator
+    seeds itself from torch's, and an iterable of your own may draw from Python's ``random`` or NumPy's (a shuffle,
+    a window length). A list or tuple draws nothing: none."""
     if isinstance(data, (list, tuple)):
         return {"generators": []}
-    return {"generators": [g.get_state() for g in _generators(data)], **rng_state()}
+    return {"generators": [_state(g) for g in _generators(data)], **rng_state()}
 
 
 def set_generators(data: Iterable, states: dict) -> bool:
-    """Put ``data``'s own generators (``epoch_start``'s, not the global one) as ``states`` has them; False where
-    their number differs."""
+    """Put ``data``'s own generators (``epoch_start``'s, not the global ones) as ``states`` has them; False where
+    their number or kinds differ."""
     gens = _generators(data)
     if len(gens) != len(states["generators"]):
         return False
     for gen, state in zip(gens, states["generators"]):
-        gen.set_state(state)
+        try:
+            _set_state(gen, state)
+        except (TypeError, ValueError, KeyError, RuntimeError):  # another kind at that place (another pipeline)
+            return False
     return True
 
 
