@@ -59,8 +59,9 @@ def stop_signals(request: StopRequest, state: TrainState, also: tuple[int, ...] 
             second.append(signum)
             raise Interrupted(signum)
         request.signum = signum
-        log.warning("%s received: finishing step %d, saving a checkpoint, then stopping (send it again to "
-                    "stop at once, without saving)", signal.Signals(signum).name, state.step + 1)
+        log.warning("%s received after step %d: finishing the step under way, if any, saving a checkpoint, then "
+                    "stopping (send it again to stop at once, without saving)", signal.Signals(signum).name,
+                    state.step)  # (the handler cannot tell a step from the validation or save after one)
 
     try:
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT, *also)}

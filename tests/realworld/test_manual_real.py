@@ -477,21 +477,7 @@ def test_lbfgs_closure_with_a_scheduler_and_clipping_matches_the_hand_loop():
     data = batches(5)
     t = LBFGSPort(model=mlp(), train_data=data, max_steps=5, grad_clip=0.5, **QUIET)
     t.fit()
-    net = mlp()
-    opt = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4, history_size=3)
-    sch = decay(opt)
-    for x, y in data:
-        def closure():
-            opt.zero_grad()
-            loss = F.mse_loss(net(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
-            return loss
-
-        opt.step(closure)
-        sch.step()
-    assert differences(everything(net, {"optimizer": opt}, {"optimizer": sch}),
-                       everything(t.model, t.optimizers, t.schedulers)) == []
+    assert differences(everything(*lbfgs_by_hand(data)), everything(t.model, t.optimizers, t.schedulers)) == []
     assert t.schedulers["optimizer"].last_epoch == 5
 
 
