@@ -319,7 +319,8 @@ def check_monitor(who: str, name: str | None, metrics: Mapping[str, float]) -> N
     nothing) is one."""
     if name is not None and name not in metrics:
         raise ConfigError(f"{who} monitors {name!r}, which validation does not report: it reports "
-                          f"{', '.join(metrics) or 'nothing'}; give monitor=<one of those>")
+                          f"{', '.join(metrics) or 'nothing'}; give monitor=<one of those> (a metric a callback "
+                          "adds in on_validation_end reaches the callbacks listed after it: list that one first)")
 
 
 def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:

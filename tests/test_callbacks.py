@@ -175,6 +175,23 @@ def test_a_monitored_name_no_validation_reports_is_an_error_at_the_first_validat
     assert trainer.trained == 0
 
 
+class AddsScore(Callback):
+    """A metric of the whole pass added in ``on_validation_end``, as docs/trainer.md says (an F1, here 1 - loss)."""
+
+    def on_validation_end(self, trainer, metrics):
+        metrics["val_score"] = 1.0 - metrics["val_loss"]
+
+
+def test_a_metric_a_callback_adds_reaches_the_early_stopping_listed_after_it_and_the_message_says_so():
+    before = Scripted([5, 4, 4, 4], max_steps=10, callbacks=[EarlyStopping("val_score", "max", 2), AddsScore()])
+    with pytest.raises(ConfigError, match=re.escape("(a metric a callback adds in on_validation_end reaches the "
+                                                    "callbacks listed after it: list that one first)")):
+        before.fit()
+    after = Scripted([5, 4, 4, 4], max_steps=10, callbacks=[AddsScore(), EarlyStopping("val_score", "min", 2)])
+    after.fit()
+    assert after.state.step == 6  # val_score -4 (step 2), -3, -3: no new low twice: stopped after step 6
+
+
 @pytest.mark.parametrize("settings, why", [(dict(val_data=None), "no val_data"),
                                            (dict(val_every=None), "val_every is not set: only at its end")])
 def test_early_stopping_without_validations_during_training_is_refused_before_the_first_step(settings, why):
