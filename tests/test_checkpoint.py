@@ -332,6 +332,8 @@ def test_with_a_monitor_the_k_best_and_the_newest_are_kept_and_best_txt_names_th
     names, best = expected(20)
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == names and (tmp_path / "best.txt").read_text() == best
     assert resumed.checkpointer.best == tmp_path / best.strip()
+    # a Trainer made to evaluate the finished run (Lightning's checkpoint_callback.best_model_path), before any fit
+    assert ScriptedVal(values, max_steps=20, checkpoint=ckpt).checkpointer.best == tmp_path / best.strip()
     assert names == (["step-000000008.pt", "step-000000012.pt", "step-000000016.pt", "step-000000020.pt"]
                      if mode == "min" else ["step-000000014.pt", "step-000000018.pt", "step-000000020.pt"])
 

@@ -89,9 +89,14 @@ class Checkpointer:
 
     @property
     def best(self) -> Path | None:
-        """With a ``monitor``: the best checkpoint in the directory (``best.txt`` names it too)."""
+        """With a ``monitor``: the best checkpoint in the directory (``best.txt`` names it too). Before this run has
+        ranked any (a Trainer made to evaluate a finished run), the one ``best.txt`` names, if it is there."""
         ranked = self.ranked([p for p in self.saved() if p not in self.damaged])
-        return ranked[0] if ranked else None
+        if ranked or self.scores:
+            return ranked[0] if ranked else None
+        named = self.dir / "best.txt"
+        found = self.dir / named.read_text().strip() if self.monitor is not None and named.is_file() else None
+        return found if found is not None and found.is_file() else None
 
     def ranked(self, paths: list[Path]) -> list[Path]:
         """Those of ``paths`` with a ``monitor`` value, best first (a tie: the older first; NaN last)."""
