@@ -33,6 +33,7 @@ same global batches.
 - ``unfreeze_epoch``: the usual run (DistributedDataParallel); the backbone frozen before ``fit()`` and unfrozen
   in ``on_epoch_start`` of the second pass (Lightning's ``BaseFinetuning``). ``freeze_at_start``: the backbone
   frozen in ``on_fit_start`` instead, and never trained; a failure is recorded as its error.
+  ``unfreeze_epoch_accum``: ``unfreeze_epoch`` with ``grad_accum=2`` (safeloop's own reducer).
 - ``sparse_accum``: ``nn.Embedding(sparse=True)`` with ``grad_accum=2`` (safeloop's own reducer); a failure is
   recorded as its error.
 - ``create_graph``: manual mode, ``self.backward(loss, create_graph=True)`` then ``self.step()``; a failure is
@@ -235,12 +236,13 @@ def build(case: str, world_size: int, **settings) -> Trainer:
     if case == "unfreeze":  # grad_accum=2: through safeloop's own reducer; its optimizer holds every parameter
         model = nn.Sequential(MLP(8, 32, 16, 2), nn.ReLU(), nn.Linear(16, 1))
         common.update(grad_accum=2, train_data=DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size // 2))
-    if case in ("unfreeze_epoch", "freeze_at_start"):  # through DistributedDataParallel; 4 steps a pass, two passes
-        cls = UnfreezeAtEpoch if case == "unfreeze_epoch" else FreezeAtStart
+    if case in ("unfreeze_epoch", "unfreeze_epoch_accum", "freeze_at_start"):  # 4 steps a pass, two passes
+        cls = FreezeAtStart if case == "freeze_at_start" else UnfreezeAtEpoch
         model = nn.Sequential(MLP(8, 32, 16, 2), nn.ReLU(), nn.Linear(16, 1))
         model[0].requires_grad_(case == "freeze_at_start")
-        common.update(max_steps=8, train_data=DataLoader(TensorDataset(*dataset()[:GLOBAL_BATCH * 4]),
-                                                         batch_size=GLOBAL_BATCH // world_size))
+        accum = 2 if case == "unfreeze_epoch_accum" else 1  # 2: safeloop's reducer; 1: DistributedDataParallel
+        common.update(max_steps=8, grad_accum=accum, train_data=DataLoader(
+            TensorDataset(*dataset()[:GLOBAL_BATCH * 4]), batch_size=GLOBAL_BATCH // world_size // accum))
     if case == "sparse_accum":  # grad_accum=2: through safeloop's own reducer
         model = Bag()
         common.update(grad_accum=2, train_data=DataLoader(bags(), batch_size=GLOBAL_BATCH // world_size // 2))

@@ -20,8 +20,8 @@ from tests.test_distributed import torchrun
 RESUMED = [f"{name}-{how}" for name in ddp_more_cases.RESUMED for how in ("straight", "resumed")]
 # the cases whose failure is recorded as an error run last, class_metrics last of all
 CASES = ("handwritten", "test_before_fit", "masked_nan", "masked_manual_gan", "fp16_nan", *RESUMED, "val_drop_last",
-         "bf16", "batchnorm", "batchnorm_accum", "best_k", "unfreeze", "unfreeze_epoch", "freeze_at_start",
-         "sparse_accum", "create_graph", "class_metrics")
+         "bf16", "batchnorm", "batchnorm_accum", "best_k", "unfreeze", "unfreeze_epoch", "unfreeze_epoch_accum",
+         "freeze_at_start", "sparse_accum", "create_graph", "class_metrics")
 
 pytestmark = pytest.mark.distributed
 
@@ -225,6 +225,16 @@ def test_a_layer_unfrozen_during_fit_stops_the_step_on_every_rank_saying_to_unfr
             found["error"] and "call fit() again, which averages every parameter that requires grad then" in \
             found["error"], found["error"]
     assert same(rank0["params"], rank1["params"]), "the ranks hold different weights"
+
+
+def test_a_layer_unfrozen_during_fit_with_accumulation_stops_the_step_too(ranks):
+    """The same through safeloop's own reducer (``grad_accum=2``), whose buckets are made for the parameters that
+    require grad when fit() starts."""
+    single = ddp_more_cases.result("unfreeze_epoch_accum")
+    assert single["error"] is None and single["step"] == 8
+    for found in load(ranks, "unfreeze_epoch_accum"):
+        assert found["step"] == 4, found["error"]
+        assert "step 5: 4 model parameter(s) were unfrozen after fit() began" in found["error"], found["error"]
 
 
 def test_layers_frozen_in_on_fit_start_are_refused_under_torchrun_saying_to_freeze_them_before_fit(ranks):
