@@ -238,18 +238,25 @@ def hand_validate(model, loader) -> float:
     return total / count
 
 
+def frozen_backbone() -> tuple[nn.Module, list]:
+    """The hand loops' model (seed 3): the backbone frozen and in eval mode, the head training; its trained
+    parameters."""
+    torch.manual_seed(3)
+    model = Net()
+    model.backbone.requires_grad_(False)
+    model.train()
+    model.backbone.eval()
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
 def test_frozen_backbone_statistics_do_not_move_through_validations_during_fit():
     """Validation every 3 steps, mid-pass (5 batches a pass), two passes: the backbone stays in eval mode after
     each validation (its BatchNorm statistics equal the initial ones at the end), the head's dropout trains, and
     the weights and each validation's loss equal the hand loop's bit for bit."""
     train, val = classes(20, 0), DataLoader(classes(10, 1), batch_size=4)
-    torch.manual_seed(3)
-    model = Net()
-    model.backbone.requires_grad_(False)
+    model, params = frozen_backbone()
     stats = copy.deepcopy(model.backbone.state_dict())
-    optimizer = sgd([p for p in model.parameters() if p.requires_grad])
-    model.train()
-    model.backbone.eval()
+    optimizer = sgd(params)
     hand, step = [], 0
     for _ in range(2):
         for x, y in DataLoader(train, batch_size=4, shuffle=True):
@@ -308,14 +315,9 @@ def test_ema_weights_swapped_in_around_validate_train_and_score_as_the_hand_loop
     """The model trains on its own weights (bit for bit as the hand loop), and each validation scores the shadow
     weights: the same losses as the hand loop's ``store``, ``copy_to``, validate, ``restore``."""
     train, val = classes(20, 0), DataLoader(classes(10, 1), batch_size=4)
-    torch.manual_seed(3)
-    model = Net()
-    model.backbone.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    model, params = frozen_backbone()
     shadow = [p.detach().clone() for p in params]
     optimizer = sgd(params)
-    model.train()
-    model.backbone.eval()
     hand, step = [], 0
     for _ in range(2):
         for x, y in DataLoader(train, batch_size=4, shuffle=True):

@@ -626,7 +626,9 @@ def test_a_failure_in_the_second_critic_update_undoes_the_first_and_the_retry_tr
     assert differences(everything(model, opts, schs), everything(t.model, t.optimizers, t.schedulers)) == []
 
 
-def lbfgs_by_hand(data, clip: float = 0.5):
+def lbfgs_by_hand(data, clip: float = 0.5, each_gradient=None):
+    """L-BFGS with a closure that clips its gradients (``each_gradient(p)`` first, for every parameter), and a
+    scheduler stepped after each update."""
     net = mlp()
     opt = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4, history_size=3)
     sch = decay(opt)
@@ -635,6 +637,8 @@ def lbfgs_by_hand(data, clip: float = 0.5):
             opt.zero_grad()
             loss = F.mse_loss(net(x), y)
             loss.backward()
+            for p in net.parameters() if each_gradient is not None else ():
+                each_gradient(p)
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             return loss
 
@@ -856,23 +860,8 @@ def test_a_gradient_hook_with_an_lbfgs_closure_sees_each_evaluations_gradients_o
     t = Centralized(model=mlp(), train_data=data, max_steps=4, grad_clip=0.5, **QUIET)
     t.fit()
     assert all(t.seen)
-    net = mlp()
-    opt = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4, history_size=3)
-    sch = decay(opt)
-    for x, y in data:
-        def closure():
-            opt.zero_grad()
-            loss = F.mse_loss(net(x), y)
-            loss.backward()
-            for p in net.parameters():
-                centralize(p)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
-            return loss
-
-        opt.step(closure)
-        sch.step()
-    assert differences(everything(net, {"optimizer": opt}, {"optimizer": sch}),
-                       everything(t.model, t.optimizers, t.schedulers)) == []
+    by_hand = lbfgs_by_hand(data, each_gradient=centralize)
+    assert differences(everything(*by_hand), everything(t.model, t.optimizers, t.schedulers)) == []
 
 
 # -- Lightning's opt.step() kept in a port ------------------------------------------------------------------------
