@@ -340,7 +340,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str) -> dict:
 NORM_BATCHES, NORM_PASSES, NORM_ACCUM, NORM_CLIP = 5, 2, 2, 0.5
 
 
-def norms_by_hand(model: nn.Module, data: list, precision: str) -> list[dict]:
+def norms_by_hand(model: nn.Module, data: list, precision: str, algorithm: str = "norm") -> list[dict]:
     """Lightning's automatic step with ``accumulate_grad_batches=2`` (the pass's last update over the batch left),
     ``gradient_clip_val=0.5`` and, under ``"16-mixed"``, its GradScaler: each loss divided by 2 (scaled), at each
     update the gradients unscaled, ``on_before_optimizer_step`` (the norms), clipping, the step, ``zero_grad``.
@@ -356,7 +356,10 @@ def norms_by_hand(model: nn.Module, data: list, precision: str) -> list[dict]:
             if (i + 1) % NORM_ACCUM == 0 or i == len(data) - 1:
                 scaler.unscale_(opt)
                 norms.append({k: float(v) for k, v in grad_norm(model, 2).items()})
-                torch.nn.utils.clip_grad_norm_(model.parameters(), NORM_CLIP)
+                if algorithm == "norm":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), NORM_CLIP)
+                else:  # gradient_clip_algorithm="value": Lightning's clip_gradients, after the hook
+                    torch.nn.utils.clip_grad_value_(model.parameters(), NORM_CLIP / 10)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
@@ -375,20 +378,31 @@ class GradNorms(Trainer):
         self.log_dict(grad_norm(self.model, norm_type=2))
 
 
+class GradNormsClippedByValue(GradNorms):
+    """``gradient_clip_algorithm="value"`` as the map ports it: ``clip_grad_value_`` in the hook, after the logging."""
+
+    def on_before_optimizer_step(self, name, optimizer):
+        super().on_before_optimizer_step(name, optimizer)
+        torch.nn.utils.clip_grad_value_(self.model.parameters(), NORM_CLIP / 10)
+
+
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_grad_norms_logged_before_clipping_under_accumulation_reach_the_loggers_at_each_log_step(precision):
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_grad_norms_logged_before_clipping_under_accumulation_reach_the_loggers_at_each_log_step(precision, algorithm):
     """``log_every=2``: the loggers get, at steps 2, 4, 6, the norms of those updates' unscaled gradients before
-    clipping, per parameter and in total; the parameters end as the hand loop's."""
+    clipping (by norm: ``grad_clip``; by value: in the hook), per parameter and in total; the parameters end as the
+    hand loop's."""
     data = labelled(NORM_BATCHES, seed=6)
     ref = classifier()
-    expected = norms_by_hand(ref, data, precision)
+    expected = norms_by_hand(ref, data, precision, algorithm)
     recorder = Recorder()
-    port = GradNorms(model=classifier(), train_data=data, max_epochs=NORM_PASSES, grad_accum=NORM_ACCUM,
-                     grad_clip=NORM_CLIP, precision=precision, log_every=2, loggers=[recorder], **QUIET)
+    port_class, clip = (GradNorms, {"grad_clip": NORM_CLIP}) if algorithm == "norm" else (GradNormsClippedByValue, {})
+    port = port_class(model=classifier(), train_data=data, max_epochs=NORM_PASSES, grad_accum=NORM_ACCUM,
+                      precision=precision, log_every=2, loggers=[recorder], **clip, **QUIET)
     port.fit()
     assert_same(port.model, ref)
     assert len(expected) == port.state.step == 6
-    assert any(e["grad_2.0_norm_total"] > NORM_CLIP for e in expected)  # clipping cut some
+    assert any(e["grad_2.0_norm_total"] > NORM_CLIP for e in expected)  # clipping cut some (by value: all)
     logged = [(step, {k: v for k, v in m.items() if k.startswith("grad_")}) for step, m in recorder.rows]
     logged = [(step, m) for step, m in logged if m]
     assert [step for step, _ in logged] == [2, 4, 6]
@@ -1055,3 +1069,28 @@ def test_bolts_byol_target_moved_by_its_callback_after_each_update_as_lightning(
     port.fit()
     assert_same(port.model, ref)
     assert callback.taus == expected and expected[0] == 0.9 and expected[-1] > expected[1] > 0.9
+
+
+class BYOLCallbackAsWritten(BYOLCallback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # byol_updates.py's hook
+        self.on_step_end(trainer, outputs)
+
+
+class BYOLCallbackWithLightningsArguments(Callback):
+    def on_step_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pass
+
+
+@pytest.mark.parametrize("callback, message", [
+    (BYOLCallbackAsWritten, r"BYOLCallbackAsWritten\.on_train_batch_end is Lightning's name, which safeloop never "
+                            r"calls: use on_step_end\(losses\)"),
+    (BYOLCallbackWithLightningsArguments, r"on_step_end.*\(trainer, losses\)"),
+])
+def test_bolts_byol_callback_kept_as_lightnings_is_refused_before_any_update(callback, message):
+    model = byol_nets()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    port = BYOL(model=model, train_data=two_views(3, seed=13), max_epochs=1, loggers=(), callbacks=[callback()],
+                **QUIET)
+    with pytest.raises(ConfigError, match=message):
+        port.fit()
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
