@@ -31,6 +31,10 @@ Loggers section describes); and the Lightning names the docs refuse, refused wit
 - lightning-bolts' BYOL, src/pl_bolts/models/self_supervised/byol/byol_module.py and src/pl_bolts/callbacks/
   byol_updates.py (``BYOLMAWeightUpdate``: the target network moved in ``on_train_batch_end`` by ``param.data =``,
   tau cosine over ``len(trainer.train_dataloader) * trainer.max_epochs``), ported to a ``safeloop.Callback``.
+- Lightning's ``BackboneFinetuning`` (src/lightning/pytorch/callbacks/finetuning.py, 2.x; its ``BaseFinetuning``
+  helpers as written): the backbone frozen before training (BatchNorm left trainable), unfrozen into a new group,
+  that group's rate doubled each epoch and aligned with the head's, a ``StepLR`` on every group; ported to a
+  ``safeloop.Callback``'s ``on_epoch_start``, the freeze before ``fit()`` (the map's place for ``setup``).
 - Other Lightning names such ports keep (the template's ``on_train_start`` and ``on_validation_epoch_end``, the
   DQN example's ``self.global_step``, Lightning's docs' ``lr_scheduler_step``, ``optimizer_zero_grad``,
   ``configure_gradient_clipping``, ``sync_dist=True``, ``gradient_clip_algorithm``) and Lightning 2.0's
@@ -227,6 +231,39 @@ def test_hydra_mnist_train_loss_of_each_pass_reaches_the_loggers_when_logging_ev
     """With ``log_every=1`` each pass's mean is written at the next log point: all three reach the loggers."""
     expected, _, _, recorder = hydra_runs(log_every=1)
     assert recorder.values("train/loss") == pytest.approx(expected["train/loss"], rel=1e-6)
+
+
+class MNISTWithItsStepHelper(MNISTPort):
+    """The template's earlier MNISTLitModule (v1.x) shares ``step(batch) -> (loss, preds, targets)`` between its
+    training and validation steps: kept in the port, it shadows manual mode's ``Trainer.step``."""
+
+    def step(self, batch):
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits, y)
+        return loss, torch.argmax(logits, dim=1), y
+
+    def training_step(self, batch):
+        loss, preds, targets = self.step(batch)
+        self.loss_sum, self.batches = self.loss_sum + loss.detach(), self.batches + 1
+        return loss
+
+    def validation_step(self, batch):
+        loss, preds, targets = self.step(batch)
+        self.log("val/loss", loss)
+        self.log("val/acc", (preds == targets).float().mean())
+
+
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+def test_hydra_mnist_module_keeping_its_step_helper_trains_as_lightning_in_automatic_mode(check):
+    train, val = hydra_data()
+    ref = classifier()
+    expected = hydra_by_hand(ref, train, val)
+    port = MNISTWithItsStepHelper(model=classifier(), train_data=train, val_data=val, max_epochs=HYDRA_PASSES,
+                                  val_every=HYDRA_BATCHES, loggers=(), guard={"check": check}, **QUIET)
+    port.fit()
+    assert_same(port.model, ref)
+    assert port.rates == expected["lr"]
 
 
 class MNISTAsWritten(MNISTPort):
@@ -1094,3 +1131,166 @@ def test_bolts_byol_callback_kept_as_lightnings_is_refused_before_any_update(cal
     with pytest.raises(ConfigError, match=message):
         port.fit()
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+# -- Lightning's BackboneFinetuning (src/lightning/pytorch/callbacks/finetuning.py, 2.x): the backbone frozen in
+#    setup (BatchNorm left trainable), unfrozen into a new parameter group at an epoch's start at a tenth of the rate,
+#    that group's rate then multiplied by lambda_func(epoch + 1) at each epoch's start, aligned with the head's when
+#    it would pass it; a StepLR on the optimizer stepped at each epoch's end.
+
+
+def flatten_modules(modules):
+    """BaseFinetuning.flatten_modules, as written (for one module)."""
+    return [m for m in modules.modules() if not list(m.children()) or m._parameters]
+
+
+def filter_params(modules, train_bn=True, requires_grad=True):
+    for mod in flatten_modules(modules):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and not train_bn:
+            continue
+        for param in mod.parameters(recurse=False):
+            if param.requires_grad == requires_grad:
+                yield param
+
+
+def make_trainable(modules):
+    for module in flatten_modules(modules):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.track_running_stats = True
+        for param in module.parameters(recurse=False):
+            param.requires_grad = True
+
+
+def freeze(modules, train_bn=True):
+    for mod in flatten_modules(modules):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and train_bn:
+            make_trainable(mod)
+        else:  # freeze_module
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                mod.track_running_stats = False
+            for param in mod.parameters(recurse=False):
+                param.requires_grad = False
+
+
+def filter_on_optimizer(optimizer, params):
+    """As written, ``torch.equal`` (by value) included; the warning it gives (the BatchNorm parameters the optimizer
+    already holds) left out."""
+    return [param for param in params
+            if not any(torch.equal(p, param) for group in optimizer.param_groups for p in group["params"])]
+
+
+def unfreeze_and_add_param_group(modules, optimizer, lr=None, initial_denom_lr=10.0, train_bn=True):
+    make_trainable(modules)
+    params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+    denom_lr = initial_denom_lr if lr is None else 1.0
+    params = filter_on_optimizer(optimizer, filter_params(modules, train_bn=train_bn, requires_grad=True))
+    if params:
+        optimizer.add_param_group({"params": params, "lr": params_lr / denom_lr})
+
+
+class BackboneFinetuning:
+    """BackboneFinetuning's ``finetune_function`` (``unfreeze_backbone_at_epoch=1``, the other arguments their
+    defaults: ``lambda_func`` is finetuning.py's ``multiplicative``, 2.0)."""
+
+    def __init__(self, unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 2.0, backbone_initial_ratio_lr=10e-2,
+                 should_align=True, initial_denom_lr=10.0, train_bn=True):
+        self.unfreeze_backbone_at_epoch, self.lambda_func = unfreeze_backbone_at_epoch, lambda_func
+        self.backbone_initial_ratio_lr, self.should_align = backbone_initial_ratio_lr, should_align
+        self.initial_denom_lr, self.train_bn = initial_denom_lr, train_bn
+        self.previous_backbone_lr = None
+
+    def finetune_function(self, backbone, epoch, optimizer):
+        if epoch == self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            initial_backbone_lr = current_lr * self.backbone_initial_ratio_lr
+            self.previous_backbone_lr = initial_backbone_lr
+            unfreeze_and_add_param_group(backbone, optimizer, initial_backbone_lr, train_bn=self.train_bn,
+                                         initial_denom_lr=self.initial_denom_lr)
+        elif epoch > self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            next_current_backbone_lr = self.lambda_func(epoch + 1) * self.previous_backbone_lr
+            next_current_backbone_lr = (current_lr if (self.should_align and next_current_backbone_lr > current_lr)
+                                        else next_current_backbone_lr)
+            optimizer.param_groups[-1]["lr"] = next_current_backbone_lr
+            self.previous_backbone_lr = next_current_backbone_lr
+
+
+class Backboned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def backboned(seed: int = 0) -> Backboned:
+    torch.manual_seed(seed)
+    model = Backboned()
+    freeze(model.backbone)  # BaseFinetuning.setup: before configure_optimizers (here: before fit())
+    return model
+
+
+FINETUNE_PASSES = 5
+
+
+def finetune_optimizer(model):
+    optimizer = torch.optim.Adam(filter(lambda p: p.requires_grad, model.parameters()), lr=0.01)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+
+
+def finetune_by_hand(model: Backboned, data: list) -> list[list[float]]:
+    """Lightning's fit: ``on_train_epoch_start`` (the callback), the pass, the epoch scheduler. Returns the rates of
+    each pass's groups."""
+    optimizer, scheduler = finetune_optimizer(model)
+    callback, rates = BackboneFinetuning(), []
+    for epoch in range(FINETUNE_PASSES):
+        callback.finetune_function(model.backbone, epoch, optimizer)
+        rates.append([g["lr"] for g in optimizer.param_groups])
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        scheduler.step()
+    return rates
+
+
+class FinetuningCallback(Callback):
+    """BaseFinetuning.on_train_epoch_start ported: ``on_epoch_start(trainer)``, each optimizer."""
+
+    def __init__(self):
+        self.finetuning, self.rates = BackboneFinetuning(), []
+
+    def on_epoch_start(self, trainer):
+        for optimizer in trainer.optimizers.values():
+            self.finetuning.finetune_function(trainer.model.backbone, trainer.state.epoch, optimizer)
+            self.rates.append([g["lr"] for g in optimizer.param_groups])
+
+
+class Finetune(Trainer):
+    def configure_optimizers(self):
+        optimizer, scheduler = finetune_optimizer(self.model)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+
+def test_backbone_finetuning_unfreezes_and_schedules_the_backbones_group_as_lightning():
+    """5 passes of 3 batches: the backbone's group added at the second pass's start at a tenth of the head's rate,
+    doubled each pass after and aligned with the head's once it would pass it, StepLR(gamma=0.7) on every group at
+    each pass's end: the rates of each pass and the parameters (BatchNorm statistics too) bit for bit."""
+    data = labelled(3, seed=14)
+    ref = backboned()
+    expected = finetune_by_hand(ref, data)
+    callback = FinetuningCallback()
+    port = Finetune(model=backboned(), train_data=data, max_epochs=FINETUNE_PASSES, loggers=(), callbacks=[callback],
+                    **QUIET)
+    port.fit()
+    assert_same(port.model, ref)
+    assert callback.rates == expected
+    assert [len(r) for r in expected] == [1, 2, 2, 2, 2]
+    assert expected[-1][1] == expected[-1][0]  # aligned
