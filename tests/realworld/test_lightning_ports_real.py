@@ -917,6 +917,22 @@ class DQNSync(MNISTPort):
         return super().training_step(batch)
 
 
+class HistogramsAfterBackward(MNISTPort):
+    """Lightning's older gradient-histogram recipe: ``on_after_backward(self)``, ``self.logger.experiment``."""
+
+    def on_after_backward(self):
+        if self.state.step % 25 == 0:
+            for k, v in self.model.named_parameters():
+                self.logger.experiment.add_histogram(tag=k, values=v.grad, global_step=self.state.step)
+
+
+class HistogramsToLightningsLogger(MNISTPort):
+    def on_after_backward(self, name):
+        if self.state.step % 25 == 0:
+            for k, v in self.model.named_parameters():
+                self.logger.experiment.add_histogram(tag=k, values=v.grad, global_step=self.state.step)
+
+
 REFUSED = {
     "on_train_start": (HydraResetOnTrainStart, {}, ConfigError,
                        r"HydraResetOnTrainStart\.on_train_start is Lightning's name, which safeloop never calls: use "
@@ -938,6 +954,12 @@ REFUSED = {
                                               r"value\) takes no sync_dist"),
     "global_step": (DQNSync, {}, Exception, r"'DQNSync' object has no attribute 'global_step': that is Lightning's; "
                                             r"here: self\.state\.step"),
+    "on_after_backward(self)": (HistogramsAfterBackward, {}, ConfigError,
+                                r"HistogramsAfterBackward\.on_after_backward takes \(\), and safeloop calls "
+                                r"on_after_backward\(name\): write it as def on_after_backward\(self, name\)"),
+    "logger": (HistogramsToLightningsLogger, {}, Exception,
+               r"'HistogramsToLightningsLogger' object has no attribute 'logger': that is Lightning's; here: "
+               r"self\.loggers, a list"),
     "gradient_clip_algorithm": (MNISTPort, {"gradient_clip_algorithm": "value"}, ConfigError,
                                 r"gradient_clip_algorithm.*that is Lightning's; here: grad_clip is the norm; for "
                                 r"'value', torch\.nn\.utils\.clip_grad_value_ in on_before_optimizer_step"),
