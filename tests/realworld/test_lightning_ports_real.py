@@ -379,15 +379,16 @@ NORM_BATCHES, NORM_PASSES, NORM_ACCUM, NORM_CLIP = 5, 2, 2, 0.5
 
 def norms_by_hand(model: nn.Module, data: list, precision: str, algorithm: str = "norm") -> list[dict]:
     """Lightning's automatic step with ``accumulate_grad_batches=2`` (the pass's last update over the batch left),
-    ``gradient_clip_val=0.5`` and, under ``"16-mixed"``, its GradScaler: each loss divided by 2 (scaled), at each
-    update the gradients unscaled, ``on_before_optimizer_step`` (the norms), clipping, the step, ``zero_grad``.
-    Returns each update's norms."""
+    ``gradient_clip_val=0.5``, its autocast and, under ``"16-mixed"``, its GradScaler: each loss divided by 2
+    (scaled), at each update the gradients unscaled, ``on_before_optimizer_step`` (the norms), clipping, the step,
+    ``zero_grad``. Returns each update's norms."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "16-mixed")
     norms = []
     for _ in range(NORM_PASSES):
         for i, (x, y) in enumerate(data):
-            with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "16-mixed"):
+            dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss / NORM_ACCUM).backward()
             if (i + 1) % NORM_ACCUM == 0 or i == len(data) - 1:
@@ -423,7 +424,7 @@ class GradNormsClippedByValue(GradNorms):
         torch.nn.utils.clip_grad_value_(self.model.parameters(), NORM_CLIP / 10)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_grad_norms_logged_before_clipping_under_accumulation_reach_the_loggers_at_each_log_step(precision, algorithm):
     """``log_every=2``: the loggers get, at steps 2, 4, 6, the norms of those updates' unscaled gradients before
