@@ -1,0 +1,639 @@
+"""Hand-written training loops from public code, run three times from the same seeds: bare, under
+``python -m safeloop.watch``'s guard (``Watch``, in process) and with ``safeloop.GraphGuard`` written into the
+loop (``with guard.step():`` and ``guard.backward(loss)``). Every parameter and buffer (and what the loop keeps:
+an EMA model, a running mean of the losses) must come out bit for bit the same, with no warning and no error, in
+every guard mode; where the source's classic mistake is made, the guard must stop it naming the tensor.
+
+The loops take ``guard=None``: given a ``GraphGuard``, ``step`` is its ``step`` and ``backward`` its ``backward``;
+otherwise a null context and ``Tensor.backward`` (looked up when the loop runs, so that under ``Watch`` it is the
+watched one, called from the loop's own frame as the source calls it).
+"""
+import contextlib
+import math
+import re
+import warnings
+from collections import namedtuple
+from copy import deepcopy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from safeloop import GraphGuard
+from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError
+from safeloop.watch import Watch
+
+from .harness import assert_same, checks, strict
+
+
+def hooks(guard):
+    """(step, backward) of a loop: the guard's, or a null context and ``Tensor.backward``."""
+    if guard is None:
+        return contextlib.nullcontext, torch.Tensor.backward
+    return guard.step, guard.backward
+
+
+def same(ours, ref) -> None:
+    for a, b in zip(ours, ref, strict=True):
+        if isinstance(a, nn.Module):
+            assert_same(a, b)
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            assert a == b
+
+
+def three_runs(build, loop, check):
+    """``loop(*build())`` bare, under ``Watch`` and with a ``GraphGuard``, each from the same seeds; what each
+    returns (modules, tensors, numbers) compared with the bare run's, bit for bit. Returns the bare run's
+    result and a copy of its first module before training."""
+    def run(guard=None, watch=None):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        built = build()
+        start = deepcopy(built[0])
+        torch.manual_seed(1)
+        np.random.seed(1)
+        with watch or contextlib.nullcontext():
+            return loop(*built, guard=guard), start
+    with warnings.catch_warnings(record=True) as own:
+        warnings.simplefilter("always")
+        ref, start = run()
+    with strict(own):
+        watched, _ = run(watch=Watch(GraphGuard(check=check), loop.__code__.co_filename))
+    same(watched, ref)
+    with strict(own):
+        guarded, _ = run(guard=GraphGuard(check=check))
+    same(guarded, ref)
+    assert any(not torch.equal(p, q) for p, q in zip(ref[0].parameters(), start.parameters())), "nothing trained"
+    return ref
+
+
+def watched(loop, *args, check="always"):
+    """``loop(*args)`` under ``Watch``."""
+    with Watch(GraphGuard(check=check), loop.__code__.co_filename):
+        return loop(*args)
+
+
+# -- ultralytics/yolov5: train.py (v6), utils/torch_utils.py (ModelEMA), utils/loss.py (ComputeLoss) ----------
+YOLO_HYP = {'lr0': 0.01, 'lrf': 0.01, 'momentum': 0.937, 'weight_decay': 0.0005, 'warmup_epochs': 1.0,
+            'warmup_momentum': 0.8, 'warmup_bias_lr': 0.1, 'box': 0.05, 'cls': 0.5, 'obj': 1.0}
+NC = 3
+
+
+class ModelEMA:
+    """ Model Exponential Moving Average from https://github.com/rwightman/pytorch-image-models """
+
+    def __init__(self, model, decay=0.9999, updates=0):
+        # Create EMA
+        self.ema = deepcopy(model).eval()  # FP32 EMA
+        self.updates = updates  # number of EMA updates
+        self.decay = lambda x: decay * (1 - math.exp(-x / 2000))  # decay exponential ramp (to help early epochs)
+        for p in self.ema.parameters():
+            p.requires_grad_(False)
+
+    def update(self, model):
+        # Update EMA parameters
+        with torch.no_grad():
+            self.updates += 1
+            d = self.decay(self.updates)
+
+            msd = model.state_dict()  # model state_dict
+            for k, v in self.ema.state_dict().items():
+                if v.dtype.is_floating_point:
+                    v *= d
+                    v += (1. - d) * msd[k].detach()
+
+
+def yolo_model():
+    """A two-convolution stand-in for the detector: per cell 2 box offsets, 1 objectness, NC class logits."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.SiLU(),
+                         nn.Conv2d(4, 3 + NC, 1))
+
+
+class ComputeLoss:
+    """ComputeLoss.__call__'s shape: three (1,)-shaped sums, the loss scaled by the batch size, the items
+    detached for logging (``detach_items=False``: the mistake of logging them with their graph)."""
+
+    def __init__(self, detach_items=True):
+        self.BCEcls = nn.BCEWithLogitsLoss()
+        self.BCEobj = nn.BCEWithLogitsLoss()
+        self.detach_items = detach_items
+
+    def __call__(self, p, targets):
+        lcls, lbox, lobj = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+        tbox, tobj, tcls = targets
+        lbox += (p[:, :2] - tbox).pow(2).mean()
+        lobj += self.BCEobj(p[:, 2], tobj)
+        lcls += self.BCEcls(p[:, 3:], tcls)
+        lbox *= YOLO_HYP['box']
+        lobj *= YOLO_HYP['obj']
+        lcls *= YOLO_HYP['cls']
+        bs = tobj.shape[0]  # batch size
+        items = torch.cat((lbox, lobj, lcls))
+        return (lbox + lobj + lcls) * bs, items.detach() if self.detach_items else items
+
+
+def yolo_build(detach_items=True):
+    model = yolo_model()
+    gen = torch.Generator().manual_seed(3)
+    loader = [(torch.rand(2, 3, 4, 4, generator=gen),
+               (torch.randn(2, 2, 4, 4, generator=gen), torch.rand(2, 4, 4, generator=gen).round(),
+                torch.rand(2, NC, 4, 4, generator=gen).round())) for _ in range(8)]
+    return model, loader, ComputeLoss(detach_items)
+
+
+def yolo_train(model, train_loader, compute_loss, epochs=2, batch_size=2, nbs=8, guard=None):
+    step, backward = hooks(guard)
+    hyp = YOLO_HYP
+    g0, g1, g2 = [], [], []  # optimizer parameter groups
+    for v in model.modules():
+        if hasattr(v, 'bias') and isinstance(v.bias, nn.Parameter):  # bias
+            g2.append(v.bias)
+        if isinstance(v, nn.BatchNorm2d):  # weight (no decay)
+            g0.append(v.weight)
+        elif hasattr(v, 'weight') and isinstance(v.weight, nn.Parameter):  # weight (with decay)
+            g1.append(v.weight)
+    optimizer = torch.optim.SGD(g0, lr=hyp['lr0'], momentum=hyp['momentum'], nesterov=True)
+    optimizer.add_param_group({'params': g1, 'weight_decay': hyp['weight_decay']})  # add g1 with weight_decay
+    optimizer.add_param_group({'params': g2})  # add g2 (biases)
+    lf = lambda x: (1 - x / epochs) * (1.0 - hyp['lrf']) + hyp['lrf']  # noqa: E731 (linear)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
+    ema = ModelEMA(model)
+    nb = len(train_loader)  # number of batches
+    nw = max(round(hyp['warmup_epochs'] * nb), 3)  # number of warmup iterations (100 in the source)
+    last_opt_step = -1
+    scheduler.last_epoch = -1  # do not move
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # amp = cuda in the source
+    for epoch in range(epochs):
+        model.train()
+        mloss = torch.zeros(3)  # mean losses
+        optimizer.zero_grad()
+        for i, (imgs, targets) in enumerate(train_loader):
+            with step():
+                ni = i + nb * epoch  # number integrated batches (since train start)
+                # Warmup
+                if ni <= nw:
+                    xi = [0, nw]  # x interp
+                    accumulate = max(1, np.interp(ni, xi, [1, nbs / batch_size]).round())
+                    for j, x in enumerate(optimizer.param_groups):
+                        # bias lr falls from 0.1 to lr0, all other lrs rise from 0.0 to lr0
+                        x['lr'] = np.interp(ni, xi, [hyp['warmup_bias_lr'] if j == 2 else 0.0,
+                                                     x['initial_lr'] * lf(epoch)])
+                        if 'momentum' in x:
+                            x['momentum'] = np.interp(ni, xi, [hyp['warmup_momentum'], hyp['momentum']])
+                # Forward
+                with torch.autocast("cpu", enabled=False):
+                    pred = model(imgs)  # forward
+                    loss, loss_items = compute_loss(pred, targets)  # loss scaled by batch_size
+                # Backward
+                backward(scaler.scale(loss))
+                # Optimize
+                if ni - last_opt_step >= accumulate:
+                    scaler.step(optimizer)  # optimizer.step
+                    scaler.update()
+                    optimizer.zero_grad()
+                    if ema:
+                        ema.update(model)
+                    last_opt_step = ni
+                # Log
+                mloss = (mloss * i + loss_items) / (i + 1)  # update mean losses
+        scheduler.step()
+    return model, ema.ema, mloss.detach(), ema.updates
+
+
+@pytest.mark.parametrize("check", checks())
+def test_yolov5_accumulation_with_model_ema_and_a_running_mean_of_detached_losses(check):
+    """ultralytics/yolov5, train.py (v6) and utils/torch_utils.py (``ModelEMA``): a warm-up that grows
+    ``accumulate`` (an update when ``ni - last_opt_step >= accumulate``, so backwards of several iterations
+    before one step), ``ModelEMA.update`` writing the EMA's state in place under ``no_grad`` (BatchNorm's
+    buffers too), and ``mloss`` kept as a tensor from the loss items ComputeLoss detaches."""
+    model, ema, mloss, updates = three_runs(yolo_build, yolo_train, check)
+    assert 2 < updates < 16  # accumulation happened: fewer updates than batches
+    assert not torch.equal(ema.state_dict()["1.running_mean"], torch.zeros(4))
+    assert mloss.grad_fn is None
+
+
+def test_yolov5_loss_items_logged_with_their_graph_are_named():
+    """The same loop with ComputeLoss's ``.detach()`` left out of the loss items: ``mloss``, a running mean
+    kept across iterations, then holds every iteration's graph. The guard names ``mloss``."""
+    torch.manual_seed(0)
+    model, loader, compute_loss = yolo_build(detach_items=False)
+    with pytest.warns(GraphLeakWarning, match=r"mloss"):
+        watched(yolo_train, model, loader, compute_loss)
+    torch.manual_seed(0)
+    model, loader, compute_loss = yolo_build(detach_items=False)
+    with pytest.warns(GraphLeakWarning, match=r"mloss"):
+        yolo_train(model, loader, compute_loss, guard=GraphGuard(check="always"))
+
+
+# -- pytorch/examples: fast_neural_style/neural_style/{neural_style,vgg,utils,transformer_net}.py -------------
+class ConvLayer(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride):
+        super(ConvLayer, self).__init__()
+        reflection_padding = kernel_size // 2
+        self.reflection_pad = nn.ReflectionPad2d(reflection_padding)
+        self.conv2d = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x):
+        out = self.reflection_pad(x)
+        out = self.conv2d(out)
+        return out
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super(ResidualBlock, self).__init__()
+        self.conv1 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in1 = nn.InstanceNorm2d(channels, affine=True)
+        self.conv2 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in2 = nn.InstanceNorm2d(channels, affine=True)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        residual = x
+        out = self.relu(self.in1(self.conv1(x)))
+        out = self.in2(self.conv2(out))
+        out = out + residual
+        return out
+
+
+class TransformerNet(nn.Module):
+    """TransformerNet with 4 channels (32, 64, 128) and one residual block (five), no down/upsampling."""
+
+    def __init__(self):
+        super(TransformerNet, self).__init__()
+        self.conv1 = ConvLayer(3, 4, kernel_size=3, stride=1)
+        self.in1 = nn.InstanceNorm2d(4, affine=True)
+        self.res1 = ResidualBlock(4)
+        self.deconv3 = ConvLayer(4, 3, kernel_size=3, stride=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, X):
+        y = self.relu(self.in1(self.conv1(X)))
+        y = self.res1(y)
+        y = self.deconv3(y)
+        return y
+
+
+class Vgg16(nn.Module):
+    """Vgg16's four slices and its ``requires_grad`` switch, over 3x3 convolutions of 4 channels."""
+
+    def __init__(self, requires_grad=False):
+        super(Vgg16, self).__init__()
+        self.slice1 = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.slice2 = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.slice3 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.slice4 = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        if not requires_grad:
+            for param in self.parameters():
+                param.requires_grad = False
+
+    def forward(self, X):
+        h = self.slice1(X)
+        h_relu1_2 = h
+        h = self.slice2(h)
+        h_relu2_2 = h
+        h = self.slice3(h)
+        h_relu3_3 = h
+        h = self.slice4(h)
+        h_relu4_3 = h
+        vgg_outputs = namedtuple("VggOutputs", ['relu1_2', 'relu2_2', 'relu3_3', 'relu4_3'])
+        out = vgg_outputs(h_relu1_2, h_relu2_2, h_relu3_3, h_relu4_3)
+        return out
+
+
+def gram_matrix(y):
+    (b, ch, h, w) = y.size()
+    features = y.view(b, ch, w * h)
+    features_t = features.transpose(1, 2)
+    gram = features.bmm(features_t) / (ch * h * w)
+    return gram
+
+
+def normalize_batch(batch):
+    # normalize using imagenet mean and std
+    mean = batch.new_tensor([0.485, 0.456, 0.406]).view(-1, 1, 1)
+    std = batch.new_tensor([0.229, 0.224, 0.225]).view(-1, 1, 1)
+    batch = batch.div_(255.0)
+    return (batch - mean) / std
+
+
+def style_build(vgg_requires_grad=False):
+    transformer = TransformerNet()
+    vgg = Vgg16(requires_grad=vgg_requires_grad)
+    gen = torch.Generator().manual_seed(5)
+    train_loader = [(torch.rand(2, 3, 8, 8, generator=gen) * 255, None) for _ in range(4)]  # made anew: div_
+    style = torch.rand(3, 8, 8, generator=gen) * 255
+    return transformer, vgg, train_loader, style
+
+
+def style_train(transformer, vgg, train_loader, style, epochs=1, batch_size=2, content_weight=1e5,
+                style_weight=1e10, guard=None):
+    step, backward = hooks(guard)
+    optimizer = torch.optim.Adam(transformer.parameters(), 1e-3)
+    mse_loss = torch.nn.MSELoss()
+    style = style.repeat(batch_size, 1, 1, 1)
+    features_style = vgg(normalize_batch(style))
+    gram_style = [gram_matrix(y) for y in features_style]
+    for e in range(epochs):
+        transformer.train()
+        agg_content_loss = 0.
+        agg_style_loss = 0.
+        count = 0
+        for batch_id, (x, _) in enumerate(train_loader):
+            with step():
+                n_batch = len(x)
+                count += n_batch
+                optimizer.zero_grad()
+
+                y = transformer(x)
+
+                y = normalize_batch(y)
+                x = normalize_batch(x)
+
+                features_y = vgg(y)
+                features_x = vgg(x)
+
+                content_loss = content_weight * mse_loss(features_y.relu2_2, features_x.relu2_2)
+
+                style_loss = 0.
+                for ft_y, gm_s in zip(features_y, gram_style):
+                    gm_y = gram_matrix(ft_y)
+                    style_loss += mse_loss(gm_y, gm_s[:n_batch, :, :])
+                style_loss *= style_weight
+
+                total_loss = content_loss + style_loss
+                backward(total_loss)
+                optimizer.step()
+
+                agg_content_loss += content_loss.item()
+                agg_style_loss += style_loss.item()
+    return transformer, vgg, agg_content_loss, agg_style_loss
+
+
+@pytest.mark.parametrize("check", checks())
+def test_fast_neural_style_with_a_frozen_vgg_and_gram_matrices_computed_once(check):
+    """pytorch/examples, fast_neural_style/neural_style/neural_style.py (``train``), vgg.py (``Vgg16``),
+    utils.py (``gram_matrix``, ``normalize_batch``: an in-place ``div_`` on the transformer's output) and
+    transformer_net.py: the style's Gram matrices computed once before the loop through a VGG whose
+    parameters do not require grad (no graph), reused by every step's style loss."""
+    three_runs(style_build, style_train, check)
+
+
+def trainable_vgg_stopped(run):
+    """``run(*built)`` on a style loop with ``Vgg16(requires_grad=True)`` raises the guard's error at step 1, before
+    any update, naming ``gram_style``."""
+    torch.manual_seed(0)
+    transformer, *rest = built = style_build(vgg_requires_grad=True)
+    start = deepcopy(transformer)
+    with pytest.raises(GraphReuseError, match=r"built before the step is reused \(step 1, .*`local gram_style\[3\]`.*"
+                                              r"To fix: recompute `gram_style\[3\]` inside the loop"):
+        run(*built)
+    assert_same(transformer, start)
+
+
+def test_fast_neural_style_with_vgg_left_trainable_names_the_gram_matrices():
+    """``Vgg16(requires_grad=True)``: the Gram matrices made before the loop carry a graph every step's loss
+    reaches; PyTorch fails at the second backward, ``GraphGuard`` at the first, naming ``gram_style``."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        style_train(*style_build(vgg_requires_grad=True))
+    trainable_vgg_stopped(lambda *built: style_train(*built, guard=GraphGuard()))
+
+
+@pytest.mark.xfail(strict=True, raises=CarriedGraphError, reason=(
+    "under watch a list of tensors built before the loop is not searched for the first step's start "
+    "(safeloop/watch.py loop_start: only tensors and objects' attributes): CarriedGraphError at step 2, whose "
+    "fix (detach what is appended to gram_style) does not apply"))
+def test_fast_neural_style_with_vgg_left_trainable_under_watch():
+    """The same mistake under ``python -m safeloop.watch``: the same error as ``GraphGuard``'s, at step 1."""
+    trainable_vgg_stopped(lambda *built: watched(style_train, *built, check="auto"))
+
+
+# -- vwxyzjn/cleanrl: cleanrl/sac_continuous_action.py ---------------------------------------------------------
+class LinearEnv:
+    """A stand-in for gym's Hopper: 3-d observation, 1-d action in [-1, 1], episodes of 4 steps (NumPy)."""
+
+    def __init__(self):
+        rng = np.random.RandomState(7)
+        self.a, self.b = rng.randn(3, 3).astype(np.float32) / 2, rng.randn(3, 1).astype(np.float32)
+
+    def reset(self):
+        self.t, self.obs = 0, np.random.randn(1, 3).astype(np.float32)
+        return self.obs
+
+    def step(self, actions):
+        self.obs = np.tanh(self.obs @ self.a + actions.astype(np.float32) @ self.b.T).astype(np.float32)
+        self.t += 1
+        reward = (1.0 - np.abs(self.obs[:, 0])).astype(np.float32)
+        done = np.array([self.t >= 4], dtype=np.float32)
+        return self.obs, reward, done
+
+
+class ReplayBuffer:
+    def __init__(self, size=64):
+        self.obs, self.next_obs = np.zeros((size, 3), np.float32), np.zeros((size, 3), np.float32)
+        self.actions, self.rewards, self.dones = np.zeros((size, 1), np.float32), np.zeros(size, np.float32), \
+            np.zeros(size, np.float32)
+        self.pos = 0
+
+    def add(self, obs, next_obs, actions, rewards, dones):
+        self.obs[self.pos], self.next_obs[self.pos], self.actions[self.pos] = obs[0], next_obs[0], actions[0]
+        self.rewards[self.pos], self.dones[self.pos] = rewards[0], dones[0]
+        self.pos += 1
+
+    def sample(self, batch_size):
+        idx = np.random.randint(0, self.pos, size=batch_size)
+        Batch = namedtuple("Batch", "observations actions next_observations dones rewards")
+        return Batch(*(torch.from_numpy(a[idx]) for a in (self.obs, self.actions, self.next_obs, self.dones,
+                                                            self.rewards)))
+
+
+class SoftQNetwork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3 + 1, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc3 = nn.Linear(8, 1)
+
+    def forward(self, x, a):
+        x = torch.cat([x, a], 1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        x = self.fc3(x)
+        return x
+
+
+LOG_STD_MAX = 2
+LOG_STD_MIN = -5
+
+
+class Actor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc_mean = nn.Linear(8, 1)
+        self.fc_logstd = nn.Linear(8, 1)
+        # action rescaling
+        self.register_buffer("action_scale", torch.tensor([1.0]))
+        self.register_buffer("action_bias", torch.tensor([0.0]))
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        mean = self.fc_mean(x)
+        log_std = self.fc_logstd(x)
+        log_std = torch.tanh(log_std)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # From SpinUp / Denis Yarats
+
+        return mean, log_std
+
+    def get_action(self, x):
+        mean, log_std = self(x)
+        std = log_std.exp()
+        normal = torch.distributions.Normal(mean, std)
+        x_t = normal.rsample()  # for reparameterization trick (mean + std * N(0,1))
+        y_t = torch.tanh(x_t)
+        action = y_t * self.action_scale + self.action_bias
+        log_prob = normal.log_prob(x_t)
+        # Enforcing Action Bound
+        log_prob -= torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)
+        log_prob = log_prob.sum(1, keepdim=True)
+        mean = torch.tanh(mean) * self.action_scale + self.action_bias
+        return action, log_prob, mean
+
+
+def sac_build():
+    actor, qf1, qf2 = Actor(), SoftQNetwork(), SoftQNetwork()
+    qf1_target, qf2_target = SoftQNetwork(), SoftQNetwork()
+    qf1_target.load_state_dict(qf1.state_dict())
+    qf2_target.load_state_dict(qf2.state_dict())
+    return actor, qf1, qf2, qf1_target, qf2_target, LinearEnv()
+
+
+def sac_train(actor, qf1, qf2, qf1_target, qf2_target, envs, total_timesteps=10, learning_starts=3,
+              batch_size=4, policy_frequency=2, target_network_frequency=1, tau=0.005, gamma=0.99,
+              no_grad_log_pi=True, guard=None):
+    step, backward = hooks(guard)
+    q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=1e-3)
+    actor_optimizer = torch.optim.Adam(list(actor.parameters()), lr=3e-4)
+    # Automatic entropy tuning
+    target_entropy = -torch.prod(torch.Tensor((1,))).item()
+    log_alpha = torch.zeros(1, requires_grad=True)
+    alpha = log_alpha.exp().item()
+    a_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
+    rb = ReplayBuffer()
+    obs = envs.reset()
+    for global_step in range(total_timesteps):
+        # ALGO LOGIC: put action logic here
+        if global_step < learning_starts:
+            actions = np.random.uniform(-1, 1, size=(1, 1)).astype(np.float32)
+        else:
+            actions, _, _ = actor.get_action(torch.Tensor(obs))
+            actions = actions.detach().cpu().numpy()
+        next_obs, rewards, terminations = envs.step(actions)
+        rb.add(obs, next_obs, actions, rewards, terminations)
+        obs = envs.reset() if terminations[0] else next_obs
+
+        # ALGO LOGIC: training.
+        if global_step > learning_starts:
+            with step():
+                data = rb.sample(batch_size)
+                with torch.no_grad():
+                    next_state_actions, next_state_log_pi, _ = actor.get_action(data.next_observations)
+                    qf1_next_target = qf1_target(data.next_observations, next_state_actions)
+                    qf2_next_target = qf2_target(data.next_observations, next_state_actions)
+                    min_qf_next_target = torch.min(qf1_next_target, qf2_next_target) - alpha * next_state_log_pi
+                    next_q_value = data.rewards.flatten() + (1 - data.dones.flatten()) * gamma * (
+                        min_qf_next_target).view(-1)
+
+                qf1_a_values = qf1(data.observations, data.actions).view(-1)
+                qf2_a_values = qf2(data.observations, data.actions).view(-1)
+                qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
+                qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+                qf_loss = qf1_loss + qf2_loss
+
+                # optimize the model
+                q_optimizer.zero_grad()
+                backward(qf_loss)
+                q_optimizer.step()
+
+                if global_step % policy_frequency == 0:  # TD 3 Delayed update support
+                    for _ in range(policy_frequency):  # compensate for the delay
+                        pi, log_pi, _ = actor.get_action(data.observations)
+                        qf1_pi = qf1(data.observations, pi)
+                        qf2_pi = qf2(data.observations, pi)
+                        min_qf_pi = torch.min(qf1_pi, qf2_pi)
+                        actor_loss = ((alpha * log_pi) - min_qf_pi).mean()
+
+                        actor_optimizer.zero_grad()
+                        backward(actor_loss)
+                        actor_optimizer.step()
+
+                        if no_grad_log_pi:
+                            with torch.no_grad():
+                                _, log_pi, _ = actor.get_action(data.observations)
+                        alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
+
+                        a_optimizer.zero_grad()
+                        backward(alpha_loss)
+                        a_optimizer.step()
+                        alpha = log_alpha.exp().item()
+
+                # update the target networks
+                if global_step % target_network_frequency == 0:
+                    for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+                        target_param.data.copy_(tau * param.data + (1 - tau) * target_param.data)
+                    for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
+                        target_param.data.copy_(tau * param.data + (1 - tau) * target_param.data)
+    return actor, qf1, qf2, qf1_target, qf2_target, log_alpha.detach(), alpha
+
+
+@pytest.mark.parametrize("check", checks())
+def test_cleanrl_sac_with_compensated_policy_delay_and_polyak_targets(check):
+    """vwxyzjn/cleanrl, cleanrl/sac_continuous_action.py: q, actor and alpha optimizers; every
+    ``policy_frequency``-th step the actor updated ``policy_frequency`` times on one batch (its loss leaving
+    gradients on the critics), each followed by the temperature's update on ``log_pi`` recomputed under
+    ``no_grad`` and ``alpha = log_alpha.exp().item()``; both target critics polyak-averaged through
+    ``target_param.data.copy_``; a forward with a graph to pick the exploration action (``.detach()``)."""
+    *_, log_alpha, alpha = three_runs(sac_build, sac_train, check)
+    assert log_alpha.item() != 0.0 and alpha == log_alpha.exp().item()  # the temperature was tuned
+
+
+SAC_LOG_PI = (r"backward through a graph that was already consumed .*`local log_pi`.*changed in place.*"
+              r"retain_graph=True cannot help.*To fix: compute `log_pi` again")
+
+
+def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_is_named():
+    """The classic SAC mistake: ``alpha_loss`` built on the actor loss's ``log_pi`` (no recompute under
+    ``no_grad``, no ``.detach()``), whose graph ``actor_loss.backward()`` freed, after which the actor's optimizer
+    stepped. PyTorch raises inside the backward; ``GraphGuard`` before it, naming ``log_pi``, saying that
+    ``retain_graph=True`` cannot help (the actor's weights it saved were updated) and to compute it again."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sac_train(*sac_build(), no_grad_log_pi=False)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    with pytest.raises(DoubleBackwardError, match=SAC_LOG_PI):
+        sac_train(*sac_build(), no_grad_log_pi=False, guard=GraphGuard())
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "under watch each optimizer step ends a step, and safeloop/guard/guard.py _freed_in_iteration advises "
+    "detaching log_pi in the earlier loss (the actor's, which would stop the actor learning) or retain_graph=True "
+    "on its backward (which then fails: actor_optimizer.step() wrote the weights the graph saved)"))
+def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_under_watch():
+    """The same mistake under ``python -m safeloop.watch``: the same advice as ``GraphGuard``'s."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    with Watch(GraphGuard(check="auto"), sac_train.__code__.co_filename):
+        with pytest.raises(DoubleBackwardError) as raised:
+            sac_train(*sac_build(), no_grad_log_pi=False)
+    assert "`local log_pi`" in str(raised.value)
+    if not re.search(SAC_LOG_PI, str(raised.value)):
+        pytest.fail(f"misleading advice: {raised.value}")
