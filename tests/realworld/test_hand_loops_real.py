@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from safeloop import GraphGuard
-from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError
+from safeloop.errors import (CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError,
+                             InplaceModificationError)
 from safeloop.watch import Watch
 
 from .harness import assert_same, checks, strict
@@ -516,7 +517,7 @@ def sac_build():
     return actor, qf1, qf2, qf1_target, qf2_target, LinearEnv()
 
 
-def sac_train(actor, qf1, qf2, qf1_target, qf2_target, envs, total_timesteps=10, learning_starts=3,
+def sac_train(actor, qf1, qf2, qf1_target, qf2_target, envs, total_timesteps=8, learning_starts=3,
               batch_size=4, policy_frequency=2, target_network_frequency=1, tau=0.005, gamma=0.99,
               no_grad_log_pi=True, guard=None):
     step, backward = hooks(guard)
@@ -715,7 +716,7 @@ def hf_build(use_reentrant):
     gen = torch.Generator().manual_seed(6)
     batches = [{"input_ids": torch.randint(12, (2, 5), generator=gen),
                 "attention_mask": torch.tensor([[1., 1., 1., 1., 1.], [1., 1., 1., 0., 0.]]),
-                "labels": torch.randint(2, (2,), generator=gen)} for _ in range(6)]
+                "labels": torch.randint(2, (2,), generator=gen)} for _ in range(4)]
     return model, batches
 
 
@@ -802,7 +803,7 @@ def c51_build():
     return q_network, target_network, LinearEnv()
 
 
-def c51_train(q_network, target_network, envs, total_timesteps=14, learning_starts=3, train_frequency=1,
+def c51_train(q_network, target_network, envs, total_timesteps=10, learning_starts=3, train_frequency=1,
               target_network_frequency=4, batch_size=4, gamma=0.99, n_atoms=11, v_min=-10, v_max=10,
               max_grad_norm=0.5, guard=None):
     step, backward = hooks(guard)
@@ -1019,7 +1020,7 @@ def smooth_fit(model, train_dl, detach=True, guard=None):
             backward(loss)
             opt.step()
             opt.zero_grad()
-            smooth_losses.append(float(smoothener.smooth))
+            smooth_losses.append(smoothener.smooth.item())
     return model, smooth_losses
 
 
@@ -1047,3 +1048,116 @@ def test_fastai_smoothed_loss_kept_with_its_graph_is_named():
                 watched(smooth_fit, model, data, False)
             else:
                 smooth_fit(model, data, False, guard=guard)
+
+
+# -- facebookresearch/moco: moco/builder.py (MoCo) and main_moco.py (train) ----------------------------------------
+class MoCo(nn.Module):
+    """MoCo with ``queue_clone``: ``self.queue.clone().detach()`` as the source has it, or ``self.queue.detach()``
+    (the mistake: the queue the negative logits saved is then overwritten by ``_dequeue_and_enqueue`` before
+    the backward). One process: no all-gather, no batch shuffle."""
+
+    def __init__(self, base_encoder, dim=4, K=8, m=0.999, T=0.07, queue_clone=True):
+        super(MoCo, self).__init__()
+        self.K = K
+        self.m = m
+        self.T = T
+        self.queue_clone = queue_clone
+        self.encoder_q = base_encoder(num_classes=dim)
+        self.encoder_k = base_encoder(num_classes=dim)
+        for param_q, param_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            param_k.data.copy_(param_q.data)  # initialize
+            param_k.requires_grad = False  # not update by gradient
+        # create the queue
+        self.register_buffer("queue", torch.randn(dim, K))
+        self.queue = nn.functional.normalize(self.queue, dim=0)
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    @torch.no_grad()
+    def _momentum_update_key_encoder(self):
+        for param_q, param_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            param_k.data = param_k.data * self.m + param_q.data * (1. - self.m)
+
+    @torch.no_grad()
+    def _dequeue_and_enqueue(self, keys):
+        batch_size = keys.shape[0]
+        ptr = int(self.queue_ptr)
+        assert self.K % batch_size == 0  # for simplicity
+        # replace the keys at ptr (dequeue and enqueue)
+        self.queue[:, ptr:ptr + batch_size] = keys.T
+        ptr = (ptr + batch_size) % self.K  # move pointer
+        self.queue_ptr[0] = ptr
+
+    def forward(self, im_q, im_k):
+        q = self.encoder_q(im_q)  # queries: NxC
+        q = nn.functional.normalize(q, dim=1)
+        with torch.no_grad():  # no gradient to keys
+            self._momentum_update_key_encoder()  # update the key encoder
+            k = self.encoder_k(im_k)  # keys: NxC
+            k = nn.functional.normalize(k, dim=1)
+        l_pos = torch.einsum('nc,nc->n', [q, k]).unsqueeze(-1)
+        queue = self.queue.clone().detach() if self.queue_clone else self.queue.detach()
+        l_neg = torch.einsum('nc,ck->nk', [q, queue])
+        logits = torch.cat([l_pos, l_neg], dim=1)
+        logits /= self.T
+        labels = torch.zeros(logits.shape[0], dtype=torch.long)
+        self._dequeue_and_enqueue(k)
+        return logits, labels
+
+
+def encoder(num_classes):
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, num_classes))
+
+
+def moco_build(queue_clone=True):
+    gen = torch.Generator().manual_seed(10)
+    loader = [([torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)], None) for _ in range(5)]
+    return MoCo(encoder, queue_clone=queue_clone), loader
+
+
+def moco_train(model, train_loader, guard=None):
+    step, backward = hooks(guard)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), 0.03, momentum=0.9, weight_decay=1e-4)
+    model.train()
+    for i, (images, _) in enumerate(train_loader):
+        with step():
+            # compute output
+            output, target = model(im_q=images[0], im_k=images[1])
+            loss = criterion(output, target)
+            # compute gradient and do SGD step
+            optimizer.zero_grad()
+            backward(loss)
+            optimizer.step()
+    return model, model.queue.clone(), int(model.queue_ptr)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_moco_queue_cloned_before_the_enqueue(check):
+    """facebookresearch/moco, moco/builder.py: the negative logits on ``self.queue.clone().detach()``, the queue
+    then overwritten in place by ``_dequeue_and_enqueue`` inside the forward, before the backward; the key
+    encoder's momentum update rebinding ``param_k.data`` (parameters that do not require grad)."""
+    three_runs(moco_build, moco_train, check)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "InplaceModificationError says 'a tensor the graph saved for backward ([torch.FloatTensor [1, 4, 8]])' "
+    "without naming model.queue, a buffer of the model in the loop's variables (GraphGuard(model) too): "
+    "safeloop/guard/guard.py explain() names only parameters written in place (_written_leaf)"))
+def test_moco_queue_not_cloned_is_named():
+    """Without ``.clone()``: the einsum saved the queue, which the enqueue then overwrites before the backward.
+    PyTorch raises its in-place error inside the backward; the guard explains it before any ``.grad`` is written,
+    naming ``model.queue``."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        moco_train(*moco_build(queue_clone=False))
+    for guard in (None, GraphGuard()):
+        torch.manual_seed(0)
+        model, loader = moco_build(queue_clone=False)
+        start = deepcopy(model)
+        with pytest.raises(InplaceModificationError, match=r"`(local )?model\.queue`"):
+            if guard is None:
+                watched(moco_train, model, loader, check="auto")
+            else:
+                moco_train(model, loader, guard=guard)
+        assert all(p.grad is None for p in model.parameters())
+        assert_same(model.encoder_q, start.encoder_q)
