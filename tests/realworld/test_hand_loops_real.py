@@ -138,12 +138,12 @@ class ComputeLoss:
         return (lbox + lobj + lcls) * bs, items.detach() if self.detach_items else items
 
 
-def yolo_build(detach_items=True):
+def yolo_build(detach_items=True, n=4):
     model = yolo_model()
     gen = torch.Generator().manual_seed(3)
     loader = [(torch.rand(2, 3, 4, 4, generator=gen),
                (torch.randn(2, 2, 4, 4, generator=gen), torch.rand(2, 4, 4, generator=gen).round(),
-                torch.rand(2, NC, 4, 4, generator=gen).round())) for _ in range(8)]
+                torch.rand(2, NC, 4, 4, generator=gen).round())) for _ in range(n)]
     return model, loader, ComputeLoss(detach_items)
 
 
@@ -213,20 +213,21 @@ def test_yolov5_accumulation_with_model_ema_and_a_running_mean_of_detached_losse
     before one step), ``ModelEMA.update`` writing the EMA's state in place under ``no_grad`` (BatchNorm's
     buffers too), and ``mloss`` kept as a tensor from the loss items ComputeLoss detaches."""
     model, ema, mloss, updates = three_runs(yolo_build, yolo_train, check)
-    assert 2 < updates < 16  # accumulation happened: fewer updates than batches
+    assert 2 < updates < 8  # accumulation happened: fewer updates than batches
     assert not torch.equal(ema.state_dict()["1.running_mean"], torch.zeros(4))
     assert mloss.grad_fn is None
 
 
 def test_yolov5_loss_items_logged_with_their_graph_are_named():
     """The same loop with ComputeLoss's ``.detach()`` left out of the loss items: ``mloss``, a running mean
-    kept across iterations, then holds every iteration's graph. The guard names ``mloss``."""
+    kept across iterations, then holds every iteration's graph. The guard names ``mloss`` (epochs of 8 batches:
+    under ``watch`` a step ends at each update, and ``mloss`` must outlive two of them)."""
     torch.manual_seed(0)
-    model, loader, compute_loss = yolo_build(detach_items=False)
+    model, loader, compute_loss = yolo_build(detach_items=False, n=8)
     with pytest.warns(GraphLeakWarning, match=r"mloss"):
         watched(yolo_train, model, loader, compute_loss)
     torch.manual_seed(0)
-    model, loader, compute_loss = yolo_build(detach_items=False)
+    model, loader, compute_loss = yolo_build(detach_items=False, n=8)
     with pytest.warns(GraphLeakWarning, match=r"mloss"):
         yolo_train(model, loader, compute_loss, guard=GraphGuard(check="always"))
 
@@ -639,6 +640,44 @@ def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_under_watch():
     assert "`local log_pi`" in str(raised.value)
     if not re.search(SAC_LOG_PI, str(raised.value)):
         pytest.fail(f"misleading advice: {raised.value}")
+
+
+class Accelerated:
+    """A ``GraphGuard`` used as docs/guard.md shows it with Accelerate: ``guard.check(loss)``, then
+    ``accelerator.backward(loss)`` (huggingface/accelerate, src/accelerate/accelerator.py: ``loss /
+    gradient_accumulation_steps``, then ``loss.backward()``), one accumulation step here."""
+
+    def __init__(self, guard, gradient_accumulation_steps=1):
+        self.guard, self.gradient_accumulation_steps = guard, gradient_accumulation_steps
+        self.step = guard.step
+
+    def backward(self, loss, **kwargs):
+        self.guard.check(loss)
+        loss = loss / self.gradient_accumulation_steps
+        loss.backward(**kwargs)
+
+
+@pytest.mark.parametrize("check", ["always"])
+def test_cleanrl_sac_checked_as_with_accelerate(check):
+    """The SAC loop with ``guard.check(loss)`` before a backward the guard does not run (Accelerate's): the same
+    parameters, and quiet."""
+    def guarded(*built, guard=None):
+        return sac_train(*built, guard=None if guard is None else Accelerated(guard))
+    three_runs(sac_build, guarded, check)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "with guard.check(loss) and a backward the guard does not run, the alpha loss sharing the actor loss's "
+    "graph (both checked in one guard.step()) is not seen before the backward: PyTorch's own 'Trying to "
+    "backward through the graph a second time' comes, unexplained (DESIGN: several losses sharing one graph "
+    "in one step, seen by the overlap of their walks)"))
+def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_checked_as_with_accelerate():
+    """The SAC mistake under the documented Accelerate pattern: ``guard.check(alpha_loss)`` stops it, as
+    ``guard.backward`` does, naming ``log_pi``."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    with pytest.raises(DoubleBackwardError, match=r"`local log_pi`"):
+        sac_train(*sac_build(), no_grad_log_pi=False, guard=Accelerated(GraphGuard()))
 
 
 # -- huggingface/transformers: modeling_utils.py (gradient_checkpointing_enable, enable_input_require_grads),
