@@ -38,6 +38,8 @@ STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize 
 _FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
               "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
 _COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
+_LOADS = {"LOAD_NAME", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"}
+_READERS = {"zip", "enumerate", "len", "range", "reversed", "iter", "sorted", "list", "tuple", "min", "max"}
 _STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
            "DELETE_GLOBAL", "DELETE_DEREF"}
 
@@ -178,7 +180,8 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
         assigned.update(i.argval for i in dis.get_instructions(code)
                         if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
-    held = [v for k, v in list(variables(frame).items()) if k not in assigned]
+    values = list(variables(frame).items())
+    held = [v for k, v in values if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
     # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
     # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
@@ -191,6 +194,15 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     held += [a for o in objects if id(o) not in renamed
              for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
+    # and the items of a list, tuple or dict held so (fast_neural_style's `gram_style`) that the loop does not add to,
+    # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
+    # is newer than the iteration's first graph
+    filled = _filled(body)
+    items = [item for k, v in values if k not in assigned and k not in filled for item in _items(v)
+             if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
+    ours = [walk.sequence_nr(v.grad_fn) for k, v in values if k in assigned and issubclass(type(v), torch.Tensor)
+            and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
+    seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
 
 
@@ -215,6 +227,30 @@ def _fields(obj) -> dict:
     except (AttributeError, TypeError):
         return {}
     return dict(fields) if type(fields) is dict else {}
+
+
+def _filled(body: list[dis.Instruction]) -> set[str]:
+    """The variables a loop's ``body`` may add to: those read in a statement (a line) that stores or deletes an item
+    (``d[k] = ...``) or calls anything but a builtin that only reads (``xs.append(out)``, ``record(xs, out)``; not
+    ``zip(ys, xs)``). A variable read only to index or iterate is not added to."""
+    lines: dict[int, list[dis.Instruction]] = {}
+    for ins in body:
+        lines.setdefault(ins.positions.lineno, []).append(ins)
+    filled = set()
+    for line in lines.values():
+        calls = sum(ins.opname == "CALL" for ins in line)
+        reading = sum(ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _READERS for ins in line)
+        if calls > reading or any(ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") for ins in line):
+            filled.update(ins.argval for ins in line if ins.opname in _LOADS)
+    return filled
+
+
+def _items(obj) -> list:
+    """The items of a plain list or tuple, the values of a plain dict (at most 64: a dataset held as a list of
+    samples is not searched), else []. Exact types only: a container class of the script's own may compute them."""
+    if type(obj) in (list, tuple):
+        return list(obj[:64])
+    return list(obj.values())[:64] if type(obj) is dict else []
 
 
 def _loop_around(code, offset: int) -> set[int] | None:

@@ -407,13 +407,45 @@ def test_fast_neural_style_with_vgg_left_trainable_names_the_gram_matrices():
     trainable_vgg_stopped(lambda *built: style_train(*built, guard=GraphGuard()))
 
 
-@pytest.mark.xfail(strict=True, raises=CarriedGraphError, reason=(
-    "under watch a list of tensors built before the loop is not searched for the first step's start "
-    "(safeloop/watch.py loop_start: only tensors and objects' attributes): CarriedGraphError at step 2, whose "
-    "fix (detach what is appended to gram_style) does not apply"))
 def test_fast_neural_style_with_vgg_left_trainable_under_watch():
     """The same mistake under ``python -m safeloop.watch``: the same error as ``GraphGuard``'s, at step 1."""
     trainable_vgg_stopped(lambda *built: watched(style_train, *built, check="auto"))
+
+
+def record(history: list, out: torch.Tensor) -> None:
+    history.append(out)
+
+
+def filled_in_the_loop(how: str) -> torch.nn.Module:
+    """A list or dict made before the loop, to which each iteration adds its output before the backward that
+    reaches it (by a call, ``append`` or an item stored), cleared after the update."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    history, stats = [], {}
+    for _ in range(3):
+        opt.zero_grad()
+        if how == "call":
+            record(history, net(torch.randn(2, 3)))
+            loss = history[-1].pow(2).mean()
+        elif how == "append":
+            history.append(net(torch.randn(2, 3)))
+            loss = history[-1].pow(2).mean()
+        else:
+            stats["out"] = net(torch.randn(2, 3))
+            loss = stats["out"].pow(2).mean()
+        loss.backward()
+        opt.step()
+        history.clear()
+    return net
+
+
+@pytest.mark.parametrize("how", ["call", "append", "item"])
+def test_a_list_the_loop_fills_before_its_backward_is_not_taken_for_one_made_before_the_loop(how):
+    """The first backward under watch sees a list held from before the loop: its items this iteration added are
+    this step's graph, not a graph built before the loop."""
+    with strict([]):
+        assert_same(watched(filled_in_the_loop, how, check="auto"), filled_in_the_loop(how))
 
 
 # -- vwxyzjn/cleanrl: cleanrl/sac_continuous_action.py ---------------------------------------------------------
