@@ -155,6 +155,7 @@ class Guard:
         # inputs, its leaves' versions then, where it was called); a later backward of the step reaching a node
         # they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any, list, str | None]] = []
+        self._last_versions: list[tuple[torch.Tensor, int]] = []  # the last step's (see end_step)
         self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
         self._printed: dict[str, tuple] = {}  # per loss of a checked step: what _check_written compared (always)
         # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
@@ -237,7 +238,7 @@ class Guard:
             return False
         self.spent = 0.0
         if self._consumed or self._walked:
-            self._consumed, self._walked = [], None
+            self._forget_consumed()
         if step < self.next_timed:
             self.checking = self.thorough = self.timed = False
             return False
@@ -680,13 +681,23 @@ class Guard:
         update, a graph made earlier in the same iteration, whose saved tensors an earlier backward of the
         iteration freed (a GAN's D loss on an undetached fake), is the iteration's own, not carried."""
         if why is _FREED and iteration is not None and sequence_nr(node) >= iteration:
-            raise self._error(DoubleBackwardError, node, case,
-                "the loss reaches {node}, made earlier in this loop iteration and held by {holder}; an earlier "
-                "backward of the iteration already freed its saved tensors, so this backward would fail with "
-                "'Trying to backward through the graph a second time'",
-                ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, as "
-                 "a GAN's discriminator loss uses the generator's output)",
-                 "if both losses need its gradient, pass retain_graph=True to the earlier backward"], trace_hint=True)
+            detail = ("the loss reaches {node}, made earlier in this loop iteration and held by {holder}; an earlier "
+                      "backward of the iteration already freed its saved tensors, so this backward would fail with "
+                      "'Trying to backward through the graph a second time'")
+            fixes = ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, as "
+                     "a GAN's discriminator loss uses the generator's output)",
+                     "if both losses need its gradient, pass retain_graph=True to the earlier backward"]
+            changed = explain.changed([node], self._last_versions)
+            if changed:  # an update since (SAC's actor step before its alpha loss on log_pi): retaining cannot help
+                detail = detail.replace("; an earlier backward of", ", whose graph an earlier backward of") \
+                    .replace(" already freed its saved tensors, so this backward would fail with 'Trying to "
+                             "backward through the graph a second time'", " already ran") \
+                    + _CHANGED.format(explain.leaf_names(changed, case.scope))
+                fixes = ["compute `{code}` again after the change (a fresh forward) for this backward, so that its "
+                         "gradient is taken at the parameters as they are now",
+                         "if this loss is meant for the parameters as they were, run its backward before changing "
+                         "them, and pass retain_graph=True to the earlier backward"]
+            raise self._error(DoubleBackwardError, node, case, detail, fixes, trace_hint=True)
 
     def _carried_and_kept(self, node, why: str, case: Case) -> None:
         """Carried from an earlier step and kept -> CarriedGraphError (``why``: see ``_why_carried``). Not kept
@@ -1082,12 +1093,20 @@ class Guard:
         refs, self._sentinels = self._sentinels, []
         return refs
 
+    def _forget_consumed(self) -> None:
+        """Drop the step's consumed graphs (they hold its nodes), keeping their leaves' versions: a graph of the step
+        that a later step's loss reaches, under parameters an update changed since, cannot be retained (see
+        ``_freed_in_iteration``)."""
+        self._last_versions = [v for *_, versions, _ in self._consumed for v in versions]
+        self._consumed, self._walked = [], None
+
     def end_step(self, step: int, scope: Scope | None = None) -> None:
         """A timed step is over. A graph of this step still alive once the next step is over is looked at
         (see ``piled``): a holder that keeps graphs of two steps at once (``running_loss += loss``,
         ``history.append(loss)``) is a leak; one that keeps the last of them (``self.last_loss = loss``,
         replaced every step or every few) is not."""
-        self._consumed, self._walked, self._printed = [], None, {}  # they hold the step's nodes
+        self._forget_consumed()
+        self._printed = {}  # it holds the step's nodes
         if self._held is not None:
             self._look_back()
         refs = self.step_graphs()

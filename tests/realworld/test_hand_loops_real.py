@@ -658,10 +658,6 @@ def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_is_named():
         sac_train(*sac_build(), no_grad_log_pi=False, guard=GraphGuard())
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "under watch each optimizer step ends a step, and safeloop/guard/guard.py _freed_in_iteration advises "
-    "detaching log_pi in the earlier loss (the actor's, which would stop the actor learning) or retain_graph=True "
-    "on its backward (which then fails: actor_optimizer.step() wrote the weights the graph saved)"))
 def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_under_watch():
     """The same mistake under ``python -m safeloop.watch``: the same advice as ``GraphGuard``'s."""
     torch.manual_seed(0)
