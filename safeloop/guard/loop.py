@@ -228,6 +228,7 @@ class GraphGuard:
         if not losses:
             return
         self._preflight(losses, sys._getframe(1))
+        self.guard.backward_done(None)  # the backward that follows may free the graph: a later check looks
         self._mark(losses, retained=True)
 
     def ignore(self, *checks: str):

@@ -694,11 +694,6 @@ def test_cleanrl_sac_checked_as_with_accelerate(check):
     three_runs(sac_build, guarded, check)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "with guard.check(loss) and a backward the guard does not run, the alpha loss sharing the actor loss's "
-    "graph (both checked in one guard.step()) is not seen before the backward: PyTorch's own 'Trying to "
-    "backward through the graph a second time' comes, unexplained (DESIGN: several losses sharing one graph "
-    "in one step, seen by the overlap of their walks)"))
 def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_checked_as_with_accelerate():
     """The SAC mistake under the documented Accelerate pattern: ``guard.check(alpha_loss)`` stops it, as
     ``guard.backward`` does, naming ``log_pi``."""
@@ -706,6 +701,29 @@ def test_cleanrl_sac_alpha_loss_on_the_actors_log_pi_checked_as_with_accelerate(
     np.random.seed(0)
     with pytest.raises(DoubleBackwardError, match=r"`local log_pi`"):
         sac_train(*sac_build(), no_grad_log_pi=False, guard=Accelerated(GraphGuard()))
+
+
+@pytest.mark.parametrize("check", ["auto", "always"])
+def test_two_losses_on_one_trunk_checked_as_with_accelerate_and_retained_stay_quiet(check):
+    """``guard.check`` before each of two backwards through one trunk, the first with ``retain_graph=True`` (the
+    graph is not freed), one update after both: quiet, and the same parameters as without the guard."""
+    def loop(guard=None):
+        torch.manual_seed(0)
+        trunk, heads = nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 1), nn.Linear(4, 1)])
+        opt = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=0.1)
+        for _ in range(3):
+            with guard.step() if guard else contextlib.nullcontext():
+                features = trunk(torch.randn(5, 3))
+                opt.zero_grad()
+                for i, head in enumerate(heads):
+                    loss = head(features).pow(2).mean()
+                    if guard:
+                        guard.check(loss)
+                    loss.backward(retain_graph=i == 0)
+                opt.step()
+        return trunk
+    with strict([]):
+        assert_same(loop(GraphGuard(check=check)), loop())
 
 
 # -- huggingface/transformers: modeling_utils.py (gradient_checkpointing_enable, enable_input_require_grads),
