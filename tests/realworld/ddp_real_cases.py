@@ -1,0 +1,292 @@
+"""Public DDP code run under ``torchrun`` (2 ranks, gloo), for test_ddp_real.
+
+``torchrun --nproc-per-node=2 tests/realworld/ddp_real_cases.py OUT_DIR CASE...`` runs each case on both ranks: the
+Trainer, then the public loop it ports (DistributedDataParallel by hand), and saves both to ``OUT_DIR/CASE_rankR.pt``.
+
+- ``zero``: pytorch/tutorials, recipes_source/zero_redundancy_optimizer.rst: a ``ZeroRedundancyOptimizer`` over
+  Adam, each rank feeding its own random batch to a DDP model; ``zero_saved`` adds a checkpoint after step 2.
+- ``spectral`` / ``spectral_accum``: neuraloperator/neuraloperator's ``SpectralConv1d`` as in zongyi-li's
+  fourier_1d.py (complex ``cfloat`` weights), through DistributedDataParallel / safeloop's own reducer (grad_accum=2
+  against ``no_sync``).
+- ``ema``: pytorch/vision references/classification/train.py: the EMA model made after DDP wrapped the model
+  (``ExponentialMovingAverage(model_without_ddp)``), each rank's model initialised unseeded (here: its own seed).
+  The Trainer makes it in ``configure_optimizers`` (docs: "an EMA copy (made in configure_optimizers, say)").
+- ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
+  DistributedDataParallel and gives a DataLoader with its own ``DistributedSampler`` (``set_epoch`` each epoch).
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from safeloop import Trainer
+
+STEPS = 4
+
+
+def params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def attempt(run) -> dict:
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001  the failure is what the test reads
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+# -- zero: pytorch/tutorials recipes_source/zero_redundancy_optimizer.rst -----------------------------------------
+def zero_model() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)])  # the recipe: 20 Linear(2000, 2000)
+
+
+def zero_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)  # the recipe: torch.randn(20, 2000) on each rank
+    return [(torch.randn(5, 6, generator=gen), torch.randn(5, 6, generator=gen)) for _ in range(STEPS)]
+
+
+def zero_optimizer(model: nn.Module):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+
+
+def zero_by_hand(rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = zero_model()
+    ddp_model = DistributedDataParallel(model)
+    loss_fn = nn.MSELoss()
+    optimizer = zero_optimizer(ddp_model)
+    for inputs, labels in zero_batches(rank):
+        outputs = ddp_model(inputs)
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params(model)
+
+
+class Zero(Trainer):
+    def configure_optimizers(self):
+        return zero_optimizer(self.model)
+
+    def training_step(self, batch):
+        inputs, labels = batch
+        return nn.MSELoss()(self.model(inputs), labels)
+
+
+def zero(rank: int, out: Path, saved: bool) -> dict:
+    torch.manual_seed(0)
+    trainer = Zero(model=zero_model(), train_data=zero_batches(rank), max_steps=STEPS, device="cpu", progress=False,
+                   loggers=(), checkpoint={"dir": str(out / "zero"), "every": 2} if saved else False)
+    trainer.fit()
+    dist.barrier()
+    return {"ours": params(trainer.model), "saved": sorted(p.name for p in (out / "zero").glob("*.pt")) if saved else []}
+
+
+# -- spectral: neuraloperator SpectralConv1d (zongyi-li/fourier_neural_operator fourier_1d.py) --------------------
+class SpectralConv1d(nn.Module):
+    def __init__(self, in_channels, out_channels, modes1):
+        super().__init__()
+        self.in_channels, self.out_channels, self.modes1 = in_channels, out_channels, modes1
+        self.scale = (1 / (in_channels * out_channels))
+        self.weights1 = nn.Parameter(self.scale * torch.rand(in_channels, out_channels, self.modes1, dtype=torch.cfloat))
+
+    def compl_mul1d(self, input, weights):
+        return torch.einsum("bix,iox->box", input, weights)
+
+    def forward(self, x):
+        batchsize = x.shape[0]
+        x_ft = torch.fft.rfft(x)
+        out_ft = torch.zeros(batchsize, self.out_channels, x.size(-1) // 2 + 1, device=x.device, dtype=torch.cfloat)
+        out_ft[:, :, :self.modes1] = self.compl_mul1d(x_ft[:, :, :self.modes1], self.weights1)
+        return torch.fft.irfft(out_ft, n=x.size(-1))
+
+
+class FNO1d(nn.Module):
+    def __init__(self, modes=3, width=4):
+        super().__init__()
+        self.fc0 = nn.Linear(2, width)
+        self.conv0 = SpectralConv1d(width, width, modes)
+        self.w0 = nn.Conv1d(width, width, 1)
+        self.fc1 = nn.Linear(width, 1)
+
+    def forward(self, x):  # x: (batch, points, 2)
+        x = self.fc0(x).permute(0, 2, 1)
+        x = F.gelu(self.conv0(x) + self.w0(x))
+        return self.fc1(x.permute(0, 2, 1))
+
+
+def spectral_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(32, 8, 1, generator=gen)
+    grid = torch.linspace(0, 1, 8).reshape(1, 8, 1).repeat(32, 1, 1)
+    return TensorDataset(torch.cat([a, grid], -1), torch.cumsum(a, 1) / 8)
+
+
+def spectral_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = FNO1d()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4)
+    shard = torch.utils.data.Subset(spectral_data(), range(rank, 32, world))
+    batches = iter(DataLoader(shard, batch_size=32 // world // STEPS // accum))
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        for k in range(accum):
+            x, y = next(batches)
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (F.mse_loss(ddp(x), y) / accum).backward()
+        optimizer.step()
+    return params(model)
+
+
+def spectral(rank: int, world: int, accum: int) -> dict:
+    torch.manual_seed(0)
+    model = FNO1d()
+    trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4),
+                      train_data=DataLoader(spectral_data(), batch_size=32 // world // STEPS // accum),
+                      grad_accum=accum, max_steps=STEPS, device="cpu", progress=False, loggers=())
+    trainer.on_step_end = lambda losses: setattr(trainer, "ddp", trainer.dist.ddp is not None)
+    trainer.fit()
+    return {"ours": params(model), "ddp": trainer.ddp}
+
+
+# -- ema: pytorch/vision references/classification (train.py, utils.py) ------------------------------------------
+class ExponentialMovingAverage(torch.optim.swa_utils.AveragedModel):
+    def __init__(self, model, decay, device="cpu"):
+        def ema_avg(avg_model_param, model_param, num_averaged):
+            return decay * avg_model_param + (1 - decay) * model_param
+
+        super().__init__(model, device, ema_avg, use_buffers=True)
+
+
+EMA_DECAY = 0.5
+
+
+def ema_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 3, generator=gen)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def ema_model(rank: int) -> nn.Module:
+    torch.manual_seed(10 + rank)  # torchvision's references set no seed: each process initialises its own weights
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def evaluate(model, data) -> tuple[float, int]:
+    """references/classification/train.py evaluate(): the loss summed over this rank's samples, and their count."""
+    model.eval()
+    with torch.inference_mode():
+        x, y = data.tensors
+        return float(F.cross_entropy(model(x), y, reduction="sum")), len(y)
+
+
+def ema_by_hand(rank: int, world: int) -> dict:
+    model = ema_model(rank)
+    model = DistributedDataParallel(model)
+    model_without_ddp = model.module
+    model_ema = ExponentialMovingAverage(model_without_ddp, decay=EMA_DECAY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = torch.utils.data.Subset(ema_data(), range(rank, 32, world))
+    for image, target in DataLoader(shard, batch_size=32 // world // STEPS):
+        loss = F.cross_entropy(model(image), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model_ema.update_parameters(model)
+    val = TensorDataset(*(t[rank::world] for t in ema_data().tensors))
+    total = torch.tensor(evaluate(model_ema, val), dtype=torch.float64)
+    dist.all_reduce(total)  # the reference's metric_logger.synchronize_between_processes()
+    return {"ema": params(model_ema.module), "val_loss": float(total[0] / total[1])}
+
+
+class Ema(Trainer):
+    def configure_optimizers(self):
+        self.ema = ExponentialMovingAverage(self.model, decay=EMA_DECAY)
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def modules(self):
+        return {**super().modules(), "ema": self.ema}
+
+    def training_step(self, batch):
+        image, target = batch
+        return F.cross_entropy(self.model(image), target)
+
+    def on_step_end(self, losses):
+        self.ema.update_parameters(self.model)
+
+    def validation_step(self, batch):
+        image, target = batch
+        return F.cross_entropy(self.ema(image), target)
+
+
+def ema(rank: int, world: int) -> dict:
+    trainer = Ema(model=ema_model(rank), train_data=DataLoader(ema_data(), batch_size=32 // world // STEPS),
+                  val_data=DataLoader(ema_data(), batch_size=8), max_steps=STEPS, device="cpu", progress=False,
+                  loggers=())
+    trainer.fit()
+    return {"ema": params(trainer.ema.module), "val_loss": float(trainer.validate()["val_loss"])}
+
+
+# -- wrapped: pytorch/examples distributed/ddp-tutorial-series multigpu.py (Trainer._run_batch) -------------------
+def wrapped_data(world: int, rank: int) -> DataLoader:
+    gen = torch.Generator().manual_seed(5)  # datautils.MyTrainDataset: random (x, y) pairs
+    data = TensorDataset(torch.rand(32, 6, generator=gen), torch.rand(32, 1, generator=gen))
+    return DataLoader(data, batch_size=4, shuffle=False, sampler=torch.utils.data.DistributedSampler(data))
+
+
+def wrapped_by_hand(world: int, rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(6, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+    train_data = wrapped_data(world, rank)
+    for epoch in range(2):
+        train_data.sampler.set_epoch(epoch)
+        for source, targets in train_data:
+            optimizer.zero_grad()
+            output = model(source)
+            loss = F.mse_loss(output, targets)
+            loss.backward()
+            optimizer.step()
+    return params(model)
+
+
+def wrapped(world: int, rank: int) -> dict:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(6, 1))  # the script's own wrapper, given to the Trainer as it is
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-1), max_epochs=2,
+                      train_data=wrapped_data(world, rank), device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+def result(case: str, out: Path) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if case in ("zero", "zero_saved"):
+        return {**attempt(lambda: zero(rank, out, case == "zero_saved")), "hand": zero_by_hand(rank)}
+    if case in ("spectral", "spectral_accum"):
+        accum = 2 if case == "spectral_accum" else 1
+        return {**attempt(lambda: spectral(rank, world, accum)), "hand": spectral_by_hand(rank, world, accum)}
+    if case == "ema":
+        return {**attempt(lambda: ema(rank, world)), "hand": ema_by_hand(rank, world)}
+    if case == "wrapped":
+        return {**attempt(lambda: wrapped(world, rank)), "hand": wrapped_by_hand(world, rank)}
+    raise ValueError(case)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    for name in sys.argv[2:]:
+        torch.save(result(name, out_dir), out_dir / f"{name}_rank{dist.get_rank()}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
