@@ -11,6 +11,10 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 - ``ema``: pytorch/vision references/classification/train.py: the EMA model made after DDP wrapped the model
   (``ExponentialMovingAverage(model_without_ddp)``), each rank's model initialised unseeded (here: its own seed).
   The Trainer makes it in ``configure_optimizers`` (docs: "an EMA copy (made in configure_optimizers, say)").
+- ``leftover``: huggingface/accelerate's gradient_accumulation example: grad_accum=2 over passes of 5 batches per
+  rank (steps of 2, 2 and 1 batch), 2 epochs.
+- ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
+  rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
   DistributedDataParallel and gives a DataLoader with its own ``DistributedSampler`` (``set_epoch`` each epoch).
 """
@@ -20,6 +24,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -268,6 +273,100 @@ def wrapped(world: int, rank: int) -> dict:
     return {"ours": params(model)}
 
 
+# -- leftover: huggingface/accelerate examples/by_feature/gradient_accumulation.py -------------------------------
+# ``with accelerator.accumulate(model)``: gradients sync every ``gradient_accumulation_steps`` batches and at the
+# loader's last batch (GradientState.end_of_dataloader), where the optimizer steps on the batches left; each loss
+# is divided by the accumulation steps. A pass of 5 batches per rank, accumulated by 2: steps of 2, 2 and 1 batch.
+LEFTOVER_SAMPLES, LEFTOVER_ACCUM = 40, 2
+
+
+def leftover_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(LEFTOVER_SAMPLES, 5, generator=gen)
+    return TensorDataset(x, x.sum(1, keepdim=True).tanh())
+
+
+def leftover_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def leftover_by_hand(rank: int, world: int, epochs: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(leftover_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(torch.utils.data.Subset(leftover_data(), range(rank, LEFTOVER_SAMPLES, world)), batch_size=4)
+    for _ in range(epochs):
+        for step, (x, y) in enumerate(loader):
+            sync = (step + 1) % LEFTOVER_ACCUM == 0 or step == len(loader) - 1
+            with nullcontext() if sync else model.no_sync():
+                loss = F.mse_loss(model(x), y) / LEFTOVER_ACCUM
+                loss.backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    return params(model.module)
+
+
+def leftover(world: int, epochs: int) -> dict:
+    model = leftover_model()
+    trainer = Trainer(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), max_epochs=epochs,
+                      train_data=DataLoader(leftover_data(), batch_size=4), grad_accum=LEFTOVER_ACCUM, device="cpu",
+                      progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model), "steps": trainer.state.step}
+
+
+# -- augment: a MONAI random transform (Project-MONAI/MONAI monai/transforms/transform.py ``Randomizable``) ---------
+class RandShift:
+    """``RandShiftIntensity`` as MONAI writes it: ``self.R``, an ``np.random.RandomState`` of the transform's own, set
+    by ``set_random_state(seed)``; each rank seeds its own (``seed + rank``, as nanoGPT seeds ``1337 + rank``)."""
+
+    def __init__(self, seed):
+        self.R = np.random.RandomState(seed)
+
+    def __call__(self, x):
+        return x + float(self.R.uniform(-0.5, 0.5))
+
+
+class Transformed(torch.utils.data.Dataset):
+    """MONAI's ``Dataset(data, transform)``: the transform applied to each sample as it is read."""
+
+    def __init__(self, x, y, transform):
+        self.x, self.y, self.transform = x, y, transform
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.transform(self.x[i]), self.y[i]
+
+
+def augmented(rank: int) -> DataLoader:
+    """24 samples, 6 steps a pass on 2 ranks (num_workers=0: the transform runs in the training process)."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 4, generator=gen), torch.randn(24, 1, generator=gen)
+    return DataLoader(Transformed(x, y, RandShift(5 + rank)), batch_size=2, shuffle=True,
+                      generator=torch.Generator().manual_seed(2))
+
+
+def augment(rank: int, out: Path, stop: int) -> dict:
+    """12 steps straight, and stopped at step ``stop`` then resumed by a new Trainer over new data, as a new
+    process would be: the resumed weights are the straight run's."""
+    def trainer(steps: int, **kwargs) -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_steps=steps,
+                       train_data=augmented(rank), device="cpu", progress=False, loggers=(), **kwargs)
+    straight = trainer(12)
+    straight.fit()
+    directory = out / f"augment-{stop}"
+    trainer(stop, checkpoint={"dir": str(directory)}).fit()
+    dist.barrier()
+    resumed = trainer(12, resume=str(directory), checkpoint=False)
+    resumed.fit()
+    return {"ours": params(resumed.model), "hand": params(straight.model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -279,6 +378,10 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: ema(rank, world)), "hand": ema_by_hand(rank, world)}
     if case == "wrapped":
         return {**attempt(lambda: wrapped(world, rank)), "hand": wrapped_by_hand(world, rank)}
+    if case == "leftover":
+        return {**attempt(lambda: leftover(world, 2)), "hand": leftover_by_hand(rank, world, 2)}
+    if case.startswith("augment_"):
+        return augment(rank, out, int(case.split("_")[1]))
     raise ValueError(case)
 
 
