@@ -13,6 +13,9 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   The Trainer makes it in ``configure_optimizers`` (docs: "an EMA copy (made in configure_optimizers, say)").
 - ``leftover``: huggingface/accelerate's gradient_accumulation example: grad_accum=2 over passes of 5 batches per
   rank (steps of 2, 2 and 1 batch), 2 epochs.
+- ``densenet`` / ``densenet_accum``: torchvision 0.4's memory-efficient DenseNet (reentrant checkpoints around
+  BatchNorm, dropout drawn per rank) as pytorch/examples imagenet/main.py trains it under DDP; grad_accum=2 against
+  ``no_sync``.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -367,6 +370,56 @@ def augment(rank: int, out: Path, stop: int) -> dict:
     return {"ours": params(resumed.model), "hand": params(straight.model)}
 
 
+# -- densenet: torchvision 0.4's memory-efficient DenseNet (tests/realworld/test_reentrant_checkpoint.py), trained as
+# pytorch/examples imagenet/main.py trains it under DDP (its ``train``; accumulation under ``no_sync``) -------------
+def densenet_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(32, 2, 6, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen))
+
+
+def densenet_optimizer(model: nn.Module):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def densenet_by_hand(rank: int, world: int, accum: int) -> dict:
+    from tests.realworld.test_reentrant_checkpoint import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet()
+    ddp = DistributedDataParallel(model)
+    criterion, optimizer = nn.CrossEntropyLoss(), densenet_optimizer(model)
+    sampler = torch.utils.data.DistributedSampler(densenet_data(), shuffle=False)
+    torch.manual_seed(7 + rank)  # dropout: each rank draws its own masks (after the loader's base seed)
+    batches = iter(DataLoader(densenet_data(), batch_size=4 // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for k in range(accum):
+            images, target = next(batches)
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (criterion(ddp(images), target) / accum).backward()
+        optimizer.step()
+    return {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
+
+
+class Classifier(Trainer):
+    def training_step(self, batch):
+        images, target = batch
+        return F.cross_entropy(self.model(images), target)
+
+
+def densenet(rank: int, accum: int) -> dict:
+    from tests.realworld.test_reentrant_checkpoint import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet()
+    trainer = Classifier(model=model, optimizer=densenet_optimizer(model), grad_accum=accum, max_steps=STEPS,
+                         train_data=DataLoader(densenet_data(), batch_size=4 // accum), device="cpu", progress=False,
+                         loggers=())
+    torch.manual_seed(7 + rank)
+    trainer.fit()
+    return {"ours": params(model), "buffers": [b.clone() for b in model.buffers()]}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -382,6 +435,9 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: leftover(world, 2)), "hand": leftover_by_hand(rank, world, 2)}
     if case.startswith("augment_"):
         return augment(rank, out, int(case.split("_")[1]))
+    if case in ("densenet", "densenet_accum"):
+        accum = 2 if case == "densenet_accum" else 1
+        return {**attempt(lambda: densenet(rank, accum)), "hand": densenet_by_hand(rank, world, accum)}
     raise ValueError(case)
 
 

@@ -13,7 +13,8 @@ import torch
 from tests.conftest import ROOT
 from tests.test_distributed import torchrun
 
-CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "wrapped")
+CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
+         "densenet_accum", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -103,3 +104,18 @@ def test_a_transform_with_its_own_generator_seeded_per_rank_resumes_bit_identica
     tests/realworld/test_resume_real.py finds in one process."""
     for rank in load(ranks, case):
         assert same(rank["ours"], rank["hand"])
+
+
+@pytest.mark.parametrize("case", ["densenet", "densenet_accum"])
+def test_reentrant_checkpoints_around_batchnorm_train_as_the_imagenet_example(ranks, case):
+    """torchvision 0.4's memory-efficient DenseNet (torchvision/models/densenet.py: ``checkpoint`` in its reentrant
+    form around BatchNorm), dropout drawn on each rank's own seed, trained as pytorch/examples imagenet/main.py does
+    under DDP; with grad_accum=2 against ``no_sync``. Every rank's weights are the example's, and rank zero's BatchNorm
+    statistics. Rank 1's are its own after DDP's last forward; through safeloop's reducer they are rank zero's copied
+    after the all-reduce (docs/distributed.md), which DDP copies at the next step's forward."""
+    rank0, rank1 = load(ranks, case)
+    for rank in (rank0, rank1):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"]["params"])
+    assert same(rank0["buffers"], rank0["hand"]["buffers"])
+    assert same(rank1["buffers"], rank1["hand"]["buffers"] if case == "densenet" else rank0["buffers"])
