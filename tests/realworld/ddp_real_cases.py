@@ -16,6 +16,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 - ``densenet`` / ``densenet_accum``: torchvision 0.4's memory-efficient DenseNet (reentrant checkpoints around
   BatchNorm, dropout drawn per rank) as pytorch/examples imagenet/main.py trains it under DDP; grad_accum=2 against
   ``no_sync``.
+- ``lottery``: rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch's ``train``: the gradients of the weights under
+  EPS zeroed after the backward, in ``on_after_backward``.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -420,6 +422,58 @@ def densenet(rank: int, accum: int) -> dict:
     return {"ours": params(model), "buffers": [b.clone() for b in model.buffers()]}
 
 
+# -- lottery: rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch main.py ``train`` ------------------------------
+# After ``train_loss.backward()`` the gradients of the weights under EPS are zeroed ("Freezing Pruned weights by
+# making their gradients Zero"); under DDP the backward has averaged them already. The Trainer does it in
+# ``on_after_backward`` (Lightning's hook "after loss.backward() and before optimizers are stepped").
+def freeze_pruned(model: nn.Module) -> None:
+    EPS = 1e-6
+    for name, p in model.named_parameters():
+        if 'weight' in name:
+            tensor = p.data.cpu().numpy()
+            grad_tensor = p.grad.data.cpu().numpy()
+            grad_tensor = np.where(tensor < EPS, 0, grad_tensor)
+            p.grad.data = torch.from_numpy(grad_tensor)
+
+
+def lottery_model() -> nn.Module:
+    torch.manual_seed(0)  # archs/mnist/fc1.py, 784-300-100-10 made 6-5-3
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+def lottery_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(8)
+    return TensorDataset(torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen))
+
+
+def lottery_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(lottery_model())
+    optimizer, criterion = torch.optim.Adam(model.parameters(), lr=1.2e-3), nn.CrossEntropyLoss()
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    for imgs, targets in DataLoader(lottery_data(), batch_size=8 // world, sampler=sampler):
+        optimizer.zero_grad()
+        output = model(imgs)
+        train_loss = criterion(output, targets)
+        train_loss.backward()
+        freeze_pruned(model.module)
+        optimizer.step()
+    return params(model.module)
+
+
+class Lottery(Classifier):
+    def on_after_backward(self, name):
+        freeze_pruned(self.model)
+
+
+def lottery(world: int) -> dict:
+    model = lottery_model()
+    trainer = Lottery(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1.2e-3), max_steps=STEPS,
+                      train_data=DataLoader(lottery_data(), batch_size=8 // world), device="cpu", progress=False,
+                      loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -438,6 +492,8 @@ def result(case: str, out: Path) -> dict:
     if case in ("densenet", "densenet_accum"):
         accum = 2 if case == "densenet_accum" else 1
         return {**attempt(lambda: densenet(rank, accum)), "hand": densenet_by_hand(rank, world, accum)}
+    if case == "lottery":
+        return {**attempt(lambda: lottery(world)), "hand": lottery_by_hand(rank, world)}
     raise ValueError(case)
 
 

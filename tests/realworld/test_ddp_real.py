@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 from tests.test_distributed import torchrun
 
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
-         "densenet_accum", "wrapped")
+         "densenet_accum", "lottery", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -119,3 +119,15 @@ def test_reentrant_checkpoints_around_batchnorm_train_as_the_imagenet_example(ra
         assert same(rank["ours"], rank["hand"]["params"])
     assert same(rank0["buffers"], rank0["hand"]["buffers"])
     assert same(rank1["buffers"], rank1["hand"]["buffers"] if case == "densenet" else rank0["buffers"])
+
+
+@pytest.mark.xfail(strict=True, reason="under torchrun on_after_backward runs after its backward's buckets were copied "
+                   "for the all-reduce and before the averaged values are copied back over p.grad: gradients the "
+                   "hook zeroes are put back, so the pruned weights move (in one process the hook's edit holds)")
+def test_gradients_zeroed_in_on_after_backward_stay_zero_as_after_a_ddp_backward(ranks):
+    """rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch main.py ``train``: after ``train_loss.backward()`` (which
+    DDP has averaged) the weights under EPS get zero gradients, so Adam leaves them as they are. Ported into
+    ``on_after_backward``: every rank's weights are the DDP loop's."""
+    for rank in load(ranks, "lottery"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"])
