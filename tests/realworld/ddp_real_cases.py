@@ -18,6 +18,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   ``no_sync``.
 - ``lottery``: rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch's ``train``: the gradients of the weights under
   EPS zeroed after the backward, in ``on_after_backward``.
+- ``clipped``: cleanrl's ppo_atari_multigpu.py update: gradients averaged, then ``clip_grad_norm_``; in manual mode
+  the clip between ``self.backward`` and ``self.step``.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -474,6 +476,57 @@ def lottery(world: int) -> dict:
     return {"ours": params(model)}
 
 
+# -- clipped: vwxyzjn/cleanrl cleanrl/ppo_atari_multigpu.py: ``loss.backward()``, the gradients all-reduced by hand
+# (summed in one flat tensor, divided by world_size), ``nn.utils.clip_grad_norm_``, ``optimizer.step()``. The port
+# is manual mode, where the Trainer does the all-reduce: ``self.backward(loss)``, the clip, ``self.step()``.
+MAX_GRAD_NORM = 0.05
+
+
+def clipped_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    agent = lottery_model()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    for x, y in DataLoader(lottery_data(), batch_size=8 // world, sampler=sampler):
+        loss = F.cross_entropy(agent(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        all_grads_list = []
+        for param in agent.parameters():
+            if param.grad is not None:
+                all_grads_list.append(param.grad.view(-1))
+        all_grads = torch.cat(all_grads_list)
+        dist.all_reduce(all_grads, op=dist.ReduceOp.SUM)
+        offset = 0
+        for param in agent.parameters():
+            if param.grad is not None:
+                param.grad.data.copy_(all_grads[offset:offset + param.numel()].view_as(param.grad.data) / world)
+                offset += param.numel()
+        nn.utils.clip_grad_norm_(agent.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+    return params(agent)
+
+
+class Clipped(Trainer):
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.backward(loss)
+        nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
+        self.step()
+        return loss.detach()
+
+
+def clipped(world: int) -> dict:
+    model = lottery_model()
+    trainer = Clipped(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=2.5e-4, eps=1e-5),
+                      max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world), device="cpu",
+                      progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -494,6 +547,8 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: densenet(rank, accum)), "hand": densenet_by_hand(rank, world, accum)}
     if case == "lottery":
         return {**attempt(lambda: lottery(world)), "hand": lottery_by_hand(rank, world)}
+    if case == "clipped":
+        return {**attempt(lambda: clipped(world)), "hand": clipped_by_hand(rank, world)}
     raise ValueError(case)
 
 

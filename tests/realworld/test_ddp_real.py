@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 from tests.test_distributed import torchrun
 
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
-         "densenet_accum", "lottery", "wrapped")
+         "densenet_accum", "lottery", "clipped", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -129,5 +129,17 @@ def test_gradients_zeroed_in_on_after_backward_stay_zero_as_after_a_ddp_backward
     DDP has averaged) the weights under EPS get zero gradients, so Adam leaves them as they are. Ported into
     ``on_after_backward``: every rank's weights are the DDP loop's."""
     for rank in load(ranks, "lottery"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"])
+
+
+@pytest.mark.xfail(strict=True, reason="in manual mode under torchrun the gradients are averaged in self.step(), not "
+                   "by self.backward(): clip_grad_norm_ between them clips each rank's own gradients by their own "
+                   "norm, and the clipped ones are averaged (in one process the port equals the loop)")
+def test_manual_mode_clips_the_averaged_gradients_as_cleanrl_multigpu_ppo(ranks):
+    """vwxyzjn/cleanrl cleanrl/ppo_atari_multigpu.py: ``loss.backward()``, the gradients all-reduced by hand, then
+    ``clip_grad_norm_`` and ``optimizer.step()``. Ported to manual mode (``self.backward``, the clip, ``self.step``),
+    every rank's weights are the loop's."""
+    for rank in load(ranks, "clipped"):
         assert "error" not in rank, rank.get("error")
         assert same(rank["ours"], rank["hand"])
