@@ -20,6 +20,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   EPS zeroed after the backward, in ``on_after_backward``.
 - ``clipped``: cleanrl's ppo_atari_multigpu.py update: gradients averaged, then ``clip_grad_norm_``; in manual mode
   the clip between ``self.backward`` and ``self.step``.
+- ``penalty`` / ``penalty_accum``: PyTorch's AMP notes' gradient penalty (float32): ``torch.autograd.grad`` of the
+  loss over the parameters with ``create_graph=True`` inside the step, through DDP and safeloop's own reducer.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -527,6 +529,47 @@ def clipped(world: int) -> dict:
     return {"ours": params(model)}
 
 
+# -- penalty: pytorch/pytorch docs/source/notes/amp_examples.rst, "Gradient penalty" (its float32 listing): the
+# gradients of the loss with respect to the parameters (create_graph=True), their norm added to the loss ----------
+def penalized(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    grad_params = torch.autograd.grad(outputs=loss, inputs=list(model.parameters()), create_graph=True)
+    grad_norm = 0
+    for grad in grad_params:
+        grad_norm += grad.pow(2).sum()
+    grad_norm = grad_norm.sqrt()
+    return loss + grad_norm
+
+
+def penalty_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    model = lottery_model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    batches = iter(DataLoader(lottery_data(), batch_size=8 // world // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for k in range(accum):
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (penalized(ddp, *next(batches)) / accum).backward()
+        optimizer.step()
+    return params(model)
+
+
+class Penalized(Trainer):
+    def training_step(self, batch):
+        return penalized(self.model, *batch)
+
+
+def penalty(world: int, accum: int) -> dict:
+    model = lottery_model()
+    trainer = Penalized(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_accum=accum,
+                        max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world // accum),
+                        device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -549,6 +592,9 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: lottery(world)), "hand": lottery_by_hand(rank, world)}
     if case == "clipped":
         return {**attempt(lambda: clipped(world)), "hand": clipped_by_hand(rank, world)}
+    if case in ("penalty", "penalty_accum"):
+        accum = 2 if case == "penalty_accum" else 1
+        return {**attempt(lambda: penalty(world, accum)), "hand": penalty_by_hand(rank, world, accum)}
     raise ValueError(case)
 
 

@@ -14,7 +14,8 @@ from tests.conftest import ROOT
 from tests.test_distributed import torchrun
 
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
-         "densenet_accum", "lottery", "clipped", "wrapped")
+         "densenet_accum", "lottery", "clipped", "penalty",
+         "penalty_accum", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -141,5 +142,15 @@ def test_manual_mode_clips_the_averaged_gradients_as_cleanrl_multigpu_ppo(ranks)
     ``clip_grad_norm_`` and ``optimizer.step()``. Ported to manual mode (``self.backward``, the clip, ``self.step``),
     every rank's weights are the loop's."""
     for rank in load(ranks, "clipped"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"])
+
+
+@pytest.mark.parametrize("case", ["penalty", "penalty_accum"])
+def test_a_gradient_penalty_over_the_parameters_trains_as_the_ddp_loop(ranks, case):
+    """pytorch/pytorch docs/source/notes/amp_examples.rst, "Gradient penalty": ``torch.autograd.grad`` of the loss
+    over ``model.parameters()`` with ``create_graph=True``, the gradients' norm added to the loss. Inside DDP's
+    forward (the usual run) and through safeloop's own reducer (grad_accum=2, the loop under ``no_sync``)."""
+    for rank in load(ranks, case):
         assert "error" not in rank, rank.get("error")
         assert same(rank["ours"], rank["hand"])
