@@ -22,6 +22,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   the clip between ``self.backward`` and ``self.step``.
 - ``penalty`` / ``penalty_accum``: PyTorch's AMP notes' gradient penalty (float32): ``torch.autograd.grad`` of the
   loss over the parameters with ``create_graph=True`` inside the step, through DDP and safeloop's own reducer.
+- ``moco``: facebookresearch/moco's MoCo with its DDP parts (keys gathered from every rank into the queue, the key
+  encoder's batch shuffled across ranks: collectives inside the forward), trained as main_moco.py does.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -30,6 +32,7 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -570,6 +573,105 @@ def penalty(world: int, accum: int) -> dict:
     return {"ours": params(model)}
 
 
+# -- moco: facebookresearch/moco moco/builder.py with its DDP parts (``concat_all_gather``, ``_batch_shuffle_ddp``,
+# ``_batch_unshuffle_ddp``: collectives inside the model's forward), trained as main_moco.py does under DDP --------
+@torch.no_grad()
+def concat_all_gather(tensor):
+    """Performs all_gather operation on the provided tensors. *** Warning ***: torch.distributed.all_gather has no
+    gradient."""
+    tensors_gather = [torch.ones_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(tensors_gather, tensor, async_op=False)
+    output = torch.cat(tensors_gather, dim=0)
+    return output
+
+
+def moco_ddp():
+    from tests.realworld.test_contrastive import DIM, K, M, T, MoCo, TinyEncoder
+
+    class MoCoDDP(MoCo):
+        """builder.py's MoCo whole: the keys of every rank enqueued, BatchNorm's batch shuffled across ranks."""
+
+        @torch.no_grad()
+        def _dequeue_and_enqueue(self, keys):
+            super()._dequeue_and_enqueue(concat_all_gather(keys))  # gather keys before updating queue
+
+        @torch.no_grad()
+        def _batch_shuffle_ddp(self, x):
+            batch_size_this = x.shape[0]
+            x_gather = concat_all_gather(x)
+            batch_size_all = x_gather.shape[0]
+            num_gpus = batch_size_all // batch_size_this
+            idx_shuffle = torch.randperm(batch_size_all)  # random shuffle index
+            torch.distributed.broadcast(idx_shuffle, src=0)  # broadcast to all gpus
+            idx_unshuffle = torch.argsort(idx_shuffle)  # index for restoring
+            gpu_idx = torch.distributed.get_rank()  # shuffled index for this gpu
+            idx_this = idx_shuffle.view(num_gpus, -1)[gpu_idx]
+            return x_gather[idx_this], idx_unshuffle
+
+        @torch.no_grad()
+        def _batch_unshuffle_ddp(self, x, idx_unshuffle):
+            batch_size_this = x.shape[0]
+            x_gather = concat_all_gather(x)
+            batch_size_all = x_gather.shape[0]
+            num_gpus = batch_size_all // batch_size_this
+            gpu_idx = torch.distributed.get_rank()  # restored index for this gpu
+            idx_this = idx_unshuffle.view(num_gpus, -1)[gpu_idx]
+            return x_gather[idx_this]
+
+        def forward(self, im_q, im_k):
+            q = nn.functional.normalize(self.encoder_q(im_q), dim=1)  # queries: NxC
+            with torch.no_grad():  # no gradient to keys
+                self._momentum_update_key_encoder()  # update the key encoder
+                im_k, idx_unshuffle = self._batch_shuffle_ddp(im_k)  # shuffle for making use of BN
+                k = nn.functional.normalize(self.encoder_k(im_k), dim=1)  # keys: NxC
+                k = self._batch_unshuffle_ddp(k, idx_unshuffle)  # undo shuffle
+            l_pos = torch.einsum("nc,nc->n", [q, k]).unsqueeze(-1)
+            l_neg = torch.einsum("nc,ck->nk", [q, self.queue.clone().detach()])
+            logits = torch.cat([l_pos, l_neg], dim=1)
+            logits /= self.T
+            labels = torch.zeros(logits.shape[0], dtype=torch.long)
+            self._dequeue_and_enqueue(k)
+            return logits, labels
+
+    torch.manual_seed(0)
+    return MoCoDDP(TinyEncoder, DIM, K, M, T, mlp=True)
+
+
+def moco_views(rank: int, world: int) -> list:
+    """Each rank's share of test_contrastive's two noisy views of a batch (2 samples a rank: K % 4 == 0)."""
+    from tests.realworld.test_contrastive import two_crops
+
+    return [([v[rank::world] for v in views], target[rank::world]) for views, target in two_crops(STEPS)]
+
+
+def moco_by_hand(rank: int, world: int) -> dict:
+    from tests.realworld.test_contrastive import moco_opt
+
+    model = moco_ddp()
+    ddp = DistributedDataParallel(model)
+    criterion, optimizer = nn.CrossEntropyLoss(), moco_opt(model.parameters())
+    torch.manual_seed(3)  # the shuffle's randperm (rank zero's is broadcast)
+    for images, _ in moco_views(rank, world):
+        output, target = ddp(im_q=images[0], im_k=images[1])
+        loss = criterion(output, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"params": params(model), "queue": model.queue.clone()}
+
+
+def moco(rank: int, world: int) -> dict:
+    from tests.realworld.test_contrastive import MoCoTrainer
+
+    trainer = MoCoTrainer(model=moco_ddp(), train_data=moco_views(rank, world), max_steps=STEPS, device="cpu",
+                          progress=False, loggers=())
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a list of batches: each rank's share is given
+        trainer.fit()
+    return {"ours": params(trainer.model), "queue": trainer.model.queue.clone()}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -595,6 +697,8 @@ def result(case: str, out: Path) -> dict:
     if case in ("penalty", "penalty_accum"):
         accum = 2 if case == "penalty_accum" else 1
         return {**attempt(lambda: penalty(world, accum)), "hand": penalty_by_hand(rank, world, accum)}
+    if case == "moco":
+        return {**attempt(lambda: moco(rank, world)), "hand": moco_by_hand(rank, world)}
     raise ValueError(case)
 
 

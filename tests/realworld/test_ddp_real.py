@@ -15,7 +15,7 @@ from tests.test_distributed import torchrun
 
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
          "densenet_accum", "lottery", "clipped", "penalty",
-         "penalty_accum", "wrapped")
+         "penalty_accum", "moco", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -154,3 +154,14 @@ def test_a_gradient_penalty_over_the_parameters_trains_as_the_ddp_loop(ranks, ca
     for rank in load(ranks, case):
         assert "error" not in rank, rank.get("error")
         assert same(rank["ours"], rank["hand"])
+
+
+def test_moco_with_collectives_in_its_forward_trains_as_main_moco(ranks):
+    """facebookresearch/moco moco/builder.py whole (tests/realworld/test_contrastive.py leaves its DDP parts out):
+    every rank's keys gathered into the queue, the key encoder's batch shuffled across ranks by rank zero's
+    ``randperm`` (a broadcast inside the forward), trained as main_moco.py trains it under DDP. Every rank's
+    weights and queue are the loop's."""
+    for rank in load(ranks, "moco"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"]["params"])
+        assert torch.equal(rank["queue"], rank["hand"]["queue"])
