@@ -24,6 +24,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   loss over the parameters with ``create_graph=True`` inside the step, through DDP and safeloop's own reducer.
 - ``moco``: facebookresearch/moco's MoCo with its DDP parts (keys gathered from every rank into the queue, the key
   encoder's batch shuffled across ranks: collectives inside the forward), trained as main_moco.py does.
+- ``barlow``: facebookresearch/barlowtwins main.py's ``torch.distributed.all_reduce(c)`` of the cross-correlation
+  inside the forward (in place on the graph), with LARS and float16 autocast.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -672,6 +674,59 @@ def moco(rank: int, world: int) -> dict:
     return {"ours": params(trainer.model), "queue": trainer.model.queue.clone()}
 
 
+# -- barlow: facebookresearch/barlowtwins main.py under DDP: ``torch.distributed.all_reduce(c)`` sums the
+# cross-correlation over the ranks inside the forward, in place on a tensor of the graph (tests/realworld/
+# test_barlow_twins.py's model, LARS, schedule and float16 autocast with a GradScaler) ----------------------------
+def barlow_model():
+    from tests.realworld.test_barlow_twins import Args, BarlowTwins, off_diagonal
+
+    class BarlowTwinsDDP(BarlowTwins):
+        def forward(self, y1, y2):
+            z1 = self.projector(self.backbone(y1))
+            z2 = self.projector(self.backbone(y2))
+
+            # empirical cross-correlation matrix
+            c = self.bn(z1).T @ self.bn(z2)
+
+            # sum the cross-correlation matrix between all gpus
+            c.div_(self.args.batch_size)
+            torch.distributed.all_reduce(c)
+
+            on_diag = torch.diagonal(c).add_(-1).pow_(2).sum()
+            off_diag = off_diagonal(c).pow_(2).sum()
+            loss = on_diag + self.args.lambd * off_diag
+            return loss
+
+    torch.manual_seed(0)
+    return BarlowTwinsDDP(Args())
+
+
+def barlow_views(rank: int, world: int) -> list:
+    from tests.realworld.test_barlow_twins import views
+
+    return [((y1[rank::world], y2[rank::world]), t[rank::world]) for (y1, y2), t in views()]
+
+
+def barlow_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    from tests.realworld.test_barlow_twins import barlow_hand
+
+    model = barlow_model()
+    barlow_hand(DistributedDataParallel(model), barlow_views(rank, world))
+    return params(model)
+
+
+def barlow(rank: int, world: int) -> dict:
+    from tests.realworld.test_barlow_twins import EPOCHS, BarlowTwinsTrainer
+
+    model = barlow_model()
+    trainer = BarlowTwinsTrainer(model=model, train_data=barlow_views(rank, world), max_epochs=EPOCHS,
+                                 precision="16", device="cpu", progress=False, loggers=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a list of batches: each rank's share is given
+        trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -699,6 +754,8 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: penalty(world, accum)), "hand": penalty_by_hand(rank, world, accum)}
     if case == "moco":
         return {**attempt(lambda: moco(rank, world)), "hand": moco_by_hand(rank, world)}
+    if case == "barlow":
+        return {**attempt(lambda: barlow(rank, world)), "hand": barlow_by_hand(rank, world)}
     raise ValueError(case)
 
 

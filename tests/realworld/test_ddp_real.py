@@ -15,7 +15,7 @@ from tests.test_distributed import torchrun
 
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
          "densenet_accum", "lottery", "clipped", "penalty",
-         "penalty_accum", "moco", "wrapped")
+         "penalty_accum", "moco", "barlow", "wrapped")
 
 pytestmark = pytest.mark.distributed
 
@@ -165,3 +165,12 @@ def test_moco_with_collectives_in_its_forward_trains_as_main_moco(ranks):
         assert "error" not in rank, rank.get("error")
         assert same(rank["ours"], rank["hand"]["params"])
         assert torch.equal(rank["queue"], rank["hand"]["queue"])
+
+
+def test_barlow_twins_all_reduces_its_correlation_inside_the_forward_as_main_py(ranks):
+    """facebookresearch/barlowtwins main.py under DDP: ``c.div_(batch_size)`` then ``torch.distributed.all_reduce(c)``,
+    in place on a tensor of the graph, inside the forward; LARS, float16 autocast and a GradScaler
+    (tests/realworld/test_barlow_twins.py's port, one process). Every rank's weights are the loop's."""
+    for rank in load(ranks, "barlow"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"])
