@@ -26,6 +26,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   encoder's batch shuffled across ranks: collectives inside the forward), trained as main_moco.py does.
 - ``barlow``: facebookresearch/barlowtwins main.py's ``torch.distributed.all_reduce(c)`` of the cross-correlation
   inside the forward (in place on the graph), with LARS and float16 autocast.
+- ``simclr_val`` (a launch of its own): lightning-bolts' SimCLR, whose NT-Xent loss all-gathers every rank's
+  embeddings in ``validation_step`` too; 9 validation samples in batches of 4.
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -33,9 +35,11 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -727,6 +731,96 @@ def barlow(rank: int, world: int) -> dict:
     return {"ours": params(model)}
 
 
+# -- simclr_val: Lightning-Universe/lightning-bolts pl_bolts/models/self_supervised/simclr/simclr_module.py: the
+# NT-Xent loss gathers every rank's embeddings (``SyncFunction``: all_gather forward, all_reduce backward), in
+# ``shared_step``, which ``validation_step`` runs too; a validation set of 9 samples, batches of 4 ---------------
+class SyncFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.batch_size = tensor.shape[0]
+
+        gathered_tensor = [torch.zeros_like(tensor) for _ in range(torch.distributed.get_world_size())]
+
+        torch.distributed.all_gather(gathered_tensor, tensor)
+        return torch.cat(gathered_tensor, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = grad_output.clone()
+        torch.distributed.all_reduce(grad_input, op=torch.distributed.ReduceOp.SUM, async_op=False)
+
+        idx_from = torch.distributed.get_rank() * ctx.batch_size
+        idx_to = (torch.distributed.get_rank() + 1) * ctx.batch_size
+        return grad_input[idx_from:idx_to]
+
+
+class Projection(nn.Module):
+    def __init__(self, input_dim=2048, hidden_dim=2048, output_dim=128) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim),
+            nn.BatchNorm1d(hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, output_dim, bias=False),
+        )
+
+    def forward(self, x):
+        x = self.model(x)
+        return F.normalize(x, dim=1)
+
+
+def nt_xent_loss(out_1, out_2, temperature, eps=1e-6):
+    out_1_dist = SyncFunction.apply(out_1)
+    out_2_dist = SyncFunction.apply(out_2)
+    out = torch.cat([out_1, out_2], dim=0)
+    out_dist = torch.cat([out_1_dist, out_2_dist], dim=0)
+    cov = torch.mm(out, out_dist.t().contiguous())
+    sim = torch.exp(cov / temperature)
+    neg = sim.sum(dim=-1)
+    row_sub = torch.Tensor(neg.shape).fill_(math.e ** (1 / temperature)).to(neg.device)
+    neg = torch.clamp(neg - row_sub, min=eps)  # clamp for numerical stability
+    pos = torch.exp(torch.sum(out_1 * out_2, dim=-1) / temperature)
+    pos = torch.cat([pos, pos], dim=0)
+    return -torch.log(pos / (neg + eps)).mean()
+
+
+class SimCLR(Trainer):
+    temperature = 0.5  # cifar10's
+
+    def shared_step(self, batch):
+        (img1, img2, _), y = batch
+        encoder, projection = self.model
+        z1 = projection(encoder(img1))
+        z2 = projection(encoder(img2))
+        return nt_xent_loss(z1, z2, self.temperature)
+
+    def training_step(self, batch):
+        return self.shared_step(batch)
+
+    def validation_step(self, batch):
+        return self.shared_step(batch)
+
+
+def simclr_data(n: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(n, 6, generator=gen)
+    views = [x + 0.1 * torch.randn(n, 6, generator=gen) for _ in range(3)]  # the last for online evaluation
+    return TensorDataset(*views, torch.zeros(n, dtype=torch.long))
+
+
+def simclr_val(world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Sequential(nn.Linear(6, 8), nn.ReLU()), Projection(8, 8, 4)])
+    regroup = lambda batch: ((batch[0], batch[1], batch[2]), batch[3])  # noqa: E731  ((img1, img2, img3), y)
+    trainer = SimCLR(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), max_steps=2,
+                     train_data=DataLoader(simclr_data(16), batch_size=8 // world, collate_fn=lambda b: regroup(
+                         torch.utils.data.default_collate(b))),
+                     val_data=DataLoader(simclr_data(9), batch_size=4, collate_fn=lambda b: regroup(
+                         torch.utils.data.default_collate(b))), device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"val_loss": float(trainer.validate()["val_loss"])}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -756,13 +850,15 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: moco(rank, world)), "hand": moco_by_hand(rank, world)}
     if case == "barlow":
         return {**attempt(lambda: barlow(rank, world)), "hand": barlow_by_hand(rank, world)}
+    if case == "simclr_val":  # run in a launch of its own: a rank may abort
+        return simclr_val(world)
     raise ValueError(case)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatched collective fails, not hangs
     for name in sys.argv[2:]:
         torch.save(result(name, out_dir), out_dir / f"{name}_rank{dist.get_rank()}.pt")
         dist.barrier()
