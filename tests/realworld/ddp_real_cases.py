@@ -28,6 +28,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   inside the forward (in place on the graph), with LARS and float16 autocast.
 - ``simclr_val`` (a launch of its own): lightning-bolts' SimCLR, whose NT-Xent loss all-gathers every rank's
   embeddings in ``validation_step`` too; 9 validation samples in batches of 4.
+- ``shared`` / ``shared_accum``: one layer applied twice, each under a reentrant checkpoint, through DDP and
+  safeloop's own reducer (grad_accum=2).
 - ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
@@ -821,6 +823,66 @@ def simclr_val(world: int) -> dict:
     return {"val_loss": float(trainer.validate()["val_loss"])}
 
 
+# -- shared: one layer applied twice, each time under a reentrant checkpoint (ALBERT-style sharing with activation
+# checkpointing): "activation checkpointing multiple times", which the ``static_graph`` docstring of
+# pytorch/pytorch torch/nn/parallel/distributed.py names as needing it. Its gradient is accumulated once per call.
+class SharedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.layer, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def block(self, h):
+        return torch.tanh(self.layer(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def shared_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    """accum 1: DDP(static_graph=True); accum 2 (where torch's own DDP fails an internal assert under no_sync): the
+    micro-batches accumulated, then the gradients all-reduced by hand (summed in one flat tensor, divided by
+    world), which equals DDP(static_graph=True) at accum 1 bit for bit."""
+    torch.manual_seed(0)
+    model = SharedLayer()
+    forward = DistributedDataParallel(model, static_graph=True) if accum == 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    batches = iter(DataLoader(lottery_data(), batch_size=8 // world // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for _ in range(accum):
+            x, y = next(batches)
+            (F.mse_loss(forward(x), y[:, None].float()) / accum).backward()
+        if accum > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p) / world)
+                offset += p.numel()
+        optimizer.step()
+    return params(model)
+
+
+class SharedTrainer(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x), y[:, None].float())
+
+
+def shared(world: int, accum: int) -> dict:
+    torch.manual_seed(0)
+    model = SharedLayer()
+    trainer = SharedTrainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_accum=accum,
+                            max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world // accum),
+                            device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -852,6 +914,9 @@ def result(case: str, out: Path) -> dict:
         return {**attempt(lambda: barlow(rank, world)), "hand": barlow_by_hand(rank, world)}
     if case == "simclr_val":  # run in a launch of its own: a rank may abort
         return simclr_val(world)
+    if case in ("shared", "shared_accum"):
+        accum = 2 if case == "shared_accum" else 1
+        return {**attempt(lambda: shared(world, accum)), "hand": shared_by_hand(rank, world, accum)}
     raise ValueError(case)
 
 
