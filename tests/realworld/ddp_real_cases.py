@@ -112,7 +112,8 @@ def zero(rank: int, out: Path, saved: bool) -> dict:
                    loggers=(), checkpoint={"dir": str(out / "zero"), "every": 2} if saved else False)
     trainer.fit()
     dist.barrier()
-    return {"ours": params(trainer.model), "saved": sorted(p.name for p in (out / "zero").glob("*.pt")) if saved else []}
+    saved_files = sorted(p.name for p in (out / "zero").glob("*.pt")) if saved else []
+    return {"ours": params(trainer.model), "saved": saved_files}
 
 
 # -- spectral: neuraloperator SpectralConv1d (zongyi-li/fourier_neural_operator fourier_1d.py) --------------------
@@ -121,7 +122,8 @@ class SpectralConv1d(nn.Module):
         super().__init__()
         self.in_channels, self.out_channels, self.modes1 = in_channels, out_channels, modes1
         self.scale = (1 / (in_channels * out_channels))
-        self.weights1 = nn.Parameter(self.scale * torch.rand(in_channels, out_channels, self.modes1, dtype=torch.cfloat))
+        self.weights1 = nn.Parameter(
+            self.scale * torch.rand(in_channels, out_channels, self.modes1, dtype=torch.cfloat))
 
     def compl_mul1d(self, input, weights):
         return torch.einsum("bix,iox->box", input, weights)
