@@ -1,0 +1,932 @@
+"""Public DDP code run under ``torchrun`` (2 ranks, gloo), for test_ddp_real.
+
+``torchrun --nproc-per-node=2 tests/realworld/ddp_real_cases.py OUT_DIR CASE...`` runs each case on both ranks: the
+Trainer, then the public loop it ports (DistributedDataParallel by hand), and saves both to ``OUT_DIR/CASE_rankR.pt``.
+
+- ``zero``: pytorch/tutorials, recipes_source/zero_redundancy_optimizer.rst: a ``ZeroRedundancyOptimizer`` over
+  Adam, each rank feeding its own random batch to a DDP model; ``zero_saved`` adds a checkpoint after step 2.
+- ``spectral`` / ``spectral_accum``: neuraloperator/neuraloperator's ``SpectralConv1d`` as in zongyi-li's
+  fourier_1d.py (complex ``cfloat`` weights), through DistributedDataParallel / safeloop's own reducer (grad_accum=2
+  against ``no_sync``).
+- ``ema``: pytorch/vision references/classification/train.py: the EMA model made after DDP wrapped the model
+  (``ExponentialMovingAverage(model_without_ddp)``), each rank's model initialised unseeded (here: its own seed).
+  The Trainer makes it in ``configure_optimizers`` (docs: "an EMA copy (made in configure_optimizers, say)").
+- ``leftover``: huggingface/accelerate's gradient_accumulation example: grad_accum=2 over passes of 5 batches per
+  rank (steps of 2, 2 and 1 batch), 2 epochs.
+- ``densenet`` / ``densenet_accum``: torchvision 0.4's memory-efficient DenseNet (reentrant checkpoints around
+  BatchNorm, dropout drawn per rank) as pytorch/examples imagenet/main.py trains it under DDP; grad_accum=2 against
+  ``no_sync``.
+- ``lottery``: rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch's ``train``: the gradients of the weights under
+  EPS zeroed after the backward, in ``on_after_backward``.
+- ``clipped``: cleanrl's ppo_atari_multigpu.py update: gradients averaged, then ``clip_grad_norm_``; in manual mode
+  the clip between ``self.backward`` and ``self.step``.
+- ``penalty`` / ``penalty_accum``: PyTorch's AMP notes' gradient penalty (float32): ``torch.autograd.grad`` of the
+  loss over the parameters with ``create_graph=True`` inside the step, through DDP and safeloop's own reducer.
+- ``moco``: facebookresearch/moco's MoCo with its DDP parts (keys gathered from every rank into the queue, the key
+  encoder's batch shuffled across ranks: collectives inside the forward), trained as main_moco.py does.
+- ``barlow``: facebookresearch/barlowtwins main.py's ``torch.distributed.all_reduce(c)`` of the cross-correlation
+  inside the forward (in place on the graph), with LARS and float16 autocast.
+- ``simclr_val`` (a launch of its own): lightning-bolts' SimCLR, whose NT-Xent loss all-gathers every rank's
+  embeddings in ``validation_step`` too; 9 validation samples in batches of 4.
+- ``shared`` / ``shared_accum``: one layer applied twice, each under a reentrant checkpoint, through DDP and
+  safeloop's own reducer (grad_accum=2).
+- ``augment_N``: MONAI's ``Randomizable`` transform (an ``np.random.RandomState`` the dataset keeps), seeded per
+  rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
+- ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
+  DistributedDataParallel and gives a DataLoader with its own ``DistributedSampler`` (``set_epoch`` each epoch).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from safeloop import Trainer
+
+STEPS = 4
+
+
+def params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def attempt(run) -> dict:
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001  the failure is what the test reads
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+# -- zero: pytorch/tutorials recipes_source/zero_redundancy_optimizer.rst -----------------------------------------
+def zero_model() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)])  # the recipe: 20 Linear(2000, 2000)
+
+
+def zero_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)  # the recipe: torch.randn(20, 2000) on each rank
+    return [(torch.randn(5, 6, generator=gen), torch.randn(5, 6, generator=gen)) for _ in range(STEPS)]
+
+
+def zero_optimizer(model: nn.Module):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+
+
+def zero_by_hand(rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = zero_model()
+    ddp_model = DistributedDataParallel(model)
+    loss_fn = nn.MSELoss()
+    optimizer = zero_optimizer(ddp_model)
+    for inputs, labels in zero_batches(rank):
+        outputs = ddp_model(inputs)
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params(model)
+
+
+class Zero(Trainer):
+    def configure_optimizers(self):
+        return zero_optimizer(self.model)
+
+    def training_step(self, batch):
+        inputs, labels = batch
+        return nn.MSELoss()(self.model(inputs), labels)
+
+
+def zero(rank: int, out: Path, saved: bool) -> dict:
+    torch.manual_seed(0)
+    trainer = Zero(model=zero_model(), train_data=zero_batches(rank), max_steps=STEPS, device="cpu", progress=False,
+                   loggers=(), checkpoint={"dir": str(out / "zero"), "every": 2} if saved else False)
+    trainer.fit()
+    dist.barrier()
+    saved_files = sorted(p.name for p in (out / "zero").glob("*.pt")) if saved else []
+    return {"ours": params(trainer.model), "saved": saved_files}
+
+
+# -- spectral: neuraloperator SpectralConv1d (zongyi-li/fourier_neural_operator fourier_1d.py) --------------------
+class SpectralConv1d(nn.Module):
+    def __init__(self, in_channels, out_channels, modes1):
+        super().__init__()
+        self.in_channels, self.out_channels, self.modes1 = in_channels, out_channels, modes1
+        self.scale = (1 / (in_channels * out_channels))
+        self.weights1 = nn.Parameter(
+            self.scale * torch.rand(in_channels, out_channels, self.modes1, dtype=torch.cfloat))
+
+    def compl_mul1d(self, input, weights):
+        return torch.einsum("bix,iox->box", input, weights)
+
+    def forward(self, x):
+        batchsize = x.shape[0]
+        x_ft = torch.fft.rfft(x)
+        out_ft = torch.zeros(batchsize, self.out_channels, x.size(-1) // 2 + 1, device=x.device, dtype=torch.cfloat)
+        out_ft[:, :, :self.modes1] = self.compl_mul1d(x_ft[:, :, :self.modes1], self.weights1)
+        return torch.fft.irfft(out_ft, n=x.size(-1))
+
+
+class FNO1d(nn.Module):
+    def __init__(self, modes=3, width=4):
+        super().__init__()
+        self.fc0 = nn.Linear(2, width)
+        self.conv0 = SpectralConv1d(width, width, modes)
+        self.w0 = nn.Conv1d(width, width, 1)
+        self.fc1 = nn.Linear(width, 1)
+
+    def forward(self, x):  # x: (batch, points, 2)
+        x = self.fc0(x).permute(0, 2, 1)
+        x = F.gelu(self.conv0(x) + self.w0(x))
+        return self.fc1(x.permute(0, 2, 1))
+
+
+def spectral_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(32, 8, 1, generator=gen)
+    grid = torch.linspace(0, 1, 8).reshape(1, 8, 1).repeat(32, 1, 1)
+    return TensorDataset(torch.cat([a, grid], -1), torch.cumsum(a, 1) / 8)
+
+
+def spectral_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = FNO1d()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4)
+    shard = torch.utils.data.Subset(spectral_data(), range(rank, 32, world))
+    batches = iter(DataLoader(shard, batch_size=32 // world // STEPS // accum))
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        for k in range(accum):
+            x, y = next(batches)
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (F.mse_loss(ddp(x), y) / accum).backward()
+        optimizer.step()
+    return params(model)
+
+
+def spectral(rank: int, world: int, accum: int) -> dict:
+    torch.manual_seed(0)
+    model = FNO1d()
+    trainer = Trainer(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4),
+                      train_data=DataLoader(spectral_data(), batch_size=32 // world // STEPS // accum),
+                      grad_accum=accum, max_steps=STEPS, device="cpu", progress=False, loggers=())
+    trainer.on_step_end = lambda losses: setattr(trainer, "ddp", trainer.dist.ddp is not None)
+    trainer.fit()
+    return {"ours": params(model), "ddp": trainer.ddp}
+
+
+# -- ema: pytorch/vision references/classification (train.py, utils.py) ------------------------------------------
+class ExponentialMovingAverage(torch.optim.swa_utils.AveragedModel):
+    def __init__(self, model, decay, device="cpu"):
+        def ema_avg(avg_model_param, model_param, num_averaged):
+            return decay * avg_model_param + (1 - decay) * model_param
+
+        super().__init__(model, device, ema_avg, use_buffers=True)
+
+
+EMA_DECAY = 0.5
+
+
+def ema_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 3, generator=gen)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def ema_model(rank: int) -> nn.Module:
+    torch.manual_seed(10 + rank)  # torchvision's references set no seed: each process initialises its own weights
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def evaluate(model, data) -> tuple[float, int]:
+    """references/classification/train.py evaluate(): the loss summed over this rank's samples, and their count."""
+    model.eval()
+    with torch.inference_mode():
+        x, y = data.tensors
+        return float(F.cross_entropy(model(x), y, reduction="sum")), len(y)
+
+
+def ema_by_hand(rank: int, world: int) -> dict:
+    model = ema_model(rank)
+    model = DistributedDataParallel(model)
+    model_without_ddp = model.module
+    model_ema = ExponentialMovingAverage(model_without_ddp, decay=EMA_DECAY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = torch.utils.data.Subset(ema_data(), range(rank, 32, world))
+    for image, target in DataLoader(shard, batch_size=32 // world // STEPS):
+        loss = F.cross_entropy(model(image), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model_ema.update_parameters(model)
+    val = TensorDataset(*(t[rank::world] for t in ema_data().tensors))
+    total = torch.tensor(evaluate(model_ema, val), dtype=torch.float64)
+    dist.all_reduce(total)  # the reference's metric_logger.synchronize_between_processes()
+    return {"ema": params(model_ema.module), "val_loss": float(total[0] / total[1])}
+
+
+class Ema(Trainer):
+    def configure_optimizers(self):
+        self.ema = ExponentialMovingAverage(self.model, decay=EMA_DECAY)
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def modules(self):
+        return {**super().modules(), "ema": self.ema}
+
+    def training_step(self, batch):
+        image, target = batch
+        return F.cross_entropy(self.model(image), target)
+
+    def on_step_end(self, losses):
+        self.ema.update_parameters(self.model)
+
+    def validation_step(self, batch):
+        image, target = batch
+        return F.cross_entropy(self.ema(image), target)
+
+
+def ema(rank: int, world: int) -> dict:
+    trainer = Ema(model=ema_model(rank), train_data=DataLoader(ema_data(), batch_size=32 // world // STEPS),
+                  val_data=DataLoader(ema_data(), batch_size=8), max_steps=STEPS, device="cpu", progress=False,
+                  loggers=())
+    trainer.fit()
+    return {"ema": params(trainer.ema.module), "val_loss": float(trainer.validate()["val_loss"])}
+
+
+# -- wrapped: pytorch/examples distributed/ddp-tutorial-series multigpu.py (Trainer._run_batch) -------------------
+def wrapped_data(world: int, rank: int) -> DataLoader:
+    gen = torch.Generator().manual_seed(5)  # datautils.MyTrainDataset: random (x, y) pairs
+    data = TensorDataset(torch.rand(32, 6, generator=gen), torch.rand(32, 1, generator=gen))
+    return DataLoader(data, batch_size=4, shuffle=False, sampler=torch.utils.data.DistributedSampler(data))
+
+
+def wrapped_by_hand(world: int, rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(6, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+    train_data = wrapped_data(world, rank)
+    for epoch in range(2):
+        train_data.sampler.set_epoch(epoch)
+        for source, targets in train_data:
+            optimizer.zero_grad()
+            output = model(source)
+            loss = F.mse_loss(output, targets)
+            loss.backward()
+            optimizer.step()
+    return params(model)
+
+
+def wrapped(world: int, rank: int) -> dict:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(6, 1))  # the script's own wrapper, given to the Trainer as it is
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-1), max_epochs=2,
+                      train_data=wrapped_data(world, rank), device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- leftover: huggingface/accelerate examples/by_feature/gradient_accumulation.py -------------------------------
+# ``with accelerator.accumulate(model)``: gradients sync every ``gradient_accumulation_steps`` batches and at the
+# loader's last batch (GradientState.end_of_dataloader), where the optimizer steps on the batches left; each loss
+# is divided by the accumulation steps. A pass of 5 batches per rank, accumulated by 2: steps of 2, 2 and 1 batch.
+LEFTOVER_SAMPLES, LEFTOVER_ACCUM = 40, 2
+
+
+def leftover_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(LEFTOVER_SAMPLES, 5, generator=gen)
+    return TensorDataset(x, x.sum(1, keepdim=True).tanh())
+
+
+def leftover_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def leftover_by_hand(rank: int, world: int, epochs: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(leftover_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(torch.utils.data.Subset(leftover_data(), range(rank, LEFTOVER_SAMPLES, world)), batch_size=4)
+    for _ in range(epochs):
+        for step, (x, y) in enumerate(loader):
+            sync = (step + 1) % LEFTOVER_ACCUM == 0 or step == len(loader) - 1
+            with nullcontext() if sync else model.no_sync():
+                loss = F.mse_loss(model(x), y) / LEFTOVER_ACCUM
+                loss.backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    return params(model.module)
+
+
+def leftover(world: int, epochs: int) -> dict:
+    model = leftover_model()
+    trainer = Trainer(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), max_epochs=epochs,
+                      train_data=DataLoader(leftover_data(), batch_size=4), grad_accum=LEFTOVER_ACCUM, device="cpu",
+                      progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model), "steps": trainer.state.step}
+
+
+# -- augment: a MONAI random transform (Project-MONAI/MONAI monai/transforms/transform.py ``Randomizable``) ---------
+class RandShift:
+    """``RandShiftIntensity`` as MONAI writes it: ``self.R``, an ``np.random.RandomState`` of the transform's own, set
+    by ``set_random_state(seed)``; each rank seeds its own (``seed + rank``, as nanoGPT seeds ``1337 + rank``)."""
+
+    def __init__(self, seed):
+        self.R = np.random.RandomState(seed)
+
+    def __call__(self, x):
+        return x + float(self.R.uniform(-0.5, 0.5))
+
+
+class Transformed(torch.utils.data.Dataset):
+    """MONAI's ``Dataset(data, transform)``: the transform applied to each sample as it is read."""
+
+    def __init__(self, x, y, transform):
+        self.x, self.y, self.transform = x, y, transform
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.transform(self.x[i]), self.y[i]
+
+
+def augmented(rank: int) -> DataLoader:
+    """24 samples, 6 steps a pass on 2 ranks (num_workers=0: the transform runs in the training process)."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 4, generator=gen), torch.randn(24, 1, generator=gen)
+    return DataLoader(Transformed(x, y, RandShift(5 + rank)), batch_size=2, shuffle=True,
+                      generator=torch.Generator().manual_seed(2))
+
+
+def augment(rank: int, out: Path, stop: int) -> dict:
+    """12 steps straight, and stopped at step ``stop`` then resumed by a new Trainer over new data, as a new
+    process would be: the resumed weights are the straight run's."""
+    def trainer(steps: int, **kwargs) -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_steps=steps,
+                       train_data=augmented(rank), device="cpu", progress=False, loggers=(), **kwargs)
+    straight = trainer(12)
+    straight.fit()
+    directory = out / f"augment-{stop}"
+    trainer(stop, checkpoint={"dir": str(directory)}).fit()
+    dist.barrier()
+    resumed = trainer(12, resume=str(directory), checkpoint=False)
+    resumed.fit()
+    return {"ours": params(resumed.model), "hand": params(straight.model)}
+
+
+# -- densenet: torchvision 0.4's memory-efficient DenseNet (tests/realworld/test_reentrant_checkpoint.py), trained as
+# pytorch/examples imagenet/main.py trains it under DDP (its ``train``; accumulation under ``no_sync``) -------------
+def densenet_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(32, 2, 6, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen))
+
+
+def densenet_optimizer(model: nn.Module):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def densenet_by_hand(rank: int, world: int, accum: int) -> dict:
+    from tests.realworld.test_reentrant_checkpoint import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet()
+    ddp = DistributedDataParallel(model)
+    criterion, optimizer = nn.CrossEntropyLoss(), densenet_optimizer(model)
+    sampler = torch.utils.data.DistributedSampler(densenet_data(), shuffle=False)
+    torch.manual_seed(7 + rank)  # dropout: each rank draws its own masks (after the loader's base seed)
+    batches = iter(DataLoader(densenet_data(), batch_size=4 // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for k in range(accum):
+            images, target = next(batches)
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (criterion(ddp(images), target) / accum).backward()
+        optimizer.step()
+    return {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
+
+
+class Classifier(Trainer):
+    def training_step(self, batch):
+        images, target = batch
+        return F.cross_entropy(self.model(images), target)
+
+
+def densenet(rank: int, accum: int) -> dict:
+    from tests.realworld.test_reentrant_checkpoint import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet()
+    trainer = Classifier(model=model, optimizer=densenet_optimizer(model), grad_accum=accum, max_steps=STEPS,
+                         train_data=DataLoader(densenet_data(), batch_size=4 // accum), device="cpu", progress=False,
+                         loggers=())
+    torch.manual_seed(7 + rank)
+    trainer.fit()
+    return {"ours": params(model), "buffers": [b.clone() for b in model.buffers()]}
+
+
+# -- lottery: rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch main.py ``train`` ------------------------------
+# After ``train_loss.backward()`` the gradients of the weights under EPS are zeroed ("Freezing Pruned weights by
+# making their gradients Zero"); under DDP the backward has averaged them already. The Trainer does it in
+# ``on_after_backward`` (Lightning's hook "after loss.backward() and before optimizers are stepped").
+def freeze_pruned(model: nn.Module) -> None:
+    EPS = 1e-6
+    for name, p in model.named_parameters():
+        if 'weight' in name:
+            tensor = p.data.cpu().numpy()
+            grad_tensor = p.grad.data.cpu().numpy()
+            grad_tensor = np.where(tensor < EPS, 0, grad_tensor)
+            p.grad.data = torch.from_numpy(grad_tensor)
+
+
+def lottery_model() -> nn.Module:
+    torch.manual_seed(0)  # archs/mnist/fc1.py, 784-300-100-10 made 6-5-3
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+def lottery_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(8)
+    return TensorDataset(torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen))
+
+
+def lottery_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(lottery_model())
+    optimizer, criterion = torch.optim.Adam(model.parameters(), lr=1.2e-3), nn.CrossEntropyLoss()
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    for imgs, targets in DataLoader(lottery_data(), batch_size=8 // world, sampler=sampler):
+        optimizer.zero_grad()
+        output = model(imgs)
+        train_loss = criterion(output, targets)
+        train_loss.backward()
+        freeze_pruned(model.module)
+        optimizer.step()
+    return params(model.module)
+
+
+class Lottery(Classifier):
+    def on_after_backward(self, name):
+        freeze_pruned(self.model)
+
+
+def lottery(world: int) -> dict:
+    model = lottery_model()
+    trainer = Lottery(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1.2e-3), max_steps=STEPS,
+                      train_data=DataLoader(lottery_data(), batch_size=8 // world), device="cpu", progress=False,
+                      loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- clipped: vwxyzjn/cleanrl cleanrl/ppo_atari_multigpu.py: ``loss.backward()``, the gradients all-reduced by hand
+# (summed in one flat tensor, divided by world_size), ``nn.utils.clip_grad_norm_``, ``optimizer.step()``. The port
+# is manual mode, where the Trainer does the all-reduce: ``self.backward(loss)``, the clip, ``self.step()``.
+MAX_GRAD_NORM = 0.05
+
+
+def clipped_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    agent = lottery_model()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    for x, y in DataLoader(lottery_data(), batch_size=8 // world, sampler=sampler):
+        loss = F.cross_entropy(agent(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        all_grads_list = []
+        for param in agent.parameters():
+            if param.grad is not None:
+                all_grads_list.append(param.grad.view(-1))
+        all_grads = torch.cat(all_grads_list)
+        dist.all_reduce(all_grads, op=dist.ReduceOp.SUM)
+        offset = 0
+        for param in agent.parameters():
+            if param.grad is not None:
+                param.grad.data.copy_(all_grads[offset:offset + param.numel()].view_as(param.grad.data) / world)
+                offset += param.numel()
+        nn.utils.clip_grad_norm_(agent.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+    return params(agent)
+
+
+class Clipped(Trainer):
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.backward(loss)
+        nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
+        self.step()
+        return loss.detach()
+
+
+def clipped(world: int) -> dict:
+    model = lottery_model()
+    trainer = Clipped(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=2.5e-4, eps=1e-5),
+                      max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world), device="cpu",
+                      progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- penalty: pytorch/pytorch docs/source/notes/amp_examples.rst, "Gradient penalty" (its float32 listing): the
+# gradients of the loss with respect to the parameters (create_graph=True), their norm added to the loss ----------
+def penalized(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    grad_params = torch.autograd.grad(outputs=loss, inputs=list(model.parameters()), create_graph=True)
+    grad_norm = 0
+    for grad in grad_params:
+        grad_norm += grad.pow(2).sum()
+    grad_norm = grad_norm.sqrt()
+    return loss + grad_norm
+
+
+def penalty_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    model = lottery_model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    batches = iter(DataLoader(lottery_data(), batch_size=8 // world // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for k in range(accum):
+            with ddp.no_sync() if k < accum - 1 else nullcontext():
+                (penalized(ddp, *next(batches)) / accum).backward()
+        optimizer.step()
+    return params(model)
+
+
+class Penalized(Trainer):
+    def training_step(self, batch):
+        return penalized(self.model, *batch)
+
+
+def penalty(world: int, accum: int) -> dict:
+    model = lottery_model()
+    trainer = Penalized(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_accum=accum,
+                        max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world // accum),
+                        device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- moco: facebookresearch/moco moco/builder.py with its DDP parts (``concat_all_gather``, ``_batch_shuffle_ddp``,
+# ``_batch_unshuffle_ddp``: collectives inside the model's forward), trained as main_moco.py does under DDP --------
+@torch.no_grad()
+def concat_all_gather(tensor):
+    """Performs all_gather operation on the provided tensors. *** Warning ***: torch.distributed.all_gather has no
+    gradient."""
+    tensors_gather = [torch.ones_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(tensors_gather, tensor, async_op=False)
+    output = torch.cat(tensors_gather, dim=0)
+    return output
+
+
+def moco_ddp():
+    from tests.realworld.test_contrastive import DIM, K, M, T, MoCo, TinyEncoder
+
+    class MoCoDDP(MoCo):
+        """builder.py's MoCo whole: the keys of every rank enqueued, BatchNorm's batch shuffled across ranks."""
+
+        @torch.no_grad()
+        def _dequeue_and_enqueue(self, keys):
+            super()._dequeue_and_enqueue(concat_all_gather(keys))  # gather keys before updating queue
+
+        @torch.no_grad()
+        def _batch_shuffle_ddp(self, x):
+            batch_size_this = x.shape[0]
+            x_gather = concat_all_gather(x)
+            batch_size_all = x_gather.shape[0]
+            num_gpus = batch_size_all // batch_size_this
+            idx_shuffle = torch.randperm(batch_size_all)  # random shuffle index
+            torch.distributed.broadcast(idx_shuffle, src=0)  # broadcast to all gpus
+            idx_unshuffle = torch.argsort(idx_shuffle)  # index for restoring
+            gpu_idx = torch.distributed.get_rank()  # shuffled index for this gpu
+            idx_this = idx_shuffle.view(num_gpus, -1)[gpu_idx]
+            return x_gather[idx_this], idx_unshuffle
+
+        @torch.no_grad()
+        def _batch_unshuffle_ddp(self, x, idx_unshuffle):
+            batch_size_this = x.shape[0]
+            x_gather = concat_all_gather(x)
+            batch_size_all = x_gather.shape[0]
+            num_gpus = batch_size_all // batch_size_this
+            gpu_idx = torch.distributed.get_rank()  # restored index for this gpu
+            idx_this = idx_unshuffle.view(num_gpus, -1)[gpu_idx]
+            return x_gather[idx_this]
+
+        def forward(self, im_q, im_k):
+            q = nn.functional.normalize(self.encoder_q(im_q), dim=1)  # queries: NxC
+            with torch.no_grad():  # no gradient to keys
+                self._momentum_update_key_encoder()  # update the key encoder
+                im_k, idx_unshuffle = self._batch_shuffle_ddp(im_k)  # shuffle for making use of BN
+                k = nn.functional.normalize(self.encoder_k(im_k), dim=1)  # keys: NxC
+                k = self._batch_unshuffle_ddp(k, idx_unshuffle)  # undo shuffle
+            l_pos = torch.einsum("nc,nc->n", [q, k]).unsqueeze(-1)
+            l_neg = torch.einsum("nc,ck->nk", [q, self.queue.clone().detach()])
+            logits = torch.cat([l_pos, l_neg], dim=1)
+            logits /= self.T
+            labels = torch.zeros(logits.shape[0], dtype=torch.long)
+            self._dequeue_and_enqueue(k)
+            return logits, labels
+
+    torch.manual_seed(0)
+    return MoCoDDP(TinyEncoder, DIM, K, M, T, mlp=True)
+
+
+def moco_views(rank: int, world: int) -> list:
+    """Each rank's share of test_contrastive's two noisy views of a batch (2 samples a rank: K % 4 == 0)."""
+    from tests.realworld.test_contrastive import two_crops
+
+    return [([v[rank::world] for v in views], target[rank::world]) for views, target in two_crops(STEPS)]
+
+
+def moco_by_hand(rank: int, world: int) -> dict:
+    from tests.realworld.test_contrastive import moco_opt
+
+    model = moco_ddp()
+    ddp = DistributedDataParallel(model)
+    criterion, optimizer = nn.CrossEntropyLoss(), moco_opt(model.parameters())
+    torch.manual_seed(3)  # the shuffle's randperm (rank zero's is broadcast)
+    for images, _ in moco_views(rank, world):
+        output, target = ddp(im_q=images[0], im_k=images[1])
+        loss = criterion(output, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"params": params(model), "queue": model.queue.clone()}
+
+
+def moco(rank: int, world: int) -> dict:
+    from tests.realworld.test_contrastive import MoCoTrainer
+
+    trainer = MoCoTrainer(model=moco_ddp(), train_data=moco_views(rank, world), max_steps=STEPS, device="cpu",
+                          progress=False, loggers=())
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a list of batches: each rank's share is given
+        trainer.fit()
+    return {"ours": params(trainer.model), "queue": trainer.model.queue.clone()}
+
+
+# -- barlow: facebookresearch/barlowtwins main.py under DDP: ``torch.distributed.all_reduce(c)`` sums the
+# cross-correlation over the ranks inside the forward, in place on a tensor of the graph (tests/realworld/
+# test_barlow_twins.py's model, LARS, schedule and float16 autocast with a GradScaler) ----------------------------
+def barlow_model():
+    from tests.realworld.test_barlow_twins import Args, BarlowTwins, off_diagonal
+
+    class BarlowTwinsDDP(BarlowTwins):
+        def forward(self, y1, y2):
+            z1 = self.projector(self.backbone(y1))
+            z2 = self.projector(self.backbone(y2))
+
+            # empirical cross-correlation matrix
+            c = self.bn(z1).T @ self.bn(z2)
+
+            # sum the cross-correlation matrix between all gpus
+            c.div_(self.args.batch_size)
+            torch.distributed.all_reduce(c)
+
+            on_diag = torch.diagonal(c).add_(-1).pow_(2).sum()
+            off_diag = off_diagonal(c).pow_(2).sum()
+            loss = on_diag + self.args.lambd * off_diag
+            return loss
+
+    torch.manual_seed(0)
+    return BarlowTwinsDDP(Args())
+
+
+def barlow_views(rank: int, world: int) -> list:
+    from tests.realworld.test_barlow_twins import views
+
+    return [((y1[rank::world], y2[rank::world]), t[rank::world]) for (y1, y2), t in views()]
+
+
+def barlow_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    from tests.realworld.test_barlow_twins import barlow_hand
+
+    model = barlow_model()
+    barlow_hand(DistributedDataParallel(model), barlow_views(rank, world))
+    return params(model)
+
+
+def barlow(rank: int, world: int) -> dict:
+    from tests.realworld.test_barlow_twins import EPOCHS, BarlowTwinsTrainer
+
+    model = barlow_model()
+    trainer = BarlowTwinsTrainer(model=model, train_data=barlow_views(rank, world), max_epochs=EPOCHS,
+                                 precision="16", device="cpu", progress=False, loggers=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a list of batches: each rank's share is given
+        trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- simclr_val: Lightning-Universe/lightning-bolts pl_bolts/models/self_supervised/simclr/simclr_module.py: the
+# NT-Xent loss gathers every rank's embeddings (``SyncFunction``: all_gather forward, all_reduce backward), in
+# ``shared_step``, which ``validation_step`` runs too; a validation set of 9 samples, batches of 4 ---------------
+class SyncFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.batch_size = tensor.shape[0]
+
+        gathered_tensor = [torch.zeros_like(tensor) for _ in range(torch.distributed.get_world_size())]
+
+        torch.distributed.all_gather(gathered_tensor, tensor)
+        return torch.cat(gathered_tensor, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = grad_output.clone()
+        torch.distributed.all_reduce(grad_input, op=torch.distributed.ReduceOp.SUM, async_op=False)
+
+        idx_from = torch.distributed.get_rank() * ctx.batch_size
+        idx_to = (torch.distributed.get_rank() + 1) * ctx.batch_size
+        return grad_input[idx_from:idx_to]
+
+
+class Projection(nn.Module):
+    def __init__(self, input_dim=2048, hidden_dim=2048, output_dim=128) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim),
+            nn.BatchNorm1d(hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, output_dim, bias=False),
+        )
+
+    def forward(self, x):
+        x = self.model(x)
+        return F.normalize(x, dim=1)
+
+
+def nt_xent_loss(out_1, out_2, temperature, eps=1e-6):
+    out_1_dist = SyncFunction.apply(out_1)
+    out_2_dist = SyncFunction.apply(out_2)
+    out = torch.cat([out_1, out_2], dim=0)
+    out_dist = torch.cat([out_1_dist, out_2_dist], dim=0)
+    cov = torch.mm(out, out_dist.t().contiguous())
+    sim = torch.exp(cov / temperature)
+    neg = sim.sum(dim=-1)
+    row_sub = torch.Tensor(neg.shape).fill_(math.e ** (1 / temperature)).to(neg.device)
+    neg = torch.clamp(neg - row_sub, min=eps)  # clamp for numerical stability
+    pos = torch.exp(torch.sum(out_1 * out_2, dim=-1) / temperature)
+    pos = torch.cat([pos, pos], dim=0)
+    return -torch.log(pos / (neg + eps)).mean()
+
+
+class SimCLR(Trainer):
+    temperature = 0.5  # cifar10's
+
+    def shared_step(self, batch):
+        (img1, img2, _), y = batch
+        encoder, projection = self.model
+        z1 = projection(encoder(img1))
+        z2 = projection(encoder(img2))
+        return nt_xent_loss(z1, z2, self.temperature)
+
+    def training_step(self, batch):
+        return self.shared_step(batch)
+
+    def validation_step(self, batch):
+        return self.shared_step(batch)
+
+
+def simclr_data(n: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(n, 6, generator=gen)
+    views = [x + 0.1 * torch.randn(n, 6, generator=gen) for _ in range(3)]  # the last for online evaluation
+    return TensorDataset(*views, torch.zeros(n, dtype=torch.long))
+
+
+def simclr_val(world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Sequential(nn.Linear(6, 8), nn.ReLU()), Projection(8, 8, 4)])
+    regroup = lambda batch: ((batch[0], batch[1], batch[2]), batch[3])  # noqa: E731  ((img1, img2, img3), y)
+    trainer = SimCLR(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), max_steps=2,
+                     train_data=DataLoader(simclr_data(16), batch_size=8 // world, collate_fn=lambda b: regroup(
+                         torch.utils.data.default_collate(b))),
+                     val_data=DataLoader(simclr_data(9), batch_size=4, collate_fn=lambda b: regroup(
+                         torch.utils.data.default_collate(b))), device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"val_loss": float(trainer.validate()["val_loss"])}
+
+
+# -- shared: one layer applied twice, each time under a reentrant checkpoint (ALBERT-style sharing with activation
+# checkpointing): "activation checkpointing multiple times", which the ``static_graph`` docstring of
+# pytorch/pytorch torch/nn/parallel/distributed.py names as needing it. Its gradient is accumulated once per call.
+class SharedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.layer, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def block(self, h):
+        return torch.tanh(self.layer(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def shared_by_hand(rank: int, world: int, accum: int) -> list[torch.Tensor]:
+    """accum 1: DDP(static_graph=True); accum 2 (where torch's own DDP fails an internal assert under no_sync): the
+    micro-batches accumulated, then the gradients all-reduced by hand (summed in one flat tensor, divided by
+    world), which equals DDP(static_graph=True) at accum 1 bit for bit."""
+    torch.manual_seed(0)
+    model = SharedLayer()
+    forward = DistributedDataParallel(model, static_graph=True) if accum == 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    batches = iter(DataLoader(lottery_data(), batch_size=8 // world // accum, sampler=sampler))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for _ in range(accum):
+            x, y = next(batches)
+            (F.mse_loss(forward(x), y[:, None].float()) / accum).backward()
+        if accum > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p) / world)
+                offset += p.numel()
+        optimizer.step()
+    return params(model)
+
+
+class SharedTrainer(Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x), y[:, None].float())
+
+
+def shared(world: int, accum: int) -> dict:
+    torch.manual_seed(0)
+    model = SharedLayer()
+    trainer = SharedTrainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_accum=accum,
+                            max_steps=STEPS, train_data=DataLoader(lottery_data(), batch_size=8 // world // accum),
+                            device="cpu", progress=False, loggers=())
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+def result(case: str, out: Path) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if case in ("zero", "zero_saved"):
+        return {**attempt(lambda: zero(rank, out, case == "zero_saved")), "hand": zero_by_hand(rank)}
+    if case in ("spectral", "spectral_accum"):
+        accum = 2 if case == "spectral_accum" else 1
+        return {**attempt(lambda: spectral(rank, world, accum)), "hand": spectral_by_hand(rank, world, accum)}
+    if case == "ema":
+        return {**attempt(lambda: ema(rank, world)), "hand": ema_by_hand(rank, world)}
+    if case == "wrapped":
+        return {**attempt(lambda: wrapped(world, rank)), "hand": wrapped_by_hand(world, rank)}
+    if case == "leftover":
+        return {**attempt(lambda: leftover(world, 2)), "hand": leftover_by_hand(rank, world, 2)}
+    if case.startswith("augment_"):
+        return augment(rank, out, int(case.split("_")[1]))
+    if case in ("densenet", "densenet_accum"):
+        accum = 2 if case == "densenet_accum" else 1
+        return {**attempt(lambda: densenet(rank, accum)), "hand": densenet_by_hand(rank, world, accum)}
+    if case == "lottery":
+        return {**attempt(lambda: lottery(world)), "hand": lottery_by_hand(rank, world)}
+    if case == "clipped":
+        return {**attempt(lambda: clipped(world)), "hand": clipped_by_hand(rank, world)}
+    if case in ("penalty", "penalty_accum"):
+        accum = 2 if case == "penalty_accum" else 1
+        return {**attempt(lambda: penalty(world, accum)), "hand": penalty_by_hand(rank, world, accum)}
+    if case == "moco":
+        return {**attempt(lambda: moco(rank, world)), "hand": moco_by_hand(rank, world)}
+    if case == "barlow":
+        return {**attempt(lambda: barlow(rank, world)), "hand": barlow_by_hand(rank, world)}
+    if case == "simclr_val":  # run in a launch of its own: a rank may abort
+        return simclr_val(world)
+    if case in ("shared", "shared_accum"):
+        accum = 2 if case == "shared_accum" else 1
+        return {**attempt(lambda: shared(world, accum)), "hand": shared_by_hand(rank, world, accum)}
+    raise ValueError(case)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatched collective fails, not hangs
+    for name in sys.argv[2:]:
+        torch.save(result(name, out_dir), out_dir / f"{name}_rank{dist.get_rank()}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
