@@ -42,7 +42,10 @@ HOOKS = (
 # Lightning's hooks and methods that safeloop does not call, and what does their work here: defined on a Trainer
 # subclass or a callback, each would never run, without a word (a port keeping Lightning's names).
 LIGHTNING_NAMES = {
-    "on_train_start": "use on_fit_start", "on_train_end": "use on_fit_end",
+    "on_train_start": "use on_fit_start (it runs before the validation before training, which is logged, not a "
+                      "sanity check: to leave it out of a best-so-far, skip it in on_validation_end while "
+                      "self.state.step == 0)",
+    "on_train_end": "use on_fit_end",
     "on_train_batch_start": "use on_step_start", "on_train_batch_end": "use on_step_end(losses)",
     "on_train_epoch_start": "use on_epoch_start", "on_train_epoch_end": "use on_epoch_end",
     "training_epoch_end": "use on_epoch_end", "validation_epoch_end": "use on_validation_end(metrics)",
@@ -192,13 +195,16 @@ class TrainerHooks:
 
 class Logging:
     """``self.log`` and ``self.log_dict``, as Lightning's, which the Trainer inherits: each value waits in
-    ``self.logged`` for the next log point."""
+    ``self.logged`` for the next log point (one logged in ``on_epoch_end``: the pass's end)."""
 
     logged: dict[str, torch.Tensor | float]
+    logged_since_step: set[str]  # the names logged since the last step's log point and validation
 
     def log(self, name: str, value: torch.Tensor | float, **lightning: Any) -> None:
-        """Lightning's ``self.log``: written every ``log_every`` steps; in ``validation_step``, the pass's mean."""
+        """Lightning's ``self.log``: written every ``log_every`` steps; in ``validation_step``, the pass's mean; in
+        ``on_epoch_end``, at the pass's end."""
         self.logged[str(name)] = logged_value(name, value, lightning)
+        self.logged_since_step.add(str(name))
 
     def log_dict(self, values: Mapping[str, torch.Tensor | float], **lightning: Any) -> None:
         """``self.log(name, value, ...)`` for each entry (Lightning's ``self.log_dict``)."""
@@ -271,10 +277,10 @@ class Hooks:
 # Lightning's self.log options other than those safeloop's self.log does anyway (prog_bar: the progress line shows
 # every logged value; logger=True), and what safeloop does instead
 LOG_OPTIONS = {
-    **dict.fromkeys(("on_step", "on_epoch"), "from training_step or a hook the value is written every log_every "
-                    "steps (Lightning's on_step); from validation_step or test_step it is the pass's mean over the "
-                    "samples (Lightning's on_epoch). For a training value's mean over a pass, add it up yourself and "
-                    "self.log it in on_epoch_end"),
+    **dict.fromkeys(("on_step", "on_epoch"), "from training_step or a step's hooks the value is written every "
+                    "log_every steps (Lightning's on_step), from on_epoch_end at the pass's end; from validation_step "
+                    "or test_step it is the pass's mean over the samples (Lightning's on_epoch). For a training "
+                    "value's mean over a pass, add it up yourself and self.log it in on_epoch_end"),
     "sync_dist": "a validation or test value is the mean over every rank's samples already; a training value is "
                  "rank zero's (all_reduce it yourself first for the ranks' mean)",
     "batch_size": "a validation value's mean counts the samples by the batch's first tensor; for another count, "

@@ -101,7 +101,7 @@ class Trainer(TrainerHooks, Logging):
         self.callbacks, self._hooks = list(callbacks), Hooks(self, Trainer)
         self.config = dict(config) if config is not None else None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.logged: dict[str, torch.Tensor | float] = {}  # self.log's values, until the next log point
+        self.logged, self.logged_since_step = {}, set()  # self.log's values, until the next log point (Logging)
         self.loggers: list = []  # made at each setup (rank zero's)
         self.schedules = schedules.Schedules()  # the schedulers and when each steps
         self.scaler, self._undo = None, None  # precision=16's GradScaler; what undoes a failed step's updates
@@ -222,7 +222,8 @@ class Trainer(TrainerHooks, Logging):
         batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
         try:
             for group in batches:
-                if group is PASS_END:  # on_epoch_end ran: the save it asked for; the next on_epoch_start's at once
+                if group is PASS_END:  # on_epoch_end ran: what it logged, the save it asked for; the next
+                    self._log_pending(self.logged_since_step)  # on_epoch_start's save at once
                     if self._save_asked:
                         self._save()
                     self._save_now = True
@@ -257,6 +258,7 @@ class Trainer(TrainerHooks, Logging):
         if stop or (not end and (self._save_asked or self.checkpointer and self.checkpointer.due(step, validated))):
             self._save()
         self._unfinished = None
+        self.logged_since_step.clear()
         return stop or self.state.reached(self.settings.max_steps)
 
     def _finish(self) -> None:
@@ -275,9 +277,9 @@ class Trainer(TrainerHooks, Logging):
             if self.loggers:  # there are none without a run directory
                 curves.draw_logged(self.run_dir)
 
-    def _log_pending(self) -> None:
-        if self.logged:  # what self.log kept since the last log point, at this step
-            self.log_metrics({name: float(self.logged.pop(name)) for name in list(self.logged)})
+    def _log_pending(self, names: Iterable[str] | None = None) -> None:  # self.log's values kept (`names` of them)
+        if names := [name for name in (self.logged if names is None else names) if name in self.logged]:
+            self.log_metrics({name: float(self.logged.pop(name)) for name in names})
 
     @property
     def retain_plans(self) -> dict[tuple[tuple[str, ...], bool], int]:
@@ -355,7 +357,6 @@ class Trainer(TrainerHooks, Logging):
         return self.checkpointer.save(self.state.step, self.state_dict()) if self.checkpointer is not None else None
 
     def _resume(self, resume: str | Path) -> None:
-        """Load the checkpoint ``resume`` names."""
         found = (self.checkpointer or ckpt.Checkpointer(Path(resume))).find(resume)
         if found is None:
             return

@@ -155,7 +155,7 @@ def test_what_every_pass_end_logs_reaches_the_loggers_the_last_ones_included():
     PerEpoch(model=torch.nn.Linear(3, 1), train_data=data, max_epochs=3, log_every=1, loggers=[given],
              optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", progress=False).fit()
     assert [(step, value) for step, metric, value in given.rows if metric == "epoch_metric"] == [
-        ("4", "0"), ("7", "1"), ("9", "2")]  # the last pass's too, after its last log point
+        ("3", "0"), ("6", "1"), ("9", "2")]  # at each pass's end (its last step), as Lightning logs an epoch's
 
 
 def test_bad_loggers_are_refused_at_start_up_all_at_once(monkeypatch):
@@ -237,13 +237,13 @@ def test_lightnings_self_log_options_are_taken_where_safeloop_does_the_same_and_
     with pytest.raises(ConfigError) as caught:
         fit(on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
     assert caught.value.problems == [
-        "self.log(..., on_step=True): safeloop's self.log(name, value) takes no on_step: from training_step or a hook "
-        "the value is written every log_every steps (Lightning's on_step); from validation_step or test_step it is "
-        "the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it up "
+        "self.log(..., on_step=True): safeloop's self.log(name, value) takes no on_step: from training_step or a "
+        "step's hooks the value is written every log_every steps (Lightning's on_step), from on_epoch_end at the "
+        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it up "
         "yourself and self.log it in on_epoch_end",
         "self.log(..., on_epoch=True): safeloop's self.log(name, value) takes no on_epoch: from training_step or a "
-        "hook the value is written every log_every steps (Lightning's on_step); from validation_step or test_step it "
-        "is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it "
+        "step's hooks the value is written every log_every steps (Lightning's on_step), from on_epoch_end at the "
+        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it "
         "up yourself and self.log it in on_epoch_end",
         "self.log(..., sync_dist=True): safeloop's self.log(name, value) takes no sync_dist: a validation or test "
         "value is the mean over every rank's samples already; a training value is rank zero's (all_reduce it "
