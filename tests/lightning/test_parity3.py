@@ -412,7 +412,8 @@ def test_log_with_on_step_and_on_epoch_differs_loudly():
     port = PortStepEpoch(model=net(), train_data=loader(), optimizer=adam,
                          **settings(max_epochs=EPOCHS))
     with pytest.raises(safeloop.ConfigError, match=r"self\.log\(\.\.\., on_step=True\): safeloop's self\.log\(name, "
-                       r"value\) takes no on_step: from training_step or a hook the value is written every log_every"):
+                       r"value\) takes no on_step: from training_step or a step.s hooks the value is written every "
+                       r"log_every"):
         port.fit()
     assert port.state.step == 0
 
