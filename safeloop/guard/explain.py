@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import types
 from contextlib import suppress
 from itertools import islice
 from collections.abc import Callable, Iterable, Mapping
@@ -124,6 +125,15 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterato
             yield from _attributes(val, f"{prefix}.{key}")
 
 
+def _own_object(obj: Any) -> bool:
+    """An instance of a class of the script's or a training library's own (fastai's ``SmoothenValue`` keeping a moving
+    average), not of Python's, torch's, NumPy's or safeloop's, nor a dataset or a loader: its attributes are searched."""
+    kind = type(obj)
+    return not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                                torch.utils.data.Dataset, torch.utils.data.DataLoader)) \
+        and kind.__module__.split(".")[0] not in ("builtins", "torch", "numpy", "safeloop", "collections", "typing")
+
+
 def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     if scope is not None:
         roots = {id(root) for root in scope.roots.values()}
@@ -135,8 +145,8 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
                 if key.startswith("__"):
                     continue
                 yield from _items(val, f"{prefix} {key}")
-                if (isinstance(val, torch.nn.Module) or key == "self") and id(val) not in roots \
-                        and hasattr(val, "__dict__"):
+                searched = isinstance(val, torch.nn.Module) or key == "self" or _own_object(val)
+                if searched and id(val) not in roots and hasattr(val, "__dict__"):
                     yield from _attributes(val, key, roots)
         for fn in scope.functions:
             code = getattr(fn, "__code__", None)

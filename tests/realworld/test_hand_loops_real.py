@@ -1117,10 +1117,6 @@ def test_fastai_smoothed_loss_kept_as_a_detached_tensor(check):
     three_runs(smooth_build, smooth_fit, check)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the leak is warned, but its holder is not named (an attribute of a plain object held by a local variable is "
-    "not searched: safeloop/guard/explain.py candidates() reads attributes of modules and `self` only), and the "
-    "warning guesses 'a list, a global, a closure'"))
 def test_fastai_smoothed_loss_kept_with_its_graph_is_named():
     """``smoothener.add_value(loss)``: the moving average is a chain through every step's graph, kept by an
     attribute of an object of the loop; the guard names ``smoothener.mov_avg``, under ``watch`` and in
@@ -1136,7 +1132,7 @@ def test_fastai_smoothed_loss_kept_with_its_graph_is_named():
                 smooth_fit(model, data, False, guard=guard)
         leaks = [str(w.message) for w in caught if issubclass(w.category, GraphLeakWarning)]
         assert leaks, "the leak went unseen"
-        assert any(re.search(r"held by `local smoothener\.(mov_avg|smooth)`", text) for text in leaks), leaks
+        assert any(re.search(r"held by `smoothener\.(mov_avg|smooth)`", text) for text in leaks), leaks
 
 
 # -- facebookresearch/moco: moco/builder.py (MoCo) and main_moco.py (train) ----------------------------------------
