@@ -126,8 +126,9 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterato
 
 
 def _own_object(obj: Any) -> bool:
-    """An instance of a class of the script's or a training library's own (fastai's ``SmoothenValue`` keeping a moving
-    average), not of Python's, torch's, NumPy's or safeloop's, nor a dataset or a loader: its attributes are searched."""
+    """An instance of a class of the script's or a training library's own (fastai's ``SmoothenValue`` keeping a
+    moving average), not of Python's, torch's, NumPy's or safeloop's, nor a dataset or a loader: its attributes are
+    searched."""
     kind = type(obj)
     return not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType,
                                 torch.utils.data.Dataset, torch.utils.data.DataLoader)) \

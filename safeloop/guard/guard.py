@@ -1015,6 +1015,8 @@ class Guard:
                          "step the optimizer after this backward"]
             else:
                 made_by = f", the output of {node_name}" if node_name else ""
+                held = _written_tensor(text, tensor, scope, batch)  # MoCo's queue, enqueued into before backward
+                made_by += f": `{held}` or a view of it" if held else ""
                 detail = (f"a tensor the graph saved for backward ({tensor}{made_by}) was changed in place "
                           "after it was used")
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
@@ -1347,6 +1349,19 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
                 return node, leaf
         return None
     return None
+
+
+def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> str | None:
+    """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the one tensor the scope holds (a module's
+    buffer or attribute, a variable) whose version is the one PyTorch names and whose number of elements ``tensor``
+    has (the saved tensor may be a view of it: an unsqueezed queue). None if none, or several, match."""
+    version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
+    if version is None or sizes is None:
+        return None
+    numel = math.prod(int(n) for n in re.findall(r"\d+", sizes.group(1)))
+    found = {id(t): name for name, t in explain.candidates(scope, batch)
+             if t._version == int(version.group(1)) and t.numel() == numel}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 _CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
