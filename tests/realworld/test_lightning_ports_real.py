@@ -334,9 +334,9 @@ def test_hydra_mnist_resumed_at_a_pass_end_trains_and_reduces_as_the_run_that_ne
 @pytest.mark.xfail(strict=True, reason="a run resumed from a checkpoint saved at a pass's last step during the run "
                    "ends that pass (on_epoch_end), as the run that never stopped did, but with the port's pass sum as "
                    "on_fit_start left it: it logs train/loss NaN (0/0) for that pass, where the run that never stopped "
-                   "logged its mean and Lightning's resumed run logs nothing for it. Nothing says so: the "
-                   "ConfigWarning names tensors written in place, not a tensor or float re-assigned each step, and the "
-                   "map's advice for on_epoch=True does not say to save the sum")
+                   "logged its mean and Lightning's resumed run logs nothing for it. Documented (docs/trainer.md's "
+                   "map, on_epoch=True: keep the sum in on_save_checkpoint / on_load_checkpoint); no warning: the "
+                   "ConfigWarning names tensors written in place, not a tensor or float re-assigned each step")
 def test_hydra_mnist_resumed_from_a_pass_end_checkpoint_logs_no_nan_pass_mean(tmp_path):
     """ModelCheckpoint(every_n_train_steps=4) at each pass's last step, the run resumed from the first: each
     ``train/loss`` its loggers get is one the run that never stopped logged."""
