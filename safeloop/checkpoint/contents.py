@@ -117,7 +117,7 @@ def collect(parts: Parts, config: dict | None) -> dict:
         grads = {} if sharded else {name: grad.cpu() for name, grad in checkpoint["gradients"].items()}
         every = parts.gather.gather((checkpoint["rng"], checkpoint["data"], grads))
         checkpoint["rank_rng"] = [rng for rng, _, _ in every]
-        # the generators a rank's data draws from (a transform's own, seeded per rank, as MONAI's Randomizable)
+        # each rank's data state: the generators its data keeps may be seeded per rank (MONAI's Randomizable)
         checkpoint["rank_data"] = [data for _, data, _ in every]
         if not sharded:
             checkpoint["rank_gradients"] = [grads for _, _, grads in every]
@@ -136,10 +136,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     gathers it first to rank zero, which alone writes checkpoints: ``consolidate_state_dict()``, a collective call
     that every rank makes, as Lightning's ``Strategy.optimizer_state`` does. The other ranks hold an empty dict for it
     (the full state on every rank is the memory such an optimizer saves)."""
-    if not callable(getattr(optimizer, "consolidate_state_dict", None)):
+    if not shards_state(optimizer):
         return optimizer.state_dict()
     optimizer.consolidate_state_dict()
     return optimizer.state_dict() if is_rank_zero() else {}
+
+
+def shards_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps its state in shards over the ranks, gathered by ``consolidate_state_dict()``
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``, fairscale's ``OSS``)."""
+    return callable(getattr(optimizer, "consolidate_state_dict", None))
 
 
 def inner_optimizers(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
@@ -147,7 +153,7 @@ def inner_optimizers(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.
     ``state_dict()`` may leave their state out (SAM's holds its own ``old_p`` only, not the base SGD's momentum), so
     checkpoints keep theirs too, as the undo snapshots them. None of one that shards its state (``optimizer_state``):
     its inner optimizer holds this rank's share, which the gathered state holds with the others'."""
-    if callable(getattr(optimizer, "consolidate_state_dict", None)):
+    if shards_state(optimizer):
         return {}
     return {attr: inner for attr, inner in vars(optimizer).items()
             if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer}
