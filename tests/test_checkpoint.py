@@ -1001,6 +1001,9 @@ def test_a_restart_prunes_the_checkpoints_a_kill_between_save_and_pruning_left(t
                                                                       r"a float \(0.5\), not a tensor"),
     (lambda c: c.update(rank_rng=[c["rng"], {**c["rng"], "torch": None}]), r"rank_rng\[1\]\['torch'\] is a NoneType"),
     (lambda c: c.update(rank_rng=[c["rng"], 7]), r"rank_rng\[1\] is an int \(7\), not a dict"),
+    (lambda c: c.update(rank_data={"epoch_start": None}), r"rank_data is a dict \(.*\), not a list"),
+    (lambda c: c.update(rank_data=[c["data"], 7]), r"rank_data\[1\] is an int \(7\), not a dict"),
+    (lambda c: c.update(rank_data=[c["data"], {"iterable": None}]), r"rank_data\[1\]\['epoch_start'\] is missing"),
 ])
 def test_a_checkpoint_of_the_wrong_structure_says_what_is_wrong(tmp_path, change, message):
     make(tmp_path, 7).fit()
@@ -1041,6 +1044,23 @@ def test_gradients_carried_from_step_to_step_are_saved_and_resumed_bit_identical
     assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(straight)))
     make(tmp_path / "c", 7).fit()
     assert load(tmp_path / "c" / "step-000000007.pt")["gradients"] == {}  # an automatic step leaves none
+
+
+def test_each_rank_resumes_its_own_data_state_when_the_ranks_are_as_many():
+    """``rank_data`` (under torchrun, each rank's data state: a transform's own generator seeded per rank): a rank
+    takes its own on as many ranks, and rank zero's (``data``) on another number, in one process, or from a
+    checkpoint written before ``rank_data`` was saved; as ``rank_rng``."""
+    from types import SimpleNamespace
+
+    from safeloop.checkpoint.contents import data_for, rng_for
+
+    zero, one = {"epoch_start": {"generators": [0]}}, {"epoch_start": {"generators": [1]}}
+    checkpoint = {"data": zero, "rank_data": [zero, one], "rng": "zero's", "rank_rng": ["zero's", "one's"]}
+    second_of_two, second_of_three = SimpleNamespace(rank=1, world=2), SimpleNamespace(rank=1, world=3)
+    assert data_for(checkpoint, second_of_two) is one and rng_for(checkpoint, second_of_two) == "one's"
+    assert data_for(checkpoint, second_of_three) is zero and rng_for(checkpoint, second_of_three) == "zero's"
+    assert data_for(checkpoint, None) is zero
+    assert data_for({"data": zero}, second_of_two) is zero  # an earlier safeloop's checkpoint
 
 
 def test_gradients_for_another_model_are_named(tmp_path):

@@ -18,7 +18,7 @@ from .. import fsdp
 from ..errors import CheckpointError, ConfigError, ConfigWarning, user_stacklevel
 from ..state import TrainState
 from . import position
-from .files import FORMAT, check_payload, gradient_sets, named
+from .files import FORMAT, check_payload, gradient_sets, is_rank_zero, named
 
 log = logging.getLogger("safeloop")
 
@@ -85,15 +85,16 @@ def collect(parts: Parts, config: dict | None) -> dict:
     """A checkpoint of ``parts``: tensors and plain containers only, so that it loads with
     ``torch.load(weights_only=True)``. ``gradients`` are those the last step left on the parameters (manual
     mode accumulating over steps); under torchrun their mean over the ranks, and each rank's in
-    ``rank_gradients``, with each rank's random state in ``rank_rng`` (gathered: every rank must call this).
-    Under FSDP2 the full tensors, gathered from every rank's shards (also a collective call), unless
-    ``parts.sharded``."""
+    ``rank_gradients``, with each rank's random state in ``rank_rng`` and where its data stands in ``rank_data``
+    (gathered: every rank must call this). Under FSDP2 the full tensors, gathered from every rank's shards (also a
+    collective call), unless ``parts.sharded``; an optimizer that shards its state, gathered too
+    (``optimizer_state``)."""
     full = (lambda value: value) if parts.sharded else fsdp.full
     checkpoint = {
         "format": FORMAT,
         "step": parts.state.step,
         "modules": {name: full(module.state_dict()) for name, module in parts.modules.items()},
-        "optimizers": {name: numbers(full(opt.state_dict())) for name, opt in parts.optimizers.items()},
+        "optimizers": {name: numbers(full(optimizer_state(opt))) for name, opt in parts.optimizers.items()},
         "inner_optimizers": {name: {attr: numbers(full(inner.state_dict()))
                                     for attr, inner in inner_optimizers(opt).items()}
                              for name, opt in parts.optimizers.items()},
@@ -111,13 +112,15 @@ def collect(parts: Parts, config: dict | None) -> dict:
         "config": config,
     }
     check_schedulers_plain(checkpoint["schedulers"])
-    if parts.gather is not None:  # one collective call: each rank's random state and (DDP) its gradients
+    if parts.gather is not None:  # one collective call: each rank's random state, data position and (DDP) gradients
         sharded = parts.gather.sharded  # FSDP2's gradients are the ranks' mean already
         grads = {} if sharded else {name: grad.cpu() for name, grad in checkpoint["gradients"].items()}
-        every = parts.gather.gather((checkpoint["rng"], grads))
-        checkpoint["rank_rng"] = [rng for rng, _ in every]
+        every = parts.gather.gather((checkpoint["rng"], checkpoint["data"], grads))
+        checkpoint["rank_rng"] = [rng for rng, _, _ in every]
+        # each rank's data state: the generators its data keeps may be seeded per rank (MONAI's Randomizable)
+        checkpoint["rank_data"] = [data for _, data, _ in every]
         if not sharded:
-            checkpoint["rank_gradients"] = [grads for _, grads in every]
+            checkpoint["rank_gradients"] = [grads for _, _, grads in every]
             checkpoint["gradients"] = mean_gradients(checkpoint["rank_gradients"])
     return checkpoint
 
@@ -128,10 +131,30 @@ def numbers(state: dict) -> dict:
     return state if position.np is None else apply_to_collection(state, position.np.generic, lambda x: x.item())
 
 
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()``. An optimizer that shards its state over the ranks (``ZeroRedundancyOptimizer``)
+    gathers it first to rank zero, which alone writes checkpoints: ``consolidate_state_dict()``, a collective call
+    that every rank makes, as Lightning's ``Strategy.optimizer_state`` does. The other ranks hold an empty dict for it
+    (the full state on every rank is the memory such an optimizer saves)."""
+    if not shards_state(optimizer):
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict()
+    return optimizer.state_dict() if is_rank_zero() else {}
+
+
+def shards_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps its state in shards over the ranks, gathered by ``consolidate_state_dict()``
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``, fairscale's ``OSS``)."""
+    return callable(getattr(optimizer, "consolidate_state_dict", None))
+
+
 def inner_optimizers(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
     """The optimizers ``optimizer`` wraps, by attribute (SAM's ``base_optimizer``, Lookahead's): a wrapper's
     ``state_dict()`` may leave their state out (SAM's holds its own ``old_p`` only, not the base SGD's momentum), so
-    checkpoints keep theirs too, as the undo snapshots them."""
+    checkpoints keep theirs too, as the undo snapshots them. None of one that shards its state (``optimizer_state``):
+    its inner optimizer holds this rank's share, which the gathered state holds with the others'."""
+    if shards_state(optimizer):
+        return {}
     return {attr: inner for attr, inner in vars(optimizer).items()
             if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer}
 
@@ -246,7 +269,7 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
                                   "load_state_dict(checkpoint, path) needs the file's path", path)
         checkpoint = fsdp.join(checkpoint, Path(path).parent / checkpoint[fsdp.SHARDS]["dir"], _live(parts))
     # the data iterable's own load_state_dict first: if it refuses the state, nothing else has changed
-    parts.data.load_state_dict(checkpoint["data"])
+    parts.data.load_state_dict(data_for(checkpoint, dist))
     load_modules(parts.modules, checkpoint)
     load_gradients(parts.parameters, gradients_for(checkpoint, dist))
     # a wrapper's inner optimizers first: its own load_state_dict may link their param_groups to its (SAM's)
@@ -345,24 +368,37 @@ def mean_gradients(every: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     return {name: grad.div_(len(every)) for name, grad in total.items()}
 
 
+def _own(checkpoint: dict, key: str, dist) -> Any:
+    """This rank's entry of ``checkpoint[key]`` (one per rank) when the checkpoint was written by as many ranks;
+    None otherwise (one process, another number of ranks, a checkpoint written before the entry was saved)."""
+    every = checkpoint.get(key)
+    if every is not None and dist is not None and len(every) == dist.world:
+        return every[dist.rank]
+    return None
+
+
 def rng_for(checkpoint: dict, dist) -> dict:
     """The random state this process resumes with: its own rank's when the checkpoint was written by as many
     ranks (a rank seeded apart, as nanoGPT seeds each, draws its own dropout masks on), else the checkpoint's
     ``rng`` (rank zero's)."""
-    every = checkpoint.get("rank_rng")
-    if every is not None and dist is not None and len(every) == dist.world:
-        return every[dist.rank]
-    return checkpoint["rng"]
+    own = _own(checkpoint, "rank_rng", dist)
+    return own if own is not None else checkpoint["rng"]
+
+
+def data_for(checkpoint: dict, dist) -> dict:
+    """Where this process's data resumes: its own rank's when the checkpoint was written by as many ranks (a
+    transform's own generator seeded per rank draws its own augmentations on), else the checkpoint's ``data``
+    (rank zero's)."""
+    own = _own(checkpoint, "rank_data", dist)
+    return own if own is not None else checkpoint["data"]
 
 
 def gradients_for(checkpoint: dict, dist) -> dict[str, torch.Tensor]:
     """The gradients this process resumes with: its own rank's when the checkpoint was written by as many
     ranks (bit-identical), else the checkpoint's ``gradients`` (under torchrun, the ranks' mean: the same
     update up to the summation order)."""
-    every = checkpoint.get("rank_gradients")
-    if every is not None and dist is not None and len(every) == dist.world:
-        return every[dist.rank]
-    return checkpoint.get("gradients", {})
+    own = _own(checkpoint, "rank_gradients", dist)
+    return own if own is not None else checkpoint.get("gradients", {})
 
 
 def check_names(kind: str, live: dict, saved: dict, path: Path | None) -> None:

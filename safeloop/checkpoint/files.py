@@ -206,6 +206,7 @@ _ENTRIES = {"step": int, "modules": dict, "optimizers": dict, "schedulers": dict
             "state": dict, "rng": dict, "data": dict, "config": (dict, type(None))}
 _STATE = {name: get_origin(hint) or hint for name, hint in get_type_hints(TrainState).items()}
 _RNG = {"torch": torch.Tensor, "python": (tuple, list), "cuda": list, "numpy": (dict, type(None))}
+_DATA = {"epoch_start": (dict, type(None)), "iterable": object}
 
 
 def check_payload(checkpoint: Any, path: Path | None = None) -> None:
@@ -228,13 +229,8 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
     if isinstance(checkpoint.get("rng"), dict):
         problems += _kinds(checkpoint["rng"], _RNG, "rng")
     if isinstance(checkpoint.get("data"), dict):
-        problems += _kinds(checkpoint["data"], {"epoch_start": (dict, type(None)), "iterable": object}, "data")
-    ranks = checkpoint.get("rank_rng", [])
-    if not isinstance(ranks, list):
-        problems.append(f"rank_rng is {_a(ranks)}, not a list")
-    for rank, rng in enumerate(ranks if isinstance(ranks, list) else []):
-        where = f"rank_rng[{rank}]"
-        problems += _kinds(rng, _RNG, where) if isinstance(rng, dict) else [f"{where} is {_a(rng)}, not a dict"]
+        problems += _kinds(checkpoint["data"], _DATA, "data")
+    problems += _per_rank(checkpoint, "rank_rng", _RNG) + _per_rank(checkpoint, "rank_data", _DATA)
     if not isinstance(checkpoint.get("rank_gradients", []), list):
         problems.append(f"rank_gradients is {_a(checkpoint['rank_gradients'])}, not a list")
     for where, gradients in gradient_sets(checkpoint):
@@ -247,6 +243,19 @@ def check_payload(checkpoint: Any, path: Path | None = None) -> None:
         raise CheckpointError(f"{named(path)} cannot be used: " + "; ".join(problems) + ". It was not written by "
                               "safeloop's Trainer.state_dict(), or was changed since: resume from another one",
                               path)
+
+
+def _per_rank(checkpoint: dict, key: str, kinds: dict[str, Any]) -> list[str]:
+    """The problems of ``checkpoint[key]``, one dict per rank of ``kinds`` (none where a checkpoint has no such
+    entry: written in one process, or before it was saved)."""
+    ranks = checkpoint.get(key, [])
+    if not isinstance(ranks, list):
+        return [f"{key} is {_a(ranks)}, not a list"]
+    problems = []
+    for rank, entry in enumerate(ranks):
+        where = f"{key}[{rank}]"
+        problems += _kinds(entry, kinds, where) if isinstance(entry, dict) else [f"{where} is {_a(entry)}, not a dict"]
+    return problems
 
 
 def gradient_sets(checkpoint: dict) -> list[tuple[str, Any]]:

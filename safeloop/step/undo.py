@@ -54,8 +54,8 @@ class Snapshot:
         self._params = [p for g in opt.param_groups for p in g["params"]]
         # ``in`` first: looking a parameter up in the state (a defaultdict) would create an empty entry; a list in it
         # (L-BFGS's history) is changed in place by the update: a copy of it is kept
-        self._state = [(p, {k: _copied(v) for k, v in opt.state[p].items()}) for p in self._params if p in opt.state]
-        live = locals_of(self._params + [v for _, entry in self._state for v in entry.values()
+        self._state = [(p, _entry(opt.state[p])) for p in self._params if p in opt.state]
+        live = locals_of(self._params + [v for _, entry in self._state for v in (entry or {}).values()
                                          if isinstance(v, torch.Tensor)])  # under FSDP2 this rank's shards
         # the copies are reused while every tensor keeps its shape and dtype (one comparison of two lists: the
         # per-tensor Python of a snapshot is what it costs on models of many small tensors)
@@ -86,8 +86,9 @@ class Snapshot:
                 opt.state.pop(p, None)
             values = iter(self._saved[len(params):])
             for p, entry in self._state:  # each state tensor as it was taken, with the values it had
-                opt.state[p] = {key: _put(value, next(values)) if isinstance(value, torch.Tensor) else _copied(value)
-                                for key, value in entry.items()}
+                opt.state[p] = entry if entry is None else {
+                    key: _put(value, next(values)) if isinstance(value, torch.Tensor) else _copied(value)
+                    for key, value in entry.items()}
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(saved)
         for tensor, value in self._group_tensors:  # group.update put the tensor itself back
@@ -95,6 +96,12 @@ class Snapshot:
                 tensor.copy_(value)
         if self._schedule is not None:
             self.scheduler.load_state_dict(self._schedule)
+
+
+def _entry(state: dict | None) -> dict | None:
+    """A parameter's state as a new dict (``_copied`` items). None as it is: ``ZeroRedundancyOptimizer``'s
+    ``load_state_dict`` leaves None in its own state for each parameter another rank updates."""
+    return None if state is None else {key: _copied(value) for key, value in state.items()}
 
 
 def _copied(value: Any) -> Any:

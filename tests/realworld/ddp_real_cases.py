@@ -4,7 +4,8 @@
 Trainer, then the public loop it ports (DistributedDataParallel by hand), and saves both to ``OUT_DIR/CASE_rankR.pt``.
 
 - ``zero``: pytorch/tutorials, recipes_source/zero_redundancy_optimizer.rst: a ``ZeroRedundancyOptimizer`` over
-  Adam, each rank feeding its own random batch to a DDP model; ``zero_saved`` adds a checkpoint after step 2.
+  Adam, each rank feeding its own random batch to a DDP model; ``zero_saved`` adds a checkpoint every 2 steps, and
+  a run resumed from step 2's (``trainer.undo=full``: a snapshot of the loaded state before each update).
 - ``spectral`` / ``spectral_accum``: neuraloperator/neuraloperator's ``SpectralConv1d`` as in zongyi-li's
   fourier_1d.py (complex ``cfloat`` weights), through DistributedDataParallel / safeloop's own reducer (grad_accum=2
   against ``no_sync``).
@@ -107,13 +108,45 @@ class Zero(Trainer):
 
 
 def zero(rank: int, out: Path, saved: bool) -> dict:
-    torch.manual_seed(0)
-    trainer = Zero(model=zero_model(), train_data=zero_batches(rank), max_steps=STEPS, device="cpu", progress=False,
-                   loggers=(), checkpoint={"dir": str(out / "zero"), "every": 2} if saved else False)
-    trainer.fit()
+    def trainer(**kwargs) -> Zero:
+        torch.manual_seed(0)
+        return Zero(model=zero_model(), train_data=zero_batches(rank), max_steps=STEPS, device="cpu", progress=False,
+                    loggers=(), **kwargs)
+    straight = trainer(checkpoint={"dir": str(out / "zero"), "every": 2} if saved else False)
+    straight.fit()
     dist.barrier()
-    saved_files = sorted(p.name for p in (out / "zero").glob("*.pt")) if saved else []
-    return {"ours": params(trainer.model), "saved": saved_files}
+    if not saved:
+        return {"ours": params(straight.model), "saved": []}
+    resumed = trainer(resume=str(out / "zero" / "step-000000002.pt"), checkpoint=False, undo="full")
+    resumed.fit()
+    return {"ours": params(straight.model), "saved": sorted(p.name for p in (out / "zero").glob("*.pt")),
+            "resumed": params(resumed.model), "undone": zero_undone(resumed, zero_batches(rank)[0])}
+
+
+def zero_undone(trainer: Trainer, batch) -> bool:
+    """An update of the (resumed) ZeroRedundancyOptimizer undone by the Trainer's snapshot: the weights, and this
+    rank's share of the Adam state, are as before it."""
+    from safeloop.step.undo import Snapshot
+
+    opt = trainer.optimizers["optimizer"]
+    before = params(trainer.model), zero_share(opt)
+    snapshot = Snapshot(opt)
+    snapshot.take()
+    trainer.training_step(batch).backward()
+    opt.step()
+    moved = not same(params(trainer.model), before[0])
+    snapshot.restore()
+    return moved and same(params(trainer.model), before[0]) and same(zero_share(opt), before[1])
+
+
+def zero_share(opt) -> list[torch.Tensor]:
+    """This rank's share of a ZeroRedundancyOptimizer's Adam state, in the order of its parameters."""
+    local = opt.optim
+    return [t.clone() for g in local.param_groups for p in g["params"] for t in local.state[p].values()]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # -- spectral: neuraloperator SpectralConv1d (zongyi-li/fourier_neural_operator fourier_1d.py) --------------------
