@@ -17,8 +17,10 @@ before the optimizer step. ``self.model`` stays the module users wrote. Everythi
 mode, several optimizers, ``backward(inputs=...)`` routing, accumulation) goes through
 safeloop's own reducer: the Trainer knows which backward is the last one into each
 optimizer's parameters, so it all-reduces once per optimizer per step whatever the step
-did. Its communication overlaps that last backward too: the gradients are bucketed (DDP's
-bucket sizes) and each bucket's all-reduce starts as soon as it is full.
+did, when that backward has ended (a parameter under several reentrant checkpoints gets its
+gradient in parts: complete only then), and before ``on_after_backward``, which sees the averaged
+gradients as after DDP's backward. The gradients are bucketed (DDP's bucket sizes), every
+bucket's all-reduce started before the first is waited for.
 Every collective happens at a point all ranks reach in the same order, so a rank that
 fails simply exits: ``torchrun`` (or the closed connection) stops the others, and they
 report which step was waiting.
