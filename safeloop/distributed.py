@@ -17,8 +17,10 @@ before the optimizer step. ``self.model`` stays the module users wrote. Everythi
 mode, several optimizers, ``backward(inputs=...)`` routing, accumulation) goes through
 safeloop's own reducer: the Trainer knows which backward is the last one into each
 optimizer's parameters, so it all-reduces once per optimizer per step whatever the step
-did. Its communication overlaps that last backward too: the gradients are bucketed (DDP's
-bucket sizes) and each bucket's all-reduce starts as soon as it is full.
+did, when that backward has ended (a parameter under several reentrant checkpoints gets its
+gradient in parts: complete only then), and before ``on_after_backward``, which sees the averaged
+gradients as after DDP's backward. The gradients are bucketed (DDP's bucket sizes), every
+bucket's all-reduce started before the first is waited for.
 Every collective happens at a point all ranks reach in the same order, so a rank that
 fails simply exits: ``torchrun`` (or the closed connection) stops the others, and they
 report which step was waiting.
@@ -33,7 +35,7 @@ import importlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -115,7 +117,6 @@ class _Step(torch.nn.Module):
 @dataclass
 class _Bucket:
     params: list[torch.Tensor]
-    ready: int = 0  # parameters whose gradient the armed backward has written
     flat: torch.Tensor | None = None  # set while an all-reduce is in flight
     work: Any = None
     buffer: torch.Tensor | None = None  # kept: a fresh multi-MB tensor every step costs page faults
@@ -126,10 +127,7 @@ class _Group:
     """One optimizer's parameters, cut into buckets in reverse order (the order backward fills them)."""
 
     buckets: list[_Bucket]
-    armed: bool = False  # the current backward is the last one into these parameters this step
-    launched: int = 0  # buckets are launched strictly in order, so every rank issues the same sequence
     synced: bool = False  # the gradients are the all-ranks mean (until a backward adds to them)
-    pending: list[int] = field(default_factory=list)
 
 
 def too_many_processes(local_rank: int, gpus: int, by_srun: bool) -> str:
@@ -143,6 +141,17 @@ def too_many_processes(local_rank: int, gpus: int, by_srun: bool) -> str:
     return (f"torchrun started this process as LOCAL_RANK={local_rank}, but this machine has {devices}: each "
             f"process trains on the GPU of its local rank. Launch at most {gpus} process{'es' * many} per machine "
             f"(--nproc-per-node={gpus}), or use device=cpu (gloo)")
+
+
+def ready_twice(err: BaseException) -> str:
+    """What to do, added to DDP's "Expected to mark a variable ready only once" (its advice, ``_set_static_graph()``,
+    is on a wrapper the Trainer makes): a parameter's gradient accumulated twice in one backward."""
+    if not (isinstance(err, RuntimeError) and "mark a variable ready only once" in str(err)):
+        return ""
+    return (" A parameter's gradient was accumulated more than once in one backward (a layer under several "
+            "reentrant checkpoints, say), which DistributedDataParallel cannot follow by default: pass "
+            "use_reentrant=False to torch.utils.checkpoint.checkpoint, or, if every step runs the same graph, set "
+            "trainer.static_graph=true (DistributedDataParallel's static_graph)")
 
 
 def collective_failed(err: BaseException) -> bool:
@@ -265,7 +274,8 @@ class Distributed:
             self.find_unused = bool(settings.find_unused_parameters)
             self.ddp = DistributedDataParallel(_Step(model, training_step), device_ids=[self.device]
                                                if self.device.type == "cuda" else None,
-                                               find_unused_parameters=self.find_unused)
+                                               find_unused_parameters=self.find_unused,
+                                               static_graph=bool(settings.static_graph))
             self.trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             return
         seen: set[int] = set()
@@ -273,9 +283,8 @@ class Distributed:
             params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             group = self.groups[name] = _Group(_buckets(params))
-            for index, bucket in enumerate(group.buckets):
-                for p in bucket.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._ready, group, index)))
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._added, group)))
 
     def join(self, model, optimizers: dict, run_dir: Path | None, data: TrainData, guard: Guard) -> Path | None:
         """At every fit, before ``attach``: the first time, rank zero's weights, run directory and data seed
@@ -361,35 +370,17 @@ class Distributed:
                     t.copy_(value)
 
     # -- during the step -------------------------------------------------------------------
-    def arm(self, plan: list, index: int, optimizers) -> _Group | None:
-        """Before backward ``plan[index]`` of the last micro-batch: arm its optimizer's buckets if it
-        is the last backward into them this step (their all-reduce then overlaps it)."""
+    def after_backward(self, plan: list, index: int, optimizers) -> None:
+        """After backward ``plan[index]`` of the last micro-batch: average its optimizer's gradients if it was the
+        last backward into them this step, so that ``on_after_backward`` sees (and edits) the averaged gradients,
+        as after ``loss.backward()`` under DDP."""
         name = plan[index].optimizer or next(iter(optimizers))
-        if any((todo.optimizer or name) == name for todo in plan[index + 1:]):
-            return None
-        group = self.groups.get(name)
-        if group is not None:
-            group.armed = True
-        return group
+        if not any((todo.optimizer or name) == name for todo in plan[index + 1:]):
+            self.sync(name)
 
-    def _ready(self, group: _Group, index: int, _param) -> None:
-        group.synced = False
-        if not group.armed:
-            return
-        bucket = group.buckets[index]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            while group.launched < len(group.buckets) and \
-                    group.buckets[group.launched].ready == len(group.buckets[group.launched].params):
-                self._launch(group.buckets[group.launched])
-                group.launched += 1
-
-    def flush(self, group: _Group) -> None:
-        """After the armed backward: start the buckets it did not fill (unused parameters), in order."""
-        group.armed = False
-        while group.launched < len(group.buckets):
-            self._launch(group.buckets[group.launched])
-            group.launched += 1
+    @staticmethod
+    def _added(group: _Group, _param) -> None:
+        group.synced = False  # a backward added this rank's gradient: the group must be averaged again
 
     def _launch(self, bucket: _Bucket) -> None:
         # A parameter without a gradient sends zeros plus a 0 in the presence vector, so that it
@@ -417,23 +408,22 @@ class Distributed:
         except RuntimeError as err:
             raise self._lost(err) from err
 
-    def sync_all(self, step: int) -> None:
-        """Finish the all-reduce of every optimizer whose last backward ran, so that every rank then
-        decides on the same averaged gradients (the non-finite check skips or stops on all ranks alike)."""
+    def check(self, step: int) -> None:
+        """Automatic mode, before the updates (each optimizer's gradients were averaged after its last backward):
+        no parameter unfrozen during the fit, and under DDP without find_unused_parameters none left unused."""
         self._check_unfrozen()
         if self.ddp is not None and not self.find_unused:
             self._check_used(step)
-        for name, group in self.groups.items():
-            if group.launched:
-                self.sync(name)
 
     def sync(self, name: str) -> None:
-        """Average optimizer ``name``'s gradients over all ranks (before unscale, the hook, clip and step)."""
+        """Average optimizer ``name``'s gradients over all ranks, once the backward that wrote them has ended (a
+        reentrant checkpoint accumulates a parameter's gradient once per call: the sum is complete only then)."""
         self._check_unfrozen()
         group = self.groups.get(name)
         if group is None or group.synced:
             return
-        self.flush(group)
+        for bucket in group.buckets:  # every bucket's all-reduce started at once, in the same order on every rank
+            self._launch(bucket)
         try:
             for bucket in group.buckets:
                 bucket.work.wait()
@@ -448,8 +438,7 @@ class Distributed:
                     elif seen:
                         p.grad = torch.empty_like(p).copy_(value)
                 bucket.flat = bucket.work = None
-                bucket.ready = 0
-            group.launched, group.synced = 0, True
+            group.synced = True
             if self.buffers:  # like DDP: every rank continues with rank zero's running statistics
                 self._broadcast(self.buffers)
         except RuntimeError as err:
@@ -490,9 +479,9 @@ class Distributed:
     def reset(self) -> None:
         """A failed step: forget half-done buckets (their all-reduce is not waited for)."""
         for group in self.groups.values():
-            group.armed, group.launched, group.synced = False, 0, False
+            group.synced = False
             for bucket in group.buckets:
-                bucket.ready, bucket.flat, bucket.work = 0, None, None
+                bucket.flat, bucket.work = None, None
 
     def _lost(self, err: Exception, what: str = "all-reduce gradients") -> DistributedError:
         return self.lost(err, self.step, what)

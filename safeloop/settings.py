@@ -83,6 +83,10 @@ class Settings:
     # without gradient (one more small all-reduce per step); false stops such a step with an
     # error naming the parameter.
     find_unused_parameters: bool = False
+    # torchrun (DistributedDataParallel's static_graph): true if every step runs the same graph and some parameter's
+    # gradient is accumulated more than once in one backward (a layer under several reentrant checkpoints, which
+    # DDP otherwise stops with "Expected to mark a variable ready only once").
+    static_graph: bool = False
     # torchrun: ddp (every rank holds the whole model; gradients all-reduced) or fsdp (each rank holds 1/world
     # of the parameters, gradients and optimizer state: FSDP2, safeloop.fsdp). A model sharded with fully_shard
     # before it is given to the Trainer trains sharded either way. One process ignores it.
@@ -136,7 +140,8 @@ class Settings:
                        "names and logger objects (loggers=['csv'])")
         # the others by type (precision and device by safeloop.devices, which reads ints and torch.device too)
         return out + mistyped(Settings, {key: getattr(self, key) for key in ("loss_weights", "progress",
-                                         "find_unused_parameters", "seed", "deterministic", "compile")})
+                                         "find_unused_parameters", "static_graph", "seed", "deterministic",
+                                         "compile")})
 
 
 @dataclass

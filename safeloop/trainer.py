@@ -158,10 +158,11 @@ class Trainer(TrainerHooks, Logging):
 
     # -- manual mode -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,
-                 create_graph: bool = False) -> None:
+                 create_graph: bool = False, sync: bool = True) -> None:
         """Manual mode: ``loss.backward(...)`` into ``optimizer``'s parameters only (required with several optimizers),
-        through the guard: a tensor its graph saved that an update changed is an ``InplaceModificationError``."""
-        self._runner.backward(loss, optimizer, retain_graph or create_graph, create_graph)
+        through the guard. Under torchrun the gradients are then averaged over the ranks, as by DDP's backward;
+        ``sync=False`` (accumulating, as DDP's ``no_sync()``) leaves this rank's own until ``self.step`` averages."""
+        self._runner.backward(loss, optimizer, retain_graph or create_graph, create_graph, sync)
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Manual mode: update ``optimizer`` (default: the only one) as an automatic step does (sync, non-finite

@@ -172,15 +172,16 @@ class WithSpare(nn.Module):
 
 
 class ManualAccumulation(Recording):
-    """Manual mode accumulating over steps: backward every step, an update every 3rd; the halfway
-    checkpoint (step 2) falls between two updates, with each rank's own gradients carried."""
+    """Manual mode accumulating over steps: backward every step, an update every 3rd; the backwards before it
+    leave each rank's own gradients (``sync=False``, DDP's ``no_sync()``), so the halfway checkpoint (step 2) falls
+    between two updates with each rank's own gradients carried."""
 
     automatic = False
 
     def training_step(self, batch):
         x, y = batch
         loss = F.mse_loss(self.model(x), y) / 3
-        self.backward(loss)
+        self.backward(loss, sync=self.state.step % 3 == 2)
         if self.state.step % 3 == 2:
             self.step()
         return loss

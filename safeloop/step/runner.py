@@ -29,7 +29,7 @@ import torch
 from .. import fsdp, nonfinite
 from ..callbacks import Hooks
 from ..devices import AUTOCAST
-from ..distributed import collective_failed
+from ..distributed import collective_failed, ready_twice
 from ..errors import (ConfigError, ConfigWarning, GraphLifecycleError, NonFiniteError, SafeloopError, StepError,
                       user_stacklevel)
 from ..guard.explain import Scope
@@ -280,19 +280,18 @@ class Runner:
             self.hooks("on_before_backward", item.name, loss)  # what is back-propagated, as Lightning gives it
             if self.hooks.has("on_before_backward"):
                 guard.check_written_again(item.name)
-            # DDP: the last backward into an optimizer's parameters all-reduces them while it runs
-            armed = dist.arm(todo, k, self.optimizers) if last and dist is not None else None
             if self.sharded:
                 self._backward(loss, item.name, step, batch, item.retain, None, item.loss, route=item.optimizer)
             else:
                 self._backward(loss, item.name, step, batch, item.retain, item.inputs, item.loss)
-            if armed is not None:
-                dist.flush(armed)
+            if last and dist is not None:  # the last backward into an optimizer's parameters: averaged, as by DDP's
+                dist.after_backward(todo, k, self.optimizers)
             self.hooks("on_after_backward", item.name)
 
     def backward(self, loss: torch.Tensor, optimizer: str | None, retain_graph: bool,
-                 create_graph: bool = False) -> None:
-        """Manual mode's ``self.backward``: one loss into one optimizer's parameters, through the guard."""
+                 create_graph: bool = False, sync: bool = True) -> None:
+        """Manual mode's ``self.backward``: one loss into one optimizer's parameters, through the guard; under
+        torchrun the optimizer's gradients are then averaged over the ranks (``sync``), as after DDP's backward."""
         if self.diagnosing:
             return
         step = self.state.step + 1
@@ -324,6 +323,8 @@ class Runner:
         self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
                        route=optimizer if self.sharded and self.routed else None, create_graph=create_graph)
         guard.backward_done(retain_graph, inputs)
+        if self.dist is not None and sync:  # not sync: accumulating, as under DDP's no_sync (self.step averages)
+            self.dist.sync(optimizer or self.names[0])
         if self.finite is not None:  # checked with the gradients at the next update
             self.fresh[name if name not in self.fresh else f"{name} #{len(self.fresh) + 1}"] = loss.detach()
         self.hooks("on_after_backward", name)
@@ -399,8 +400,8 @@ class Runner:
     # -- optimizer updates -------------------------------------------------------------------
     def update(self, losses: Mapping[str, torch.Tensor], step: int, batches: list) -> None:
         """Automatic mode, after the backwards: sync, the non-finite policy, every optimizer's update."""
-        if self.dist is not None:  # every rank decides on the same averaged gradients
-            self.dist.sync_all(step)
+        if self.dist is not None:  # (each optimizer's gradients were averaged after its last backward)
+            self.dist.check(step)
         names = [n for n in self.names if n in losses] if self.routed else self.names
         if self.finite is not None:
             self.check_finite(losses, step, None)
@@ -626,7 +627,7 @@ class Runner:
             explained.__cause__ = err
             return explained
         wrapped = StepError(f"step {step} failed and was abandoned ({report}): {type(err).__name__}: {err}"
-                            + self.missing_hint(err), step)
+                            + self.missing_hint(err) + ready_twice(err), step)
         wrapped.__cause__ = err
         return wrapped
 

@@ -128,9 +128,6 @@ def test_reentrant_checkpoints_around_batchnorm_train_as_the_imagenet_example(ra
     assert same(rank1["buffers"], rank1["hand"]["buffers"] if case == "densenet" else rank0["buffers"])
 
 
-@pytest.mark.xfail(strict=True, reason="under torchrun on_after_backward runs after its backward's buckets were copied "
-                   "for the all-reduce and before the averaged values are copied back over p.grad: gradients the "
-                   "hook zeroes are put back, so the pruned weights move (in one process the hook's edit holds)")
 def test_gradients_zeroed_in_on_after_backward_stay_zero_as_after_a_ddp_backward(ranks):
     """rahulvigneswaran/Lottery-Ticket-Hypothesis-in-Pytorch main.py ``train``: after ``train_loss.backward()`` (which
     DDP has averaged) the weights under EPS get zero gradients, so Adam leaves them as they are. Ported into
@@ -140,9 +137,6 @@ def test_gradients_zeroed_in_on_after_backward_stay_zero_as_after_a_ddp_backward
         assert same(rank["ours"], rank["hand"])
 
 
-@pytest.mark.xfail(strict=True, reason="in manual mode under torchrun the gradients are averaged in self.step(), not "
-                   "by self.backward(): clip_grad_norm_ between them clips each rank's own gradients by their own "
-                   "norm, and the clipped ones are averaged (in one process the port equals the loop)")
 def test_manual_mode_clips_the_averaged_gradients_as_cleanrl_multigpu_ppo(ranks):
     """vwxyzjn/cleanrl cleanrl/ppo_atari_multigpu.py: ``loss.backward()``, the gradients all-reduced by hand, then
     ``clip_grad_norm_`` and ``optimizer.step()``. Ported to manual mode (``self.backward``, the clip, ``self.step``),
@@ -203,10 +197,6 @@ def test_a_loss_gathering_every_rank_validates_a_set_the_ranks_cannot_split_even
     assert rank0["val_loss"] == rank1["val_loss"] and math.isfinite(rank0["val_loss"])
 
 
-@pytest.mark.xfail(strict=True, reason="safeloop's reducer counts a gradient ready at each accumulation: a parameter "
-                   "accumulated twice in one backward (two reentrant checkpoints of one layer) launches its bucket's "
-                   "all-reduce after the first, and the averaged partial gradient is copied over the full one, "
-                   "silently (with use_reentrant=False the weights are the loop's)")
 def test_a_layer_checkpointed_twice_accumulates_through_safeloops_reducer_as_the_ddp_loop(ranks):
     """One layer applied twice, each call under a reentrant checkpoint ("activation checkpointing multiple times",
     torch/nn/parallel/distributed.py's ``static_graph``), grad_accum=2: every rank's weights are those of the loop
@@ -216,12 +206,14 @@ def test_a_layer_checkpointed_twice_accumulates_through_safeloops_reducer_as_the
         assert same(rank["ours"], rank["hand"])
 
 
-@pytest.mark.xfail(strict=True, reason="the usual run wraps the model in DDP without static_graph: step 1 stops with "
-                   "DDP's 'Expected to mark a variable ready only once ... try to use _set_static_graph()', advice "
-                   "safeloop gives no way to follow (no static_graph setting; the message does not say "
-                   "use_reentrant=False)")
 def test_a_layer_checkpointed_twice_trains_in_the_usual_run_as_ddp_with_a_static_graph(ranks):
-    """The same model without accumulation: DDP(static_graph=True), which torch's docs give for it, trains it."""
+    """The same model without accumulation. Without ``static_graph`` DDP stops step 1 with "Expected to mark a variable
+    ready only once ... _set_static_graph()", to which the error adds what a Trainer's user can do; with
+    ``static_graph=True`` (DDP(static_graph=True), which torch's docs give for it) it trains as the DDP loop."""
     for rank in load(ranks, "shared"):
         assert "error" not in rank, rank.get("error")
+        assert "step 1 failed" in rank["without"] and "mark a variable ready only once" in rank["without"], \
+            rank["without"]
+        assert ("pass use_reentrant=False to torch.utils.checkpoint.checkpoint, or, if every step runs the same "
+                "graph, set trainer.static_graph=true") in rank["without"], rank["without"]
         assert same(rank["ours"], rank["hand"])
