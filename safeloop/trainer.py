@@ -160,8 +160,7 @@ class Trainer(TrainerHooks, Logging):
     def backward(self, loss: torch.Tensor, optimizer: str | None = None, retain_graph: bool = False,
                  create_graph: bool = False, sync: bool = True) -> None:
         """Manual mode: ``loss.backward(...)`` into ``optimizer``'s parameters only (required with several optimizers),
-        through the guard. Under torchrun the gradients are then averaged over the ranks, as by DDP's backward;
-        ``sync=False`` (accumulating, as DDP's ``no_sync()``) leaves this rank's own until ``self.step`` averages."""
+        through the guard; under torchrun averaged over the ranks as by DDP's (``sync=False``: as ``no_sync()``)."""
         self._runner.backward(loss, optimizer, retain_graph or create_graph, create_graph, sync)
 
     def step(self, optimizer: str | None = None, closure: Callable[[], torch.Tensor] | None = None) -> None:
