@@ -1,4 +1,6 @@
-"""What ``python -m safeloop`` says at the command line: real subprocesses."""
+"""What ``python -m safeloop`` says at the command line: each command a process of its own, forked from one that
+imported torch once (``tests.forkserver``: what ``python -m safeloop ARGS`` would be, without a new interpreter's
+start-up). The ``safeloop`` console script runs as a real subprocess, on purpose: its own entry point."""
 import csv
 import importlib.util
 import os
@@ -13,14 +15,17 @@ import torch
 from safeloop import ConfigError
 from safeloop.config import compose
 
+from . import forkserver
 from .conftest import subprocess_env
 
 
 def cli(*args, cwd, prefix=("-m", "safeloop")) -> subprocess.CompletedProcess:
-    """``python -m safeloop ARGS``; ``prefix=()``: the ``safeloop`` console script."""
-    command = [sys.executable, *prefix] if prefix else [str(Path(sys.executable).with_name("safeloop"))]
-    return subprocess.run([*command, *args], cwd=cwd, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=180)
+    """``python -m safeloop ARGS`` (forked: ``tests.forkserver``); ``prefix=()``: the ``safeloop`` console script, a
+    real subprocess."""
+    if prefix:
+        return forkserver.run([sys.executable, *prefix, *args], cwd=cwd, env=subprocess_env(), timeout=180)
+    return subprocess.run([str(Path(sys.executable).with_name("safeloop")), *args], cwd=cwd, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("override, message", [

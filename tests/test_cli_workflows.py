@@ -1,19 +1,20 @@
 """Hydra workflows at the command line (``--config-dir``, ``--config-name``, ``hydra.job.chdir``, interpolations,
-your own YAML files, a stopped run's advice): real subprocesses of ``python -m safeloop``."""
+your own YAML files, a stopped run's advice): ``python -m safeloop`` in processes forked from one that imported torch
+once (``tests.forkserver``); the stopped run is a real subprocess, stopped by a real SIGTERM."""
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from . import forkserver
 from .conftest import subprocess_env
 
 SMALL = ("trainer.max_steps=2", "trainer.val_every=null", "data.n_train=64", "data.n_val=32")
 
 
 def cli(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "safeloop", *args], cwd=cwd, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=180)
+    return forkserver.run([sys.executable, "-m", "safeloop", *args], cwd=cwd, env=subprocess_env(), timeout=180)
 
 
 def one_message(out: subprocess.CompletedProcess) -> None:

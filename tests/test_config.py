@@ -1,4 +1,6 @@
-"""The Hydra-configured run: real compose, real subprocesses of ``python -m safeloop``."""
+"""The Hydra-configured run: real compose, and ``python -m safeloop`` in processes forked from one that imported torch
+once (``tests.forkserver``). The README's default job runs in a real fresh interpreter, on purpose: as a user runs
+it, start-up included."""
 import csv
 import re
 import subprocess
@@ -15,6 +17,7 @@ from safeloop import ConfigError, Trainer
 from safeloop.config import build, register
 from safeloop.config import compose as safeloop_compose
 
+from . import forkserver
 from .conftest import ROOT, subprocess_env
 
 
@@ -56,13 +59,17 @@ def test_trainer_target_must_be_a_trainer_subclass():
         build(composed("trainer._target_=collections.OrderedDict"))
 
 
-def run_cli(*args, cwd, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "safeloop", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env or subprocess_env(), timeout=timeout)
+def run_cli(*args, cwd, env=None, timeout=120, fresh=False):
+    """``python -m safeloop ARGS``: forked (``tests.forkserver``); ``fresh``: a real subprocess."""
+    command = [sys.executable, "-m", "safeloop", *args]
+    if fresh:
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env or subprocess_env(),
+                              timeout=timeout)
+    return forkserver.run(command, cwd=cwd, env=env or subprocess_env(), timeout=timeout)
 
 
 def test_cli_default_job_learns_and_writes_metrics(tmp_path):
-    out = run_cli(f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    out = run_cli(f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, fresh=True)  # a fresh interpreter, as a user runs it
     assert out.returncode == 0, out.stderr
     first, final = (float(v) for v in out.stdout.split("val_loss: ")[1].split(" at step 1000")[0]
                     .split(" at step 0 -> "))

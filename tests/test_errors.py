@@ -3,7 +3,6 @@ import copy
 import logging
 import math
 import re
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from safeloop import ConfigError, InplaceModificationError, NonFiniteError, SafeloopError, StepError, Trainer
 from safeloop.config import build, compose
 
+from . import forkserver
 from .conftest import manual, subprocess_env, unchecked
 
 
@@ -29,8 +29,8 @@ def trainer(cls=Trainer, **kwargs) -> Trainer:
 
 # -- configuration ---------------------------------------------------------------------------
 def test_unknown_key_on_the_command_line_suggests_the_right_one(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "safeloop", "trainer.max_stepz=5"], cwd=tmp_path,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    done = forkserver.run([sys.executable, "-m", "safeloop", "trainer.max_stepz=5"], cwd=tmp_path,
+                          env=subprocess_env(), timeout=120)
     assert done.returncode == 2
     assert ("trainer.max_stepz=5: there is no config key 'trainer.max_stepz'; did you mean trainer.max_steps?"
             in done.stderr)

@@ -1,18 +1,19 @@
-"""Running a recipe the way a user does: its script, or the main CLI, in a fresh process."""
-import subprocess
+"""Running a recipe the way a user does: its script, or the main CLI, in a process of its own, forked from one that
+imported torch once (``tests.forkserver``: what ``python ARGS`` would be, without a new interpreter's start-up)."""
 import sys
 
 import torch
 
 from safeloop.checkpoint import Checkpointer, load
 from safeloop.config import compose, train
+from tests import forkserver
 from tests.conftest import ROOT, subprocess_env
 
 
 def run(args, tmp_path, check=True):
     """``python ARGS hydra.run.dir=<tmp>/run`` from the repository root; returns the completed process."""
-    proc = subprocess.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = forkserver.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false"],
+                          cwd=ROOT, env=subprocess_env(), timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
