@@ -222,8 +222,8 @@ class Trainer(TrainerHooks, Logging):
         batches = self._data.batches(self.settings, self._hooks, self.schedules, self._stop)
         try:
             for group in batches:
-                if group is PASS_END:  # on_epoch_end ran: what it logged, the save it asked for; the next
-                    self._log_pending(self.logged_since_step)  # on_epoch_start's save at once
+                if group is PASS_END:  # on_epoch_end ran: what it logged and the save it asked for, now (and
+                    self._log_pending(self.logged_since_step)  # the next on_epoch_start's save at once)
                     if self._save_asked:
                         self._save()
                     self._save_now = True

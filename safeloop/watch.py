@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dis
 import importlib.machinery
+import itertools
 import json
 import os
 import sys
@@ -250,7 +251,7 @@ def _items(obj) -> list:
     samples is not searched), else []. Exact types only: a container class of the script's own may compute them."""
     if type(obj) in (list, tuple):
         return list(obj[:64])
-    return list(obj.values())[:64] if type(obj) is dict else []
+    return list(itertools.islice(obj.values(), 64)) if type(obj) is dict else []
 
 
 def _loop_around(code, offset: int) -> set[int] | None:
