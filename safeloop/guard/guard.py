@@ -681,22 +681,21 @@ class Guard:
         update, a graph made earlier in the same iteration, whose saved tensors an earlier backward of the
         iteration freed (a GAN's D loss on an undetached fake), is the iteration's own, not carried."""
         if why is _FREED and iteration is not None and sequence_nr(node) >= iteration:
-            detail = ("the loss reaches {node}, made earlier in this loop iteration and held by {holder}; an earlier "
-                      "backward of the iteration already freed its saved tensors, so this backward would fail with "
-                      "'Trying to backward through the graph a second time'")
-            fixes = ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, as "
-                     "a GAN's discriminator loss uses the generator's output)",
-                     "if both losses need its gradient, pass retain_graph=True to the earlier backward"]
+            made = "the loss reaches {node}, made earlier in this loop iteration and held by {holder}"
             changed = explain.changed([node], self._last_versions)
             if changed:  # an update since (SAC's actor step before its alpha loss on log_pi): retaining cannot help
-                detail = detail.replace("; an earlier backward of", ", whose graph an earlier backward of") \
-                    .replace(" already freed its saved tensors, so this backward would fail with 'Trying to "
-                             "backward through the graph a second time'", " already ran") \
-                    + _CHANGED.format(explain.leaf_names(changed, case.scope))
+                detail = (f"{made}, whose graph an earlier backward of the iteration already ran"
+                          + _CHANGED.format(explain.leaf_names(changed, case.scope)))
                 fixes = ["compute `{code}` again after the change (a fresh forward) for this backward, so that its "
                          "gradient is taken at the parameters as they are now",
                          "if this loss is meant for the parameters as they were, run its backward before changing "
                          "them, and pass retain_graph=True to the earlier backward"]
+            else:
+                detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors, so this "
+                          "backward would fail with 'Trying to backward through the graph a second time'")
+                fixes = ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, "
+                         "as a GAN's discriminator loss uses the generator's output)",
+                         "if both losses need its gradient, pass retain_graph=True to the earlier backward"]
             raise self._error(DoubleBackwardError, node, case, detail, fixes, trace_hint=True)
 
     def _carried_and_kept(self, node, why: str, case: Case) -> None:
