@@ -274,3 +274,164 @@ def test_running_loss_kept_with_its_graph_is_named():
                 running_train(model, opt, data, "graph", guard=guard)
         leaks = [str(w.message) for w in caught if issubclass(w.category, GraphLeakWarning)]
         assert any(re.search(r"running_loss", text) for text in leaks), leaks
+
+
+# -- huggingface/transformers: examples/pytorch/language-modeling/run_clm_no_trainer.py (v4.2x) ------------------
+class TinyCausalLM(nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        logits = self.lm_head(torch.tanh(self.wte(input_ids)))
+        shift_logits, shift_labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        loss = F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+        return namedtuple("CausalLMOutput", ["loss", "logits"])(loss, logits)
+
+
+def clm_build(n=7):
+    gen = torch.Generator().manual_seed(5)
+    model = TinyCausalLM()
+    ids = [torch.randint(11, (2, 6), generator=gen) for _ in range(n)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 10)
+    return model, optimizer, lr_scheduler, [{"input_ids": i, "labels": i} for i in ids]
+
+
+def clm_train(model, optimizer, lr_scheduler, train_dataloader, gradient_accumulation_steps=2, max_train_steps=3,
+              num_train_epochs=2, guard=None):
+    _, backward = hooks(guard)
+    completed_steps = 0
+    losses = []
+    for epoch in range(num_train_epochs):
+        model.train()
+        total_loss = 0
+        for step, batch in enumerate(train_dataloader):
+            outputs = model(**batch)
+            loss = outputs.loss
+            total_loss += loss.detach().float()
+            loss = loss / gradient_accumulation_steps
+            backward(loss)
+            if step % gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+                completed_steps += 1
+            if completed_steps >= max_train_steps:
+                break
+        losses.append(total_loss.item())
+    return model, completed_steps, losses
+
+
+@pytest.mark.parametrize("check", checks())
+def test_run_clm_no_trainer_accumulation_with_completed_steps(check):
+    """huggingface/transformers, examples/pytorch/language-modeling/run_clm_no_trainer.py (before
+    ``accelerator.accumulate``): ``loss / gradient_accumulation_steps``, an update at ``step % n == 0`` (so the
+    first after one backward, later ones after two), ``completed_steps`` breaking the epoch, ``total_loss`` kept
+    as a detached tensor."""
+    three_runs(clm_build, clm_train, check)
+
+
+# -- huggingface/diffusers: examples/unconditional_image_generation/train_unconditional.py, training_utils.EMAModel -
+class EMAModel:
+    def __init__(self, parameters, decay=0.9999, min_decay=0.0, update_after_step=0, use_ema_warmup=True,
+                 inv_gamma=1.0, power=2 / 3):
+        parameters = list(parameters)
+        self.shadow_params = [p.clone().detach() for p in parameters]
+        self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
+        self.use_ema_warmup, self.inv_gamma, self.power = use_ema_warmup, inv_gamma, power
+        self.optimization_step = 0
+
+    def get_decay(self, optimization_step):
+        step = max(0, optimization_step - self.update_after_step - 1)
+        if step <= 0:
+            return 0.0
+        if self.use_ema_warmup:
+            cur_decay_value = 1 - (1 + step / self.inv_gamma) ** -self.power
+        else:
+            cur_decay_value = (1 + step) / (10 + step)
+        cur_decay_value = min(cur_decay_value, self.decay)
+        cur_decay_value = max(cur_decay_value, self.min_decay)
+        return cur_decay_value
+
+    @torch.no_grad()
+    def step(self, parameters):
+        parameters = list(parameters)
+        self.optimization_step += 1
+        one_minus_decay = 1 - self.get_decay(self.optimization_step)
+        for s_param, param in zip(self.shadow_params, parameters):
+            if param.requires_grad:
+                s_param.sub_(one_minus_decay * (s_param - param))
+            else:
+                s_param.copy_(param)
+
+
+class DDPMScheduler:
+    """diffusers' DDPMScheduler.add_noise with a linear beta schedule."""
+
+    def __init__(self, num_train_timesteps=10):
+        self.num_train_timesteps = num_train_timesteps
+        self.betas = torch.linspace(1e-4, 0.02, num_train_timesteps, dtype=torch.float32)
+        self.alphas_cumprod = torch.cumprod(1.0 - self.betas, dim=0)
+
+    def add_noise(self, original_samples, noise, timesteps):
+        sqrt_alpha_prod = self.alphas_cumprod[timesteps] ** 0.5
+        sqrt_alpha_prod = sqrt_alpha_prod.flatten()
+        while len(sqrt_alpha_prod.shape) < len(original_samples.shape):
+            sqrt_alpha_prod = sqrt_alpha_prod.unsqueeze(-1)
+        sqrt_one_minus_alpha_prod = (1 - self.alphas_cumprod[timesteps]) ** 0.5
+        sqrt_one_minus_alpha_prod = sqrt_one_minus_alpha_prod.flatten()
+        while len(sqrt_one_minus_alpha_prod.shape) < len(original_samples.shape):
+            sqrt_one_minus_alpha_prod = sqrt_one_minus_alpha_prod.unsqueeze(-1)
+        return sqrt_alpha_prod * original_samples + sqrt_one_minus_alpha_prod * noise
+
+
+class TinyUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.time = nn.Embedding(10, 4)
+        self.conv_in = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv_out = nn.Conv2d(4, 1, 3, padding=1)
+
+    def forward(self, x, t):
+        h = F.silu(self.conv_in(x) + self.time(t)[:, :, None, None])
+        return namedtuple("UNet2DOutput", ["sample"])(self.conv_out(h))
+
+
+def diffusion_build(n=6):
+    gen = torch.Generator().manual_seed(6)
+    model = TinyUNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ema_model = EMAModel(model.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=3 / 4)
+    return model, optimizer, ema_model, DDPMScheduler(), [torch.randn(2, 1, 4, 4, generator=gen) for _ in range(n)]
+
+
+def diffusion_train(model, optimizer, ema_model, noise_scheduler, train_dataloader, gradient_accumulation_steps=2,
+                    guard=None):
+    step, backward = hooks(guard)
+    global_step = 0
+    for i, clean_images in enumerate(train_dataloader):
+        with step():
+            noise = torch.randn(clean_images.shape)
+            bsz = clean_images.shape[0]
+            timesteps = torch.randint(0, noise_scheduler.num_train_timesteps, (bsz,)).long()
+            noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+            model_output = model(noisy_images, timesteps).sample
+            loss = F.mse_loss(model_output.float(), noise.float()) / gradient_accumulation_steps
+            backward(loss)
+            if (i + 1) % gradient_accumulation_steps == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                ema_model.step(model.parameters())
+                global_step += 1
+    return (model, global_step, *ema_model.shadow_params)
+
+
+@pytest.mark.parametrize("check", checks())
+def test_diffusers_unconditional_with_ema_add_noise_and_accumulation(check):
+    """huggingface/diffusers, examples/unconditional_image_generation/train_unconditional.py with
+    ``training_utils.EMAModel`` and ``DDPMScheduler.add_noise``; accumulation written by hand in place of
+    ``accelerator.accumulate`` (one update every two iterations, each one a ``guard.step()``)."""
+    three_runs(diffusion_build, diffusion_train, check)
