@@ -435,3 +435,139 @@ def test_diffusers_unconditional_with_ema_add_noise_and_accumulation(check):
     ``training_utils.EMAModel`` and ``DDPMScheduler.add_noise``; accumulation written by hand in place of
     ``accelerator.accumulate`` (one update every two iterations, each one a ``guard.step()``)."""
     three_runs(diffusion_build, diffusion_train, check)
+
+
+# -- d2l-ai/d2l-en: d2l/torch.py (train_epoch_ch3, Accumulator, accuracy, sgd) ------------------------------------
+class Accumulator:
+    """For accumulating sums over `n` variables."""
+
+    def __init__(self, n):
+        self.data = [0.0] * n
+
+    def add(self, *args):
+        self.data = [a + float(b) for a, b in zip(self.data, args)]
+
+    def __getitem__(self, idx):
+        return self.data[idx]
+
+
+def accuracy(y_hat, y):
+    if len(y_hat.shape) > 1 and y_hat.shape[1] > 1:
+        y_hat = y_hat.argmax(axis=1)
+    cmp = y_hat.type(y.dtype) == y
+    return float(cmp.type(y.dtype).sum())
+
+
+def sgd(params, lr, batch_size):
+    with torch.no_grad():
+        for param in params:
+            param -= lr * param.grad / batch_size
+            param.grad.zero_()
+
+
+def d2l_build(n=5):
+    gen = torch.Generator().manual_seed(7)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    data = [(torch.randn(8, 4, generator=gen), torch.randint(3, (8,), generator=gen)) for _ in range(n)]
+    return net, data
+
+
+def d2l_train(net, train_iter, num_epochs=2, scratch=False, guard=None):
+    step, backward = hooks(guard)
+    loss = nn.CrossEntropyLoss(reduction='none')
+    updater = (lambda batch_size: sgd(list(net.parameters()), 0.1, batch_size)) if scratch else \
+        torch.optim.SGD(net.parameters(), lr=0.1)
+    history = []
+    for epoch in range(num_epochs):
+        net.train()
+        metric = Accumulator(3)
+        for X, y in train_iter:
+            with step():
+                y_hat = net(X)
+                l = loss(y_hat, y)  # noqa: E741 (the source's name)
+                if isinstance(updater, torch.optim.Optimizer):
+                    updater.zero_grad()
+                    backward(l.mean())
+                    updater.step()
+                else:
+                    backward(l.sum())
+                    updater(X.shape[0])
+                metric.add(float(l.sum()), accuracy(y_hat, y), y.numel())
+        history.append((metric[0] / metric[2], metric[1] / metric[2]))
+    return net, history
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["optimizer", "scratch_sgd"])
+@pytest.mark.parametrize("check", checks())
+def test_d2l_train_epoch_ch3_with_an_accumulator_of_floats(check, scratch):
+    """d2l-ai/d2l-en, d2l/torch.py ``train_epoch_ch3``: ``metric.add(float(l.sum()), accuracy(y_hat, y), ...)``
+    after the update, with ``torch.optim.SGD`` or the from-scratch ``d2l.sgd`` (no optimizer: in-place updates
+    under ``no_grad`` and ``param.grad.zero_()``)."""
+    three_runs(d2l_build, lambda *a, guard=None: d2l_train(*a, scratch=scratch, guard=guard), check)
+
+
+# -- pytorch/examples: vae/main.py --------------------------------------------------------------------------------
+class VAE(nn.Module):
+    def __init__(self):
+        super(VAE, self).__init__()
+        self.fc1 = nn.Linear(16, 8)
+        self.fc21 = nn.Linear(8, 2)
+        self.fc22 = nn.Linear(8, 2)
+        self.fc3 = nn.Linear(2, 8)
+        self.fc4 = nn.Linear(8, 16)
+
+    def encode(self, x):
+        h1 = F.relu(self.fc1(x))
+        return self.fc21(h1), self.fc22(h1)
+
+    def reparameterize(self, mu, logvar):
+        std = torch.exp(0.5 * logvar)
+        eps = torch.randn_like(std)
+        return mu + eps * std
+
+    def decode(self, z):
+        h3 = F.relu(self.fc3(z))
+        return torch.sigmoid(self.fc4(h3))
+
+    def forward(self, x):
+        mu, logvar = self.encode(x.view(-1, 16))
+        z = self.reparameterize(mu, logvar)
+        return self.decode(z), mu, logvar
+
+
+def loss_function(recon_x, x, mu, logvar):
+    BCE = F.binary_cross_entropy(recon_x, x.view(-1, 16), reduction='sum')
+    KLD = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return BCE + KLD
+
+
+def vae_build(n=5):
+    gen = torch.Generator().manual_seed(8)
+    model = VAE()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), [torch.rand(4, 1, 4, 4, generator=gen)
+                                                                  for _ in range(n)]
+
+
+def vae_train(model, optimizer, train_loader, epochs=2, guard=None):
+    step, backward = hooks(guard)
+    train_losses = []
+    for epoch in range(epochs):
+        model.train()
+        train_loss = 0
+        for batch_idx, data in enumerate(train_loader):
+            with step():
+                optimizer.zero_grad()
+                recon_batch, mu, logvar = model(data)
+                loss = loss_function(recon_batch, data, mu, logvar)
+                backward(loss)
+                train_loss += loss.item()
+                optimizer.step()
+        train_losses.append(train_loss / len(train_loader))
+    return model, train_losses
+
+
+@pytest.mark.parametrize("check", checks())
+def test_vae_with_reparameterization_and_a_running_train_loss(check):
+    """pytorch/examples, vae/main.py: ``train(epoch)``, the ELBO's BCE + KLD summed, ``train_loss += loss.item()``
+    taken after the backward."""
+    three_runs(vae_build, vae_train, check)
