@@ -571,3 +571,102 @@ def test_vae_with_reparameterization_and_a_running_train_loss(check):
     """pytorch/examples, vae/main.py: ``train(epoch)``, the ELBO's BCE + KLD summed, ``train_loss += loss.item()``
     taken after the backward."""
     three_runs(vae_build, vae_train, check)
+
+
+# -- whoji/training-ground: torch/quick_101/torch101_train_step.py (make_train_step) -------------------------------
+def linreg_build(n=4):
+    gen = torch.Generator().manual_seed(9)
+    x = torch.rand(n, 10, 1, generator=gen)
+    y = 1 + 2 * x + .1 * torch.randn(n, 10, 1, generator=gen)
+    model = nn.Sequential(nn.Linear(1, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-1), list(zip(x, y))
+
+
+def closure_train(model, optimizer, train_loader, n_epochs=3, guard=None):
+    step, backward = hooks(guard)
+    loss_fn = nn.MSELoss(reduction='mean')
+
+    def make_train_step(model, loss_fn, optimizer):
+        def train_step(x, y):
+            model.train()
+            yhat = model(x)
+            loss = loss_fn(y, yhat)
+            backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.item()
+        return train_step
+
+    train_step = make_train_step(model, loss_fn, optimizer)
+    losses = []
+    for epoch in range(n_epochs):
+        for x_batch, y_batch in train_loader:
+            with step():
+                loss = train_step(x_batch, y_batch)
+            losses.append(loss)
+    return model, losses
+
+
+@pytest.mark.parametrize("check", checks())
+def test_step_defined_by_a_closure_called_from_the_loop(check):
+    """whoji/training-ground, torch/quick_101/torch101_train_step.py: ``make_train_step`` returns a closure
+    ``train_step(x, y)`` that runs forward, backward, step and zero_grad; the loop only calls it."""
+    three_runs(linreg_build, closure_train, check)
+
+
+# -- dvgodoy/PyTorchStepByStep: stepbystep/v0.py (StepByStep) ------------------------------------------------------
+class StepByStep(object):
+    def __init__(self, model, loss_fn, optimizer, guard=None):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.step, self.backward = hooks(guard)
+        self.train_loader = None
+        self.losses = []
+        self.total_epochs = 0
+        self.train_step_fn = self._make_train_step_fn()
+
+    def set_loaders(self, train_loader):
+        self.train_loader = train_loader
+
+    def _make_train_step_fn(self):
+        def perform_train_step_fn(x, y):
+            self.model.train()
+            yhat = self.model(x)
+            loss = self.loss_fn(yhat, y)
+            self.backward(loss)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            return loss.item()
+        return perform_train_step_fn
+
+    def _mini_batch(self):
+        data_loader = self.train_loader
+        step_fn = self.train_step_fn
+        mini_batch_losses = []
+        for x_batch, y_batch in data_loader:
+            with self.step():
+                mini_batch_loss = step_fn(x_batch, y_batch)
+            mini_batch_losses.append(mini_batch_loss)
+        loss = np.mean(mini_batch_losses)
+        return loss
+
+    def train(self, n_epochs):
+        for epoch in range(n_epochs):
+            self.total_epochs += 1
+            loss = self._mini_batch()
+            self.losses.append(loss)
+
+
+def stepbystep_train(model, optimizer, train_loader, guard=None):
+    sbs = StepByStep(model, nn.MSELoss(reduction='mean'), optimizer, guard=guard)
+    sbs.set_loaders(train_loader)
+    sbs.train(n_epochs=3)
+    return model, sbs.losses, sbs.total_epochs
+
+
+@pytest.mark.parametrize("check", checks())
+def test_class_based_trainer_whose_method_makes_the_step_function(check):
+    """dvgodoy/PyTorchStepByStep, stepbystep/v0.py: ``StepByStep.train`` loops over epochs, ``_mini_batch`` over
+    batches calling ``self.train_step_fn``, a closure over ``self`` made in ``__init__``."""
+    three_runs(linreg_build, stepbystep_train, check)
