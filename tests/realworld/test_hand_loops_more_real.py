@@ -670,3 +670,53 @@ def test_class_based_trainer_whose_method_makes_the_step_function(check):
     """dvgodoy/PyTorchStepByStep, stepbystep/v0.py: ``StepByStep.train`` loops over epochs, ``_mini_batch`` over
     batches calling ``self.train_step_fn``, a closure over ``self`` made in ``__init__``."""
     three_runs(linreg_build, stepbystep_train, check)
+
+
+# -- the classic mistakes of these loops, named ----------------------------------------------------------------
+def uncleared_train(policy, optimizer, env, episodes=3, guard=None):
+    """``reinforce.py``'s episode loop with ``finish_episode`` missing ``del policy.saved_log_probs[:]``."""
+    step, backward = hooks(guard)
+    for i_episode in range(episodes):
+        with step():
+            state, _ = env.reset()
+            for t in range(5):
+                m = Categorical(policy(torch.from_numpy(state).float().unsqueeze(0)))
+                action = m.sample()
+                policy.saved_log_probs.append(m.log_prob(action))
+                state, reward, done, _, _ = env.step(action.item())
+            optimizer.zero_grad()
+            policy_loss = -torch.cat(policy.saved_log_probs).sum()
+            backward(policy_loss)
+            optimizer.step()
+
+
+def uncleared_errors():
+    messages = []
+    for guard in (None, GraphGuard(check="auto")):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        with pytest.raises(Exception) as caught:
+            if guard is None:
+                watched(uncleared_train, *reinforce_build(), check="auto")
+            else:
+                uncleared_train(*reinforce_build(), guard=guard)
+        messages.append(str(caught.value))
+    return messages
+
+
+def test_reinforce_log_probs_never_cleared_are_named_before_backward():
+    """The list on the policy keeps the episodes' freed graphs: the second episode's backward is stopped before
+    it runs, naming ``policy.saved_log_probs``, under ``watch`` and in ``GraphGuard``."""
+    for text in uncleared_errors():
+        assert "policy.saved_log_probs" in text, text
+        assert "second time" in text, text
+
+
+@pytest.mark.xfail(strict=True, reason="the only fix given is `policy.saved_log_probs.append(x.detach())`, which "
+                   "leaves REINFORCE's loss without a gradient; a list the loss is built from is to be emptied "
+                   "after each backward (guard.py:720-723)")
+def test_reinforce_log_probs_never_cleared_advise_clearing_the_list():
+    """The fix for a list the loss is made from is to empty it after the backward (``del
+    policy.saved_log_probs[:]``, ``.clear()``), as the source's ``finish_episode`` does."""
+    for text in uncleared_errors():
+        assert re.search(r"clear\(\)|del policy\.saved_log_probs\[:\]", text), text
