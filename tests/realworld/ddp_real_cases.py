@@ -44,6 +44,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   ``on_after_backward`` sees recorded.
 - ``manual_accum`` / ``manual_accum_nosync``: Lightning's manual optimization accumulating over 2 steps
   (``self.backward(loss / 2)`` each step, ``self.step`` every second) against DDP with (without) ``no_sync``.
+- ``infogan``: eriklindernoren/PyTorch-GAN implementations/infogan/infogan.py: ``optimizer_info`` over the
+  generator's and the discriminator's parameters, next to ``optimizer_G`` and ``optimizer_D``; manual mode.
 """
 from __future__ import annotations
 
@@ -1232,6 +1234,93 @@ def manual_accum(world: int, nosync: bool) -> dict:
     return {"ours": params(model)}
 
 
+# -- infogan: eriklindernoren/PyTorch-GAN implementations/infogan/infogan.py: G's update (``g_loss``), D's update
+# (``d_loss``), then ``optimizer_info`` (over ``itertools.chain(generator.parameters(),
+# discriminator.parameters())``) with the categorical and continuous code losses. Under DDP each backward averages
+# the gradients it wrote: here by hand, after each backward, over both networks.
+N_CLASSES, CODE_DIM, LATENT = 3, 1, 2
+
+
+class InfoNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(LATENT + N_CLASSES + CODE_DIM, 6), nn.Tanh())
+        self.body = nn.Sequential(nn.Linear(6, 5), nn.LeakyReLU(0.2))
+        self.adv, self.aux, self.latent = nn.Linear(5, 1), nn.Linear(5, N_CLASSES), nn.Linear(5, CODE_DIM)
+
+    def d(self, img):
+        out = self.body(img)
+        return self.adv(out), self.aux(out), self.latent(out)
+
+    def d_parameters(self) -> list[nn.Parameter]:
+        return [*self.body.parameters(), *self.adv.parameters(), *self.aux.parameters(), *self.latent.parameters()]
+
+
+def info_optimizers(net: InfoNet) -> dict[str, torch.optim.Optimizer]:
+    def adam(parameters):
+        return torch.optim.Adam(parameters, lr=2e-2, betas=(0.5, 0.999))
+    return {"g": adam(net.g.parameters()), "d": adam(net.d_parameters()),
+            "info": adam([*net.g.parameters(), *net.d_parameters()])}
+
+
+def info_losses(net: InfoNet, real, gen, part: str) -> torch.Tensor:
+    """One of the script's three losses; ``gen``: this rank's generator of noise and codes."""
+    b = real.size(0)
+    valid, fake = torch.ones(b, 1), torch.zeros(b, 1)
+    if part in ("g", "d"):
+        if part == "g":
+            labels = torch.randint(0, N_CLASSES, (b,), generator=gen)
+            net.gen_imgs = net.g(torch.cat([torch.randn(b, LATENT, generator=gen), F.one_hot(labels, N_CLASSES),
+                                            torch.rand(b, CODE_DIM, generator=gen) * 2 - 1], 1))
+            return F.mse_loss(net.d(net.gen_imgs)[0], valid)
+        return (F.mse_loss(net.d(real)[0], valid) + F.mse_loss(net.d(net.gen_imgs.detach())[0], fake)) / 2
+    labels = torch.randint(0, N_CLASSES, (b,), generator=gen)
+    code = torch.rand(b, CODE_DIM, generator=gen) * 2 - 1
+    gen_imgs = net.g(torch.cat([torch.randn(b, LATENT, generator=gen), F.one_hot(labels, N_CLASSES), code], 1))
+    _, pred_label, pred_code = net.d(gen_imgs)
+    return F.cross_entropy(pred_label, labels) + 0.1 * F.mse_loss(pred_code, code)
+
+
+def infogan_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    net = InfoNet()
+    optimizers, gen = info_optimizers(net), torch.Generator().manual_seed(90 + rank)
+    sampler = torch.utils.data.DistributedSampler(gan_data(), shuffle=False)
+    for (real,) in DataLoader(gan_data(), batch_size=8 // world, sampler=sampler):
+        for part in ("g", "d", "info"):
+            optimizers[part].zero_grad()
+            info_losses(net, real, gen, part).backward()
+            averaged(net, world)
+            optimizers[part].step()
+    return params(net)
+
+
+class InfoGAN(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        return info_optimizers(self.model)
+
+    def training_step(self, batch):
+        (real,) = batch
+        losses = {}
+        for part in ("g", "d", "info"):
+            losses[part] = info_losses(self.model, real, self.gen, part)
+            self.backward(losses[part], optimizer=part)
+            self.step(part)
+        self.model.gen_imgs = None
+        return {name: loss.detach() for name, loss in losses.items()}
+
+
+def infogan(rank: int, world: int) -> dict:
+    model = InfoNet()
+    trainer = InfoGAN(model=model, max_steps=STEPS, train_data=DataLoader(gan_data(), batch_size=8 // world),
+                      device="cpu", progress=False, loggers=())
+    trainer.gen = torch.Generator().manual_seed(90 + rank)
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -1276,6 +1365,8 @@ def result(case: str, out: Path) -> dict:
     if case in ("manual_accum", "manual_accum_nosync"):
         nosync = case == "manual_accum_nosync"
         return {**attempt(lambda: manual_accum(world, nosync)), "hand": manual_accum_by_hand(rank, world, nosync)}
+    if case == "infogan":
+        return {**attempt(lambda: infogan(rank, world)), "hand": infogan_by_hand(rank, world)}
     raise ValueError(case)
 
 
