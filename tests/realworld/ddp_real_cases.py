@@ -42,6 +42,8 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 - ``cyclegan_accum``: junyanz/pytorch-CycleGAN-and-pix2pix models/cycle_gan_model.py: two generators under one
   optimizer, D_A and D_B each under its own; automatic mode, three routed losses, grad_accum=2, the gradients
   ``on_after_backward`` sees recorded.
+- ``cyclegan_manual``: the same model in manual mode, in ``optimize_parameters``' order: G's backward and update,
+  then D_A's and D_B's backwards, then their updates.
 - ``manual_accum`` / ``manual_accum_nosync``: Lightning's manual optimization accumulating over 2 steps
   (``self.backward(loss / 2)`` each step, ``self.step`` every second) against DDP with (without) ``no_sync``.
 - ``infogan``: eriklindernoren/PyTorch-GAN implementations/infogan/infogan.py: ``optimizer_info`` over the
@@ -1195,6 +1197,49 @@ def cyclegan(world: int) -> dict:
     return {"ours": params(model), "seen": trainer.seen}
 
 
+def cyclegan_manual_by_hand(rank: int, world: int) -> dict:
+    net = CycleNet()
+    groups = cycle_groups(net)
+    optimizers = {name: cycle_adam(group) for name, group in groups.items()}
+    sampler = torch.utils.data.DistributedSampler(cycle_data(), shuffle=False)
+    seen = []
+    for batch in DataLoader(cycle_data(), batch_size=8 // world, sampler=sampler):
+        losses = cycle_losses(net, *batch)
+        for names in (("g",), ("d_a", "d_b")):
+            for name in names:
+                losses[name].backward(inputs=groups[name])
+                for p in groups[name]:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+                seen.append(cycle_seen(net, name))
+            for name in names:
+                optimizers[name].step()
+                optimizers[name].zero_grad()
+    return {"params": params(net), "seen": seen}
+
+
+class CycleGANManual(CycleGAN):
+    automatic = False
+
+    def training_step(self, batch):
+        losses = cycle_losses(self.model, *batch)
+        for names in (("g",), ("d_a", "d_b")):
+            for name in names:
+                self.backward(losses[name], optimizer=name)
+            for name in names:
+                self.step(name)
+        return {name: loss.detach() for name, loss in losses.items()}
+
+
+def cyclegan_manual(world: int) -> dict:
+    model = CycleNet()
+    trainer = CycleGANManual(model=model, max_steps=STEPS, device="cpu", progress=False, loggers=(),
+                             train_data=DataLoader(cycle_data(), batch_size=8 // world))
+    trainer.seen = []
+    trainer.fit()
+    return {"ours": params(model), "seen": trainer.seen}
+
+
 # -- manual_accum: Lightning's manual optimization docs ("Gradient accumulation": ``self.manual_backward(loss / N)``
 # each step, ``opt.step()`` every N-th) under DDP, N=2: each backward averaged (``nosync``: the first of each pair
 # under ``no_sync()``, the Trainer's ``sync=False``).
@@ -1365,6 +1410,8 @@ def result(case: str, out: Path) -> dict:
     if case in ("manual_accum", "manual_accum_nosync"):
         nosync = case == "manual_accum_nosync"
         return {**attempt(lambda: manual_accum(world, nosync)), "hand": manual_accum_by_hand(rank, world, nosync)}
+    if case == "cyclegan_manual":
+        return {**attempt(lambda: cyclegan_manual(world)), "hand": cyclegan_manual_by_hand(rank, world)}
     if case == "infogan":
         return {**attempt(lambda: infogan(rank, world)), "hand": infogan_by_hand(rank, world)}
     raise ValueError(case)

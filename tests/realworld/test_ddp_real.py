@@ -17,7 +17,7 @@ from tests.test_distributed import torchrun
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
          "densenet_accum", "lottery", "clipped", "penalty",
          "penalty_accum", "moco", "barlow", "shared",
-         "shared_accum", "wrapped", "dcgan", "dcgan_nosync", "wgan_gp", "cyclegan_accum", "manual_accum",
+         "shared_accum", "wrapped", "dcgan", "dcgan_nosync", "wgan_gp", "cyclegan_accum", "cyclegan_manual", "manual_accum",
          "manual_accum_nosync", "infogan")
 
 pytestmark = pytest.mark.distributed
@@ -250,6 +250,17 @@ def test_cyclegan_losses_routed_to_three_optimizers_accumulate_as_the_ddp_loop(r
         assert "error" not in rank, rank.get("error")
         assert same(rank["ours"], rank["hand"]["params"])
         assert len(rank["seen"]) == len(rank["hand"]["seen"]) == 24
+        assert same(rank["seen"], rank["hand"]["seen"])
+
+
+def test_cyclegan_in_manual_mode_trains_as_optimize_parameters_under_ddp(ranks):
+    """The same CycleGAN in manual mode, in ``optimize_parameters``' order (G's backward and update, then D_A's and
+    D_B's backwards, then their updates): every rank's weights are the loop's, and ``on_after_backward`` sees each
+    optimizer's averaged gradients after its ``self.backward``."""
+    for rank in load(ranks, "cyclegan_manual"):
+        assert "error" not in rank, rank.get("error")
+        assert same(rank["ours"], rank["hand"]["params"])
+        assert len(rank["seen"]) == len(rank["hand"]["seen"]) == 12
         assert same(rank["seen"], rank["hand"]["seen"])
 
 
