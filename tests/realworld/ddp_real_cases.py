@@ -937,8 +937,8 @@ def shared(world: int, accum: int) -> dict:
     return {"without": attempt(lambda: {"ours": run(False)}).get("error"), "ours": run(True)}
 
 
-# -- dcgan: pytorch/examples dcgan/main.py (netD, netG each wrapped in DistributedDataParallel): ``errD_real.backward()``
-# and ``errD_fake.backward()`` into D (each averaged by DDP), ``optimizerD.step()``, then ``errG.backward()`` through D
+# -- dcgan: pytorch/examples dcgan/main.py (netD, netG each wrapped in DistributedDataParallel):
+# ``errD_real.backward()`` and ``errD_fake.backward()`` into D (each averaged by DDP), ``optimizerD.step()``, then ``errG.backward()`` through D
 # into G and ``optimizerG.step()``. ``nosync``: the first backward under ``netD.no_sync()``. Made 6-dim and tiny.
 NZ = 3
 

@@ -17,8 +17,8 @@ from tests.test_distributed import torchrun
 CASES = ("zero", "zero_saved", "spectral", "spectral_accum", "ema", "leftover", "augment_3", "augment_8", "densenet",
          "densenet_accum", "lottery", "clipped", "penalty",
          "penalty_accum", "moco", "barlow", "shared",
-         "shared_accum", "wrapped", "dcgan", "dcgan_nosync", "wgan_gp", "cyclegan_accum", "cyclegan_manual", "manual_accum",
-         "manual_accum_nosync", "infogan")
+         "shared_accum", "wrapped", "dcgan", "dcgan_nosync", "wgan_gp", "cyclegan_accum", "cyclegan_manual",
+         "manual_accum", "manual_accum_nosync", "infogan")
 
 pytestmark = pytest.mark.distributed
 
