@@ -938,8 +938,9 @@ def shared(world: int, accum: int) -> dict:
 
 
 # -- dcgan: pytorch/examples dcgan/main.py (netD, netG each wrapped in DistributedDataParallel):
-# ``errD_real.backward()`` and ``errD_fake.backward()`` into D (each averaged by DDP), ``optimizerD.step()``, then ``errG.backward()`` through D
-# into G and ``optimizerG.step()``. ``nosync``: the first backward under ``netD.no_sync()``. Made 6-dim and tiny.
+# ``errD_real.backward()`` and ``errD_fake.backward()`` into D (each averaged by DDP), ``optimizerD.step()``, then
+# ``errG.backward()`` through D into G and ``optimizerG.step()``. ``nosync``: the first backward under
+# ``netD.no_sync()``. Made 6-dim and tiny.
 NZ = 3
 
 
