@@ -35,6 +35,19 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
   rank: 12 steps straight, and stopped at step N (3: in the first pass; 8: in the second) and resumed.
 - ``wrapped``: pytorch/examples distributed/ddp-tutorial-series multigpu.py: the script wraps its model in
   DistributedDataParallel and gives a DataLoader with its own ``DistributedSampler`` (``set_epoch`` each epoch).
+- ``dcgan`` / ``dcgan_nosync``: pytorch/examples dcgan/main.py with netD and netG each in DDP: two backwards into D
+  (``errD_real``, ``errD_fake``) before ``optimizerD.step()``, then G's; manual mode (``sync=False`` on the first).
+- ``wgan_gp``: caogang/wgan-gp gan_toy.py: three backwards into the critic (real, fake, the gradient penalty taken
+  with ``create_graph=True``), CRITIC_ITERS=2 critic updates per generator update; manual mode.
+- ``cyclegan_accum``: junyanz/pytorch-CycleGAN-and-pix2pix models/cycle_gan_model.py: two generators under one
+  optimizer, D_A and D_B each under its own; automatic mode, three routed losses, grad_accum=2, the gradients
+  ``on_after_backward`` sees recorded.
+- ``cyclegan_manual``: the same model in manual mode, in ``optimize_parameters``' order: G's backward and update,
+  then D_A's and D_B's backwards, then their updates.
+- ``manual_accum`` / ``manual_accum_nosync``: Lightning's manual optimization accumulating over 2 steps
+  (``self.backward(loss / 2)`` each step, ``self.step`` every second) against DDP with (without) ``no_sync``.
+- ``infogan``: eriklindernoren/PyTorch-GAN implementations/infogan/infogan.py: ``optimizer_info`` over the
+  generator's and the discriminator's parameters, next to ``optimizer_G`` and ``optimizer_D``; manual mode.
 """
 from __future__ import annotations
 
@@ -924,6 +937,436 @@ def shared(world: int, accum: int) -> dict:
     return {"without": attempt(lambda: {"ours": run(False)}).get("error"), "ours": run(True)}
 
 
+# -- dcgan: pytorch/examples dcgan/main.py (netD, netG each wrapped in DistributedDataParallel):
+# ``errD_real.backward()`` and ``errD_fake.backward()`` into D (each averaged by DDP), ``optimizerD.step()``, then
+# ``errG.backward()`` through D into G and ``optimizerG.step()``. ``nosync``: the first backward under
+# ``netD.no_sync()``. Made 6-dim and tiny.
+NZ = 3
+
+
+class GanNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(NZ, 5), nn.ReLU(), nn.Linear(5, 6), nn.Tanh())
+        self.d = nn.Sequential(nn.Linear(6, 5), nn.LeakyReLU(0.2), nn.Linear(5, 1), nn.Sigmoid())
+
+
+def gan_data() -> TensorDataset:
+    return TensorDataset(lottery_data().tensors[0])
+
+
+def gan_adam(parameters) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=2e-2, betas=(0.5, 0.999))
+
+
+def dcgan_by_hand(rank: int, world: int, nosync: bool) -> list[torch.Tensor]:
+    net = GanNet()
+    netG, netD = DistributedDataParallel(net.g), DistributedDataParallel(net.d)
+    optimizerD, optimizerG = gan_adam(netD.parameters()), gan_adam(netG.parameters())
+    criterion, gen = nn.BCELoss(), torch.Generator().manual_seed(50 + rank)
+    sampler = torch.utils.data.DistributedSampler(gan_data(), shuffle=False)
+    for (real,) in DataLoader(gan_data(), batch_size=8 // world, sampler=sampler):
+        netD.zero_grad()
+        label = torch.full((real.size(0),), 1.0)
+        with netD.no_sync() if nosync else nullcontext():
+            errD_real = criterion(netD(real).view(-1), label)
+            errD_real.backward()
+        fake = netG(torch.randn(real.size(0), NZ, generator=gen))
+        label.fill_(0.0)
+        errD_fake = criterion(netD(fake.detach()).view(-1), label)
+        errD_fake.backward()
+        optimizerD.step()
+        netG.zero_grad()
+        label.fill_(1.0)
+        errG = criterion(netD(fake).view(-1), label)
+        errG.backward()
+        optimizerG.step()
+    return params(net)
+
+
+class DCGAN(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        return {"d": gan_adam(self.model.d.parameters()), "g": gan_adam(self.model.g.parameters())}
+
+    def training_step(self, batch):
+        (real,) = batch
+        criterion, ones, zeros = nn.BCELoss(), torch.ones(real.size(0)), torch.zeros(real.size(0))
+        errD_real = criterion(self.model.d(real).view(-1), ones)
+        self.backward(errD_real, optimizer="d", sync=not self.nosync)
+        fake = self.model.g(torch.randn(real.size(0), NZ, generator=self.gen))
+        errD_fake = criterion(self.model.d(fake.detach()).view(-1), zeros)
+        self.backward(errD_fake, optimizer="d")
+        self.step("d")
+        errG = criterion(self.model.d(fake).view(-1), ones)
+        self.backward(errG, optimizer="g")
+        self.step("g")
+        return {"d": (errD_real + errD_fake).detach(), "g": errG.detach()}
+
+
+def dcgan(rank: int, world: int, nosync: bool) -> dict:
+    model = GanNet()
+    trainer = DCGAN(model=model, max_steps=STEPS, train_data=DataLoader(gan_data(), batch_size=8 // world),
+                    device="cpu", progress=False, loggers=())
+    trainer.gen, trainer.nosync = torch.Generator().manual_seed(50 + rank), nosync
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- wgan_gp: caogang/wgan-gp gan_toy.py (the PyTorch port of igul222/improved_wgan_training): per critic iteration
+# ``D_real.backward(mone)``, ``D_fake.backward(one)``, ``gradient_penalty.backward()`` (``autograd.grad`` of D at
+# the interpolates with ``create_graph=True``), ``optimizerD.step()``; every CRITIC_ITERS=2 the generator's
+# ``G.backward(mone)``. Under DDP each backward averages D's gradients: here by hand, as DDP does (world 2: the
+# same bits as its pre-divided sum).
+CRITIC_ITERS, LAMBDA = 2, 0.1
+
+
+class WganNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(NZ, 5), nn.ReLU(), nn.Linear(5, 6))
+        self.d = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+
+
+def averaged(module: nn.Module, world: int) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+def gradient_penalty(netD, real, fake, gen) -> torch.Tensor:
+    alpha = torch.rand(real.size(0), 1, generator=gen).expand(real.size())
+    interpolates = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+    disc_interpolates = netD(interpolates)
+    gradients = torch.autograd.grad(outputs=disc_interpolates, inputs=interpolates,
+                                    grad_outputs=torch.ones(disc_interpolates.size()), create_graph=True,
+                                    retain_graph=True, only_inputs=True)[0]
+    return ((gradients.norm(2, dim=1) - 1) ** 2).mean() * LAMBDA
+
+
+def wgan_adam(parameters) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=1e-2, betas=(0.5, 0.9))
+
+
+def wgan_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    net = WganNet()
+    netG, netD = net.g, net.d
+    optimizerD, optimizerG = wgan_adam(netD.parameters()), wgan_adam(netG.parameters())
+    one, gen = torch.tensor(1.0), torch.Generator().manual_seed(70 + rank)
+    mone = one * -1
+    sampler = torch.utils.data.DistributedSampler(gan_data(), shuffle=False)
+    for i, (real,) in enumerate(DataLoader(gan_data(), batch_size=8 // world, sampler=sampler)):
+        netD.zero_grad()
+        D_real = netD(real).mean()
+        D_real.backward(mone)
+        averaged(netD, world)
+        fake = netG(torch.randn(real.size(0), NZ, generator=gen)).detach()
+        D_fake = netD(fake).mean()
+        D_fake.backward(one)
+        averaged(netD, world)
+        gradient_penalty(netD, real, fake, gen).backward()
+        averaged(netD, world)
+        optimizerD.step()
+        if (i + 1) % CRITIC_ITERS == 0:
+            netG.zero_grad()
+            G = netD(netG(torch.randn(real.size(0), NZ, generator=gen))).mean()
+            G.backward(mone)
+            averaged(netG, world)
+            optimizerG.step()
+    return params(net)
+
+
+class WGAN(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        return {"d": wgan_adam(self.model.d.parameters()), "g": wgan_adam(self.model.g.parameters())}
+
+    def training_step(self, batch):
+        (real,) = batch
+        D_real = self.model.d(real).mean()
+        self.backward(-D_real, optimizer="d")
+        fake = self.model.g(torch.randn(real.size(0), NZ, generator=self.gen)).detach()
+        D_fake = self.model.d(fake).mean()
+        self.backward(D_fake, optimizer="d")
+        self.backward(gradient_penalty(self.model.d, real, fake, self.gen), optimizer="d")
+        self.step("d")
+        if self.state.step % CRITIC_ITERS == CRITIC_ITERS - 1:
+            G = self.model.d(self.model.g(torch.randn(real.size(0), NZ, generator=self.gen))).mean()
+            self.backward(-G, optimizer="g")
+            self.step("g")
+        return (D_fake - D_real).detach()
+
+
+def wgan(rank: int, world: int) -> dict:
+    model = WganNet()
+    trainer = WGAN(model=model, max_steps=STEPS, train_data=DataLoader(gan_data(), batch_size=8 // world),
+                   device="cpu", progress=False, loggers=())
+    trainer.gen = torch.Generator().manual_seed(70 + rank)
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- cyclegan_accum: junyanz/pytorch-CycleGAN-and-pix2pix models/cycle_gan_model.py ``optimize_parameters`` (LSGAN
+# loss, cycle loss with lambda 10, no identity loss, no image pool), D_A and D_B each under its own optimizer, 2
+# micro-batches a step: each loss / 2 back-propagated into its own optimizer's parameters, the gradients averaged
+# after the last micro-batch's backward (DDP under ``no_sync`` for the first), then the three updates.
+class CycleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g_ab, self.g_ba = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.d_a, self.d_b = nn.Sequential(nn.Linear(6, 4), nn.LeakyReLU(0.2), nn.Linear(4, 1)), \
+            nn.Sequential(nn.Linear(6, 4), nn.LeakyReLU(0.2), nn.Linear(4, 1))
+
+
+def cycle_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(9)
+    return TensorDataset(lottery_data().tensors[0], torch.randn(32, 6, generator=gen) + 1)
+
+
+def cycle_losses(net: CycleNet, real_a, real_b) -> dict[str, torch.Tensor]:
+    fake_b, fake_a = net.g_ab(real_a), net.g_ba(real_b)
+    rec_a, rec_b = net.g_ba(fake_b), net.g_ab(fake_a)
+
+    def gan(pred, real: bool):
+        return F.mse_loss(pred, torch.full_like(pred, 1.0 if real else 0.0))
+    loss_g = gan(net.d_a(fake_b), True) + gan(net.d_b(fake_a), True) + \
+        F.l1_loss(rec_a, real_a) * 10 + F.l1_loss(rec_b, real_b) * 10
+    loss_d_a = (gan(net.d_a(real_b), True) + gan(net.d_a(fake_b.detach()), False)) * 0.5
+    loss_d_b = (gan(net.d_b(real_a), True) + gan(net.d_b(fake_a.detach()), False)) * 0.5
+    return {"g": loss_g, "d_a": loss_d_a, "d_b": loss_d_b}
+
+
+def cycle_groups(net: CycleNet) -> dict[str, list[nn.Parameter]]:
+    return {"g": [*net.g_ab.parameters(), *net.g_ba.parameters()], "d_a": list(net.d_a.parameters()),
+            "d_b": list(net.d_b.parameters())}
+
+
+def cycle_adam(parameters) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=2e-2, betas=(0.5, 0.999))
+
+
+def cycle_seen(net: CycleNet, name: str) -> torch.Tensor:
+    return {"g": net.g_ab.weight, "d_a": net.d_a[0].weight, "d_b": net.d_b[0].weight}[name].grad.clone()
+
+
+def cyclegan_by_hand(rank: int, world: int) -> dict:
+    net = CycleNet()
+    groups = cycle_groups(net)
+    optimizers = {name: cycle_adam(group) for name, group in groups.items()}
+    sampler = torch.utils.data.DistributedSampler(cycle_data(), shuffle=False)
+    batches = list(DataLoader(cycle_data(), batch_size=8 // world // 2, sampler=sampler))
+    seen = []
+    for step in range(STEPS):
+        for micro in (0, 1):
+            losses = cycle_losses(net, *batches[2 * step + micro])
+            for name, loss in losses.items():
+                (loss / 2).backward(inputs=groups[name])
+                if micro == 1:
+                    for p in groups[name]:
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+                seen.append(cycle_seen(net, name))
+        for opt in optimizers.values():
+            opt.step()
+            opt.zero_grad()
+    return {"params": params(net), "seen": seen}
+
+
+class CycleGAN(Trainer):
+    def configure_optimizers(self):
+        return {name: cycle_adam(group) for name, group in cycle_groups(self.model).items()}
+
+    def training_step(self, batch):
+        return cycle_losses(self.model, *batch)
+
+    def on_after_backward(self, name):
+        self.seen.append(cycle_seen(self.model, name))
+
+
+def cyclegan(world: int) -> dict:
+    model = CycleNet()
+    trainer = CycleGAN(model=model, max_steps=STEPS, grad_accum=2, device="cpu", progress=False, loggers=(),
+                       train_data=DataLoader(cycle_data(), batch_size=8 // world // 2))
+    trainer.seen = []
+    trainer.fit()
+    return {"ours": params(model), "seen": trainer.seen}
+
+
+def cyclegan_manual_by_hand(rank: int, world: int) -> dict:
+    net = CycleNet()
+    groups = cycle_groups(net)
+    optimizers = {name: cycle_adam(group) for name, group in groups.items()}
+    sampler = torch.utils.data.DistributedSampler(cycle_data(), shuffle=False)
+    seen = []
+    for batch in DataLoader(cycle_data(), batch_size=8 // world, sampler=sampler):
+        losses = cycle_losses(net, *batch)
+        for names in (("g",), ("d_a", "d_b")):
+            for name in names:
+                losses[name].backward(inputs=groups[name])
+                for p in groups[name]:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+                seen.append(cycle_seen(net, name))
+            for name in names:
+                optimizers[name].step()
+                optimizers[name].zero_grad()
+    return {"params": params(net), "seen": seen}
+
+
+class CycleGANManual(CycleGAN):
+    automatic = False
+
+    def training_step(self, batch):
+        losses = cycle_losses(self.model, *batch)
+        for names in (("g",), ("d_a", "d_b")):
+            for name in names:
+                self.backward(losses[name], optimizer=name)
+            for name in names:
+                self.step(name)
+        return {name: loss.detach() for name, loss in losses.items()}
+
+
+def cyclegan_manual(world: int) -> dict:
+    model = CycleNet()
+    trainer = CycleGANManual(model=model, max_steps=STEPS, device="cpu", progress=False, loggers=(),
+                             train_data=DataLoader(cycle_data(), batch_size=8 // world))
+    trainer.seen = []
+    trainer.fit()
+    return {"ours": params(model), "seen": trainer.seen}
+
+
+# -- manual_accum: Lightning's manual optimization docs ("Gradient accumulation": ``self.manual_backward(loss / N)``
+# each step, ``opt.step()`` every N-th) under DDP, N=2: each backward averaged (``nosync``: the first of each pair
+# under ``no_sync()``, the Trainer's ``sync=False``).
+def manual_accum_by_hand(rank: int, world: int, nosync: bool) -> list[torch.Tensor]:
+    model = DistributedDataParallel(lottery_model())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sampler = torch.utils.data.DistributedSampler(lottery_data(), shuffle=False)
+    for i, (x, y) in enumerate(DataLoader(lottery_data(), batch_size=8 // world, sampler=sampler)):
+        with model.no_sync() if nosync and i % 2 == 0 else nullcontext():
+            (F.cross_entropy(model(x), y) / 2).backward()
+        if i % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    return params(model.module)
+
+
+class ManualAccum(Trainer):
+    automatic = False
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        last = self.state.step % 2 == 1
+        self.backward(loss / 2, sync=last or not self.nosync)
+        if last:
+            self.step()
+        return loss.detach()
+
+
+def manual_accum(world: int, nosync: bool) -> dict:
+    model = lottery_model()
+    trainer = ManualAccum(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), max_steps=STEPS,
+                          train_data=DataLoader(lottery_data(), batch_size=8 // world), device="cpu", progress=False,
+                          loggers=())
+    trainer.nosync = nosync
+    trainer.fit()
+    return {"ours": params(model)}
+
+
+# -- infogan: eriklindernoren/PyTorch-GAN implementations/infogan/infogan.py: G's update (``g_loss``), D's update
+# (``d_loss``), then ``optimizer_info`` (over ``itertools.chain(generator.parameters(),
+# discriminator.parameters())``) with the categorical and continuous code losses. Under DDP each backward averages
+# the gradients it wrote: here by hand, after each backward, over both networks.
+N_CLASSES, CODE_DIM, LATENT = 3, 1, 2
+
+
+class InfoNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(LATENT + N_CLASSES + CODE_DIM, 6), nn.Tanh())
+        self.body = nn.Sequential(nn.Linear(6, 5), nn.LeakyReLU(0.2))
+        self.adv, self.aux, self.latent = nn.Linear(5, 1), nn.Linear(5, N_CLASSES), nn.Linear(5, CODE_DIM)
+
+    def d(self, img):
+        out = self.body(img)
+        return self.adv(out), self.aux(out), self.latent(out)
+
+    def d_parameters(self) -> list[nn.Parameter]:
+        return [*self.body.parameters(), *self.adv.parameters(), *self.aux.parameters(), *self.latent.parameters()]
+
+
+def info_optimizers(net: InfoNet) -> dict[str, torch.optim.Optimizer]:
+    def adam(parameters):
+        return torch.optim.Adam(parameters, lr=2e-2, betas=(0.5, 0.999))
+    return {"g": adam(net.g.parameters()), "d": adam(net.d_parameters()),
+            "info": adam([*net.g.parameters(), *net.d_parameters()])}
+
+
+def info_losses(net: InfoNet, real, gen, part: str) -> torch.Tensor:
+    """One of the script's three losses; ``gen``: this rank's generator of noise and codes."""
+    b = real.size(0)
+    valid, fake = torch.ones(b, 1), torch.zeros(b, 1)
+    if part in ("g", "d"):
+        if part == "g":
+            labels = torch.randint(0, N_CLASSES, (b,), generator=gen)
+            net.gen_imgs = net.g(torch.cat([torch.randn(b, LATENT, generator=gen), F.one_hot(labels, N_CLASSES),
+                                            torch.rand(b, CODE_DIM, generator=gen) * 2 - 1], 1))
+            return F.mse_loss(net.d(net.gen_imgs)[0], valid)
+        return (F.mse_loss(net.d(real)[0], valid) + F.mse_loss(net.d(net.gen_imgs.detach())[0], fake)) / 2
+    labels = torch.randint(0, N_CLASSES, (b,), generator=gen)
+    code = torch.rand(b, CODE_DIM, generator=gen) * 2 - 1
+    gen_imgs = net.g(torch.cat([torch.randn(b, LATENT, generator=gen), F.one_hot(labels, N_CLASSES), code], 1))
+    _, pred_label, pred_code = net.d(gen_imgs)
+    return F.cross_entropy(pred_label, labels) + 0.1 * F.mse_loss(pred_code, code)
+
+
+def infogan_by_hand(rank: int, world: int) -> list[torch.Tensor]:
+    net = InfoNet()
+    optimizers, gen = info_optimizers(net), torch.Generator().manual_seed(90 + rank)
+    sampler = torch.utils.data.DistributedSampler(gan_data(), shuffle=False)
+    for (real,) in DataLoader(gan_data(), batch_size=8 // world, sampler=sampler):
+        for part in ("g", "d", "info"):
+            optimizers[part].zero_grad()
+            info_losses(net, real, gen, part).backward()
+            averaged(net, world)
+            optimizers[part].step()
+    return params(net)
+
+
+class InfoGAN(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        return info_optimizers(self.model)
+
+    def training_step(self, batch):
+        (real,) = batch
+        losses = {}
+        for part in ("g", "d", "info"):
+            losses[part] = info_losses(self.model, real, self.gen, part)
+            self.backward(losses[part], optimizer=part)
+            self.step(part)
+        self.model.gen_imgs = None
+        return {name: loss.detach() for name, loss in losses.items()}
+
+
+def infogan(rank: int, world: int) -> dict:
+    model = InfoNet()
+    trainer = InfoGAN(model=model, max_steps=STEPS, train_data=DataLoader(gan_data(), batch_size=8 // world),
+                      device="cpu", progress=False, loggers=())
+    trainer.gen = torch.Generator().manual_seed(90 + rank)
+    trainer.fit()
+    return {"ours": params(model)}
+
+
 def result(case: str, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if case in ("zero", "zero_saved"):
@@ -958,6 +1401,20 @@ def result(case: str, out: Path) -> dict:
     if case in ("shared", "shared_accum"):
         accum = 2 if case == "shared_accum" else 1
         return {**attempt(lambda: shared(world, accum)), "hand": shared_by_hand(rank, world, accum)}
+    if case in ("dcgan", "dcgan_nosync"):
+        nosync = case == "dcgan_nosync"
+        return {**attempt(lambda: dcgan(rank, world, nosync)), "hand": dcgan_by_hand(rank, world, nosync)}
+    if case == "wgan_gp":
+        return {**attempt(lambda: wgan(rank, world)), "hand": wgan_by_hand(rank, world)}
+    if case == "cyclegan_accum":
+        return {**attempt(lambda: cyclegan(world)), "hand": cyclegan_by_hand(rank, world)}
+    if case in ("manual_accum", "manual_accum_nosync"):
+        nosync = case == "manual_accum_nosync"
+        return {**attempt(lambda: manual_accum(world, nosync)), "hand": manual_accum_by_hand(rank, world, nosync)}
+    if case == "cyclegan_manual":
+        return {**attempt(lambda: cyclegan_manual(world)), "hand": cyclegan_manual_by_hand(rank, world)}
+    if case == "infogan":
+        return {**attempt(lambda: infogan(rank, world)), "hand": infogan_by_hand(rank, world)}
     raise ValueError(case)
 
 
