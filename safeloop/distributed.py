@@ -278,10 +278,10 @@ class Distributed:
                                                static_graph=bool(settings.static_graph))
             self.trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             return
-        seen: set[int] = set()
         for name, opt in optimizers.items():
-            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in params)
+            # every parameter it holds, one another optimizer holds too (InfoGAN's info loss over G and D) included:
+            # its gradient is averaged whichever optimizer's backward wrote it
+            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
             group = self.groups[name] = _Group(_buckets(params))
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._added, group)))

@@ -721,7 +721,10 @@ class Guard:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` "
-                 "for a number to log), so that no step's graph stays alive in it"], trace_hint=True, holder=holder)
+                 "for a number to log), so that no step's graph stays alive in it",
+                 f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses stacked over "
+                 f"several iterations), empty it after each backward (`del {listed}[:]`), and let one step span the "
+                 "iterations that add to it"], trace_hint=True, holder=holder)
         if kept:
             fixes = ["detach the carried state at the end of each step (`{detached}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",

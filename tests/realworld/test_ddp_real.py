@@ -274,10 +274,6 @@ def test_manual_mode_accumulating_over_two_steps_trains_as_ddp(ranks, case):
         assert same(rank["ours"], rank["hand"])
 
 
-@pytest.mark.xfail(strict=True, reason="the reducer gives each parameter to the first optimizer holding it "
-                   "(safeloop/distributed.py attach): 'info' over G's and D's parameters gets no bucket, so "
-                   "self.backward(loss, optimizer='info') leaves each rank its own gradient and the ranks' "
-                   "weights part without a word")
 def test_an_optimizer_over_both_networks_trains_as_infogan_under_ddp(ranks):
     """eriklindernoren/PyTorch-GAN infogan.py: ``optimizer_info`` over ``itertools.chain(generator.parameters(),
     discriminator.parameters())`` next to ``optimizer_G`` and ``optimizer_D``, stepped in turn. Manual mode (which

@@ -6,6 +6,7 @@ episode on the module itself, a first backward after several iterations, a step 
 import re
 import warnings
 from collections import deque, namedtuple
+from copy import deepcopy
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 from safeloop import GraphGuard
+from safeloop.errors import CarriedGraphError
 from safeloop.errors import GraphLeakWarning
 
 from .harness import checks
@@ -227,13 +229,16 @@ def test_losses_kept_in_a_list_for_three_iterations_then_one_backward_of_their_m
     three_runs(regression_build, stacked_train, check)
 
 
-@pytest.mark.xfail(strict=True, reason="CarriedGraphError at the third iteration: the losses two `with guard.step()` "
-                   "blocks appended are taken for graphs piling up in `losses`, and the fix given (detach at the "
-                   "append) would leave the model without gradient")
-def test_losses_kept_in_a_list_with_a_guard_step_per_iteration():
-    """As above, with ``with guard.step():`` around each iteration as docs/guard.md writes it: the list is
-    consumed and emptied by the third iteration's backward, nothing piles up."""
-    three_runs(regression_build, lambda *a, guard=None: stacked_train(*a, guard=guard, per_iteration=True), "auto")
+def test_losses_kept_in_a_list_with_a_guard_step_per_iteration_are_said_to_need_one_step():
+    """As above, with ``with guard.step():`` around each iteration: the third step's loss reaches the graphs of the two
+    steps before, which the guard's steps say must not share graphs. Stopped before its backward, the error says to
+    let one step span the iterations the loss is built over (detaching at the append would leave no gradient)."""
+    torch.manual_seed(0)
+    model, opt, data = regression_build()
+    start = deepcopy(model)
+    with pytest.raises(CarriedGraphError, match=r"held by `local losses\[\d\]`.*let one step span the iterations"):
+        stacked_train(model, opt, data, guard=GraphGuard(), per_iteration=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters()))
 
 
 def running_train(model, opt, data, how="item", epochs=2, guard=None):
@@ -712,9 +717,6 @@ def test_reinforce_log_probs_never_cleared_are_named_before_backward():
         assert "second time" in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="the only fix given is `policy.saved_log_probs.append(x.detach())`, which "
-                   "leaves REINFORCE's loss without a gradient; a list the loss is built from is to be emptied "
-                   "after each backward (guard.py:720-723)")
 def test_reinforce_log_probs_never_cleared_advise_clearing_the_list():
     """The fix for a list the loss is made from is to empty it after the backward (``del
     policy.saved_log_probs[:]``, ``.clear()``), as the source's ``finish_episode`` does."""
