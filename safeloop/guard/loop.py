@@ -388,6 +388,12 @@ class GraphGuard:
             # a module's code (not its copy of them while 3.12 runs a comprehension inlined: PEP 709) has no locals
             if variables is not frame.f_globals and frame.f_code.co_name != "<module>":
                 out.append(("local", variables))
+            # and the callers' of the same file (the loop around a `train_step(x, y)` closure that calls backward)
+            caller = frame.f_back
+            while caller is not None and caller.f_code.co_filename == frame.f_code.co_filename \
+                    and caller.f_code.co_name != "<module>":
+                out.append(("local", self.variables(caller)))
+                caller = caller.f_back
             out.append(("global", frame.f_globals))
         if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
             out.append(("global", self._globals))

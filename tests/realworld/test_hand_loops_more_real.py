@@ -763,9 +763,6 @@ def test_losses_a_step_closure_returns_kept_with_their_graphs_are_named():
     assert any("`local losses[0]`" in text for text in leaks), leaks
 
 
-@pytest.mark.xfail(strict=True, reason="under watch the holder is searched in the frame that called backward "
-                   "(train_step) and the script's globals, not in the loop's frame: the warning says 'held by a "
-                   "reference kept outside the step (a list, a global, a closure)' (safeloop/watch.py:104)")
 def test_losses_a_step_closure_returns_kept_with_their_graphs_are_named_under_watch():
     """The same unmodified loop under ``watch``: the list in the loop's frame is to be named as with
     ``GraphGuard``."""
