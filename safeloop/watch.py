@@ -8,7 +8,8 @@ step (PyTorch's global optimizer step hooks; the backwards of an L-BFGS closure,
 ``step()``, are that step's); until an optimizer has begun to step, a backward on a new loss where
 the step's first backward was called starts a step, unless the loss reaches the graph the last
 backward kept (``retain_graph=True``: per-task backwards over one trunk). The tensor at fault is
-searched in the variables of the function that called backward and in the script's globals.
+searched in the variables of the function that called backward, of its callers in the script, and in the
+script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
 error, naming the tensor and the fix. The Python scripts it starts (the ranks of Lightning's DDP
 launcher) run under watch too, with the same options.
