@@ -1354,16 +1354,18 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
 
 
 def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> str | None:
-    """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the one tensor the scope holds (a module's
+    """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the tensor the scope holds (a module's
     buffer or attribute, a variable) whose version is the one PyTorch names and whose number of elements ``tensor``
-    has (the saved tensor may be a view of it: an unsqueezed queue). None if none, or several, match."""
+    has (the saved tensor may be a view of it: an unsqueezed queue), searched nearest first: the first variable that
+    holds such tensors must hold one alone (None if none does, or if it holds several: two buffers alike)."""
     version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
     if version is None or sizes is None:
         return None
     numel = math.prod(int(n) for n in re.findall(r"\d+", sizes.group(1)))
-    found = {id(t): name for name, t in explain.candidates(scope, batch)
-             if t._version == int(version.group(1)) and t.numel() == numel}
-    return next(iter(found.values())) if len(found) == 1 else None
+    found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in explain.candidates(scope, batch)
+             if t._version == int(version.group(1)) and t.numel() == numel]
+    nearest = {id(t): name for holder, name, t in found if holder == found[0][0]} if found else {}
+    return next(iter(nearest.values())) if len(nearest) == 1 else None
 
 
 _CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
