@@ -118,8 +118,12 @@ class GraphGuard:
         # Until a step's end is known (an optimizer step), a backward on a new loss where the step's first
         # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
-        for name, opt in optimizers.items():
-            opt.register_step_post_hook(lambda *_, _name=name: self.optimizer_stepped(_name))
+        unhooked = [name for name, opt in optimizers.items()
+                    if not _step_post_hook(opt, lambda *_, _name=name: self.optimizer_stepped(_name))]
+        if unhooked:
+            raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
+                               "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer that does: "
+                               "pass the optimizer it wraps" for name in unhooked])
         # Before the first step: anything made until then was built before training. A
         # ``with guard.step()`` moves this to where it opens.
         self.guard.start_fit()
@@ -474,3 +478,16 @@ def _need_tensors(method: str, losses: Mapping[str, Any]) -> None:
             what = "loss" if method == "backward" else "loss (a tensor, or a dict of named loss tensors)"
             raise StepError(f"guard.{method}() takes the {what}, got {'' if name == 'loss' else f'{name!r}: '}"
                             f"{type(loss).__name__}: pass the tensor your loss computation returned")
+
+
+def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:
+    """Registers ``fn`` to run after each of ``opt``'s steps: on ``opt``, or for a wrapper that never ran
+    ``Optimizer.__init__`` and keeps no hooks (accelerate's ``AcceleratedOptimizer``, whose steps while accumulating
+    do nothing) on the optimizer it wraps, whose steps are the updates; False if neither keeps hooks."""
+    for candidate in (opt, getattr(opt, "optimizer", None)):
+        try:
+            candidate.register_step_post_hook(fn)
+            return True
+        except AttributeError:
+            continue
+    return False

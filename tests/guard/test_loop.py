@@ -444,6 +444,51 @@ def test_bad_settings_are_named():
         GraphGuard([1])
 
 
+class Accumulating(torch.optim.Optimizer):
+    """A wrapper as accelerate's ``AcceleratedOptimizer``: it never runs ``Optimizer.__init__`` (so keeps no step
+    hooks) and steps the optimizer it wraps every ``every`` calls."""
+
+    def __init__(self, optimizer, every=2):
+        self.optimizer, self.every, self.calls = optimizer, every, 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self.calls % self.every == 0:
+            self.optimizer.zero_grad(set_to_none)
+
+
+def test_an_optimizer_wrapper_without_hooks_is_followed_through_the_optimizer_it_wraps():
+    def train(guard):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = Accumulating(torch.optim.SGD(model.parameters(), lr=0.1))
+        guard = guard(model, opt) if guard else None
+        for i in range(6):
+            x = torch.randn(3, 4)
+            loss = model(x).pow(2).mean() / 2
+            guard.backward(loss) if guard else loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+    ref, guarded = train(None), train(GraphGuard)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), guarded.parameters()))
+
+    class Hookless(torch.optim.Optimizer):
+        def __init__(self):
+            pass
+    with pytest.raises(ConfigError, match=r"optimizers\['optimizer'\] \(Hookless\) keeps no step hooks .* pass the "
+                                          r"optimizer it wraps"):
+        GraphGuard(torch.nn.Linear(2, 2), Hookless())
+
+
 def test_the_trainer_given_a_graph_guard_drives_the_same_guard():
     model, _, data = setup()
     guard = GraphGuard(check="always")
