@@ -32,7 +32,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
-from .guard.loop import GraphGuard
+from .guard.loop import GraphGuard, stack
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
 STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
@@ -133,10 +133,10 @@ class Watch:
         its first backward.
         """
         namespace = vars(sys.modules["__main__"])
-        self.guard.search_globals(namespace)
+        self.guard.search_script(self.script, namespace)
         start = loop_start(frame, self.script, self.guard.variables, outside=self.first_update)
         # read through the guard, which reads them afresh later: before 3.13 a read leaves a copy on the frame
-        seen = [namespace, *(self.guard.variables(f) for f in _frames(frame) if f.f_code.co_filename == self.script)]
+        seen = [namespace, *(self.guard.variables(f) for f in stack(frame) if f.f_code.co_filename == self.script)]
         values = [v for names in seen for v in names.values()]
         values += [a for v in values for a in _fields(v).values()]  # a trainer class's `self.opt` too
         self.guard.expect_optimizers(len({id(v) for v in values if issubclass(type(v), torch.optim.Optimizer)}))
@@ -157,7 +157,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         return None
     module = None
     found = None
-    frames = list(_frames(frame))
+    frames = list(stack(frame))
     # a loop inside a module's forward (and what it calls) is the model's own computation, not the training loop
     # (an invertible ResNet's power series of autograd.grad calls): the search starts past the outermost forward
     forwards = [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
@@ -172,6 +172,8 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
                     found = frame, body
             if code.co_name == "<module>":
                 module = code
+    if found is None and outside is None:
+        found = _library_call(frames, filename, forwards[-1] if forwards else -1)
     del frames
     if found is None:
         return outside
@@ -179,9 +181,11 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     body = [i for i in dis.get_instructions(frame.f_code) if i.offset in offsets]
     assigned = {name for i in body for name in _stored(i)}
     attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
-    for code in _codes(module) if module is not None else ():  # `global y` / `nonlocal y` assigned anywhere
-        assigned.update(i.argval for i in dis.get_instructions(code)
-                        if i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
+    # `global y` / `nonlocal y` assigned anywhere else (the loop's own function stores a variable a closure reads,
+    # `prompt` of `lambda x: model(x + prompt)`, as STORE_DEREF: outside the loop, that is before it)
+    for code in _codes(module) if module is not None else ():
+        assigned.update(i.argval for i in dis.get_instructions(code) if code is not frame.f_code
+                        and i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     values = list(variables(frame).items())
     held = [v for k, v in values if k not in assigned]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
@@ -206,6 +210,18 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
+
+
+def _library_call(frames: list, filename: str, forward: int) -> tuple | None:
+    """When no loop of ``filename`` runs the backward, a library's does (ignite's ``trainer.run(loader)``, mmengine's
+    ``runner.train()``): (the outermost frame of ``filename`` calling into another file, past the outermost
+    ``forward``; the offsets of the line it runs), that call taken as the loop, else None."""
+    for i in range(len(frames) - 1, max(forward, 0), -1):
+        frame = frames[i]
+        if frame.f_code.co_filename == filename and frames[i - 1].f_code.co_filename != filename:
+            return frame, {ins.offset for ins in dis.get_instructions(frame.f_code)
+                           if ins.positions.lineno == frame.f_lineno}
+    return None
 
 
 def _stored(ins: dis.Instruction) -> tuple[str, ...]:
@@ -337,12 +353,6 @@ def _method_instructions(obj) -> Iterator[dis.Instruction]:
             if code is not None and name != "__init__":
                 for c in _codes(code):
                     yield from dis.get_instructions(c)
-
-
-def _frames(frame):
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def _codes(code):

@@ -98,7 +98,8 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
                 yield from _items(val, f"{prefix}[{i}]", depth - 1)
 
 
-def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
+                depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
         for mod_name, mod in obj.named_modules():
             # as Python spells it, so that a fix applies as written: model.blocks[0].rot, not model.blocks.0.rot
@@ -123,6 +124,8 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset()) -> Iterato
         yield from _items(val, f"{prefix}.{key}")
         if isinstance(val, torch.nn.Module) and id(val) not in roots:  # a root is searched under its own name
             yield from _attributes(val, f"{prefix}.{key}")
+        elif depth > 1 and not key.startswith("_") and _own_object(val) and hasattr(val, "__dict__"):
+            yield from _attributes(val, f"{prefix}.{key}", roots, depth - 1)  # ignite's `engine.state.hidden`
 
 
 def _own_object(obj: Any) -> bool:
@@ -189,6 +192,11 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def holds(node, scope: Scope | None = None, batch: Any = None) -> bool:
+    """Whether a tensor the scope can name was made by ``node`` itself."""
+    return any(tensor.grad_fn is node for _, tensor in candidates(scope, batch))
 
 
 def remade_attribute(node, scope: Scope | None) -> str | None:

@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import re
 import time
 import types
@@ -144,7 +145,7 @@ class Guard:
         # whether that step is over) (see ``end_step``)
         self._held: tuple | None = None
         # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
-        self._keeping: dict[str, tuple[int, str, weakref.ref]] = {}
+        self._keeping: dict[str, tuple[int, str, weakref.ref, int | None]] = {}
         self._warned: set[str] = set()
         # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
         # each name (one found again under its name as another tensor is made anew every step)
@@ -654,6 +655,10 @@ class Guard:
             ran = [sequence_nr(n) for n in carried if self._ran_last and sequence_nr(n) in self._ran_last]
             if why is None and any(iteration is None or seq < iteration for seq in ran):
                 why = _RAN_AGAIN
+            if why is None:  # a one-step lag, unless it is a weight's cast the last step's backward used, updated since
+                stale = [n for n in carried if _weight_cast(n) and explain.changed([n], self._last_versions)]
+                if stale:
+                    self._stale_cast(stale[0], case)
             if why is not None:
                 self._freed_in_iteration(carried[0], why, case, iteration)
                 self._carried_and_kept(carried[0], why, case)
@@ -698,21 +703,24 @@ class Guard:
                          "if both losses need its gradient, pass retain_graph=True to the earlier backward"]
             raise self._error(DoubleBackwardError, node, case, detail, fixes, trace_hint=True)
 
+    def _stale_cast(self, node, case: Case) -> None:
+        raise self._error(CarriedGraphError, node, case,
+            "the loss reaches {node}, a low-precision copy of a weight that torch.autocast made during an "
+            "earlier step and keeps until its outermost region exits: this step's forward computed with that "
+            "step's weights, not the updated ones",
+            ["enter torch.autocast around each forward and its loss only, never around an optimizer step (as "
+             "PyTorch's AMP examples do), so that the weights are cast anew after each update",
+             "call torch.clear_autocast_cache() after each optimizer step"])
+
     def _carried_and_kept(self, node, why: str, case: Case) -> None:
         """Carried from an earlier step and kept -> CarriedGraphError (``why``: see ``_why_carried``). Not kept
         (a node another thread made in this step, see ``_kept``): no verdict. Made by an earlier forward as a module
         attribute that each forward makes again (a pruned weight, see ``explain.remade_attribute``), read before this
         step's forward: said as such, kept or not (the attribute holds this step's value now)."""
         self._remade(CarriedGraphError, node, case, "by an earlier step's forward", why)
-        if type(node).__name__ == "ToCopyBackward0" and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")) \
-                and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions):
-            raise self._error(CarriedGraphError, node, case,
-                "the loss reaches {node}, a low-precision copy of a weight that torch.autocast made during an "
-                "earlier step and keeps until its outermost region exits: this step's forward computed with that "
-                "step's weights, not the updated ones",
-                ["enter torch.autocast inside the loop, around each iteration's forward and loss (as PyTorch's AMP "
-                 "examples do), so that every iteration casts the weights anew",
-                 "or call torch.clear_autocast_cache() after each optimizer step"])
+        if _weight_cast(node) and (any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+                                   or not explain.holds(node, case.scope, case.batch)):
+            self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
         kept, holder = self._kept(node, case)
         if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
             listed = _code(holder.list_of)
@@ -887,6 +895,13 @@ class Guard:
                     detail = (f"this loss ({{node}}{held}) was already back-propagated by {backward} in this step, "
                               "without retain_graph, which freed its saved tensors")
                     fixes = [self.words.twice, self.words.shared]
+                elif root in shared:  # made from that loss (`errD = errD_real + errD_fake` after both went back)
+                    term = f"`{_code(holder)}`" if _code(holder) else f"the loss '{earlier}'"
+                    detail = (f"this loss is made from {term} ({{node}}), which {backward} in this step already "
+                              "back-propagated without retain_graph, freeing its saved tensors: its gradient is in "
+                              ".grad already, and with retain_graph=True there it would be added twice")
+                    fixes = ["delete this backward: the gradients of the losses it adds up are in .grad already",
+                             "back-propagate the sum alone, without a backward of each of its terms"]
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
                     detail += _CHANGED.format(explain.leaf_names(changed, scope))
@@ -924,6 +939,12 @@ class Guard:
                   f"without retain_graph{explain.at(first[5]) if first else ''}, which freed the saved tensors of "
                   "its graph")
         fixes = [self.words.twice, self.words.shared]
+        here = explain.where(self.frame)
+        if first and first[5] and here and here[0] != first[5][0]:  # this backward is another file's: a library's
+            caller = os.path.join(*Path(here[0]).parts[-2:]) if here[0].endswith("__init__.py") else \
+                os.path.basename(here[0])
+            fixes = [f"delete the backward{explain.at(first[5])}: the code calling this one ({caller}, a library's "
+                     "training step say) runs backward on the loss itself"]
         changed = explain.changed([loss.grad_fn], first[4]) if first else []
         if changed:  # SAM's second pass on the first pass's loss: the loss at the changed parameters is another
             detail += _CHANGED.format(explain.leaf_names(changed, scope))
@@ -1003,11 +1024,13 @@ class Guard:
                 code = f"`{_code(holder)}`" if _code(holder) else "the tensors made from it"
                 return self._error(InplaceModificationError, node, case,
                     f"the loss reaches {{node}}, held by {{holder}}, whose graph saved "
-                    f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, with no "
-                    f"optimizer step in between ({_WRITES})",
+                    f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, by no "
+                    f"optimizer step the guard was told of ({_WRITES})",
                     [f"compute {code} inside {self.words.place}, after the weights are written, so that its graph "
                      "saves them as they are",
-                     "write the weights (load, initialize, wrap in DDP) before computing anything from them"],
+                     "write the weights (load, initialize, wrap in DDP) before computing anything from them",
+                     "if an optimizer step wrote them (a GAN's discriminator step before the generator's loss), "
+                     "compute the loss after that step"],
                     holder=holder)
             if stepped:
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
@@ -1072,12 +1095,13 @@ class Guard:
         ``stepped`` maps each optimizer that already stepped in this step to the node counter
         at its step. Only this step's nodes (counter >= ``start_seq``) made before the newest
         of those steps can hold a stale tensor, so only their saved tensors are unpacked, and
-        with ``inputs`` only those backward will run (on a path to an input).
+        with ``inputs`` only those backward will run (on a path to an input). ``stepped`` empty: every node of the
+        step's is looked at (for a backward someone else runs, whose error the guard cannot explain afterwards).
         Returns PyTorch's error and the optimizers that stepped after that node was made.
         """
         if self.is_off("inplace"):
             return None
-        newest = max(stepped.values())
+        newest = max(stepped.values(), default=math.inf)
         t0 = time.perf_counter()
         try:
             ran = None
@@ -1131,12 +1155,15 @@ class Guard:
         for first, holder in self.piled(step, refs, scope):
             self.warn_leak(first, step, holder)
 
-    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None) -> list[tuple[int, str | None]]:
+    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None,
+              iteration: int | None = None) -> list[tuple[int, str | None]]:
         """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
         step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
         holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this
         step's is its new one; so did one whose earlier graph this step's loss went through (a tensor made in
-        one step, back-propagated in the next, and held until the next one replaces it: no pile)."""
+        one step, back-propagated in the next, and held until the next one replaces it: no pile). ``iteration``:
+        the loop iteration of ``step``, where one has several (a step per optimizer): a holder of two steps of
+        one iteration (mmengine's `log_vars` of a GAN's D and G losses) keeps no more than that iteration's."""
         if not refs or self.is_off("leak"):
             return []
         out = []
@@ -1148,16 +1175,18 @@ class Guard:
             key = self.leak_key(holder)
             earlier = self._keeping.get(key)
             alive = earlier[2]() if earlier is not None else None
-            if alive is not None and id(alive) not in sentinel.fed_by:
+            if alive is not None and id(alive) not in sentinel.fed_by \
+                    and (iteration is None or earlier[3] != iteration):
                 out.append(earlier[:2])
-            else:
-                self._keeping[key] = (step, holder, ref)
+            elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
+                self._keeping[key] = (step, holder, ref, iteration)
         return out
 
     @staticmethod
     def leak_key(holder: str | None) -> str:
-        # self.history[3] is self.history[0] again (not model.layers[0].out and model.layers[1].out: two holders)
-        return "leak:" + re.sub(r"(\[\d+\])+$", "[]", holder or "")
+        # self.history[3] is self.history[0] again, and history[3]['loss'] history[0]['loss'] (not model.layers[0].out
+        # and model.layers[1].out: two holders)
+        return "leak:" + re.sub(r"(\[\d+\])+(?=(\[[^\]]*\])*$)", "[]", holder or "")
 
     def warn_leak(self, first: int, step: int, holder: str | None, frame=None) -> None:
         """Warn once per holder (None: not found by name); ``frame``: the user's code to point at (default:
@@ -1376,6 +1405,11 @@ _FREED = ("an earlier backward already freed the saved tensors of its graph, so 
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
 _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
               "again: its gradient is added a second time, through weights the update has since changed")
+
+
+def _weight_cast(node) -> bool:
+    """Whether ``node`` copied a leaf (a weight) to another dtype, as ``torch.autocast`` does once per region."""
+    return type(node).__name__ == "ToCopyBackward0" and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions)
 
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
@@ -104,14 +104,16 @@ class GraphGuard:
         self._first_site: tuple | None = None
         self._kept = False  # the last backward kept its graph (retain_graph, create_graph)
         self._iteration_seq: int | None = None
-        self._globals: dict | None = None  # more globals to search (a script's, under watch)
+        self._iterations = 0  # loop iterations begun, where steps end at optimizer steps (several per iteration)
+        self._script: str | None = None  # the script whose functions' variables are searched first (under watch)
+        self._globals: dict | None = None  # more globals to search (the script's, under watch)
         self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
         self._timed, self._started, self._ended = False, 0.0, 0.0
-        # Checked steps' graphs (step, weak references), looked at two steps later: a loop's variables
-        # hold the last step's loss until the next step replaces it, and a script's variables hold its
+        # Checked steps' graphs (step, its loop iteration, weak references), looked at two steps later: a loop's
+        # variables hold the last step's loss until the next step replaces it, and a script's variables hold its
         # last losses to the end, which is no leak. A leak is one holder keeping the graphs of several
-        # steps at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
-        self._graphs: list[tuple[int, list]] = []
+        # iterations at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
+        self._graphs: list[tuple[int, int | None, list]] = []
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
         self._stepping: weakref.WeakSet = weakref.WeakSet()  # the optimizers seen stepping (under watch)
         self._expected = len(optimizers)  # the optimizers the loop will step (``expect_optimizers``)
@@ -171,6 +173,7 @@ class GraphGuard:
                 self._first_site = self._site
             if self._site == self._first_site:
                 self._iteration_seq = guard.start_seq
+                self._iterations += 1
         waiting = self._expected > len(self._recent)  # an optimizer that has not stepped yet
         if not explicit and len(self._recent) + waiting > 1:
             # Several optimizers, a step ending at each one's update: the "last step" a value may come from
@@ -189,7 +192,7 @@ class GraphGuard:
         self._open = False
         self._frame = None  # a frame holds every variable of its function: never kept past the step
         if self._timed and not failed:
-            self._graphs.append((step, guard.step_graphs()))
+            self._graphs.append((step, None if self._explicit else self._iterations, guard.step_graphs()))
             guard.record_step_time(step, (self._ended if lazily else _perf_counter()) - self._started)
         if not lazily:
             guard.step_done()
@@ -228,12 +231,30 @@ class GraphGuard:
         hook, before ``accelerator.backward(loss)``). ``loss``: a tensor, or a dict of named losses."""
         losses = dict(loss) if isinstance(loss, Mapping) else {"loss": loss}
         _need_tensors("check", losses)
-        losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
+        losses = self._checked(losses)
         if not losses:
             return
         self._preflight(losses, sys._getframe(1))
-        self.guard.backward_done(None)  # the backward that follows may free the graph: a later check looks
+        guard = self.guard
+        if guard.thorough and guard.start_seq is not None and walk.HAS_SEQ:
+            # PyTorch's error for a saved tensor changed in place would come from someone else's backward, unexplained
+            for name, loss in losses.items():
+                found = guard.inplace_check(loss, {}, guard.start_seq)
+                explained = found and guard.explain(found[0], name, loss, self.steps, self.scope)
+                if explained:
+                    raise explained from found[0]
+        guard.backward_done(None)  # the backward that follows may free the graph: a later check looks
         self._mark(losses, retained=True)
+
+    def _checked(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The losses to pre-flight: no leaf that requires grad (a backward on a parameter itself, or on several leaves:
+        nothing to check), but a lone scalar one that is no parameter (a loss remade from ``.item()`` with
+        ``requires_grad=True``, which reaches no parameter: the pre-flight says so)."""
+        if len(losses) == 1:
+            (loss,) = losses.values()
+            return {} if loss.grad_fn is None and loss.requires_grad and (loss.dim() > 0 or self._trained(loss)) \
+                else losses
+        return {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
 
     def ignore(self, *checks: str):
         """``with guard.ignore("carried"): ...``: those checks off for the code and graphs inside."""
@@ -244,14 +265,9 @@ class GraphGuard:
         """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward; ``updates``: False for
         ``torch.autograd.grad``, which writes no ``.grad``); its autograd error explained."""
         guard = self.guard
-        if len(losses) == 1:
-            (loss,) = losses.values()
-            if loss.grad_fn is None and loss.requires_grad and (loss.dim() > 0 or self._trained(loss)):
-                return call(retain_graph)  # backward on a parameter itself: nothing to check
-        else:
-            losses = {n: t for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad}
-            if not losses:  # leaves that require grad: nothing to check
-                return call(retain_graph)
+        losses = self._checked(losses)
+        if not losses:
+            return call(retain_graph)
         retain = self._preflight(losses, frame, updates)
         step = self.steps
         if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
@@ -297,16 +313,18 @@ class GraphGuard:
                     running.f_locals  # noqa: B018
                 running = running.f_back
         while self._graphs and self._graphs[0][0] <= step - 2:
-            done, refs = self._graphs.pop(0)
-            for first, holder in guard.piled(done, refs, self.scope):
-                guard.warn_leak(first, done, holder, frame)
-        if guard.checking:  # marks are made on checked steps (see _mark)
-            for name, loss in losses.items():
-                done = loss.grad_fn.metadata.get(_DONE) if loss.grad_fn is not None else None
-                if done is not None:
-                    guard.check_again(name, loss, step, self.scope, done)
+            done, iteration, refs = self._graphs.pop(0)
+            for first, holder in guard.piled(done, refs, self.scope, iteration):
+                # shown at the script's line under watch (a library's backward called the guard)
+                shown = next((f for f in stack(frame) if f.f_code.co_filename == self._script), frame)
+                guard.warn_leak(first, done, holder, shown)
         guard.frame = frame
         try:
+            if guard.checking:  # marks are made on checked steps (see _mark)
+                for name, loss in losses.items():
+                    done = loss.grad_fn.metadata.get(_DONE) if loss.grad_fn is not None else None
+                    if done is not None:
+                        guard.check_again(name, loss, step, self.scope, done)
             return guard.preflight(losses, step, self.scope, iteration=self._iteration_start(), updates=updates)
         finally:
             guard.frame = None  # a frame holds every variable of its function: never kept
@@ -374,9 +392,11 @@ class GraphGuard:
         self._expected = max(self._expected, count)
 
     # -- what messages may search --------------------------------------------------------------
-    def search_globals(self, namespace: Mapping[str, Any]) -> None:
-        """Search ``namespace`` too (a script's globals, under ``python -m safeloop.watch``) for the tensor at fault."""
-        self._globals = namespace
+    def search_script(self, script: str, namespace: Mapping[str, Any]) -> None:
+        """Search the variables of ``script``'s functions running when a search runs, first, and ``namespace`` (its
+        globals): under ``python -m safeloop.watch``, where a library's code may call backward (ignite's
+        ``create_supervised_trainer``, ``accelerator.backward``), the names a fix can use are the script's."""
+        self._script, self._globals = script, namespace
 
     def variables(self, frame) -> Mapping[str, Any]:
         """The variables of the function running ``frame``, read for a search. Before 3.13 reading them
@@ -385,22 +405,24 @@ class GraphGuard:
         return frame.f_locals
 
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
-        out = []
-        frame = self._frame
+        """The variables searched: those of the function that called backward and of every function of its file
+        running (the loop around a `train_step(x, y)` closure; a `main()` around a library's loop that calls a loss
+        function of the same file), the script's before them under watch; then their globals."""
+        frame, out, spaces = self._frame, [], []
         if frame is not None:
-            variables = self.variables(frame)
-            # a module's code (not its copy of them while 3.12 runs a comprehension inlined: PEP 709) has no locals
-            if variables is not frame.f_globals and frame.f_code.co_name != "<module>":
-                out.append(("local", variables))
-            # and the callers' of the same file (the loop around a `train_step(x, y)` closure that calls backward)
-            caller = frame.f_back
-            while caller is not None and caller.f_code.co_filename == frame.f_code.co_filename \
-                    and caller.f_code.co_name != "<module>":
-                out.append(("local", self.variables(caller)))
-                caller = caller.f_back
-            out.append(("global", frame.f_globals))
-        if self._globals is not None and (frame is None or self._globals is not frame.f_globals):
-            out.append(("global", self._globals))
+            files = (self._script, frame.f_code.co_filename)
+            frames = [f for f in stack(frame) if f.f_code.co_filename in files]
+            frames.sort(key=lambda f: f.f_code.co_filename != self._script)  # (stable: the nearest first)
+            for running in frames:
+                variables = self.variables(running)
+                # a module's code (not its copy of them while 3.12 runs a comprehension inlined: PEP 709) has no
+                # locals
+                if variables is not running.f_globals and running.f_code.co_name != "<module>":
+                    out.append(("local", variables))
+            spaces = [running.f_globals for running in frames]
+        for space in ([self._globals] if self._globals is not None else []) + spaces:
+            if all(space is not seen for _, seen in out):
+                out.append(("global", space))
         return out
 
     def _trained(self, leaf: torch.Tensor) -> bool:
@@ -491,3 +513,10 @@ def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:
         except AttributeError:
             continue
     return False
+
+
+def stack(frame) -> Iterator:
+    """``frame`` and its callers, the nearest first."""
+    while frame is not None:
+        yield frame
+        frame = frame.f_back

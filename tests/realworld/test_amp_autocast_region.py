@@ -84,7 +84,7 @@ def test_one_region_under_watch_is_stopped_naming_autocast(check):
     with pytest.raises(CarriedGraphError) as caught, Watch(GraphGuard(check=check), __file__):
         one_region_hand(net, data()(net))
     assert "a low-precision copy of a weight that torch.autocast made during an earlier step" in str(caught.value)
-    assert "enter torch.autocast inside the loop" in str(caught.value)
+    assert "enter torch.autocast around each forward and its loss only" in str(caught.value)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32"])

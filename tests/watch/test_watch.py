@@ -32,7 +32,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 BROKEN = {
     # the whole loop inside one torch.autocast region: its cached weight copies, made in the first step
     "autocast_around_loop": r"CarriedGraphError: .*the loss reaches ToCopyBackward0, a low-precision copy of a weight "
-                            r"that torch.autocast made during an earlier step.*enter torch.autocast inside the loop",
+                            r"that torch.autocast made during an earlier step.*enter torch.autocast around each forward and its loss",
     "loop_in_except_block": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, built "
                             r"before the step \(before the loop\) and held by `global feat`",
     # a backward in an `except` block of the loop (an out-of-memory retry; Python 3.12 puts the block after the end)
