@@ -97,6 +97,9 @@ class Watch:
         if not all(isinstance(t, torch.Tensor) for t in tensors):  # GradientEdge outputs: not ours to check
             return run(retain_graph)
         losses = {"loss": tensors[0]} if len(tensors) == 1 else {f"outputs[{i}]": t for i, t in enumerate(tensors)}
+        # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling
+        # it: where a step begins, the line messages show, the variables searched first
+        frame = next((f for f in stack(frame) if f.f_code.co_filename == self.script), frame)
         if not self.started:
             self.started = True
             self.first_step(frame)

@@ -202,8 +202,9 @@ def holds(node, scope: Scope | None = None, batch: Any = None) -> bool:
 def remade_attribute(node, scope: Scope | None) -> str | None:
     """The name of a module's tensor attribute (not a parameter or buffer) that each forward makes again (a forward
     pre-hook sets it: ``torch.nn.utils.prune``, the old ``weight_norm``) and whose value now is made as ``node``
-    was, by the same operation from the same leaves: ``node`` is an earlier forward's value of it, read before this
-    step's forward made the new one. None when there is none."""
+    was, by the same operation from the same leaves, not from ``node`` (a state carried from forward to forward,
+    ``self.memory = f(x, self.memory)``, is made from its last value): ``node`` is an earlier forward's value of it,
+    read before this step's forward made the new one. None when there is none."""
     leaves = {id(v) for v in walk.below(node)[1]}
     if not leaves:
         return None
@@ -212,7 +213,7 @@ def remade_attribute(node, scope: Scope | None) -> str | None:
             for key, val in vars(mod).items():
                 fn = val.grad_fn if issubclass(type(val), torch.Tensor) else None  # by type: see find_holder
                 if fn is not None and fn is not node and type(fn) is type(node) \
-                        and {id(v) for v in walk.below(fn)[1]} == leaves:
+                        and {id(v) for v in walk.below(fn)[1]} == leaves and not reachable(fn, node, limit=2_000):
                     return f"{name}.{mod_name}.{key}" if mod_name else f"{name}.{key}"
     return None
 

@@ -900,8 +900,10 @@ class Guard:
                     detail = (f"this loss is made from {term} ({{node}}), which {backward} in this step already "
                               "back-propagated without retain_graph, freeing its saved tensors: its gradient is in "
                               ".grad already, and with retain_graph=True there it would be added twice")
-                    fixes = ["delete this backward: the gradients of the losses it adds up are in .grad already",
-                             "back-propagate the sum alone, without a backward of each of its terms"]
+                    fixes = [f"back-propagate it once: delete this backward, or {backward} (a library's backward "
+                             "of the loss you give it, accelerator.backward or mmengine's update_params, "
+                             "back-propagates the loss itself)",
+                             "for a sum, back-propagate the sum alone or each of its terms, not both"]
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
                     detail += _CHANGED.format(explain.leaf_names(changed, scope))
@@ -1386,13 +1388,16 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> 
     """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the tensor the scope holds (a module's
     buffer or attribute, a variable) whose version is the one PyTorch names and whose number of elements ``tensor``
     has (the saved tensor may be a view of it: an unsqueezed queue), searched nearest first: the first variable that
-    holds such tensors must hold one alone (None if none does, or if it holds several: two buffers alike)."""
+    holds such tensors must hold one alone (None if none does, or if it holds several: two buffers alike). An
+    operation's output ("output 0 of Sigmoid") is in the graph: a tensor that requires no grad (a deep copy of a
+    state dict) is not it."""
     version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
     if version is None or sizes is None:
         return None
     numel = math.prod(int(n) for n in re.findall(r"\d+", sizes.group(1)))
+    output = "output 0 of " in text
     found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in explain.candidates(scope, batch)
-             if t._version == int(version.group(1)) and t.numel() == numel]
+             if t._version == int(version.group(1)) and t.numel() == numel and (t.requires_grad or not output)]
     nearest = {id(t): name for holder, name, t in found if holder == found[0][0]} if found else {}
     return next(iter(nearest.values())) if len(nearest) == 1 else None
 

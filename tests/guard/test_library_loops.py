@@ -197,8 +197,9 @@ def test_a_sum_back_propagated_after_its_terms_is_said_to_add_their_gradients_tw
                                                   r"\(BinaryCrossEntropyBackward0\), which the backward of 'loss' at "
                                                   r"test_library_loops.py:\d+ in this step already back-propagated "
                                                   r"without retain_graph.*with "
-                                                  r"retain_graph=True there it would be added twice. To fix: delete "
-                                                  r"this backward"):
+                                                  r"retain_graph=True there it would be added twice. To fix: "
+                                                  r"back-propagate it once: delete this backward, or the backward of "
+                                                  r"'loss' at test_library_loops.py:\d+"):
         watched(discriminator_step)
 
 
