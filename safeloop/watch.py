@@ -97,15 +97,16 @@ class Watch:
         if not all(isinstance(t, torch.Tensor) for t in tensors):  # GradientEdge outputs: not ours to check
             return run(retain_graph)
         losses = {"loss": tensors[0]} if len(tensors) == 1 else {f"outputs[{i}]": t for i, t in enumerate(tensors)}
-        # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling
-        # it: where a step begins, the line messages show, the variables searched first
-        frame = next((f for f in stack(frame) if f.f_code.co_filename == self.script), frame)
         if not self.started:
             self.started = True
             self.first_step(frame)
+        # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling
+        # it: where a step begins, the line messages show, the variables searched first
+        line = next((f for f in stack(frame) if f.f_code.co_filename == self.script), frame)
         self.busy = True
         try:
-            return self.guard.run(losses, frame, run, retain_graph, create_graph, inputs, updates)
+            return self.guard.run(losses, line, run, retain_graph, create_graph, inputs, updates,
+                                  caller=frame if line is not frame else None)
         finally:
             self.busy = False
 

@@ -334,7 +334,12 @@ def traceback_of(node) -> str | None:
 
 def _in_library(frame: str) -> bool:
     found = _FILE.search(frame)
-    return found is not None and found.group(1).startswith(_LIBRARIES)
+    return found is not None and library_file(found.group(1))
+
+
+def library_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's or safeloop's (never the user's code)."""
+    return filename.startswith(_LIBRARIES)
 
 
 def versions(leaves) -> list[tuple[torch.Tensor, int]]:

@@ -152,6 +152,7 @@ class Guard:
         self._unused: dict[int, weakref.ref] = {}
         self._named: dict[str, weakref.ref] = {}
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
+        self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs, its leaves' versions then, where it was called); a later backward of the step reaching a node
         # they ran would find it freed
@@ -941,7 +942,7 @@ class Guard:
                   f"without retain_graph{explain.at(first[5]) if first else ''}, which freed the saved tensors of "
                   "its graph")
         fixes = [self.words.twice, self.words.shared]
-        here = explain.where(self.frame)
+        here = explain.where(self.caller or self.frame)
         if first and first[5] and here and here[0] != first[5][0]:  # this backward is another file's: a library's
             caller = os.path.join(*Path(here[0]).parts[-2:]) if here[0].endswith("__init__.py") else \
                 os.path.basename(here[0])

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import ConfigError, StepError
 from ..settings import GUARD_DEFAULTS, GuardSettings, read
-from . import walk
+from . import explain, walk
 from .explain import Scope
 from .guard import Guard
 from .words import LOOP
@@ -261,14 +261,16 @@ class GraphGuard:
         return self.guard.ignore(*checks)
 
     def run(self, losses: dict[str, torch.Tensor], frame, call: Callable[[bool | None], Any],
-            retain_graph: bool | None, create_graph: bool = False, inputs=None, updates: bool = True) -> Any:
+            retain_graph: bool | None, create_graph: bool = False, inputs=None, updates: bool = True,
+            caller=None) -> Any:
         """Pre-flight ``losses``, then ``call(retain_graph)`` (the backward; ``updates``: False for
-        ``torch.autograd.grad``, which writes no ``.grad``); its autograd error explained."""
+        ``torch.autograd.grad``, which writes no ``.grad``); its autograd error explained. ``frame``: the loop's
+        line; ``caller``: the frame that called backward, where that is a library's below it (under watch)."""
         guard = self.guard
         losses = self._checked(losses)
         if not losses:
             return call(retain_graph)
-        retain = self._preflight(losses, frame, updates)
+        retain = self._preflight(losses, frame, updates, caller)
         step = self.steps
         if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
             retain_graph = True  # on_reuse=warn/retain keeps a graph built before training
@@ -289,7 +291,8 @@ class GraphGuard:
         self._mark(losses, retained)
         return out
 
-    def _preflight(self, losses: dict[str, torch.Tensor], frame, updates: bool = True) -> list[bool] | None:
+    def _preflight(self, losses: dict[str, torch.Tensor], frame, updates: bool = True,
+                   caller=None) -> list[bool] | None:
         if not self._open:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
@@ -318,7 +321,7 @@ class GraphGuard:
                 # shown at the script's line under watch (a library's backward called the guard)
                 shown = next((f for f in stack(frame) if f.f_code.co_filename == self._script), frame)
                 guard.warn_leak(first, done, holder, shown)
-        guard.frame = frame
+        guard.frame, guard.caller = frame, caller
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
                 for name, loss in losses.items():
@@ -327,7 +330,7 @@ class GraphGuard:
                         guard.check_again(name, loss, step, self.scope, done)
             return guard.preflight(losses, step, self.scope, iteration=self._iteration_start(), updates=updates)
         finally:
-            guard.frame = None  # a frame holds every variable of its function: never kept
+            guard.frame = guard.caller = None  # a frame holds every variable of its function: never kept
 
     def _same_iteration(self, losses: Mapping[str, torch.Tensor]) -> bool:
         """Whether new ``losses`` at the step's first call site reach a node the step made before its last backward
@@ -413,13 +416,20 @@ class GraphGuard:
             files = (self._script, frame.f_code.co_filename)
             frames = [f for f in stack(frame) if f.f_code.co_filename in files]
             frames.sort(key=lambda f: f.f_code.co_filename != self._script)  # (stable: the nearest first)
+            spaces = [running.f_globals for running in frames]
+            # then those a library's code runs below them (mmengine's OptimWrapper that called backward, holding
+            # the optimizer), neither torch's nor safeloop's
+            for running in stack(sys._getframe(1)):
+                if running.f_code.co_filename in files:
+                    break
+                if not explain.library_file(running.f_code.co_filename):
+                    frames.append(running)
             for running in frames:
                 variables = self.variables(running)
                 # a module's code (not its copy of them while 3.12 runs a comprehension inlined: PEP 709) has no
                 # locals
                 if variables is not running.f_globals and running.f_code.co_name != "<module>":
                     out.append(("local", variables))
-            spaces = [running.f_globals for running in frames]
         for space in ([self._globals] if self._globals is not None else []) + spaces:
             if all(space is not seen for _, seen in out):
                 out.append(("global", space))

@@ -393,10 +393,6 @@ def test_guard_backward_of_the_undivided_loss_is_not_accelerator_backward():
     assert not torch.equal(ours["model0.0.weight"], ref["model0.0.weight"])
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="GraphGuard(model, optimizer) calls optimizer.register_step_post_hook: accelerate's "
-                          "AcceleratedOptimizer never runs Optimizer.__init__, so '_optimizer_step_post_hooks' is "
-                          "missing (AttributeError inside safeloop)")
 @pytest.mark.parametrize("check", ["auto"])
 def test_guard_given_the_prepared_optimizer(check):
     """``GraphGuard(model, optimizer)`` with the optimizer ``accelerator.prepare`` returned (an
@@ -923,8 +919,6 @@ WATCH_NAMES_NOTHING = ("under watch a backward run by accelerator.backward (its 
 
 
 # seed 001: a tensor built outside the step and reused by every step
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "and the reused graph is a DoubleBackwardError at step 2 advising to delete the second backward"))
 def test_prototypes_built_before_the_loop_are_named_under_watch():
     """``prototypes = model.proj(anchors)`` after ``accelerator.prepare`` and before the loop, used by every
     micro-batch inside ``accelerator.accumulate``: under watch, stopped before a backward through it with
@@ -953,8 +947,6 @@ def test_prototypes_recomputed_inside_the_loop_run_quiet_and_right(check):
 
 
 # an RNN's hidden state carried with its graph
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "and the carried state is a DoubleBackwardError advising to delete the second backward"))
 def test_rnn_hidden_state_carried_is_named_under_watch():
     """``logits, hidden = model(x, hidden)`` over consecutive chunks with ``accelerator.backward(loss)``: under
     watch, a ``CarriedGraphError`` naming ``hidden`` and advising ``hidden = hidden.detach()``."""
@@ -998,8 +990,6 @@ def leak_messages(how, check="auto"):
     return [str(w.message) for w in caught if issubclass(w.category, GraphLeakWarning)]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "so the leak is said to be held by 'a reference kept outside the step'"))
 def test_running_total_loss_with_its_graph_is_named_under_watch():
     """``total_loss += loss`` (complete_nlp_example's ``total_loss += loss.detach().float()`` without the detach),
     inside ``accelerator.accumulate``: under watch, a ``GraphLeakWarning`` naming ``total_loss``."""
@@ -1045,10 +1035,6 @@ def test_loss_computed_with_grad_runs_quiet_and_right(check):
 
 
 # backward twice through one graph
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "under watch accelerator.backward back-propagates `loss / gradient_accumulation_steps`, a new tensor, so a "
-    "second backward of the same loss is taken for a second loss sharing its graph: the first fix offered is "
-    "retain_graph=True on the first backward, which would add the same gradient twice"))
 def test_loss_backward_left_above_accelerator_backward_advises_deleting_one_under_watch():
     """``loss.backward()`` left above ``accelerator.backward(loss)``: under watch, a ``DoubleBackwardError`` before
     the second, naming ``loss``, whose first fix is to delete one backward (not ``retain_graph=True``)."""
@@ -1081,9 +1067,6 @@ def test_one_accelerator_backward_runs_quiet_and_right(check):
 
 
 # an in-place change to a tensor autograd saved
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "the InplaceModificationError says 'the output of Div' without `local features`, which it names when the loop "
-    "calls loss.backward() itself"))
 def test_features_normalized_in_place_are_named_under_watch():
     """``features /= features.norm(dim=1, keepdim=True)`` on ``tanh``'s output, which ``tanh`` saved: under watch,
     an ``InplaceModificationError`` naming ``features`` and the out-of-place form."""
@@ -1101,9 +1084,6 @@ def test_features_normalized_in_place_are_explained_under_watch():
     assert untouched()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "guard.check(loss) before accelerator.backward(loss), the pairing docs/guard.md gives for accelerate, does not "
-    "look at saved tensors' versions, and the backward it does not run raises PyTorch's raw in-place RuntimeError"))
 def test_features_normalized_in_place_are_explained_by_graph_guard():
     """With ``GraphGuard``: an ``InplaceModificationError`` naming ``features`` (``guard.backward`` gives one)."""
     with pytest.raises(InplaceModificationError, match=r"`local features`"):
@@ -1117,8 +1097,6 @@ def test_features_normalized_out_of_place_run_quiet_and_right(check):
 
 
 # a GAN: D's loss through the generator's graph; G's loss built before D's update
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "neither `fake` nor `fake.detach()` is in the DoubleBackwardError, which advises deleting the second backward"))
 def test_gan_fake_not_detached_is_named_under_watch():
     """D's loss on ``netD(fake)`` where ``fake.detach()`` is meant, with ``accelerator.backward``: under watch, a
     ``DoubleBackwardError`` before G's backward naming ``fake`` with the fix ``fake.detach()`` (as watch says for a
@@ -1154,9 +1132,6 @@ def test_gan_generator_loss_before_the_discriminator_update_names_the_update_and
     assert "optimizerD" in str(info.value) and "errG" in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "guard.check(errG) before accelerator.backward(errG) says nothing; the backward raises PyTorch's raw in-place "
-    "RuntimeError"))
 def test_gan_generator_loss_before_the_discriminator_update_is_explained_by_graph_guard():
     """With ``GraphGuard``: an ``InplaceModificationError`` naming ``errG``, before its backward."""
     with pytest.raises(InplaceModificationError, match=r"`local errG`"):
@@ -1274,7 +1249,6 @@ def test_watch_subprocess_stops_a_statistic_built_before_the_loop(scripts):
     assert "Trying to backward through the graph a second time" not in err.split("safeloop.errors.")[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + "`prior` is not named")
 def test_watch_subprocess_names_the_statistic_built_before_the_loop(scripts):
     """The guard's error under ``python -m safeloop.watch`` names ``prior`` and says to recompute it in the loop."""
     code, out, err = scripts["prior watched"]
@@ -1336,9 +1310,6 @@ def autocast_said(how):
     return [str(w.message) for w in caught if issubclass(w.category, GraphLifecycleWarning)]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "watch stays quiet (with accelerator.backward or loss.backward): every step's graph reaches the bfloat16 casts "
-    "of the weights made at step 1 (ToCopyBackward0), and the forward uses the weights of before every update"))
 def test_one_autocast_region_around_the_loop_is_reported_under_watch():
     """Under watch, the casts kept by the autocast region are reported before the second step's backward (its
     forward already used stale weights), with a fix naming autocast, as ``GraphGuard`` does."""
@@ -1356,10 +1327,6 @@ def test_one_autocast_region_around_the_loop_is_reported_by_graph_guard():
                      r"torch.clear_autocast_cache\(\)", str(said))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "GraphGuard raises at step 3: a cast made in step 1 and used by step 2 only passes, as a value the last step made "
-    "(soft actor-critic's alpha) does, though the weight it was cast from has been updated since, so step 2's update "
-    "was computed with stale weights; and the message reads 'or or call torch.clear_autocast_cache()'"))
 def test_one_autocast_region_around_the_loop_is_stopped_before_the_first_stale_update():
     """The first forward with stale weights is step 2's: stopped before its backward, with a message in good form."""
     said = autocast_said("guard")
@@ -1431,9 +1398,6 @@ def test_two_losses_through_one_trunk_each_by_accelerator_backward(check):
     assert len(ref["logged"]) == 6
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WATCH_NAMES_NOTHING + (
-    "and both backwards come from one line of accelerate's, so the second loss is taken for a new step (step 2) and "
-    "the first fix offered is to delete the second backward"))
 def test_two_losses_through_one_trunk_without_retain_graph_under_watch():
     """``accelerator.backward(loss_cls)`` without ``retain_graph=True``, then ``accelerator.backward(loss_reg)``
     through the same trunk: under watch, a ``DoubleBackwardError`` at step 1, before the second backward, whose
