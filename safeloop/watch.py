@@ -118,9 +118,11 @@ class Watch:
 
     def stepped(self, optimizer, args, kwargs) -> None:
         name = self.names.get(id(optimizer))
-        if name is None:  # its variable's name in the script, once
-            main = vars(sys.modules["__main__"])
-            name = next((k for k, v in main.items() if v is optimizer),
+        if name is None:  # its variable's name in the script (or a wrapper's: accelerate's prepared one), once
+            script = [f for f in stack(sys._getframe(1)) if f.f_code.co_filename == self.script]
+            spaces = [*map(self.guard.variables, script), vars(sys.modules["__main__"])]  # the nearest first
+            # (not `self` of a wrapper's own step method in the script)
+            name = next((k for space in spaces for k, v in space.items() if _optimizer(v) is optimizer and k != "self"),
                         f"{type(optimizer).__name__} #{len(self.names) + 1}")
             self.names[id(optimizer)] = name
         self.guard.optimizer_stepped(name, optimizer)
@@ -143,7 +145,7 @@ class Watch:
         seen = [namespace, *(self.guard.variables(f) for f in stack(frame) if f.f_code.co_filename == self.script)]
         values = [v for names in seen for v in names.values()]
         values += [a for v in values for a in _fields(v).values()]  # a trainer class's `self.opt` too
-        self.guard.expect_optimizers(len({id(v) for v in values if issubclass(type(v), torch.optim.Optimizer)}))
+        self.guard.expect_optimizers(len({id(_optimizer(v)) for v in values if _optimizer(v) is not None}))
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
@@ -235,6 +237,15 @@ def _stored(ins: dis.Instruction) -> tuple[str, ...]:
     if ins.opname == "STORE_FAST_STORE_FAST":
         return ins.argval
     return (ins.argval[0],) if ins.opname == "STORE_FAST_LOAD_FAST" else ()
+
+
+def _optimizer(value):
+    """The optimizer ``value`` is, or wraps (accelerate's prepared ``AcceleratedOptimizer``, whose inner optimizer's
+    steps are the ones PyTorch's global step hooks see), else None; by type only (see ``_fields``)."""
+    if not issubclass(type(value), torch.optim.Optimizer):
+        return None
+    inner = _fields(value).get("optimizer")
+    return inner if issubclass(type(inner), torch.optim.Optimizer) else value
 
 
 def _fields(obj) -> dict:

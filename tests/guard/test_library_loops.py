@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from safeloop import GraphGuard
 from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError
-from safeloop.errors import InplaceModificationError, NoGraphError
+from safeloop.errors import InplaceModificationError, NoGraphError, UnusedGradientWarning
 from safeloop.watch import Watch
 
 from .enginelib import Engine, OptimWrapper, supervised_trainer
@@ -385,3 +385,63 @@ def test_the_generators_casts_made_in_the_critics_step_are_no_stale_copy_when_on
         return netG, netD
     for ours, ref in zip(watched(run), run(), strict=True):
         assert same(ours, ref)
+
+
+# -- an optimizer wrapped as accelerate prepares it ------------------------------------------------------------------
+class Prepared(torch.optim.Optimizer):
+    """As accelerate's ``AcceleratedOptimizer``: never runs ``Optimizer.__init__``, steps the optimizer it wraps."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+class Listed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.layers = [nn.Linear(4, 1)]  # a plain list: not registered, so not in model.parameters()
+
+    def forward(self, x):
+        return self.layers[0](self.first(x))
+
+
+def test_a_layer_no_prepared_optimizer_holds_is_warned_of_under_watch():
+    """The optimizer a wrapper holds is the one that steps (PyTorch's global step hooks see it): it counts once."""
+    def run():
+        torch.manual_seed(0)
+        model = Listed()
+        optimizer = Prepared(torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in batches(3):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with pytest.warns(UnusedGradientWarning, match=r"gradient that no optimizer uses"):
+        with Watch(GraphGuard(check="always"), __file__):
+            run()
+
+
+def test_an_update_between_a_loss_and_its_backward_is_named_by_the_functions_variable():
+    def run():
+        torch.manual_seed(0)
+        netG, netD = nn.Sequential(nn.Linear(3, 4), nn.Tanh()), nn.Linear(4, 1)
+        optimizerD = Prepared(torch.optim.SGD(netD.parameters(), lr=0.1))
+        for real in [torch.randn(6, 4) for _ in range(2)]:
+            fake = netG(torch.randn(6, 3))
+            errG = F.softplus(-netD(fake)).mean()  # built before D's update: the mistake
+            F.softplus(netD(fake.detach()) - netD(real)).mean().backward()
+            optimizerD.step()
+            optimizerD.zero_grad()
+            errG.backward()
+    with pytest.raises(InplaceModificationError, match=r"optimizer 'optimizerD' stepped after this loss was built"):
+        watched(run)
