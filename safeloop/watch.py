@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dis
+import functools
 import importlib.machinery
 import itertools
 import json
 import os
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
 
@@ -346,28 +347,36 @@ class _Flow:
         return set(range(first, last + 2)).union(*(range(offset, ends.get(offset, offset + 2)) for offset in code))
 
 
-def _set_by_methods(obj) -> set[str]:
+def _set_by_methods(obj) -> frozenset[str]:
     """The attributes that methods of ``obj``'s class, other than ``__init__``, assign (classes of torch
     itself left out): a ``forward`` that keeps its last output (``self.last_out = out``) sets one every step."""
-    return {i.argval for i in _method_instructions(obj) if i.opname == "STORE_ATTR"}
+    return _methods_of(type(obj))[0]
 
 
 def _calls_setattr(obj) -> bool:
     """Whether a method of ``obj``'s class other than ``__init__`` (classes of torch itself left out) calls
     ``setattr``: it sets attributes whose names ``_set_by_methods`` cannot read."""
-    return any(i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr" for i in _method_instructions(obj))
+    return _methods_of(type(obj))[1]
 
 
-def _method_instructions(obj) -> Iterator[dis.Instruction]:
-    """The instructions of the methods of ``obj``'s class other than ``__init__`` (torch's own classes left out)."""
-    for cls in type(obj).__mro__:
+@functools.lru_cache(maxsize=None)
+def _methods_of(kind: type) -> tuple[frozenset[str], bool]:
+    """What the methods of ``kind`` other than ``__init__`` (torch's own classes left out) do: the attributes they
+    assign, whether they call ``setattr``. Read once per class: a library's objects (accelerate's ``Accelerator``)
+    have classes of thousands of instructions, met at every step's search."""
+    stores, calls = set(), False
+    for cls in kind.__mro__:
         if cls is object or cls.__module__.split(".")[0] == "torch":
             continue
         for name, member in vars(cls).items():
             code = getattr(member, "__code__", None)
             if code is not None and name != "__init__":
                 for c in _codes(code):
-                    yield from dis.get_instructions(c)
+                    for i in dis.get_instructions(c):
+                        if i.opname == "STORE_ATTR":
+                            stores.add(i.argval)
+                        calls = calls or (i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr")
+    return frozenset(stores), calls
 
 
 def _codes(code):
