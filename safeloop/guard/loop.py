@@ -102,7 +102,7 @@ class GraphGuard:
         # the loop's does past a backward run once before the loop) and the node counter when it last began one
         self._begun: dict[tuple | None, int] = {}
         self._first_site: tuple | None = None
-        self._kept = False  # the last backward kept its graph (retain_graph, create_graph)
+        self._kept: bool | None = False  # the last backward kept its graph (retain_graph); None: someone else's
         self._iteration_seq: int | None = None
         self._iterations = 0  # loop iterations begun, where steps end at optimizer steps (several per iteration)
         self._script: str | None = None  # the script whose functions' variables are searched first (under watch)
@@ -244,7 +244,7 @@ class GraphGuard:
                 if explained:
                     raise explained from found[0]
         guard.backward_done(None)  # the backward that follows may free the graph: a later check looks
-        self._mark(losses, retained=True)
+        self._mark(losses, retained=None)
 
     def _checked(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The losses to pre-flight: no leaf that requires grad (a backward on a parameter itself, or on several leaves:
@@ -338,18 +338,23 @@ class GraphGuard:
         over one trunk, each ``backward(retain_graph=True)`` from one line; a second-order adaptation's next inner
         loss), not the loop come round, whose new graph is made after."""
         start, end = self.guard.start_seq, self.guard.next_start
-        if not (self._kept and walk.HAS_SEQ and start is not None and end is not None):
+        if self._kept is False or not (walk.HAS_SEQ and start is not None and end is not None):
             return False
 
         def older(node) -> bool:  # a leaf, or made before the step: not the step's own
             return type(node) is walk.ACCUMULATE or walk.sequence_nr(node) < start
 
-        return any(walk.sequence_nr(node) < end for loss in losses.values() if loss.grad_fn is not None
-                   for node in islice(walk.iter_nodes(loss.grad_fn, stop=older), 100_000))
+        reached = [node for loss in losses.values() if loss.grad_fn is not None
+                   for node in islice(walk.iter_nodes(loss.grad_fn, stop=older), 100_000)
+                   if walk.sequence_nr(node) < end]
+        if self._kept is None:  # the backward after ``check`` was someone else's: did it keep the graph?
+            saver = next((node for node in reached if walk.holds_tensors(node)), None)
+            return saver is not None and not walk.is_freed(walk.unpack_error(saver, first=True))
+        return bool(reached)
 
-    def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool) -> None:
+    def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool | None) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed
-        its graph is looked at again before a later backward."""
+        its graph is looked at again before a later backward (``retained`` None: not known, someone else's)."""
         bounded = self._explicit or self._by_optimizer  # the step's end is known: the marks only serve checks
         self._kept = retained
         if bounded and not self.guard.checking:  # an unchecked step's second backward is explained if it fails
@@ -360,7 +365,7 @@ class GraphGuard:
             if root is not None:
                 meta = root.metadata
                 meta[_SEEN] = step
-                if not retained:
+                if retained is False:
                     meta[_DONE] = step
         if not bounded:  # the step may end here: the next starts here
             self.guard.step_done()

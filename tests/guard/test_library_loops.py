@@ -445,3 +445,19 @@ def test_an_update_between_a_loss_and_its_backward_is_named_by_the_functions_var
             errG.backward()
     with pytest.raises(InplaceModificationError, match=r"optimizer 'optimizerD' stepped after this loss was built"):
         watched(run)
+
+
+def test_check_without_steps_before_someone_elses_backward_tells_a_carried_state_from_a_shared_graph():
+    """``guard.check(loss)`` then a library's backward, no ``with guard.step()``: a hidden state carried with its
+    graph is a state carried from the last iteration (the other backward freed it), not two losses of one step."""
+    torch.manual_seed(0)
+    rnn, head = nn.GRU(4, 8, batch_first=True), nn.Linear(8, 1)
+    optimizer = torch.optim.SGD([*rnn.parameters(), *head.parameters()], lr=0.05)
+    wrapper, guard, hidden = OptimWrapper(optimizer), GraphGuard(rnn, check="always"), None
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `local hidden`.*"
+                                                r"`hidden = hidden.detach\(\)`"):
+        for x, y in batches(3, shape=(2, 3, 4)):
+            out, hidden = rnn(x, hidden)
+            loss = F.mse_loss(head(out[:, -1]), y)
+            guard.check(loss)
+            wrapper.update_params(loss)

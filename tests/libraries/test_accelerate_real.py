@@ -962,10 +962,6 @@ def test_rnn_hidden_state_carried_is_named_by_graph_guard():
         with_guard(rnn_loop)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "without guard.step(), losses given to guard.check never start a step: every iteration is step 1, and the "
-    "carried state is a DoubleBackwardError saying two losses of the step share a graph (a fresh forward or "
-    "retain_graph=True advised)"))
 def test_rnn_hidden_state_carried_without_guard_steps_is_named_by_graph_guard():
     """``GraphGuard(model)`` with ``guard.check(loss); accelerator.backward(loss)`` and no ``with guard.step():``
     (``GraphGuard(model, optimizer)`` cannot take accelerate's optimizer): the loop comes round at the same
