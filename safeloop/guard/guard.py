@@ -896,8 +896,9 @@ class Guard:
                     detail = (f"this loss ({{node}}{held}) was already back-propagated by {backward} in this step, "
                               "without retain_graph, which freed its saved tensors")
                     fixes = [self.words.twice, self.words.shared]
-                elif root in shared:  # made from that loss (`errD = errD_real + errD_fake` after both went back)
-                    term = f"`{_code(holder)}`" if _code(holder) else f"the loss '{earlier}'"
+                elif any(n is root for n in nodes):  # made from that loss (`errD = errD_real + errD_fake` after both)
+                    made_from = explain.find_holder(root, scope, None, scan_gc=False, loss=loss)  # that loss
+                    term = f"`{_code(made_from)}`" if _code(made_from) else f"the loss '{earlier}'"
                     detail = (f"this loss is made from {term} ({{node}}), which {backward} in this step already "
                               "back-propagated without retain_graph, freeing its saved tensors: its gradient is in "
                               ".grad already, and with retain_graph=True there it would be added twice")

@@ -51,3 +51,8 @@ class OptimWrapper:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+
+def accumulated_backward(loss: torch.Tensor, steps: int = 2) -> None:
+    """accelerate's ``accelerator.backward(loss)`` under gradient accumulation: the library divides the loss."""
+    (loss / steps).backward()

@@ -16,7 +16,7 @@ from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWar
 from safeloop.errors import InplaceModificationError, NoGraphError, UnusedGradientWarning
 from safeloop.watch import Watch
 
-from .enginelib import Engine, OptimWrapper, supervised_trainer
+from .enginelib import Engine, OptimWrapper, accumulated_backward, supervised_trainer
 
 
 def batches(n=3, shape=(8, 4)):
@@ -461,3 +461,19 @@ def test_check_without_steps_before_someone_elses_backward_tells_a_carried_state
             loss = F.mse_loss(head(out[:, -1]), y)
             guard.check(loss)
             wrapper.update_params(loss)
+
+
+def test_a_loss_back_propagated_again_by_a_library_that_divides_it_is_advised_one_backward():
+    """``loss.backward()`` left above ``accelerator.backward(loss)``, which back-propagates ``loss / steps``: a new
+    tensor over the same graph, made from the loss, so not a second loss to retain the graph for."""
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        for x, y in batches(2):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            accumulated_backward(loss)
+    with pytest.raises(DoubleBackwardError, match=r"this loss is made from `loss` \(MseLossBackward0\).*To fix: "
+                                                  r"back-propagate it once: delete this backward, or the backward of "
+                                                  r"'loss' at test_library_loops.py:\d+"):
+        watched(run)
