@@ -126,6 +126,10 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
             yield from _attributes(val, f"{prefix}.{key}")
         elif depth > 1 and not key.startswith("_") and _own_object(val) and hasattr(val, "__dict__"):
             yield from _attributes(val, f"{prefix}.{key}", roots, depth - 1)  # ignite's `engine.state.hidden`
+        elif depth > 1 and not key.startswith("_") and type(val) in (list, tuple):  # mmengine's `runner.hooks[3].x`
+            for i, item in enumerate(val):
+                if _own_object(item) and hasattr(item, "__dict__"):
+                    yield from _attributes(item, f"{prefix}.{key}[{i}]", roots, depth - 1)
 
 
 def _own_object(obj: Any) -> bool:

@@ -477,3 +477,33 @@ def test_a_loss_back_propagated_again_by_a_library_that_divides_it_is_advised_on
                                                   r"back-propagate it once: delete this backward, or the backward of "
                                                   r"'loss' at test_library_loops.py:\d+"):
         watched(run)
+
+
+class History:
+    """A handler object the engine keeps in a list, keeping every iteration's loss with its graph."""
+
+    def __init__(self):
+        self.losses = []
+
+    def __call__(self, engine):
+        self.losses.append(engine.state.output)
+
+
+def test_losses_a_handler_in_the_engines_list_keeps_are_named_through_the_list():
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def update(engine, batch):
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(batch[0]), batch[1])
+            loss.backward()
+            optimizer.step()
+            return loss
+        engine = Engine(update)
+        engine.completed.append(History())
+        engine.run(batches(4))
+    with pytest.warns(GraphLeakWarning, match=r"held by `engine.completed\[0\].losses\[\d\]`"):
+        with Watch(GraphGuard(check="always"), __file__):
+            run()

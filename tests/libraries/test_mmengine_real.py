@@ -1147,7 +1147,8 @@ def test_loss_history_hook_keeping_the_loss_tensors_warns(tmp_path):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="the warning names no holder: 'held by a reference "
-                   "kept outside the step (a list, a global, a closure)' (/tmp/mmengine_repro_10.py)")
+                   "kept outside the step (a list, a global, a closure)': the hooks are in the runner's private "
+                   "`_hooks` list, which the holder search does not enter (/tmp/mmengine_repro_10.py)")
 def test_loss_history_hook_keeping_the_loss_tensors_is_named(tmp_path):
     """As above: the warning names the hook's list (``history``), where the fix goes."""
     with pytest.warns(GraphLeakWarning) as caught:
