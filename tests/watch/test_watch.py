@@ -98,10 +98,11 @@ BROKEN = {
                     r"`model.rot.cached_freqs` again every step instead of keeping it: it is made from "
                     r"`model.rot.inv_freq`.*\(`model.rot.cached_freqs = None`",
     # ... and one made from no trained parameter: kept without its graph
-    "backward_twice_while_true": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches PowBackward0, "
-                                 r"held by `local loss`, which the backward of 'loss' at "
-                                 r"backward_twice_while_true.py:17 in this step already ran without retain_graph.*"
-                                 r"pass retain_graph=True",
+    # a penalty added to a loss already back-propagated: retain_graph=True would add the loss's gradient twice
+    "backward_twice_while_true": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): this loss is made from `loss` "
+                                 r"\(PowBackward0\), which the backward of 'loss' at backward_twice_while_true.py:17 "
+                                 r"in this step already back-propagated without retain_graph.*To fix: back-propagate "
+                                 r"it once.*for a sum, back-propagate the sum alone or each of its terms",
     # an LSTM's (h, c) carried without repackage_hidden, no optimizer (the weights updated through .data)
     "word_language_model_not_repackaged": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `local hidden\[0\]`"
                                           r".*\(`hidden = tuple\(t.detach\(\) for t in hidden\)`\)",
