@@ -483,7 +483,7 @@ def test_an_optimizer_wrapper_without_hooks_is_followed_through_the_optimizer_it
 
     class Hookless(torch.optim.Optimizer):
         def __init__(self):
-            pass
+            """Never runs ``Optimizer.__init__`` and wraps no optimizer."""
     with pytest.raises(ConfigError, match=r"optimizers\['optimizer'\] \(Hookless\) keeps no step hooks .* pass the "
                                           r"optimizer it wraps"):
         GraphGuard(torch.nn.Linear(2, 2), Hookless())
