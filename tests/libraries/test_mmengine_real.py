@@ -758,7 +758,7 @@ def test_python_m_safeloop_watch_runs_an_mmengine_runner_script(tmp_path_factory
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a DoubleBackwardError advising retain_graph=True "
                    "on the first backward: the memory is carried between two micro-batches of one accumulation "
-                   "window, which watch takes for one step (/tmp/mmengine_repro_9.py)")
+                   "window, which watch takes for one step")
 def test_python_m_safeloop_watch_advises_to_detach_the_memory(tmp_path_factory):
     """As above: the second training (gradient accumulation over 2 iterations, the guard already past optimizer
     steps) is stopped with a ``CarriedGraphError`` advising ``runner.model.memory = runner.model.memory.detach()``
@@ -1147,7 +1147,7 @@ def test_loss_history_hook_keeping_the_loss_tensors_warns(tmp_path):
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="the warning names no holder: 'held by a reference "
                    "kept outside the step (a list, a global, a closure)': the hooks are in the runner's private "
-                   "`_hooks` list, which the holder search does not enter (/tmp/mmengine_repro_10.py)")
+                   "`_hooks` list, which the holder search does not enter")
 def test_loss_history_hook_keeping_the_loss_tensors_is_named(tmp_path):
     """As above: the warning names the hook's list (``history``), where the fix goes."""
     with pytest.warns(GraphLeakWarning) as caught:
