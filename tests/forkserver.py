@@ -46,7 +46,7 @@ import time
 from tests.conftest import subprocess_env
 
 SERVER = r"""
-import atexit, importlib, json, os, runpy, signal, sys, types
+import atexit, contextlib, importlib, json, os, runpy, signal, sys, types
 import hydra, omegaconf, torch
 import safeloop.__main__
 import torch._dynamo  # what an optimizer's constructor imports (1-5 s): here, once for every child, with no torch op
@@ -98,10 +98,8 @@ def child(request):
             code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a stream the command closed or replaced
             stream.flush()
-        except Exception:
-            pass
     if code == "SIGINT":  # Python ends on an uncaught KeyboardInterrupt killed by SIGINT: exit code -2
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
