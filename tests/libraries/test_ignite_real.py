@@ -953,6 +953,22 @@ def test_graph_guard_ended_by_the_optimizer_over_accumulated_iterations(check, s
                guard_for=lambda check, model, optimizer, data: GraphGuard(model, optimizer, check=check))
 
 
+def evaluated_every_three(trainer, model, data, eval_step):
+    """``trainer.run(data, max_epochs=3)`` with an evaluation ``Engine(eval_step)`` over two batches every three
+    iterations (its ``Loss`` metric kept): the model and the scores."""
+    evaluator = Engine(eval_step)
+    Loss(nn.MSELoss()).attach(evaluator, "mse")
+    scores = []
+
+    @trainer.on(Events.ITERATION_COMPLETED(every=3))
+    def evaluate(engine):
+        evaluator.run(data[:2])
+        scores.append(evaluator.state.metrics["mse"])
+
+    trainer.run(data, max_epochs=3)
+    return {"model": model, "scores": scores}
+
+
 def evaluated_with_grad(model, optimizer, data, guard=None):
     """A hand-written evaluation ``Engine`` without ``torch.no_grad()`` (its forwards build graphs that are dropped),
     run every 3 iterations of a trainer accumulating over 2: between two micro-batches of one update."""
@@ -964,17 +980,7 @@ def evaluated_with_grad(model, optimizer, data, guard=None):
         x, y = batch
         return model(x), y
 
-    evaluator = Engine(eval_step)
-    Loss(nn.MSELoss()).attach(evaluator, "mse")
-    scores = []
-
-    @trainer.on(Events.ITERATION_COMPLETED(every=3))
-    def validate(engine):
-        evaluator.run(data[:2])
-        scores.append(evaluator.state.metrics["mse"])
-
-    trainer.run(data, max_epochs=3)
-    return {"model": model, "scores": scores}
+    return evaluated_every_three(trainer, model, data, eval_step)
 
 
 @pytest.mark.parametrize("check", checks())
@@ -1058,17 +1064,7 @@ def adversarial_eval(model, optimizer, data, guard=None):
         with torch.no_grad():
             return model(x + 0.1 * grad.sign()), y
 
-    evaluator = Engine(eval_step)
-    Loss(nn.MSELoss()).attach(evaluator, "mse")
-    scores = []
-
-    @trainer.on(Events.ITERATION_COMPLETED(every=3))
-    def attack(engine):
-        evaluator.run(data[:2])
-        scores.append(evaluator.state.metrics["mse"])
-
-    trainer.run(data, max_epochs=3)
-    return {"model": model, "scores": scores}
+    return evaluated_every_three(trainer, model, data, eval_step)
 
 
 @pytest.mark.parametrize("check", checks())
