@@ -1,5 +1,6 @@
 """What a run shows: a plain script (no Hydra, output piped) prints its progress and where its
 outputs go, or that none are written (the command line's lines: tests/test_config.py)."""
+import copy
 import subprocess
 import sys
 import re
@@ -137,6 +138,17 @@ class ReturnsLossAndMae(Trainer):
         return {"loss": torch.nn.functional.mse_loss(out, y), "mae": (out - y).abs().mean()}
 
 
+class ReturnsTotalAndTerm(Trainer):
+    """``{"total": mse + mae, "mse": mse}`` (or ``out``'s order): mse is trained twice over."""
+
+    out = staticmethod(lambda mse, mae: {"total": mse + mae, "mse": mse})
+
+    def training_step(self, batch):
+        x, y = batch
+        pred = self.model(x)
+        return self.out(torch.nn.functional.mse_loss(pred, y), (pred - y).abs().mean())
+
+
 def data(n=4):
     torch.manual_seed(0)
     return [(x, x.sum(1, keepdim=True)) for x in torch.randn(n, 8, 4)]
@@ -175,6 +187,62 @@ class LogsDict(Trainer):
         x, y = batch
         self.log_dict({"val_mae": (self.model(x) - y).abs().mean()})
         return torch.nn.functional.mse_loss(self.model(x), y)
+
+
+@pytest.mark.parametrize("settings", [{}, {"multi_loss": "sum"}, {"grad_accum": 2}], ids=["sequential", "sum", "accum"])
+@pytest.mark.parametrize("out, said", [
+    (lambda mse, mae: {"total": mse + mae, "mse": mse},
+     "returned 'mse' and 'total', and 'total' was computed from 'mse'"),
+    (lambda mse, mae: {"mse": mse, "total": 0.5 * (mse + mae)},
+     "returned 'mse' and 'total', and 'total' was computed from 'mse'"),
+    (lambda mse, mae: {"a": mse, "b": mse}, "returned 'a' and 'b', and 'a' and 'b' are the same tensor"),
+], ids=["total-first", "term-first", "same-tensor"])
+def test_a_returned_loss_computed_from_another_returned_loss_is_refused_before_any_backward(settings, out, said):
+    """With one optimizer every entry is back-propagated into the same parameters: a term returned beside its sum
+    would have its gradient applied twice, silently. Refused at step 1 with what to return instead, nothing trained."""
+    from safeloop import StepError
+
+    model = torch.nn.Linear(4, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = type("T", (ReturnsTotalAndTerm,), {"out": staticmethod(out)})(
+        model=model, train_data=data(), max_steps=2, device="cpu", progress=False, loggers=(), checkpoint=False,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **settings)
+    term = re.search(r"'(\w+)'", said).group(1)
+    with pytest.raises(StepError, match=re.escape(
+            f"step 1: training_step {said}: every entry of a returned dict is back-propagated into the same "
+            f"parameters, so the gradient of '{term}' would be applied twice. Return only the losses to train (the "
+            f"terms, not their sum too: the Trainer adds their gradients) and log the others with "
+            f"self.log('{term}', value)")):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class RoutedTotalAndTerm(Trainer):
+    """Two optimizers: ``d``'s loss is computed from ``g``'s, and each trains only its own parameters."""
+
+    def configure_optimizers(self):
+        return {"g": torch.optim.SGD(self.model[0].parameters(), lr=0.1),
+                "d": torch.optim.SGD(self.model[1].parameters(), lr=0.1)}
+
+    def training_step(self, batch):
+        x, y = batch
+        g = self.model[0](x).pow(2).mean()
+        return {"g": g, "d": (self.model[1](x) - y).pow(2).mean() + g}
+
+
+def test_with_several_optimizers_a_loss_computed_from_another_trains_each_optimizers_own_parameters_once():
+    """Routed losses reach only their optimizer's parameters, so ``g`` inside ``d`` is no double count: allowed, and
+    ``g``'s parameters move by the gradient of ``g`` alone, as a hand loop's ``g.backward(inputs=G's parameters)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Linear(4, 1))
+    hand = copy.deepcopy(model)
+    RoutedTotalAndTerm(model=model, train_data=data(1), max_steps=1, device="cpu", progress=False, loggers=(),
+                       checkpoint=False).fit()
+    (x, y), = data(1)
+    opt = torch.optim.SGD(hand[0].parameters(), lr=0.1)
+    hand[0](x).pow(2).mean().backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(hand[0].parameters(), model[0].parameters()))
 
 
 def test_self_log_dict_logs_each_entry_as_self_log_does_in_training_and_validation(tmp_path):

@@ -66,6 +66,30 @@ def named_losses(output, step: int, optimizer_names, trained: bool = True) -> di
     return losses
 
 
+def refuse_terms(losses: Mapping[str, torch.Tensor], step: int) -> None:
+    """With one optimizer, a returned loss that another returned loss was computed from (``{"total": a + b, "a": a}``)
+    would have its gradient applied twice; so would a tensor returned twice. Refused before any backward, on the steps
+    the guard checks (with several optimizers each loss trains other parameters: not asked)."""
+    roots: dict = {}
+    for name, loss in losses.items():
+        if loss.grad_fn is not None and roots.setdefault(loss.grad_fn, name) != name:
+            _twice(roots[loss.grad_fn], name, step, f"{roots[loss.grad_fn]!r} and {name!r} are the same tensor")
+    seen: set = set()
+    for name, loss in losses.items():
+        for node in iter_nodes(loss.grad_fn, seen=seen):
+            for nxt, _ in node.next_functions:
+                if roots.get(nxt, name) != name:
+                    _twice(roots[nxt], name, step, f"{name!r} was computed from {roots[nxt]!r}")
+
+
+def _twice(term: str, outer: str, step: int, why: str) -> None:
+    raise StepError(
+        f"step {step}: training_step returned {term!r} and {outer!r}, and {why}: every entry of a returned dict is "
+        f"back-propagated into the same parameters, so the gradient of {term!r} would be applied twice. Return only "
+        f"the losses to train (the terms, not their sum too: the Trainer adds their gradients) and log the others "
+        f"with self.log({term!r}, value)", step)
+
+
 def plan(
     losses: Mapping[str, torch.Tensor],
     optimizers: Mapping[str, torch.optim.Optimizer],

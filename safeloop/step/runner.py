@@ -38,7 +38,7 @@ from ..guard.walk import HAS_SEQ, sequence_now
 from ..schedules import Schedules
 from ..settings import Settings
 from ..state import TrainState
-from .plan import Backward, Routes, named_losses, plan, trained
+from .plan import Backward, Routes, named_losses, plan, refuse_terms, trained
 from .undo import Undo
 
 log = logging.getLogger("safeloop")
@@ -267,6 +267,8 @@ class Runner:
         accum = self.settings.grad_accum  # each loss divided by it, as a hand loop's `loss / accum` and Lightning's
         summed = self.multi_loss == "sum" and not self.routed and len(losses) > 1
         retain = guard.preflight(losses, step, self.scope, batch, first, summed, kept=kept)
+        if retain is not None and len(losses) > 1 and not self.routed:
+            refuse_terms(losses, step)
         todo = plan(losses, self.optimizers, retain, self.multi_loss, self.weights,
                     self.routes if self.routed else None, guard.start_seq, step)
         if len(todo) > 1:
