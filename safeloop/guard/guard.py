@@ -888,10 +888,18 @@ class Guard:
                 held = ", held by {holder}" if holder else ""  # none found: a local of the step, most likely
                 detail = (f"the loss reaches {{node}}{held}, which {backward} in this step already ran without "
                           "retain_graph, freeing its saved tensors: both losses share that graph")
+                shared_part = '`{code}`' if _code(holder) else 'the shared part'
                 fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
                          "shared graph but the last needs",
-                         f"compute {'`{code}`' if _code(holder) else 'the shared part'} again (a fresh forward) for "
-                         "the second loss, if it must see the updated parameters"]
+                         f"compute {shared_part} again (a fresh forward) for the second loss, if it must see the "
+                         "updated parameters"]
+                if any(t._version != v for t, v in versions):  # the earlier loss's update ran since its backward
+                    fixes = [f"if the earlier loss ('{earlier}'{explain.at(where)}) must not reach {shared_part} (its "
+                             "update is done: a GAN's discriminator loss on the generator's output), detach it where "
+                             f"that loss uses it ({'`{code}.detach()`' if _code(holder) else '.detach()'}); with "
+                             "retain_graph=True its gradient would stay in the .grad of the parameters below and be "
+                             "added to their next update",
+                             f"if both losses need its gradient, pass retain_graph=True to {backward}"]
                 if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
                     detail = (f"this loss ({{node}}{held}) was already back-propagated by {backward} in this step, "
                               "without retain_graph, which freed its saved tensors")

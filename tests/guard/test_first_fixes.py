@@ -402,3 +402,50 @@ def test_a_cache_in_a_dict_entry_in_a_method_s_loop_is_removed_before_each_forwa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(same(Runner(cache=True, check=check).train(fix), correct) for check in CHECKS)
+
+
+# -- a GAN step whose D loss uses the fake with its graph ---------------------------------------------------------
+def gan_loop(d_input: str, check: str | None = "always") -> list[torch.Tensor]:
+    """DCGAN's update by hand, both updates in one ``guard.step()`` (mmengine's ``train_step`` over an optimizer
+    dict) under GraphGuard given both optimizers (``check=None``: bare). D's loss takes the fake ``as is`` (the
+    mistake), ``detached`` (the first fix, as written: ``fake.detach()``) or made under ``no_grad`` (the tutorial)."""
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Sigmoid())
+    opt_g, opt_d = torch.optim.Adam(g.parameters(), lr=0.01), torch.optim.Adam(d.parameters(), lr=0.01)
+    guard = GraphGuard(nn.ModuleList([g, d]), {"opt_g": opt_g, "opt_d": opt_d}, check=check or "off")
+    torch.manual_seed(1)
+    for _ in range(3):
+        real, z = torch.randn(6, 8), torch.randn(6, 4)
+        with guard.step():
+            fake = g(z)
+            if d_input == "no_grad":
+                with torch.no_grad():
+                    fake_d = g(z)
+                pf = d(fake_d)
+            else:
+                pf = d(fake.detach() if d_input == "detached" else fake)
+            pr = d(real)
+            d_loss = F.binary_cross_entropy(pf, torch.zeros_like(pf)) + F.binary_cross_entropy(pr, torch.ones_like(pr))
+            (guard.backward if check else torch.Tensor.backward)(d_loss)
+            opt_d.step()
+            opt_d.zero_grad()
+            pg = d(fake)
+            (guard.backward if check else torch.Tensor.backward)(F.binary_cross_entropy(pg, torch.ones_like(pg)))
+            opt_g.step()
+            opt_g.zero_grad()
+    return trained(g) + trained(d)
+
+
+def test_a_gan_whose_discriminator_loss_keeps_the_fakes_graph_is_advised_the_detach_first():
+    """D's backward freed the generator's part of the graph, and D's update ran since: ``retain_graph=True`` there
+    would leave D's loss gradient in G's ``.grad`` for G's update, so the first fix is ``fake.detach()`` where D's
+    loss uses it; applied as written, the loop trains bit for bit as the tutorial's, quiet in every check mode."""
+    with pytest.raises(DoubleBackwardError, match=r"held by `local fake`.*To fix: if the earlier loss \('loss' at "
+                                                  r"test_first_fixes\.py:\d+\) must not reach `fake` \(its update is "
+                                                  r"done: a GAN's discriminator loss on the generator's output\), "
+                                                  r"detach it where that loss uses it \(`fake\.detach\(\)`\)"):
+        gan_loop("as is")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = [gan_loop("detached", check) for check in CHECKS]
+    assert all(same(f, gan_loop("no_grad", None)) for f in fixed)

@@ -1104,9 +1104,6 @@ def test_gan_stale_prediction_with_a_guard_not_given_the_optimizers():
     assert "with no optimizer step in between" not in str(caught.value), str(caught.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the first fix is retain_graph=True on D's backward, "
-                   "which writes D's loss gradient into G's parameters (G's update then differs); no detach advised "
-                   "(/tmp/mmengine_repro_7.py)")
 def test_gan_fake_made_with_its_graph_for_the_discriminator_is_advised_a_detach():
     """The tutorial's ``with torch.no_grad():`` around ``self.generator(z)`` for D's loss left out, the fake kept as
     ``self.fake_imgs`` and reused for G's loss: with a ``GraphGuard`` (given both optimizers), a
