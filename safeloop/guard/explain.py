@@ -198,6 +198,19 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     return None
 
 
+def sole_holder(node, scope: Scope | None) -> str | None:
+    """The variable of the first running function (the script's first) that holds a tensor whose graph reaches
+    ``node``, if it is the only one there; None for none or several (a fix naming one of several names may name the
+    wrong one: ``pred``, ``kept`` and ``stale_pred`` all one tensor)."""
+    for prefix, space in scope.namespaces() if scope is not None else ():
+        names = [f"{prefix} {key}" for key, val in list(space.items())
+                 if isinstance(val, torch.Tensor) and val.grad_fn is not None
+                 and (val.grad_fn is node or reachable(val.grad_fn, node, limit=2_000))]
+        if names:
+            return names[0] if len(names) == 1 else None
+    return None
+
+
 def holds(node, scope: Scope | None = None, batch: Any = None) -> bool:
     """Whether a tensor the scope can name was made by ``node`` itself."""
     return any(tensor.grad_fn is node for _, tensor in candidates(scope, batch))

@@ -1029,8 +1029,8 @@ class Guard:
                     "stale and retain_graph cannot help",
                     [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                      "if it is a constant input, store `{code}.detach()` instead"])
-            written = None if stepped else _written_leaf(loss, text, tensor)
-            if written is not None:
+            written = _written_leaf(loss, text, tensor)
+            if written is not None and not stepped:
                 node, leaf = written
                 holder = explain.find_holder(node, scope, batch)
                 code = f"`{_code(holder)}`" if _code(holder) else "the tensors made from it"
@@ -1044,10 +1044,12 @@ class Guard:
                      "if an optimizer step wrote them (a GAN's discriminator step before the generator's loss), "
                      "compute the loss after that step"],
                     holder=holder)
-            if stepped:
+            if stepped:  # named by what alone holds the node that saved the parameter (`errG`), when there is one
+                holder = explain.sole_holder(written[0], scope) if written is not None else None
+                loss_code = f"`{_code(holder)}`" if _code(holder) else "the loss"
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
-                fixes = ["recompute the loss after the optimizer step (in a GAN: the generator loss from a fresh "
+                fixes = [f"recompute {loss_code} after the optimizer step (in a GAN: the generator loss from a fresh "
                          "D(fake) after the discriminator step; a gradient penalty from a fresh D(real))",
                          "step the optimizer after this backward"]
             else:

@@ -432,6 +432,7 @@ def test_a_layer_no_prepared_optimizer_holds_is_warned_of_under_watch():
 
 
 def test_an_update_between_a_loss_and_its_backward_is_named_by_the_functions_variable():
+    """The update by the loop's optimizer variable, the loss to compute again by the loop's variable for it."""
     def run():
         torch.manual_seed(0)
         netG, netD = nn.Sequential(nn.Linear(3, 4), nn.Tanh()), nn.Linear(4, 1)
@@ -443,7 +444,8 @@ def test_an_update_between_a_loss_and_its_backward_is_named_by_the_functions_var
             optimizerD.step()
             optimizerD.zero_grad()
             errG.backward()
-    with pytest.raises(InplaceModificationError, match=r"optimizer 'optimizerD' stepped after this loss was built"):
+    with pytest.raises(InplaceModificationError, match=r"optimizer 'optimizerD' stepped after this loss was built"
+                                                       r".*To fix: recompute `errG` after the optimizer step"):
         watched(run)
 
 

@@ -1096,8 +1096,6 @@ def test_gan_generator_loss_before_the_discriminator_update_is_explained_under_w
         under_watch(gan_mistake_loop, mistake="update")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "`errG`, the loss to compute again, is not named (the update is: 'optimizerD')"))
 def test_gan_generator_loss_before_the_discriminator_update_names_the_update_and_the_loss_under_watch():
     """Under watch the error names ``optimizerD``, the loop's variable for the update in between, and ``errG``."""
     with pytest.raises(InplaceModificationError) as info:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safeloop import DoubleBackwardError, Trainer
+from safeloop import DoubleBackwardError, StepError, Trainer
 
 inputs = torch.randn(5)
 target = torch.tensor([1.0, 2.0])
@@ -20,7 +20,19 @@ class TwoBackwardsByHand(Trainer):
 
 
 class SameLossTwice(Trainer):
-    """The seed's intent, the safeloop way: name both backwards, the Trainer retains as needed."""
+    """The seed's fixed code, the same loss back-propagated twice, in manual mode: ``retain_graph=True`` on the first."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        computed = F.cross_entropy(self.model(inputs), target)
+        self.backward(computed, retain_graph=True)
+        self.backward(computed)
+        self.step()
+
+
+class SameLossReturnedTwice(Trainer):
+    """Returned under two names in automatic mode: its gradient would count twice, which a dict is not for."""
 
     def training_step(self, batch):
         computed = F.cross_entropy(self.model(inputs), target)
@@ -32,7 +44,9 @@ def test_backward_twice_is_caught_before_the_second_backward(fit):
         fit(TwoBackwardsByHand, model=torch.nn.Linear(5, 2), data=[0] * 4)
 
 
-def test_returning_both_losses_matches_the_retain_graph_fix(fit):
+def test_the_seeds_fix_in_manual_mode_matches_it_and_a_dict_of_the_loss_twice_is_refused(fit):
+    """``self.backward(computed, retain_graph=True); self.backward(computed)`` writes the seed's fixed gradients, with
+    and without the guard; returning ``{"first": computed, "second": computed}`` is a StepError before any backward."""
     torch.manual_seed(0)
     ours, ref = torch.nn.Linear(5, 2), torch.nn.Linear(5, 2)
     ref.load_state_dict(ours.state_dict())
@@ -47,10 +61,14 @@ def test_returning_both_losses_matches_the_retain_graph_fix(fit):
         def on_before_optimizer_step(self, name, optimizer):
             grads.extend(p.grad.clone() for p in self.model.parameters())
 
-    for check in ("always", "off"):  # with and without the guard's walk deciding retain
+    for check in ("always", "off"):
         grads.clear()
         model = torch.nn.Linear(5, 2)
         model.load_state_dict(ours.state_dict())
         fit(Capture, model=model, steps=1, data=[0], guard={"check": check})
+        assert len(grads) == len(expected)
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want)
+    with pytest.raises(StepError, match=r"step 1: training_step returned 'first' and 'second', and 'first' and "
+                                        r"'second' are the same tensor"):
+        fit(SameLossReturnedTwice, model=torch.nn.Linear(5, 2), steps=1, data=[0])
