@@ -12,10 +12,10 @@ Changes for a seconds-long test: an MLP of two ``nn.Linear`` and a ``Tanh`` (a t
 ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 
 The port: manual mode, ``precision="bf16-mixed"``, ``self.backward`` for both losses and ``self.step()``.
-``training_step`` runs inside one autocast region, whose cache of bfloat16 weight copies is cleared only after
-``self.step``: the adversarial forward reads the copies made by the clean forward, the unperturbed weights, and the
-port trains otherwise than the loop, silently (strict xfail). With ``torch.clear_autocast_cache()`` after
-``attack`` the port matches.
+``training_step`` runs inside one autocast region, whose cache of bfloat16 weight copies ``self.backward`` and
+``self.step`` clear: the adversarial forward after the attack casts the perturbed weights, as the loop's second
+region does, and the port matches the loop bit for bit as written, and with a ``torch.clear_autocast_cache()`` of
+its own after ``attack``.
 """
 import pytest
 import torch
@@ -142,12 +142,11 @@ def test_awp_under_bf16_with_the_autocast_cache_cleared_after_the_attack(check):
             precision="bf16-mixed")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="manual mode runs training_step in one autocast region and clears its weight cache only "
-                          "after self.step: a forward after weights changed by hand (AWP's attack) reads the stale "
-                          "bfloat16 copies of the clean forward")
-def test_awp_under_bf16_as_the_loop_writes_it():
-    compare(make_model, awp_hand, AWPTrainer, data(), "off", steps=5, optimizer=make_optimizer,
+@pytest.mark.parametrize("check", checks())
+def test_awp_under_bf16_as_the_loop_writes_it(check):
+    """Without a cache clearing of the port's own: had the clean forward's bfloat16 copies stayed in the cache, the
+    adversarial loss would be taken at the unperturbed weights, and the port would train otherwise, silently."""
+    compare(make_model, awp_hand, AWPTrainer, data(), check, steps=5, optimizer=make_optimizer,
             precision="bf16-mixed")
 
 
