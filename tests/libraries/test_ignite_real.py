@@ -571,7 +571,8 @@ def test_dcgan_fake_not_detached_for_the_discriminator():
     torch.manual_seed(0)
     netG, netD, loader = gan_build()
     start = deepcopy(dict(netG.named_parameters()))
-    with pytest.raises(DoubleBackwardError, match=r"held by `local fake`.*compute `fake` again"):
+    with pytest.raises(DoubleBackwardError, match=r"held by `local fake`.*To fix: if the earlier loss .* must not "
+                                                  r"reach `fake` .*detach it where that loss uses it \(`fake\.detach"):
         dcgan(netG, netD, loader, guard=GraphGuard(check="always"), mistake="fake not detached")
     same(dict(netG.named_parameters()), start)
 
