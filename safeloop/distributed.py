@@ -349,6 +349,28 @@ class Distributed:
             self._val = val_data, means, shard_in_order(val_data, self.rank, self.world, means)
         return self._val[2]
 
+    def uneven_val(self, err: BaseException) -> str | None:
+        """Why a collective failed inside validation, when the ranks validate different numbers of batches (shares
+        differ by a sample, see ``shard_in_order``): a collective of ``validation_step``'s own (an all_gather) then
+        meets another rank's end of validation. None for another failure, or even shares."""
+        shard = self._val[2] if self._val is not None else None
+        order = getattr(getattr(shard, "sampler", None), "indices", None)  # _InOrder's range(rank, size, world)
+        if not collective_failed(err) or not isinstance(order, range) or not getattr(shard, "batch_size", None):
+            return None
+        counts = [-(-len(range(r, order.stop, order.step)) // shard.batch_size) for r in range(order.step)]
+        if len(set(counts)) == 1:
+            return None
+        more = counts.count(counts[0])  # shares differ by one sample at most, the larger first
+
+        def ranks(first: int, last: int) -> str:
+            return f"rank {first}" if first == last else f"ranks {first}-{last}"
+        return (f"the ranks validate different numbers of batches ({ranks(0, more - 1)}: {counts[0]}, "
+                f"{ranks(more, order.step - 1)}: {counts[-1]}): val_data's {order.stop} samples are split without "
+                "repeating any, so a collective of validation_step's own (an all_gather, as a contrastive loss makes) "
+                f"met another rank's end of validation. Give val_data a number of samples divisible by {order.step} "
+                "(the ranks), so that every rank validates as many batches of the same sizes, or compute that loss "
+                "without collectives in validation_step")
+
     def forward(self, batch):
         """The Trainer's forward under DDP. Only this object holds the wrapper, so that ``close`` ends it:
         a wrapper kept past the end of the group keeps the group's threads alive until interpreter

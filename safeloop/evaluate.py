@@ -155,8 +155,10 @@ class Evaluator:
         except Exception as err:
             if isinstance(err, SafeloopError):
                 raise
+            uneven = self.dist.uneven_val(err) if self.dist is not None else None
             raise StepError(f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training "
-                            f"is unchanged): {type(err).__name__}: {err}", self.step) from err
+                            f"is unchanged): {uneven + '. ' if uneven else ''}{type(err).__name__}: {err}",
+                            self.step) from err
         finally:
             # by train(mode), so that an override runs (loralib's Linear takes back out the weights its eval() merged);
             # parent first, as modules() lists them: a part left in eval mode under a training parent (a frozen
