@@ -758,7 +758,9 @@ def test_python_m_safeloop_watch_runs_an_mmengine_runner_script(tmp_path_factory
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a DoubleBackwardError advising retain_graph=True "
                    "on the first backward: the memory is carried between two micro-batches of one accumulation "
-                   "window, which watch takes for one step")
+                   "window, which watch takes for one step; from the graph alone it is not told apart from heads "
+                   "on one trunk computed after the first head's backward, where retain_graph=True is right and a "
+                   "detach would cut the trunk off the later losses")
 def test_python_m_safeloop_watch_advises_to_detach_the_memory(tmp_path_factory):
     """As above: the second training (gradient accumulation over 2 iterations, the guard already past optimizer
     steps) is stopped with a ``CarriedGraphError`` advising ``runner.model.memory = runner.model.memory.detach()``
