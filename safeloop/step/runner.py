@@ -325,8 +325,8 @@ class Runner:
         self._backward(scaled, name, step, self.batch, retain_graph, inputs, loss,
                        route=optimizer if self.sharded and self.routed else None, create_graph=create_graph)
         guard.backward_done(retain_graph, inputs)
-        if self.recast:  # the next forward casts the weights anew, as a hand loop's autocast region per forward does:
-            torch.clear_autocast_cache()  # weights written by hand since (AWP's attack, SAM's ascent) are not read stale
+        if self.recast:  # the next forward casts the weights anew, as a hand loop's region per forward does, so
+            torch.clear_autocast_cache()  # weights written by hand since (AWP's attack, SAM's ascent) are not stale
         if self.dist is not None and sync:  # not sync: accumulating, as under DDP's no_sync (self.step averages)
             self.dist.sync(optimizer or self.names[0])
         if self.finite is not None:  # checked with the gradients at the next update
