@@ -107,6 +107,25 @@ def awp_hand(model, loader):
         optimizer.zero_grad()
 
 
+def awp_hand_fp16(model, loader):
+    """The same loop under float16 autocast with a ``GradScaler``, as PyTorch's AMP examples scale each backward."""
+    optimizer = make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    awp = AWP(model, epsilon=EPSILON)
+    for x, y in loader:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        awp.attack(is_first_attack=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            adv_loss = F.mse_loss(model(x), y)
+        scaler.scale(adv_loss).backward()
+        awp.restore()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
 class AWPTrainer(Trainer):
     automatic = False
     clear_cache = False
@@ -148,6 +167,13 @@ def test_awp_under_bf16_as_the_loop_writes_it(check):
     adversarial loss would be taken at the unperturbed weights, and the port would train otherwise, silently."""
     compare(make_model, awp_hand, AWPTrainer, data(), check, steps=5, optimizer=make_optimizer,
             precision="bf16-mixed")
+
+
+@pytest.mark.parametrize("check", checks())
+def test_awp_under_float16_with_a_grad_scaler_as_the_loop_writes_it(check):
+    """``precision="16-mixed"``: the same clearing after ``self.backward``, the losses scaled as the loop scales them."""
+    compare(make_model, awp_hand_fp16, AWPTrainer, data(), check, steps=5, optimizer=make_optimizer,
+            precision="16-mixed")
 
 
 def test_the_perturbation_changes_the_adversarial_loss():
