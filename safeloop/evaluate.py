@@ -156,9 +156,11 @@ class Evaluator:
             if isinstance(err, SafeloopError):
                 raise
             uneven = self.dist.uneven_val(err) if self.dist is not None else None
-            raise StepError(f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training "
-                            f"is unchanged): {uneven + '. ' if uneven else ''}{type(err).__name__}: {err}",
-                            self.step) from err
+            said = (f"{kind.name} at step {self.step} failed on batch {done + 1} of {kind.data} (training is "
+                    f"unchanged): {uneven + '. ' if uneven else ''}{type(err).__name__}: {err}")
+            if uneven:  # said at once: the other rank aborted, and torchrun's SIGTERM ends this one outside fit()
+                log.error(said)
+            raise StepError(said, self.step) from err
         finally:
             # by train(mode), so that an override runs (loralib's Linear takes back out the weights its eval() merged);
             # parent first, as modules() lists them: a part left in eval mode under a training parent (a frozen

@@ -200,12 +200,15 @@ def test_a_loss_gathering_every_rank_validates_a_set_the_ranks_cannot_split_even
 
 
 def test_a_collective_of_validation_step_on_uneven_shares_is_explained_with_the_fix(simclr_run):
-    """Until shares are padded (above), rank 0's error says why its all_gather failed and what evens the shares."""
+    """Until shares are padded (above), rank 0's error says why its all_gather failed and what evens the shares. It
+    is logged as it is raised, inside fit(), where torchrun's SIGTERM (sent once rank 1 aborted) cannot end rank 0:
+    raised alone, it came out only after fit() had put the default SIGTERM handler back, and was lost on a busy
+    machine."""
     proc, _ = simclr_run
-    assert re.search(r"StepError: validation at step 0 failed on batch 2 of val_data \(training is unchanged\): the "
+    assert re.search(r"^validation at step 0 failed on batch 2 of val_data \(training is unchanged\): the "
                      r"ranks validate different numbers of batches \(rank 0: 2, rank 1: 1\): val_data's 9 "
                      r"samples are split without repeating any.*Give val_data a number of samples divisible by 2 \(the "
-                     r"ranks\)", proc.stderr), proc.stderr[-3000:]
+                     r"ranks\)", proc.stderr, re.M), proc.stderr[-3000:]
 
 
 def test_a_layer_checkpointed_twice_accumulates_through_safeloops_reducer_as_the_ddp_loop(ranks):
