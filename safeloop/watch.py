@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
-from .guard.loop import GraphGuard, stack
+from .guard.loop import WRAPPED, GraphGuard, stack
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
 STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
@@ -241,12 +241,14 @@ def _stored(ins: dis.Instruction) -> tuple[str, ...]:
 
 
 def _optimizer(value):
-    """The optimizer ``value`` is, or wraps (accelerate's prepared ``AcceleratedOptimizer``, whose inner optimizer's
-    steps are the ones PyTorch's global step hooks see), else None; by type only (see ``_fields``)."""
+    """The optimizer ``value`` is, or wraps (accelerate's prepared ``AcceleratedOptimizer``, opacus's ``DPOptimizer``:
+    their inner optimizer's steps are the ones PyTorch's global step hooks see), else None; by type only (see
+    ``_fields``)."""
     if not issubclass(type(value), torch.optim.Optimizer):
         return None
-    inner = _fields(value).get("optimizer")
-    return inner if issubclass(type(inner), torch.optim.Optimizer) else value
+    fields = _fields(value)
+    inner = next((fields[name] for name in WRAPPED if issubclass(type(fields.get(name)), torch.optim.Optimizer)), None)
+    return inner if inner is not None else value
 
 
 def _fields(obj) -> dict:

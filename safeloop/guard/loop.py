@@ -40,6 +40,8 @@ from .words import LOOP
 _perf_counter = time.perf_counter
 _SEEN = "safeloop_backward_step"  # node.metadata of a loss's root: the last step that back-propagated it
 _DONE = "safeloop_freed_step"  # ... the step whose backward ran without retaining its graph
+# where an optimizer wrapper that keeps no step hooks holds the optimizer it steps: accelerate's, opacus's DPOptimizer
+WRAPPED = ("optimizer", "original_optimizer")
 
 class GraphGuard:
     """Checks the autograd graph of the losses a plain training loop back-propagates.
@@ -124,8 +126,8 @@ class GraphGuard:
                     if not _step_post_hook(opt, lambda *_, _name=name: self.optimizer_stepped(_name))]
         if unhooked:
             raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
-                               "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer that does: "
-                               "pass the optimizer it wraps" for name in unhooked])
+                               "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer or "
+                               ".original_optimizer that does: pass the optimizer it wraps" for name in unhooked])
         # Before the first step: anything made until then was built before training. A
         # ``with guard.step()`` moves this to where it opens.
         self.guard.start_fit()
@@ -520,8 +522,9 @@ def _need_tensors(method: str, losses: Mapping[str, Any]) -> None:
 def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:
     """Registers ``fn`` to run after each of ``opt``'s steps: on ``opt``, or for a wrapper that never ran
     ``Optimizer.__init__`` and keeps no hooks (accelerate's ``AcceleratedOptimizer``, whose steps while accumulating
-    do nothing) on the optimizer it wraps, whose steps are the updates; False if neither keeps hooks."""
-    for candidate in (opt, getattr(opt, "optimizer", None)):
+    do nothing; opacus's ``DPOptimizer``, whose steps skipped by ``BatchMemoryManager`` do not step the optimizer in
+    its ``.original_optimizer``) on the optimizer it wraps, whose steps are the updates; False if none keeps hooks."""
+    for candidate in (opt, *(getattr(opt, name, None) for name in WRAPPED)):
         try:
             candidate.register_step_post_hook(fn)
             return True
