@@ -62,9 +62,12 @@ class FiniteCheck:
 def describe(losses: Mapping[str, torch.Tensor], named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> str:
     """What is not finite, for the message (error path only: syncs per tensor)."""
     bad = [f"loss {name!r} is {float(value)}" for name, value in losses.items() if not math.isfinite(float(value))]
-    if bad:
-        return "; ".join(bad) + " (a non-finite loss makes every gradient non-finite)"
+    named_params = list(named_params)
     grads = [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+    if bad and (grads or not any(p.grad is not None for _, p in named_params)):
+        return "; ".join(bad) + " (a non-finite loss makes every gradient non-finite)"
+    if bad:  # a mean over an empty batch (opacus's Poisson sampling draws them) is NaN, its gradients zero
+        return "; ".join(bad) + " but every gradient is finite (a mean over an empty batch is NaN with zero gradients)"
     shown = ", ".join(grads[:5]) + (f" and {len(grads) - 5} more" if len(grads) > 5 else "")
     where = f"the gradients of {shown or 'some parameters'} hold NaN or Inf"
     if not losses:  # manual mode, gradients written by hand (no self.backward in the step)
