@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -124,6 +125,7 @@ class Runner:
         if self.closures and self.scaler is not None:
             raise ConfigError(f"optimizer {sorted(self.closures)[0]!r} steps with a closure, which precision=16's "
                               "GradScaler does not support: use precision=bf16 or 32")
+        refuse_private(self.optimizers, c.settings)
         # manual mode steps inside training_step's autocast region, whose cached low-precision weights
         # must be dropped after every update (a later forward would use the old ones)
         self.recast = c.precision in AUTOCAST and not self.automatic
@@ -778,6 +780,31 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     two_phase = all(callable(getattr(optimizer, name, None)) for name in ("first_step", "second_step"))
     return closure is not None and (closure.default is inspect.Parameter.empty or two_phase)
+
+
+def refuse_private(optimizers: Mapping[str, torch.optim.Optimizer], settings: Settings) -> None:
+    """opacus's ``DPOptimizer`` clips each sample's gradient and averages over the backwards since its last step
+    itself: ``grad_clip`` would clip ``p.grad``, which its step replaces, and ``grad_accum``'s division of each loss
+    would shrink the per-sample gradients it clips (clipped at N times the bound) and average twice."""
+    dp = sys.modules.get("opacus.optimizers.optimizer")  # (opacus is not imported here: a DPOptimizer imported it)
+    name = next((n for n, opt in optimizers.items() if dp is not None and isinstance(opt, dp.DPOptimizer)), None)
+    if name is None:
+        return
+    what = f"optimizer {name!r} is opacus's {type(optimizers[name]).__name__}, which"
+    problems = []
+    if settings.grad_clip is not None:
+        problems.append(f"grad_clip={settings.grad_clip} would clip p.grad, and {what} replaces p.grad by its own "
+                        "clipped and noised sum of per-sample gradients: drop grad_clip, the clipping is opacus's "
+                        "max_grad_norm (make_private(..., max_grad_norm=...))")
+    if settings.grad_accum > 1:
+        problems.append(f"grad_accum={settings.grad_accum} divides each loss by {settings.grad_accum} before "
+                        f"opacus's hooks take the per-sample gradients, and {what} clips those and averages over "
+                        "its accumulated backwards itself: the samples would be clipped at "
+                        f"{settings.grad_accum} times max_grad_norm and the update divided twice. Drop grad_accum: "
+                        "give train_data the logical batch size and split it with opacus's BatchMemoryManager "
+                        "(max_physical_batch_size=...), one Trainer step per physical batch")
+    if problems:
+        raise ConfigError(problems)
 
 
 def warn_unfrozen(named_parameters, optimizers: dict, frozen: set[int]) -> None:

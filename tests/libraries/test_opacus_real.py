@@ -391,12 +391,15 @@ def prior_train(model, optimizer, train_loader, privacy_engine, criterion, guard
 
 def test_prior_built_before_the_loop_is_stopped_at_the_first_step():
     """A prior built by the private model before the loop and reused by every step: stopped at the first step,
-    before any gradient or update, naming ``prior``."""
+    before any gradient or update, naming ``prior``. Of the two fixes for a constant, opacus needs the second: stored
+    ``.detach()``ed, the forward its hook recorded is never consumed by a backward, and opacus's next step fails
+    ("Per sample gradient is not initialized"), bare too."""
     torch.manual_seed(0)
     model, *rest = private()
     start = deepcopy(dict(model.named_parameters()))
     torch.manual_seed(1)
-    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `(local )?prior`.*`prior\.detach\(\)`"):
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `(local )?prior`.*`prior\.detach\(\)` instead, or "
+                                              r"compute it under `torch\.no_grad\(\)`"):
         prior_train(model, *rest, guard=GraphGuard(model, check="always"))
     same(dict(model.named_parameters()), start)
     assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
@@ -406,15 +409,6 @@ def test_prior_built_before_the_loop_computed_without_grad_trains():
     """The prior computed under ``torch.no_grad()``: opacus's forward hook captures nothing, and the loop trains
     quiet and bit for bit as bare."""
     three_runs(private, lambda *a, guard=None: prior_train(*a, guard=guard, fix="no_grad"), "always")
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="the advice `prior.detach()` keeps the forward that opacus's "
-                   "hook captured, with no backward to consume it: opacus's next step fails (bare too) with 'Per "
-                   "sample gradient is not initialized'; computed under torch.no_grad() (test above) it trains")
-def test_prior_detached_as_the_guard_advises_trains():
-    """The guard's advice, ``prior.detach()``, applied: the forward that made it ran with grad on, so opacus's hook
-    captured its activations and counted a forward that no backward ever consumes."""
-    three_runs(private, lambda *a, guard=None: prior_train(*a, guard=guard, fix="detach"), "always")
 
 
 def twice_train(model, optimizer, train_loader, privacy_engine, criterion, guard=None):
@@ -461,25 +455,19 @@ class DPTrainer(safeloop.Trainer):
         return self.criterion(self.model(data), target)
 
 
-def hand(model, optimizer, loader, privacy_engine, criterion, steps, accumulate=1, physical=None):
-    """opacus's loop for ``steps`` updates: zero_grad, forward, backward, step (examples/mnist.py); or
-    ``accumulate`` backwards per step, as ``DPOptimizer.accumulated_iterations`` counts them; or physical batches of
-    ``BatchMemoryManager`` (``steps`` then counts physical batches, as the Trainer's steps do)."""
+def hand(model, optimizer, loader, privacy_engine, criterion, steps, physical=None):
+    """opacus's loop for ``steps`` updates: zero_grad, forward, backward, step (examples/mnist.py); or physical
+    batches of ``BatchMemoryManager`` (``steps`` then counts physical batches, as the Trainer's steps do)."""
     model.train()
-    done = backwards = 0
+    done = 0
     while done < steps:
         data = loader if physical is None else BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer).__enter__()
         for x, y in data:
-            if accumulate == 1:
-                optimizer.zero_grad()
+            optimizer.zero_grad()
             criterion(model(x), y).backward()
-            backwards += 1
-            if backwards % accumulate == 0:
-                optimizer.step()
-                done += 1
-                if accumulate > 1:
-                    optimizer.zero_grad()
+            optimizer.step()
+            done += 1
             if done == steps:
                 break
     return results(model, optimizer, privacy_engine)
@@ -562,36 +550,33 @@ def test_trainer_empty_poisson_batch_under_on_nonfinite_error():
         port(*built, 20, on_nonfinite="error")
 
 
-def test_trainer_grad_accum_with_poisson_sampling_is_opacus_error():
-    """``grad_accum=2`` on a Poisson loader: opacus's own refusal (its per-sample hook, at the second backward),
-    passed on in the ``StepError`` of step 1, which was abandoned with nothing changed."""
+@pytest.mark.parametrize("poisson", [True, False], ids=["poisson", "fixed_batches"])
+def test_trainer_refuses_grad_accum_with_a_dp_optimizer(poisson):
+    """``grad_accum=2`` would divide each loss by 2 before opacus's hooks take the per-sample gradients
+    (``GradSampleModule``'s backward hook): they would be clipped at twice ``max_grad_norm``, and
+    ``DPOptimizer.scale_grad`` divides by its ``accumulated_iterations`` once more. Trained, that is not opacus's
+    accumulation (two backwards, then ``step()``), and with Poisson batches opacus refuses it at the second backward
+    only. It is refused as the fit starts, nothing trained, pointing at ``BatchMemoryManager``."""
     torch.manual_seed(0)
-    model, *rest = private()
+    model, *rest = private(poisson=poisson)
     start = deepcopy(dict(model.named_parameters()))
     torch.manual_seed(1)
-    with pytest.raises(StepError, match=r"step 1 failed and was abandoned \(parameters and optimizer state are "
-                                        r"unchanged\): ValueError: Poisson sampling is not compatible with grad "
-                                        r"accumulation.*BatchMemoryManager"):
+    with pytest.raises(safeloop.ConfigError, match=r"grad_accum=2 divides each loss by 2 before opacus's hooks .*"
+                                                   r"optimizer 'optimizer' is opacus's DPOptimizer.*clipped at 2 times "
+                                                   r"max_grad_norm.*BatchMemoryManager"):
         port(model, *rest, 4, grad_accum=2)
     same(dict(model.named_parameters()), start)
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="grad_accum divides each micro-batch's loss by N before opacus's per-sample "
-                                       "hooks: the per-sample gradients are clipped at N times the bound, and "
-                                       "DPOptimizer.scale_grad divides by N (accumulated_iterations) once more")
-def test_trainer_grad_accum_trains_as_opacus_accumulation():
-    """``grad_accum=2`` without Poisson sampling against opacus's accumulation (two backwards, then
-    ``optimizer.step()``, which averages over ``expected_batch_size * accumulated_iterations``)."""
-    build = lambda: private(poisson=False)  # noqa: E731
-    ref, ours = versus(4, build=build, hand_kw={"accumulate": 2}, grad_accum=2)
-    same(ours, ref)
-
-
-@pytest.mark.xfail(strict=True, reason="grad_clip clips p.grad, which DPOptimizer.step replaces by its clipped, "
-                                       "noised sum of p.grad_sample: grad_clip has no effect, and nothing says so")
-def test_trainer_grad_clip_is_not_silently_ignored():
-    """``grad_clip`` with a ``DPOptimizer``: the clipping that counts is opacus's (``max_grad_norm``); a grad_clip
-    that cannot act should say so (a ``ConfigWarning``) rather than train as without it."""
-    with pytest.warns(safeloop.ConfigWarning, match="grad_clip"):
-        versus(8, grad_clip=0.01)
-
+def test_trainer_refuses_grad_clip_with_a_dp_optimizer():
+    """``grad_clip`` clips ``p.grad``, which ``DPOptimizer.step`` replaces by its clipped, noised sum of
+    ``p.grad_sample``: it would train as without it. Refused as the fit starts, naming opacus's ``max_grad_norm``;
+    with ``grad_accum`` too, both problems are listed."""
+    torch.manual_seed(0)
+    built = private(poisson=False)
+    with pytest.raises(safeloop.ConfigError, match=r"grad_clip=0.01 would clip p.grad, and optimizer 'optimizer' is "
+                                                   r"opacus's DPOptimizer, which replaces p.grad .*max_grad_norm"):
+        port(*built, 4, grad_clip=0.01)
+    with pytest.raises(safeloop.ConfigError, match=r"(?s)invalid configuration:\n  - grad_clip=.*\n  - grad_accum="):
+        port(*built, 4, grad_clip=0.01, grad_accum=2)
