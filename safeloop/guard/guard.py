@@ -803,7 +803,8 @@ class Guard:
             # detaching stops the gradient into the leaves below: right only if that is what was meant
             into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
             fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
-                     f"if it is meant as a constant{into}, store `{{code}}.detach()` instead",
+                     f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it "
+                     "under `torch.no_grad()`",
                      "do not pass retain_graph=True: it would back-propagate the same stale graph every step"]
             raise self._error(GraphReuseError, node, case,
                 f"the loss reaches {{node}}, built before the step ({self.words.before}) and held by {{holder}}"
