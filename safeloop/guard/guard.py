@@ -722,7 +722,7 @@ class Guard:
         if _weight_cast(node) and (any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
                                    or not explain.holds(node, case.scope, case.batch)):
             self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
-        kept, holder = self._kept(node, case)
+        kept, holder = self._kept(node, case, freed=why is _FREED)
         if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
             listed = _code(holder.list_of)
             if why not in (_FREED, _AGAIN):
@@ -796,7 +796,7 @@ class Guard:
                 state = ("this step's backward will free its saved tensors, and the next step would fail with "
                          "'Trying to backward through the graph a second time'")
             self._remade(GraphReuseError, node, case, f"before the step ({self.words.before})", state)
-            kept, holder = self._kept(node, case)
+            kept, holder = self._kept(node, case, freed=freed)
             if not kept:
                 return False
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
@@ -843,7 +843,7 @@ class Guard:
             fixes=[f"compute `{code or 'it'}` inside {self.words.place}, so it follows the parameters it is made "
                    "from"]))
 
-    def _kept(self, node, case: Case) -> tuple[bool, str | None]:
+    def _kept(self, node, case: Case, freed: bool = False) -> tuple[bool, str | None]:
         """Whether ``node``, numbered before the step, really outlived an earlier step; and its holder.
 
         Node numbers are per thread: a node another thread made in this step (a thread pool,
@@ -851,10 +851,13 @@ class Guard:
         tensor outside the step holds is taken for such a node; a later step reaching it again
         shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die.)
+        ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
+        found by ``_check_ran``): it outlived that backward, whether anything but the loss holds it or not (a
+        value kept on ``self`` and replaced by this step's before the backward: HF's ``compute_loss``).
         """
         holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss)
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
-        if first and holder is None:
+        if first and holder is None and not freed:
             return False, None
         return True, holder or explain.find_holder(node, case.scope, case.batch)
 

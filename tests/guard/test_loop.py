@@ -76,6 +76,41 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
         carry(GraphGuard(model), model, opt, data, detach=False)
 
 
+class Consistency:
+    """A loss of the model's output plus a penalty towards the last step's output mean, kept on ``self.prev`` with its
+    graph and replaced by this step's before the loss is handed back (transformers' ``Trainer.compute_loss``
+    overridden so): only the loss reaches the last step's graph by then."""
+
+    def __init__(self, model):
+        self.model, self.prev = model, None
+
+    def __call__(self, x):
+        out = self.model(x)
+        mean = out.mean(0)
+        loss = out.pow(2).mean() if self.prev is None else out.pow(2).mean() + (mean - self.prev).pow(2).sum()
+        self.prev = mean
+        return loss
+
+
+def test_a_freed_graph_no_variable_holds_any_more_is_caught_by_check_before_someone_elses_backward():
+    """``guard.check(loss)`` then a backward it does not run: a node of the last step whose saved tensors that
+    step's backward freed is carried, held by nothing but the loss (not a node another thread made in this step,
+    whose tensors no backward has freed): stopped before the backward fails half-way."""
+    model, opt, data = setup()
+    guard = GraphGuard(model, opt)
+    compute_loss = Consistency(model)
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches MeanBackward1, "
+                                                          "created during an earlier step")
+                       + ".*already freed the saved tensors"):
+        for x in data:
+            loss = compute_loss(x)
+            guard.check(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_pruned_weight_read_before_the_forward_is_named_not_the_local_made_from_it():
     """``penalty``, made in this step, is the only variable whose graph reaches the last forward's pruned weight:
     the error names the weight the forward makes again, not ``penalty`` (whose detaching would drop its gradient)."""
