@@ -198,6 +198,22 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     return None
 
 
+def replaced_holder(node, scope: Scope | None = None, batch: Any = None) -> str | None:
+    """The name of an attribute (``self.prev``) holding a tensor made as ``node`` was, by the same operation from the
+    same leaves, and not from ``node``: this step's value of a state kept from step to step, stored in place of the
+    last one after the loss read it (transformers' ``compute_loss`` overridden to keep ``self.prev_hidden``). Only
+    attributes: a local variable of the same making is a value of this step, not a place kept across steps."""
+    leaves = {id(v) for v in walk.below(node)[1]}
+    if not leaves:
+        return None
+    for name, tensor in candidates(scope, batch):
+        fn = tensor.grad_fn
+        if "." in name and fn is not None and fn is not node and type(fn) is type(node) \
+                and {id(v) for v in walk.below(fn)[1]} == leaves and not reachable(fn, node, limit=2_000):
+            return name
+    return None
+
+
 def sole_holder(node, scope: Scope | None) -> str | None:
     """The variable of the first running function (the script's first) that holds a tensor whose graph reaches
     ``node``, if it is the only one there; None for none or several (a fix naming one of several names may name the

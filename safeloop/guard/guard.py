@@ -723,6 +723,17 @@ class Guard:
                                    or not explain.holds(node, case.scope, case.batch)):
             self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
         kept, holder = self._kept(node, case, freed=why is _FREED)
+        # no tensor made by node itself is found, only ones reaching it (the loss): an attribute stored over by this
+        # step's value after the loss read the old one names the place that kept it
+        replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and not explain.holds(
+            node, case.scope, case.batch) else None
+        if replaced is not None:
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, created during an earlier step and kept in {holder}, which this step then "
+                "set to its own value (the loss read the old one); " + why,
+                ["store it detached where it is set (`{code} = ....detach()`), so each step back-propagates through "
+                 "its own graph only", f"recompute it inside {self.words.place} from its inputs"],
+                trace_hint=True, holder=replaced)
         if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
             listed = _code(holder.list_of)
             if why not in (_FREED, _AGAIN):
@@ -859,7 +870,7 @@ class Guard:
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         if first and holder is None and not freed:
             return False, None
-        return True, holder or explain.find_holder(node, case.scope, case.batch)
+        return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss)
 
     def backward_done(self, retained: bool | None, inputs=None) -> None:
         """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the

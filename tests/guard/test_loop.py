@@ -95,13 +95,16 @@ class Consistency:
 def test_a_freed_graph_no_variable_holds_any_more_is_caught_by_check_before_someone_elses_backward():
     """``guard.check(loss)`` then a backward it does not run: a node of the last step whose saved tensors that
     step's backward freed is carried, held by nothing but the loss (not a node another thread made in this step,
-    whose tensors no backward has freed): stopped before the backward fails half-way."""
+    whose tensors no backward has freed): stopped before the backward fails half-way, naming the attribute that
+    kept it (it holds this step's value by then: made alike, from the same parameters, not from the old one)."""
     model, opt, data = setup()
     guard = GraphGuard(model, opt)
     compute_loss = Consistency(model)
-    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches MeanBackward1, "
-                                                          "created during an earlier step")
-                       + ".*already freed the saved tensors"):
+    with pytest.raises(CarriedGraphError, match=re.escape(
+            "(step 2, loss 'loss'): the loss reaches MeanBackward1, created during an earlier step and kept in "
+            "`compute_loss.prev`, which this step then set to its own value (the loss read the old one)")
+            + ".*already freed the saved tensors.*" + re.escape(
+            "To fix: store it detached where it is set (`compute_loss.prev = ....detach()`)")):
         for x in data:
             loss = compute_loss(x)
             guard.check(loss)
