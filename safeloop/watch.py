@@ -207,6 +207,11 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     held += [a for o in objects if id(o) not in renamed
              for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
+    # and the tensors of a tuple such a variable holds (`z_loc, z_scale` of an encoder, kept as one): nothing can
+    # add to a tuple, so they were made before the loop, even when the loop's own variables hold no graph to
+    # compare them with (a library's step returning a float: pyro's `svi.step`)
+    seqs += [walk.sequence_nr(item.grad_fn) for k, v in values if k not in assigned and type(v) is tuple
+             for item in v if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
     # and the items of a list, tuple or dict held so (fast_neural_style's `gram_style`) that the loop does not add to,
     # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
     # is newer than the iteration's first graph

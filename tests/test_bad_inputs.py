@@ -231,8 +231,8 @@ def test_a_bad_argument_is_one_clear_error_naming_it_before_anything_is_trained_
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda: GraphGuard(optimizers=42), ConfigError, r"optimizers=42 is of type int: give an optimizer, a list or "
-                                                     r"a dict of them"),
+    (lambda: GraphGuard(optimizers=42), ConfigError, r"optimizers=42 is of type int: give a torch.optim.Optimizer, "
+                                                     r"a list or a dict of them"),
     (lambda: GraphGuard(out_dir=123), ConfigError, r"out_dir=123 is of type int: give a directory path"),
     (lambda: GraphGuard(ignore="carried"), ConfigError, r"^invalid configuration: guard.ignore='carried' is a str; "
                                                         r"give a list\[str\]$"),

@@ -78,8 +78,8 @@ class GraphGuard:
             optimizers = {"optimizer": optimizers}
         elif optimizers is not None and not isinstance(optimizers, Mapping):
             if not isinstance(optimizers, Iterable) or isinstance(optimizers, str):
-                problems.append(f"optimizers={optimizers!r} is of type {type(optimizers).__name__}: give an optimizer, "
-                                "a list or a dict of them")
+                problems.append(f"optimizers={optimizers!r} is of type {type(optimizers).__name__}: give a "
+                                "torch.optim.Optimizer, a list or a dict of them")
                 optimizers = ()
             optimizers = {f"optimizer {i}": opt for i, opt in enumerate(optimizers)}
         optimizers = dict(optimizers or {})
