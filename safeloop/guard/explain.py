@@ -173,10 +173,10 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
                 loss: torch.Tensor | None = None) -> str | None:
-    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the first of the shape
-    ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the `out` of
-    ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the step)
-    does not count."""
+    """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the nearest, then the
+    first of the shape ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the
+    `out` of ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the
+    step) does not count."""
     near = []
     for name, tensor in candidates(scope, batch):
         fn = tensor.grad_fn
@@ -185,8 +185,12 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
         if fn is node:
             return name
         if reachable(fn, node, limit=2_000):
-            near.append((name, tuple(tensor.shape)))
+            near.append((name, tensor))
     if near:
+        # a tensor made from another that reaches ``node`` holds it through that one: ``pred`` of this step, made
+        # from ``y0 = pred[-1]`` kept from the last step, holds that step's ``pred`` through ``y0``
+        nearest = [(name, t) for name, t in near if not any(_made_from(t, other) for _, other in near)]
+        near = [(name, tuple(t.shape)) for name, t in nearest or near]
         made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
         return next((name for name, shape in near if [shape] == made), near[0][0])
     if scan_gc:
@@ -196,6 +200,14 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def _made_from(tensor: torch.Tensor, other: torch.Tensor, limit: int = 2_000) -> bool:
+    """Whether ``other``'s value went into ``tensor``: ``tensor``'s graph reaches ``other``'s output of its grad_fn,
+    not only another output of that node (``h`` and ``out`` of one LSTM call are made side by side)."""
+    fn, nr = other.grad_fn, other.output_nr
+    nodes = islice(walk.iter_nodes(tensor.grad_fn), limit)
+    return fn is not tensor.grad_fn and any(nxt is fn and i == nr for node in nodes for nxt, i in node.next_functions)
 
 
 def replaced_holder(node, scope: Scope | None = None, batch: Any = None) -> str | None:
