@@ -122,6 +122,9 @@ class Guard:
         # that a graph made while fetching its batch (an RL rollout) is the step's own
         self.next_start: int | None = None
         self.prev_seq: int | None = None  # the last step's start
+        # step -> the counter of its newest loss (this step's and the last's): a value kept from the last step and
+        # made after its loss is a state set up for the next step, not a cache its loss read (``_set_up_after_loss``)
+        self.loss_seqs: dict[int, int] = {}
         self.checking = False
         self.thorough = False  # this checked step also runs the secondary checks
         self._checks = 0
@@ -321,6 +324,11 @@ class Guard:
                     and not _placeholder(loss):
                 raise self.no_graph(name, loss, step, scope, batch,
                                     among=any(x.grad_fn is not None for x in losses.values()))
+        if walk.HAS_SEQ:
+            newest = max((sequence_nr(x.grad_fn) for x in losses.values() if x.grad_fn is not None), default=-1)
+            if step not in self.loss_seqs:
+                self.loss_seqs = {step - 1: self.loss_seqs[step - 1]} if step - 1 in self.loss_seqs else {}
+            self.loss_seqs[step] = max(newest, self.loss_seqs.get(step, -1))
         # every step but under check=off: one look at each trained parameter's .grad (a backward of training_step's
         # own can start at any step, an adversarial attack's after a warm-up); after the walk on a checked step
         look = (first or kept is not None) and scope is not None and self.check != "off" \
@@ -749,7 +757,8 @@ class Guard:
             fixes = ["detach the carried state at the end of each step (`{detached}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
-            if explain.holds_as_made(node, holder, case.scope, case.batch):  # kept as it was made: a cache
+            if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
+                    node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
@@ -768,6 +777,14 @@ class Guard:
                 [f"read `{remade}` after this step's forward, so that it holds this step's value",
                  "compute it from what it is made of (`weight_orig * weight_mask` for a pruned weight)"],
                 holder=remade)
+
+    def _set_up_after_loss(self, node, step: int) -> bool:
+        """Whether ``node`` was made after the last step's loss: a state that step set up for the next one
+        (``y0 = pred[-1]`` after the update, a memory bank's ``queue = torch.cat([queue, emb])``), not a value
+        made before the loss that read it and kept since (a cache: rotary embeddings' ``cached_freqs``, an
+        ``alpha = log_alpha.exp()`` made once)."""
+        last = self.loss_seqs.get(step - 1)
+        return walk.HAS_SEQ and last is not None and sequence_nr(node) > last
 
     def _cache_fixes(self, node, case: Case, holder: str) -> list[str]:
         """The fixes for a value made in an earlier step and kept as it was (a cache built by the first forward:

@@ -2,6 +2,7 @@
 import gc
 import re
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,39 @@ def test_a_scalar_made_once_from_a_trained_tensor_is_still_advised_as_a_cache():
             opt.step()
     assert caught.value.fixes[0].startswith("make `alpha` again every step instead of keeping it: it is made from "
                                             "`local log_alpha`")
+
+
+def test_a_state_set_up_after_the_loss_and_kept_as_made_is_advised_the_detach_first():
+    """A memory bank of past outputs (pytorch-metric-learning's reference embeddings, by hand), set up after the
+    update for the next step's loss and kept as it was made: a state carried on purpose, not a cache the loss read
+    (``alpha`` above, made before its loss). The detach comes first; applied, it trains as the loop with the bank
+    made under ``no_grad``, quiet."""
+    def bank(guard, fix=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        queue = torch.zeros(0, 3)
+        for x in torch.randn(4, 5, 4):
+            with guard.step() if guard is not None else nullcontext():
+                out = model(x)
+                loss = (out @ torch.cat([out, queue]).T).pow(2).mean()
+                opt.zero_grad()
+                guard.backward(loss) if guard is not None else loss.backward()
+                opt.step()
+                with torch.no_grad() if fix == "no_grad" else nullcontext():
+                    queue = torch.cat([queue, out])[-8:]
+                if fix == "detach":
+                    queue = queue.detach()
+        return list(model.parameters())
+
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `local queue`")) as caught:
+        bank(GraphGuard(check="always"))
+    assert caught.value.fixes[0] == ("detach the carried state at the end of each step (`queue = queue.detach()`) "
+                                     "so each step back-propagates through its own graph only (truncated BPTT)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = bank(GraphGuard(check="always"), fix="detach")
+    assert all(torch.equal(a, b) for a, b in zip(fixed, bank(None, fix="no_grad")))
 
 
 def test_a_step_the_guard_does_not_check_is_explained_when_its_backward_fails():

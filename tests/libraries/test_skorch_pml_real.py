@@ -461,11 +461,6 @@ def test_memory_bank_kept_with_its_graph_is_stopped_and_the_advised_detach_train
 
 
 @needs_pml
-@pytest.mark.xfail(strict=True, reason="with `with guard.step()` around the iteration, `queue = torch.cat([queue, "
-                   "embeddings])[-24:]` is made inside step 1 and held as made, so explain.holds_as_made takes it for "
-                   "a cache: the first fix offered is 'make `queue` again every step ... clear the cache (`queue = "
-                   "None` ...)', which empties a memory bank, and the detach comes second (under watch it comes first; "
-                   "the same root cause as test_torchdiffeq_real's continued trajectory)")
 def test_memory_bank_kept_with_its_graph_is_advised_to_detach_first():
     """As above, with a ``GraphGuard``: the first fix offered is the detach (a bank of past embeddings is stale on
     purpose), not rebuilding ``queue`` as a stale cache."""

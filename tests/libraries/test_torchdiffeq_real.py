@@ -827,9 +827,6 @@ def test_trajectory_continued_with_its_graph(adjoint):
     three_runs(demo_build, lambda *a, guard=None: windows(*a, guard=guard, adjoint=adjoint), "always")
 
 
-@pytest.mark.xfail(strict=True, reason="with `with guard.step()` around the iteration, `y0 = pred_y[-1]` is made "
-                   "inside step 1 and held as made, so explain.holds_as_made takes it for a cache: the first fix "
-                   "offered is 'make `y0` again every step ... clear the cache (`y0 = None` ...)', the detach second")
 def test_trajectory_continued_with_its_graph_is_advised_to_detach_first():
     """As above, with a ``GraphGuard``: the first fix offered is the detach (a trajectory continued on purpose), not
     rebuilding ``y0`` as a stale cache."""
