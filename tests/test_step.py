@@ -646,7 +646,8 @@ def test_one_tensor_with_several_optimizers_asks_for_a_dict():
 
     with pytest.raises(StepError, match=re.escape(
             "step 1: training_step returned one loss tensor, and there are several optimizers (['d', 'g']): return "
-            "a dict {optimizer name: loss}")):
+            "a dict {optimizer name: loss}, so that each loss's gradient goes to its optimizer's parameters (one "
+            "loss that trains them all goes under each name: {'d': loss, 'g': loss})")):
         OneLoss(model=GAN(), train_data=gan_batches(1), max_steps=1, device="cpu", progress=False, loggers=()).fit()
 
 

@@ -34,7 +34,8 @@ def named_losses(output, step: int, optimizer_names, trained: bool = True) -> di
             raise StepError(
                 f"step {step}: training_step returned one loss tensor, and there are several optimizers "
                 f"({sorted(optimizer_names)}): return a dict {{optimizer name: loss}}, so that each loss's "
-                "gradient goes to its optimizer's parameters", step)
+                "gradient goes to its optimizer's parameters (one loss that trains them all goes under each name: "
+                f"{{{', '.join(f'{n!r}: loss' for n in sorted(optimizer_names))}}})", step)
         output = {"loss": output}
     elif not isinstance(output, Mapping):
         raise StepError(f"step {step}: training_step returned a {type(output).__name__}; {hint}", step)

@@ -394,9 +394,11 @@ def test_pml_trainer_trains_as_the_readme_loop(check, kind):
 @needs_pml
 def test_pml_trainer_refuses_one_loss_tensor_with_two_optimizers():
     """``ArcFaceLoss``'s loss returned as a tensor with ``{"model": ..., "loss": ...}`` optimizers: refused at step 1
-    (which optimizer it trains is not said), before any update."""
+    (which optimizer it trains is not said), before any update, saying how one loss trains both."""
     with pytest.raises(StepError, match=r"step 1: training_step returned one loss tensor, and there are several "
-                                        r"optimizers \(\['loss', 'model'\]\): return a dict \{optimizer name: loss\}"):
+                                        r"optimizers \(\['loss', 'model'\]\): return a dict \{optimizer name: loss\}.*"
+                                        r"one loss that trains them all goes under each name: \{'loss': loss, "
+                                        r"'model': loss\}"):
         trainer_versus_loop("arcface", route="tensor")
 
 
