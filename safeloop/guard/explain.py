@@ -98,6 +98,9 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
                 yield from _items(val, f"{prefix}[{i}]", depth - 1)
 
 
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))  # what every module keeps: its parameters, buffers, hooks...
+
+
 def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
                 depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
@@ -106,7 +109,7 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
             base = prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in mod_name.split(".")
                                     if part)
             for key, val in vars(mod).items():
-                if not key.startswith("_"):
+                if key not in _MODULE_STATE:  # a layer's own private cache too (PyG's `conv._cached_edge_index`)
                     yield from _items(val, f"{base}.{key}")
             for key, val in mod.named_buffers(recurse=False):
                 yield f"{base}.{key}", val

@@ -797,10 +797,12 @@ class Guard:
             return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "
                     "torch.no_grad() or store it detached once made (`{detached}`)",
                     f"recompute it inside {self.words.place} from its inputs"]
-        # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None
+        # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None,
+        # a tuple's item with its tuple (PyG's `conv._cached_edge_index`, an (edge_index, edge_weight) pair)
         keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
+        cleared = f"`{_code(holder.tuple_of)} = None`" if isinstance(holder, explain.Item) else "`{code} = None`"
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
-            if keyed else "`{code} = None`, where forward rebuilds it when it is None"
+            if keyed else f"{cleared}, where forward rebuilds it when it is None"
         return [f"make `{{code}}` again every step instead of keeping it: it is made from "
                 f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
                 f"stale); clear the cache before each forward ({clear}), or do not cache it",

@@ -294,6 +294,44 @@ def test_a_cache_made_from_no_trained_parameter_is_kept_without_its_graph():
         assert all(same(cache_loop(fourier(no_grad=True), check=check), correct) for check in CHECKS)
 
 
+class EdgeCache(nn.Module):
+    """torch_geometric's ``GCNConv(cached=True)``: the first forward keeps ``(index, weight)`` in a private attribute,
+    here with ``weight`` made from a learned ``edge_weight`` (PyG's docs: caching is for fixed graphs only);
+    ``cached=False`` makes it every forward."""
+
+    def __init__(self, cached: bool = True):
+        super().__init__()
+        self.edge_weight = nn.Parameter(torch.rand(4))
+        self.cached, self._cached_edge_index = cached, None
+
+    def forward(self, x):
+        cache = self._cached_edge_index
+        if cache is None:
+            cache = torch.arange(4), self.edge_weight.softmax(0)
+            if self.cached:
+                self._cached_edge_index = cache
+        return x * cache[1][cache[0]]
+
+
+def test_a_cache_kept_in_a_layers_private_tuple_is_named_and_cleared_whole():
+    """A module's private attribute is searched too (not the module's own ``_parameters``, ``_modules``, hooks), and a
+    tuple is cleared as a whole: ``model.rot._cached_edge_index = None``, which the layer rebuilds; applied before each
+    forward, it trains as ``cached=False``. (The step's output, through which the loss reaches the cache, was named
+    before, with a detach that changed nothing.)"""
+    torch.manual_seed(2)
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `model.rot._cached_edge_index[1]`")) as info:
+        cache_loop(Deep(EdgeCache()))
+    fix = first_fix_code(info.value)
+    assert fix == "model.rot._cached_edge_index = None"
+    torch.manual_seed(2)
+    correct = cache_loop(Deep(EdgeCache(cached=False)), check=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for check in CHECKS:
+            torch.manual_seed(2)
+            assert same(cache_loop(Deep(EdgeCache()), "before: " + fix, check=check), correct)
+
+
 class CachedStep(Trainer):
     """A regression step; ``before``: a statement run at the start of training_step (``self`` in scope)."""
 

@@ -537,15 +537,17 @@ def test_cached_adjacency_with_learned_edge_weights_fails_bare():
         weighted_train(*weighted_build())
 
 
-@pytest.mark.xfail(strict=True, reason="the guard names `local out` (this step's output, through which the loss "
-                                       "reaches the cache) as the holder and advises `out = out.detach()`, which "
-                                       "changes nothing; the holder is model.conv1._cached_edge_index and the fix "
-                                       "is cached=False")
 def test_cached_adjacency_with_learned_edge_weights_is_named():
-    """Stopped at step 2, before its backward, naming the cache and not advising a detach of the output."""
+    """Stopped at step 2, before its backward, naming the cache in the layer's private attribute (a tuple) and
+    advising to clear it, as ``GCNConv`` rebuilds it when it is None (or not to cache: ``cached=False``), not a
+    detach of the step's output (which changes nothing)."""
     seeded(0)
     model, optimizer, data = weighted_build()
-    with pytest.raises(CarriedGraphError, match=r"step 2, .*_cached_edge_index"):
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*held by `model\.conv1\._cached_edge_index\[1\]`.*To "
+                                                r"fix: make `model\.conv1\._cached_edge_index\[1\]` again every step "
+                                                r".*made from `model\.edge_weight`.*clear the cache before each "
+                                                r"forward \(`model\.conv1\._cached_edge_index = None`, where forward "
+                                                r"rebuilds it"):
         weighted_train(model, optimizer, data, guard=GraphGuard(model, check="always"))
 
 
@@ -555,16 +557,14 @@ class WeightedTrainer(NodeTrainer):
         return F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
 
 
-@pytest.mark.xfail(strict=True, reason="the Trainer's message says 'held by an unnamed tensor (found by the garbage "
-                                       "collector)' and advises detaching it: the holder, the Trainer's model's "
-                                       "conv1._cached_edge_index (a tuple attribute of a submodule), is not searched")
 def test_trainer_cached_adjacency_with_learned_edge_weights_is_named():
-    """The same mistake in a Trainer: stopped at step 2, naming the cache."""
+    """The same mistake in a Trainer: stopped at step 2, naming the cache and how to clear it."""
     seeded(0)
     model, optimizer, data = weighted_build()
     trainer = WeightedTrainer(example_optimizer=optimizer, model=model, train_data=[data] * 3, max_steps=3,
                               device="cpu", progress=False, loggers=(), guard={"check": "always"})
-    with pytest.raises(CarriedGraphError, match=r"step 2, .*_cached_edge_index"):
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*held by `self\.model\.conv1\._cached_edge_index\[1\]`"
+                                                r".*`self\.model\.conv1\._cached_edge_index = None`"):
         trainer.fit()
 
 
