@@ -42,16 +42,8 @@ import safeloop  # noqa: E402
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import ConfigError, GraphLeakWarning, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
+from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -65,27 +57,6 @@ def _pyro_state():
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-def same(ours, ref, where="result") -> None:
-    """``ours`` equals ``ref`` bit for bit: modules (every parameter and buffer), tensors, dicts, lists, numbers."""
-    if isinstance(ref, nn.Module):
-        for kind in ("named_parameters", "named_buffers"):
-            same(dict(getattr(ours, kind)()), dict(getattr(ref, kind)()), f"{where}.{kind[6:]}")
-    elif isinstance(ref, torch.Tensor):
-        assert ours.dtype == ref.dtype and ours.shape == ref.shape, where
-        assert torch.equal(ours.detach().reshape(-1).view(torch.uint8), ref.detach().reshape(-1).view(torch.uint8)) \
-            if ref.is_floating_point() else torch.equal(ours, ref), where
-    elif isinstance(ref, dict):
-        assert ours.keys() == ref.keys(), where
-        for k in ref:
-            same(ours[k], ref[k], f"{where}[{k!r}]")
-    elif isinstance(ref, (list, tuple)):
-        assert len(ours) == len(ref), where
-        for i, (a, b) in enumerate(zip(ours, ref)):
-            same(a, b, f"{where}[{i}]")
-    elif isinstance(ref, float) and math.isnan(ref):
-        assert isinstance(ours, float) and math.isnan(ours), where
-    else:
-        assert ours == ref, where
 
 
 def three_ways(train, check, tmp_path=None):

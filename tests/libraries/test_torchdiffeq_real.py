@@ -44,43 +44,13 @@ from torchdiffeq import odeint_adjoint  # noqa: E402
 from safeloop import GraphGuard, Trainer  # noqa: E402
 from safeloop.errors import CarriedGraphError, GraphReuseError, GraphSharingWarning  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
+from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import CHECKS, checks, strict  # noqa: E402
 
 RTOL, ATOL = 1e-3, 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a shared two-core machine torch's second thread waits for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- what every case runs -----------------------------------------------------------------------------------------
-def same(ours, ref, where="result") -> None:
-    """``ours`` equals ``ref`` bit for bit: modules (every parameter and buffer), tensors, dicts, lists, numbers."""
-    if isinstance(ref, nn.Module):
-        for kind in ("named_parameters", "named_buffers"):
-            same(dict(getattr(ours, kind)()), dict(getattr(ref, kind)()), f"{where}.{kind[6:]}")
-    elif isinstance(ref, torch.Tensor):
-        assert ours.dtype == ref.dtype and ours.shape == ref.shape, where
-        if ref.is_floating_point():
-            assert torch.equal(ours.detach().reshape(-1).view(torch.uint8),
-                               ref.detach().reshape(-1).view(torch.uint8)), where
-        else:
-            assert torch.equal(ours, ref), where
-    elif isinstance(ref, dict):
-        assert ours.keys() == ref.keys(), where
-        for k in ref:
-            same(ours[k], ref[k], f"{where}[{k!r}]")
-    elif isinstance(ref, (list, tuple)):
-        assert len(ours) == len(ref), where
-        for i, (a, b) in enumerate(zip(ours, ref)):
-            same(a, b, f"{where}[{i}]")
-    else:
-        assert ours == ref, where
 
 
 def seeded(build):

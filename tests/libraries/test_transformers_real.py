@@ -31,6 +31,7 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
+from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 HERE = __file__
@@ -141,22 +142,6 @@ PLACES = {"optimizer": GuardOptimizer, "steps": GuardSteps}
 
 
 # -- what every case runs ----------------------------------------------------------------------------------------
-def same(ours, ref, where="result"):
-    """``ours`` equals ``ref`` bit for bit: tensors (their bits), dicts, lists and numbers."""
-    if isinstance(ref, torch.Tensor):
-        assert ours.dtype == ref.dtype and ours.shape == ref.shape, where
-        assert torch.equal(ours.detach().reshape(-1).view(torch.uint8), ref.detach().reshape(-1).view(torch.uint8)) \
-            if ref.is_floating_point() else torch.equal(ours, ref), where
-    elif isinstance(ref, dict):
-        assert ours.keys() == ref.keys(), where
-        for k in ref:
-            same(ours[k], ref[k], f"{where}[{k!r}]")
-    elif isinstance(ref, (list, tuple)):
-        assert len(ours) == len(ref), where
-        for i, (a, b) in enumerate(zip(ours, ref)):
-            same(a, b, f"{where}[{i}]")
-    else:
-        assert ours == ref, where
 
 
 TIMES = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
