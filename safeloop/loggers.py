@@ -89,11 +89,22 @@ class TensorBoardLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
+            if self._purge_step is not None:
+                self._wait_for_a_later_name()
             self._writer = SummaryWriter(str(self.path), purge_step=self._purge_step)
             self._purge_step = None  # (once: a writer opened again after close(), by a later validate(), purges none)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()  # on disk at every log point, as metrics.csv: a killed run keeps what it logged
+
+    def _wait_for_a_later_name(self) -> None:
+        """TensorBoard reads a directory's event files in name order, and a name starts with the second the file
+        was made (then host and pid): a run resumed within its stopped run's second could sort first, and the
+        purge would drop the wrong events. Waits (2 s at most) until the new file sorts after every one there."""
+        stamps = [p.name.split(".")[3] for p in self.path.glob("events.out.tfevents.*")]
+        wait = max((int(s) for s in stamps if s.isdigit()), default=0) + 1 - time.time()
+        if 0 < wait <= 2:
+            time.sleep(wait)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -85,6 +85,28 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, names, monkeypat
         assert [e.step for e in events.Scalars("loss")] == losses
 
 
+@pytest.mark.skipif(not loggers.HAVE_TENSORBOARD, reason="tensorboard is not installed (an optional logger)")
+def test_a_run_resumed_within_its_stopped_runs_second_reads_as_one_run_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    stopped = loggers.TensorBoardLogger(tmp_path)
+    for step in range(1, 8):
+        stopped.log_metrics({"loss": step}, step)
+    stopped.close()
+    # TensorBoard reads event files in name order: "events.out.tfevents.<second>.<host>.<pid>...". Named as a
+    # process with a larger pid would name it a second from now, the stopped run's file sorts after any made now
+    old, = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    parts = old.name.split(".")
+    parts[3], parts[5] = f"{int(time.time()) + 1:010d}", "99999999"
+    old.rename(old.with_name(".".join(parts)))
+    resumed = loggers.TensorBoardLogger(tmp_path)
+    resumed.resume(4)
+    for step in range(5, 10):
+        resumed.log_metrics({"loss": 10 * step}, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Scalars("loss")
+    assert [(e.step, e.value) for e in events] == [(1, 1), (2, 2), (3, 3), (4, 4)] + [(s, 10 * s) for s in range(5, 10)]
+
+
 def test_resume_rewrites_metrics_csv_keeping_the_rows_up_to_the_resumed_step(tmp_path):
     logger = loggers.CSVLogger(tmp_path)
     for step in (1, 2, 3):
