@@ -60,10 +60,10 @@ class TrainerSteps:
 
 
 class HandFSDP:
-    """The loop a user writes with FSDP2."""
+    """The loop a user writes with FSDP2, on the CPU (FSDP2's default mesh is CUDA's wherever there is a GPU)."""
 
     def __init__(self, model, data):
-        fsdp.shard(model)
+        fsdp.shard(model, device=torch.device("cpu"))
         self.model, self.data = model, data
         self.opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
