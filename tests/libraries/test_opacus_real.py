@@ -427,6 +427,17 @@ class DPTrainer(safeloop.Trainer):
         return self.criterion(self.model(data), target)
 
 
+class ManualDPTrainer(DPTrainer):
+    """The same step in manual mode: ``self.backward`` and ``self.step``."""
+
+    automatic = False
+
+    def training_step(self, batch):
+        data, target = batch
+        self.backward(self.criterion(self.model(data), target))
+        self.step()
+
+
 def hand(model, optimizer, loader, privacy_engine, criterion, steps, physical=None):
     """opacus's loop for ``steps`` updates: zero_grad, forward, backward, step (examples/mnist.py); or physical
     batches of ``BatchMemoryManager`` (``steps`` then counts physical batches, as the Trainer's steps do)."""
@@ -445,10 +456,10 @@ def hand(model, optimizer, loader, privacy_engine, criterion, steps, physical=No
     return results(model, optimizer, privacy_engine)
 
 
-def port(model, optimizer, loader, privacy_engine, criterion, steps, physical=None, **settings):
+def port(model, optimizer, loader, privacy_engine, criterion, steps, physical=None, cls=DPTrainer, **settings):
     data = loader if physical is None else BatchMemoryManager(
         data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer).__enter__()
-    trainer = DPTrainer(dp_optimizer=optimizer, criterion=criterion, model=model, train_data=data, max_steps=steps,
+    trainer = cls(dp_optimizer=optimizer, criterion=criterion, model=model, train_data=data, max_steps=steps,
                         device="cpu", progress=False, loggers=(), **settings)
     trainer.fit()
     assert trainer.state.step == steps
@@ -473,12 +484,14 @@ def versus(steps, build=private, hand_kw=None, **settings):
     return ref, ours
 
 
+@pytest.mark.parametrize("cls", [DPTrainer, ManualDPTrainer], ids=["automatic", "manual"])
 @pytest.mark.parametrize("check", checks())
-def test_trainer_trains_as_the_mnist_loop(check):
+def test_trainer_trains_as_the_mnist_loop(check, cls):
     """``DPTrainer(model=GradSampleModule, train_data=DPDataLoader)``, ``configure_optimizers`` returning the
     ``DPOptimizer``: the Trainer's ``zero_grad(set_to_none=True)`` at a step's start clears ``p.grad_sample`` and
-    ``p.summed_grad`` as opacus's ``zero_grad()`` does, and its ``step()`` clips, noises and steps as in the loop."""
-    ref, ours = versus(8, guard={"check": check})
+    ``p.summed_grad`` as opacus's ``zero_grad()`` does, and its ``step()`` clips, noises and steps as in the loop;
+    in manual mode too (``self.backward``, ``self.step``)."""
+    ref, ours = versus(8, guard={"check": check}, cls=cls)
     same(ours, ref)
 
 
@@ -541,14 +554,18 @@ def test_trainer_refuses_grad_accum_with_a_dp_optimizer(poisson):
     assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
-def test_trainer_refuses_grad_clip_with_a_dp_optimizer():
+@pytest.mark.parametrize("cls", [DPTrainer, ManualDPTrainer], ids=["automatic", "manual"])
+def test_trainer_refuses_grad_clip_with_a_dp_optimizer(cls):
     """``grad_clip`` clips ``p.grad``, which ``DPOptimizer.step`` replaces by its clipped, noised sum of
-    ``p.grad_sample``: it would train as without it. Refused as the fit starts, naming opacus's ``max_grad_norm``;
-    with ``grad_accum`` too, both problems are listed."""
+    ``p.grad_sample``: it would train as without it. Refused as the fit starts (manual mode's ``self.step`` clips
+    too), nothing trained, naming opacus's ``max_grad_norm``; with ``grad_accum`` too, both problems are listed."""
     torch.manual_seed(0)
     built = private(poisson=False)
+    start = deepcopy(dict(built[0].named_parameters()))
     with pytest.raises(safeloop.ConfigError, match=r"grad_clip=0.01 would clip p.grad, and optimizer 'optimizer' is "
                                                    r"opacus's DPOptimizer, which replaces p.grad .*max_grad_norm"):
-        port(*built, 4, grad_clip=0.01)
+        port(*built, 4, grad_clip=0.01, cls=cls)
+    same(dict(built[0].named_parameters()), start)
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in built[0].parameters())
     with pytest.raises(safeloop.ConfigError, match=r"(?s)invalid configuration:\n  - grad_clip=.*\n  - grad_accum="):
         port(*built, 4, grad_clip=0.01, grad_accum=2)
