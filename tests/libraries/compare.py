@@ -1,8 +1,15 @@
-"""What the library tests compare with: every bit of what two runs end with."""
+"""What the library tests compare with: every bit of what two runs end with, and the three runs every correct loop
+makes (bare, under ``watch``, with a ``GraphGuard``)."""
 import math
+import warnings
+from copy import deepcopy
 
 import torch
 import torch.nn as nn
+
+from safeloop import GraphGuard
+from safeloop.watch import Watch
+from tests.realworld.harness import strict
 
 
 def same(ours, ref, where="result") -> None:
@@ -30,3 +37,31 @@ def same(ours, ref, where="result") -> None:
         assert isinstance(ours, float) and math.isnan(ours), where
     else:
         assert ours == ref, where
+
+
+def three_runs(build, train, check, *, guarded=True, guard_for=None, seed=torch.manual_seed):
+    """``train(*build())`` bare, under ``Watch`` (``train``'s file as the script) and, ``guarded``, with
+    ``guard=GraphGuard(check=check)`` (or ``guard_for(check, *built)``: a guard made from what ``build`` made); each
+    from the same seeds: ``seed(0)`` before ``build``, ``seed(1)`` before ``train``. ``train`` returns a dict whose
+    first value is the trained module; all of it is compared with the bare run's, bit for bit, and the guarded runs
+    may warn nothing the bare run does not. Returns the bare run's result."""
+    def run(guard=None):
+        seed(0)
+        built = build()
+        start = deepcopy(built[0])
+        kw = {} if guard is None else {"guard": guard_for(check, *built) if guard_for else guard}
+        seed(1)
+        return train(*built, **kw), start
+    with warnings.catch_warnings(record=True) as own:
+        warnings.simplefilter("always")
+        ref, start = run()
+    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
+        watched, _ = run()
+    same(watched, ref)
+    if guarded:
+        with strict(own):
+            guarded_run, _ = run(guard=GraphGuard(check=check))
+        same(guarded_run, ref)
+    model = next(iter(ref.values()))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())), "nothing trained"
+    return ref

@@ -17,7 +17,6 @@ import os
 import runpy
 import subprocess
 import sys
-import warnings
 from copy import deepcopy
 
 import pytest
@@ -37,40 +36,13 @@ from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import (CarriedGraphError, DoubleBackwardError, GraphLeakWarning,  # noqa: E402
                              GraphReuseError, InplaceModificationError, NoGraphError)
 from safeloop.watch import Watch  # noqa: E402
-from tests.libraries.compare import same  # noqa: E402
+from tests.libraries.compare import same, three_runs  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-
-
-def three_runs(build, train, check, guarded=True, guard_for=None):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and, ``guarded``, with
-    ``guard=GraphGuard(check=check)`` (``guard_for(check, *built)``: a guard made from what ``build`` made); each from
-    the same seeds. ``train`` returns a dict whose first value is the trained module; all of it is compared with the
-    bare run's, bit for bit. Returns the bare run's result."""
-    def run(guard=None):
-        torch.manual_seed(0)
-        built = build()
-        start = deepcopy(built[0])
-        kw = {} if guard is None else {"guard": guard_for(check, *built) if guard_for else guard}
-        torch.manual_seed(1)
-        return train(*built, **kw), start
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        ref, start = run()
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        watched, _ = run()
-    same(watched, ref)
-    if guarded:
-        with strict(own):
-            guarded_run, _ = run(guard=GraphGuard(check=check))
-        same(guarded_run, ref)
-    model = next(iter(ref.values()))
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())), "nothing trained"
-    return ref
 
 
 def watched(train, *args, check="always", **kwargs):

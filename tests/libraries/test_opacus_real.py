@@ -32,7 +32,7 @@ import safeloop  # noqa: E402
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import DoubleBackwardError, GraphReuseError, NonFiniteError, StepError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
-from tests.libraries.compare import same  # noqa: E402
+from tests.libraries.compare import same, three_runs  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 
@@ -78,32 +78,6 @@ def results(model, optimizer, privacy_engine, **more):
     """What a run leaves: the model, the optimizer's state, the accountant's history (and ``more``)."""
     return {"model": model, "optimizer": optimizer.state_dict(), "history": list(privacy_engine.accountant.history),
             **more}
-
-
-def three_runs(build, train, check, guard_for=None):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and with a ``GraphGuard(check=check)``
-    (``guard_for(check, *built)``: one made from what ``build`` made), each from the same seeds; every result is
-    compared with the bare run's, bit for bit, and the guarded runs may warn nothing the bare run does not. Returns
-    the bare run's result."""
-    def run(guard=None):
-        torch.manual_seed(0)
-        built = build()
-        kw = {} if guard is None else {"guard": guard_for(check, *built) if guard_for else GraphGuard(check=check)}
-        torch.manual_seed(1)
-        return train(*built, **kw), built
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        ref, built = run()
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        watched, _ = run()
-    same(watched, ref)
-    with strict(own):
-        guarded, _ = run(guard=True)
-    same(guarded, ref)
-    torch.manual_seed(0)
-    fresh = build()[0]
-    assert any(not torch.equal(p, q) for p, q in zip(ref["model"].parameters(), fresh.parameters())), "nothing trained"
-    return ref
 
 
 def stepped(guard):

@@ -19,6 +19,7 @@ tensor, and the fix the message advises, written into the same loop, trains righ
 import contextlib
 import random
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ import safeloop  # noqa: E402
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
+from tests.libraries import compare  # noqa: E402
 from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
@@ -59,28 +61,7 @@ def seeded(seed):
     random.seed(seed)
 
 
-def three_runs(build, train, check):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and with a ``GraphGuard(check=check)``,
-    each from the same seeds; every result is compared with the bare run's, bit for bit, and the guarded runs may
-    warn nothing the bare run does not. Returns the bare run's result."""
-    def run(guard=None):
-        seeded(0)
-        built = build()
-        seeded(1)
-        return train(*built, **({} if guard is None else {"guard": guard}))
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        ref = run()
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        watched = run()
-    same(watched, ref)
-    with strict(own):
-        guarded = run(guard=GraphGuard(check=check))
-    same(guarded, ref)
-    seeded(0)
-    fresh = build()[0]
-    assert any(not torch.equal(p, q) for p, q in zip(ref["model"].parameters(), fresh.parameters())), "nothing trained"
-    return ref
+three_runs = partial(compare.three_runs, seed=seeded)
 
 
 def stepped(guard):

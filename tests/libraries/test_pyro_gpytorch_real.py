@@ -742,13 +742,14 @@ def vae_main(guard=None, num_epochs=2, mistake=None, checked_loss=False):
     vae = VAE()
     start = snapshot(vae)
     optimizer = pyro.optim.Adam({"lr": 0.01})
-    elbo = Trace_ELBO()
     if checked_loss:
         def elbo(model, guide, *args):
             loss = Trace_ELBO().differentiable_loss(model, guide, *args)
             if torch.is_grad_enabled():  # (svi.evaluate_loss calls it too, under no_grad: no backward follows)
                 guard.check(loss)
             return loss
+    else:
+        elbo = Trace_ELBO()
     svi = SVI(vae.model, vae.guide, optimizer, loss=elbo)
     if mistake == "encoded once":
         encoded = vae.encoder(train_loader[0][0])

@@ -44,6 +44,7 @@ from torchdiffeq import odeint_adjoint  # noqa: E402
 from safeloop import GraphGuard, Trainer  # noqa: E402
 from safeloop.errors import CarriedGraphError, GraphReuseError, GraphSharingWarning  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
+from tests.libraries import compare  # noqa: E402
 from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import CHECKS, checks, strict  # noqa: E402
 
@@ -53,33 +54,21 @@ RTOL, ATOL = 1e-3, 1e-4
 # -- what every case runs -----------------------------------------------------------------------------------------
 
 
+def seed(n):
+    """torch's and NumPy's global generators from ``n``."""
+    torch.manual_seed(n)
+    np.random.seed(n)
+
+
 def seeded(build):
-    """``build()`` from torch's and NumPy's global generators seeded, then seeded again for the training."""
-    torch.manual_seed(0)
-    np.random.seed(0)
+    """``build()`` from ``seed(0)``, then ``seed(1)`` for the training."""
+    seed(0)
     built = build()
-    torch.manual_seed(1)
-    np.random.seed(1)
+    seed(1)
     return built
 
 
-def three_runs(build, train, check, guarded=True):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and, ``guarded``, with
-    ``guard=GraphGuard(check=check)``, each from the same seeds. ``train`` returns a dict whose first value is the
-    trained module; all of it is compared with the bare run's, bit for bit. Returns the bare run's result."""
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        built = seeded(build)
-        start = deepcopy(built[0])
-        ref = train(*built)
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        same(train(*seeded(build)), ref)
-    if guarded:
-        with strict(own):
-            same(train(*seeded(build), guard=GraphGuard(check=check)), ref)
-    model = next(iter(ref.values()))
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())), "nothing trained"
-    return ref
+three_runs = functools.partial(compare.three_runs, seed=seed)
 
 
 def ported(build, hand, port, check, steps, **settings):
