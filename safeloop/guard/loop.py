@@ -299,10 +299,11 @@ class GraphGuard:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
                 loss.grad_fn is not None and loss.grad_fn.metadata.get(_SEEN) == self.steps
-                for loss in losses.values()) and not self._same_iteration(losses):
+                for loss in losses.values()) and updates and not self._same_iteration(losses):
             # a new loss where the step's first backward was called, and no optimizer: the loop came round
-            # (backwards called elsewhere, several autograd.grad building one loss say, are the same step's);
-            # the last step ended at its last backward
+            # (backwards called elsewhere, several autograd.grad building one loss say, are the same step's); the
+            # last step ended at its last backward. An autograd.grad, which writes no .grad, is no sign of it: MAML
+            # adapts each task of a meta-batch from one line, then back-propagates their query losses together
             self._end(lazily=True)
             self._begin(frame, explicit=False)
         elif not self._explicit:
