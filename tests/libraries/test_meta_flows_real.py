@@ -35,6 +35,7 @@ import contextlib
 import re
 import warnings
 from copy import deepcopy
+from functools import partial
 
 import pytest
 import torch
@@ -42,9 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from safeloop import GraphGuard, Trainer
-from safeloop.errors import (CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError,
-                             UnusedGradientWarning)
+from safeloop.errors import GraphLeakWarning, GraphReuseError, InplaceModificationError, UnusedGradientWarning
 from safeloop.watch import Watch
+from tests.libraries import compare
 from tests.libraries.compare import same
 from tests.realworld.harness import checks, strict
 
@@ -67,32 +68,15 @@ needs_nf = pytest.mark.skipif(nf is None, reason="normflows is not installed")
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-def three_runs(build, train, check, guarded=True):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and, ``guarded``, with
-    ``guard=GraphGuard(built[0], optimizer, check=check)``, each from the same seeds; every result is compared with
-    the bare run's, bit for bit, and the guarded runs may warn nothing the bare run does not. ``build`` returns the
-    module first; ``train`` returns a dict whose first value is the trained module. Returns the bare run's result."""
-    def run(guard=None):
-        torch.manual_seed(0)
-        built = build()
-        torch.manual_seed(1)
-        return train(*built, **({} if guard is None else {"guard": guard(built)}))
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        ref = run()
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        same(run(), ref)
-    if guarded:
-        with strict(own):
-            same(run(guard=lambda built: GraphGuard(built[0], built[1], check=check)), ref)
-    torch.manual_seed(0)
-    fresh = build()[0]
-    model = next(iter(ref.values()))
-    assert any(not torch.equal(p, q) for p, q in zip(model.state_dict().values(), fresh.state_dict().values())), \
-        "nothing trained"
-    return ref
 
 
+def guard_for(check, model, optimizer, *_):
+    """The guard these loops' users write: ``GraphGuard(model, meta_optimizer)`` (the optimizer the unused-gradient
+    check reads)."""
+    return GraphGuard(model, optimizer, check=check)
+
+
+three_runs = partial(compare.three_runs, guard_for=guard_for)
 def ported(build, hand, port, check, steps, **settings):
     """The hand-written loop ``hand(*build())`` bare, then ``port(model=built[0], train_data=built[2], ...)``, a
     ``safeloop.Trainer`` subclass, from the same seeds: the model and the optimizer's state bit for bit the same, with
