@@ -1329,7 +1329,10 @@ class GradOf(str):
 
 
 def _holds(tensor, sentinel) -> bool:
-    return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(tensor.grad_fn), 20_000))
+    fn = tensor.grad_fn
+    if fn is None and tensor._is_view():  # a view made under no_grad keeps its base, graph and all (torchmetrics'
+        fn = tensor._base.grad_fn  # AUROC stores its preds reshaped under no_grad)
+    return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(fn), 20_000))
 
 
 def _modules_of(scope: Scope) -> list[torch.nn.Module]:

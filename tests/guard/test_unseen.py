@@ -106,6 +106,38 @@ def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_w
     assert torch.equal(fixed[1], bare[1]) and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
 
 
+def preds_loop(guard_check: str | None, detach: bool = False):
+    """Probabilities kept for an epoch's AUROC as torchmetrics' ``MulticlassAUROC.update`` keeps them: reshaped under
+    ``no_grad`` (``preds.transpose(0, 1).reshape(c, -1).T``), a view with no ``grad_fn`` of its own that keeps its
+    base, graph and all; ``detach``: the fix, ``probs.detach()`` handed over."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    preds = []
+    for x, y in DATA:
+        out = model(x)
+        probs = out.softmax(-1).detach() if detach else out.softmax(-1)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        with torch.no_grad():
+            preds.append(probs.transpose(0, 1).reshape(2, -1).T)
+    return weights(model), preds
+
+
+def test_views_made_under_no_grad_and_kept_warn_naming_the_list():
+    _, preds = preds_loop(None)
+    assert preds[0].grad_fn is None and preds[0]._base.grad_fn is not None  # the graph, kept through the base
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `local preds[0]`")):
+        preds_loop("always")
+    with quiet():
+        fixed = preds_loop("always", detach=True)
+    bare = preds_loop(None, detach=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed[0] + fixed[1], bare[0] + bare[1]))
+
+
 # -- backward(create_graph=True): a .grad with a graph ---------------------------------------------------------------
 def create_graph_loop(guard_check: str | None, zero: str):
     """The loop of davda54/ada-hessian's README ("you only need to set `create_graph=True` in the `backward()`
