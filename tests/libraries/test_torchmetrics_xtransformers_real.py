@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from safeloop import GraphGuard, Trainer
 from safeloop.errors import CarriedGraphError, GraphLeakWarning
 from safeloop.watch import Watch
-from tests.libraries.compare import same
+from tests.libraries.compare import same, three_runs
 from tests.realworld.harness import checks, strict
 
 try:
@@ -63,33 +63,6 @@ needs_xtransformers = pytest.mark.skipif(x_transformers is None, reason="x-trans
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-
-
-def three_runs(build, train, check):
-    """``train(*build())`` bare, under ``Watch`` (this file as the script) and with ``guard=GraphGuard(check=check)``,
-    each from the same seeds; every result is compared with the bare run's, bit for bit, and the guarded runs may warn
-    nothing the bare run does not. ``train`` returns a dict whose first value is the trained module. Returns the bare
-    run's result."""
-    def run(guard=None):
-        torch.manual_seed(0)
-        built = build()
-        torch.manual_seed(1)
-        return train(*built, **({} if guard is None else {"guard": guard}))
-    with warnings.catch_warnings(record=True) as own:
-        warnings.simplefilter("always")
-        ref = run()
-    with strict(own), Watch(GraphGuard(check=check), train.__code__.co_filename):
-        watched = run()
-    same(watched, ref)
-    with strict(own):
-        guarded = run(guard=GraphGuard(check=check))
-    same(guarded, ref)
-    torch.manual_seed(0)
-    fresh = build()[0]
-    model = next(iter(ref.values()))
-    assert any(not torch.equal(p, q) for p, q in zip(model.state_dict().values(), fresh.state_dict().values())), \
-        "nothing trained"
-    return ref
 
 
 def ported(build, hand, port, check, steps, **settings):
