@@ -742,7 +742,9 @@ class Guard:
                 ["store it detached where it is set (`{code} = ....detach()`), so each step back-propagates through "
                  "its own graph only", f"recompute it inside {self.words.place} from its inputs"],
                 trace_hint=True, holder=replaced)
-        if kept and isinstance(holder, explain.Element):  # a list keeping values with their graphs, one per step
+        # a list keeping values with their graphs, one per step; a list made anew every step from the last one (a
+        # Transformer-XL's memories, one per layer) is a carried state, detached whole below
+        if kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope, case.batch):
             listed = _code(holder.list_of)
             if why not in (_FREED, _AGAIN):
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
@@ -1279,6 +1281,9 @@ class Guard:
         if isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
             whole = _code(holder.tuple_of)
             names["detached"] = f"{whole} = tuple(t.detach() for t in {whole})"
+        elif isinstance(holder, explain.Element):  # of a list: likewise
+            whole = _code(holder.list_of)
+            names["detached"] = f"{whole} = [t.detach() for t in {whole}]"
         line = explain.traceback_of(node) if node is not None else None
         detail = detail.format(**names)
         if line:

@@ -154,6 +154,52 @@ def test_an_lstm_state_carried_across_steps_is_detached_as_a_whole_tuple_in_the_
             opt.zero_grad()
 
 
+class Memories(torch.nn.Module):
+    """Transformer-XL's recurrence in two layers: each layer's output is its memory for the next segment, and
+    ``forward`` returns a new list of them (x-transformers' ``return_mems=True``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x, mems=None):
+        new = []
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x) + (mems[i] if mems is not None else 0))
+            new.append(x)
+        return x, new
+
+
+def memories_loop(guard: GraphGuard | None, detach: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Memories()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mems = None
+    for x in torch.randn(4, 3, 4):
+        out, mems = model(x, mems)
+        loss = out.pow(2).mean()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if detach:
+            mems = [t.detach() for t in mems]
+    return state(model)
+
+
+def test_a_list_made_anew_every_step_from_the_last_is_detached_as_a_whole_not_emptied():
+    """Memories carried with their graphs in a list the model makes anew every step: a carried state, as an LSTM's
+    ``(h, c)``; not a list piling up a value per step, whose fix (``del mems[:]``) would train with no memory at all.
+    The advised detach trains quiet, as the bare loop with it."""
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `local mems[1]`") + ".*" + re.escape(
+            "To fix: detach the carried state at the end of each step (`mems = [t.detach() for t in mems]`)")) as err:
+        memories_loop(GraphGuard(check="always"), detach=False)
+    assert err.value.step == 2 and "[:]" not in str(err.value) and "append" not in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = memories_loop(GraphGuard(check="always"), detach=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, memories_loop(None, detach=True)))
+
+
 def gru_loop(guard: GraphGuard | None, detach_after: bool) -> list[torch.Tensor]:
     """A GRU's state written back only after the update (``h = h_new``), the new value computed from the old in
     the step before; ``detach_after``: the fix the guard gives, as written, on the line after."""
