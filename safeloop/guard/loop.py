@@ -458,13 +458,14 @@ class GraphGuard:
 
     def _parameters(self) -> list[torch.Tensor]:
         """The trained parameters: the model's, the optimizers', else those of the modules and
-        optimizers in the step's variables (only read when explaining)."""
+        optimizers in the step's variables and of the optimizers seen stepping (under watch: a library's object,
+        no module itself, may hold the model and its optimizer; only read when explaining)."""
         if self.model is not None:
             return list(self.model.parameters())
         holders = list(self.optimizers.values())
         if not holders:
             holders = [v for _, space in self._namespaces() for v in list(space.values())
-                       if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
+                       if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))] + list(self._stepping)
         params = {}
         for h in holders:
             ps = h.parameters() if isinstance(h, torch.nn.Module) else \

@@ -102,6 +102,10 @@ BROKEN = {
     "rotary_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.rot.cached_freqs`.*To fix: make "
                     r"`model.rot.cached_freqs` again every step instead of keeping it: it is made from "
                     r"`model.rot.inv_freq`.*\(`model.rot.cached_freqs = None`",
+    # ... the same with the model and its optimizer held by a plain object (an RL library's algorithm): the parameter
+    # is still known as trained, through the optimizer seen stepping, so the cache is not advised kept detached
+    "rotary_cache_in_agent": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `agent.policy\[1\].cached_freqs`"
+                             r".*To fix: make `agent.policy\[1\].cached_freqs` again every step instead of keeping it",
     # ... and one made from no trained parameter: kept without its graph
     # a penalty added to a loss already back-propagated: retain_graph=True would add the loss's gradient twice
     "backward_twice_while_true": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): this loss is made from `loss` "
