@@ -149,7 +149,7 @@ class Watch:
         # and those a module keeps as an attribute (stable-baselines3's `policy.optimizer`, `actor.optimizer`)
         values += [a for v in values if issubclass(type(v), torch.nn.Module) for m in v.modules()
                    for a in vars(m).values() if _optimizer(a) is not None]
-        self.guard.expect_optimizers(len({id(_optimizer(v)) for v in values if _optimizer(v) is not None}))
+        self.guard.expect_optimizers({id(o): o for o in map(_optimizer, values) if o is not None}.values())
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)

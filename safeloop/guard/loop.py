@@ -119,6 +119,7 @@ class GraphGuard:
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
         self._stepping: weakref.WeakSet = weakref.WeakSet()  # the optimizers seen stepping (under watch)
         self._expected = len(optimizers)  # the optimizers the loop will step (``expect_optimizers``)
+        self._awaited: weakref.WeakSet = weakref.WeakSet()  # those found in the script's variables (under watch)
         # Until a step's end is known (an optimizer step), a backward on a new loss where the step's first
         # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
@@ -397,10 +398,12 @@ class GraphGuard:
         ended by optimizer steps); else None."""
         return self._iteration_seq if not self._explicit and self._site != self._first_site else None
 
-    def expect_optimizers(self, count: int) -> None:
-        """The loop steps ``count`` optimizers (found in a script's variables, under watch), some perhaps
-        not yet stepped."""
-        self._expected = max(self._expected, count)
+    def expect_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """The loop steps ``optimizers`` (found in a script's variables, under watch), some perhaps not yet
+        stepped."""
+        optimizers = list(optimizers)
+        self._expected = max(self._expected, len(optimizers))
+        self._awaited.update(optimizers)
 
     # -- what messages may search --------------------------------------------------------------
     def search_script(self, script: str, namespace: Mapping[str, Any]) -> None:
@@ -452,9 +455,26 @@ class GraphGuard:
         """The parameters of the loop's optimizers: those given, else (python -m safeloop.watch) those seen
         stepping once every optimizer found in the script's variables has stepped; None before: not known."""
         held = list(self.optimizers.values())
-        if not held and self._stepping and len(self._recent) >= self._expected:
+        if not held and self._stepping:
             held = list(self._stepping)
+            stepped = [p for opt in held for g in opt.param_groups for p in g["params"]]
+            return stepped if self._all_known(stepped) else None
         return [p for opt in held for g in opt.param_groups for p in g["params"]] if held else None
+
+    def _all_known(self, stepped: list[torch.Tensor]) -> bool:
+        """Whether the optimizers seen stepping hold every parameter the loop's optimizers update (under watch).
+
+        Until then a correct loss may look unused: one for an optimizer that has not stepped yet (a GAN's
+        generator stepped every n-th iteration, a second phase's), whose parameters only its first step makes
+        known. So the check waits until as many optimizers have stepped as the script's variables hold, or until
+        each one found there that has not stepped holds only parameters those that stepped hold too: its step
+        would add none (higher's ``inner_opt``, built on the model's parameters only for ``innerloop_ctx`` to
+        read its settings, never steps; waiting for it would silence the check for the whole run). One no
+        longer alive never steps either."""
+        if len(self._recent) >= self._expected:
+            return True
+        held = set(map(id, stepped))
+        return all(id(p) in held for opt in list(self._awaited) for g in opt.param_groups for p in g["params"])
 
     def _parameters(self) -> list[torch.Tensor]:
         """The trained parameters: the model's, the optimizers', else those of the modules and
