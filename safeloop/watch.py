@@ -30,6 +30,7 @@ from operator import attrgetter
 from pathlib import Path
 
 import torch
+from torch.distributions.utils import lazy_property
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
@@ -209,6 +210,11 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
                       if not (m._forward_pre_hooks or m._forward_hooks)]
     held += [a for o in objects if id(o) not in renamed
              for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
+    # and those deeper inside a torch.distributions object held so (zuko's `dist = flow(c)`: the graph of each of its
+    # transforms, `dist.transform.transforms[0].base.shift`), which the loop's `dist.log_prob(x)` reads every step
+    budget = [_DEEP_OBJECTS]
+    held += [t for v in held if issubclass(type(v), torch.distributions.Distribution)
+             for t in _inside_distribution(v, _DEEP, budget, attributes)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     # and the tensors of a tuple such a variable holds (`z_loc, z_scale` of an encoder, kept as one): nothing can
     # add to a tuple, so they were made before the loop, even when the loop's own variables hold no graph to
@@ -225,6 +231,33 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
+
+
+_DEEP, _DEEP_OBJECTS = 6, 200  # how far ``_inside_distribution`` looks: levels of attributes and items, objects
+
+
+def _inside_distribution(obj, depth: int, budget: list[int], attributes: set[str]) -> list[torch.Tensor]:
+    """The tensors inside a distribution, through the public attributes of it and of the distributions and transforms
+    it holds, in lists, tuples and dicts: what it was built from. Not what it computes when read and keeps
+    (a ``lazy_property``: a Categorical's ``probs`` made from its logits in the loop), a transform's cache of its last
+    call (``_cached_x_y``: private) nor what its methods other than ``__init__`` and ``expand`` or the loop
+    (``attributes``) assign. ``depth`` levels and ``budget[0]`` objects at most."""
+    kind = type(obj)
+    if issubclass(kind, torch.Tensor):
+        return [obj]
+    if depth <= 0 or budget[0] <= 0:
+        return []
+    if kind in (list, tuple, dict):
+        values = _items(obj)
+    elif issubclass(kind, (torch.distributions.Distribution, torch.distributions.Transform)):
+        lazy = {k for cls in kind.__mro__ for k, v in vars(cls).items() if issubclass(type(v), lazy_property)}
+        assigned = _methods_of(kind, ("__init__", "expand"))[0]  # (`expand` builds a new one, as `__init__` does)
+        values = [v for k, v in _fields(obj).items()
+                  if not k.startswith("_") and k not in lazy and k not in assigned and k not in attributes]
+    else:
+        return []
+    budget[0] -= 1
+    return [t for v in values for t in _inside_distribution(v, depth - 1, budget, attributes)]
 
 
 def _library_call(frames: list, filename: str, forward: int) -> tuple | None:
@@ -370,8 +403,8 @@ def _calls_setattr(obj) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _methods_of(kind: type) -> tuple[frozenset[str], bool]:
-    """What the methods of ``kind`` other than ``__init__`` (torch's own classes left out) do: the attributes they
+def _methods_of(kind: type, builders: tuple[str, ...] = ("__init__",)) -> tuple[frozenset[str], bool]:
+    """What the methods of ``kind`` other than ``builders`` (torch's own classes left out) do: the attributes they
     assign, whether they call ``setattr``. Read once per class: a library's objects (accelerate's ``Accelerator``)
     have classes of thousands of instructions, met at every step's search."""
     stores, calls = set(), False
@@ -380,7 +413,7 @@ def _methods_of(kind: type) -> tuple[frozenset[str], bool]:
             continue
         for name, member in vars(cls).items():
             code = getattr(member, "__code__", None)
-            if code is not None and name != "__init__":
+            if code is not None and name not in builders:
                 for c in _codes(code):
                     for i in dis.get_instructions(c):
                         if i.opname == "STORE_ATTR":

@@ -75,6 +75,14 @@ class Element(str):
     list_of: str
 
 
+class Inside(str):
+    """A holder's name that is a tensor deep inside an object a variable holds (``dist.loc`` of a torch.distributions
+    object built from the model's output, ``dist.transform.transforms[0].base.shift`` of zuko's): ``owner`` names that
+    variable, which a fix builds again (the tensor is made when the object is built)."""
+
+    owner: str
+
+
 def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items."""
     if isinstance(obj, torch.Tensor):
@@ -145,12 +153,70 @@ def _own_object(obj: Any) -> bool:
         and kind.__module__.split(".")[0] not in ("builtins", "torch", "numpy", "safeloop", "collections", "typing")
 
 
-def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+# how far ``_within`` looks into the objects the variables hold: levels of attributes and items, objects in all
+_DEEP, _DEEP_OBJECTS = 6, 500
+
+
+def _within(owners: list[tuple[str, Any]], budget: list[int]) -> Iterator[tuple[Inside, torch.Tensor]]:
+    """(name, tensor) pairs deeper inside the objects ``owners`` (name, value) hold than ``candidates`` looks: a
+    torch.distributions object (its transforms too) or an object of the script's or a library's own class, through
+    their attributes, dicts, lists and tuples (not a module's: ``candidates`` searches those). Bounded: ``_DEEP``
+    levels, ``budget[0]`` objects."""
+    seen: set[int] = set()
+    for owner, val in owners:
+        if not owner.startswith("__") and _nested_object(val):
+            for path, tensor in _nested(val, owner, _DEEP, budget, seen):
+                inside = Inside(path)
+                inside.owner = owner
+                yield inside, tensor
+
+
+def _nested_object(obj: Any) -> bool:
+    """A distribution, a distribution's transform or an object of the script's or a library's own class (not a
+    module)."""
+    kind = type(obj)
+    return issubclass(kind, (torch.distributions.Distribution, torch.distributions.Transform)) \
+        or (_own_object(obj) and not issubclass(kind, torch.nn.Module))
+
+
+def _nested(obj: Any, prefix: str, depth: int, budget: list[int],
+            seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in ``obj`` (see ``_within``), by name."""
+    kind = type(obj)  # by type: see find_holder
+    if issubclass(kind, torch.Tensor):
+        yield prefix, obj
+        return
+    if depth <= 0 or budget[0] <= 0 or id(obj) in seen:
+        return
+    if kind is dict:
+        pairs = [(f"{prefix}[{key!r}]", val) for key, val in list(obj.items())]
+    elif kind in (list, tuple):
+        pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj)]
+    elif _nested_object(obj):
+        pairs = [(f"{prefix}.{key}", val) for key, val in _fields(obj).items() if not key.startswith("__")]
+    else:
+        return
+    budget[0] -= 1
+    seen.add(id(obj))
+    for name, val in pairs:
+        yield from _nested(val, name, depth - 1, budget, seen)
+
+
+def candidates(scope: Scope | None = None, batch: Any = None,
+               deep: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs the scope holds, in the order of the module docstring. ``deep`` (``find_holder``'s, on
+    the error path alone): also those deeper inside the objects of the roots' attributes and of each namespace's
+    variables (``_within``), after that namespace's own: a torch.distributions object a script's variable holds is
+    named before a library's ``self`` running below it."""
+    budget = [_DEEP_OBJECTS]
     if scope is not None:
         roots = {id(root) for root in scope.roots.values()}
         for name, root in scope.roots.items():
             if root is not None:
                 yield from _attributes(root, name, roots)
+        if deep:
+            yield from _within([(f"{name}.{key}", val) for name, root in scope.roots.items()
+                                for key, val in _fields(root).items()], budget)
         for prefix, space in scope.namespaces():
             for key, val in list(space.items()):
                 if key.startswith("__"):
@@ -159,6 +225,8 @@ def candidates(scope: Scope | None = None, batch: Any = None) -> Iterator[tuple[
                 searched = isinstance(val, torch.nn.Module) or key == "self" or _own_object(val)
                 if searched and id(val) not in roots and hasattr(val, "__dict__"):
                     yield from _attributes(val, key, roots)
+            if deep:
+                yield from _within(list(space.items()), budget)
         for fn in scope.functions:
             code = getattr(fn, "__code__", None)
             if code is None:
@@ -179,16 +247,19 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the nearest, then the
     first of the shape ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the
     `out` of ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the
-    step) does not count."""
-    near = []
-    for name, tensor in candidates(scope, batch):
+    step) does not count. Deeper inside the objects the variables hold (``candidates``' ``deep``: a torch.distributions
+    object built before the loop), one made by ``node`` counts in the order searched, one reaching it only if no
+    nearer name does; the fix builds that object again."""
+    near, deep = [], []
+    for name, tensor in candidates(scope, batch, deep=True):
         fn = tensor.grad_fn
         if fn is None or (tensor is loss and name.startswith("local ")):
             continue
         if fn is node:
             return name
         if reachable(fn, node, limit=2_000):
-            near.append((name, tensor))
+            (deep if isinstance(name, Inside) else near).append((name, tensor))
+    near = near or deep
     if near:
         # a tensor made from another that reaches ``node`` holds it through that one: ``pred`` of this step, made
         # from ``y0 = pred[-1]`` kept from the last step, holds that step's ``pred`` through ``y0``
@@ -281,7 +352,7 @@ def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: A
     the step's loss, made from a cached scalar, is no new value of it)."""
     if holder is None:
         return False
-    found = list(candidates(scope, batch))
+    found = list(candidates(scope, batch, deep=True))  # (as find_holder searched)
     held = next((t for name, t in found if name == holder and t.grad_fn is node), None)
     return held is not None and not any(
         held.dim() > 0 and t.shape == held.shape and t.grad_fn is not None and t.grad_fn is not node

@@ -832,12 +832,8 @@ class Guard:
             if not kept:
                 return False
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
-            # detaching stops the gradient into the leaves below: right only if that is what was meant
-            into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
-            fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
-                     f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it "
-                     "under `torch.no_grad()`",
-                     "do not pass retain_graph=True: it would back-propagate the same stale graph every step"]
+            fixes = self._rebuild_fixes(holder, leaves, case) + [
+                "do not pass retain_graph=True: it would back-propagate the same stale graph every step"]
             raise self._error(GraphReuseError, node, case,
                 f"the loss reaches {{node}}, built before the step ({self.words.before}) and held by {{holder}}"
                 + saves + "; " + state, fixes, trace_hint=True, holder=holder)
@@ -853,6 +849,27 @@ class Guard:
             else:  # said once: as a warning, or in the log
                 log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
+
+    def _rebuild_fixes(self, holder: str | None, leaves, case: Case) -> list[str]:
+        """The fixes for a graph built before the step and held by ``holder``: compute it inside the step, and if it
+        is meant as a constant, detach it, said only where that is a tensor's own statement (a named tensor) or
+        where it trains nothing; a tensor kept unnamed or inside an object (a torch.distributions object built from
+        the model's output) and made from trained parameters is built again, never kept detached, which would stop
+        their training (``{code}``: see ``_error``)."""
+        # detaching stops the gradient into the leaves below: right only if that is what was meant
+        into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
+        constant = [] if _trained(leaves, case.scope) else [f"if it is meant as a constant{into}, build it under "
+                                                             "`torch.no_grad()`"]
+        if isinstance(holder, explain.Inside):
+            return [f"build `{{code}}` inside {self.words.place} (it holds the graph in `{holder}`, made when it is "
+                    "built), so every step builds its own graph"] + constant
+        if _code(holder) is None:
+            return [f"compute the tensor inside {self.words.place}, with the object that keeps it (a "
+                    "torch.distributions object built from the model's output, a cache), so every step builds its own "
+                    "graph"] + constant
+        return [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
+                f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
+                "`torch.no_grad()`"]
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
@@ -1059,12 +1076,12 @@ class Guard:
             saving = [n for n in before if (iteration is None or sequence_nr(n) < iteration)
                       and walk.below(n)[0] is not None and walk.is_inplace(walk.unpack_error(walk.below(n)[0]))]
             if saving:  # a graph kept across steps (on_reuse=retain), or built before training, saw its weights change
+                holder = explain.find_holder(saving[0], scope, batch)
                 return self._error(InplaceModificationError, saving[0], case,
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
                     f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
                     "stale and retain_graph cannot help",
-                    [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
-                     "if it is a constant input, store `{code}.detach()` instead"])
+                    self._rebuild_fixes(holder, walk.below(saving[0])[1], case), holder=holder)
             written = _written_leaf(loss, text, tensor)
             if written is not None and not stepped:
                 node, leaf = written
@@ -1284,6 +1301,8 @@ class Guard:
         elif isinstance(holder, explain.Element):  # of a list: likewise
             whole = _code(holder.list_of)
             names["detached"] = f"{whole} = [t.detach() for t in {whole}]"
+        elif isinstance(holder, explain.Inside):  # inside an object (`dist.loc`): that tensor, not the object
+            names["detached"] = f"{holder} = {holder}.detach()"
         line = explain.traceback_of(node) if node is not None else None
         detail = detail.format(**names)
         if line:
@@ -1315,6 +1334,8 @@ def _check_names(names) -> frozenset:
 
 def _code(holder: str | None) -> str | None:
     """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
+    if isinstance(holder, explain.Inside):  # the variable holding the object that holds it: built again whole
+        return _code(holder.owner)
     return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
 
 
