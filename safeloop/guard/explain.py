@@ -188,10 +188,10 @@ def _nested(obj: Any, prefix: str, depth: int, budget: list[int],
         return
     if depth <= 0 or budget[0] <= 0 or id(obj) in seen:
         return
-    if kind is dict:
-        pairs = [(f"{prefix}[{key!r}]", val) for key, val in list(obj.items())]
+    if kind is dict:  # (the first 64 items: a data set kept as a list is no holder's place)
+        pairs = [(f"{prefix}[{key!r}]", val) for key, val in list(islice(obj.items(), 64))]
     elif kind in (list, tuple):
-        pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj)]
+        pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj[:64])]
     elif _nested_object(obj):
         pairs = [(f"{prefix}.{key}", val) for key, val in _fields(obj).items() if not key.startswith("__")]
     else:
