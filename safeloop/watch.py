@@ -212,9 +212,9 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
              for k, a in _fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
     # and those deeper inside a torch.distributions object held so (zuko's `dist = flow(c)`: the graph of each of its
     # transforms, `dist.transform.transforms[0].base.shift`), which the loop's `dist.log_prob(x)` reads every step
-    budget = [_DEEP_OBJECTS]
+    budget = [_DIST_OBJECTS]
     held += [t for v in held if issubclass(type(v), torch.distributions.Distribution)
-             for t in _inside_distribution(v, _DEEP, budget, attributes)]
+             for t in _inside_distribution(v, _DIST_DEPTH, budget, attributes)]
     seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
     # and the tensors of a tuple such a variable holds (`z_loc, z_scale` of an encoder, kept as one): nothing can
     # add to a tuple, so they were made before the loop, even when the loop's own variables hold no graph to
@@ -233,7 +233,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     return max(seqs) + 1 if seqs else None
 
 
-_DEEP, _DEEP_OBJECTS = 6, 200  # how far ``_inside_distribution`` looks: levels of attributes and items, objects
+_DIST_DEPTH, _DIST_OBJECTS = 6, 200  # how far ``_inside_distribution`` looks: levels of attributes and items, objects
 
 
 def _inside_distribution(obj, depth: int, budget: list[int], attributes: set[str]) -> list[torch.Tensor]:
