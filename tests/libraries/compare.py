@@ -1,5 +1,6 @@
 """What the library tests compare with: every bit of what two runs end with, and the three runs every correct loop
 makes (bare, under ``watch``, with a ``GraphGuard``)."""
+import contextlib
 import math
 import warnings
 from copy import deepcopy
@@ -65,3 +66,8 @@ def three_runs(build, train, check, *, guarded=True, guard_for=None, seed=torch.
     model = next(iter(ref.values()))
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())), "nothing trained"
     return ref
+
+
+def stepped(guard):
+    """``guard.step()``, or nothing without a guard."""
+    return guard.step() if guard is not None else contextlib.nullcontext()

@@ -31,7 +31,6 @@ for the eager Gaussianization flow ``GF``), a trainable base distribution built 
 Sizes: 3-way tasks of 4 features, 6 support and 6 query points, 2 tasks a meta-batch, 2 inner steps, nets of 8 to 16
 hidden units, a few iterations.
 """
-import contextlib
 import re
 import warnings
 from copy import deepcopy
@@ -46,7 +45,7 @@ from safeloop import GraphGuard, Trainer
 from safeloop.errors import GraphLeakWarning, GraphReuseError, InplaceModificationError, UnusedGradientWarning
 from safeloop.watch import Watch
 from tests.libraries import compare
-from tests.libraries.compare import same
+from tests.libraries.compare import same, stepped
 from tests.realworld.harness import checks, strict
 
 try:
@@ -68,6 +67,10 @@ needs_nf = pytest.mark.skipif(nf is None, reason="normflows is not installed")
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
+def backward(guard, loss):
+    """``guard.backward(loss)``, or ``loss.backward()`` without a guard: here, in this file, as the loops are (the guard
+    names the tensor at fault by the variables of the function that calls it)."""
+    return guard.backward(loss) if guard is not None else loss.backward()
 
 
 def guard_for(check, model, optimizer, *_):
@@ -101,16 +104,6 @@ def ported(build, hand, port, check, steps, **settings):
     same(trainer.optimizers["optimizer"].state_dict(), optimizer)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())), "nothing trained"
     return trainer
-
-
-def stepped(guard):
-    """``guard.step()``, or nothing without a guard."""
-    return guard.step() if guard is not None else contextlib.nullcontext()
-
-
-def backward(guard, loss):
-    """``guard.backward(loss)``, or ``loss.backward()`` without a guard."""
-    return guard.backward(loss) if guard is not None else loss.backward()
 
 
 def said(category, run):

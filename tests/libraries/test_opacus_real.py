@@ -15,7 +15,6 @@ no gradient: opacus's own). Then the mistakes an opacus user makes (a tensor bui
 loop, a graph back-propagated twice): stopped before the update they would corrupt, and the fix the message advises,
 written into the same loop, trains quiet.
 """
-import contextlib
 import warnings
 from copy import deepcopy
 
@@ -32,7 +31,7 @@ import safeloop  # noqa: E402
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import DoubleBackwardError, GraphReuseError, NonFiniteError, StepError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
-from tests.libraries.compare import same, three_runs  # noqa: E402
+from tests.libraries.compare import same, stepped, three_runs  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 
@@ -78,11 +77,6 @@ def results(model, optimizer, privacy_engine, **more):
     """What a run leaves: the model, the optimizer's state, the accountant's history (and ``more``)."""
     return {"model": model, "optimizer": optimizer.state_dict(), "history": list(privacy_engine.accountant.history),
             **more}
-
-
-def stepped(guard):
-    """``guard.step()``, or nothing without a guard."""
-    return guard.step() if guard is not None else contextlib.nullcontext()
 
 
 # -- examples/mnist.py ------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
 from tests.libraries import compare  # noqa: E402
-from tests.libraries.compare import same  # noqa: E402
+from tests.libraries.compare import same, stepped  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 EPOCHS = 4
@@ -64,13 +64,10 @@ def seeded(seed):
 three_runs = partial(compare.three_runs, seed=seeded)
 
 
-def stepped(guard):
-    """``guard.step()``, or nothing without a guard."""
-    return guard.step() if guard is not None else contextlib.nullcontext()
-
-
-def backward(loss, guard):
-    guard.backward(loss) if guard is not None else loss.backward()
+def backward(guard, loss):
+    """``guard.backward(loss)``, or ``loss.backward()`` without a guard: here, in this file, as the loops are (the guard
+    names the tensor at fault by the variables of the function that calls it)."""
+    return guard.backward(loss) if guard is not None else loss.backward()
 
 
 def planetoid_like(nodes=30, features=8, classes=3, seed=2):
@@ -133,7 +130,7 @@ def gcn_train(model, optimizer, data, guard=None, epochs=EPOCHS, probe=False):
             optimizer.zero_grad()
             out = model(data.x, data.edge_index, data.edge_attr)
             loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-            backward(loss, guard)
+            backward(guard, loss)
             optimizer.step()
         losses.append(float(loss.detach()))
         accs.append(accuracies(model, data, data.edge_attr))
@@ -188,7 +185,7 @@ def gat_train(model, optimizer, data, guard=None, epochs=EPOCHS):
             optimizer.zero_grad()
             out = model(data.x, data.edge_index)
             loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-            backward(loss, guard)
+            backward(guard, loss)
             optimizer.step()
         losses.append(float(loss.detach()))
         accs.append(accuracies(model, data))
@@ -236,7 +233,7 @@ def graphs_train(model, optimizer, train_loader, guard=None, epochs=2):
             with stepped(guard):
                 out = model(data.x, data.edge_index, data.batch)
                 loss = criterion(out, data.y)
-                backward(loss, guard)
+                backward(guard, loss)
                 optimizer.step()
                 optimizer.zero_grad()
     return {"model": model, "optimizer": optimizer.state_dict()}
@@ -303,7 +300,7 @@ def link_train(model, optimizer, train_data, val_data, guard=None, epochs=EPOCHS
         model.train()
         optimizer.zero_grad()
         loss = link_step(model, train_data, criterion)
-        backward(loss, guard)
+        backward(guard, loss)
         optimizer.step()
         return loss
     scores, losses = [], []
@@ -422,7 +419,7 @@ def embedded_train(model, optimizer, data, guard=None, fix=None, epochs=EPOCHS):
                 data.x = embed(raw).relu()
             out = model(data.x, data.edge_index)
             loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-            backward(loss, guard)
+            backward(guard, loss)
             optimizer.step()
     return {"model": model, "optimizer": optimizer.state_dict()}
 
@@ -478,7 +475,7 @@ def weighted_train(model, optimizer, data, guard=None, epochs=EPOCHS):
             optimizer.zero_grad()
             out = model(data.x, data.edge_index, model.edge_weight)
             loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-            backward(loss, guard)
+            backward(guard, loss)
             optimizer.step()
     return {"model": model, "optimizer": optimizer.state_dict()}
 
@@ -549,7 +546,7 @@ def running_train(model, optimizer, data, guard=None, fix=None, epochs=EPOCHS):
             optimizer.zero_grad()
             out = model(data.x, data.edge_index)
             loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-            backward(loss, guard)
+            backward(guard, loss)
             optimizer.step()
         total_loss += float(loss) if fix else loss
     return {"model": model, "optimizer": optimizer.state_dict(), "total": float(total_loss)}

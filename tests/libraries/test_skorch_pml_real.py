@@ -34,7 +34,7 @@ import safeloop
 from safeloop import GraphGuard
 from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError, StepError
 from safeloop.watch import Watch
-from tests.libraries.compare import same, three_runs
+from tests.libraries.compare import same, stepped, three_runs
 from tests.realworld.harness import checks, strict
 
 try:
@@ -55,11 +55,6 @@ needs_pml = pytest.mark.skipif(losses is None, reason="pytorch-metric-learning i
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-
-
-def stepped(guard):
-    """``guard.step()``, or nothing without a guard."""
-    return guard.step() if guard is not None else contextlib.nullcontext()
 
 
 # == skorch ==========================================================================================================

@@ -26,7 +26,6 @@ graph stays alive in the metric until ``reset()``. That is warned, naming the st
 trains quiet. A Transformer-XL's ``mems`` carried with their graph (``detach_mems=False``) into the next step is
 stopped before that step's backward, naming ``mems``.
 """
-import contextlib
 import re
 import warnings
 
@@ -40,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from safeloop import GraphGuard, Trainer
 from safeloop.errors import CarriedGraphError, GraphLeakWarning
 from safeloop.watch import Watch
-from tests.libraries.compare import same, three_runs
+from tests.libraries.compare import same, stepped, three_runs
 from tests.realworld.harness import checks, strict
 
 try:
@@ -63,6 +62,10 @@ needs_xtransformers = pytest.mark.skipif(x_transformers is None, reason="x-trans
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
+def backward(guard, loss):
+    """``guard.backward(loss)``, or ``loss.backward()`` without a guard: here, in this file, as the loops are (the guard
+    names the tensor at fault by the variables of the function that calls it)."""
+    return guard.backward(loss) if guard is not None else loss.backward()
 
 
 def ported(build, hand, port, check, steps, **settings):
@@ -88,15 +91,6 @@ def ported(build, hand, port, check, steps, **settings):
     same(trainer.optimizers["optimizer"].state_dict(), optimizer)
     same(port.recorded(trainer), dict(list(ref.items())[2:]))
     return ref
-
-
-def stepped(guard):
-    """``guard.step()``, or nothing without a guard."""
-    return guard.step() if guard is not None else contextlib.nullcontext()
-
-
-def backward(guard, loss):
-    return guard.backward(loss) if guard is not None else loss.backward()
 
 
 # == torchmetrics ====================================================================================================
