@@ -129,7 +129,7 @@ class Dumps(KVWriter):
         self.rows.append((step, {k: v for k, v in key_values.items() if not k.startswith("time/")}))
 
     def close(self):
-        pass
+        """Nothing to close: the rows stay in memory."""
 
 
 class Recorded(BaseCallback):
