@@ -453,7 +453,7 @@ class GraphGuard:
 
     def _optimized(self) -> list[torch.Tensor] | None:
         """The parameters of the loop's optimizers: those given, else (python -m safeloop.watch) those seen
-        stepping once every optimizer found in the script's variables has stepped; None before: not known."""
+        stepping once they are all the loop's optimizers update (``_all_known``); None before: not known."""
         held = list(self.optimizers.values())
         if not held and self._stepping:
             held = list(self._stepping)
