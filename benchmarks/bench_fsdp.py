@@ -113,7 +113,7 @@ def run(quick: bool) -> list[dict]:
          "target": 0.55, "ok": memory["fsdp"] / memory["ddp"] <= 0.55},
         row(f"2-process CPU FSDP2 (gloo): Trainer strategy=fsdp vs hand FSDP2 loop, wide MLP ({DEPTH}×{WIDTH}, "
             f"batch {BATCH}/rank, Adam)", t["fsdp"], t["hand"], 1.05, steps),
-        row(f"2-process CPU: Trainer strategy=fsdp vs strategy=ddp, same model", t["fsdp"], t["ddp"], None, steps),
+        row("2-process CPU: Trainer strategy=fsdp vs strategy=ddp, same model", t["fsdp"], t["ddp"], None, steps),
     ]
 
 

@@ -3,7 +3,8 @@
 Each ``benchmarks/bench_*.py`` module has ``run(quick: bool) -> list[dict]`` (rows made
 with ``benchmarks.common.row``). Results print as one markdown table of ratios against
 plain PyTorch measured in the same process. A full run exits 1 when a row misses its target;
-``--quick`` (a smoke run, too few rounds for its ratios to decide anything) names such rows and exits 0.
+``--quick`` (a smoke run, too few rounds for its ratios to decide anything) names such rows and exits 0. A benchmark
+that raises loses its own rows only, and the run exits 1.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import os
 import pkgutil
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
     if not keep_freed_memory():
         print("not glibc: freed memory goes back to the system as the allocator decides (noisier ratios)",
               file=sys.stderr)
-    rows = []
+    rows, failed = [], []
     here = Path(__file__).parent
     for info in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
         if not info.name.startswith("bench_"):
@@ -58,20 +60,26 @@ def main(argv=None) -> int:
             continue
         module = importlib.import_module(f"benchmarks.{info.name}")
         print(f"running {info.name} ...", file=sys.stderr, flush=True)
-        rows.extend(module.run(args.quick))
+        try:
+            rows.extend(module.run(args.quick))
+        except Exception:  # one benchmark that breaks (on a machine it was not tried on) costs its own rows only
+            traceback.print_exc()
+            failed.append(info.name)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    return report(rows, args.quick)
+    return report(rows, args.quick, failed)
 
 
-def report(rows: list[dict], quick: bool) -> int:
-    """Print the table; the exit code: 1 when a row of a full run misses its target, else 0."""
+def report(rows: list[dict], quick: bool, failed: list[str] = ()) -> int:
+    """Print the table; the exit code: 1 when a benchmark failed or a row of a full run misses its target, else 0."""
     print(table(rows))
+    if failed:
+        print(f"failed, no rows: {', '.join(failed)} (tracebacks above)", file=sys.stderr)
     missed = [r["benchmark"] for r in rows if r["ok"] is False]
     if missed and quick:
         print(f"--quick: {len(missed)} row(s) over target ({', '.join(missed)}); a quick run's ratios are noisy, "
               "a full run decides", file=sys.stderr)
-    return 1 if missed and not quick else 0
+    return 1 if failed or (missed and not quick) else 0
 
 
 if __name__ == "__main__":

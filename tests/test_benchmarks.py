@@ -1,4 +1,6 @@
-"""benchmarks.run's verdict: a quick run reports a missed target, a full run fails on one."""
+"""benchmarks.run's verdict: a quick run reports a missed target, a full run fails on one; a benchmark that raises
+fails the run, after the others have reported."""
+from benchmarks import run
 from benchmarks.common import row
 from benchmarks.run import report
 
@@ -11,3 +13,23 @@ def test_a_quick_run_reports_a_missed_target_and_exits_0_a_full_run_exits_1(caps
     assert err == "--quick: 1 row(s) over target (tiny MLP); a quick run's ratios are noisy, a full run decides\n"
     assert report(rows, quick=False) == 1
     assert report(rows[1:], quick=False) == 0
+
+
+def test_a_benchmark_that_raises_costs_its_own_rows_only_and_the_run_exits_1(monkeypatch, capsys):
+    """On a machine a benchmark was not tried on (a GPU machine's default FSDP2 mesh), the others still report."""
+    class Breaks:
+        def run(quick):
+            raise RuntimeError("invalid device ordinal")
+
+    class Works:
+        def run(quick):
+            return [row("mid MLP", 1.0, 1.0, 1.02)]
+
+    modules = {"benchmarks.bench_fsdp": Breaks, "benchmarks.bench_gan": Works}
+    monkeypatch.setattr(run.importlib, "import_module", modules.__getitem__)
+    monkeypatch.setattr(run, "keep_freed_memory", lambda: True)  # (main's settings for a whole process: not here)
+    monkeypatch.setattr(run.torch, "set_num_threads", lambda n: None)
+    assert run.main(["--quick", "--only", "fsdp", "--only", "gan"]) == 1
+    out, err = capsys.readouterr()
+    assert "| mid MLP | " in out
+    assert "RuntimeError: invalid device ordinal" in err and "failed, no rows: bench_fsdp (tracebacks above)" in err
