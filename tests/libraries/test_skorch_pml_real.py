@@ -118,10 +118,10 @@ if skorch is not None:
             return loss
 
     class Classifier(GuardedNet, NeuralNetClassifier):
-        pass
+        """skorch's classifier with the guard's ``get_loss``."""
 
     class Regressor(GuardedNet, NeuralNetRegressor):
-        pass
+        """skorch's regressor with the guard's ``get_loss``."""
 
 
 def skorch_fit(cls, data, guard=None, callbacks=(), **kwargs):
