@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
+import sysconfig
 import types
 from contextlib import suppress
 from itertools import islice
@@ -70,9 +72,12 @@ class Item(str):
 
 class Element(str):
     """A holder's name that is an element of a list (``losses[0]``): ``list_of`` names the list, where a fix
-    detaches what is added, since the next element would hold the next step's graph."""
+    detaches what is added, since the next element would hold the next step's graph; ``filled_by`` names the object
+    of an installed library whose own code adds to it (torchmetrics' ``auroc``, whose ``update`` appends to
+    ``auroc.preds``): there the fix detaches what is handed to it."""
 
     list_of: str
+    filled_by: str | None = None
 
 
 class Inside(str):
@@ -118,7 +123,7 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
                                     if part)
             for key, val in vars(mod).items():
                 if key not in _MODULE_STATE:  # a layer's own private cache too (PyG's `conv._cached_edge_index`)
-                    yield from _items(val, f"{base}.{key}")
+                    yield from _filled(_items(val, f"{base}.{key}"), mod, base)
             for key, val in mod.named_buffers(recurse=False):
                 yield f"{base}.{key}", val
         return
@@ -132,7 +137,7 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
     for key, val in fields.items():
         if key.startswith("__"):
             continue
-        yield from _items(val, f"{prefix}.{key}")
+        yield from _filled(_items(val, f"{prefix}.{key}"), obj, prefix)
         if isinstance(val, torch.nn.Module) and id(val) not in roots:  # a root is searched under its own name
             yield from _attributes(val, f"{prefix}.{key}")
         elif depth > 1 and not key.startswith("_") and _own_object(val) and hasattr(val, "__dict__"):
@@ -141,6 +146,20 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
             for i, item in enumerate(val):
                 if _own_object(item) and hasattr(item, "__dict__"):
                     yield from _attributes(item, f"{prefix}.{key}[{i}]", roots, depth - 1)
+
+
+_INSTALLED = tuple({sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")})  # where pip puts packages
+
+
+def _filled(pairs: Iterator[tuple[str, torch.Tensor]], owner: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs`` of ``owner``'s attributes (``_items``'), their list elements marked ``filled_by`` ``name`` where
+    ``owner``'s class is an installed package's (not the script's nor the user's own package)."""
+    module = sys.modules.get(type(owner).__module__)
+    installed = (getattr(module, "__file__", None) or "").startswith(_INSTALLED)
+    for item, tensor in pairs:
+        if installed and isinstance(item, Element):
+            item.filled_by = name
+        yield item, tensor
 
 
 def _own_object(obj: Any) -> bool:

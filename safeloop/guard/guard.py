@@ -750,8 +750,7 @@ class Guard:
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` "
-                 "for a number to log), so that no step's graph stays alive in it",
+                [_detach_what_is_added(holder),
                  f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses stacked over "
                  f"several iterations), empty it after each backward (`del {listed}[:]`), and let one step span the "
                  "iterations that add to it"], trace_hint=True, holder=holder)
@@ -1244,7 +1243,8 @@ class Guard:
             alive = earlier[2]() if earlier is not None else None
             if alive is not None and id(alive) not in sentinel.fed_by \
                     and (iteration is None or earlier[3] != iteration):
-                out.append(earlier[:2])
+                # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them)
+                out.append((earlier[0], earlier[1] or _leak_holder(sentinel, scope, deep=True)))
             elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
                 self._keeping[key] = (step, holder, ref, iteration)
         return out
@@ -1269,8 +1269,7 @@ class Guard:
         if isinstance(holder, explain.Element):  # a list that keeps one more step's graph every step
             listed = _code(holder.list_of)
             detail += f", one more in `{listed}` every step"
-            fixes = [f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; "
-                     "`x.item()` for a number to log), so that no step's graph stays alive in it"]
+            fixes = [_detach_what_is_added(holder)]
         elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
             detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
                        f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
@@ -1413,10 +1412,21 @@ def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
     return None
 
 
-def _leak_holder(sentinel, scope) -> str | None:
+def _detach_what_is_added(holder: explain.Element) -> str:
+    """The fix for a list keeping one more step's graph every step: where the user's code adds to it."""
+    listed = _code(holder.list_of)
+    if holder.filled_by:  # a library's object adds what it is handed (torchmetrics' `auroc.update(preds, target)`)
+        owner = _code(holder.filled_by)
+        return (f"detach the tensors the loop hands to `{owner}` where it calls it (`.detach()` on each tensor "
+                f"argument): `{owner}`'s own code adds them to `{listed}`, graphs and all")
+    return (f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` for a "
+            "number to log), so that no step's graph stays alive in it")
+
+
+def _leak_holder(sentinel, scope, deep: bool = False) -> str | None:
     """The name of the tensor whose graph holds ``sentinel``'s node, else a parameter's ``.grad`` whose graph does
-    (``backward(create_graph=True)``); None when none is found."""
-    for name, tensor in explain.candidates(scope):
+    (``backward(create_graph=True)``); None when none is found. ``deep``: ``explain.candidates``'."""
+    for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
             return name
     if scope is None:

@@ -138,6 +138,109 @@ def test_views_made_under_no_grad_and_kept_warn_naming_the_list():
     assert all(torch.equal(a, b) for a, b in zip(fixed[0] + fixed[1], bare[0] + bare[1]))
 
 
+class LossTotal:
+    """A callback summing the losses it is handed (skorch's ``on_batch_end``): the tensor with its graph, or
+    ``loss.item()`` (the fix)."""
+
+    def __init__(self, fix: bool):
+        self.fix, self.total = fix, 0.0
+
+    def on_batch_end(self, loss):
+        self.total = self.total + (loss.item() if self.fix else loss)
+
+
+class Fitter:
+    """A library's fit loop: callbacks kept as (name, callback) pairs in a private list, called from a method of
+    their own, so that no variable of the running functions holds one."""
+
+    def __init__(self, model, callbacks):
+        self.model, self._callbacks = model, [(type(cb).__name__, cb) for cb in callbacks]
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def fit(self, guard_check: str | None):
+        guard = GraphGuard(self.model, self.opt, check=guard_check) if guard_check else None
+        for x, y in DATA:
+            loss = F.cross_entropy(self.model(x), y)
+            self.opt.zero_grad()
+            guard.backward(loss) if guard else loss.backward()
+            self.opt.step()
+            self._notify(loss)
+
+    def _notify(self, loss):
+        for _, callback in self._callbacks:
+            callback.on_batch_end(loss)
+
+
+def callback_loop(guard_check: str | None, fix: bool = False):
+    torch.manual_seed(0)
+    fitter = Fitter(nn.Linear(4, 2), [LossTotal(fix)])
+    fitter.fit(guard_check)
+    total = fitter._callbacks[0][1].total
+    return weights(fitter.model) + [torch.as_tensor(total).detach()]
+
+
+def test_a_graph_kept_by_a_callback_in_a_librarys_private_list_is_named_there():
+    """The holder is found deeper than the two levels searched each step, once the graphs pile up: the loop's
+    ``self``, its private list, the (name, callback) pair, the callback's attribute."""
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `self._callbacks[0][1].total`")):
+        callback_loop("always")
+    with quiet():
+        fixed = callback_loop("always", fix=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, callback_loop(None, fix=True)))
+
+
+LIBRARY_METRIC = '''
+import torch
+
+
+class Concat(torch.nn.Module):
+    """A metric as torchmetrics writes one: ``update`` appends what it is handed to a list state."""
+
+    def __init__(self):
+        super().__init__()
+        self.preds = []
+
+    def update(self, preds):
+        self.preds.append(preds)
+'''
+
+
+def metric_loop(guard_check: str | None, detach: bool = False):
+    from metric_lib import Concat  # an installed package's class (see the test)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    concat = Concat()
+    for x, y in DATA:
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        concat.update(out.softmax(1).detach() if detach else out.softmax(1))
+    return weights(model) + concat.preds
+
+
+def test_a_list_an_installed_librarys_object_fills_is_fixed_where_the_loop_hands_it_the_tensors(tmp_path, monkeypatch):
+    """torchmetrics' ``auroc.update(probs, y)`` appends ``probs`` to ``auroc.preds``: the user writes no append, so the
+    fix detaches what the loop hands the metric."""
+    from safeloop.guard import explain
+
+    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `concat.preds[0]`")) as caught:
+        metric_loop("always")
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert leak.fixes == ["detach the tensors the loop hands to `concat` where it calls it (`.detach()` on each "
+                          "tensor argument): `concat`'s own code adds them to `concat.preds`, graphs and all"]
+    with quiet():
+        fixed = metric_loop("always", detach=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, metric_loop(None, detach=True), strict=True))
+
+
 # -- backward(create_graph=True): a .grad with a graph ---------------------------------------------------------------
 def create_graph_loop(guard_check: str | None, zero: str):
     """The loop of davda54/ada-hessian's README ("you only need to set `create_graph=True` in the `backward()`

@@ -1144,9 +1144,6 @@ def test_loss_history_hook_keeping_the_loss_tensors_warns(tmp_path):
     assert means[0] == means[1] and means[0] > 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the warning names no holder: 'held by a reference "
-                   "kept outside the step (a list, a global, a closure)': the hooks are in the runner's private "
-                   "`_hooks` list, which the holder search does not enter")
 def test_loss_history_hook_keeping_the_loss_tensors_is_named(tmp_path):
     """As above: the warning names the hook's list (``history``), where the fix goes."""
     with pytest.warns(GraphLeakWarning) as caught:

@@ -594,10 +594,6 @@ def test_skorch_callback_keeping_the_loss_is_warned_and_item_trains():
 
 
 @needs_skorch
-@pytest.mark.xfail(strict=True, reason="the holder is the callback's attribute, reached from the script's `net` as "
-                   "net.callbacks_[i][1].total (a list of (name, callback) tuples, deeper than the two levels the "
-                   "guard searches): the warning says 'a reference kept outside the step (a list, a global, a "
-                   "closure)'")
 def test_skorch_callback_keeping_the_loss_is_named():
     """The warning names the callback's attribute that keeps the graphs."""
     with Watch(GraphGuard(check="always"), __file__), pytest.warns(GraphLeakWarning, match=r"`[^`]*total`"):
