@@ -154,11 +154,11 @@ _INSTALLED = tuple({sysconfig.get_paths()[kind] for kind in ("purelib", "platlib
 def _filled(pairs: Iterator[tuple[str, torch.Tensor]], owner: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``pairs`` of ``owner``'s attributes (``_items``'), their list elements marked ``filled_by`` ``name`` where
     ``owner``'s class is an installed package's (not the script's nor the user's own package)."""
-    module = sys.modules.get(type(owner).__module__)
-    installed = (getattr(module, "__file__", None) or "").startswith(_INSTALLED)
     for item, tensor in pairs:
-        if installed and isinstance(item, Element):
-            item.filled_by = name
+        if isinstance(item, Element):
+            module = sys.modules.get(type(owner).__module__)
+            if (getattr(module, "__file__", None) or "").startswith(_INSTALLED):
+                item.filled_by = name
         yield item, tensor
 
 
