@@ -147,6 +147,7 @@ class Watch:
         seen = [namespace, *(self.guard.variables(f) for f in stack(frame) if f.f_code.co_filename == self.script)]
         values = [v for names in seen for v in names.values()]
         values += [a for v in values for a in _fields(v).values()]  # a trainer class's `self.opt` too
+        values += [a for v in values for a in _items(v)]  # and a dict or list of them (`optims = {"actor": ...}`)
         # and those a module keeps as an attribute (stable-baselines3's `policy.optimizer`, `actor.optimizer`)
         values += [a for v in values if issubclass(type(v), torch.nn.Module) for m in v.modules()
                    for a in vars(m).values() if _optimizer(a) is not None]
