@@ -15,11 +15,17 @@ guard.step():`` around each update, ``guard.backward(loss)``). Every parameter a
 target networks' parameters are its buffers), each optimizer's state, the target parameters and the logged losses
 come out bit for bit the same, with no warning the bare run does not emit.
 
-Then the mistakes of TorchRL users: a ``GAE(differentiable=True)`` (or a value estimator run with grad) whose value
-graph the advantage and value target carry into the epochs' updates; a ``loss_vals`` TensorDict kept with its graphs
-in a log list; a loss module called twice on one sample, the second backward through the first's freed graph; and
-a target network that is the online one (``delay_value=False``) handed to ``SoftUpdate``. Each is stopped or warned,
-naming the tensor or key, and the advised fix trains quiet.
+Then the mistakes of TorchRL users (pytorch/rl#1225 moved the examples' GAE under ``torch.no_grad()``; MAPPO's
+advantages kept with their graph across mini-epochs, hijkzzz/pymarl2#46): the critic's values and TorchRL's functional
+``generalized_advantage_estimate`` run with grad (``GAE`` itself holds the critic out), so the replay buffer stores
+the value target with the critic's graph; each ``loss_vals`` TensorDict kept with its graphs in a history list; the
+loss terms of one ``loss_vals`` back-propagated one by one through the actor's shared distribution. Each is stopped or
+warned, naming the key, and the advised fix trains quiet (two strict xfails: the advice for the stored value target,
+and the watch's diagnosis of the terms back-propagated one by one before any optimizer step). A target network that is
+the online one (``delay_value=False``) is refused by TorchRL's ``SoftUpdate`` itself.
+
+Under ``watch``, SAC with its three optimizers kept in a dict (``optims[name].step()``) was a false alarm, fixed in
+``safeloop/watch.py`` (``tests/watch/scripts/sac_optimizers_in_a_dict.py``).
 """
 import contextlib
 import warnings
@@ -43,7 +49,7 @@ from torchrl.objectives.value import GAE  # noqa: E402
 from torchrl.objectives.value.functional import generalized_advantage_estimate  # noqa: E402
 
 from safeloop import GraphGuard  # noqa: E402
-from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning  # noqa: E402
+from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
 from tests.libraries.compare import same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
@@ -67,9 +73,9 @@ def stepped(guard):
     return guard.step() if guard is not None else contextlib.nullcontext()
 
 
-def backward(loss, guard):
-    """``loss.backward()``, or the guard's."""
-    guard.backward(loss) if guard is not None else loss.backward()
+def backward(loss, guard, **kwargs):
+    """``loss.backward(**kwargs)``, or the guard's."""
+    guard.backward(loss, **kwargs) if guard is not None else loss.backward(**kwargs)
 
 
 def three_runs(build, train, check):
@@ -102,8 +108,9 @@ def guard_for(check, loss_module, optimizers):
 
 
 # == PPO ============================================================================================================
-def ppo_build(differentiable=False):
-    """The PPO tutorial's modules on Pendulum-v1, tiny: a ``TanhNormal`` actor, a value net, ``GAE``, ``ClipPPOLoss``."""
+def ppo_build():
+    """The PPO tutorial's modules on Pendulum-v1, tiny: a ``TanhNormal`` actor, a value net, ``GAE``,
+    ``ClipPPOLoss``."""
     env = make_env("Pendulum-v1")
     actor_net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2), NormalParamExtractor())
     policy = ProbabilisticActor(
@@ -111,7 +118,7 @@ def ppo_build(differentiable=False):
         in_keys=["loc", "scale"], distribution_class=TanhNormal, return_log_prob=True,
         distribution_kwargs={"low": env.action_spec.space.low, "high": env.action_spec.space.high})
     value = ValueOperator(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)), in_keys=["observation"])
-    advantage = GAE(gamma=0.99, lmbda=0.95, value_network=value, average_gae=True, differentiable=differentiable)
+    advantage = GAE(gamma=0.99, lmbda=0.95, value_network=value, average_gae=True)
     loss_module = ClipPPOLoss(actor_network=policy, critic_network=value, clip_epsilon=0.2, entropy_bonus=True,
                               entropy_coeff=1e-4, critic_coeff=1.0, loss_critic_type="smooth_l1")
     return loss_module, env, policy, advantage
@@ -129,16 +136,18 @@ def gae_by_hand(value, data, gamma=0.99, lmbda=0.95):
 
 
 def ppo_loop(loss_module, env, policy, advantage, guard=None, frames=32, total=96, epochs=2, sub=16, fix=None,
-             log_graphs=False, by_hand=False):
+             log_graphs=False, by_hand=False, split=False):
     """The PPO tutorial's loop: for each collected batch, ``epochs`` times: the advantage (``GAE``) recomputed, the
-    batch put in the replay buffer, ``frames // sub`` minibatch updates. ``fix="no_grad"``: the advantage under
-    ``torch.no_grad()`` (the fix for a ``differentiable`` estimator). ``log_graphs``: each ``loss_vals`` kept as it
-    is, graphs included (the mistake), instead of ``loss_vals.detach()``."""
+    batch put in the replay buffer, ``frames // sub`` minibatch updates, each ``loss_vals`` kept detached in a history.
+    The mistakes: ``by_hand``, the advantage by ``gae_by_hand`` with grad (``fix="no_grad"``: under
+    ``torch.no_grad()``); ``split``, the loss terms back-propagated one by one (``fix="retain"``: the objective's
+    backward with ``retain_graph=True``); ``log_graphs``, each ``loss_vals`` kept as it is (the fix:
+    ``loss_vals.detach()``)."""
     optim = torch.optim.Adam(loss_module.parameters(), 3e-3)
     guard = guard_for(guard, loss_module, optim)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optim, total // frames, 0.0)
     buffer = ReplayBuffer(storage=LazyTensorStorage(frames), sampler=SamplerWithoutReplacement())
-    logs = {"loss": [], "reward": [], "lr": [], "kept": []}
+    logs, history = {"loss": [], "reward": [], "lr": []}, []
     for data in collector(env, policy, frames, total):
         for _ in range(epochs):
             if by_hand:
@@ -151,17 +160,21 @@ def ppo_loop(loss_module, env, policy, advantage, guard=None, frames=32, total=9
                 with stepped(guard):
                     loss_vals = loss_module(buffer.sample(sub))
                     loss = loss_vals["loss_objective"] + loss_vals["loss_critic"] + loss_vals["loss_entropy"]
-                    backward(loss, guard)
+                    if split:  # the terms one by one: the objective and the entropy share the actor's distribution
+                        for term in ("loss_objective", "loss_entropy", "loss_critic"):
+                            backward(loss_vals[term], guard, retain_graph=fix == "retain" and term == "loss_objective")
+                    else:
+                        backward(loss, guard)
                     torch.nn.utils.clip_grad_norm_(loss_module.parameters(), 1.0)
                     optim.step()
                     optim.zero_grad()
-                logs["kept"].append(loss_vals if log_graphs else loss_vals.detach())
+                history.append(loss_vals if log_graphs else loss_vals.detach())
                 logs["loss"].append(loss.item())
         logs["reward"].append(data["next", "reward"].mean().item())
         logs["lr"].append(optim.param_groups[0]["lr"])
         scheduler.step()
-    kept = [dict(td.items()) for td in logs.pop("kept")]
-    return {"loss_module": loss_module, "optim": optim.state_dict(), "logs": logs, "kept": kept}
+    return {"loss_module": loss_module, "optim": optim.state_dict(), "logs": logs,
+            "history": [dict(td.items()) for td in history]}
 
 
 @pytest.mark.parametrize("check", checks())
@@ -320,3 +333,103 @@ def test_sac_and_ddpg_are_the_same_bare_watched_and_guarded(check, case):
     assert len(ref["logs"]["loss_actor"]) == 8
     if kind == "sac":
         assert ref["loss_module"].log_alpha.item() != 0.0  # alpha's optimizer stepped
+
+
+# -- the mistakes ----------------------------------------------------------------------------------------------------
+def ppo_run(mode, **kwargs):
+    """``ppo_loop(**kwargs)`` bare (``mode=None``), with a ``GraphGuard(check="always")`` or under ``Watch``."""
+    torch.manual_seed(0)
+    built = ppo_build()
+    if mode == "watch":
+        with Watch(GraphGuard(check="always"), __file__):
+            return ppo_loop(*built, **kwargs)
+    return ppo_loop(*built, guard=mode, **kwargs)
+
+
+def test_advantage_computed_with_grad_breaks_the_bare_loop():
+    """The critic's values and TorchRL's functional GAE run with grad (``GAE`` itself runs the critic under
+    ``hold_out_net``): the value target and advantage keep the critic's graph, the replay buffer stores it, and the
+    second minibatch's backward goes through the graph the first freed."""
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        ppo_run(None, by_hand=True)
+
+
+def test_advantage_computed_with_grad_is_stopped_naming_the_value_target():
+    """With a ``GraphGuard``: stopped at step 1, before any gradient or update, naming the replay buffer's
+    ``'value_target'``; under ``watch`` at step 2, before its backward, as a graph an earlier backward freed."""
+    torch.manual_seed(0)
+    built = ppo_build()
+    start = {k: v.clone() for k, v in built[0].state_dict().items()}
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `buffer\._storage\._storage\._tensordict"
+                                              r"\['value_target'\]`"):
+        ppo_loop(*built, guard="always", by_hand=True)
+    same(built[0].state_dict(), start)
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*held by `buffer\._storage\._storage\._tensordict"
+                                                r"\['value_target'\]`; an earlier backward already freed"):
+        ppo_run("watch", by_hand=True)
+
+
+@pytest.mark.xfail(strict=True, reason="the graph is made from the trained critic and held inside an object (the "
+                   "replay buffer's storage), so the advice is to build `buffer` inside the loop (GraphGuard) or to "
+                   "make it again every step / clear it as a cache (watch): neither fixes it, and a replay buffer is "
+                   "filled, not built, with the graph; the fix, computing the advantage under torch.no_grad() (a "
+                   "regression target is a constant), is never offered for a graph made from trained parameters")
+def test_advantage_computed_with_grad_is_advised_no_grad():
+    """The advice for a value target stored with its graph: compute it under ``torch.no_grad()``."""
+    with pytest.raises(GraphReuseError, match=r"torch\.no_grad\(\)"):
+        ppo_run("always", by_hand=True)
+
+
+def test_advantage_computed_under_no_grad_trains():
+    """The advantage computed by hand under ``torch.no_grad()``: quiet, bit for bit alike bare, watched and
+    guarded."""
+    three_runs(ppo_build, lambda *a, guard=None: ppo_loop(*a, guard=guard, by_hand=True, fix="no_grad"), "always")
+
+
+def test_loss_vals_kept_with_their_graphs_are_warned_naming_the_key():
+    """Each ``loss_vals`` TensorDict appended to a history as it is: a ``GraphLeakWarning`` naming
+    ``history[0]['loss_objective']``, with a ``GraphGuard`` and under ``watch``; ``loss_vals.detach()`` (the PPO
+    loop of the first test) trains quiet."""
+    pattern = r"steps 1 and 2: the autograd graphs of both steps are still alive, held by `(local )?history\[0\]" \
+              r"\['loss_objective'\]`.*Store loss\.item\(\) or loss\.detach\(\)"
+    with pytest.warns(GraphLeakWarning, match=pattern):
+        ppo_run("always", log_graphs=True)
+    with pytest.warns(GraphLeakWarning, match=pattern):
+        ppo_run("watch", log_graphs=True)
+
+
+def test_loss_terms_back_propagated_one_by_one_are_stopped_naming_the_shared_graph():
+    """``loss_vals["loss_objective"].backward()`` then ``loss_vals["loss_entropy"].backward()``: both go through the
+    actor's distribution. Bare, PyTorch's error at the second; with a ``GraphGuard`` a ``DoubleBackwardError``
+    before it, naming ``loss_vals['loss_objective']`` and advising ``retain_graph=True`` on the first."""
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        ppo_run(None, split=True)
+    with pytest.raises(DoubleBackwardError, match=r"step 1, .*held by `(local )?loss_vals\['loss_objective'\]`.*"
+                                                  r"To fix: pass retain_graph=True to the backward of 'loss'"):
+        ppo_run("always", split=True)
+
+
+@pytest.mark.xfail(strict=True, raises=CarriedGraphError, reason="under watch, before any optimizer has stepped, "
+                   "a backward on a new loss at the call site of the step's first backward starts a new step (the "
+                   "loop is taken to have come round: gradient accumulation): the second term's backward is a "
+                   "CarriedGraphError at step 2 advising to detach `loss_vals._tensordict['loss_entropy']` (which "
+                   "would leave that loss without a graph), not the DoubleBackwardError advising retain_graph=True")
+def test_loss_terms_back_propagated_one_by_one_are_stopped_as_a_double_backward_under_watch():
+    with pytest.raises(DoubleBackwardError, match=r"retain_graph=True"):
+        ppo_run("watch", split=True)
+
+
+def test_loss_terms_back_propagated_one_by_one_with_retain_graph_train():
+    """The advised ``retain_graph=True`` on the objective's backward: quiet, bit for bit alike bare, watched and
+    guarded."""
+    three_runs(ppo_build, lambda *a, guard=None: ppo_loop(*a, guard=guard, split=True, fix="retain"), "always")
+
+
+def test_a_target_network_that_is_the_online_one_is_refused_by_torchrl():
+    """``DQNLoss(delay_value=False)`` (no target parameters: the target is the online network) handed to
+    ``SoftUpdate``: TorchRL refuses it when the updater is made, before any update; ``delay_value=True`` (TorchRL's
+    default) is the DQN loop of the tests above."""
+    torch.manual_seed(0)
+    loss_module = dqn_build(delay_value=False)[0]
+    with pytest.raises(RuntimeError, match="Did not find any target parameters"):
+        SoftUpdate(loss_module, eps=0.9)
