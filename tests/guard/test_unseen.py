@@ -8,7 +8,7 @@ import io
 import re
 import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -104,6 +104,45 @@ def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_w
         fixed = outputs_loop("always", detach=True)
     bare = outputs_loop(None, detach=True)
     assert torch.equal(fixed[1], bare[1]) and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
+
+
+def evaluation_loop(guard_check: str | None, no_grad: bool = False):
+    """An evaluation after each update, outside the step and without ``torch.no_grad()``, its outputs kept for a
+    metric at the end: torch-ema's ``with ema.average_parameters(): outputs.append(model(x_val))``
+    (tests/libraries/test_ema_vq_sde_real.py). Each output keeps a graph of the model that no loss reaches;
+    ``no_grad``: the fix."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    x_val = torch.randn(8, 4)
+    val_outputs = []
+    for x, y in DATA:
+        with guard.step() if guard else nullcontext():
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            guard.backward(loss) if guard else loss.backward()
+            opt.step()
+        with torch.no_grad() if no_grad else nullcontext():
+            val_outputs.append(model(x_val))
+    return weights(model), val_outputs
+
+
+def test_evaluation_outputs_kept_outside_the_step_train_as_without_the_guard():
+    _, kept = evaluation_loop(None)
+    assert all(out.grad_fn is not None for out in kept)  # four graphs alive, none a loss's
+    with quiet():
+        fixed = evaluation_loop("always", no_grad=True)
+    bare = evaluation_loop(None, no_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed[0] + fixed[1], bare[0] + bare[1]))
+
+
+@pytest.mark.xfail(strict=True, reason="not seen: the leak check marks the nodes of the losses' graphs; graphs that no "
+                   "loss reaches, made after the update and kept in a list, share only the parameters' AccumulateGrad "
+                   "nodes with them")
+def test_evaluation_outputs_kept_with_their_graphs_outside_the_step_warn_naming_the_list():
+    with pytest.warns(GraphLeakWarning, match=re.escape("held by `local val_outputs[0]`")):
+        evaluation_loop("always")
 
 
 def preds_loop(guard_check: str | None, detach: bool = False):
