@@ -486,7 +486,10 @@ class Guard:
             ["write them before the forward that uses them (a weight clipping at the start of the step, before the "
              "forward), or compute the loss again after the write",
              "write them under torch.no_grad() on the parameter itself (`with torch.no_grad(): p.clamp_(-c, c)`), "
-             "not through `.data`: PyTorch then sees the change and refuses a backward through stale values"],
+             "not through `.data`: PyTorch then sees the change and refuses a backward through stale values",
+             "if that forward's output is a target not to train through (a teacher's prediction made with weights "
+             "swapped in and back through `.data`, as torch-ema's `with ema.average_parameters():` does), compute it "
+             "under torch.no_grad() or detach it"],
             holder=first.strip("`") if first.startswith("`") else None)
 
     def _check_ctx(self, functions, nodes, case: Case) -> None:

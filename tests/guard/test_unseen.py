@@ -724,3 +724,45 @@ def test_a_model_saved_whole_under_check_always_is_the_bytes_saved_without_the_g
     nothing of safeloop belongs in a user's file."""
     with quiet():
         assert save_whole_model_loop("always") == save_whole_model_loop(None)
+
+
+def swapped_teacher_loop(guard_check: str | None, no_grad: bool):
+    """A mean teacher whose prediction is made with the averaged weights swapped into the student and back through
+    ``.data`` (torch-ema's ``with ema.average_parameters():``, tests/libraries/test_ema_vq_sde_real.py); the mistake:
+    the teacher's forward without ``torch.no_grad()``, so the loss back-propagates through a graph that saved the
+    weights while they held the averages, and holds the student's values now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = [p.detach().clone() for p in model.parameters()]
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    for x, y in DATA:
+        with guard.step() if guard else nullcontext():
+            logits = model(x)
+            stored = [p.detach().clone() for p in model.parameters()]
+            for p, s in zip(model.parameters(), shadow):
+                p.data.copy_(s)
+            with torch.no_grad() if no_grad else nullcontext():
+                teacher = model(x).softmax(-1)
+            for p, s in zip(model.parameters(), stored):
+                p.data.copy_(s)
+            loss = F.cross_entropy(logits, y) + F.kl_div(logits.log_softmax(-1), teacher, reduction="batchmean")
+            opt.zero_grad()
+            guard.backward(loss) if guard else loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for p, s in zip(model.parameters(), shadow):
+                    s.lerp_(p, 0.1)
+    return weights(model) + shadow
+
+
+def test_a_teacher_made_with_weights_swapped_through_data_is_advised_no_grad_and_the_fix_is_quiet():
+    """Stopped at step 2 under ``check=always`` (at step 1 the averages are the weights), naming the weights; among
+    the fixes, the teacher's ``torch.no_grad()``, which trains quiet and as without the guard."""
+    with pytest.raises(InplaceModificationError, match=r"step 2, .*whose graph saved `model\.\d\.weight`") as caught:
+        swapped_teacher_loop("always", no_grad=False)
+    assert any("a teacher's prediction" in fix and "compute it under torch.no_grad()" in fix
+               for fix in caught.value.fixes)
+    with quiet():
+        fixed = swapped_teacher_loop("always", no_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, swapped_teacher_loop(None, no_grad=True)))
