@@ -5,7 +5,8 @@
   ``step``; ``batches_per_step`` accumulates gradients over batches), with a validation under ``no_grad`` each epoch
   and a callback keeping a torch-ema average (updated at ``on_train_batch_end``, evaluated at ``on_epoch_end``);
 - torch-ema 0.3's ``ExponentialMovingAverage`` (``update()`` after ``optimizer.step()``, shadow parameters moved in
-  place under ``no_grad``; ``with ema.average_parameters():`` to evaluate) and ema-pytorch 0.8.3's ``EMA`` (a deep
+  place under ``no_grad``; ``with ema.average_parameters():`` to evaluate, and to make a mean teacher's prediction
+  between the student's forward and its backward) and ema-pytorch 0.8.3's ``EMA`` (a deep
   copy whose parameters are detached, lerped in place; ``ema(x)`` to evaluate, as its README);
 - vector-quantize-pytorch 1.32.0's ``VectorQuantize`` in a VQ-VAE (the EMA codebook moved in place, through
   ``.data``, inside the forward; the commitment loss; the straight-through estimator or the rotation trick; k-means
@@ -24,7 +25,8 @@ guard.step()``), in every ``check`` mode; the hand loops also as ``safeloop.Trai
 (the EMA shadows, the codebooks), the optimizers' state and what the library records (poutyne's history) must come out
 bit for bit the same, with no warning the bare run does not emit.
 
-Then the mistakes users of these libraries make: an EMA's evaluation outputs kept with their graphs, ``ema.update()``
+Then the mistakes users of these libraries make: an EMA's evaluation outputs kept with their graphs, a torch-ema
+teacher's prediction made with its graph (stopped under ``check=always`` only), ``ema.update()``
 before ``optimizer.step()``, ``with ema.average_parameters():`` left around the training step, ``ema(x)`` trained in
 place of the model, a VQ codebook's statistics kept as buffers with their graphs (vector-quantize-pytorch before its
 PR #57), an SDE solved once before the loop. Those the guard sees are stopped naming the tensor and the advised fix
@@ -43,7 +45,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from safeloop import GraphGuard, Trainer
-from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError, NoGraphError
+from safeloop.errors import (CarriedGraphError, GraphLeakWarning, GraphReuseError, InplaceModificationError,
+                             NoGraphError)
 from safeloop.watch import Watch
 from tests.libraries import compare
 from tests.libraries.compare import same
@@ -328,6 +331,34 @@ def test_ema_pytorch_loop(check, hooked):
                      guard_for=named_guard)
     assert int(ref["ema"].step) == 8 and len(ref["evals"]) == 2
     assert not torch.equal(ref["ema"].ema_model[0].weight, ref["model"][0].weight)
+
+
+def mean_teacher_loop(model, optimizer, data, valid, guard=None, no_grad=True):
+    """A mean teacher with torch-ema (no second model: the teacher's prediction is the student with the averages
+    swapped in by ``with ema.average_parameters():``, which writes them through ``.data`` after the student's forward
+    saved the weights, and back before the backward), its prediction on a noisy view a consistency target;
+    ``no_grad=False``: the mistake, the teacher's forward with its graph."""
+    step, backward = hooks(guard)
+    ema = ExponentialMovingAverage(model.parameters(), decay=0.9)
+    for x, y in data:
+        with step():
+            optimizer.zero_grad()
+            logits = model(x)
+            with ema.average_parameters(), torch.no_grad() if no_grad else contextlib.nullcontext():
+                teacher = model(x + 0.1 * torch.randn_like(x)).softmax(-1)
+            loss = F.cross_entropy(logits, y) + F.kl_div(logits.log_softmax(-1), teacher, reduction="batchmean")
+            backward(loss)
+            optimizer.step()
+            ema.update()
+    return {"model": model, "optimizer": optimizer.state_dict(), "shadow": ema.shadow_params}
+
+
+@needs_torch_ema
+@pytest.mark.parametrize("check", checks())
+def test_torch_ema_mean_teacher(check):
+    """The weights written through ``.data`` and back between the student's forward and its backward (the student's
+    graph saved them; their values at the backward are the forward's): quiet in every mode, bit for bit."""
+    three_runs(ema_build, mean_teacher_loop, check, guard_for=named_guard)
 
 
 class EMATrainer(Trainer):
@@ -786,6 +817,26 @@ def test_ema_pytorch_copy_trained_in_place_of_the_model_is_stopped(place):
         watched(ema_copy_trained, *built) if place == "watch" else \
             ema_copy_trained(*built, guard=named_guard("always", *built))
     same(built[0], start)
+
+
+@needs_torch_ema
+@pytest.mark.parametrize("place", ["guard", "watch"])
+def test_torch_ema_teacher_with_its_graph_is_stopped_under_check_always(place):
+    """The teacher's forward without ``torch.no_grad()``: its graph saved the weights holding the averages, which
+    ``average_parameters()`` then wrote back to the student's through ``.data``; bare, the backward silently runs
+    through the teacher with the student's weights. Under ``check=always``, an ``InplaceModificationError`` at step 2
+    (at step 1 the averages are the weights), before its backward, naming the weights and advising the teacher's
+    ``torch.no_grad()``; that fix is the loop above, quiet in every mode."""
+    built = seeded(ema_build)
+    kept = []
+    built[1].register_step_post_hook(lambda *_: kept.append(deepcopy(dict(built[0].named_parameters()))))
+    with pytest.raises(InplaceModificationError, match=r"step 2, .*whose graph saved `(model|local model)\.\d\.weight`"
+                                                       r".*a teacher's prediction.*compute it under "
+                                                       r"torch\.no_grad\(\) or detach it"):
+        watched(mean_teacher_loop, *built, no_grad=False) if place == "watch" else \
+            mean_teacher_loop(*built, guard=named_guard("always", *built), no_grad=False)
+    assert len(kept) == 1
+    same(dict(built[0].named_parameters()), kept[0])
 
 
 def pre_57_update_with_decay(self, buffer_name, new_value, decay):
