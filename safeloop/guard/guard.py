@@ -856,12 +856,17 @@ class Guard:
         """The fixes for a graph built before the step and held by ``holder``: compute it inside the step, and if it
         is meant as a constant, detach it, said only where that is a tensor's own statement (a named tensor) or
         where it trains nothing; a tensor kept unnamed or inside an object (a torch.distributions object built from
-        the model's output) and made from trained parameters is built again, never kept detached, which would stop
-        their training (``{code}``: see ``_error``)."""
+        the model's output) and made from trained parameters is built again, not kept detached, which would stop
+        their training, unless it is a target the loss compares with (a value target stored in a replay buffer):
+        said so (``{code}``: see ``_error``)."""
         # detaching stops the gradient into the leaves below: right only if that is what was meant
         into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
-        constant = [] if _trained(leaves, case.scope) else [f"if it is meant as a constant{into}, build it under "
-                                                             "`torch.no_grad()`"]
+        if _trained(leaves, case.scope):
+            constant = ["if it is a target the loss compares with, not a value to train through (a value target or an "
+                        "advantage computed with the critic and stored in a replay buffer), compute it under "
+                        f"`torch.no_grad()`{into}"]
+        else:
+            constant = [f"if it is meant as a constant{into}, build it under `torch.no_grad()`"]
         if isinstance(holder, explain.Inside):
             return [f"build `{{code}}` inside {self.words.place} (it holds the graph in `{holder}`, made when it is "
                     "built), so every step builds its own graph"] + constant

@@ -181,3 +181,56 @@ def test_a_distribution_built_in_the_first_step_and_kept_is_advised_to_be_built_
                 opt.zero_grad()
     assert "(`dist = None`, where forward rebuilds it when it is None)" in caught.value.fixes[0]
     assert "(`dist.loc = dist.loc.detach()`)" in caught.value.fixes[1]
+
+
+class Columns:
+    def __init__(self):
+        self.data = {}
+
+
+class Buffer:
+    """A replay buffer of the script's own class: the rollout's tensors, by key, in a private storage object
+    (TorchRL's ``buffer._storage._storage``)."""
+
+    def __init__(self):
+        self._storage = Columns()
+
+    def extend(self, **columns):
+        self._storage.data.update(columns)
+
+    def __getitem__(self, key):
+        return self._storage.data[key]
+
+
+def critic_loop(guard, no_grad: bool):
+    """PPO's value targets computed once per rollout with the critic (``target = reward + gamma * critic(next)``)
+    and stored in a buffer; the critic regresses on them over several epochs. Without ``torch.no_grad()`` the
+    stored target keeps the critic's graph, which the first epoch's backward frees."""
+    torch.manual_seed(0)
+    critic = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    states, reward = torch.randn(8, 3), torch.randn(8, 1)
+    buffer = Buffer()
+    with torch.no_grad() if no_grad else warnings.catch_warnings():
+        buffer.extend(state=states, target=reward + 0.9 * critic(states.roll(1, 0)))
+    for _ in range(3):
+        with stepped(guard):
+            loss = (critic(buffer["state"]) - buffer["target"]).pow(2).mean()
+            backward(guard, loss)
+            opt.step()
+            opt.zero_grad()
+    return state(critic)
+
+
+def test_a_target_stored_with_the_critics_graph_is_advised_no_grad_as_a_target():
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        critic_loop(None, no_grad=False)
+    with pytest.raises(GraphReuseError, match=re.escape("held by `buffer._storage.data['target']`")) as caught:
+        critic_loop(GraphGuard(check="always"), no_grad=False)
+    assert caught.value.step == 1
+    assert caught.value.fixes[1].startswith("if it is a target the loss compares with, not a value to train through")
+    assert "compute it under `torch.no_grad()`" in caught.value.fixes[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = critic_loop(GraphGuard(check="always"), no_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, critic_loop(None, no_grad=True), strict=True))
