@@ -1104,8 +1104,10 @@ class Guard:
                      "if an optimizer step wrote them (a GAN's discriminator step before the generator's loss), "
                      "compute the loss after that step"],
                     holder=holder)
-            if stepped:  # named by what alone holds the node that saved the parameter (`errG`), when there is one
-                holder = explain.sole_holder(written[0], scope) if written is not None else None
+            # an optimizer's step is blamed only for a parameter it wrote: a tensor the program made (a generator's
+            # `fake` written in place after the discriminator's step) is the program's own in-place write
+            if stepped and written is not None:  # named by what alone holds the node that saved it (`errG`)
+                holder = explain.sole_holder(written[0], scope)
                 loss_code = f"`{_code(holder)}`" if _code(holder) else "the loss"
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
