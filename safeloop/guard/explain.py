@@ -118,9 +118,7 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
                 depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # plain attributes, then submodules' (not parameters)
         for mod_name, mod in obj.named_modules():
-            # as Python spells it, so that a fix applies as written: model.blocks[0].rot, not model.blocks.0.rot
-            base = prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in mod_name.split(".")
-                                    if part)
+            base = _module_path(prefix, mod_name)
             for key, val in vars(mod).items():
                 if key not in _MODULE_STATE:  # a layer's own private cache too (PyG's `conv._cached_edge_index`)
                     yield from _filled(_items(val, f"{base}.{key}"), mod, base)
@@ -146,6 +144,12 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
             for i, item in enumerate(val):
                 if _own_object(item) and hasattr(item, "__dict__"):
                     yield from _attributes(item, f"{prefix}.{key}[{i}]", roots, depth - 1)
+
+
+def _module_path(prefix: str, name: str) -> str:
+    """A submodule's name as Python spells it, so that a fix applies as written: ``model.blocks[0].rot``, not
+    ``model.blocks.0.rot``."""
+    return prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".") if part)
 
 
 _INSTALLED = tuple({sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")})  # where pip puts packages
@@ -182,6 +186,10 @@ def _within(owners: list[tuple[str, Any]], budget: list[int]) -> Iterator[tuple[
     their attributes, dicts, lists and tuples (not a module's: ``candidates`` searches those). Bounded: ``_DEEP``
     levels, ``budget[0]`` objects."""
     seen: set[int] = set()
+    # and the objects the submodules of a module keep (a distribution kornia's augmentation keeps as its sampler)
+    owners = [*owners, *((f"{_module_path(owner, name)}.{key}", attr) for owner, val in owners
+                         if issubclass(type(val), torch.nn.Module) for name, mod in val.named_modules()
+                         for key, attr in vars(mod).items() if key not in _MODULE_STATE)]
     for owner, val in owners:
         if not owner.startswith("__") and _nested_object(val):
             for path, tensor in _nested(val, owner, _DEEP, budget, seen):

@@ -600,11 +600,6 @@ def test_learned_ranges_are_drawn_from_a_copy_made_at_construction():
     assert torch.equal(torch.stack([sampler.low, sampler.high]).detach(), torch.tensor([0.8, 1.2]))
 
 
-@pytest.mark.xfail(strict=True, reason="the warning names `policy.colour._params['brightness_factor']`, this step's draw "
-                                       "that reaches the shared clone, and advises computing it inside the loop, as "
-                                       "kornia already does; the clone is held by "
-                                       "`policy.colour._param_generator.brightness_sampler.low` (a distribution's "
-                                       "attribute)")
 def test_learned_ranges_warning_names_the_sampler():
     with pytest.warns(GraphSharingWarning, match=r"held by `policy\.colour\._param_generator\.brightness_sampler"):
         policy_loop(*seeded(ranges_build), guard=GraphGuard(check="always"))
