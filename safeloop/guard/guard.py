@@ -1482,17 +1482,19 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
 def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> str | None:
     """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the tensor the scope holds (a module's
     buffer or attribute, a variable) whose version is the one PyTorch names and whose number of elements ``tensor``
-    has (the saved tensor may be a view of it: an unsqueezed queue), searched nearest first: the first variable that
-    holds such tensors must hold one alone (None if none does, or if it holds several: two buffers alike). An
-    operation's output ("output 0 of Sigmoid") is in the graph: a tensor that requires no grad (a deep copy of a
-    state dict) is not it."""
+    has (the saved tensor may be a view of it: an unsqueezed queue), or, failing that, more (a slice of it: the view
+    ``fake[:3]`` an augmentation saved), searched nearest first: the first variable that holds such tensors must hold
+    one alone (None if none does, or if it holds several: two buffers alike). An operation's output ("output 0 of
+    Sigmoid") is in the graph: a tensor that requires no grad (a deep copy of a state dict) is not it."""
     version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
     if version is None or sizes is None:
         return None
     numel = math.prod(int(n) for n in re.findall(r"\d+", sizes.group(1)))
     output = "output 0 of " in text
-    found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in explain.candidates(scope, batch)
-             if t._version == int(version.group(1)) and t.numel() == numel and (t.requires_grad or not output)]
+    alike = [(name, t) for name, t in explain.candidates(scope, batch)
+             if t._version == int(version.group(1)) and t.numel() >= numel and (t.requires_grad or not output)]
+    alike = [(name, t) for name, t in alike if t.numel() == numel] or alike
+    found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in alike]
     nearest = {id(t): name for holder, name, t in found if holder == found[0][0]} if found else {}
     return next(iter(nearest.values())) if len(nearest) == 1 else None
 

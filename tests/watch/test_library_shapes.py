@@ -79,3 +79,29 @@ def test_an_in_place_write_after_another_optimizers_step_is_explained_as_in_plac
             pytest.raises(InplaceModificationError, match=r"the output of Sigmoid: `local fake` or a view of it\) was "
                                                           r"changed in place.*To fix: use the out-of-place form"):
         gan_with_an_in_place_write()
+
+
+def gan_with_a_slice_saved(check):
+    """The generator's part squares a slice of ``fake`` (``pow`` saves the slice, a view) and then writes the rest of
+    ``fake`` in place, under a ``GraphGuard``."""
+    torch.manual_seed(0)
+    G, D = nn.Sequential(nn.Linear(2, 4), nn.Sigmoid()), nn.Linear(4, 1)
+    opt_g = torch.optim.SGD(G.parameters(), lr=0.1)
+    guard = GraphGuard(G, opt_g, check=check)
+    for _ in range(2):
+        with guard.step():
+            fake = G(torch.randn(4, 2))
+            opt_g.zero_grad()
+            squared = fake[:2].pow(2)
+            fake[2:] = 0.0
+            guard.backward((-D(squared)).mean())
+            opt_g.step()
+
+
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+def test_an_in_place_write_to_the_base_of_a_saved_slice_names_the_base(check):
+    """The saved tensor (2 rows) is a view of ``fake`` (4 rows), which no variable holds as such: named by ``fake``,
+    the tensor of the same version it is a view of."""
+    with pytest.raises(InplaceModificationError, match=r"\(\[torch\.FloatTensor \[2, 4\]\], the output of AsStrided: "
+                                                       r"`local fake` or a view of it\) was changed in place"):
+        gan_with_a_slice_saved(check)
