@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -149,6 +149,8 @@ class Guard:
         self._held: tuple | None = None
         # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
         self._keeping: dict[str, tuple[int, str, weakref.ref, int | None]] = {}
+        # per list a plain loop's variable holds: its first item when looked at, with its graph, and its length then
+        self._lists: dict[str, tuple[weakref.ref, int]] = {}
         self._warned: set[str] = set()
         # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
         # each name (one found again under its name as another tensor is made anew every step)
@@ -1258,6 +1260,39 @@ class Guard:
             elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
                 self._keeping[key] = (step, holder, ref, iteration)
         return out
+
+    def growing_lists(self, step: int, namespaces: Iterable[tuple[str, Mapping[str, Any]]], frame=None) -> None:
+        """Warn about a list a loop's variable holds that keeps one more graph every step, outside any loss: its first
+        and last items tensors with graphs, the first the same as when last looked at, with its graph, and the list
+        longer since (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``).
+        Looked at on checked steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
+        if self.is_off("leak"):
+            return
+        for prefix, space in namespaces:
+            for key, val in list(space.items()):
+                if type(val) is not list or len(val) < 2 or not all(
+                        issubclass(type(t), torch.Tensor) and t.grad_fn is not None for t in (val[0], val[-1])):
+                    continue
+                name = f"{prefix} {key}"
+                first, length = self._lists.get(name, (None, 0))
+                if first is not None and first() is val[0] and len(val) > length:
+                    holder = explain.Element(f"{name}[0]")
+                    holder.list_of = name
+                    self._warn_growing(step, holder, len(val), frame)
+                self._lists[name] = (weakref.ref(val[0]), len(val))
+
+    def _warn_growing(self, step: int, holder: explain.Element, length: int, frame) -> None:
+        key = self.leak_key(holder)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        listed = _code(holder.list_of)
+        self._warn(GraphLeakWarning(
+            f"the tensors added to `{listed}` keep their autograd graphs ({length} now, more every step; the first "
+            f"held by `{holder}`), graphs that no loss uses (an evaluation's outputs, made without torch.no_grad()): "
+            "they pile up step after step (their nodes, and the tensors they saved)", step=step, holder=holder,
+            fixes=[f"compute what is added to `{listed}` under torch.no_grad() (`with torch.no_grad(): out = "
+                   f"model(x)`), or detach it where it is added (`{listed}.append(x.detach())`)"]), frame)
 
     @staticmethod
     def leak_key(holder: str | None) -> str:

@@ -321,10 +321,11 @@ class GraphGuard:
                 running = running.f_back
         while self._graphs and self._graphs[0][0] <= step - 2:
             done, iteration, refs = self._graphs.pop(0)
+            # shown at the script's line under watch (a library's backward called the guard)
+            shown = next((f for f in stack(frame) if f.f_code.co_filename == self._script), frame)
             for first, holder in guard.piled(done, refs, self.scope, iteration):
-                # shown at the script's line under watch (a library's backward called the guard)
-                shown = next((f for f in stack(frame) if f.f_code.co_filename == self._script), frame)
                 guard.warn_leak(first, done, holder, shown)
+            guard.growing_lists(done, self._namespaces(), shown)
         guard.frame, guard.caller = frame, caller
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
