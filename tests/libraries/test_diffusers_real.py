@@ -1,0 +1,203 @@
+"""diffusers' own training pieces (``UNet2DModel``, ``DDPMScheduler.add_noise`` / ``get_velocity``,
+``diffusers.optimization.get_cosine_schedule_with_warmup``, ``diffusers.training_utils.EMAModel`` and ``compute_snr``,
+``DDPMPipeline``), driven by the loops of diffusers' examples with a tiny UNet on CPU:
+
+- examples/unconditional_image_generation/train_unconditional.py: noise and timesteps drawn each micro-batch,
+  ``noise_scheduler.add_noise``, ``model(noisy_images, timesteps).sample``, the MSE to the noise, inside
+  ``accelerator.accumulate(model)`` with ``Accelerator(gradient_accumulation_steps=2)``, ``accelerator.clip_grad_norm_``
+  under ``sync_gradients``, AdamW, the cosine schedule with warm-up, ``ema_model.step(model.parameters())`` after each
+  update, and at each epoch's end a ``DDPMPipeline`` run on the EMA weights (``store`` / ``copy_to`` / ``restore``);
+- the v-prediction target (``noise_scheduler.get_velocity``) with min-SNR weights (``compute_snr``, as
+  examples/text_to_image/train_text_to_image.py weighs its loss), and samples drawn by hand between the micro-batches
+  of an update (the scheduler's ``step`` loop under ``torch.no_grad()``, generation during training).
+
+Each runs bare, under ``python -m safeloop.watch``'s guard (``Watch``, in process, this file being the user's script)
+and with a ``safeloop.GraphGuard`` in the loop (``with guard.step():`` around each micro-batch, ``guard.check(loss)``
+before ``accelerator.backward(loss)``), under every check mode: the UNet, the EMA's shadow parameters and step count,
+the optimizer's and the schedule's state, the losses, the samples and torch's RNG state at the end come out bit for bit
+the same, with no warning the bare run does not give. The first loop also as a ``safeloop.Trainer`` (``grad_clip``,
+``grad_accum``, the schedule from ``configure_optimizers``, the EMA stepped in ``on_step_end``).
+
+Then the mistakes of such loops: sampling during training without ``torch.no_grad()`` with the images kept, a class
+embedding computed once before the loop from a trained (or meant frozen) embedding layer, noise built once outside the
+loop with ``requires_grad``, a hand-made EMA updated without ``torch.no_grad()``, a target computed from the model.
+
+Written against diffusers 0.42.1, accelerate 1.15.0 and torch 2.13 on CPU.
+"""
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # noqa: E402
+from diffusers.optimization import get_cosine_schedule_with_warmup  # noqa: E402
+from diffusers.training_utils import EMAModel, compute_snr  # noqa: E402
+
+import safeloop  # noqa: E402
+from safeloop import GraphGuard  # noqa: E402
+from safeloop.errors import GraphLeakWarning, GraphReuseError  # noqa: E402
+from safeloop.watch import Watch  # noqa: E402
+from tests.libraries.compare import same, three_runs  # noqa: E402
+from tests.realworld.harness import checks, strict  # noqa: E402
+
+TIMESTEPS = 100  # num_train_timesteps: small, so that a tiny run sees all the schedule's regions
+
+
+def fresh():
+    """accelerate keeps one ``AcceleratorState`` per process: each run starts from none, as a new script would."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(tmp_path, monkeypatch):
+    """A fresh ``AcceleratorState``, and a working directory of the test's own (where the guard writes its graph
+    pictures)."""
+    monkeypatch.chdir(tmp_path)
+    fresh()
+    yield
+    fresh()
+
+
+# -- tiny model and data ------------------------------------------------------------------------------------------
+def tiny_unet(**kwargs):
+    """train_unconditional.py's ``UNet2DModel`` at 8x8: two blocks of 8 and 16 channels, one layer each, the second
+    with attention (``AttnDownBlock2D`` / ``AttnUpBlock2D``), groups of 4 channels in each norm."""
+    return UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+                       down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                       up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=4, attention_head_dim=8,
+                       **kwargs)
+
+
+def images(n=20, seed=3):
+    """``n`` seeded 3x8x8 "images" in [-1, 1], as the example's ``Normalize([0.5], [0.5])`` leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.rand(n, 3, 8, 8, generator=gen) * 2 - 1)
+
+
+def build():
+    fresh()
+    return tiny_unet(), images()
+
+
+def hooks(guard, accelerator):
+    """(step, backward) of a loop: ``with guard.step():`` and ``guard.check(loss); accelerator.backward(loss)``
+    (the pairing docs/guard.md shows for accelerate), or a null context and ``accelerator.backward``."""
+    if guard is None:
+        return contextlib.nullcontext, accelerator.backward
+
+    def backward(loss):
+        guard.check(loss)
+        accelerator.backward(loss)
+    return guard.step, backward
+
+
+def min_snr_loss(noise_scheduler, model_output, target, timesteps, snr_gamma):
+    """train_text_to_image.py's min-SNR weighting (https://huggingface.co/papers/2303.09556)."""
+    snr = compute_snr(noise_scheduler, timesteps)
+    mse_loss_weights = torch.stack([snr, snr_gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+    if noise_scheduler.config.prediction_type == "epsilon":
+        mse_loss_weights = mse_loss_weights / snr
+    elif noise_scheduler.config.prediction_type == "v_prediction":
+        mse_loss_weights = mse_loss_weights / (snr + 1)
+    loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
+    loss = loss.mean(dim=list(range(1, len(loss.shape)))) * mse_loss_weights
+    return loss.mean()
+
+
+def sample_by_hand(model, noise_scheduler, generator, steps=4, batch_size=2):
+    """The sampling loop of diffusers' quicktour: a fresh scheduler of the same config, ``set_timesteps``, then
+    ``model(image, t).sample`` and ``scheduler.step(...).prev_sample`` for each timestep."""
+    scheduler = DDPMScheduler.from_config(noise_scheduler.config)
+    scheduler.set_timesteps(steps)
+    image = torch.randn((batch_size, 3, 8, 8), generator=generator)
+    for t in scheduler.timesteps:
+        model_output = model(image, t).sample
+        image = scheduler.step(model_output, t, image, generator=generator).prev_sample
+    return image
+
+
+# -- the loops ----------------------------------------------------------------------------------------------------
+def unconditional_loop(model, data, guard=None, epochs=2, prediction_type="epsilon", snr_gamma=None,
+                       sample_every=None, pipeline_at_epoch_end=True):
+    """train_unconditional.py's loop at tiny sizes (5 micro-batches of 4 an epoch, an update every 2: the last of
+    each epoch is of one micro-batch, ``GradientState.end_of_dataloader``)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=TIMESTEPS, prediction_type=prediction_type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-08)
+    train_dataloader = DataLoader(data, batch_size=4, shuffle=True)
+    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2,
+                                                   num_training_steps=len(train_dataloader) * epochs // 2)
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler)
+    ema_model = EMAModel(model.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=3 / 4,
+                         model_cls=UNet2DModel, model_config=model.config)
+    step, backward = hooks(guard, accelerator)
+    losses, lrs, samples = [], [], []
+    generator = torch.Generator().manual_seed(5)
+    for _epoch in range(epochs):
+        model.train()
+        for (clean_images,) in train_dataloader:
+            with step():
+                # Sample noise that we'll add to the images
+                noise = torch.randn(clean_images.shape, dtype=clean_images.dtype, device=clean_images.device)
+                bsz = clean_images.shape[0]
+                # Sample a random timestep for each image
+                timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,),
+                                          device=clean_images.device).long()
+                noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+                with accelerator.accumulate(model):
+                    model_output = model(noisy_images, timesteps).sample
+                    if prediction_type == "epsilon":
+                        target = noise
+                    else:
+                        target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
+                    if snr_gamma is None:
+                        loss = F.mse_loss(model_output.float(), target.float())
+                    else:
+                        loss = min_snr_loss(noise_scheduler, model_output, target, timesteps, snr_gamma)
+                    backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    ema_model.step(model.parameters())
+            losses.append(loss.detach().item())
+            lrs.append(lr_scheduler.get_last_lr()[0])
+            if sample_every and len(losses) % sample_every == 0:  # inside an accumulation window too
+                model.eval()
+                with torch.no_grad():
+                    samples.append(sample_by_hand(model, noise_scheduler, generator))
+                model.train()
+        if pipeline_at_epoch_end:  # generate sample images for visual inspection, with the EMA's weights
+            unet = accelerator.unwrap_model(model)
+            ema_model.store(unet.parameters())
+            ema_model.copy_to(unet.parameters())
+            pipeline = DDPMPipeline(unet=unet, scheduler=noise_scheduler)
+            pipeline.set_progress_bar_config(disable=True)
+            pipe_generator = torch.Generator(device=pipeline.device).manual_seed(0)
+            samples.append(pipeline(generator=pipe_generator, batch_size=2, num_inference_steps=4,
+                                    output_type="np").images)
+            ema_model.restore(unet.parameters())
+    return {"model": accelerator.unwrap_model(model), "ema": ema_model.state_dict(),
+            "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(), "losses": losses,
+            "lrs": lrs, "samples": [torch.as_tensor(s) for s in samples], "rng": torch.get_rng_state()}
+
+
+@pytest.mark.parametrize("check", checks())
+def test_train_unconditional_loop(check):
+    """train_unconditional.py: ``accelerator.accumulate``, clipping under ``sync_gradients``, the cosine schedule
+    with warm-up, ``EMAModel.step`` after each update, a ``DDPMPipeline`` on the EMA weights each epoch."""
+    ref = three_runs(build, unconditional_loop, check)
+    assert len(ref["losses"]) == 10 and ref["ema"]["optimization_step"] == 6 and len(ref["samples"]) == 2
