@@ -201,3 +201,76 @@ def test_train_unconditional_loop(check):
     with warm-up, ``EMAModel.step`` after each update, a ``DDPMPipeline`` on the EMA weights each epoch."""
     ref = three_runs(build, unconditional_loop, check)
     assert len(ref["losses"]) == 10 and ref["ema"]["optimization_step"] == 6 and len(ref["samples"]) == 2
+
+
+@pytest.mark.parametrize("check", checks())
+def test_v_prediction_min_snr_with_samples_between_micro_batches(check):
+    """``DDPMScheduler(prediction_type="v_prediction")``, the target ``noise_scheduler.get_velocity(clean_images,
+    noise, timesteps)`` and the min-SNR weights of ``compute_snr`` (``snr_gamma=5``); every third micro-batch (so
+    inside an accumulation window, gradients held) two samples drawn by hand under ``torch.no_grad()`` with the
+    training weights in eval mode, then ``model.train()``."""
+    ref = three_runs(build, lambda *a, guard=None: unconditional_loop(
+        *a, guard=guard, prediction_type="v_prediction", snr_gamma=5.0, sample_every=3, pipeline_at_epoch_end=False),
+        check)
+    assert len(ref["samples"]) == 3 and all(torch.isfinite(s).all() for s in ref["samples"])
+
+
+class DDPMTrainer(safeloop.Trainer):
+    """train_unconditional.py's step as a ``training_step``: AdamW and the cosine schedule with warm-up from
+    ``configure_optimizers`` (stepped after every update), ``grad_clip=1.0`` and ``grad_accum=2`` as settings, the
+    EMA stepped in ``on_step_end`` (after each update)."""
+
+    def __init__(self, *, epochs, **kwargs):
+        self.noise_scheduler = DDPMScheduler(num_train_timesteps=TIMESTEPS)
+        self.epochs = epochs
+        super().__init__(**kwargs)
+        self.ema_model = EMAModel(self.model.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0,
+                                  power=3 / 4, model_cls=UNet2DModel, model_config=self.model.config)
+        self.losses = []
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6,
+                                      eps=1e-08)
+        lr_scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2,
+                                                       num_training_steps=len(self.train_data) * self.epochs // 2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
+
+    def training_step(self, batch):
+        (clean_images,) = batch
+        noise = torch.randn(clean_images.shape, dtype=clean_images.dtype, device=clean_images.device)
+        timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],),
+                                  device=clean_images.device).long()
+        noisy_images = self.noise_scheduler.add_noise(clean_images, noise, timesteps)
+        loss = F.mse_loss(self.model(noisy_images, timesteps).sample.float(), noise.float())
+        self.losses.append(loss.item())
+        return loss
+
+    def on_step_end(self, losses):
+        self.ema_model.step(self.model.parameters())
+
+
+@pytest.mark.parametrize("check", checks())
+def test_trainer_port_trains_as_the_accelerate_loop(check):
+    """``DDPMTrainer`` on a ``DataLoader(shuffle=True)`` of the same images, from the same seeds: the UNet, the EMA,
+    the optimizer's and the schedule's state, the losses and torch's RNG state as the accelerate loop (without its
+    epoch-end pipeline) leaves them, bit for bit."""
+    torch.manual_seed(0)
+    model, data = build()
+    torch.manual_seed(1)
+    with warnings.catch_warnings(record=True) as own:
+        warnings.simplefilter("always")
+        ref = unconditional_loop(model, data, pipeline_at_epoch_end=False)
+    torch.manual_seed(0)
+    model, data = build()
+    torch.manual_seed(1)
+    with strict(own):
+        trainer = DDPMTrainer(epochs=2, model=model, train_data=DataLoader(data, batch_size=4, shuffle=True),
+                              max_epochs=2, grad_clip=1.0, grad_accum=2, device="cpu", progress=False, loggers=(),
+                              guard={"check": check})
+        trainer.fit()
+    assert trainer.state.step == 6
+    keys = ("model", "ema", "optimizer", "lr_scheduler", "losses", "rng")
+    same({"model": trainer.model, "ema": trainer.ema_model.state_dict(),
+          "optimizer": trainer.optimizers["optimizer"].state_dict(),
+          "lr_scheduler": trainer.schedulers["optimizer"].state_dict(), "losses": trainer.losses,
+          "rng": torch.get_rng_state()}, {k: ref[k] for k in keys})
