@@ -227,6 +227,7 @@ class Guard:
         """A step is over: what is made from now on (its batch being fetched too) belongs to the next."""
         if self._prints is not None:
             self._prints.clear()
+        self._printed = {}  # it holds the step's losses and nodes: a loss name not seen again would keep them
         if CHEAP_PEEK:
             self.next_start = walk.sequence_now()
         if self._held is not None:
