@@ -1039,6 +1039,10 @@ class Guard:
                    "say), whose graph begins and ends at itself")
             fixes = ["compute the loss from the model's output and keep it a tensor: no .item(), no torch.tensor() "
                      "around it"]
+        elif any(p.grad is loss for p in params):  # differentiated by a Hessian-based optimizer's step
+            why = "it is a parameter's gradient (.grad), made by a backward without create_graph=True"
+            fixes = ["pass create_graph=True to the backward before the optimizer step (`loss.backward(create_graph="
+                     "True)`): an optimizer that differentiates the gradients (AdaHessian, SophiaH) needs their graph"]
         elif params and not any(p.requires_grad for p in params):
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",

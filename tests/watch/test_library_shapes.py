@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import GraphGuard, GraphSharingWarning, InplaceModificationError
+from safeloop import GraphGuard, GraphSharingWarning, InplaceModificationError, NoGraphError
 from safeloop.watch import Watch
 
 
@@ -140,3 +140,42 @@ def test_a_gradient_differentiated_every_other_step_keeps_no_graph_under_watch()
         with Watch(GraphGuard(check="always"), __file__):
             ours = hessian_every_other_step()
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+
+
+class HessianDiagonal(torch.optim.SGD):
+    """An optimizer that differentiates the gradients in its step (AdaHessian's Hutchinson estimate): it needs the
+    backward before it made with ``create_graph=True``."""
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        probes = [torch.ones_like(p) for p in params]
+        hessian = torch.autograd.grad(grads, params, grad_outputs=probes)
+        with torch.no_grad():
+            for p, h in zip(params, hessian):
+                p.grad = p.grad / (h.abs() + 1.0)
+        return super().step(closure)
+
+
+def test_an_optimizer_differentiating_gradients_made_without_create_graph_is_told_under_watch():
+    """Under watch the optimizer's own ``autograd.grad`` of the ``.grad`` tensors is seen: the fix is the backward's
+    ``create_graph=True``, not the gradient penalty's; with it the loop runs quiet."""
+    def loop(create_graph):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        optimizer = HessianDiagonal(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(5, 3)).pow(2).mean().backward(create_graph=create_graph)
+            optimizer.step()
+
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        loop(create_graph=False)
+    with Watch(GraphGuard(check="always"), __file__), \
+            pytest.raises(NoGraphError, match=r"it is a parameter's gradient \(\.grad\), made by a backward without "
+                                              r"create_graph=True.*To fix: pass create_graph=True to the backward"):
+        loop(create_graph=False)
+    with Watch(GraphGuard(check="always"), __file__), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")  # torch's own, bare too
+        loop(create_graph=True)
