@@ -40,6 +40,23 @@ def same(ours, ref, where="result") -> None:
         assert ours == ref, where
 
 
+def seed_all(n) -> None:
+    """torch's and NumPy's global generators from ``n`` (a library drawing from NumPy's: poutyne's loader, torchsde's
+    Brownian motion, torchdiffeq's examples)."""
+    import numpy as np  # (the libraries that draw from it install it)
+
+    torch.manual_seed(n)
+    np.random.seed(n)
+
+
+def seeded(build, seed=torch.manual_seed):
+    """``build()`` from ``seed(0)``, then ``seed(1)`` for the training (as ``three_runs`` does)."""
+    seed(0)
+    built = build()
+    seed(1)
+    return built
+
+
 def three_runs(build, train, check, *, guarded=True, guard_for=None, seed=torch.manual_seed):
     """``train(*build())`` bare, under ``Watch`` (``train``'s file as the script) and, ``guarded``, with
     ``guard=GraphGuard(check=check)`` (or ``guard_for(check, *built)``: a guard made from what ``build`` made); each

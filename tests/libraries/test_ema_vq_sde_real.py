@@ -34,11 +34,9 @@ trains quiet; those it cannot see (no autograd graph records them) are strict xf
 """
 import contextlib
 import functools
-import re
 import warnings
 from copy import deepcopy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -83,21 +81,8 @@ needs_torchsde = pytest.mark.skipif(torchsde is None, reason="torchsde is not in
 
 
 # -- what every case runs -----------------------------------------------------------------------------------------
-def seed(n):
-    """torch's and NumPy's global generators from ``n`` (poutyne's loader shuffles with torch's, torchsde's Brownian
-    motion draws its entropy from NumPy's)."""
-    torch.manual_seed(n)
-    np.random.seed(n)
-
-
-def seeded(build):
-    """``build()`` from ``seed(0)``, then ``seed(1)`` for the training."""
-    seed(0)
-    built = build()
-    seed(1)
-    return built
-
-
+seed = compare.seed_all
+seeded = functools.partial(compare.seeded, seed=seed)
 three_runs = functools.partial(compare.three_runs, seed=seed)
 
 

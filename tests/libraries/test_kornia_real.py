@@ -28,7 +28,6 @@ tensor, and the advised fix trains quiet.
 
 Sizes are tiny (8x8 to 12x12 images, a few steps) for a seconds-long test.
 """
-import contextlib
 import functools
 import warnings
 from copy import deepcopy
@@ -69,12 +68,7 @@ def three_runs(build, train, check, **kwargs):
     return compare.three_runs(build, with_rng(train), check, **kwargs)
 
 
-def seeded(build):
-    """``build()`` from seed 0, then seed 1 for the training (as ``three_runs`` does)."""
-    torch.manual_seed(0)
-    built = build()
-    torch.manual_seed(1)
-    return built
+seeded = compare.seeded
 
 
 def watched(train, *args, check="always", **kwargs):

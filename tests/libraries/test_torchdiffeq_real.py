@@ -54,20 +54,8 @@ RTOL, ATOL = 1e-3, 1e-4
 # -- what every case runs -----------------------------------------------------------------------------------------
 
 
-def seed(n):
-    """torch's and NumPy's global generators from ``n``."""
-    torch.manual_seed(n)
-    np.random.seed(n)
-
-
-def seeded(build):
-    """``build()`` from ``seed(0)``, then ``seed(1)`` for the training."""
-    seed(0)
-    built = build()
-    seed(1)
-    return built
-
-
+seed = compare.seed_all
+seeded = functools.partial(compare.seeded, seed=seed)
 three_runs = functools.partial(compare.three_runs, seed=seed)
 
 
