@@ -226,7 +226,9 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
     # is newer than the iteration's first graph
     filled = _filled(body)
-    items = [item for k, v in values if k not in assigned and k not in filled for item in _items(v)
+    # (and those of the tuples it holds: a data set augmented once, `[(policy(x), y) for x, y in data]`)
+    items = [item for k, v in values if k not in assigned and k not in filled for pair in _items(v)
+             for item in (_items(pair) if type(pair) is tuple else [pair])
              if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
     ours = [walk.sequence_nr(v.grad_fn) for k, v in values if k in assigned and issubclass(type(v), torch.Tensor)
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
@@ -319,8 +321,16 @@ def _filled(body: list[dis.Instruction]) -> set[str]:
         calls = sum(ins.opname == "CALL" for ins in line)
         reading = sum(ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _READERS for ins in line)
         if calls > reading or any(ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") for ins in line):
-            filled.update(ins.argval for ins in line if ins.opname in _LOADS)
+            filled.update(ins.argval for k, ins in enumerate(line) if ins.opname in _LOADS and not _indexed(line, k))
     return filled
+
+
+def _indexed(line: list[dis.Instruction], k: int) -> bool:
+    """Whether the variable ``line[k]`` loads is read there through an index that is a name or a constant
+    (``augmented[i][0]``), which adds nothing to it."""
+    nxt = line[k + 1:k + 3]
+    return len(nxt) == 2 and (nxt[0].opname in _LOADS or nxt[0].opname == "LOAD_CONST") \
+        and (nxt[1].opname == "BINARY_SUBSCR" or (nxt[1].opname == "BINARY_OP" and nxt[1].argrepr == "[]"))
 
 
 def _items(obj) -> list:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import GraphGuard, GraphSharingWarning, InplaceModificationError, NoGraphError
+from safeloop import GraphGuard, GraphReuseError, GraphSharingWarning, InplaceModificationError, NoGraphError
 from safeloop.watch import Watch
 
 
@@ -179,3 +179,25 @@ def test_an_optimizer_differentiating_gradients_made_without_create_graph_is_tol
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")  # torch's own, bare too
         loop(create_graph=True)
+
+
+def augmented_once_loop():
+    """A data set augmented once before the loop by a learned augmentation (kornia's policy), as (x, y) pairs."""
+    torch.manual_seed(0)
+    policy, model = nn.Linear(3, 3), nn.Linear(3, 2)
+    optimizer = torch.optim.SGD([*policy.parameters(), *model.parameters()], lr=0.1)
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    augmented = [(policy(x), y) for x, y in data]
+    for _ in range(2):
+        for i in range(len(data)):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(augmented[i][0]), augmented[i][1])
+            loss.backward()
+            optimizer.step()
+
+
+def test_a_graph_kept_in_the_pairs_of_a_list_before_the_loop_is_stopped_at_the_first_step_under_watch():
+    """The tensors of the (x, y) pairs a list holds count as built before the loop, as a list's own tensors do."""
+    with Watch(GraphGuard(check="always"), __file__), \
+            pytest.raises(GraphReuseError, match=r"step 1, .*held by `local augmented\[0\]\[0\]`"):
+        augmented_once_loop()
