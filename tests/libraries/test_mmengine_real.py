@@ -751,7 +751,9 @@ def test_python_m_safeloop_watch_runs_an_mmengine_runner_script(tmp_path_factory
     assert runs["code"] == 1, runs["err"][-3000:]
     assert runs["out"].count(checksum.group(0)) == 1 and "trained without detach" not in runs["out"], runs["out"]
     before = runs["err"].split("Traceback")[0]  # the detached run's stderr
-    shown = set(re.findall(r"\w+Warning: (.*)", before))
+    # (the second training's Runner, made in the first one's second, finds mmengine's instances of that name: its own
+    # warning, which the bare run, training once, cannot show)
+    shown = {w for w in re.findall(r"\w+Warning: (.*)", before) if "should not accept any other arguments" not in w}
     assert shown <= runs["own"] and "safeloop" not in before.replace(runs["where"], ""), before
     assert re.search(r"safeloop\.errors\.\w+Error: .*held by `(self|runner\.model)\.memory`", runs["err"]), runs["err"]
 
