@@ -79,21 +79,28 @@ def test_outputs_kept_for_an_epoch_metric_warn_naming_the_list_with_the_fix_at_t
     assert fixed[1] == off[1] and all(torch.equal(a, b) for a, b in zip(fixed[0], off[0]))
 
 
-def outputs_loop(guard_check: str | None, detach: bool = False):
-    """The same in a hand-written loop: ``all_outputs.append(out)`` for an accuracy at the end of the epoch."""
+def classifier_loop(guard_check: str | None, keep) -> list[torch.Tensor]:
+    """A hand-written loop training a linear classifier, each step's output handed to ``keep`` after the update;
+    returns the trained weights."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
-    all_outputs = []
     for x, y in DATA:
         out = model(x)
         loss = F.cross_entropy(out, y)
         opt.zero_grad()
         guard.backward(loss) if guard else loss.backward()
         opt.step()
-        all_outputs.append(out.detach() if detach else out)
-    return weights(model), torch.cat(all_outputs).argmax(1)
+        keep(out)
+    return weights(model)
+
+
+def outputs_loop(guard_check: str | None, detach: bool = False):
+    """The same in a hand-written loop: ``all_outputs.append(out)`` for an accuracy at the end of the epoch."""
+    all_outputs = []
+    trained = classifier_loop(guard_check, lambda out: all_outputs.append(out.detach() if detach else out))
+    return trained, torch.cat(all_outputs).argmax(1)
 
 
 def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_works():
@@ -252,19 +259,10 @@ class Concat(torch.nn.Module):
 def metric_loop(guard_check: str | None, detach: bool = False):
     from metric_lib import Concat  # an installed package's class (see the test)
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
     concat = Concat()
-    for x, y in DATA:
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        opt.zero_grad()
-        guard.backward(loss) if guard else loss.backward()
-        opt.step()
-        concat.update(out.softmax(1).detach() if detach else out.softmax(1))
-    return weights(model) + concat.preds
+    trained = classifier_loop(guard_check, lambda out: concat.update(out.softmax(1).detach() if detach
+                                                                      else out.softmax(1)))
+    return trained + concat.preds
 
 
 def test_a_list_an_installed_librarys_object_fills_is_fixed_where_the_loop_hands_it_the_tensors(tmp_path, monkeypatch):
