@@ -159,11 +159,34 @@ def _filled(pairs: Iterator[tuple[str, torch.Tensor]], owner: Any, name: str) ->
     """``pairs`` of ``owner``'s attributes (``_items``'), their list elements marked ``filled_by`` ``name`` where
     ``owner``'s class is an installed package's (not the script's nor the user's own package)."""
     for item, tensor in pairs:
-        if isinstance(item, Element):
-            module = sys.modules.get(type(owner).__module__)
-            if (getattr(module, "__file__", None) or "").startswith(_INSTALLED):
-                item.filled_by = name
+        if isinstance(item, Element) and _installed(owner):
+            item.filled_by = name
         yield item, tensor
+
+
+def _installed(obj: Any) -> bool:
+    """Whether ``obj``'s class comes from an installed package."""
+    return (getattr(sys.modules.get(type(obj).__module__), "__file__", None) or "").startswith(_INSTALLED)
+
+
+def held_lists(namespaces: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[tuple[Element, list]]:
+    """The lists the variables of ``namespaces`` ((prefix, variables) pairs) hold, and those that the objects of a
+    class of their own they hold keep as attributes (a hand-written trainer's ``self.val_outputs``, a metric's
+    ``auroc.preds``): (the name of the list's first element, the list)."""
+    for prefix, space in namespaces:
+        for key, val in list(space.items()):
+            if type(val) is list:
+                lists = [(f"{prefix} {key}", val, None)]
+            elif _own_object(val) and type(getattr(val, "__dict__", None)) is dict:  # named as ``candidates`` does
+                owner = key if _installed(val) else None
+                lists = [(f"{key}.{attr}", held, owner) for attr, held in list(vars(val).items())
+                         if type(held) is list]
+            else:
+                continue
+            for name, held, owner in lists:
+                first = Element(f"{name}[0]")
+                first.list_of, first.filled_by = name, owner
+                yield first, held
 
 
 def _own_object(obj: Any) -> bool:

@@ -754,12 +754,14 @@ class Guard:
             listed = _code(holder.list_of)
             if why not in (_FREED, _AGAIN):
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
+            fixes = [_detach_what_is_added(holder)]
+            if not holder.filled_by:  # (a list of the user's own: not one a library's object keeps and empties)
+                fixes.append(f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses "
+                             f"stacked over several iterations), empty it after each backward (`del {listed}[:]`), "
+                             "and let one step span the iterations that add to it")
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                [_detach_what_is_added(holder),
-                 f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses stacked over "
-                 f"several iterations), empty it after each backward (`del {listed}[:]`), and let one step span the "
-                 "iterations that add to it"], trace_hint=True, holder=holder)
+                fixes, trace_hint=True, holder=holder)
         if kept:
             fixes = ["detach the carried state at the end of each step (`{detached}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
@@ -1267,37 +1269,41 @@ class Guard:
         return out
 
     def growing_lists(self, step: int, namespaces: Iterable[tuple[str, Mapping[str, Any]]], frame=None) -> None:
-        """Warn about a list a loop's variable holds that keeps one more graph every step, outside any loss: its first
-        and last items tensors with graphs, the first the same as when last looked at, with its graph, and the list
-        longer since (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``).
-        Looked at on checked steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
+        """Warn about a list a loop's variable holds, or an object of its own class that it holds keeps
+        (``explain.held_lists``), that keeps one more graph every step, outside any loss: its first and last items
+        tensors with graphs, the first the same as when last looked at, with its graph, and the list longer since
+        (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``). Looked at on
+        checked steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
         if self.is_off("leak"):
             return
-        for prefix, space in namespaces:
-            for key, val in list(space.items()):
-                if type(val) is not list or len(val) < 2 or not all(
-                        issubclass(type(t), torch.Tensor) and t.grad_fn is not None for t in (val[0], val[-1])):
-                    continue
-                name = f"{prefix} {key}"
-                first, length = self._lists.get(name, (None, 0))
-                if first is not None and first() is val[0] and len(val) > length:
-                    holder = explain.Element(f"{name}[0]")
-                    holder.list_of = name
-                    self._warn_growing(step, holder, len(val), frame)
-                self._lists[name] = (weakref.ref(val[0]), len(val))
+        named = set()  # a list two variables reach (`self.outputs`, `trainer.outputs`) is named once, by the nearest
+        for holder, val in explain.held_lists(namespaces):
+            if id(val) in named:
+                continue
+            named.add(id(val))
+            if len(val) < 2 or not all(issubclass(type(t), torch.Tensor) and t.grad_fn is not None
+                                       for t in (val[0], val[-1])):
+                continue
+            first, length = self._lists.get(holder.list_of, (None, 0))
+            if first is not None and first() is val[0] and len(val) > length:
+                self._warn_growing(step, holder, len(val), frame)
+            self._lists[holder.list_of] = (weakref.ref(val[0]), len(val))
 
     def _warn_growing(self, step: int, holder: explain.Element, length: int, frame) -> None:
         key = self.leak_key(holder)
         if key in self._warned:
             return
         self._warned.add(key)
-        listed = _code(holder.list_of)
+        listed, owner = _code(holder.list_of), _code(holder.filled_by)
+        added = f"the tensors the loop hands to `{owner}`" if owner else f"what is added to `{listed}`"
+        detach = (f"detach them where it calls `{owner}`" if owner
+                  else f"detach it where it is added (`{listed}.append(x.detach())`)")
         self._warn(GraphLeakWarning(
             f"the tensors added to `{listed}` keep their autograd graphs ({length} now, more every step; the first "
             f"held by `{holder}`), graphs that no loss uses (an evaluation's outputs, made without torch.no_grad()): "
             "they pile up step after step (their nodes, and the tensors they saved)", step=step, holder=holder,
-            fixes=[f"compute what is added to `{listed}` under torch.no_grad() (`with torch.no_grad(): out = "
-                   f"model(x)`), or detach it where it is added (`{listed}.append(x.detach())`)"]), frame)
+            fixes=[f"compute {added} under torch.no_grad() (`with torch.no_grad(): out = model(x)`), or {detach}"]),
+            frame)
 
     @staticmethod
     def leak_key(holder: str | None) -> str:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import GraphGuard, GraphLeakWarning, InplaceModificationError, Trainer, UnusedGradientWarning
+from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, InplaceModificationError, Trainer, UnusedGradientWarning
 from safeloop.watch import Watch
 from tests.conftest import manual
 
@@ -157,6 +157,46 @@ def test_evaluation_outputs_kept_with_their_graphs_outside_the_step_warn_naming_
         evaluation_loop(None)
 
 
+class EvaluatingTrainer:
+    """A hand-written trainer class: ``fit`` evaluates after each update, outside the step and without
+    ``torch.no_grad()``, and keeps the outputs on ``self`` for a metric at the end (``evaluation_loop``'s list, held
+    by an object of the script's own class). ``no_grad``: the fix."""
+
+    def __init__(self, guard_check: str | None, no_grad: bool = False):
+        torch.manual_seed(0)
+        self.model = nn.Linear(4, 2)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.guard = GraphGuard(self.model, self.opt, check=guard_check) if guard_check else None
+        self.x_val, self.no_grad, self.val_outputs = torch.randn(8, 4), no_grad, []
+
+    def fit(self):
+        guard = self.guard
+        for x, y in DATA:
+            with guard.step() if guard else nullcontext():
+                loss = F.cross_entropy(self.model(x), y)
+                self.opt.zero_grad()
+                guard.backward(loss) if guard else loss.backward()
+                self.opt.step()
+            with torch.no_grad() if self.no_grad else nullcontext():
+                self.val_outputs.append(self.model(self.x_val))
+        return weights(self.model), self.val_outputs
+
+
+def test_evaluation_outputs_kept_on_the_trainers_object_warn_naming_its_list():
+    with pytest.warns(GraphLeakWarning, match=re.escape("the first held by `self.val_outputs[0]`")) as caught:
+        EvaluatingTrainer("always").fit()
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert leak.fixes == ["compute what is added to `self.val_outputs` under torch.no_grad() (`with torch.no_grad(): "
+                          "out = model(x)`), or detach it where it is added (`self.val_outputs.append(x.detach())`)"]
+    trainer = EvaluatingTrainer(None)
+    with Watch(GraphGuard(check="always"), __file__), pytest.warns(GraphLeakWarning, match="`self.val_outputs`"):
+        trainer.fit()
+    with quiet():
+        fixed = EvaluatingTrainer("always", no_grad=True).fit()
+    bare = EvaluatingTrainer(None, no_grad=True).fit()
+    assert all(torch.equal(a, b) for a, b in zip(fixed[0] + fixed[1], bare[0] + bare[1], strict=True))
+
+
 def preds_loop(guard_check: str | None, detach: bool = False):
     """Probabilities kept for an epoch's AUROC as torchmetrics' ``MulticlassAUROC.update`` keeps them: reshaped under
     ``no_grad`` (``preds.transpose(0, 1).reshape(c, -1).T``), a view with no ``grad_fn`` of its own that keeps its
@@ -253,6 +293,19 @@ class Concat(torch.nn.Module):
 
     def update(self, preds):
         self.preds.append(preds)
+
+
+class Bank:
+    """A memory bank of negatives: ``push`` appends what it is handed, ``negatives`` stacks the last four."""
+
+    def __init__(self):
+        self.items = []
+
+    def push(self, x):
+        self.items.append(x)
+
+    def negatives(self):
+        return torch.stack(self.items[-4:])
 '''
 
 
@@ -281,6 +334,84 @@ def test_a_list_an_installed_librarys_object_fills_is_fixed_where_the_loop_hands
     with quiet():
         fixed = metric_loop("always", detach=True)
     assert all(torch.equal(a, b) for a, b in zip(fixed, metric_loop(None, detach=True), strict=True))
+
+
+def evaluated_metric_loop(guard_check: str | None, no_grad: bool = False):
+    """``evaluation_loop`` with the outputs handed to a metric of an installed library (``Concat.update``)."""
+    from metric_lib import Concat  # an installed package's class (see the test)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    x_val, concat = torch.randn(8, 4), Concat()
+    for x, y in DATA:
+        with guard.step() if guard else nullcontext():
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            guard.backward(loss) if guard else loss.backward()
+            opt.step()
+        with torch.no_grad() if no_grad else nullcontext():
+            concat.update(model(x_val).softmax(1))
+    return weights(model) + concat.preds
+
+
+def test_evaluation_outputs_an_installed_metric_keeps_are_fixed_where_the_loop_hands_them(tmp_path, monkeypatch):
+    from safeloop.guard import explain
+
+    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
+    with pytest.warns(GraphLeakWarning, match=re.escape("the first held by `concat.preds[0]`")) as caught:
+        evaluated_metric_loop("always")
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert leak.fixes == ["compute the tensors the loop hands to `concat` under torch.no_grad() (`with "
+                          "torch.no_grad(): out = model(x)`), or detach them where it calls `concat`"]
+    with quiet():
+        fixed = evaluated_metric_loop("always", no_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, evaluated_metric_loop(None, no_grad=True), strict=True))
+
+
+def bank_loop(guard_check: str | None, detach: bool = False):
+    """Each step's features pushed to an installed library's memory bank (``Bank.push``), the next steps' loss pushing
+    them away from the bank's; ``detach``: the fix, ``feats.detach()`` pushed."""
+    from metric_lib import Bank  # an installed package's class (see the test)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
+    bank = Bank()
+    bank.push(torch.zeros(8, 3))
+    for x, _ in DATA:
+        feats = model(x)
+        loss = (feats * bank.negatives().mean(0)).sum(1).mean() + feats.pow(2).mean()
+        opt.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        opt.step()
+        bank.push(feats.detach() if detach else feats)
+    return weights(model)
+
+
+def test_a_graph_an_installed_librarys_bank_keeps_for_the_next_loss_is_fixed_where_the_loop_hands_it(tmp_path,
+                                                                                                  monkeypatch):
+    """The bank's list is the library's: the one fix is at the loop's ``bank.push(...)``, not an emptying of
+    ``bank.items`` (the user's own list's second fix), which the library's code owns."""
+    from safeloop.guard import explain
+
+    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        bank_loop(None)
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `bank.items[1]`")) as caught:
+        bank_loop("always")
+    assert caught.value.fixes[:-1] == ["detach the tensors the loop hands to `bank` where it calls it (`.detach()` on "
+                                       "each tensor argument): `bank`'s own code adds them to `bank.items`, graphs "
+                                       "and all"]  # then trace=True's hint
+    with quiet():
+        fixed = bank_loop("always", detach=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, bank_loop(None, detach=True), strict=True))
 
 
 # -- backward(create_graph=True): a .grad with a graph ---------------------------------------------------------------
