@@ -324,7 +324,7 @@ class Guard:
         """
         for name, loss in losses.items():
             if loss.grad_fn is None and not (summed and any(x.grad_fn is not None for x in losses.values())) \
-                    and not _placeholder(loss):
+                    and not _hooked(loss) and not _placeholder(loss):
                 raise self.no_graph(name, loss, step, scope, batch,
                                     among=any(x.grad_fn is not None for x in losses.values()))
         if walk.HAS_SEQ:
@@ -1378,6 +1378,13 @@ def _placeholder(loss: torch.Tensor) -> bool:
     has nothing to learn from (an empty mask, no valid pair). Its backward changes nothing, as in a plain loop.
     Read only for a loss without a graph (one host sync, on that path alone)."""
     return loss.requires_grad and loss.numel() == 1 and not loss.is_inference() and float(loss.detach()) == 0.0
+
+
+def _hooked(loss: torch.Tensor) -> bool:
+    """A leaf whose backward runs hooks registered on it (``loss.register_hook``): GradCache's loss
+    (sentence-transformers' ``Cached*`` losses return ``loss.detach().requires_grad_()`` with a hook that embeds the
+    batch again and back-propagates the gradients cached for the embeddings), whose graph is made in its backward."""
+    return loss.requires_grad and bool(loss._backward_hooks)
 
 
 def _check_names(names) -> frozenset:

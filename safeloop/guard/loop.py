@@ -343,7 +343,7 @@ class GraphGuard:
         over one trunk, each ``backward(retain_graph=True)`` from one line; a second-order adaptation's next inner
         loss), not the loop come round, whose new graph is made after."""
         start, end = self.guard.start_seq, self.guard.next_start
-        if self._kept is False or not (walk.HAS_SEQ and start is not None and end is not None):
+        if not (walk.HAS_SEQ and start is not None and end is not None) or self._kept is False and not self._expected:
             return False
 
         def older(node) -> bool:  # a leaf, or made before the step: not the step's own
@@ -355,6 +355,14 @@ class GraphGuard:
         if self._kept is None:  # the backward after ``check`` was someone else's: did it keep the graph?
             saver = next((node for node in reached if walk.holds_tensors(node)), None)
             return saver is not None and not walk.is_freed(walk.unpack_error(saver, first=True))
+        if self._kept is False:
+            # An optimizer the loop will step has not stepped yet, and the last backward freed nothing this loss
+            # reaches: the same iteration's loss, in chunks back-propagated one by one over a graph that saves
+            # nothing (sentence-transformers' CachedMultipleNegativesRankingLoss: each chunk's scores against one
+            # torch.cat of all the embeddings). A state carried with a graph that saves nothing is seen once the
+            # optimizer steps; one whose saved tensors that backward freed is the carried graph it was.
+            saver = next((node for node in reached if walk.holds_tensors(node)), None)
+            return bool(reached) and (saver is None or not walk.is_freed(walk.unpack_error(saver, first=True)))
         return bool(reached)
 
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool | None) -> None:

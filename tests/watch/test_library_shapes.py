@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import GraphGuard, GraphReuseError, GraphSharingWarning, InplaceModificationError, NoGraphError
+from safeloop import (GraphGuard, GraphReuseError, GraphSharingWarning, InplaceModificationError, NoGraphError,
+                      UnusedGradientWarning)
 from safeloop.watch import Watch
+from tests.watch.gradcache_like import grad_cache
 
 
 class Jitter(nn.Module):
@@ -201,3 +203,52 @@ def test_a_graph_kept_in_the_pairs_of_a_list_before_the_loop_is_stopped_at_the_f
     with Watch(GraphGuard(check="always"), __file__), \
             pytest.raises(GraphReuseError, match=r"step 1, .*held by `local augmented\[0\]\[0\]`"):
         augmented_once_loop()
+
+
+def grad_cache_loop(guard=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(8, 6)
+        with guard.step() if guard is not None else warnings.catch_warnings():
+            optimizer.zero_grad()
+            loss = grad_cache(model, x, x + 0.1 * torch.randn(8, 6))
+            guard.backward(loss) if guard is not None else loss.backward()
+            optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+def test_a_grad_cache_leaf_loss_with_a_hook_is_no_loss_without_a_graph(check):
+    """The leaf loss whose hook back-propagates into the model trains it: quiet and bit for bit with a GraphGuard (it
+    was a NoGraphError: 'a leaf tensor made with requires_grad=True')."""
+    ref = grad_cache_loop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = grad_cache_loop(GraphGuard(check=check))
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+def test_a_loss_back_propagated_in_chunks_before_the_first_update_is_one_step_under_watch(check):
+    """Under watch, the chunks' backwards from one line before the optimizer's first step are one iteration's (each
+    chunk reaches the ``torch.cat`` the last one's backward ran, which saves nothing): quiet and bit for bit (they were
+    taken for loop iterations: a CarriedGraphError at the fourth, naming the cat as grown every step). The unused
+    check is off: the chunks reach only the embeddings, whose gradients the hook hands on (see the next test)."""
+    ref = grad_cache_loop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Watch(GraphGuard(check=check, ignore=["unused"]), __file__):
+            ours = grad_cache_loop()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.xfail(strict=True, raises=UnusedGradientWarning, reason="under watch a chunk's loss reaches only the "
+                   "embeddings made under no_grad as leaves, whose gradients the hook hands on by hand: the unused "
+                   "check cannot tell them from fast weights that no optimizer holds (as DARTS' unrolled copy)")
+def test_a_loss_back_propagated_in_chunks_into_cached_embeddings_is_quiet_under_watch():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Watch(GraphGuard(check="always"), __file__):
+            grad_cache_loop()
