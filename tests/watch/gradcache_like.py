@@ -1,6 +1,6 @@
 """A stand-in for sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache,
-``base/losses/gradcache.py``) in plain torch, outside the script under watch as the library's loss is: its backwards are called from a library's
-line, the script's line calling the loss is where watch places them."""
+``base/losses/gradcache.py``) in plain torch, outside the script under watch as the library's loss is: its backwards
+are called from a library's line, and watch places them at the script's line that calls the loss."""
 import torch
 from torch import nn
 
