@@ -293,22 +293,33 @@ def candidates(scope: Scope | None = None, batch: Any = None,
 
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
-                loss: torch.Tensor | None = None) -> str | None:
+                loss: torch.Tensor | None = None, new_loss: bool = False) -> str | None:
     """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the nearest, then the
     first of the shape ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the
-    `out` of ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the
-    step) does not count. Deeper inside the objects the variables hold (``candidates``' ``deep``: a torch.distributions
-    object built before the loop), one made by ``node`` counts in the order searched, one reaching it only if no
-    nearer name does; the fix builds that object again."""
-    near, deep = [], []
+    `out` of ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in
+    the step) does not count, nor, with ``new_loss``, any variable holding it. Deeper inside the objects the
+    variables hold (``candidates``' ``deep``: a torch.distributions object built before the loop), one made by
+    ``node`` counts in the order searched, one reaching it only if no nearer name does; the fix builds that object
+    again. A dict's entry made by ``node`` gives way to a variable holding the same tensor."""
+    near, deep, entry = [], [], None
     for name, tensor in candidates(scope, batch, deep=True):
-        fn = tensor.grad_fn
-        if fn is None or (tensor is loss and name.startswith("local ")):
+        if entry is not None:  # a variable holding the very tensor a dict's entry holds is what the code reads
+            if tensor is entry[1] and re.fullmatch(r"(local|global) \w+", name):
+                return name
             continue
-        if fn is node:
+        fn = tensor.grad_fn
+        if fn is None or (tensor is loss and (new_loss or name.startswith("local "))):
+            continue
+        if fn is node and type(name) is str and name.endswith("]"):
+            # SentenceTransformer's forward stores its output in the dict of features it is handed:
+            # `emb = model(features)['sentence_embedding']` leaves it in `features` too
+            entry = name, tensor
+        elif fn is node:
             return name
         if reachable(fn, node, limit=2_000):
             (deep if isinstance(name, Inside) else near).append((name, tensor))
+    if entry is not None:
+        return entry[0]
     near = near or deep
     if near:
         # a tensor made from another that reaches ``node`` holds it through that one: ``pred`` of this step, made

@@ -887,13 +887,16 @@ class Guard:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
         type). Backward through it works every step, but its value does not follow the parameters. (Built
         from inputs that require grad, it is a fixed input the program differentiates against; a view of a trained
-        parameter, such as a tied decoder's ``encoder.weight.t()``, shares its memory and follows it: no verdict.)"""
+        parameter, such as a tied decoder's ``encoder.weight.t()``, shares its memory and follows it; not kept (see
+        ``_kept``), it may be another thread's: no verdict.)"""
         trained = _trained(leaves, case.scope)
         key = f"share:{type(node).__name__}"
         if not trained or key in self._warned or explain.view_of(node, trained, case.scope, case.batch):
             return
+        kept, holder = self._kept(node, case)
+        if not kept:
+            return
         self._warned.add(key)
-        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False)
         code = _code(holder)
         self._warn(GraphSharingWarning(
             f"the loss reaches {type(node).__name__}, built before training started from the trained "
@@ -911,12 +914,15 @@ class Guard:
         ``torch.jit.fork``) can carry any number. One that no earlier step reached and that no
         tensor outside the step holds is taken for such a node; a later step reaching it again
         shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
-        holding ``loss``: the garbage collector also finds tensors of this step that are about to die.)
+        holding ``loss``: the garbage collector also finds tensors of this step that are about to die; nor any
+        variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs.)
         ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
         found by ``_check_ran``): it outlived that backward, whether anything but the loss holds it or not (a
         value kept on ``self`` and replaced by this step's before the backward: HF's ``compute_loss``).
         """
-        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss)
+        new = case.loss.grad_fn is not None and self.start_seq is not None and walk.HAS_SEQ \
+            and sequence_nr(case.loss.grad_fn) >= self.start_seq
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new)
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         if first and holder is None and not freed:
             return False, None

@@ -157,6 +157,77 @@ def test_part_of_the_forward_in_another_thread_is_the_steps_own(run_in, check):
     assert_same(run(Threads, encoder_head(), data, check), ref)
 
 
+def ensemble_in_a_pool(guard=None):
+    """A plain loop running an ensemble's members in a thread pool, their outputs kept in a variable of the loop
+    (``outs = list(pool.map(...))``); the bare run's weights, or the guard's error."""
+    torch.manual_seed(0)
+    members = [torch.nn.Linear(4, 1) for _ in range(3)]
+    opt = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
+    with ThreadPoolExecutor(2) as pool:
+        for x in batches(4, (8, 4)):
+            outs = list(pool.map(lambda m: m(x), members))
+            loss = sum(o.pow(2).mean() for o in outs)
+            opt.zero_grad()
+            guard.backward(loss) if guard is not None else loss.backward()
+            opt.step()
+    return [p.detach().clone() for m in members for p in m.parameters()]
+
+
+@pytest.mark.xfail(strict=True, raises=(CarriedGraphError, GraphReuseError, Warning),
+                   reason="in a plain loop the node numbers of the pool's threads are taken for a graph built before "
+                          "the step, held by `outs`, a variable of the loop: a GraphSharingWarning or GraphReuseError "
+                          "at step 1, or a CarriedGraphError at step 2, as the threads' numbers fall (docs/guard.md, "
+                          "Threads)")
+def test_an_ensemble_run_in_a_thread_pool_in_a_plain_loop_trains_as_without_the_guard():
+    from safeloop import GraphGuard
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guarded = ensemble_in_a_pool(GraphGuard(check="always"))
+    assert all(torch.equal(a, b) for a, b in zip(guarded, ensemble_in_a_pool(), strict=True))
+
+
+POOL_SCRIPT = """
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+torch.manual_seed(0)
+members = [torch.nn.Linear(4, 1) for _ in range(3)]
+opt = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
+with ThreadPoolExecutor(2) as pool:
+    for x in torch.randn(4, 8, 4):
+        loss = sum(pool.map(lambda m: m(x).pow(2).mean(), members))
+        opt.zero_grad()
+        guard.backward(loss) if guard is not None else loss.backward()
+        opt.step()
+"""
+
+
+def test_a_loss_summed_from_a_thread_pools_outputs_in_a_script_trains_as_without_the_guard(tmp_path):
+    """A script's loop holds only the loss, made in the loop's thread from the pool's outputs: the pool's nodes,
+    numbered by their threads, are the step's own (the script's `loss` is a global, which counts no more than a
+    function's local)."""
+    from safeloop import GraphGuard
+    from safeloop.watch import Watch
+
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+
+    def run_script(guard=None):
+        space = {"__name__": "__main__", "guard": guard}
+        exec(compile(POOL_SCRIPT, str(script), "exec"), space)
+        return [p.detach().clone() for m in space["members"] for p in m.parameters()]
+
+    bare = run_script()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for check in CHECKS:
+            assert all(torch.equal(a, b) for a, b in zip(run_script(GraphGuard(check=check)), bare, strict=True))
+            with Watch(GraphGuard(check=check), str(script)):
+                assert all(torch.equal(a, b) for a, b in zip(run_script(), bare, strict=True))
+
+
 SHARED = {}
 
 

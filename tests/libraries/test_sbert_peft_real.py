@@ -237,10 +237,9 @@ def test_st_anchor_embeddings_built_before_the_loop_are_stopped_at_step_one():
 
 
 @needs_st
-@pytest.mark.xfail(strict=True, reason="SentenceTransformer's forward stores its outputs in the features dict it is "
-                   "given: the error names `anchors['sentence_embedding']` (the same tensor) and advises storing that "
-                   "entry detached, which leaves `anchor_emb`, the variable the loss reads, with its graph")
 def test_st_anchor_embeddings_are_named_by_the_variable_the_loss_reads():
+    """SentenceTransformer's forward also leaves the embedding in the features dict it is handed: the error names
+    `anchor_emb`, the variable the loss reads, not `anchors['sentence_embedding']`."""
     built = seeded(st_build())
     with pytest.raises(GraphReuseError, match=r"held by `(local )?anchor_emb`"):
         anchor_loop(*built, guard=GraphGuard(built[0], check="always"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import (GraphGuard, GraphReuseError, GraphSharingWarning, InplaceModificationError, NoGraphError,
-                      UnusedGradientWarning)
+from safeloop import (CarriedGraphError, GraphGuard, GraphReuseError, GraphSharingWarning, InplaceModificationError,
+                      NoGraphError, UnusedGradientWarning)
 from safeloop.watch import Watch
 from tests.watch.gradcache_like import grad_cache
 
@@ -252,3 +252,42 @@ def test_a_loss_back_propagated_in_chunks_into_cached_embeddings_is_quiet_under_
         warnings.simplefilter("error")
         with Watch(GraphGuard(check="always"), __file__):
             grad_cache_loop()
+
+
+class FeatureEmbedder(nn.Module):
+    """SentenceTransformer's way: ``forward`` stores its output in the dict of features it is handed, and returns it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, features):
+        features["embedding"] = self.lin(features["x"])
+        return features
+
+
+def anchored_loop(check=None):
+    """A fixed anchor set embedded once before the loop, with its graph, and scored against every step's batch."""
+    torch.manual_seed(0)
+    model = FeatureEmbedder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, optimizer, check=check) if check is not None else None
+    anchors = {"x": torch.randn(4, 3)}
+    anchor_emb = model(anchors)["embedding"]
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = (model({"x": torch.randn(4, 3)})["embedding"] @ anchor_emb.T).mean()
+        guard.backward(loss) if guard is not None else loss.backward()
+        optimizer.step()
+
+
+def test_embeddings_a_forward_also_left_in_its_features_dict_are_named_by_the_variable_the_loss_reads():
+    """``anchor_emb``, not ``anchors['embedding']`` (the same tensor): storing that entry detached would leave the
+    variable the loss reads with its graph."""
+    # (the guard is made before the anchors: its first step starts there, so they are taken for that step's and
+    # stopped at step 2, when the first backward has freed them)
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*held by `local anchor_emb`"):
+        anchored_loop("always")
+    with Watch(GraphGuard(check="always"), __file__), \
+            pytest.raises(GraphReuseError, match=r"step 1, .*held by `local anchor_emb`"):
+        anchored_loop()
