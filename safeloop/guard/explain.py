@@ -88,6 +88,17 @@ class Inside(str):
     owner: str
 
 
+def key_text(key: Any) -> str:
+    """A mapping's key as a holder's name writes it: its repr, but a tensor as its shape (a cache keyed by the step's
+    tensors, DeepXDE's ``dde.grad`` Jacobians keyed by (output, input)): its values would fill the message, and
+    differ from step to step, so that the same holder would look new every step (see ``Guard.leak_key``)."""
+    if issubclass(type(key), torch.Tensor):
+        return f"<tensor of shape {list(key.shape)}>"
+    if type(key) is tuple:
+        return "(" + ", ".join(key_text(k) for k in key) + ("," if len(key) == 1 else "") + ")"
+    return repr(key)
+
+
 def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items."""
     if isinstance(obj, torch.Tensor):
@@ -96,7 +107,7 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
         return
     elif isinstance(obj, Mapping):
         for key, val in list(obj.items()):
-            yield from _items(val, f"{prefix}[{key!r}]", depth - 1)
+            yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)
     elif isinstance(obj, (list, tuple)):
         for i, val in enumerate(obj):
             if type(obj) is tuple and isinstance(val, torch.Tensor):
@@ -239,7 +250,7 @@ def _nested(obj: Any, prefix: str, depth: int, budget: list[int],
     if depth <= 0 or budget[0] <= 0 or id(obj) in seen:
         return
     if kind is dict:  # (the first 64 items: a data set kept as a list is no holder's place)
-        pairs = [(f"{prefix}[{key!r}]", val) for key, val in list(islice(obj.items(), 64))]
+        pairs = [(f"{prefix}[{key_text(key)}]", val) for key, val in list(islice(obj.items(), 64))]
     elif kind in (list, tuple):
         pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj[:64])]
     elif _nested_object(obj):

@@ -1340,6 +1340,11 @@ class Guard:
                      "`p.grad = None` for each parameter) instead of `p.grad.zero_()` or `p.grad.data.zero_()`",
                      "if the second-order graph serves a penalty or a Hessian product, take the gradients with "
                      "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
+        elif holder and (cache := re.match(r"(.*?)\[\(?<tensor of shape ", holder)):
+            # a mapping keyed by each step's tensors (a cache of derivatives: DeepXDE's `dde.grad`) gets a new entry
+            detail += f", one more entry in `{cache[1]}` every step (it is keyed by the tensors of each step)"
+            fixes = [f"clear `{cache[1]}` at the end of each step (`{cache[1]}.clear()`), or key it by something that "
+                     "stays the same from step to step"]
         else:
             detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
         self._warn(GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes), frame)

@@ -437,6 +437,57 @@ def create_graph_loop(guard_check: str | None, zero: str):
     return weights(model)
 
 
+class Jacobians:
+    """A cache of derivatives keyed by (output, input), as DeepXDE's ``dde.grad`` keeps them until ``clear()``."""
+
+    def __init__(self):
+        self.Js = {}
+
+    def __call__(self, ys, xs):
+        key = (ys, xs)
+        if key not in self.Js:
+            self.Js[key] = torch.autograd.grad(ys, xs, torch.ones_like(ys), create_graph=True)[0]
+        return self.Js[key]
+
+
+def derivative_cache_loop(guard=None, clear=False, steps=6):
+    """A physics-informed loss ``(u_x - cos x)^2`` through the cache, never cleared (the mistake: each step's ``u``
+    and ``u_x`` stay in it with their graphs), or cleared at the end of each step (``clear``, the fix)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.linspace(-1, 1, 16).reshape(-1, 1).requires_grad_()
+    jacobian = Jacobians()
+    for _ in range(steps):
+        with guard.step() if guard else nullcontext():
+            optimizer.zero_grad()
+            u = net(x)
+            loss = (jacobian(u, x) - torch.cos(x)).pow(2).mean()
+            guard.backward(loss) if guard else loss.backward()
+            optimizer.step()
+            if clear:
+                jacobian.Js.clear()
+    return weights(net)
+
+
+def test_a_cache_keyed_by_each_steps_tensors_is_named_by_their_shapes_and_cleared():
+    """The holder's name shows a tensor key by its shape, not its values (which differ every step, so that the
+    holder looked new every step and the pile was never reported), and the fix clears the cache; cleared, the loop
+    is quiet and trains as without the guard. Under ``watch`` the cache is named from its own method (``self.Js``)."""
+    pattern = r"held by `(jacobian|self)\.Js\[\(<tensor of shape \[16, 1\]>, <tensor of shape \[16, 1\]>\)\]`.*" \
+              r"To fix: clear `(jacobian|self)\.Js` at the end of each step \(`\1\.Js\.clear\(\)`\)"
+    with pytest.warns(GraphLeakWarning, match=pattern):
+        derivative_cache_loop(GraphGuard(check="always"))
+    with Watch(GraphGuard(check="always"), __file__), pytest.warns(GraphLeakWarning, match=pattern):
+        derivative_cache_loop()
+    bare = derivative_cache_loop(clear=True)
+    with quiet():
+        guarded = derivative_cache_loop(GraphGuard(check="always"), clear=True)
+        with Watch(GraphGuard(check="always"), __file__):
+            watched = derivative_cache_loop(clear=True)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(bare, guarded, watched))
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 def test_a_grad_that_keeps_its_graph_across_steps_is_named_and_zero_grad_set_to_none_fixes_it():
     with pytest.warns(GraphLeakWarning, match=re.escape("held by `model.0.weight.grad`")) as caught:
