@@ -39,7 +39,6 @@ import contextlib
 import functools
 import math
 import os
-import re
 import warnings
 from copy import deepcopy
 
@@ -590,3 +589,129 @@ def test_deepxde_grad_cache_in_a_hand_loop_is_warned_and_clearing_it_trains():
         dde.grad.clear()
     three_runs(pinn_build, lambda *a, guard=None: dde_grad_loop(*a, guard=guard, clear=True), "always",
                guard_for=pinn_guard)
+
+
+# == neuraloperator ==================================================================================================
+class Fields(torch.utils.data.Dataset):
+    """Random 1-D fields ``x`` and their running integrals ``y``, as the dicts neuralop's ``Trainer`` expects."""
+
+    def __init__(self, n, res=32, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 1, res, generator=gen)
+        self.y = torch.cumsum(self.x, -1) / res
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def fno_build():
+    model = FNO(n_modes=(8,), hidden_channels=8, in_channels=1, out_channels=1, n_layers=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-4)
+    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+
+
+if neuralop is not None:
+    class GuardedTrainer(neuralop.Trainer):
+        """neuralop's ``Trainer`` with ``guard.check(loss)`` on the loss ``train_one_batch`` returns, before
+        ``train_one_epoch``'s ``loss.backward()``."""
+
+        def __init__(self, *args, guard=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.guard = guard
+
+        def train_one_batch(self, idx, sample, training_loss):
+            loss = super().train_one_batch(idx, sample, training_loss)
+            if self.guard is not None:
+                self.guard.check(loss)
+            return loss
+
+
+def neuralop_train(model, optimizer, scheduler, guard=None):
+    """``Trainer(model=model, n_epochs=3).train(train_loader, test_loaders, optimizer, scheduler,
+    training_loss=H1Loss, eval_losses={"h1": ..., "l2": LpLoss})`` (neuralop's examples/plot_FNO_darcy.py)."""
+    trainer = GuardedTrainer(model=model, n_epochs=3, device="cpu", guard=guard)
+    train_loader = torch.utils.data.DataLoader(Fields(16), batch_size=4, shuffle=True)
+    test_loaders = {"32": torch.utils.data.DataLoader(Fields(8, seed=1), batch_size=4)}
+    h1, l2 = H1Loss(d=1), LpLoss(d=1, p=2)
+    metrics = trainer.train(train_loader, test_loaders, optimizer, scheduler, training_loss=h1,
+                            eval_losses={"h1": h1, "l2": l2})
+    metrics.pop("epoch_train_time")  # wall time
+    return {"model": model, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "metrics": metrics}
+
+
+@needs_neuralop
+@pytest.mark.parametrize("check", checks())
+def test_neuralop_trainer_fno(check):
+    """neuralop's ``Trainer`` on an FNO (complex spectral weights), AdamW and a cosine schedule stepped each epoch,
+    an evaluation under ``no_grad`` each epoch; with ``GraphGuard(model, optimizer)`` in the subclass: bit for bit
+    alike, quiet."""
+    ref = three_runs(fno_build, neuralop_train, check,
+                     guard_for=lambda check, model, optimizer, _: GraphGuard(model, optimizer, check=check))
+    assert math.isfinite(ref["metrics"]["train_err"]) and set(ref["metrics"]) >= {"32_h1", "32_l2"}
+
+
+def fno_batches():
+    gen = torch.Generator().manual_seed(3)
+    return list(torch.utils.data.DataLoader(Fields(16), batch_size=4, shuffle=True, generator=gen)) * 2
+
+
+def fno_loop(model, optimizer, scheduler, guard=None):
+    """The FNO by hand with ``LpLoss`` (neuralop's losses sum over the batch)."""
+    loss_fn = LpLoss(d=1, p=2)
+    losses = []
+    for batch in fno_batches():
+        with stepped(guard):
+            optimizer.zero_grad()
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            backward(guard, loss)
+            optimizer.step()
+            losses.append(loss.item())
+    return {"model": model, "optimizer": optimizer.state_dict(), "losses": losses}
+
+
+@needs_neuralop
+@pytest.mark.parametrize("check", checks())
+def test_neuralop_fno_by_hand(check):
+    """The FNO by hand, ``LpLoss``, ``with guard.step()`` and ``GraphGuard(model)``: bit for bit alike, quiet."""
+    ref = three_runs(fno_build, fno_loop, check,
+                     guard_for=lambda check, model, *_: GraphGuard(model, check=check))
+    assert all(math.isfinite(v) for v in ref["losses"])
+
+
+class FNOTrainer(Trainer):
+    """The hand loop as ``training_step``; AdamW from ``configure_optimizers``."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=1e-4)
+
+    def on_fit_start(self):
+        self.losses, self.loss_fn = [], LpLoss(d=1, p=2)
+
+    def training_step(self, batch):
+        return self.loss_fn(self.model(batch["x"]), batch["y"])
+
+    def on_step_end(self, losses):
+        self.losses.append(losses["loss"].item())
+
+
+@needs_neuralop
+@pytest.mark.parametrize("check", checks())
+def test_neuralop_fno_as_a_trainer(check):
+    """The hand loop ported: ``training_step`` returns ``LpLoss`` of the FNO's output; the same as the hand loop."""
+    with warnings.catch_warnings(record=True) as own:
+        warnings.simplefilter("always")
+        ref = fno_loop(*seeded(fno_build))
+    model = seeded(fno_build)[0]
+    batches = fno_batches()
+    with strict(own):
+        trainer = FNOTrainer(model=model, train_data=batches, max_steps=len(batches), device="cpu", progress=False,
+                             loggers=(), guard={"check": check})
+        trainer.fit()
+    same(model, ref["model"])
+    # (the hand loop's optimizer also carries the unused scheduler's `initial_lr`)
+    same(trainer.optimizers["optimizer"].state_dict()["state"], ref["optimizer"]["state"])
+    same(trainer.losses, ref["losses"])
