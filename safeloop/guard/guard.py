@@ -872,11 +872,12 @@ class Guard:
                         f"`torch.no_grad()`{into}"]
         else:
             constant = [f"if it is meant as a constant{into}, build it under `torch.no_grad()`"]
-        if isinstance(holder, explain.Inside):
+        if isinstance(holder, explain.Inside) and _code(holder.owner) != "self":
             return [f"build `{{code}}` inside {self.words.place} (it holds the graph in `{holder}`, made when it is "
                     "built), so every step builds its own graph"] + constant
-        if _code(holder) is None:
-            return [f"compute the tensor inside {self.words.place}, with the object that keeps it (a "
+        if _code(holder) is None or isinstance(holder, explain.Inside):  # (inside `self`: the code calling the guard)
+            tensor = f"`{holder.split(' ', 1)[-1]}`" if isinstance(holder, explain.Inside) else "the tensor"
+            return [f"compute {tensor} inside {self.words.place}, with the object that keeps it (a "
                     "torch.distributions object built from the model's output, a cache), so every step builds its own "
                     "graph"] + constant
         return [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
@@ -1342,8 +1343,9 @@ class Guard:
                      "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
         elif holder and (cache := re.match(r"(.*?)\[\(?<tensor of shape ", holder)):
             # a mapping keyed by each step's tensors (a cache of derivatives: DeepXDE's `dde.grad`) gets a new entry
-            detail += f", one more entry in `{cache[1]}` every step (it is keyed by the tensors of each step)"
-            fixes = [f"clear `{cache[1]}` at the end of each step (`{cache[1]}.clear()`), or key it by something that "
+            cached = _code(cache[1])
+            detail += f", one more entry in `{cached}` every step (it is keyed by the tensors of each step)"
+            fixes = [f"clear `{cached}` at the end of each step (`{cached}.clear()`), or key it by something that "
                      "stays the same from step to step"]
         else:
             detail += ". Store loss.item() or loss.detach() instead of the loss tensor"

@@ -127,6 +127,31 @@ def test_a_graph_three_levels_inside_an_object_of_the_scripts_class_is_named_at_
                 opt.zero_grad()
 
 
+class Fitter:
+    """A trainer class whose method runs the steps (DeepXDE's callback opening them), the graph three levels inside
+    ``self``: ``self.flow.parts[0].inner.value``."""
+
+    def __init__(self):
+        self.model, self.opt, c, self.x = setup()
+        self.flow = Flow(self.model(c))
+        self.guard = GraphGuard(self.model, self.opt, check="always")
+
+    def fit(self):
+        for _ in range(3):
+            with self.guard.step():
+                loss = (self.flow.parts[0].inner.value * self.x).mean()
+                self.guard.backward(loss)
+                self.opt.step()
+                self.opt.zero_grad()
+
+
+def test_a_graph_inside_the_object_running_the_steps_is_computed_in_the_loop_not_self_built_again():
+    with pytest.raises(GraphReuseError, match=re.escape("held by `self.flow.parts[0].inner.value`")) as caught:
+        Fitter().fit()
+    assert caught.value.fixes[0].startswith("compute `self.flow.parts[0].inner.value` inside the loop, with the "
+                                            "object that keeps it")
+
+
 def holding(value):
     return lambda: value  # a closure: no variable the guard searches holds `value`
 

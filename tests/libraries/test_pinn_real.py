@@ -263,15 +263,14 @@ def test_deepxde_boundary_target_from_the_model_is_stopped_at_the_first_step():
 
 
 @needs_dde
-@pytest.mark.xfail(strict=True, reason="the callback's GraphGuard opens its steps in `GuardSteps.on_batch_begin`, "
-                   "whose `self` (the callback, which DeepXDE's `set_model` gave `self.model`) is the only name "
-                   "reaching the target; the holder is taken for a tensor deep inside an object that variable holds, "
-                   "so the first fix says to 'build `self` inside the loop', the callback, which built nothing")
 def test_deepxde_boundary_target_first_fix_does_not_rebuild_the_callback():
+    """The holder is inside the callback's `self` (the object whose method runs the guard's steps): the fix is to
+    compute the tensor in the loop, not to build `self` again."""
     net, data = seeded(pointset_build)
     with pytest.raises(GraphReuseError) as caught:
         dde_train(net, data, guard=GraphGuard(check="always"), iterations=3)
     assert "build `self` inside the loop" not in str(caught.value)
+    assert "To fix: compute `self.model.data.bcs[0].values` inside the loop" in str(caught.value)
 
 
 # == a PINN by hand ==================================================================================================
