@@ -405,12 +405,10 @@ def test_loss_terms_back_propagated_one_by_one_are_stopped_naming_the_shared_gra
         ppo_run("always", split=True)
 
 
-@pytest.mark.xfail(strict=True, raises=CarriedGraphError, reason="under watch, before any optimizer has stepped, "
-                   "a backward on a new loss at the call site of the step's first backward starts a new step (the "
-                   "loop is taken to have come round: gradient accumulation): the second term's backward is a "
-                   "CarriedGraphError at step 2 advising to detach `loss_vals._tensordict['loss_entropy']` (which "
-                   "would leave that loss without a graph), not the DoubleBackwardError advising retain_graph=True")
 def test_loss_terms_back_propagated_one_by_one_are_stopped_as_a_double_backward_under_watch():
+    """Before any optimizer has stepped, the second term's backward from the first's line is the same step's (its
+    graph shares the first's, which that backward freed): a ``DoubleBackwardError`` advising retain_graph=True, as
+    with a ``GraphGuard``."""
     with pytest.raises(DoubleBackwardError, match=r"retain_graph=True"):
         ppo_run("watch", split=True)
 
