@@ -309,6 +309,16 @@ class Bank:
 '''
 
 
+@pytest.fixture
+def metric_lib(tmp_path, monkeypatch):
+    """``LIBRARY_METRIC`` importable as ``metric_lib``, from where this machine's pip would have put it."""
+    from safeloop.guard import explain
+
+    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))
+
+
 def metric_loop(guard_check: str | None, detach: bool = False):
     from metric_lib import Concat  # an installed package's class (see the test)
 
@@ -318,14 +328,9 @@ def metric_loop(guard_check: str | None, detach: bool = False):
     return trained + concat.preds
 
 
-def test_a_list_an_installed_librarys_object_fills_is_fixed_where_the_loop_hands_it_the_tensors(tmp_path, monkeypatch):
+def test_a_list_an_installed_librarys_object_fills_is_fixed_where_the_loop_hands_it_the_tensors(metric_lib):
     """torchmetrics' ``auroc.update(probs, y)`` appends ``probs`` to ``auroc.preds``: the user writes no append, so the
     fix detaches what the loop hands the metric."""
-    from safeloop.guard import explain
-
-    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
     with pytest.warns(GraphLeakWarning, match=re.escape("held by `concat.preds[0]`")) as caught:
         metric_loop("always")
     leak, = [w.message for w in caught if w.category is GraphLeakWarning]
@@ -356,12 +361,7 @@ def evaluated_metric_loop(guard_check: str | None, no_grad: bool = False):
     return weights(model) + concat.preds
 
 
-def test_evaluation_outputs_an_installed_metric_keeps_are_fixed_where_the_loop_hands_them(tmp_path, monkeypatch):
-    from safeloop.guard import explain
-
-    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
+def test_evaluation_outputs_an_installed_metric_keeps_are_fixed_where_the_loop_hands_them(metric_lib):
     with pytest.warns(GraphLeakWarning, match=re.escape("the first held by `concat.preds[0]`")) as caught:
         evaluated_metric_loop("always")
     leak, = [w.message for w in caught if w.category is GraphLeakWarning]
@@ -393,15 +393,9 @@ def bank_loop(guard_check: str | None, detach: bool = False):
     return weights(model)
 
 
-def test_a_graph_an_installed_librarys_bank_keeps_for_the_next_loss_is_fixed_where_the_loop_hands_it(tmp_path,
-                                                                                                  monkeypatch):
+def test_a_graph_an_installed_librarys_bank_keeps_for_the_next_loss_is_fixed_where_the_loop_hands_it(metric_lib):
     """The bank's list is the library's: the one fix is at the loop's ``bank.push(...)``, not an emptying of
     ``bank.items`` (the user's own list's second fix), which the library's code owns."""
-    from safeloop.guard import explain
-
-    (tmp_path / "metric_lib.py").write_text(LIBRARY_METRIC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(explain, "_INSTALLED", (str(tmp_path),))  # where this machine's pip would have put it
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         bank_loop(None)
     with pytest.raises(CarriedGraphError, match=re.escape("held by `bank.items[1]`")) as caught:

@@ -7,6 +7,7 @@ from copy import deepcopy
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from safeloop import GraphGuard
 from safeloop.watch import Watch
@@ -88,3 +89,17 @@ def three_runs(build, train, check, *, guarded=True, guard_for=None, seed=torch.
 def stepped(guard):
     """``guard.step()``, or nothing without a guard."""
     return guard.step() if guard is not None else contextlib.nullcontext()
+
+
+class Backwards(TorchFunctionMode):
+    """While entered, every ``Tensor.backward`` goes through ``guard.backward`` (for a library that calls backward
+    itself and hands the user no loss; torch's public override mode: every other function runs as it is)."""
+
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.backward:
+            return self.guard.backward(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))

@@ -48,13 +48,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from safeloop import GraphGuard, Trainer  # noqa: E402
 from safeloop.errors import DoubleBackwardError, GraphLeakWarning, GraphReuseError, NoGraphError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
 from tests.libraries import compare  # noqa: E402
-from tests.libraries.compare import same  # noqa: E402
+from tests.libraries.compare import Backwards, same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 try:
@@ -92,20 +91,6 @@ def backward(guard, loss):
 
 
 # == DeepXDE =========================================================================================================
-class Backwards(TorchFunctionMode):
-    """While entered, every ``Tensor.backward`` goes through ``guard.backward`` (torch's public override mode: every
-    other function runs as it is)."""
-
-    def __init__(self, guard):
-        super().__init__()
-        self.guard = guard
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.backward:
-            return self.guard.backward(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 if dde is not None:
     class GuardSteps(dde.callbacks.Callback):
         """A ``GraphGuard``'s steps as DeepXDE's training steps: ``guard.step()`` and ``Backwards(guard)`` entered at

@@ -36,13 +36,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import safeloop
 from safeloop import GraphGuard
-from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError
-from safeloop.watch import Watch
-from tests.libraries.compare import same, stepped, three_runs
+from tests.libraries.compare import Backwards, same, stepped, three_runs
 from tests.realworld.harness import checks, strict
 
 gym = pytest.importorskip("gymnasium")
@@ -110,20 +107,6 @@ class Walk(gym.Env):
         self.t += 1
         gap = abs(self.goal - self.pos)
         return self.obs(), -gap, bool(gap < 0.1), self.t >= 8, {}
-
-
-class Backwards(TorchFunctionMode):
-    """While entered, every ``Tensor.backward`` goes through ``guard.backward`` (torch's public override mode: every
-    other function runs as it is)."""
-
-    def __init__(self, guard):
-        super().__init__()
-        self.guard = guard
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.backward:
-            return self.guard.backward(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def routed(guard):

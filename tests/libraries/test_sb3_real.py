@@ -50,7 +50,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 LIB = pytest.importorskip("stable_baselines3")
 pytest.importorskip("gymnasium")
@@ -64,25 +63,11 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor  # noqa:
 from safeloop import GraphGuard  # noqa: E402
 from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
-from tests.libraries.compare import same  # noqa: E402
+from tests.libraries.compare import Backwards, same  # noqa: E402
 from tests.realworld.harness import checks, strict  # noqa: E402
 
 
 # -- the guard where an SB3 user puts it ---------------------------------------------------------------------------
-class Backwards(TorchFunctionMode):
-    """While entered, every ``Tensor.backward`` goes through ``guard.backward`` (torch's public override mode: every
-    other function runs as it is)."""
-
-    def __init__(self, guard):
-        super().__init__()
-        self.guard = guard
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.backward:
-            return self.guard.backward(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 OPTIMIZERS = (("policy", "optimizer"), ("actor", "optimizer"), ("critic", "optimizer"), (None, "ent_coef_optimizer"))
 
 
