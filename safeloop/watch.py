@@ -30,6 +30,7 @@ from operator import attrgetter
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.distributions.utils import lazy_property
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -75,9 +76,12 @@ class Watch:
 
         def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
                  allow_unused=None, is_grads_batched=False, materialize_grads=False):
+            # read once (``model.parameters()`` is a generator); the guard follows them unless one is a GradientEdge
+            inputs = (inputs,) if isinstance(inputs, (torch.Tensor, GradientEdge)) else tuple(inputs)
+            followed = inputs if all(isinstance(t, torch.Tensor) for t in inputs) else None
             return watch.call(outputs, sys._getframe(1), lambda retain: autograd_grad(
                 outputs, inputs, grad_outputs, retain, create_graph, only_inputs, allow_unused, is_grads_batched,
-                materialize_grads), retain_graph, create_graph, None, updates=False)
+                materialize_grads), retain_graph, create_graph, followed, updates=False)
 
         for new, old in zip((backward, backward_fn, grad), self.saved):
             new.__doc__, new.__wrapped__ = old.__doc__, old

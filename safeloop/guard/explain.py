@@ -545,7 +545,8 @@ def changed(nodes, then: list[tuple[torch.Tensor, int]], limit: int = 100_000) -
     if not moved:
         return []
     below = {id(n.variable) for n in islice(walk.iter_nodes(*nodes), limit) if type(n) is walk.ACCUMULATE}
-    return [t for t, _ in then if id(t) in moved and id(t) in below]
+    # once each: ``then`` has a leaf once per earlier backward that reached it
+    return list({id(t): t for t, _ in then if id(t) in moved and id(t) in below}.values())
 
 
 def where(frame) -> tuple[str, int] | None:

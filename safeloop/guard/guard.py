@@ -159,9 +159,9 @@ class Guard:
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
-        # inputs, its leaves' versions then, where it was called); a later backward of the step reaching a node
-        # they ran would find it freed
-        self._consumed: list[tuple[str, Any, set, Any, list, str | None, bool]] = []
+        # inputs, its leaves' versions then, where it was called, whether someone else ran it, whether autograd.grad
+        # did); a later backward of the step reaching a node they ran would find it freed
+        self._consumed: list[tuple[str, Any, set, Any, list, str | None, bool, bool]] = []
         self._last_versions: list[tuple[torch.Tensor, int]] = []  # the last step's (see end_step)
         self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
         self._printed: dict[str, tuple] = {}  # per loss of a checked step: what _check_written compared (always)
@@ -929,26 +929,27 @@ class Guard:
             return False, None
         return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss)
 
-    def backward_done(self, retained: bool | None, inputs=None) -> None:
-        """The loss pre-flighted last was back-propagated (with ``inputs``): without retaining the
-        graph, the nodes that backward ran are freed for the rest of the step (manual mode). ``retained`` None:
-        a backward the guard does not run (``GraphGuard.check``): whether it freed them is read from the graph."""
+    def backward_done(self, retained: bool | None, inputs=None, captured: bool = False) -> None:
+        """The loss pre-flighted last was back-propagated (with ``inputs``; ``captured``: by ``torch.autograd.grad``,
+        which does not run the nodes that made its inputs): without retaining the graph, the nodes that backward ran
+        are freed for the rest of the step (manual mode). ``retained`` None: a backward the guard does not run
+        (``GraphGuard.check``): whether it freed them is read from the graph."""
         if self.checking and self._walked is not None:
             name, root, nodes, leaves, where = self._walked
             if not retained:  # the leaves' versions now: a parameter written in place since makes the graph stale
                 self._consumed.append((name, root, set(nodes), inputs, explain.versions(leaves), where,
-                                       retained is None))
-            elif walk.HAS_SEQ and inputs is None:
+                                       retained is None, captured))
+            elif walk.HAS_SEQ and (inputs is None or captured):
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
         t0 = time.perf_counter()
-        for earlier, root, ran, inputs, versions, where, unknown in self._consumed:
+        for earlier, root, ran, inputs, versions, where, unknown, captured in self._consumed:
             shared = [n for n in nodes if n in ran and walk.holds_tensors(n) and not self.is_off("consumed", n)]
             if shared and inputs is not None:  # backward(inputs=...) runs only the paths to its inputs
-                ran = walk.runs(root, inputs)
+                ran = walk.runs(root, inputs, captured=captured)
                 shared = [n for n in shared if n in ran]
             if unknown:  # someone else's backward: the nodes it freed
                 shared = [n for n in shared if walk.is_freed(walk.unpack_error(n, first=True))]

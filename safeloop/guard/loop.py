@@ -290,7 +290,7 @@ class GraphGuard:
             raise self._explained(err, losses, step)
         retained = retain_graph if retain_graph is not None else create_graph
         if guard.checking:
-            guard.backward_done(bool(retained), _tensors(inputs))
+            guard.backward_done(bool(retained), _tensors(inputs), captured=not updates)
         self._mark(losses, retained)
         return out
 

@@ -217,19 +217,22 @@ def below(node, limit: int = 10_000) -> tuple[object | None, tuple]:
     return cached
 
 
-def runs(root, inputs, limit: int = 1_000_000) -> set:
-    """The nodes below ``root`` that ``backward(inputs=inputs)`` runs: those on a path to an input."""
+def runs(root, inputs, limit: int = 1_000_000, captured: bool = False) -> set:
+    """The nodes below ``root`` that ``backward(inputs=inputs)`` runs: those on a path to an input. ``captured``:
+    ``torch.autograd.grad``'s inputs, whose gradient is taken where it reaches them: the node that made a non-leaf
+    input runs only when it is on a path to another input (it keeps its saved tensors)."""
     leaves = {id(t) for t in inputs if t.grad_fn is None}
     tops = {t.grad_fn for t in inputs if t.grad_fn is not None}
     users: dict = {}  # node -> the nodes that take its output
-    ran = set()
+    reached = set()
     for node in islice(iter_nodes(root), limit):
         if node in tops or (type(node) is ACCUMULATE and id(node.variable) in leaves):
-            ran.add(node)
+            reached.add(node)
         for nxt, _ in node.next_functions:
             if nxt is not None:
                 users.setdefault(nxt, []).append(node)
-    todo = list(ran)  # and every node above one that runs
+    ran = set() if captured else set(reached)
+    todo = list(reached)  # and every node above one that runs
     while todo:
         for user in users.get(todo.pop(), ()):
             if user not in ran:
