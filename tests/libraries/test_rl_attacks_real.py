@@ -301,7 +301,7 @@ def pgd_loop(model, data, probe, guard=None, epochs=2, kept=None, running=None, 
                 adv = fixed_adv if once else atk(x, y)
                 loss = F.cross_entropy(model(adv), y)
                 optimizer.zero_grad()
-                loss.backward()
+                guard.backward(loss) if guard is not None else loss.backward()
                 optimizer.step()
             model.eval()
             if kept in ("gradcam", "gradcam-detached"):
@@ -374,3 +374,251 @@ def test_pgd_trainer_trains_as_the_loop(check):
                              loggers=(), guard={"check": check})
         trainer.fit()
     same(model, ref["model"], "model")
+
+
+# -- the mistakes ----------------------------------------------------------------------------------------------------
+class TextClassifier(nn.Module):
+    """Token embeddings averaged, then a linear head: adversarial training perturbs the embeddings (FGM, Miyato et
+    al.), not the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, emb):
+        return self.head(emb.mean(1))
+
+
+def sentences(n=6, size=8, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(20, (size, 5), generator=gen)
+        out.append((tokens, tokens[:, 0] % 3))
+    return out
+
+
+def fgm(model, tokens, labels, eps=0.5):
+    """The embeddings moved along the loss's gradient, normalized (FGM): the gradient taken with
+    ``torch.autograd.grad`` (no ``.grad`` written), the embeddings kept as they are."""
+    emb = model.embed(tokens)
+    grad, = torch.autograd.grad(F.cross_entropy(model(emb), labels), emb)
+    return emb + eps * grad / (grad.norm() + 1e-12)
+
+
+def text_build():
+    return TextClassifier(), sentences()
+
+
+def fgm_loop(model, data, guard=None, fix=None):
+    """FGM adversarial training whose adversarial batch was made once, before the loop, from the first batch (the
+    mistake: ``adv`` keeps the embedding's graph); ``fix="loop"``: made in each step from its batch, the advised
+    recompute; ``fix="detach"``: stored ``adv.detach()`` (a constant batch: the embedding is trained by the clean
+    loss only)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    adv = fgm(model, *data[0])
+    if fix == "detach":
+        adv = adv.detach()
+    losses = []
+    for tokens, labels in data * 2:
+        with stepped(guard):
+            if fix == "loop":
+                adv = fgm(model, tokens, labels)
+            clean = F.cross_entropy(model(model.embed(tokens)), labels)
+            loss = clean + F.cross_entropy(model(adv), labels if fix == "loop" else data[0][1])
+            optimizer.zero_grad()
+            guard.backward(loss) if guard is not None else loss.backward()
+            optimizer.step()
+        losses.append(loss.item())
+    return {"model": model, "optimizer": optimizer.state_dict(), "losses": losses}
+
+
+def td_build():
+    q_func = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    return q_func, torch.optim.Adam(q_func.parameters(), lr=1e-2)
+
+
+def td_loop(q_func, optimizer, guard=None, fix=None, steps=40, gamma=0.9):
+    """DQN by hand on pfrl's ``ReplayBuffer``: each transition stored with its TD target, ``reward + gamma * (1 -
+    terminated) * max Q(next)``, computed from the online network as it is collected (the mistake: with its graph;
+    ``fix="no_grad"``: under ``torch.no_grad()``); once 16 are stored, each step an update on 8 sampled
+    transitions against their stored targets."""
+    buffer = pfrl.replay_buffers.ReplayBuffer(200)
+    env = Walk()
+    obs, _ = env.reset(seed=0)
+    losses = []
+    for _ in range(steps):
+        with torch.no_grad():
+            action = int(q_func(torch.from_numpy(obs)).argmax()) if np.random.rand() > 0.2 else np.random.randint(2)
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        with torch.no_grad() if fix == "no_grad" else stepped(None):
+            target = reward + gamma * (1.0 - terminated) * q_func(torch.from_numpy(next_obs)).max()
+        buffer.append(obs, action, reward, next_obs, is_state_terminal=terminated, target=target)
+        obs = next_obs
+        if terminated or truncated:
+            buffer.stop_current_episode()
+            obs, _ = env.reset()
+        if len(buffer) < 16:
+            continue
+        batch = [t[0] for t in buffer.sample(8)]
+        with stepped(guard):
+            states = torch.from_numpy(np.stack([t["state"] for t in batch]))
+            actions = torch.tensor([t["action"] for t in batch])
+            q = q_func(states).gather(1, actions[:, None]).squeeze(1)
+            loss = F.smooth_l1_loss(q, torch.stack([t["target"] for t in batch]).float())
+            optimizer.zero_grad()
+            guard.backward(loss) if guard is not None else loss.backward()
+            optimizer.step()
+        losses.append(loss.item())
+    return {"q_func": q_func, "optimizer": optimizer.state_dict(), "losses": losses}
+
+
+def attack_run(mode, loop, build, **kwargs):
+    """``loop(*build(), **kwargs)`` with a ``GraphGuard(model, check="always")`` (``mode="guard"``) or under ``Watch``
+    (``"watch"``), from the seeds of ``three_runs``."""
+    seed_all(0)
+    built = build()
+    seed_all(1)
+    if mode == "watch":
+        with Watch(GraphGuard(check="always"), __file__):
+            return loop(*built, **kwargs)
+    return loop(*built, guard=GraphGuard(built[0], check="always"), **kwargs)
+
+
+@needs_attacks
+def test_a_torchattacks_batch_made_once_before_the_loop_keeps_no_graph_and_is_quiet():
+    """``adv = atk(x, y)`` once, before the loop, reused every step: torchattacks returns it detached, so no graph
+    is reused; a stale adversary is no graph mistake, and the guard says nothing (bit for bit alike)."""
+    three_runs(attack_build, lambda *a, guard=None: pgd_loop(*a, guard=guard, once=True), "always", seed=seed_all)
+
+
+@needs_attacks
+def test_adversarial_embeddings_made_before_the_loop_are_stopped_at_the_first_step():
+    """FGM's adversarial embeddings made once before the loop keep the embedding's graph: bare, the second step fails
+    in backward; with a ``GraphGuard`` stopped at step 1, before any gradient or update, naming ``adv`` and advising
+    to recompute it inside the loop."""
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        seed_all(0)
+        fgm_loop(*text_build())
+    seed_all(0)
+    model, data = text_build()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local adv`.*To fix: recompute `adv` inside the "
+                                              r"loop.*store `adv\.detach\(\)` instead"):
+        fgm_loop(model, data, guard=GraphGuard(model, check="always"))
+    same(model.state_dict(), start)
+
+
+@needs_attacks
+def test_adversarial_embeddings_made_before_the_loop_are_stopped_under_watch():
+    """Under ``watch`` the first backward is FGM's ``autograd.grad`` before the loop, which starts step 1: the loop's
+    first step is taken for the same step, and the reuse is stopped at step 2, before the backward that fails bare,
+    naming ``adv`` (once each parameter) and advising to compute it again."""
+    with pytest.raises(safeloop.GraphLifecycleError, match=r"step 2, .*held by `local adv`.*`model\.embed\.weight` "
+                                                           r"under that graph.*To fix: compute `adv` again"):
+        attack_run("watch", fgm_loop, text_build)
+
+
+@needs_attacks
+@pytest.mark.xfail(strict=True, raises=safeloop.GraphLifecycleError, reason="under watch an autograd.grad before "
+                   "the loop (FGM's, making the adversarial batch) starts step 1, and the loop's first iteration "
+                   "is taken for the same step: the graph built before the loop is a DoubleBackwardError at step 2 "
+                   "('made earlier in this loop iteration'), not a GraphReuseError at step 1")
+def test_adversarial_embeddings_made_before_the_loop_are_stopped_at_the_first_step_under_watch():
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local adv`"):
+        attack_run("watch", fgm_loop, text_build)
+
+
+@needs_attacks
+@pytest.mark.parametrize("fix", ["loop", "detach"])
+def test_adversarial_embeddings_fixed_as_advised_train(fix):
+    """Made in each step (``torch.autograd.grad`` on the non-leaf embeddings, then the step's loss back-propagated
+    through them: watch took the embedding's node for one that ``autograd.grad`` ran and freed, a false
+    ``DoubleBackwardError``, fixed), or stored detached: quiet, bit for bit alike bare, watched and guarded."""
+    three_runs(text_build, lambda *a, guard=None: fgm_loop(*a, guard=guard, fix=fix), "always", seed=seed_all)
+
+
+@needs_attacks
+def test_integrated_gradients_kept_every_step_keep_no_graph_and_are_quiet():
+    """captum's ``IntegratedGradients`` takes its gradients with ``autograd.grad`` and returns attributions without
+    a graph: kept in a list every step, without ``no_grad``, they keep nothing; quiet and bit for bit alike."""
+    three_runs(attack_build, lambda *a, guard=None: pgd_loop(*a, guard=guard, kept="ig"), "always", seed=seed_all)
+
+
+@needs_attacks
+def test_gradcam_maps_kept_every_step_are_warned_naming_the_list():
+    """captum's ``LayerGradCam`` multiplies the layer's gradients by its output, made with grad: each map keeps the
+    graph of the layers below. Kept in a list every step: a ``GraphLeakWarning`` naming ``attributions[0]``, with a
+    ``GraphGuard`` (advising ``torch.no_grad()`` or a detach where it is added) and under ``watch``."""
+    with pytest.warns(GraphLeakWarning, match=r"the tensors added to `attributions` keep their autograd graphs.*"
+                                              r"`local attributions\[0\]`.*under torch\.no_grad\(\).*or detach it"):
+        attack_run("guard", pgd_loop, attack_build, kept="gradcam")
+    with pytest.warns(GraphLeakWarning, match=r"held by `local attributions\[0\]`.*"
+                                              r"`attributions\.append\(x\.detach\(\)\)`"):
+        attack_run("watch", pgd_loop, attack_build, kept="gradcam")
+
+
+@needs_attacks
+def test_gradcam_maps_detached_train():
+    """``attributions.append(heat.detach())``: quiet, bit for bit alike bare, watched and guarded."""
+    three_runs(attack_build, lambda *a, guard=None: pgd_loop(*a, guard=guard, kept="gradcam-detached"), "always",
+               seed=seed_all)
+
+
+@needs_attacks
+def test_a_running_loss_with_its_graph_is_warned_and_item_trains():
+    """``total += loss`` in the PGD loop: a ``GraphLeakWarning`` naming ``total`` and advising ``loss.item()``, with a
+    ``GraphGuard``; with ``.item()`` the loop trains quiet, bit for bit."""
+    with pytest.warns(GraphLeakWarning, match=r"held by `local total`.*Store loss\.item\(\) or loss\.detach\(\)"):
+        attack_run("guard", pgd_loop, attack_build, running="tensor")
+    three_runs(attack_build, lambda *a, guard=None: pgd_loop(*a, guard=guard, running="item"), "always",
+               seed=seed_all)
+
+
+@needs_attacks
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="under watch each step watches for a leak only the "
+                   "graph of its first backward (Guard.preflight keeps one sentinel per loss of a call, and each "
+                   "backward is a call of one loss): here that is the attack's torch.autograd.grad (or, after the "
+                   "update, captum's), whose graph dies, so the loss's graphs kept by `total` are never looked at")
+def test_a_running_loss_with_its_graph_is_warned_under_watch():
+    with pytest.warns(GraphLeakWarning, match=r"held by `local total`"):
+        attack_run("watch", pgd_loop, attack_build, running="tensor")
+
+
+@needs_pfrl
+def test_a_td_target_stored_with_its_graph_is_stopped_before_the_first_update():
+    """The TD target computed from the online network with grad and stored in pfrl's replay buffer: bare, a later
+    update fails in backward (a sampled target's graph was freed by an earlier update); with a ``GraphGuard`` stopped at step 1,
+    before any gradient or update, naming the sampled transition's ``'target'`` and advising ``torch.no_grad()``;
+    under ``watch`` at step 2, before its backward, as a graph an earlier backward freed."""
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        seed_all(0)
+        td_loop(*td_build())
+    seed_all(0)
+    q_func, optimizer = td_build()
+    start = {k: v.clone() for k, v in q_func.state_dict().items()}
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local batch\[\d+\]\['target'\]`.*compute it under "
+                                              r"`torch\.no_grad\(\)`"):
+        td_loop(q_func, optimizer, guard=GraphGuard(q_func, optimizer, check="always"))
+    same(q_func.state_dict(), start)
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*held by `local batch\[\d+\]\['target'\]`; an earlier "
+                                                r"backward already freed"):
+        attack_run("watch", td_loop, td_build)
+
+
+@needs_pfrl
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="under watch the stored target is a CarriedGraphError "
+                   "whose fixes are those of a cache and of a carried state: make `batch[i]['target']` again every "
+                   "step, `batch[i].pop('target', None)` 'where forward rebuilds it' (nothing does), or detach it at "
+                   "the end of each step; the GraphGuard's advice for a target, compute it under torch.no_grad(), "
+                   "is not among them")
+def test_a_td_target_stored_with_its_graph_is_advised_no_grad_under_watch():
+    with pytest.raises(CarriedGraphError, match=r"if it is a target.*`torch\.no_grad\(\)`"):
+        attack_run("watch", td_loop, td_build)
+
+
+@needs_pfrl
+def test_a_td_target_computed_under_no_grad_trains():
+    """The target under ``torch.no_grad()``: quiet, bit for bit alike bare, watched and guarded."""
+    three_runs(td_build, lambda *a, guard=None: td_loop(*a, guard=guard, fix="no_grad"), "always", seed=seed_all)
