@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 import safeloop
 from safeloop import GraphGuard
+from safeloop.errors import CarriedGraphError, GraphLeakWarning, GraphReuseError
+from safeloop.watch import Watch
 from tests.libraries.compare import Backwards, same, stepped, three_runs
 from tests.realworld.harness import checks, strict
 
