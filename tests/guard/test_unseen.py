@@ -114,17 +114,18 @@ def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_w
     assert torch.equal(fixed[1], bare[1]) and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
 
 
-def evaluation_loop(guard_check: str | None, no_grad: bool = False):
+def evaluation_loop(guard_check: str | None, no_grad: bool = False, keep=None):
     """An evaluation after each update, outside the step and without ``torch.no_grad()``, its outputs kept for a
     metric at the end: torch-ema's ``with ema.average_parameters(): outputs.append(model(x_val))``
     (tests/libraries/test_ema_vq_sde_real.py). Each output keeps a graph of the model that no loss reaches;
-    ``no_grad``: the fix."""
+    ``no_grad``: the fix. ``keep``: what keeps each output (default: the loop's ``val_outputs.append``)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
     x_val = torch.randn(8, 4)
     val_outputs = []
+    keep = keep or val_outputs.append
     for x, y in DATA:
         with guard.step() if guard else nullcontext():
             loss = F.cross_entropy(model(x), y)
@@ -132,7 +133,7 @@ def evaluation_loop(guard_check: str | None, no_grad: bool = False):
             guard.backward(loss) if guard else loss.backward()
             opt.step()
         with torch.no_grad() if no_grad else nullcontext():
-            val_outputs.append(model(x_val))
+            keep(model(x_val))
     return weights(model), val_outputs
 
 
@@ -345,20 +346,9 @@ def evaluated_metric_loop(guard_check: str | None, no_grad: bool = False):
     """``evaluation_loop`` with the outputs handed to a metric of an installed library (``Concat.update``)."""
     from metric_lib import Concat  # an installed package's class (see the test)
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = GraphGuard(model, opt, check=guard_check) if guard_check else None
-    x_val, concat = torch.randn(8, 4), Concat()
-    for x, y in DATA:
-        with guard.step() if guard else nullcontext():
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            guard.backward(loss) if guard else loss.backward()
-            opt.step()
-        with torch.no_grad() if no_grad else nullcontext():
-            concat.update(model(x_val).softmax(1))
-    return weights(model) + concat.preds
+    concat = Concat()
+    trained, _ = evaluation_loop(guard_check, no_grad, keep=lambda out: concat.update(out.softmax(1)))
+    return trained + concat.preds
 
 
 def test_evaluation_outputs_an_installed_metric_keeps_are_fixed_where_the_loop_hands_them(metric_lib):
