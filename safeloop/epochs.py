@@ -10,6 +10,7 @@ batches already consumed (``safeloop.checkpoint.fast_forward``).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from .schedules import Schedules
 from .seed import seeded_workers
 from .state import TrainState
 
+log = logging.getLogger("safeloop")
 PASS_END = object()  # what ``TrainData.steps`` yields once a pass's end has run (the epoch schedulers, the hook)
 
 if TYPE_CHECKING:
@@ -154,6 +156,19 @@ class TrainData:
         self.epoch_rng = saved["epoch_start"]
         for sampler, seed in zip(_seeded(self.data), saved.get("seeds", [])):  # (none in older checkpoints)
             sampler.seed = seed
+
+    def warn_workers(self) -> None:
+        """After a checkpoint is loaded: a DataLoader keeping its workers from pass to pass (``persistent_workers``)
+        past its first pass. Their random state (the augmentations they draw) is in no checkpoint, and the resumed
+        run's new workers start theirs afresh: said, as the run draws other augmentations than one never stopped."""
+        data = self.data
+        if self.state.epoch > 0 and isinstance(data, DataLoader) and data.num_workers > 0 \
+                and data.persistent_workers:
+            log.warning("resume: train_data's DataLoader keeps its %d workers from pass to pass "
+                        "(persistent_workers=True), and no checkpoint holds their random state: from pass %d on, "
+                        "random augmentations drawn in the workers differ from those of a run that never stopped. "
+                        "With persistent_workers=False each pass's workers are seeded anew, and a resume draws the "
+                        "same ones", data.num_workers, self.state.epoch)
 
 
 def _seeded(data) -> list:

@@ -285,6 +285,7 @@ def restore(parts: Parts, checkpoint: dict, path: Path | None, dist) -> None:
     load_named("scheduler", parts.schedulers, checkpoint["schedulers"], path)
     load_scaler(parts.scaler, checkpoint["scaler"])
     parts.state.load_state_dict(checkpoint["state"])
+    parts.data.warn_workers()
     if parts.state.step:  # what torch's "lr_scheduler.step() before optimizer.step()" warning looks at
         for opt in parts.optimizers.values():
             opt._opt_called = True

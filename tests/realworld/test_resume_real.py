@@ -11,9 +11,10 @@ xfails naming the cause:
 - random generators kept by the dataset (MONAI's ``Randomizable`` transforms) or by a batch sampler are neither saved
   nor put back: a run resumed after its first pass draws other augmentations or another order, without a word;
 - ``persistent_workers=True`` (timm's ``create_loader`` default): the workers' random state after a pass is in no
-  checkpoint, so a resumed run's workers draw other augmentations.
+  checkpoint, so a resumed run's workers draw other augmentations (said in the log).
 """
 import copy
+import logging
 import random
 import re
 
@@ -229,6 +230,23 @@ def workers(persistent):
     "resume is bit-identical: each pass's workers are seeded anew from the loader's generator)"))
 def test_timm_style_loader_with_persistent_workers_resumed_in_the_second_pass(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, mlp, workers(True), 8, 6, optimizer=sgd)
+    assert_same(resumed.model, straight.model)
+
+
+SAYS_WORKERS = r"resume: train_data's DataLoader keeps its 1 workers from pass to pass \(persistent_workers=True\)" \
+    r".*from pass 1 on, random augmentations drawn in the workers differ"
+
+
+def test_a_resume_in_the_second_pass_says_when_persistent_workers_draw_other_augmentations(tmp_path, caplog):
+    """docs/checkpoints.md: a resume past the first pass with persistent workers is said in the log (the run is
+    not bit-identical: the test above); without them it is quiet and bit-identical."""
+    with caplog.at_level(logging.WARNING, logger="safeloop"):
+        straight_and_resumed(tmp_path / "persistent", mlp, workers(True), 8, 6, optimizer=sgd)
+    assert re.search(SAYS_WORKERS, caplog.text), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="safeloop"):
+        straight, resumed = straight_and_resumed(tmp_path / "fresh", mlp, workers(False), 8, 6, optimizer=sgd)
+    assert "persistent_workers" not in caplog.text
     assert_same(resumed.model, straight.model)
 
 
