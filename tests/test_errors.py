@@ -207,6 +207,45 @@ def test_an_exception_after_backward_leaves_parameters_and_optimizer_state_as_be
     assert all(p.grad is None for p in t.model.parameters())
 
 
+class SparseRecommender(Trainer):
+    """An embedding bag with sparse gradients under SparseAdam and a dense head under Adam, as DLRM-style models
+    train; the dense optimizer updates first. ``automatic = False``: the same updates by self.backward / self.step."""
+
+    def configure_optimizers(self):
+        return {"dense": torch.optim.Adam(self.model[1].parameters(), lr=0.1),
+                "sparse": torch.optim.SparseAdam(list(self.model[0].parameters()), lr=0.1)}
+
+    def training_step(self, batch):
+        idx, y = batch
+        loss = torch.nn.functional.mse_loss(self.model(idx), y)
+        if self.automatic:
+            return {"dense": loss, "sparse": loss}
+        self.backward(loss, optimizer="dense", retain_graph=True)
+        self.backward(loss, optimizer="sparse")
+        self.step("dense")
+        self.step("sparse")
+        return loss
+
+
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+def test_grad_clip_over_a_sparse_gradient_is_named_with_what_to_do_and_changes_nothing(automatic):
+    """torch's clip_grad_norm_ cannot take a sparse gradient's norm: instead of its NotImplementedError from
+    aten's sparse backend, the parameter and the way out; the dense optimizer's update of the step is undone."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 10, (4, 2), generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(3)]
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 3, sparse=True), torch.nn.Linear(3, 1))
+    before = copy.deepcopy(model.state_dict())
+    t = type("Sparse", (SparseRecommender,), {"automatic": automatic})(
+        model, batches, max_steps=2, grad_clip=1.0, device="cpu", progress=False, loggers=())
+    with pytest.raises(StepError, match=re.escape(
+            "step 1: grad_clip=1.0 clips optimizer 'sparse''s gradients, and `model.0.weight` holds a sparse "
+            "gradient (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True)), whose norm torch's clip_grad_norm_ "
+            "cannot take. Leave grad_clip out and clip the dense parameters in on_before_optimizer_step")):
+        t.fit()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert t.optimizers["dense"].state == {} and t.state.step == 0
+
+
 class FailsInTrainingStep(Trainer):
     def training_step(self, batch):
         self.before = snapshot(self)

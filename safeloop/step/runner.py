@@ -517,7 +517,22 @@ class Runner:
         if self.settings.grad_clip is not None:
             params = sorted((p for g in opt.param_groups for p in g["params"]),
                             key=lambda p: self.model_order.get(id(p), len(self.model_order)))
+            if any(p.grad is not None and p.grad.is_sparse for p in params):
+                self.refuse_sparse_clip(name, params)
             torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+
+    def refuse_sparse_clip(self, name: str, params: list[torch.Tensor]) -> None:
+        """``grad_clip`` over sparse gradients (``nn.Embedding(sparse=True)``'s), which torch's ``clip_grad_norm_``
+        cannot take a norm of: said before anything changed, with what to do instead."""
+        sparse = {id(p) for p in params if p.grad is not None and p.grad.is_sparse}
+        names = [f"`{n}`" for n, p in self.config.named_parameters() if id(p) in sparse] or ["a parameter"]
+        step = self.state.step + 1
+        raise StepError(f"step {step}: grad_clip={self.settings.grad_clip} clips optimizer {name!r}'s gradients, and "
+                        f"{', '.join(names[:3])} holds a sparse gradient (nn.Embedding(sparse=True), "
+                        "nn.EmbeddingBag(sparse=True)), whose norm torch's clip_grad_norm_ cannot take. Leave "
+                        "grad_clip out and clip the dense parameters in on_before_optimizer_step "
+                        "(torch.nn.utils.clip_grad_norm_(params, max_norm) for the optimizer it is given), or make "
+                        "the embedding dense (sparse=False)", step)
 
     def closure(self, name: str, step: int, opt: torch.optim.Optimizer, evaluate: Callable[[], torch.Tensor],
                 current: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
