@@ -12,7 +12,8 @@ searched in the variables of the function that called backward, of its callers i
 script's globals.
 The script's output, exit code and traceback are its own; a graph mistake raises the Trainer's
 error, naming the tensor and the fix. The Python scripts it starts (the ranks of Lightning's DDP
-launcher) run under watch too, with the same options.
+launcher) and its multiprocessing workers (``torch.multiprocessing.spawn``'s ranks) run under watch too, with the
+same options.
 """
 from __future__ import annotations
 
@@ -444,16 +445,25 @@ def _codes(code):
             yield from _codes(const)
 
 
-def watch_children(options: list[str]) -> None:
+def watch_children(options: list[str], script: str) -> None:
     """The Python processes the script starts (and theirs) run their scripts under watch too, with ``options``:
-    Lightning's DDP launcher starts rank 1 as ``python script.py`` (see ``guard/startup/sitecustomize.py``)."""
+    Lightning's DDP launcher starts rank 1 as ``python script.py``; multiprocessing's spawn and forkserver workers
+    run ``script``'s functions (see ``guard/startup/sitecustomize.py``)."""
     os.environ["SAFELOOP_WATCH"] = json.dumps(options)
+    os.environ["SAFELOOP_WATCH_SCRIPT"] = script
     path = os.environ.get("PYTHONPATH", "")
     if STARTUP not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, path]) if path else STARTUP
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") -> int:
+def watch_process(options: list[str], script: str) -> None:
+    """A multiprocessing worker of a watched ``script`` (spawn or forkserver: a new interpreter that runs the
+    script's functions, as ``torch.multiprocessing.spawn``'s DDP ranks and Hogwild's trainers do): watched from now
+    until it exits, with the script's ``options``."""
+    Watch(_guard(_parser().parse_args([*options, script])), script).__enter__()
+
+
+def _parser(prog: str = "python -m safeloop.watch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", choices=CHECKS, default=GUARD_DEFAULTS.check)
@@ -462,15 +472,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") 
     parser.add_argument("--ignore", action="append", choices=GUARD_CHECKS, default=[], help="turn one check off")
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def _guard(args: argparse.Namespace) -> GraphGuard:
+    return GraphGuard(check=args.check, on_reuse=args.on_reuse, trace=args.trace, ignore=args.ignore)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m safeloop.watch") -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     script = args.script
     if not Path(script).is_file():
         parser.error(f"{script}: no such file (give the path of a Python script)")
-    guard = GraphGuard(check=args.check, on_reuse=args.on_reuse, trace=args.trace, ignore=args.ignore)
-    watch_children(["--check", args.check, "--on-reuse", args.on_reuse, *(["--trace"] if args.trace else []),
-                    *(word for name in args.ignore for word in ("--ignore", name))])
+    guard = _guard(args)
     sys.argv = [script, *args.args]
     script = str(Path(script).resolve())  # as `python script.py` names it in tracebacks
+    watch_children(["--check", args.check, "--on-reuse", args.on_reuse, *(["--trace"] if args.trace else []),
+                    *(word for name in args.ignore for word in ("--ignore", name))], script)
     sys.path[0] = str(Path(script).parent)
     # What `python script.py` does (runpy.run_path would change sys.argv[0] to the full path)
     main = types.ModuleType("__main__")

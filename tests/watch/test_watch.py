@@ -56,6 +56,10 @@ BROKEN = {
     "seed002_backward_twice": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `global computed_loss`.*"
                               r"pass retain_graph=True to every backward but the last",
     # a step ends at each optimizer step: the penalty's is the second of the iteration, not a graph kept across steps
+    # in each rank torch.multiprocessing.spawn starts (a new interpreter: watched through the worker's start-up)
+    "ddp_mp_spawn_features_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                         r"AddmmBackward0, built before the step \(before the loop\) and held by "
+                                         r"`local feat`.*To fix: recompute `feat` inside the loop",
     "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
     "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
@@ -155,6 +159,9 @@ LEAKED = {
     "epoch_outputs_list": r"epoch_outputs_list.py:17: GraphLeakWarning: .*\(step 2\).*held by "
                           r"`global all_outputs\[0\]`.*To fix: detach what is added to `all_outputs` where it is added "
                           r"\(`all_outputs.append\(x.detach\(\)\)`",
+    # the same in a Hogwild trainer process started by the spawn method
+    "hogwild_spawn_running_loss": r"hogwild_spawn_running_loss.py:16: GraphLeakWarning: .*\(step 2\).*held by "
+                                  r"`local total`",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",

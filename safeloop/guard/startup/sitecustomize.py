@@ -3,8 +3,10 @@ Lightning's DDP launcher or torchrun start as ``python script.py``: this directo
 ``PYTHONPATH``, and ``SAFELOOP_WATCH`` holds the watch's options (a JSON list of arguments).
 
 A process running a script file is started again, in place, as ``python -m safeloop.watch <options>
-script.py args`` with the same interpreter options. ``python -c`` and ``python -m`` processes
-(multiprocessing's workers, torchrun itself) run as they are. The ``sitecustomize`` this one hides, if
+script.py args`` with the same interpreter options. A worker multiprocessing starts by spawn or forkserver (a
+``python -c`` process that runs the watched script's functions: ``torch.multiprocessing.spawn``'s ranks) is
+watched in place, ``SAFELOOP_WATCH_SCRIPT`` naming the script. Other ``python -c`` and ``python -m`` processes
+(torchrun itself) run as they are; forked workers inherit the watch. The ``sitecustomize`` this one hides, if
 any, runs as well.
 """
 import importlib.machinery
@@ -14,6 +16,8 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# the commands multiprocessing's spawn and forkserver start methods run their workers with (``python -c``)
+_WORKERS = ("from multiprocessing.spawn import spawn_main", "from multiprocessing.forkserver import main")
 
 
 def _watch() -> None:
@@ -22,9 +26,14 @@ def _watch() -> None:
         return
     # ``python [options] script.py args``: sys.argv is ``[script.py, args]``; ``python -m module args``: ``[-m, args]``
     first = len(sys.orig_argv) - len(sys.argv)
-    if sys.argv[:1] == ["-m"]:
-        if sys.orig_argv[first] == "safeloop.watch" and importlib.util.find_spec("safeloop") is None:
-            sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))  # last: it hides nothing
+    watched = sys.argv[:1] == ["-m"] and sys.orig_argv[first] == "safeloop.watch"
+    worker = sys.argv[:1] == ["-c"] and sys.orig_argv[first].startswith(_WORKERS)  # (-c's command)
+    if (watched or worker) and importlib.util.find_spec("safeloop") is None:
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))  # last: it hides nothing
+    if worker and os.environ.get("SAFELOOP_WATCH_SCRIPT"):
+        from safeloop.watch import watch_process
+        watch_process(json.loads(options), os.environ["SAFELOOP_WATCH_SCRIPT"])
+    if sys.argv[:1] in (["-m"], ["-c"]):
         return
     script = sys.argv[0] if sys.argv else ""
     if script in ("", "-c", "-") or not os.path.isfile(script):
