@@ -156,6 +156,10 @@ class Guard:
         # each name (one found again under its name as another tensor is made anew every step)
         self._unused: dict[int, weakref.ref] = {}
         self._named: dict[str, weakref.ref] = {}
+        # a loss found reaching none of the optimizers' parameters, said at the next update unless its gradient was
+        # handed to them by then (see ``at_update``): (warning, where to warn, their gradients then, those a later
+        # backward reached)
+        self._untrained: tuple[Warning, tuple | None, dict, set[int]] | None = None
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
@@ -573,7 +577,7 @@ class Guard:
             placeholder = all(t.dim() == 0 and type(t) is not torch.nn.Parameter for t in every)
             if every and not hidden and not placeholder and len(unheld(every)) == len(every):
                 self._warned.add(key)
-                self._warn(UnusedGradientWarning(
+                self._pend_untrained(params, UnusedGradientWarning(
                     f"the loss reaches none of the parameters the optimizers update, only "
                     f"{explain.leaf_names(every, scope)}: backward gives the optimizers nothing, so this loss trains "
                     "nothing", step=step, loss_name=name,
@@ -582,9 +586,11 @@ class Guard:
                            "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
                            "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
                            "if the tensors it reaches are the ones to train, give them to an optimizer",
-                           "if you read their gradients by hand and hand them to trained parameters (DARTS' unrolled "
-                           "copy: `alpha.grad = g`), this is no mistake: turn this check off for that backward "
-                           "(guard.ignore('unused'); under watch, --ignore unused)"]))
+                           "if the gradient of a parameter an optimizer updates comes from this one by another way, "
+                           "turn this check off for that backward (guard.ignore('unused'); under watch, "
+                           "--ignore unused)"]))
+        if self._untrained is not None:  # the gradients a later backward of the step writes are not handed over
+            self._untrained[3].update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
@@ -628,6 +634,29 @@ class Guard:
             f"the loss reaches {explain.leaf_names(said, scope)}, which require grad but which no optimizer "
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes))
+
+    def _pend_untrained(self, params, warning: Warning) -> None:
+        """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``) for the next update."""
+        frame = self.frame
+        where = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+        self._untrained = warning, where, {id(p): (p, _grad_state(p)) for p in params}, set()
+
+    def at_update(self) -> None:
+        """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop):
+        a loss found reaching none of the optimizers' parameters since the last update is said now, unless one of
+        them holds a gradient that no backward wrote since that loss's check: a gradient handed over by hand (A3C's
+        ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
+        A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
+        if self._untrained is None:
+            return
+        warning, where, before, written = self._untrained
+        self._untrained = None
+        if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
+            return
+        if where is None:
+            warnings.warn(warning, stacklevel=user_stacklevel())
+        else:
+            warnings.warn_explicit(warning, type(warning), where[0], where[1], module_globals=where[2])
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
@@ -1600,6 +1629,11 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
     if old:
         return _AGAIN
     return None
+
+
+def _grad_state(p: torch.Tensor) -> tuple[int, int] | None:
+    """``p``'s gradient as an update will find it: which tensor, and its version (None: no gradient)."""
+    return None if p.grad is None else (id(p.grad), p.grad._version)
 
 
 class Recorder(TorchFunctionMode):

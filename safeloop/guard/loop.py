@@ -203,9 +203,11 @@ class GraphGuard:
     def optimizer_stepping(self) -> None:
         """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
         self._by_optimizer = True
+        self.guard.at_update()
 
     def optimizer_stepped(self, name: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Optimizer ``name`` stepped: a step not marked by ``with guard.step()`` ends here."""
+        self.guard.at_update()  # (under watch, done as it began)
         self._recent[name] = walk.sequence_now()
         if optimizer is not None:
             self._stepping.add(optimizer)

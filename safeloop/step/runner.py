@@ -466,6 +466,7 @@ class Runner:
         self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
+        self.guard.at_update()
         self.updating = True
         try:
             if closure is not None:

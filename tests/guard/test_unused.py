@@ -187,3 +187,41 @@ def test_a_weight_made_from_parameters_in_init_is_a_reuse_error_at_the_first_ste
         for x, y in DATA:
             guard.backward(F.mse_loss(model(x), y))
             opt.step()
+
+
+def worker_loop(guard_check, hand_over=True):
+    """A3C's update without its processes (ikostrikov/pytorch-a3c, train.py): a local copy of the shared model
+    back-propagates the loss, whose gradients are handed to the shared model by hand before the shared optimizer
+    steps (``hand_over=False``: the hand-over forgotten, so the optimizer steps nothing). The shared model's weights
+    and the UnusedGradientWarnings said, with the line each points at."""
+    torch.manual_seed(0)
+    shared, local = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt = torch.optim.Adam(shared.parameters(), lr=0.1)
+    guard = GraphGuard(shared, opt, check=guard_check) if guard_check else None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for x, y in DATA:
+            local.load_state_dict(shared.state_dict())
+            opt.zero_grad()
+            loss = F.mse_loss(local(x), y)
+            guard.backward(loss) if guard else loss.backward()
+            for param, shared_param in zip(local.parameters(), shared.parameters()):
+                if hand_over and shared_param.grad is None:
+                    shared_param._grad = param.grad
+            opt.step()
+    return [p.detach().clone() for p in shared.parameters()], \
+        [(w.lineno, str(w.message)) for w in said if issubclass(w.category, UnusedGradientWarning)]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_gradients_handed_to_the_optimizers_parameters_by_hand_are_the_losss_and_trained_as_without_the_guard(check):
+    """A loss reaching none of the optimizers' parameters is said at the update, unless their gradients were handed
+    over by hand since its backward; forgotten, it is said, pointing at the backward, and nothing trains."""
+    bare, _ = worker_loop(None)
+    guarded, said = worker_loop(check)
+    assert said == [] and all(torch.equal(a, b) for a, b in zip(guarded, bare, strict=True))
+    untrained, said = worker_loop(check, hand_over=False)
+    line = worker_loop.__code__.co_firstlineno + 15  # guard.backward(loss)
+    assert [n for n, _ in said] == [line] and "(step 1, loss 'loss'): the loss reaches none of the parameters the " \
+        "optimizers update, only `local.weight`, `local.bias`" in said[0][1]
+    assert all(torch.equal(a, b) for a, b in zip(untrained, worker_loop(None, hand_over=False)[0], strict=True))
