@@ -162,9 +162,9 @@ def test_st_multiple_negatives_ranking_loss_hand_loop(check):
     three_runs(st_build(), mnrl_loop, check)
 
 
-def cached_runs(check, ignore=("unused",)):
-    """``CachedMultipleNegativesRankingLoss`` bare, with a ``GraphGuard`` and under ``Watch`` (``ignore``: its checks
-    off there), from the same seeds; compared bit for bit, no warning the bare run lacks."""
+def cached_runs(check):
+    """``CachedMultipleNegativesRankingLoss`` bare, with a ``GraphGuard`` and under ``Watch`` from the same seeds;
+    compared bit for bit, no warning the bare run lacks."""
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")
         start = seeded(st_build(True))
@@ -173,7 +173,7 @@ def cached_runs(check, ignore=("unused",)):
     with strict(own):
         guarded = mnrl_loop(*seeded(st_build(True)), guard=GraphGuard(check=check))
     same(guarded, ref, "guarded")
-    with strict(own), Watch(GraphGuard(check=check, ignore=list(ignore)), __file__):
+    with strict(own), Watch(GraphGuard(check=check), __file__):
         watched = mnrl_loop(*seeded(st_build(True)))
     same(watched, ref, "watched")
     assert any(not torch.equal(p, q) for p, q in zip(ref["model"].parameters(), untrained.parameters()))
@@ -186,18 +186,10 @@ def test_st_cached_multiple_negatives_ranking_loss_gradcache(check):
     """GradCache: the loss the loss module returns is a leaf (``loss.detach().requires_grad_()``) whose hook re-embeds
     each mini-batch of 2 with its RNG state restored and calls ``backward`` inside the outer backward; inside the
     forward, the loss is back-propagated chunk by chunk into the cached embeddings. Quiet and bit for bit with a
-    ``GraphGuard`` and under ``watch`` (with the unused check off there: see the next test)."""
+    ``GraphGuard`` and under ``watch`` (each chunk reaches only the cached embeddings, whose gradients the hook hands
+    on to the model before the update: no unused gradient)."""
     ref = cached_runs(check)
     assert len(ref["history"]) == 3
-
-
-@needs_st
-@pytest.mark.xfail(strict=True, raises=safeloop.UnusedGradientWarning, reason="under watch each chunk's backward "
-                   "inside the loss's forward reaches only the embeddings made under no_grad as leaves "
-                   "(`reps[i][j]`), whose gradients the hook hands on: taken for a loss that trains nothing")
-def test_st_cached_loss_is_quiet_under_watch_with_every_check():
-    cached_runs("always", ignore=())
-
 
 
 # -- sentence-transformers mistakes ----------------------------------------------------------------------------------
@@ -328,13 +320,13 @@ def test_st_gradcache_by_hand_keeping_the_graph_is_told():
 
 @needs_st
 def test_st_gradcache_by_hand_fixed_trains():
-    """The fix (the first pass under ``no_grad``) trains quiet and bit for bit with a ``GraphGuard``, whose unused
-    check is off around the loss's backward into the cached embeddings (as its warning advises: their gradients are
-    handed on by hand)."""
+    """The fix (the first pass under ``no_grad``) trains quiet and bit for bit with a ``GraphGuard``: the loss's
+    backward reaches only the cached embeddings, whose gradients a second pass hands on to the model before the
+    update (no unused gradient)."""
     with warnings.catch_warnings(record=True) as own:
         warnings.simplefilter("always")
         ref = by_hand_gradcache(*seeded(st_build()), fix=True)
-    guard = GraphGuard(check="always", ignore=["unused"])
+    guard = GraphGuard(check="always")
     with strict(own):
         ours = by_hand_gradcache(*seeded(st_build()), guard=guard, fix=True)
     same(ours, ref)
