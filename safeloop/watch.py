@@ -198,6 +198,9 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     body = [i for i in dis.get_instructions(frame.f_code) if i.offset in offsets]
     assigned = {name for i in body for name in _stored(i)}
     attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
+    # and in the functions the loop defines, which it runs (an L-BFGS closure's `stats.loss = loss`)
+    attributes.update(i.argval for made in body if made.opname == "LOAD_CONST" and hasattr(made.argval, "co_code")
+                      for code in _codes(made.argval) for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
     # `global y` / `nonlocal y` assigned anywhere else (the loop's own function stores a variable a closure reads,
     # `prompt` of `lambda x: model(x + prompt)`, as STORE_DEREF: outside the loop, that is before it)
     for code in _codes(module) if module is not None else ():

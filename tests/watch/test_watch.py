@@ -162,6 +162,9 @@ LEAKED = {
     # the same in a Hogwild trainer process started by the spawn method
     "hogwild_spawn_running_loss": r"hogwild_spawn_running_loss.py:16: GraphLeakWarning: .*\(step 2\).*held by "
                                   r"`local total`",
+    # the same in the closure a loop hands to optimizer.step, which also keeps the last loss on an object
+    "closure_running_sum_on_module": r"closure_running_sum_on_module.py:24: GraphLeakWarning: .*\(step 2\).*held by "
+                                     r"`model.total`",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
