@@ -1,6 +1,7 @@
 """``python -m safeloop.watch`` on a script that trains with pytorch_lightning's own Trainer (``scripts/``): correct
-modules train as without watch (one process, Lightning's DDP launcher, its ``ddp_spawn``), and a graph built in
-``__init__`` is stopped at step 1 in every rank, named as the script's variables reach it."""
+modules train as without watch (one process, Lightning's DDP launcher, its ``ddp_spawn``), a graph built in
+``__init__`` is stopped at step 1 in every rank, named as the script's variables reach it, and a running sum of the
+losses kept on the module is warned as a leak."""
 import re
 import subprocess
 import sys
@@ -29,7 +30,9 @@ def test_a_correct_lightning_module_trains_under_watch_as_without_it(tmp_path, a
     bare, watched = run(*args, watch=False, cwd=tmp_path), run(*args, watch=True, cwd=tmp_path)
     assert bare.returncode == 0, bare.stderr[-2000:]
     assert (watched.returncode, watched.stdout) == (0, bare.stdout), watched.stderr[-2000:]
-    assert "safeloop" not in watched.stderr and "Warning: " not in watched.stderr.replace(bare.stderr, "")
+    # the guard's messages (Lightning prints warnings without their category)
+    said = ("safeloop", "autograd graph kept alive", "gradient that no optimizer uses", "graph built before the step")
+    assert not any(words in watched.stderr for words in said), watched.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args", [("prior",), ("prior", "2", "ddp")], ids=["one process", "ddp"])
@@ -43,9 +46,9 @@ def test_a_graph_built_in_init_is_stopped_at_step_one_in_every_rank(tmp_path, ar
     assert watched.stderr.count(REUSED) == (2 if "ddp" in args else 1), watched.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="the losses' graphs pile up in `self.total`, but Lightning also holds each "
-                   "step's loss until the next step replaces it, and the leak check names one holder of a step's "
-                   "graph: Lightning's, which keeps only the last, so no pile is seen")
 def test_losses_summed_on_the_module_with_their_graphs_are_warned(tmp_path):
+    """Lightning prints warnings its own way (no category name), at the script's ``trainer.fit`` line."""
     watched = run("total", watch=True, cwd=tmp_path)
-    assert watched.returncode == 0 and "GraphLeakWarning" in watched.stderr and "`self.total`" in watched.stderr
+    assert watched.returncode == 0, watched.stderr[-2000:]
+    assert watched.stderr.count("autograd graph kept alive after its step (step 2): steps 1 and 2: the autograd graphs "
+                                "of both steps are still alive, held by `model.total`") == 1, watched.stderr[-2000:]

@@ -41,7 +41,7 @@ class Regression(pl.LightningModule):
 
 
 def main():
-    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging
+    warnings.filterwarnings("ignore", module="(pytorch_lightning|lightning_fabric)")  # advice on workers, logging
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
     devices = int(sys.argv[2]) if len(sys.argv) > 2 else 1
