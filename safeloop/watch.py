@@ -105,6 +105,11 @@ class Watch:
             return run(retain_graph)
         losses = {"loss": tensors[0]} if len(tensors) == 1 else {f"outputs[{i}]": t for i, t in enumerate(tensors)}
         if not self.started:
+            # a derivative the script takes once, before its training loop (one of a tensor without a graph fails:
+            # the guard explains it)
+            if not updates and self.first_update is None and all(t.grad_fn is not None for t in tensors) \
+                    and _set_up(frame, self.script):
+                return run(retain_graph)
             self.started = True
             self.first_step(frame)
         # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling
@@ -269,6 +274,19 @@ def _inside_distribution(obj, depth: int, budget: list[int], attributes: set[str
         return []
     budget[0] -= 1
     return [t for v in values for t in _inside_distribution(v, depth - 1, budget, attributes)]
+
+
+def _set_up(frame, filename: str) -> bool:
+    """Whether ``frame`` runs the script's set-up, not its training: no loop of ``filename`` runs it (a
+    comprehension's own aside), and no other file's code called ``filename``'s between the script's outermost frame
+    and its innermost (a library's loop calling the script's update function is training). A ``torch.autograd.grad``
+    there before any backward or optimizer step (a PINN's derivative at points that never change, FGM embeddings made
+    once) starts no step: a step reusing its graph finds it built before the step."""
+    frames = list(stack(frame))
+    mine = [i for i, f in enumerate(frames) if f.f_code.co_filename == filename]
+    return bool(mine) and all(frames[i].f_code.co_filename == filename for i in range(mine[0], mine[-1])) and all(
+        frames[i].f_code.co_name in _COMPREHENSIONS or _loop_around(frames[i].f_code, frames[i].f_lasti) is None
+        for i in mine)
 
 
 def _library_call(frames: list, filename: str, forward: int) -> tuple | None:

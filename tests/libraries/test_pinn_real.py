@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from safeloop import GraphGuard, Trainer  # noqa: E402
-from safeloop.errors import DoubleBackwardError, GraphLeakWarning, GraphReuseError, NoGraphError  # noqa: E402
+from safeloop.errors import GraphLeakWarning, GraphReuseError, NoGraphError  # noqa: E402
 from safeloop.watch import Watch  # noqa: E402
 from tests.libraries import compare  # noqa: E402
 from tests.libraries.compare import Backwards, same  # noqa: E402
@@ -385,16 +385,7 @@ def test_derivative_from_a_forward_before_the_loop_is_stopped_at_the_first_step(
     assert all(p.grad is None for p in net.parameters())
 
 
-WATCH_HOISTED = pytest.mark.xfail(
-    strict=True, raises=DoubleBackwardError, reason="under watch the `torch.autograd.grad(u, x, create_graph=True)` "
-    "before the loop is the script's first backward-like call: the first step begins there, so `u` and `u_x` are "
-    "taken for step 1's own; step 1 trains (through a graph that is still fresh) and step 2 is a DoubleBackwardError "
-    "'made earlier in this loop iteration' advising 'compute `u_x` again after the change', not a GraphReuseError at "
-    "step 1")
-
-
-@pytest.mark.parametrize("loop", [pytest.param(hoisted, marks=WATCH_HOISTED),
-                                  pytest.param(hoisted_first_order, marks=WATCH_HOISTED)], ids=["u_xx", "u_x"])
+@pytest.mark.parametrize("loop", [hoisted, hoisted_first_order], ids=["u_xx", "u_x"])
 def test_derivative_from_a_forward_before_the_loop_is_stopped_at_the_first_step_under_watch(loop):
     """As above, under ``watch``."""
     net, optimizer = seeded(pinn_build)
