@@ -144,6 +144,7 @@ class Guard:
         self._cost: float | None = None
         self._spent: float | None = None
         self._sentinels: list[weakref.ref] = []
+        self._sentinel_updates = False  # whether one of them is on the graph of a backward that writes .grad
         # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
         # whether that step is over) (see ``end_step``)
         self._held: tuple | None = None
@@ -449,8 +450,11 @@ class Guard:
                 self._check_written(*self._printed[name])
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
-            if len(self._sentinels) < len(losses):
+            # one per loss of the step's first call, and one more for the first backward that updates: a step's first
+            # call may be an `autograd.grad` whose graph dies with it (an attack's), while its loss's graph is kept
+            if len(self._sentinels) < len(losses) or (updates and not self._sentinel_updates):
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
+                self._sentinel_updates = self._sentinel_updates or updates
         if reached and updates and scope is not None:
             self._unused_gradients(reached, step, scope)
         if len(losses) == 1:
@@ -1244,7 +1248,7 @@ class Guard:
     # -- after the step ------------------------------------------------------------------
     def step_graphs(self) -> list[weakref.ref]:
         """The checked step's graphs (weak references), handed over to a later ``leaks``."""
-        refs, self._sentinels = self._sentinels, []
+        refs, self._sentinels, self._sentinel_updates = self._sentinels, [], False
         return refs
 
     def _forget_consumed(self) -> None:

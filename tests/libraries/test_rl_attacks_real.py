@@ -578,10 +578,6 @@ def test_a_running_loss_with_its_graph_is_warned_and_item_trains():
 
 
 @needs_attacks
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="under watch each step watches for a leak only the "
-                   "graph of its first backward (Guard.preflight keeps one sentinel per loss of a call, and each "
-                   "backward is a call of one loss): here that is the attack's torch.autograd.grad (or, after the "
-                   "update, captum's), whose graph dies, so the loss's graphs kept by `total` are never looked at")
 def test_a_running_loss_with_its_graph_is_warned_under_watch():
     with pytest.warns(GraphLeakWarning, match=r"held by `local total`"):
         attack_run("watch", pgd_loop, attack_build, running="tensor")

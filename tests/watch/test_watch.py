@@ -169,6 +169,9 @@ LEAKED = {
     # the same in the closure a loop hands to optimizer.step, which also keeps the last loss on an object
     "closure_running_sum_on_module": r"closure_running_sum_on_module.py:24: GraphLeakWarning: .*\(step 2\).*held by "
                                      r"`model.total`",
+    # a step whose first call is an attack's torch.autograd.grad, whose graph dies with it: the loss's graph is watched
+    "adversarial_training_running_loss": r"adversarial_training_running_loss.py:14: GraphLeakWarning: .*\(step 2\).*"
+                                         r"held by `global total`",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
