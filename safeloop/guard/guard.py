@@ -849,7 +849,7 @@ class Guard:
                 f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
                 f"stale); clear the cache before each forward ({clear}), or do not cache it",
                 "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
-                "of each step (`{detached}`)"]
+                "of each step (`{detached}`)", _target_fix("")]
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
@@ -900,9 +900,7 @@ class Guard:
         # detaching stops the gradient into the leaves below: right only if that is what was meant
         into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
         if _trained(leaves, case.scope):
-            constant = ["if it is a target the loss compares with, not a value to train through (a value target or an "
-                        "advantage computed with the critic and stored in a replay buffer), compute it under "
-                        f"`torch.no_grad()`{into}"]
+            constant = [_target_fix(into)]
         else:
             constant = [f"if it is meant as a constant{into}, build it under `torch.no_grad()`"]
         if isinstance(holder, explain.Inside) and _code(holder.owner) != "self":
@@ -1612,6 +1610,13 @@ _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True
 def _weight_cast(node) -> bool:
     """Whether ``node`` copied a leaf (a weight) to another dtype, as ``torch.autocast`` does once per region."""
     return type(node).__name__ == "ToCopyBackward0" and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions)
+
+
+def _target_fix(into: str) -> str:
+    """The fix for a value made from trained parameters that the loss only compares with (``into``: where its
+    gradient would have gone)."""
+    return ("if it is a target the loss compares with, not a value to train through (a value target or an advantage "
+            f"computed with the critic and stored in a replay buffer), compute it under `torch.no_grad()`{into}")
 
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:

@@ -605,11 +605,6 @@ def test_a_td_target_stored_with_its_graph_is_stopped_before_the_first_update():
 
 
 @needs_pfrl
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="under watch the stored target is a CarriedGraphError "
-                   "whose fixes are those of a cache and of a carried state: make `batch[i]['target']` again every "
-                   "step, `batch[i].pop('target', None)` 'where forward rebuilds it' (nothing does), or detach it at "
-                   "the end of each step; the GraphGuard's advice for a target, compute it under torch.no_grad(), "
-                   "is not among them")
 def test_a_td_target_stored_with_its_graph_is_advised_no_grad_under_watch():
     with pytest.raises(CarriedGraphError, match=r"if it is a target.*`torch\.no_grad\(\)`"):
         attack_run("watch", td_loop, td_build)
