@@ -432,11 +432,9 @@ def test_running_meta_loss_kept_with_its_graph_is_warned_with_a_guard():
 
 
 @needs_higher
-@pytest.mark.xfail(strict=True, reason="under watch, with maml-omniglot's test-time adaptation (higher_test: "
-                   "diffopt.step's autograd.grad calls outside the meta-step, after Adam's step) between the "
-                   "meta-batches, `running_loss` keeping every meta-batch's graph is never reported; without the test "
-                   "phase the same loop gets the GraphLeakWarning at step 2")
 def test_running_meta_loss_kept_with_its_graph_is_warned_under_watch():
+    """The same under ``watch``, with maml-omniglot's test-time adaptation between the meta-batches (``diffopt.step``'s
+    ``autograd.grad`` calls, outside the meta-step): each step watches its meta-loss's graph too."""
     torch.manual_seed(0)
     with Watch(GraphGuard(check="always"), __file__), pytest.warns(GraphLeakWarning, match="running_loss"):
         higher_maml(*maml_build(5), summed=True, running=True)
