@@ -157,10 +157,10 @@ class Guard:
         # each name (one found again under its name as another tensor is made anew every step)
         self._unused: dict[int, weakref.ref] = {}
         self._named: dict[str, weakref.ref] = {}
-        # a loss found reaching none of the optimizers' parameters, said at the next update unless its gradient was
-        # handed to them by then (see ``at_update``): (warning, where to warn, their gradients then, those a later
+        # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
+        # was handed to them by then (see ``at_update``): (warning, where to warn, their gradients then, those a later
         # backward reached)
-        self._untrained: tuple[Warning, tuple | None, dict, set[int]] | None = None
+        self._untrained: list[tuple[Warning, tuple | None, dict, set[int]]] = []
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
@@ -593,8 +593,8 @@ class Guard:
                            "if the gradient of a parameter an optimizer updates comes from this one by another way, "
                            "turn this check off for that backward (guard.ignore('unused'); under watch, "
                            "--ignore unused)"]))
-        if self._untrained is not None:  # the gradients a later backward of the step writes are not handed over
-            self._untrained[3].update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
+        for *_, written in self._untrained:  # the gradients a later backward of the step writes are not handed over
+            written.update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
@@ -643,7 +643,7 @@ class Guard:
         """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``) for the next update."""
         frame = self.frame
         where = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-        self._untrained = warning, where, {id(p): (p, _grad_state(p)) for p in params}, set()
+        self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set()))
 
     def at_update(self) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop):
@@ -651,16 +651,14 @@ class Guard:
         them holds a gradient that no backward wrote since that loss's check: a gradient handed over by hand (A3C's
         ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
         A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
-        if self._untrained is None:
-            return
-        warning, where, before, written = self._untrained
-        self._untrained = None
-        if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
-            return
-        if where is None:
-            warnings.warn(warning, stacklevel=user_stacklevel())
-        else:
-            warnings.warn_explicit(warning, type(warning), where[0], where[1], module_globals=where[2])
+        pending, self._untrained = self._untrained, []
+        for warning, where, before, written in pending:
+            if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
+                continue
+            if where is None:
+                warnings.warn(warning, stacklevel=user_stacklevel())
+            else:
+                warnings.warn_explicit(warning, type(warning), where[0], where[1], module_globals=where[2])
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
