@@ -36,18 +36,13 @@ from torch.distributions.utils import lazy_property
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
+from .guard.bytecode import COMPREHENSIONS, loop_around, stored
 from .guard.loop import WRAPPED, GraphGuard, stack
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 
 STARTUP = str(Path(__file__).parent / "guard" / "startup")  # the sitecustomize of the processes a script starts
-# instructions after which the next one does not run
-_FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
-              "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
-_COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 _LOADS = {"LOAD_NAME", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"}
 _READERS = {"zip", "enumerate", "len", "range", "reversed", "iter", "sorted", "list", "tuple", "min", "max"}
-_STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
-           "DELETE_GLOBAL", "DELETE_DEREF"}
 
 
 class Watch:
@@ -188,8 +183,8 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         code = frame.f_code
         if code.co_filename == filename:
             # a comprehension's own loop (3.11 runs it as a function: `<listcomp>`) is no training loop
-            if found is None and (not forwards or i > forwards[-1]) and code.co_name not in _COMPREHENSIONS:
-                body = _loop_around(code, frame.f_lasti)
+            if found is None and (not forwards or i > forwards[-1]) and code.co_name not in COMPREHENSIONS:
+                body = loop_around(code, frame.f_lasti)
                 if body is not None:
                     found = frame, body
             if code.co_name == "<module>":
@@ -201,7 +196,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         return outside
     frame, offsets = found
     body = [i for i in dis.get_instructions(frame.f_code) if i.offset in offsets]
-    assigned = {name for i in body for name in _stored(i)}
+    assigned = {name for i in body for name in stored(i)}
     attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
     # and in the functions the loop defines, which it runs (an L-BFGS closure's `stats.loss = loss`)
     attributes.update(i.argval for made in body if made.opname == "LOAD_CONST" and hasattr(made.argval, "co_code")
@@ -301,15 +296,6 @@ def _library_call(frames: list, filename: str, forward: int) -> tuple | None:
     return None
 
 
-def _stored(ins: dis.Instruction) -> tuple[str, ...]:
-    """The variable names an instruction assigns or deletes (Python 3.13 stores two at once: ``a, b = ...``)."""
-    if ins.opname in _STORES:
-        return (ins.argval,)
-    if ins.opname == "STORE_FAST_STORE_FAST":
-        return ins.argval
-    return (ins.argval[0],) if ins.opname == "STORE_FAST_LOAD_FAST" else ()
-
-
 def _optimizer(value):
     """The optimizer ``value`` is, or wraps (accelerate's prepared ``AcceleratedOptimizer``, opacus's ``DPOptimizer``:
     their inner optimizer's steps are the ones PyTorch's global step hooks see), else None; by type only (see
@@ -365,66 +351,6 @@ def _items(obj) -> list:
     if type(obj) in (list, tuple):
         return list(obj[:64])
     return list(itertools.islice(obj.values(), 64)) if type(obj) is dict else []
-
-
-def _loop_around(code, offset: int) -> set[int] | None:
-    """The offsets of the outermost loop's body that holds ``offset``: a tensor that an outer loop makes (WGAN-GP's
-    ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the loop. A loop is
-    a backward jump whose source its target reaches without an exception (since Python 3.12 the handlers of ``with``
-    and ``except`` sit at the function's end and jump back to the code after them: no loop); its body, the offsets
-    from its target to the jump and the handlers of the ``try`` blocks among them (3.12 puts them after the end)."""
-    flow = _Flow(code)
-    best = None
-    for ins in flow.instructions:
-        target = flow.jump(ins)
-        if target is not None and target <= ins.offset and ins.offset in flow.reached([target]):
-            body = flow.body(target, ins.offset)
-            if offset in body and (best is None or len(body) > len(best)):
-                best = body
-    return best
-
-
-class _Flow:
-    """A code object's instructions and where each goes when nothing raises."""
-
-    def __init__(self, code):
-        self.instructions = list(dis.get_instructions(code))
-        self.index = {ins.offset: k for k, ins in enumerate(self.instructions)}
-        # (where a try begins, its handler): the exception table (3.11 on), or 3.10's SETUP_* instructions
-        self.handlers = [(e.start, e.target) for e in getattr(dis.Bytecode(code), "exception_entries", ())] \
-            + [(ins.offset, ins.argval) for ins in self.instructions if ins.opname.startswith("SETUP_")]
-
-    def jump(self, ins: dis.Instruction) -> int | None:
-        """Where ``ins`` jumps to (not ``SETUP_*``'s handler, 3.10's exception edge), else None."""
-        if (ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs) and not ins.opname.startswith("SETUP_") \
-                and ins.argval in self.index:
-            return ins.argval
-        return None
-
-    def reached(self, starts: list[int], within=lambda offset: True) -> set[int]:
-        """The offsets reached from ``starts`` by falling through and jumps, staying ``within``."""
-        seen: set[int] = set()
-        todo = [self.index[s] for s in starts]
-        while todo:
-            k = todo.pop()
-            if k >= len(self.instructions) or k in seen or not within(self.instructions[k].offset):
-                continue
-            seen.add(k)
-            ins = self.instructions[k]
-            if (target := self.jump(ins)) is not None:
-                todo.append(self.index[target])
-            if ins.opname not in _FLOW_ENDS:
-                todo.append(k + 1)
-        return {self.instructions[k].offset for k in seen}
-
-    def body(self, first: int, last: int) -> set[int]:
-        """The offsets from ``first`` to ``last``, and the handler code of the ``try`` blocks among them up to where
-        it goes back between the two; every byte of their instructions (a frame's ``f_lasti`` may be inside one's
-        inline caches)."""
-        handlers = [target for start, target in self.handlers if first <= start <= last and not first <= target <= last]
-        code = sorted(self.reached(handlers, within=lambda offset: not first <= offset <= last))
-        ends = {ins.offset: after.offset for ins, after in zip(self.instructions, self.instructions[1:])}
-        return set(range(first, last + 2)).union(*(range(offset, ends.get(offset, offset + 2)) for offset in code))
 
 
 def _set_by_methods(obj) -> frozenset[str]:

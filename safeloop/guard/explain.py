@@ -15,7 +15,7 @@ import sysconfig
 import types
 from contextlib import suppress
 from itertools import islice
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -304,11 +304,12 @@ def candidates(scope: Scope | None = None, batch: Any = None,
 
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
-                loss: torch.Tensor | None = None, new_loss: bool = False) -> str | None:
+                loss: torch.Tensor | None = None, new_loss: bool = False, fresh: Collection[str] = ()) -> str | None:
     """Name of a tensor whose ``grad_fn`` is ``node`` (or whose graph reaches it: of those, the nearest, then the
     first of the shape ``node`` made, as a state carried from step to step keeps its shape, `h` rather than the
     `out` of ``out, h = rnn(x, h)``); a local variable holding ``loss`` (a plain loop's ``loss = ...``, made in
-    the step) does not count, nor, with ``new_loss``, any variable holding it. Deeper inside the objects the
+    the step) does not count, nor, with ``new_loss``, any variable holding it, nor the tensors in the variables
+    named in ``fresh`` (``outs`` of ``local outs[0]``). Deeper inside the objects the
     variables hold (``candidates``' ``deep``: a torch.distributions object built before the loop), one made by
     ``node`` counts in the order searched, one reaching it only if no nearer name does; the fix builds that object
     again. A dict's entry made by ``node`` gives way to a variable holding the same tensor."""
@@ -319,7 +320,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
                 return name
             continue
         fn = tensor.grad_fn
-        if fn is None or (tensor is loss and (new_loss or name.startswith("local "))):
+        if fn is None or (tensor is loss and (new_loss or name.startswith("local "))) or _variable(name) in fresh:
             continue
         if fn is node and type(name) is str and name.endswith("]"):
             # SentenceTransformer's forward stores its output in the dict of features it is handed:
@@ -346,6 +347,11 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def _variable(name: str) -> str:
+    """The variable a holder's name starts from: `outs` of `local outs[0]`, and of `outs[0].x` inside an object."""
+    return re.match(r"(?:(?:local|global|closure) )?(\w*)", name.owner if isinstance(name, Inside) else name).group(1)
 
 
 def _made_from(tensor: torch.Tensor, other: torch.Tensor, limit: int = 2_000) -> bool:

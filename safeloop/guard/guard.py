@@ -46,7 +46,7 @@ from ..errors import (
     user_stacklevel,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
-from . import explain, walk
+from . import bytecode, explain, walk
 from .explain import Scope
 from .prints import Prints
 from .render import render
@@ -945,14 +945,20 @@ class Guard:
         tensor outside the step holds is taken for such a node; a later step reaching it again
         shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die; nor any
-        variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs.)
+        variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs; nor a
+        variable that the loop set in this iteration, before the backward, to what a call returned (``outs =
+        list(pool.map(...))``, see ``bytecode.set_by_calls``), unless the last backward ran the node, retaining it
+        (``h = cell(x, h)`` back-propagated with retain_graph=True).)
         ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
         found by ``_check_ran``): it outlived that backward, whether anything but the loss holds it or not (a
         value kept on ``self`` and replaced by this step's before the backward: HF's ``compute_loss``).
         """
         new = case.loss.grad_fn is not None and self.start_seq is not None and walk.HAS_SEQ \
             and sequence_nr(case.loss.grad_fn) >= self.start_seq
-        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new)
+        ran = walk.HAS_SEQ and sequence_nr(node) in self._ran_last
+        fresh = bytecode.set_by_calls(self.frame) if self.frame is not None and not ran else ()
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
+                                     fresh=fresh)
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         if first and holder is None and not freed:
             return False, None

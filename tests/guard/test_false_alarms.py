@@ -173,11 +173,6 @@ def ensemble_in_a_pool(guard=None):
     return [p.detach().clone() for m in members for p in m.parameters()]
 
 
-@pytest.mark.xfail(strict=True, raises=(CarriedGraphError, GraphReuseError, Warning),
-                   reason="in a plain loop the node numbers of the pool's threads are taken for a graph built before "
-                          "the step, held by `outs`, a variable of the loop: a GraphSharingWarning or GraphReuseError "
-                          "at step 1, or a CarriedGraphError at step 2, as the threads' numbers fall (docs/guard.md, "
-                          "Threads)")
 def test_an_ensemble_run_in_a_thread_pool_in_a_plain_loop_trains_as_without_the_guard():
     from safeloop import GraphGuard
 
@@ -185,6 +180,36 @@ def test_an_ensemble_run_in_a_thread_pool_in_a_plain_loop_trains_as_without_the_
         warnings.simplefilter("error")
         guarded = ensemble_in_a_pool(GraphGuard(check="always"))
     assert all(torch.equal(a, b) for a, b in zip(guarded, ensemble_in_a_pool(), strict=True))
+
+
+def test_a_graph_from_before_the_step_in_a_variable_the_loop_sets_by_a_call_is_still_caught():
+    """A variable the loop sets from a call before the backward holds this iteration's values (a pool's outputs),
+    but not a node the last backward ran (a state carried with retain_graph=True: `h = carry(model, x, h)`), and a
+    graph made before the loop that another variable holds is still found there (`outs = list(kept)`)."""
+    from safeloop import GraphGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt, h = torch.optim.SGD(model.parameters(), lr=0.01), None
+    guard = GraphGuard(model, opt, check="always")
+    with pytest.raises(CarriedGraphError, match=r"step 2, .*created during an earlier step and held by `local h`"):
+        for x in batches(3, (3, 4)):
+            h = carry(model, x, h)
+            opt.zero_grad()
+            guard.backward(h.pow(2).mean(), retain_graph=True)
+            opt.step()
+
+    members = [torch.nn.Linear(4, 1) for _ in range(3)]
+    opt, guard = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1), GraphGuard(check="always")
+    with ThreadPoolExecutor(2) as pool:
+        kept = list(pool.map(lambda m: m(torch.randn(8, 4)), members))
+        with pytest.raises(GraphReuseError, match=r"step 1, .*built before the step \(before the loop\) and held by "
+                                                  r"`local kept\[\d\]`"):
+            for _ in range(3):
+                outs = list(kept)
+                opt.zero_grad()
+                guard.backward(sum(o.pow(2).mean() for o in outs))
+                opt.step()
 
 
 POOL_SCRIPT = """
@@ -197,26 +222,34 @@ members = [torch.nn.Linear(4, 1) for _ in range(3)]
 opt = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
 with ThreadPoolExecutor(2) as pool:
     for x in torch.randn(4, 8, 4):
-        loss = sum(pool.map(lambda m: m(x).pow(2).mean(), members))
+{body}
         opt.zero_grad()
         guard.backward(loss) if guard is not None else loss.backward()
         opt.step()
 """
 
 
-def test_a_loss_summed_from_a_thread_pools_outputs_in_a_script_trains_as_without_the_guard(tmp_path):
-    """A script's loop holds only the loss, made in the loop's thread from the pool's outputs: the pool's nodes,
-    numbered by their threads, are the step's own (the script's `loss` is a global, which counts no more than a
-    function's local)."""
+POOL_BODIES = {
+    "summed": "        loss = sum(pool.map(lambda m: m(x).pow(2).mean(), members))",
+    "kept": "        outs = list(pool.map(lambda m: m(x), members))\n        loss = sum(o.pow(2).mean() for o in outs)",
+}
+
+
+@pytest.mark.parametrize("body", POOL_BODIES)
+def test_a_loss_summed_from_a_thread_pools_outputs_in_a_script_trains_as_without_the_guard(tmp_path, body):
+    """A script's loop holds the loss, made in the loop's thread from the pool's outputs, and perhaps the outputs, in
+    a variable the loop sets from a call: the pool's nodes, numbered by their threads, are the step's own (the
+    script's `loss` and `outs` are globals, which count no more than a function's locals)."""
     from safeloop import GraphGuard
     from safeloop.watch import Watch
 
     script = tmp_path / "pool.py"
-    script.write_text(POOL_SCRIPT)
+    source = POOL_SCRIPT.format(body=POOL_BODIES[body])
+    script.write_text(source)
 
     def run_script(guard=None):
         space = {"__name__": "__main__", "guard": guard}
-        exec(compile(POOL_SCRIPT, str(script), "exec"), space)
+        exec(compile(source, str(script), "exec"), space)
         return [p.detach().clone() for m in space["members"] for p in m.parameters()]
 
     bare = run_script()

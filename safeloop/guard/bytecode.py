@@ -1,0 +1,98 @@
+"""Reading a function's code: where the loop around a line is, and what the loop's body assigns (the guard's
+plain loops and ``watch``: a variable the loop does not assign holds what was made before it)."""
+from __future__ import annotations
+
+import dis
+
+# instructions after which the next one does not run
+FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
+             "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}
+COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
+STORES = {"STORE_NAME", "STORE_FAST", "STORE_GLOBAL", "STORE_DEREF", "DELETE_NAME", "DELETE_FAST",
+          "DELETE_GLOBAL", "DELETE_DEREF"}
+
+
+def stored(ins: dis.Instruction) -> tuple[str, ...]:
+    """The variable names an instruction assigns or deletes (Python 3.13 stores two at once: ``a, b = ...``)."""
+    if ins.opname in STORES:
+        return (ins.argval,)
+    if ins.opname == "STORE_FAST_STORE_FAST":
+        return ins.argval
+    return (ins.argval[0],) if ins.opname == "STORE_FAST_LOAD_FAST" else ()
+
+
+def loop_around(code, offset: int) -> set[int] | None:
+    """The offsets of the outermost loop's body that holds ``offset``: a tensor that an outer loop makes (WGAN-GP's
+    ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the loop. A loop is
+    a backward jump whose source its target reaches without an exception (since Python 3.12 the handlers of ``with``
+    and ``except`` sit at the function's end and jump back to the code after them: no loop); its body, the offsets
+    from its target to the jump and the handlers of the ``try`` blocks among them (3.12 puts them after the end)."""
+    flow = Flow(code)
+    best = None
+    for ins in flow.instructions:
+        target = flow.jump(ins)
+        if target is not None and target <= ins.offset and ins.offset in flow.reached([target]):
+            body = flow.body(target, ins.offset)
+            if offset in body and (best is None or len(body) > len(best)):
+                best = body
+    return best
+
+
+def set_by_calls(frame) -> frozenset[str]:
+    """The variables that the loop running ``frame`` (or a caller's loop in its file) sets, before the line it runs
+    in this iteration's order, to what a call returns (``outs = list(pool.map(...))``): values made in this iteration.
+    Not a ``for`` target, an item unpacked, nor a value read from a name, an attribute or an index
+    (``x = augmented[i][0]``): those may hand on a tensor made before the loop. Empty outside a loop."""
+    filename = frame.f_code.co_filename
+    while frame is not None and frame.f_code.co_filename == filename:
+        code = frame.f_code
+        body = loop_around(code, frame.f_lasti) if code.co_name not in COMPREHENSIONS else None
+        if body is not None:
+            before = [ins for ins in dis.get_instructions(code) if ins.offset in body and ins.offset < frame.f_lasti]
+            return frozenset(name for call, ins in zip(before, before[1:]) if call.opname.startswith("CALL")
+                             for name in stored(ins))
+        frame = frame.f_back
+    return frozenset()
+
+
+class Flow:
+    """A code object's instructions and where each goes when nothing raises."""
+
+    def __init__(self, code):
+        self.instructions = list(dis.get_instructions(code))
+        self.index = {ins.offset: k for k, ins in enumerate(self.instructions)}
+        # (where a try begins, its handler): the exception table (3.11 on), or 3.10's SETUP_* instructions
+        self.handlers = [(e.start, e.target) for e in getattr(dis.Bytecode(code), "exception_entries", ())] \
+            + [(ins.offset, ins.argval) for ins in self.instructions if ins.opname.startswith("SETUP_")]
+
+    def jump(self, ins: dis.Instruction) -> int | None:
+        """Where ``ins`` jumps to (not ``SETUP_*``'s handler, 3.10's exception edge), else None."""
+        if (ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs) and not ins.opname.startswith("SETUP_") \
+                and ins.argval in self.index:
+            return ins.argval
+        return None
+
+    def reached(self, starts: list[int], within=lambda offset: True) -> set[int]:
+        """The offsets reached from ``starts`` by falling through and jumps, staying ``within``."""
+        seen: set[int] = set()
+        todo = [self.index[s] for s in starts]
+        while todo:
+            k = todo.pop()
+            if k >= len(self.instructions) or k in seen or not within(self.instructions[k].offset):
+                continue
+            seen.add(k)
+            ins = self.instructions[k]
+            if (target := self.jump(ins)) is not None:
+                todo.append(self.index[target])
+            if ins.opname not in FLOW_ENDS:
+                todo.append(k + 1)
+        return {self.instructions[k].offset for k in seen}
+
+    def body(self, first: int, last: int) -> set[int]:
+        """The offsets from ``first`` to ``last``, and the handler code of the ``try`` blocks among them up to where
+        it goes back between the two; every byte of their instructions (a frame's ``f_lasti`` may be inside one's
+        inline caches)."""
+        handlers = [target for start, target in self.handlers if first <= start <= last and not first <= target <= last]
+        code = sorted(self.reached(handlers, within=lambda offset: not first <= offset <= last))
+        ends = {ins.offset: after.offset for ins, after in zip(self.instructions, self.instructions[1:])}
+        return set(range(first, last + 2)).union(*(range(offset, ends.get(offset, offset + 2)) for offset in code))
