@@ -280,7 +280,7 @@ def _set_up(frame, filename: str) -> bool:
     frames = list(stack(frame))
     mine = [i for i, f in enumerate(frames) if f.f_code.co_filename == filename]
     return bool(mine) and all(frames[i].f_code.co_filename == filename for i in range(mine[0], mine[-1])) and all(
-        frames[i].f_code.co_name in _COMPREHENSIONS or _loop_around(frames[i].f_code, frames[i].f_lasti) is None
+        frames[i].f_code.co_name in COMPREHENSIONS or loop_around(frames[i].f_code, frames[i].f_lasti) is None
         for i in mine)
 
 

@@ -947,22 +947,31 @@ class Guard:
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die; nor any
         variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs; nor a
         variable that the loop set in this iteration, before the backward, to what a call returned (``outs =
-        list(pool.map(...))``, see ``bytecode.set_by_calls``), unless the last backward ran the node, retaining it
-        (``h = cell(x, h)`` back-propagated with retain_graph=True).)
+        list(pool.map(...))``, see ``bytecode.set_by_calls``), for a node that no backward ran (the last one ran
+        ``h = cell(x, h)`` with retain_graph=True).)
         ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
         found by ``_check_ran``): it outlived that backward, whether anything but the loss holds it or not (a
         value kept on ``self`` and replaced by this step's before the backward: HF's ``compute_loss``).
         """
         new = case.loss.grad_fn is not None and self.start_seq is not None and walk.HAS_SEQ \
             and sequence_nr(case.loss.grad_fn) >= self.start_seq
-        ran = walk.HAS_SEQ and sequence_nr(node) in self._ran_last
-        fresh = bytecode.set_by_calls(self.frame) if self.frame is not None and not ran else ()
-        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
-                                     fresh=fresh)
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new)
+        if first and not freed and holder is not None and self._held_by_this_iteration(node, case, new):
+            holder = None
         if first and holder is None and not freed:
             return False, None
         return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss)
+
+    def _held_by_this_iteration(self, node, case: Case, new: bool) -> bool:
+        """Whether only the variables that the plain loop set in this iteration from a call hold ``node`` (see
+        ``_kept``), and the last backward did not run it. (Only the verdict: a holder found beside them names it,
+        `batch[i]['target']` of ``batch = [t[0] for t in buffer.sample(8)]`` rather than the buffer it came from.)"""
+        if self.frame is None or (walk.HAS_SEQ and sequence_nr(node) in self._ran_last):
+            return False
+        fresh = bytecode.set_by_calls(self.frame)
+        return explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
+                                   fresh=fresh) is None
 
     def backward_done(self, retained: bool | None, inputs=None, captured: bool = False) -> None:
         """The loss pre-flighted last was back-propagated (with ``inputs``; ``captured``: by ``torch.autograd.grad``,
