@@ -39,17 +39,21 @@ def loop_around(code, offset: int) -> set[int] | None:
 
 
 def set_by_calls(frame) -> frozenset[str]:
-    """The variables that the loop running ``frame`` (or a caller's loop in its file) sets, before the line it runs
-    in this iteration's order, to what a call returns (``outs = list(pool.map(...))``): values made in this iteration.
-    Not a ``for`` target, an item unpacked, nor a value read from a name, an attribute or an index
-    (``x = augmented[i][0]``): those may hand on a tensor made before the loop. Empty outside a loop."""
+    """The variables that the loop running ``frame`` (or a caller's loop in its file) sets, on every way from the
+    loop's top to the line it runs, to what a call returns (``outs = list(pool.map(...))``): values made in this
+    iteration. Not one set in a branch (``if fix: adv = fgm(...)``), a ``for`` target, an item unpacked, nor a value
+    read from a name, an attribute or an index (``x = augmented[i][0]``): those may hand on a tensor made before the
+    loop. Empty outside a loop."""
     filename = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename == filename:
         code = frame.f_code
         body = loop_around(code, frame.f_lasti) if code.co_name not in COMPREHENSIONS else None
         if body is not None:
-            before = [ins for ins in dis.get_instructions(code) if ins.offset in body and ins.offset < frame.f_lasti]
+            flow = Flow(code)
+            before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= frame.f_lasti]
+            here, top = before[-1].offset, min(body)  # (the line's instruction: f_lasti may be in its inline caches)
             return frozenset(name for call, ins in zip(before, before[1:]) if call.opname.startswith("CALL")
+                             and here not in flow.reached([top], within=lambda offset: offset != ins.offset)
                              for name in stored(ins))
         frame = frame.f_back
     return frozenset()

@@ -946,7 +946,7 @@ class Guard:
         shows it was kept after all. (Only a named holder counts, and not a plain loop's local variable
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die; nor any
         variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs; nor a
-        variable that the loop set in this iteration, before the backward, to what a call returned (``outs =
+        variable that the loop sets on every way to the backward to what a call returns (``outs =
         list(pool.map(...))``, see ``bytecode.set_by_calls``), for a node that no backward ran (the last one ran
         ``h = cell(x, h)`` with retain_graph=True).)
         ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
@@ -964,7 +964,7 @@ class Guard:
         return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss)
 
     def _held_by_this_iteration(self, node, case: Case, new: bool) -> bool:
-        """Whether only the variables that the plain loop set in this iteration from a call hold ``node`` (see
+        """Whether only the variables that the plain loop sets in each iteration from a call hold ``node`` (see
         ``_kept``), and the last backward did not run it. (Only the verdict: a holder found beside them names it,
         `batch[i]['target']` of ``batch = [t[0] for t in buffer.sample(8)]`` rather than the buffer it came from.)"""
         if self.frame is None or (walk.HAS_SEQ and sequence_nr(node) in self._ran_last):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributions import AffineTransform, Normal, TransformedDistribution
 
-from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphLifecycleError, GraphReuseError
+from safeloop import DoubleBackwardError, GraphGuard, GraphLifecycleError, GraphReuseError
 from safeloop.watch import Watch
 
 
@@ -260,49 +260,3 @@ def test_a_target_stored_with_the_critics_graph_is_advised_no_grad_as_a_target()
         fixed = critic_loop(GraphGuard(check="always"), no_grad=True)
     assert all(torch.equal(a, b) for a, b in zip(fixed, critic_loop(None, no_grad=True), strict=True))
 
-
-
-def td_targets_loop(guard, no_grad: bool):
-    """DQN by hand (pfrl's ``ReplayBuffer`` kept transitions so): each transition stored with its TD target, computed
-    from the online network as it is collected; once 16 are stored, each step an update on 8 sampled transitions
-    against their stored targets. Without ``torch.no_grad()`` a sampled target keeps the network's graph."""
-    torch.manual_seed(0)
-    q_func = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    opt = torch.optim.Adam(q_func.parameters(), lr=1e-2)
-    buffer, states, gen = [], torch.randn(31, 4), torch.Generator().manual_seed(1)
-    for t in range(30):
-        with torch.no_grad() if no_grad else warnings.catch_warnings():
-            target = 1.0 + 0.9 * q_func(states[t + 1]).max()
-        buffer.append({"state": states[t], "action": t % 2, "target": target})
-        if len(buffer) < 16:
-            continue
-        batch = [buffer[i] for i in torch.randperm(len(buffer), generator=gen)[:8].tolist()]
-        q = q_func(torch.stack([b["state"] for b in batch])).gather(1, torch.tensor([[b["action"]] for b in batch]))
-        loss = torch.nn.functional.smooth_l1_loss(q.squeeze(1), torch.stack([b["target"] for b in batch]))
-        opt.zero_grad()
-        backward(guard, loss)
-        opt.step()
-    return state(q_func)
-
-
-@pytest.mark.parametrize("how", ["watch", "guard"])
-def test_a_target_stored_as_it_is_collected_is_advised_no_grad_as_a_target(how):
-    """Made during the loop, a sampled target is carried from an earlier step (under ``watch`` too, where pfrl's
-    showed it): its fixes say to compute it under ``torch.no_grad()`` if it is a target, beside those of a cache and
-    of a carried state. Bare, a later update fails in backward: a sampled target's graph saved the weights an update
-    has since changed."""
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        td_targets_loop(None, no_grad=False)
-    guard = GraphGuard(check="always") if how == "guard" else None
-    with Watch(GraphGuard(check="always"), __file__) if how == "watch" else warnings.catch_warnings(), \
-            pytest.raises(CarriedGraphError, match=re.escape("created during an earlier step and held by `local batch[")
-                          + r"\d\]\['target'\]`.*" + re.escape(
-                              "or if it is a target the loss compares with, not a value to train through (a value "
-                              "target or an advantage computed with the critic and stored in a replay buffer), compute "
-                              "it under `torch.no_grad()` (no gradient through it into `q_func.2.weight`")):
-        td_targets_loop(guard, no_grad=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Watch(GraphGuard(check="always"), __file__) if how == "watch" else warnings.catch_warnings():
-            fixed = td_targets_loop(GraphGuard(check="always") if how == "guard" else None, no_grad=True)
-    assert all(torch.equal(a, b) for a, b in zip(fixed, td_targets_loop(None, no_grad=True), strict=True))

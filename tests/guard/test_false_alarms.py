@@ -1,5 +1,7 @@
 """Correct programs the guard once raised on, or changed: each runs clean and bit-identical to its
 hand-written loop in every check mode; the mistake next to it is still caught."""
+import random
+import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -182,10 +184,23 @@ def test_an_ensemble_run_in_a_thread_pool_in_a_plain_loop_trains_as_without_the_
     assert all(torch.equal(a, b) for a, b in zip(guarded, ensemble_in_a_pool(), strict=True))
 
 
+class Replay:
+    """A replay buffer keeping its transitions in a queue of its own, in two lists (pfrl's ``ReplayBuffer`` does so:
+    ``buffer.memory._queue_back``)."""
+
+    def __init__(self, transitions):
+        self.memory = types.SimpleNamespace(front=[], back=types.SimpleNamespace(items=transitions))
+
+    def sample(self, rng, n):
+        return rng.sample(self.memory.front + self.memory.back.items, n)
+
+
 def test_a_graph_from_before_the_step_in_a_variable_the_loop_sets_by_a_call_is_still_caught():
     """A variable the loop sets from a call before the backward holds this iteration's values (a pool's outputs),
-    but not a node the last backward ran (a state carried with retain_graph=True: `h = carry(model, x, h)`), and a
-    graph made before the loop that another variable holds is still found there (`outs = list(kept)`)."""
+    but not a node the last backward ran (a state carried with retain_graph=True: `h = carry(model, x, h)`), nor what
+    it holds when set only in a branch (`if remake: adv = model(x)`, FGM's fix branch); a graph made before the loop
+    that another variable holds is still found (`outs = list(kept)`), and named where the loop reads it
+    (`batch[i]['target']` of `batch = buffer.sample(rng, 4)`, not inside the buffer)."""
     from safeloop import GraphGuard
 
     torch.manual_seed(0)
@@ -210,6 +225,27 @@ def test_a_graph_from_before_the_step_in_a_variable_the_loop_sets_by_a_call_is_s
                 opt.zero_grad()
                 guard.backward(sum(o.pow(2).mean() for o in outs))
                 opt.step()
+
+    model, remake = torch.nn.Linear(4, 1), False
+    adv = model(torch.randn(8, 4))
+    opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), GraphGuard(model, check="always")
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local adv`"):
+        for x in batches(3, (8, 4)):
+            if remake:
+                adv = model(x)
+            opt.zero_grad()
+            guard.backward((model(x) - adv).pow(2).mean())
+            opt.step()
+
+    rng, q = random.Random(0), torch.nn.Linear(4, 2)
+    buffer = Replay([{"state": x, "target": q(x).max()} for x in batches(8, (4,))])
+    opt, guard = torch.optim.SGD(q.parameters(), lr=0.1), GraphGuard(q, check="always")
+    with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local batch\[\d\]\['target'\]`"):
+        for _ in range(3):
+            batch = buffer.sample(rng, 4)
+            opt.zero_grad()
+            guard.backward(sum((q(b["state"]).max() - b["target"]) ** 2 for b in batch))
+            opt.step()
 
 
 POOL_SCRIPT = """
