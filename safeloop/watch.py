@@ -104,7 +104,9 @@ class Watch:
             # the guard explains it)
             if not updates and self.first_update is None and all(t.grad_fn is not None for t in tensors) \
                     and _set_up(frame, self.script):
-                return run(retain_graph)
+                result = run(retain_graph)
+                self.guard.guard.start_fit()  # what the script made until now, it made before training
+                return result
             self.started = True
             self.first_step(frame)
         # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling

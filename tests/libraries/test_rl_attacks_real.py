@@ -513,20 +513,9 @@ def test_adversarial_embeddings_made_before_the_loop_are_stopped_at_the_first_st
 
 
 @needs_attacks
-def test_adversarial_embeddings_made_before_the_loop_are_stopped_under_watch():
-    """Under ``watch`` FGM's ``autograd.grad`` before the loop is set-up; the loop assigns ``adv`` too (its fix
-    branch), so the graph it holds is taken for step 1's, and its reuse is stopped at step 2, before the backward
-    that fails bare, naming ``adv`` and advising to make it again every step."""
-    with pytest.raises(safeloop.CarriedGraphError, match=r"step 2, .*held by `local adv`.*To fix: make `adv` again "
-                                                         r"every step"):
-        attack_run("watch", fgm_loop, text_build)
-
-
-@needs_attacks
-@pytest.mark.xfail(strict=True, raises=safeloop.CarriedGraphError, reason="the loop assigns `adv` too (in its fix "
-                   "branch), so watch takes the graph `adv` holds at the first backward for the loop's own: its reuse "
-                   "is a CarriedGraphError at step 2 (the test above), not a GraphReuseError at step 1")
 def test_adversarial_embeddings_made_before_the_loop_are_stopped_at_the_first_step_under_watch():
+    """Under ``watch`` FGM's ``autograd.grad`` before the loop is set-up: what the script made until then counts as
+    made before training, so ``adv`` (which the loop's fix branch also assigns) is stopped at step 1."""
     with pytest.raises(GraphReuseError, match=r"step 1, .*held by `local adv`"):
         attack_run("watch", fgm_loop, text_build)
 

@@ -26,6 +26,7 @@ def run(rank, world, init_file):
             print(f"step {step}: loss {loss.item():.6f}")
     if rank == 0:
         print(f"weight sum {model.module.weight.sum().item():.6f}")
+    del model, opt  # the wrapper keeps the group's threads alive: gone before the group ends
     dist.destroy_process_group()
 
 

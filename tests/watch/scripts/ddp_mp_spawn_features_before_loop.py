@@ -18,12 +18,15 @@ def run(rank, world, init_file):
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
     feat = encoder(x)
-    for step in range(3):
-        loss = nn.functional.mse_loss(head(feat), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    dist.destroy_process_group()
+    try:
+        for step in range(3):
+            loss = nn.functional.mse_loss(head(feat), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        del head, opt  # the wrapper keeps the group's threads alive: gone before the group ends
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
