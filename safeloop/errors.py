@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -187,3 +188,46 @@ def user_stacklevel() -> int:
                                         or Path(frame.f_code.co_filename).name in _PASSED):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_at(warning: Warning, where: tuple | None = None, heeded: list | None = None) -> None:
+    """Warn at ``where`` (file name, line, module globals), else at the user's line that called into safeloop (see
+    ``user_stacklevel``): there the user's warning filters and file name apply.
+
+    ``heeded``: under watch, the warning filters set before the script ran (``-W``, ``PYTHONWARNINGS``). A filter
+    the script added since that names no message, module, line or safeloop warning class (a blanket
+    ``warnings.filterwarnings("ignore")``, common at the top of public scripts, meant for its libraries' noise)
+    does not hide the guard's warnings, which are what the script is watched for: they are shown as the filters
+    after it say. A filter naming a safeloop warning class, or a message or module, still applies."""
+    if heeded is None:
+        _warn(warning, where)
+        return
+    if where is None:
+        frame = sys._getframe(user_stacklevel() - 1)  # what warnings.warn(stacklevel=...) would name from here
+        filename, lineno, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "")
+    else:
+        filename, lineno, module = where[0], where[1], where[0][:-3] if where[0].endswith(".py") else where[0]
+    blanket = False
+    for item in warnings.filters:  # the first filter that matches decides, as in warnings.warn_explicit
+        action, message, category, mod, line = item
+        if (message is None or message.match(str(warning))) and isinstance(warning, category) \
+                and (mod is None or mod.match(module)) and line in (0, lineno):
+            if not (action == "ignore" and message is mod is None and line == 0 and item not in heeded
+                    and not issubclass(category, GraphLifecycleWarning)):
+                break
+            blanket = True
+    else:
+        action = warnings.defaultaction
+    if not blanket:
+        _warn(warning, where)
+    elif action == "error":
+        raise warning
+    elif action != "ignore":
+        warnings.showwarning(warning, type(warning), filename, lineno)
+
+
+def _warn(warning: Warning, where: tuple | None) -> None:
+    if where is None:
+        warnings.warn(warning, stacklevel=user_stacklevel())
+    else:
+        warnings.warn_explicit(warning, type(warning), where[0], where[1], module_globals=where[2])

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -85,6 +86,7 @@ class Watch:
         # from an optimizer's step() on, a step ends at each optimizer step: the backwards an L-BFGS closure runs
         # inside step() are that step's (the post hook ends it)
         self.hooks = (register_optimizer_step_pre_hook(self.stepping), register_optimizer_step_post_hook(self.stepped))
+        self.guard.guard.heeded = list(warnings.filters)  # a blanket filter the script adds hides no finding (warn_at)
         return self
 
     def __exit__(self, *exc) -> None:

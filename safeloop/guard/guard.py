@@ -18,7 +18,6 @@ import os
 import re
 import time
 import types
-import warnings
 import weakref
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from ..errors import (
     NoGraphError,
     StepError,
     UnusedGradientWarning,
-    user_stacklevel,
+    warn_at,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
@@ -161,6 +160,7 @@ class Guard:
         # was handed to them by then (see ``at_update``): (warning, where to warn, their gradients then, those a later
         # backward reached)
         self._untrained: list[tuple[Warning, tuple | None, dict, set[int]]] = []
+        self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
@@ -655,20 +655,13 @@ class Guard:
         for warning, where, before, written in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
-            if where is None:
-                warnings.warn(warning, stacklevel=user_stacklevel())
-            else:
-                warnings.warn_explicit(warning, type(warning), where[0], where[1], module_globals=where[2])
+            warn_at(warning, where, self.heeded)
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
         into safeloop (``trainer.fit()``): there the user's warning filters and their own file name apply."""
         frame = frame or self.frame
-        if frame is None:
-            warnings.warn(warning, stacklevel=user_stacklevel())
-        else:
-            warnings.warn_explicit(warning, type(warning), frame.f_code.co_filename, frame.f_lineno,
-                                   module_globals=frame.f_globals)
+        warn_at(warning, frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_globals), self.heeded)
 
     def _watch(self, root, nodes, before=()) -> _Sentinel:
         """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep

@@ -179,6 +179,9 @@ LEAKED = {
     # a step whose first call is an attack's torch.autograd.grad, whose graph dies with it: the loss's graph is watched
     "adversarial_training_running_loss": r"adversarial_training_running_loss.py:14: GraphLeakWarning: .*\(step 2\).*"
                                          r"held by `global total`",
+    # the same under a blanket warnings.filterwarnings("ignore") at the script's top: the guard's warning is shown
+    "blanket_ignore_running_sum": r"blanket_ignore_running_sum.py:16: GraphLeakWarning: .*\(step 2\).*held by "
+                                  r"`global running`",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
@@ -313,6 +316,24 @@ def test_a_scripts_own_warnings_are_shown_as_often_as_without_watch(tmp_path):
     assert watched.returncode == 0
     # what Python prints without watch: the warning, once, and the line that warns
     assert watched.stderr == f"{script}:7: UserWarning: a warning of the script\n  warnings.warn('a warning of the script')\n"
+
+
+@pytest.mark.parametrize("line, python_options, shown", [
+    ('warnings.filterwarnings("ignore", category=UserWarning)', [], True),  # names no warning of safeloop's
+    ('warnings.filterwarnings("ignore", message="autograd graph kept alive")', [], False),
+    ('warnings.filterwarnings("ignore", category=safeloop.GraphLeakWarning)', [], False),
+    ('warnings.filterwarnings("ignore")', ["-W", "ignore"], False),  # the command line's filter applies
+])
+def test_only_a_scripts_blanket_warning_filter_lets_the_guards_warnings_through(tmp_path, line, python_options, shown):
+    """A filter the script adds that names no message, module or safeloop warning hides none of the guard's
+    warnings; one that names them, or one given on the command line (``-W``), does, as without watch."""
+    source = (SCRIPTS / "blanket_ignore_running_sum.py").read_text()
+    script = tmp_path / "train.py"
+    script.write_text(source.replace('warnings.filterwarnings("ignore")', f"import safeloop\n{line}"))
+    proc = run(*python_options, "-m", "safeloop.watch", str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("mean loss ")
+    assert ("GraphLeakWarning: autograd graph kept alive after its step (step 2)" in proc.stderr) == shown, proc.stderr
 
 
 def test_the_script_runs_as_the_same_main_module_as_without_watch(tmp_path):
