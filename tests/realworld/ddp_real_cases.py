@@ -51,6 +51,7 @@ Trainer, then the public loop it ports (DistributedDataParallel by hand), and sa
 """
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import warnings
@@ -1425,4 +1426,5 @@ if __name__ == "__main__":
     for name in sys.argv[2:]:
         torch.save(result(name, out_dir), out_dir / f"{name}_rank{dist.get_rank()}.pt")
         dist.barrier()
+    gc.collect()  # the cases' DDP wrappers, kept only by reference cycles: freed before their process group ends
     dist.destroy_process_group()
