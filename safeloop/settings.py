@@ -344,11 +344,15 @@ def samples_problem(name: str, data) -> str | None:
         return (f"{name} is a Tensor: iterated, it gives one unbatched row per step. Pass batches: "
                 "DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True) (from torch.utils.data)")
     if isinstance(data, (list, tuple)) and data and all(isinstance(d, torch.utils.data.DataLoader) for d in data):
+        each = {"val_data": "; for a metric of each (Lightning's dataloader_idx): val_data=the first, and in "
+                            "on_validation_end(metrics), metrics['val_other'] = self.test(other)['test_loss']",
+                "test data": "; for the metrics of each, as Lightning's list gives them: trainer.test(loader) for "
+                             "each loader",
+                "predict data": "; for the predictions of each, as Lightning's list gives them: "
+                                "trainer.predict(loader) for each loader"}
         return (f"{name} is a {type(data).__name__} of {len(data)} DataLoaders: safeloop reads one iterable of "
-                "batches. For one loader over them all: DataLoader(ConcatDataset([...]), ...) (torch.utils.data)" +
-                ("; for a metric of each (Lightning's dataloader_idx): val_data=the first, and in "
-                 "on_validation_end(metrics), metrics['val_other'] = self.test(other)['test_loss']"
-                 if name == "val_data" else ""))
+                "batches. For one loader over them all: DataLoader(ConcatDataset([...]), ...) (torch.utils.data)"
+                + each.get(name, ""))
     if not isinstance(data, torch.utils.data.Dataset) or isinstance(data, torch.utils.data.IterableDataset):
         return None
     one = "each step would train on one unbatched sample" if name == "train_data" else "each batch would be one sample"
@@ -399,6 +403,27 @@ LIGHTNING_SETTINGS = {
     "accelerator": "device ('cpu', 'cuda', 'auto')", "devices": "launch with torchrun --nproc-per-node=N",
     "num_nodes": "launch with torchrun --nnodes=N", "logger": "loggers", "enable_checkpointing": "checkpoint=False",
     "reload_dataloaders_every_n_epochs": "set self.train_data in on_epoch_start",
+    # not max_epochs / max_steps, which the closest names would suggest: those are the most, these the least
+    **dict.fromkeys(("min_epochs", "min_steps"),
+                    "no minimum: a stop asked for (EarlyStopping, request_stop) ends the run after that step, however "
+                    "early. Leave it out where no stop can come before it (min_epochs=1 with validation at each "
+                    "pass's end or less often); max_epochs and max_steps are the most, not the least"),
+    "num_sanity_val_steps": "no setting: with val_data, a whole validation runs before the first step (logged at "
+                            "step 0; EarlyStopping, checkpoint.monitor and a plateau scheduler only check there that "
+                            "their metric is reported)",
+    "limit_test_batches": "trainer.test(itertools.islice(loader, N)) (a fraction f: N = int(f * len(loader)))",
+    "limit_predict_batches": "trainer.predict(itertools.islice(loader, N)) (a fraction f: N = int(f * len(loader)))",
+    "fast_dev_run": "max_steps=N, val_data=list(itertools.islice(loader, N)), checkpoint=False, loggers=[] "
+                    "(True: N=1)",
+    "overfit_batches": "train_data=batches and val_data=batches, batches = list(itertools.islice(loader, N)) of a "
+                       "loader without shuffle",
+    "profiler": "profile=N (a torch.profiler trace of N steps in run_dir)",
+    "inference_mode": "validation, test and predict run under torch.no_grad() (Lightning's inference_mode=False)",
+    "benchmark": "set torch.backends.cudnn.benchmark before fit()",
+    "sync_batchnorm": "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before making the Trainer",
+    "enable_model_summary": "no summary is printed: leave it out",
+    "plugins": "precision=... (a MixedPrecision plugin's), and configure_grad_scaler() returning its GradScaler",
+    "barebones": "progress=False, loggers=[], checkpoint=False",
 }
 
 

@@ -60,6 +60,29 @@ def test_a_lightning_trainer_argument_is_refused_with_safeloops_way_in_python_an
         compose(["trainer.gradient_clip_val=1"])
 
 
+def test_lightnings_minimums_are_not_taken_for_the_maximums_their_names_are_close_to():
+    """The lightning-hydra-template's ``trainer: {min_epochs: 1, ...}``: the closest setting's name, max_epochs, would
+    turn the least into the most. Each minimum says there is none here (a stop ends the run however early), in
+    Python and on the command line, and suggests no maximum; so do the other Lightning arguments a port keeps."""
+    minimum = ("no minimum: a stop asked for (EarlyStopping, request_stop) ends the run after that step, however "
+               "early. Leave it out where no stop can come before it (min_epochs=1 with validation at each pass's "
+               "end or less often); max_epochs and max_steps are the most, not the least")
+    with pytest.raises(ConfigError) as info:
+        trainer(min_epochs=1, min_steps=100, num_sanity_val_steps=0, fast_dev_run=True)
+    assert info.value.problems == [
+        f"Trainer has no setting 'min_epochs': that is Lightning's; here: {minimum}",
+        f"Trainer has no setting 'min_steps': that is Lightning's; here: {minimum}",
+        "Trainer has no setting 'num_sanity_val_steps': that is Lightning's; here: no setting: with val_data, a whole "
+        "validation runs before the first step (logged at step 0; EarlyStopping, checkpoint.monitor and a plateau "
+        "scheduler only check there that their metric is reported)",
+        "Trainer has no setting 'fast_dev_run': that is Lightning's; here: max_steps=N, "
+        "val_data=list(itertools.islice(loader, N)), checkpoint=False, loggers=[] (True: N=1)"]
+    for override in ("trainer.min_epochs=1", "trainer.min_steps=5"):
+        with pytest.raises(ConfigError) as info:
+            compose([override])
+        assert str(info.value).endswith(f"that is Lightning's; here: {minimum}") and "did you mean" not in str(info.value)
+
+
 def test_every_bad_override_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
         compose(["trainer.max_steps=lots", "optimzer=sgd", "checkpoint.evry=5"])

@@ -24,7 +24,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 import safeloop  # noqa: E402
 
-from .common import Lit, Port, adam, assert_same, lightning, loader, net, settings  # noqa: E402
+from .common import Lit, Port, adam, assert_same, lightning, loader, net, settings, sgd  # noqa: E402
 from .test_parity2 import PlainRecorder, Recorder  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:pytorch_lightning", "ignore::Warning:lightning_fabric")
@@ -516,6 +516,12 @@ LIGHTNING_ARGUMENTS = {
     "detect_anomaly": (True, "trace"),
     "enable_progress_bar": (False, "progress"),
     "default_root_dir": ("runs", "run_dir"),
+    "min_epochs": (1, "no minimum"),
+    "min_steps": (10, "no minimum"),
+    "num_sanity_val_steps": (0, "a whole validation runs before the first step"),
+    "limit_test_batches": (2, "islice"),
+    "fast_dev_run": (True, "max_steps=N"),
+    "profiler": ("simple", "profile=N"),
 }
 
 
@@ -526,6 +532,33 @@ def test_a_lightning_trainer_argument_is_refused_naming_safeloops_way(name):
     with pytest.raises(safeloop.ConfigError) as refused:
         Port(model=net(), train_data=loader(), optimizer=adam, **settings(max_steps=1), **{name: value})
     assert "Lightning" in str(refused.value) and instead in str(refused.value)
+
+
+@pytest.mark.parametrize("every, lightnings", [({}, (14, 14)), ({"val_check_interval": 3}, (6, 7))],
+                         ids=["each epoch", "every 3 batches"])
+def test_min_epochs_one_is_refused_naming_no_maximum_and_changes_nothing_with_validation_each_epoch(every, lightnings):
+    """The lightning-hydra-template's ``min_epochs=1`` with ``EarlyStopping("val_loss", patience=1)``, SGD at 0.3:
+    Lightning stops after step 14 with it as without it where validation runs at each epoch's end; every 3 batches,
+    it puts off the stop asked after step 6 to the first epoch's end. safeloop refuses it naming no maximum (the
+    closest name, ``max_epochs``, would train one epoch), and without it stops where Lightning does without it."""
+    def lit_run(**kwargs):
+        validation = {"check_val_every_n_epoch": None, **every} if every else {}
+        trainer = lightning(max_epochs=10, callbacks=[pl.callbacks.EarlyStopping("val_loss", patience=1)],
+                            **validation, **kwargs)
+        trainer.fit(Lit(configure=lambda m: sgd(m.parameters(), 0.3)), train_dataloaders=loader(),
+                    val_dataloaders=loader(n=6, seed=2))
+        return trainer.global_step
+
+    def port(**kwargs):
+        return Port(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, 0.3),
+                    callbacks=[safeloop.EarlyStopping("val_loss", patience=1)],
+                    **settings(max_epochs=10, val_every=every.get("val_check_interval", 7), **kwargs))
+
+    assert (lit_run(), lit_run(min_epochs=1)) == lightnings
+    with pytest.raises(safeloop.ConfigError, match="min_epochs': that is Lightning's; here: no minimum") as refused:
+        port(min_epochs=1)
+    assert "did you mean" not in str(refused.value)
+    assert port().fit().step == lightnings[0]
 
 
 # -- Lightning-AI/tutorials, course_UvA-DL/07-deep-energy-based-generative-models/Deep_Energy_Models.py (commit

@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import math
 import os
+import re
 import signal
 import threading
 import warnings
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import Callback, ConfigError, ConfigWarning, EarlyStopping, NoGraphError, StepError, Trainer
+from safeloop import Callback, ConfigError, ConfigWarning, EarlyStopping, StepError, Trainer
 
 QUIET = dict(device="cpu", progress=False, loggers=())
 
@@ -822,7 +823,8 @@ def test_validate_after_fit_with_the_default_metrics_file_returns_and_logs_its_m
 def test_several_test_loaders_are_refused_as_several_validation_loaders_are():
     """Lightning's ``trainer.test(model, dataloaders=[test_a, test_b])`` (docs/source-pytorch/common/
     evaluation_intermediate.rst), ported as docs/trainer.md's table says, ``trainer.test([test_a, test_b])``: the
-    same ``ConfigError`` as ``val_data=[a, b]``, naming the list of DataLoaders and what to pass instead."""
+    same ``ConfigError`` as ``val_data=[a, b]``, naming the list of DataLoaders and what to pass instead: for test and
+    predict, one call per loader (Lightning's list gives one result per loader), not one loader over them all."""
     test_a = DataLoader(classes(8, 1), batch_size=4)
     test_b = DataLoader(classes(6, 2), batch_size=3)
     with pytest.raises(ConfigError, match="val_data is a list of 2 DataLoaders"):
@@ -830,8 +832,13 @@ def test_several_test_loaders_are_refused_as_several_validation_loaders_are():
                    max_steps=1, optimizer=sgd, **QUIET)
     trainer = Classifier(model=Net(), train_data=DataLoader(classes(8, 0), batch_size=4), max_steps=1, optimizer=sgd,
                          **QUIET)
-    with pytest.raises(ConfigError, match="list of 2 DataLoaders"):
+    with pytest.raises(ConfigError, match=re.escape("test data is a list of 2 DataLoaders") + ".*" + re.escape(
+            "for the metrics of each, as Lightning's list gives them: trainer.test(loader) for each loader")):
         trainer.test([test_a, test_b])
+    with pytest.raises(ConfigError, match=re.escape("predict data is a list of 2 DataLoaders") + ".*" + re.escape(
+            "for the predictions of each, as Lightning's list gives them: trainer.predict(loader) for each loader")):
+        trainer.predict([test_a, test_b])
+    assert trainer.test(test_b) == trainer.test([batch for batch in test_b])  # what the advice gives: the loader's own
 
 
 # -- self.log of a per-sample tensor in validation_step
