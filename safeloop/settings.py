@@ -394,7 +394,8 @@ LIGHTNING_SETTINGS = {
     "accumulate_grad_batches": "grad_accum", "gradient_clip_val": "grad_clip (the norm)",
     "gradient_clip_algorithm": "grad_clip is the norm; for 'value', torch.nn.utils.clip_grad_value_ in "
                                "on_before_optimizer_step",
-    "val_check_interval": "val_every=N (optimizer steps, counted across passes)",
+    "val_check_interval": "val_every=N (optimizer steps, counted across passes; a fraction f of a pass is "
+                          "int(f * len(train_data)) batches, divided by grad_accum)",
     "check_val_every_n_epoch": "val_every=k * steps per pass (math.ceil(len(train_data) / grad_accum))",
     "limit_train_batches": "train_data=an object whose __iter__ returns itertools.islice(loader, N) and __len__ N",
     "limit_val_batches": "val_data=itertools.islice(loader, N) as a list, or such an object",

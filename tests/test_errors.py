@@ -55,6 +55,10 @@ def test_a_lightning_trainer_argument_is_refused_with_safeloops_way_in_python_an
         "Trainer has no setting 'check_val_every_n_epoch': that is Lightning's; here: val_every=k * steps per pass "
         "(math.ceil(len(train_data) / grad_accum))",
         "Trainer has no setting 'detect_anomaly': that is Lightning's; here: guard={'trace': True}"]
+    with pytest.raises(ConfigError, match=re.escape(  # a fraction of a pass, as a float val_check_interval gives it
+            "'val_check_interval': that is Lightning's; here: val_every=N (optimizer steps, counted across passes; a "
+            "fraction f of a pass is int(f * len(train_data)) batches, divided by grad_accum)")):
+        trainer(val_check_interval=0.5)
     with pytest.raises(ConfigError, match=re.escape("trainer.gradient_clip_val=1: there is no config key "
                                                     "'trainer.gradient_clip_val': that is Lightning's; here: grad_clip")):
         compose(["trainer.gradient_clip_val=1"])
