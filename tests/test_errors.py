@@ -56,8 +56,8 @@ def test_a_lightning_trainer_argument_is_refused_with_safeloops_way_in_python_an
         "(math.ceil(len(train_data) / grad_accum))",
         "Trainer has no setting 'detect_anomaly': that is Lightning's; here: guard={'trace': True}"]
     with pytest.raises(ConfigError, match=re.escape(  # a fraction of a pass, as a float val_check_interval gives it
-            "'val_check_interval': that is Lightning's; here: val_every=N (optimizer steps, counted across passes; a "
-            "fraction f of a pass is int(f * len(train_data)) batches, divided by grad_accum)")):
+            "'val_check_interval': that is Lightning's; here: val_every=N (optimizer steps, counted across passes; "
+            "a fraction f of a pass is int(f * len(train_data)) batches, divided by grad_accum)")):
         trainer(val_check_interval=0.5)
     with pytest.raises(ConfigError, match=re.escape("trainer.gradient_clip_val=1: there is no config key "
                                                     "'trainer.gradient_clip_val': that is Lightning's; here: grad_clip")):
@@ -84,7 +84,8 @@ def test_lightnings_minimums_are_not_taken_for_the_maximums_their_names_are_clos
     for override in ("trainer.min_epochs=1", "trainer.min_steps=5"):
         with pytest.raises(ConfigError) as info:
             compose([override])
-        assert str(info.value).endswith(f"that is Lightning's; here: {minimum}") and "did you mean" not in str(info.value)
+        said = str(info.value)
+        assert said.endswith(f"that is Lightning's; here: {minimum}") and "did you mean" not in said
 
 
 def test_every_bad_override_is_reported_at_once():

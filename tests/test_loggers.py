@@ -261,12 +261,16 @@ def test_lightnings_self_log_options_are_taken_where_safeloop_does_the_same_and_
     assert caught.value.problems == [
         "self.log(..., on_step=True): safeloop's self.log(name, value) takes no on_step: from training_step or a "
         "step's hooks the value is written every log_every steps (Lightning's on_step), from on_epoch_end at the "
-        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it up "
-        "yourself and self.log it in on_epoch_end",
+        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). "
+        "For a training value's mean over a pass, add it up yourself and self.log it in on_epoch_end: Lightning's "
+        "mean of a logged tensor weighs each batch by its samples (value * len(x)), a torchmetrics MeanMetric each "
+        "update alike",
         "self.log(..., on_epoch=True): safeloop's self.log(name, value) takes no on_epoch: from training_step or a "
         "step's hooks the value is written every log_every steps (Lightning's on_step), from on_epoch_end at the "
-        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). For a training value's mean over a pass, add it "
-        "up yourself and self.log it in on_epoch_end",
+        "pass's end; from validation_step or test_step it is the pass's mean over the samples (Lightning's on_epoch). "
+        "For a training value's mean over a pass, add it up yourself and self.log it in on_epoch_end: Lightning's "
+        "mean of a logged tensor weighs each batch by its samples (value * len(x)), a torchmetrics MeanMetric each "
+        "update alike",
         "self.log(..., sync_dist=True): safeloop's self.log(name, value) takes no sync_dist: a validation or test "
         "value is the mean over every rank's samples already; a training value is rank zero's (all_reduce it "
         "yourself first for the ranks' mean)"]

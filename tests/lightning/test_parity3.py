@@ -418,6 +418,53 @@ def test_log_with_on_step_and_on_epoch_differs_loudly():
     assert port.state.step == 0
 
 
+class LitEpochMean(Lit):
+    """``self.log("train_mae", mae, on_step=False, on_epoch=True)``: Lightning's loggers get the pass's mean."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.model(x)
+        self.log("train_mae", F.l1_loss(out, y), on_step=False, on_epoch=True)
+        return F.mse_loss(out, y)
+
+
+class PortEpochMean(Port):
+    """The refusal's advice: each batch's value times its samples added up, ``self.log``-ged in ``on_epoch_end``."""
+
+    def on_epoch_start(self):
+        self.total = [0.0, 0]
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.total[0] += float(F.l1_loss(out, y)) * len(x)
+        self.total[1] += len(x)
+        return F.mse_loss(out, y)
+
+    def on_epoch_end(self):
+        self.log("train_mae", self.total[0] / self.total[1])
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_a_training_value_logged_on_epoch_ported_as_the_refusal_says_matches(grad_accum):
+    """14 samples in batches of 4, 4, 4 and 2, 3 epochs, with and without accumulation: the pass's mean that
+    Lightning's loggers get (each batch weighed by its samples) is what the port logs at each pass's end, to float32's
+    precision (Lightning adds up in float32), and the parameters are the same."""
+    recorder = Recorder()
+    lit = LitEpochMean()
+    lightning(max_epochs=3, logger=recorder, accumulate_grad_batches=grad_accum).fit(
+        lit, train_dataloaders=loader(batch=4))
+    rows = []
+    port = PortEpochMean(model=net(), train_data=loader(batch=4), optimizer=adam,
+                         **settings(max_epochs=3, grad_accum=grad_accum,
+                                    loggers=[type("Rows", (), {"log_metrics": lambda _, m, step: rows.append(m)})()]))
+    port.fit()
+    theirs = [m["train_mae"] for _, m in recorder.rows if "train_mae" in m]
+    ours = [m["train_mae"] for m in rows if "train_mae" in m]
+    assert len(theirs) == len(ours) == 3 and all(close(a, b) for a, b in zip(theirs, ours))
+    assert_same(lit.model, port.model)
+
+
 # -- best checkpoints on tied values
 
 
