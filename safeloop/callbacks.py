@@ -351,7 +351,9 @@ class EarlyStopping(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
-        problems = [] if mode in MODES else [f"EarlyStopping(mode={mode!r}): give {' or '.join(MODES)}"]
+        problems = [] if mode in MODES else [f"EarlyStopping(mode={mode!r}): give {' or '.join(MODES)}" + (
+            " (Lightning's EarlyStopping takes min_delta second, then patience; safeloop's order is monitor, mode, "
+            "patience, min_delta: give them by name)" if isinstance(mode, (int, float)) else "")]
         if not (isinstance(patience, int) and not isinstance(patience, bool) and patience > 0):
             problems.append(f"EarlyStopping(patience={patience!r}): give a positive integer (validations)")
         if not (isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool) and min_delta >= 0):

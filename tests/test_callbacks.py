@@ -275,6 +275,11 @@ def test_bad_arguments_are_one_config_error():
                                           r"EarlyStopping\(patience=0\): give a positive integer.*"
                                           r"EarlyStopping\(min_delta=-1\): give a number >= 0"):
         EarlyStopping(mode="mini", patience=0, min_delta=-1)
+    # Lightning's positional EarlyStopping("val_loss", 0.01, 5): its min_delta would be taken for the mode
+    with pytest.raises(ConfigError, match=re.escape(
+            "EarlyStopping(mode=0.01): give min or max (Lightning's EarlyStopping takes min_delta second, then "
+            "patience; safeloop's order is monitor, mode, patience, min_delta: give them by name)")):
+        EarlyStopping("val_loss", 0.01, 5)
 
 
 def test_lightnings_hook_names_on_a_trainer_or_a_callback_are_a_config_error_naming_safeloops():
