@@ -100,6 +100,22 @@ def test_a_resumed_run_counts_on_exactly_and_one_resumed_after_the_stop_trains_n
     assert patient.state.step == 26
 
 
+def test_a_later_fit_after_an_early_stop_trains_nothing_unless_the_patience_is_raised():
+    """docs/trainer.md, Early stopping: the patience is spent, so a later ``fit()`` of the same Trainer, with more
+    steps, trains nothing, as a run resumed after the stop (Lightning's trains to its next validation); once the
+    callback's patience is raised it trains on, counting from where it stood."""
+    values = [5, 4, 3, 3.5, 3.2, 3.1, 2, 1] + [1] * 10
+    trainer = Scripted(values, max_steps=40, callbacks=[EarlyStopping(patience=3)])
+    trainer.fit()
+    assert trainer.state.step == 12 and trainer.trained == 12
+    trainer.ended = False
+    trainer.fit()
+    assert trainer.state.step == 12 and trainer.trained == 12 and trainer.ended  # a clean end, no step
+    trainer.callbacks[0].patience = 5
+    trainer.fit()  # 2 then 1 are new bests (steps 14, 16), then five validations without improvement
+    assert trainer.state.step == 26 and trainer.trained == 26
+
+
 class Stops(Callback):
     def on_step_end(self, trainer, losses):
         if trainer.state.step == 3:

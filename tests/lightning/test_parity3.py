@@ -922,6 +922,24 @@ def test_resume_after_an_early_stop_differs_as_documented(tmp_path):
     assert_same(lit.model, ours_again.model)
 
 
+def test_a_later_fit_after_an_early_stop_differs_as_documented():
+    """``EarlyStopping(patience=1)``, validation each epoch, SGD at 0.3: both stop after step 14. A second ``fit`` of
+    the same Trainer with ``max_epochs`` raised to 20: Lightning's trains one more epoch and stops after step 21 (no
+    improvement at its validation); safeloop's trains nothing (docs/trainer.md, Early stopping)."""
+    lit = Lit(configure=lambda m: sgd(m.parameters(), 0.3))
+    trainer = lightning(max_epochs=10, callbacks=[pl.callbacks.EarlyStopping("val_loss", patience=1)])
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port = Port(model=net(), train_data=loader(), val_data=loader(n=6, seed=2), optimizer=lambda p: sgd(p, 0.3),
+                callbacks=[safeloop.EarlyStopping("val_loss", patience=1)], **settings(max_epochs=10, val_every=STEPS))
+    port.fit()
+    assert trainer.global_step == port.state.step == 2 * STEPS
+    assert_same(lit.model, port.model)
+    trainer.fit_loop.max_epochs = port.max_epochs = 20
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader(n=6, seed=2))
+    port.fit()
+    assert trainer.global_step == 3 * STEPS and port.state.step == 2 * STEPS
+
+
 def gap(loss, step):
     """The loss, NaN at the validations after steps 14 and 28."""
     return loss * (math.nan if step % 14 == 0 else 1.0)
