@@ -27,7 +27,7 @@ def dataset(n, d=8, seed=1):
 def validating(cls=Trainer, **kwargs):
     """A Trainer of ``cls`` set up to validate ``kwargs["val_data"]``; ``trainer.validate()`` runs it."""
     return cls(model=MLP(8, 16, 1), train_data=DataLoader(dataset(16), batch_size=4), max_steps=1,
-               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, loggers=(), **kwargs)
+               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu", progress=False, **{"loggers": (), **kwargs})
 
 
 def per_sample_mean(model, ds) -> float:
@@ -211,6 +211,32 @@ def test_test_returns_the_means_over_samples_a_hand_written_loop_gets():
     assert model.training  # its own mode again
     # the default test_step is validation_step's loss
     assert validating().test(loader).keys() == {"test_loss"}
+
+
+def test_test_metrics_reach_the_loggers_only_when_written_there_in_on_fit_end():
+    """docs/trainer.md, Test and predict: ``test()`` writes nothing to the metric loggers (Lightning's ``trainer.test``
+    logs to its logger); ``self.log_metrics(self.test(data))`` in ``on_fit_end`` writes them at the run's last step,
+    with the loggers still open."""
+    rows = []
+
+    class Rows:
+        def log_metrics(self, metrics, step):
+            rows.append((step, dict(metrics)))
+
+    loader = DataLoader(dataset(10, seed=7), batch_size=4)
+
+    class TestedAtTheEnd(Trainer):
+        def on_fit_end(self):
+            self.log_metrics(self.test(loader))
+
+    plain = validating(loggers=[Rows()])
+    plain.fit()
+    plain.test(loader)
+    assert rows and not [m for _, m in rows if "test_loss" in m]
+    rows.clear()
+    trainer = validating(TestedAtTheEnd, loggers=[Rows()])
+    trainer.fit()
+    assert [(step, m) for step, m in rows if "test_loss" in m] == [(1, {"test_loss": trainer.test(loader)["test_loss"]})]
 
 
 def test_predict_returns_each_batchs_output_as_model_x_under_no_grad():
