@@ -343,12 +343,16 @@ def samples_problem(name: str, data) -> str | None:
     if isinstance(data, torch.Tensor):
         return (f"{name} is a Tensor: iterated, it gives one unbatched row per step. Pass batches: "
                 "DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True) (from torch.utils.data)")
-    if isinstance(data, (list, tuple)) and data and all(isinstance(d, torch.utils.data.DataLoader) for d in data):
+    # Lightning's several loaders: a list, or a dict by name given to test() or predict() (iterated, it would give
+    # its names as batches; the Trainer's train_data and val_data refuse a dict by their annotation)
+    loaders = data if isinstance(data, (list, tuple)) else list(data.values()) if isinstance(data, Mapping) and \
+        name in ("test data", "predict data") else ()
+    if loaders and all(isinstance(d, torch.utils.data.DataLoader) for d in loaders):
         each = {"val_data": "; for a metric of each (Lightning's dataloader_idx): val_data=the first, and in "
                             "on_validation_end(metrics), metrics['val_other'] = self.test(other)['test_loss']",
-                "test data": "; for the metrics of each, as Lightning's list gives them: trainer.test(loader) for "
+                "test data": "; for the metrics of each, as Lightning's loaders give them: trainer.test(loader) for "
                              "each loader",
-                "predict data": "; for the predictions of each, as Lightning's list gives them: "
+                "predict data": "; for the predictions of each, as Lightning's loaders give them: "
                                 "trainer.predict(loader) for each loader"}
         return (f"{name} is a {type(data).__name__} of {len(data)} DataLoaders: safeloop reads one iterable of "
                 "batches. For one loader over them all: DataLoader(ConcatDataset([...]), ...) (torch.utils.data)"

@@ -824,7 +824,8 @@ def test_several_test_loaders_are_refused_as_several_validation_loaders_are():
     """Lightning's ``trainer.test(model, dataloaders=[test_a, test_b])`` (docs/source-pytorch/common/
     evaluation_intermediate.rst), ported as docs/trainer.md's table says, ``trainer.test([test_a, test_b])``: the
     same ``ConfigError`` as ``val_data=[a, b]``, naming the list of DataLoaders and what to pass instead: for test and
-    predict, one call per loader (Lightning's list gives one result per loader), not one loader over them all."""
+    predict, one call per loader (Lightning's list or dict gives one result per loader), not one loader over them
+    all."""
     test_a = DataLoader(classes(8, 1), batch_size=4)
     test_b = DataLoader(classes(6, 2), batch_size=3)
     with pytest.raises(ConfigError, match="val_data is a list of 2 DataLoaders"):
@@ -833,11 +834,16 @@ def test_several_test_loaders_are_refused_as_several_validation_loaders_are():
     trainer = Classifier(model=Net(), train_data=DataLoader(classes(8, 0), batch_size=4), max_steps=1, optimizer=sgd,
                          **QUIET)
     with pytest.raises(ConfigError, match=re.escape("test data is a list of 2 DataLoaders") + ".*" + re.escape(
-            "for the metrics of each, as Lightning's list gives them: trainer.test(loader) for each loader")):
+            "for the metrics of each, as Lightning's loaders give them: trainer.test(loader) for each loader")):
         trainer.test([test_a, test_b])
     with pytest.raises(ConfigError, match=re.escape("predict data is a list of 2 DataLoaders") + ".*" + re.escape(
-            "for the predictions of each, as Lightning's list gives them: trainer.predict(loader) for each loader")):
+            "for the predictions of each, as Lightning's loaders give them: trainer.predict(loader) for each loader")):
         trainer.predict([test_a, test_b])
+    # Lightning's dict of loaders by name: iterated, a dict gives its names, which test_step would get as batches
+    with pytest.raises(ConfigError, match=re.escape("test data is a dict of 2 DataLoaders")):
+        trainer.test({"a": test_a, "b": test_b})
+    with pytest.raises(ConfigError, match=re.escape("predict data is a dict of 2 DataLoaders")):
+        trainer.predict({"a": test_a, "b": test_b})
     assert trainer.test(test_b) == trainer.test([batch for batch in test_b])  # what the advice gives: the loader's own
 
 
