@@ -275,9 +275,10 @@ def test_append_force_add_and_delete_overrides_do_what_hydras_grammar_says():
 
 
 @pytest.mark.parametrize("override, here", [("+trainer.accelerator=gpu", "device ('cpu', 'cuda', 'auto')"),
-                                            ("++trainer.gradient_clip_val=0.5", "grad_clip (the norm)")])
+                                            ("++trainer.gradient_clip_val=0.5", "grad_clip (the norm)"),
+                                            ("+trainer.min_epochs=1", "no minimum")])
 def test_a_lightning_setting_added_with_plus_gets_safeloops_name_for_it(override, here):
-    """ashleve/lightning-hydra-template, configs/trainer/default.yaml (``accelerator``, ``devices``) and
+    """ashleve/lightning-hydra-template, configs/trainer/default.yaml (``accelerator``, ``devices``, ``min_epochs``) and
     configs/experiment/example.yaml (``gradient_clip_val``), given with ``+``/``++`` as Hydra's "To append to your
     config use +key=value" says for a key the config does not have."""
     with pytest.raises(ConfigError) as info:
