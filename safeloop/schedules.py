@@ -88,7 +88,7 @@ class Schedules:
     def after_validation(self, metrics: Mapping[str, float], step: int) -> None:
         self.check_monitors(metrics)
         for name, schedule in self.schedules.items():
-            if schedule.monitor is not None:
+            if schedule.monitor is not None and step > 0:  # the validation before training checks the names only
                 self._step(name, step, metrics[schedule.monitor])
 
     def _step(self, name: str, step: int, *metric: float) -> None:

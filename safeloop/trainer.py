@@ -188,10 +188,8 @@ class Trainer(TrainerHooks, Logging):
             with self.guard.context(), slurm.stop_signals(self._stop, self.state, self.settings), runmodes.during_fit(
                     self.settings, self.model, self.run_dir, self.dist.rank if self.dist else 0) as step_done:
                 self._hooks("on_fit_start")
-                if self.val_data is not None and self.state.step == 0:
-                    metrics = self.validate()
-                    self.schedules.check_monitors(metrics)
-                    check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, metrics)
+                if self.val_data is not None and self.state.step == 0:  # the monitored metrics checked, no plateau step
+                    check_monitor("checkpoint", self.checkpointer and self.checkpointer.monitor, self.validate())
                 self.guard.start_fit()
                 self._kept = ckpt.versions(ckpt.attributes(self))  # what the Trainer keeps, as the steps find it
                 if self._loaded_rng is not None:  # set last, so that nothing before the first step draws from it
@@ -253,7 +251,7 @@ class Trainer(TrainerHooks, Logging):
         self._unfinished = step
         validated = bool(self.val_data is not None and s.val_every and step % s.val_every == 0)
         if validated and not (again and self.state.validated):
-            self.schedules.after_validation(self.validate(), step)
+            self.validate()
         stop = self._stop.agreed(step, self.dist)
         if stop or (not end and (self._save_asked or self.checkpointer and self.checkpointer.due(step, validated))):
             self._save()
@@ -310,12 +308,14 @@ class Trainer(TrainerHooks, Logging):
 
     def validate(self) -> dict[str, float]:
         """``validation_step`` over ``val_data`` (``safeloop.evaluate``: eval mode, no gradients, each loss's mean over
-        samples, under torchrun over all ranks' shares, training's RNG untouched); logs and returns ``val_<name>``."""
+        samples, all ranks' shares, training's RNG untouched); logs, returns ``val_<name>``, steps plateaus in fit."""
         metrics = self._evaluator().means(self.val_data, self.validation_step, logged=self.logged)
         self.state.val_history.append((self.state.step, metrics))
         self._save_asked |= bool(self.checkpointer and self.checkpointer.monitor) and not self._save_now  # ranked
         self._hooks("on_validation_end", metrics)  # it may add a metric of the whole pass (F1): logged with them
         self.log_metrics(metrics)
+        if self.fitting and not self.ending:  # training's (val_every's, a hook's): those EarlyStopping counts
+            self.schedules.after_validation(metrics, self.state.step)  # (before training: the names checked)
         return metrics
 
     def test(self, data: Iterable) -> dict[str, float]:

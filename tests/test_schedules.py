@@ -65,6 +65,61 @@ def test_reduce_on_plateau_steps_on_the_named_validation_metric_in_lightnings_di
     assert trainer.optimizers["optimizer"].param_groups[0]["lr"] == 0.25
 
 
+def plateau_over(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+
+def growing(epoch):
+    """Passes of 2, 3, 4... batches (a curriculum): no val_every is one pass's steps."""
+    return data(n=32 + 16 * epoch)
+
+
+def test_a_plateau_steps_after_a_validation_a_hook_runs_as_the_hand_written_loop_steps_it():
+    """Passes of changing length validated in ``on_epoch_end`` (Lightning's validation at each epoch's end, its
+    ``reload_dataloaders_every_n_epochs``), ``val_every`` out of reach: a ``ReduceLROnPlateau`` monitoring ``val_loss``
+    steps after each of those validations, as EarlyStopping counts them, and the run is the hand-written loop's that
+    validates after each pass and steps its plateau on the result: each pass's rate, the parameters, bit for bit."""
+    val = data(n=24, batch=8)
+
+    def by_hand():
+        torch.manual_seed(0)
+        model = MLP(8, 16, 1, 2)
+        opt, plateau = plateau_over(model)
+        rates = []
+        for epoch in range(5):
+            rates.append(opt.param_groups[0]["lr"])
+            for x, y in growing(epoch):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            with torch.no_grad():
+                losses = [(torch.nn.functional.mse_loss(model(x), y).item(), len(x)) for x, y in val]
+            plateau.step(sum(v * n for v, n in losses) / sum(n for _, n in losses))
+        return model, rates
+
+    class Curriculum(Trainer):
+        def configure_optimizers(self):
+            opt, plateau = plateau_over(self.model)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+        def on_epoch_start(self):
+            self.train_data = growing(self.state.epoch)
+            self.rates.append(self.optimizers["optimizer"].param_groups[0]["lr"])
+
+        def on_epoch_end(self):
+            self.validate()
+
+    model, rates = by_hand()
+    torch.manual_seed(0)
+    trainer = Curriculum(model=MLP(8, 16, 1, 2), train_data=growing(0), val_data=val, max_epochs=5, val_every=1000,
+                         device="cpu", progress=False, loggers=())
+    trainer.rates = []
+    trainer.fit()
+    assert trainer.rates == rates and len(set(rates)) > 2
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), model.state_dict().values()))
+
+
 def test_lightnings_frequency_1_is_taken_and_another_frequency_refused_saying_what_to_do():
     """``"frequency": 1`` is Lightning's default, which lightning-hydra-template's configure_optimizers writes out."""
     def run(frequency):

@@ -757,6 +757,40 @@ def test_a_stop_asked_at_an_epochs_edge_trains_no_further_step(hook):
     assert_same(lit.model, port.model)
 
 
+def plateau(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt, patience=0, factor=0.5), "monitor": "val_loss"}}
+
+
+class LitCurriculumPlateau(LitCurriculum):
+    def on_train_epoch_start(self):
+        self.rates.append(self.optimizers().param_groups[0]["lr"])
+
+
+class PortCurriculumPlateau(PortCurriculum):
+    configure = staticmethod(plateau)
+
+    def on_epoch_start(self):
+        super().on_epoch_start()
+        self.rates.append(self.optimizers["optimizer"].param_groups[0]["lr"])
+
+
+def test_a_plateau_on_validations_run_in_on_epoch_end_matches():
+    """The curriculum (passes of 3 to 7 batches) with a ``ReduceLROnPlateau`` on ``val_loss``, Lightning's stepped at
+    each epoch's end on that epoch's validation; the port validates in ``on_epoch_end`` (no ``val_every`` is a pass's
+    steps), and its plateau steps after each of those validations: each epoch's rate, the parameters, bit for bit."""
+    lit = LitCurriculumPlateau(configure=plateau)
+    lit.validated, lit.rates = [], []
+    lightning(max_epochs=5, reload_dataloaders_every_n_epochs=1).fit(lit, val_dataloaders=loader(n=4, seed=2))
+    port = PortCurriculumPlateau(model=net(), train_data=curriculum(0), val_data=loader(n=4, seed=2),
+                                 **settings(max_epochs=5, val_every=1000))
+    port.validated, port.rates = [], []
+    port.fit()
+    assert port.rates == lit.rates and len(set(lit.rates)) > 2
+    assert_same(lit.model, port.model)
+
+
 class PortValidatesAtEpochEnd(Port):
     def on_epoch_end(self):
         self.validate()
