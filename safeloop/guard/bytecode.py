@@ -3,6 +3,7 @@ plain loops and ``watch``: a variable the loop does not assign holds what was ma
 from __future__ import annotations
 
 import dis
+from collections.abc import Iterator
 
 # instructions after which the next one does not run
 FLOW_ENDS = {"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_FORWARD", "RETURN_VALUE",
@@ -38,12 +39,12 @@ def loop_around(code, offset: int) -> set[int] | None:
     return best
 
 
-def set_by_calls(frame) -> frozenset[str]:
-    """The variables that the loop running ``frame`` (or a caller's loop in its file) sets, on every way from the
-    loop's top to the line it runs, to what a call returns (``outs = list(pool.map(...))``): values made in this
-    iteration. Not one set in a branch (``if fix: adv = fgm(...)``), a ``for`` target, an item unpacked, nor a value
-    read from a name, an attribute or an index (``x = augmented[i][0]``): those may hand on a tensor made before the
-    loop. Empty outside a loop."""
+def set_every_time(frame, by_calls: bool = False) -> tuple:
+    """(the frame whose loop runs ``frame``: its own or a caller's in its file, the variables that loop sets on every
+    way from its top to the line the frame runs); (None, empty) outside a loop. ``by_calls``: only those set to what a
+    call returns (``outs = list(pool.map(...))``): values made in this iteration. Never one set in a branch (``if fix:
+    adv = fgm(...)``); with ``by_calls``, not a ``for`` target, an item unpacked, nor a value read from a name, an
+    attribute or an index (``x = augmented[i][0]``) either: those may hand on a tensor made before the loop."""
     filename = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename == filename:
         code = frame.f_code
@@ -52,11 +53,19 @@ def set_by_calls(frame) -> frozenset[str]:
             flow = Flow(code)
             before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= frame.f_lasti]
             here, top = before[-1].offset, min(body)  # (the line's instruction: f_lasti may be in its inline caches)
-            return frozenset(name for call, ins in zip(before, before[1:]) if call.opname.startswith("CALL")
-                             and here not in flow.reached([top], within=lambda offset: offset != ins.offset)
-                             for name in stored(ins))
+            return frame, frozenset(name for call, ins in zip(before, before[1:])
+                                    if (call.opname.startswith("CALL") or not by_calls)
+                                    and here not in flow.reached([top], within=lambda offset: offset != ins.offset)
+                                    for name in stored(ins))
         frame = frame.f_back
-    return frozenset()
+    return None, frozenset()
+
+
+def stack(frame) -> Iterator:
+    """``frame`` and its callers, the nearest first."""
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 class Flow:

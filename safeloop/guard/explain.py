@@ -342,7 +342,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
         return next((name for name, shape in near if [shape] == made), near[0][0])
     if scan_gc:
         # by type only: isinstance looks an object's __class__ up, which some deprecated objects answer with a
-        # warning (and silencing warnings would show the program's own ones again: see watch._fields)
+        # warning (and silencing warnings would show the program's own ones again: see before.fields)
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code

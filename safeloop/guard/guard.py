@@ -940,7 +940,7 @@ class Guard:
         holding ``loss``: the garbage collector also finds tensors of this step that are about to die; nor any
         variable holding a loss this thread made in this step, a script's `global loss` of a pool's outputs; nor a
         variable that the loop sets on every way to the backward to what a call returns (``outs =
-        list(pool.map(...))``, see ``bytecode.set_by_calls``), for a node that no backward ran (the last one ran
+        list(pool.map(...))``, see ``bytecode.set_every_time``), for a node that no backward ran (the last one ran
         ``h = cell(x, h)`` with retain_graph=True).)
         ``freed``: its saved tensors are freed, so an earlier backward ran it (one of this step's would have been
         found by ``_check_ran``): it outlived that backward, whether anything but the loss holds it or not (a
@@ -962,7 +962,7 @@ class Guard:
         `batch[i]['target']` of ``batch = [t[0] for t in buffer.sample(8)]`` rather than the buffer it came from.)"""
         if self.frame is None or (walk.HAS_SEQ and sequence_nr(node) in self._ran_last):
             return False
-        fresh = bytecode.set_by_calls(self.frame)
+        fresh = bytecode.set_every_time(self.frame, by_calls=True)[1]
         return explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
                                    fresh=fresh) is None
 

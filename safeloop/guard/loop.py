@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
@@ -33,6 +33,8 @@ import torch
 from ..errors import ConfigError, StepError
 from ..settings import GUARD_DEFAULTS, GuardSettings, read
 from . import explain, walk
+from .before import elements, loop_start
+from .bytecode import set_every_time, stack
 from .explain import Scope
 from .guard import Guard
 from .words import LOOP
@@ -129,8 +131,8 @@ class GraphGuard:
             raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
                                "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer or "
                                ".original_optimizer that does: pass the optimizer it wraps" for name in unhooked])
-        # Before the first step: anything made until then was built before training. A
-        # ``with guard.step()`` moves this to where it opens.
+        # Before the first step: anything made until then was built before training. The first
+        # ``with guard.step()`` moves this to where it opens, or where its loop began (``_start``).
         self.guard.start_fit()
 
     def close(self) -> None:
@@ -156,13 +158,28 @@ class GraphGuard:
                                 "around each training step)", self.steps)
             self._end()
         if self.steps == 0:
-            self.guard.start_fit()
+            self._start(frame)
         self._begin(frame, explicit=True)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         if self._open:
             self._end(failed=kind is not None)
+
+    def _start(self, frame) -> None:
+        """Training starts at the first ``with guard.step()``; where a variable of the loop running it, set on every way
+        from the loop's top to the ``with``, holds a graph there, or a list, tuple or dict of them (an episode played
+        above the ``with``: ``log_probs``; a batch embedded by a trained module), it started where that loop began,
+        as under ``watch``: after the newest graph held by a variable the loop does not assign (``before.loop_start``),
+        and not before the guard was made. Those graphs are the first step's own, as they are every later step's."""
+        start = walk.sequence_now()
+        looping, names = set_every_time(frame) if frame is not None else (None, ())
+        if looping is not None:
+            values = self.variables(looping)
+            if any(issubclass(type(t), torch.Tensor) and t.grad_fn is not None
+                   for k in names for t in [values.get(k), *elements(values.get(k))]):
+                start = max(loop_start(frame, frame.f_code.co_filename, self.variables) or 0, self.guard.fit_seq or 0)
+        self.guard.start_fit(at=start)
 
     def _begin(self, frame, explicit: bool) -> None:
         self.steps += 1
@@ -488,12 +505,11 @@ class GraphGuard:
         return all(id(p) in held for opt in list(self._awaited) for g in opt.param_groups for p in g["params"])
 
     def _parameters(self) -> list[torch.Tensor]:
-        """The trained parameters: the model's, the optimizers', else those of the modules and
-        optimizers in the step's variables and of the optimizers seen stepping (under watch: a library's object,
-        no module itself, may hold the model and its optimizer; only read when explaining)."""
-        if self.model is not None:
-            return list(self.model.parameters())
-        holders = list(self.optimizers.values())
+        """The trained parameters: the model's and the optimizers' (an optimizer may train more than the model: a
+        value head beside the policy given as ``model``), else those of the modules and optimizers in the step's
+        variables and of the optimizers seen stepping (under watch: a library's object, no module itself, may hold
+        the model and its optimizer; only read when explaining)."""
+        holders = [*([self.model] if self.model is not None else []), *self.optimizers.values()]
         if not holders:
             holders = [v for _, space in self._namespaces() for v in list(space.values())
                        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))] + list(self._stepping)
@@ -564,10 +580,3 @@ def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:
         except AttributeError:
             continue
     return False
-
-
-def stack(frame) -> Iterator:
-    """``frame`` and its callers, the nearest first."""
-    while frame is not None:
-        yield frame
-        frame = frame.f_back

@@ -1,5 +1,6 @@
 """``GraphGuard``: the guard's cases in a hand-written loop, with the same errors and fields."""
 import gc
+import random
 import re
 import warnings
 from contextlib import nullcontext
@@ -43,6 +44,58 @@ def test_a_graph_built_before_the_loop_is_caught_at_step_one_before_anything_cha
     assert (info.value.step, info.value.holder, info.value.node_name) == (1, "local scale", "SumBackward0")
     assert all(torch.equal(a, b) for a, b in zip(before, state(model)))
     assert all(p.grad is None for p in model.parameters())
+
+
+def play_then_learn(guarded: bool, keep_graph: bool = False):
+    """REINFORCE with each episode played above the step (the loop's body makes the log-probabilities' graphs, then
+    ``with guard.step()`` learns from them), and MuZero's replay buffer of self-play targets (werner-duvaud/
+    muzero-general self_play.py / trainer.py: the root value of each position is a target, searched under
+    ``torch.no_grad()``); ``keep_graph``: the root values stored with their graphs, and the oldest game replayed."""
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    value = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam([*policy.parameters(), *value.parameters()], lr=0.01)
+    guard = GraphGuard(policy, opt) if guarded else None
+    buffer, pick = [], random.Random(0)
+    for episode in range(4):
+        log_probs, rewards = [], []
+        for t in range(3):
+            obs = torch.randn(4)
+            dist = torch.distributions.Categorical(logits=policy(obs))
+            action = dist.sample()
+            log_probs.append(dist.log_prob(action))
+            rewards.append(float(action))
+            with nullcontext() if keep_graph else torch.no_grad():
+                root = value(obs)
+            buffer.append({"obs": obs, "value": root})
+        games = [buffer[0], pick.choice(buffer)]
+        with guard.step() if guarded else nullcontext():
+            returns = torch.tensor(rewards).flip(0).cumsum(0).flip(0)
+            loss = -(torch.stack(log_probs) * returns).sum()
+            loss = loss + sum((value(g["obs"]) - g["value"]).pow(2).sum() for g in games)
+            opt.zero_grad()
+            if guarded:
+                guard.backward(loss)
+            else:
+                loss.backward()
+            opt.step()
+    return [p.detach().clone() for p in [*policy.parameters(), *value.parameters()]]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_graphs_the_loop_makes_above_its_first_with_guard_step_are_the_first_steps_own(check):
+    """The first ``with guard.step()`` inside a loop: training began where the loop began (after the graphs the
+    variables it does not assign hold, as under watch), not at the ``with``: an episode played above it is the first
+    step's own, as it is every later step's (it was a GraphReuseError at step 1, 'before the loop', naming
+    `log_probs[0]`); a target stored with its graph and replayed is still stopped, at step 2, naming the buffer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(torch.equal(a, b) for a, b in zip(play_then_learn(False), play_then_learn(True)))
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 2, loss 'loss'): the loss reaches ")
+                       + r".*held by `local buffer\[0\]\['value'\]`.*compute it under `torch.no_grad\(\)`") as info:
+        play_then_learn(True, keep_graph=True)
+    # the value head is trained by the optimizer given, though not part of the model given
+    assert "no trained parameter" not in str(info.value)
 
 
 def carry(guard, model, opt, data, detach: bool, **backward):

@@ -1,0 +1,226 @@
+"""What a training loop made before it began: the graphs that the variables it does not assign hold (``y = t @ a``
+above the loop, ``self.x`` of an object whose method runs the loop), read from its code and its frame. The first
+step starts after them, under ``watch`` and at a ``GraphGuard``'s first ``with guard.step()`` inside a loop."""
+from __future__ import annotations
+
+import dis
+import functools
+import itertools
+import types
+from collections.abc import Callable
+from operator import attrgetter
+
+import torch
+from torch.distributions.utils import lazy_property
+
+from . import walk
+from .bytecode import COMPREHENSIONS, loop_around, stack, stored
+
+_LOADS = {"LOAD_NAME", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"}
+_READERS = {"zip", "enumerate", "len", "range", "reversed", "iter", "sorted", "list", "tuple", "min", "max"}
+
+
+def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"),
+               outside: int | None = None) -> int | None:
+    """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
+    caller's loop in ``filename``, outside any module's forward; the outermost loop of that function) began,
+    by a variable that the loop
+    does not assign (or an attribute, assigned neither in the loop nor by a method of its object other than
+    ``__init__``, of an object such a variable holds); None if none; ``outside`` if no loop of ``filename``
+    runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
+    if not walk.HAS_SEQ:
+        return None
+    module = None
+    found = None
+    frames = list(stack(frame))
+    # a loop inside a module's forward (and what it calls) is the model's own computation, not the training loop
+    # (an invertible ResNet's power series of autograd.grad calls): the search starts past the outermost forward
+    forwards = [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
+                and issubclass(type(f.f_locals.get("self")), torch.nn.Module)]
+    for i, frame in enumerate(frames):
+        code = frame.f_code
+        if code.co_filename == filename:
+            # a comprehension's own loop (3.11 runs it as a function: `<listcomp>`) is no training loop
+            if found is None and (not forwards or i > forwards[-1]) and code.co_name not in COMPREHENSIONS:
+                body = loop_around(code, frame.f_lasti)
+                if body is not None:
+                    found = frame, body
+            if code.co_name == "<module>":
+                module = code
+    if found is None and outside is None:
+        found = _library_call(frames, filename, forwards[-1] if forwards else -1)
+    del frames
+    if found is None:
+        return outside
+    frame, offsets = found
+    body = [i for i in dis.get_instructions(frame.f_code) if i.offset in offsets]
+    assigned = {name for i in body for name in stored(i)}
+    attributes = {i.argval for i in body if i.opname == "STORE_ATTR"}  # `self.h = ...` in the loop
+    # and in the functions the loop defines, which it runs (an L-BFGS closure's `stats.loss = loss`)
+    attributes.update(i.argval for made in body if made.opname == "LOAD_CONST" and hasattr(made.argval, "co_code")
+                      for code in _codes(made.argval) for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+    # `global y` / `nonlocal y` assigned anywhere else (the loop's own function stores a variable a closure reads,
+    # `prompt` of `lambda x: model(x + prompt)`, as STORE_DEREF: outside the loop, that is before it)
+    for code in _codes(module) if module is not None else ():
+        assigned.update(i.argval for i in dis.get_instructions(code) if code is not frame.f_code
+                        and i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
+    values = list(variables(frame).items())
+    held = [v for k, v in values if k not in assigned]
+    # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
+    # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
+    # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
+    # nor those of a module that a module holding it sets by name (`setattr(self.module, name, w)` in a method: the
+    # weight dropout of AWD-LSTM's WeightDrop, made anew by every forward)
+    models = [v for v in held if issubclass(type(v), torch.nn.Module)]
+    renamed = {id(m) for v in models for wrapper in v.modules() if _calls_setattr(wrapper) for m in wrapper.modules()}
+    objects = held + [m for v in models for m in list(v.modules())[1:]
+                      if not (m._forward_pre_hooks or m._forward_hooks)]
+    held += [a for o in objects if id(o) not in renamed
+             for k, a in fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
+    # and those deeper inside a torch.distributions object held so (zuko's `dist = flow(c)`: the graph of each of its
+    # transforms, `dist.transform.transforms[0].base.shift`), which the loop's `dist.log_prob(x)` reads every step
+    budget = [_DIST_OBJECTS]
+    held += [t for v in held if issubclass(type(v), torch.distributions.Distribution)
+             for t in _inside_distribution(v, _DIST_DEPTH, budget, attributes)]
+    seqs = [walk.sequence_nr(v.grad_fn) for v in held if issubclass(type(v), torch.Tensor) and v.grad_fn is not None]
+    # and the tensors of a tuple such a variable holds (`z_loc, z_scale` of an encoder, kept as one): nothing can
+    # add to a tuple, so they were made before the loop, even when the loop's own variables hold no graph to
+    # compare them with (a library's step returning a float: pyro's `svi.step`)
+    seqs += [walk.sequence_nr(item.grad_fn) for k, v in values if k not in assigned and type(v) is tuple
+             for item in v if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
+    # and the items of a list, tuple or dict held so (fast_neural_style's `gram_style`) that the loop does not add to,
+    # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
+    # is newer than the iteration's first graph
+    filled = _filled(body)
+    # (and those of the tuples it holds: a data set augmented once, `[(policy(x), y) for x, y in data]`)
+    items = [item for k, v in values if k not in assigned and k not in filled for pair in elements(v)
+             for item in (elements(pair) if type(pair) is tuple else [pair])
+             if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
+    ours = [walk.sequence_nr(v.grad_fn) for k, v in values if k in assigned and issubclass(type(v), torch.Tensor)
+            and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
+    seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
+    return max(seqs) + 1 if seqs else None
+
+
+_DIST_DEPTH, _DIST_OBJECTS = 6, 200  # how far ``_inside_distribution`` looks: levels of attributes and items, objects
+
+
+def _inside_distribution(obj, depth: int, budget: list[int], attributes: set[str]) -> list[torch.Tensor]:
+    """The tensors inside a distribution, through the public attributes of it and of the distributions and transforms
+    it holds, in lists, tuples and dicts: what it was built from. Not what it computes when read and keeps
+    (a ``lazy_property``: a Categorical's ``probs`` made from its logits in the loop), a transform's cache of its last
+    call (``_cached_x_y``: private) nor what its methods other than ``__init__`` and ``expand`` or the loop
+    (``attributes``) assign. ``depth`` levels and ``budget[0]`` objects at most."""
+    kind = type(obj)
+    if issubclass(kind, torch.Tensor):
+        return [obj]
+    if depth <= 0 or budget[0] <= 0:
+        return []
+    if kind in (list, tuple, dict):
+        values = elements(obj)
+    elif issubclass(kind, (torch.distributions.Distribution, torch.distributions.Transform)):
+        lazy = {k for cls in kind.__mro__ for k, v in vars(cls).items() if issubclass(type(v), lazy_property)}
+        assigned = _methods_of(kind, ("__init__", "expand"))[0]  # (`expand` builds a new one, as `__init__` does)
+        values = [v for k, v in fields(obj).items()
+                  if not k.startswith("_") and k not in lazy and k not in assigned and k not in attributes]
+    else:
+        return []
+    budget[0] -= 1
+    return [t for v in values for t in _inside_distribution(v, depth - 1, budget, attributes)]
+
+
+def _library_call(frames: list, filename: str, forward: int) -> tuple | None:
+    """When no loop of ``filename`` runs the backward, a library's does (ignite's ``trainer.run(loader)``, mmengine's
+    ``runner.train()``): (the outermost frame of ``filename`` calling into another file, past the outermost
+    ``forward``; the offsets of the line it runs), that call taken as the loop, else None."""
+    for i in range(len(frames) - 1, max(forward, 0), -1):
+        frame = frames[i]
+        if frame.f_code.co_filename == filename and frames[i - 1].f_code.co_filename != filename:
+            return frame, {ins.offset for ins in dis.get_instructions(frame.f_code)
+                           if ins.positions.lineno == frame.f_lineno}
+    return None
+
+
+def fields(obj) -> dict:
+    """``vars(obj)`` of an object that is neither a tensor nor a module, else {}. Looked at through types only:
+    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op` does,
+    an attribute of the `dist` a script imports), and silencing it would show the script's own warnings a
+    second time (changing the warning filters resets their once-only registry)."""
+    if issubclass(type(obj), (torch.Tensor, types.ModuleType)):
+        return {}
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return {}
+    return dict(fields) if type(fields) is dict else {}
+
+
+def _filled(body: list[dis.Instruction]) -> set[str]:
+    """The variables a loop's ``body`` may add to: those read in a statement (a line) that stores or deletes an item
+    (``d[k] = ...``) or calls anything but a builtin that only reads (``xs.append(out)``, ``record(xs, out)``; not
+    ``zip(ys, xs)``). A variable read only to index or iterate is not added to."""
+    lines: dict[int, list[dis.Instruction]] = {}
+    for ins in body:
+        lines.setdefault(ins.positions.lineno, []).append(ins)
+    filled = set()
+    for line in lines.values():
+        calls = sum(ins.opname == "CALL" for ins in line)
+        reading = sum(ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _READERS for ins in line)
+        if calls > reading or any(ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") for ins in line):
+            filled.update(ins.argval for k, ins in enumerate(line) if ins.opname in _LOADS and not _indexed(line, k))
+    return filled
+
+
+def _indexed(line: list[dis.Instruction], k: int) -> bool:
+    """Whether the variable ``line[k]`` loads is read there through an index that is a name or a constant
+    (``augmented[i][0]``), which adds nothing to it."""
+    nxt = line[k + 1:k + 3]
+    return len(nxt) == 2 and (nxt[0].opname in _LOADS or nxt[0].opname == "LOAD_CONST") \
+        and (nxt[1].opname == "BINARY_SUBSCR" or (nxt[1].opname == "BINARY_OP" and nxt[1].argrepr == "[]"))
+
+
+def elements(obj) -> list:
+    """The items of a plain list or tuple, the values of a plain dict (at most 64: a dataset held as a list of
+    samples is not searched), else []. Exact types only: a container class of the script's own may compute them."""
+    if type(obj) in (list, tuple):
+        return list(obj[:64])
+    return list(itertools.islice(obj.values(), 64)) if type(obj) is dict else []
+
+
+def _set_by_methods(obj) -> frozenset[str]:
+    """The attributes that methods of ``obj``'s class, other than ``__init__``, assign (classes of torch
+    itself left out): a ``forward`` that keeps its last output (``self.last_out = out``) sets one every step."""
+    return _methods_of(type(obj))[0]
+
+
+def _calls_setattr(obj) -> bool:
+    """Whether a method of ``obj``'s class other than ``__init__`` (classes of torch itself left out) calls
+    ``setattr``: it sets attributes whose names ``_set_by_methods`` cannot read."""
+    return _methods_of(type(obj))[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _methods_of(kind: type, builders: tuple[str, ...] = ("__init__",)) -> tuple[frozenset[str], bool]:
+    """What the methods of ``kind`` other than ``builders`` (torch's own classes left out) do: the attributes they
+    assign, whether they call ``setattr``. Read once per class: a library's objects (accelerate's ``Accelerator``)
+    have classes of thousands of instructions, met at every step's search."""
+    stores, calls = set(), False
+    for cls in kind.__mro__:
+        if cls is object or cls.__module__.split(".")[0] == "torch":
+            continue
+        for name, member in vars(cls).items():
+            code = getattr(member, "__code__", None)
+            if code is not None and name not in builders:
+                for c in _codes(code):
+                    for i in dis.get_instructions(c):
+                        if i.opname == "STORE_ATTR":
+                            stores.add(i.argval)
+                        calls = calls or (i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr")
+    return frozenset(stores), calls
+
+
+def _codes(code):
+    yield code
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            yield from _codes(const)
