@@ -699,7 +699,12 @@ class Guard:
                 if stale:
                     self._stale_cast(stale[0], case)
             if why is not None:
-                self._freed_in_iteration(carried[0], why, case, iteration)
+                # freed in this iteration: named by the first node whose saved tensors were freed, where the loss's
+                # own nodes are old too, but unfreed (a critic's loss built before the actor's update, on its features)
+                freed = next((n for c in carried for n in islice(walk.iter_nodes(c), 10_000) if why is _FREED
+                              and type(n) is not walk.ACCUMULATE and walk.holds_tensors(n)
+                              and walk.is_freed(walk.unpack_error(n, first=True))), carried[0])
+                self._freed_in_iteration(freed, why, case, iteration)
                 self._carried_and_kept(carried[0], why, case)
         reused = [n for n in nodes if self._before_fit(n) and not self.is_off("reuse", n)]
         if not reused:
@@ -734,6 +739,12 @@ class Guard:
                          "gradient is taken at the parameters as they are now",
                          "if this loss is meant for the parameters as they were, run its backward before changing "
                          "them, and pass retain_graph=True to the earlier backward"]
+                moved = {id(t) for t in changed}
+                if all(id(leaf) in moved for leaf in _trained(walk.below(node)[1], case.scope)):
+                    # it reaches no trained parameter but those updated since: this loss is not meant to train them
+                    fixes.insert(0, "if this loss must not reach it (a critic's loss on the actor's imagined features, "
+                                 "a temperature loss on the actor's log-probabilities), detach it where this loss "
+                                 "uses it (`{code}.detach()`)")
             else:
                 detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors, so this "
                           "backward would fail with 'Trying to backward through the graph a second time'")

@@ -546,8 +546,12 @@ _ANOMALY = _Anomaly()
 
 
 def _site(frame) -> tuple | None:
-    """Where ``frame`` is: its code and instruction (a backward's call site; no frame is kept)."""
-    return None if frame is None else (frame.f_code, frame.f_lasti)
+    """Where ``frame`` is: its code and instruction, and those of its callers in its file (a backward's call site; no
+    frame is kept). A helper of the script that every loss goes through (dreamerv3-torch's ``Optimizer.__call__``,
+    called for the world model, the actor and the critic) is at as many sites as the lines calling it."""
+    if frame is None:
+        return None
+    return tuple((f.f_code, f.f_lasti) for f in stack(frame) if f.f_code.co_filename == frame.f_code.co_filename)
 
 
 def _tensors(inputs) -> list | None:
