@@ -1003,17 +1003,23 @@ class Guard:
                 shared = [n for n in shared if walk.is_freed(walk.unpack_error(n, first=True))]
             if shared:
                 self.spent += time.perf_counter() - t0
-                backward = f"the backward of '{earlier}'{explain.at(where)}"
+                call = "the torch.autograd.grad" if captured else "the backward"
+                backward = f"{call} of '{earlier}'{explain.at(where)}"
                 holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
                 holder = holder or explain.find_holder(shared[0], scope, None)
                 held = ", held by {holder}" if holder else ""  # none found: a local of the step, most likely
                 detail = (f"the loss reaches {{node}}{held}, which {backward} in this step already ran without "
                           "retain_graph, freeing its saved tensors: both losses share that graph")
                 shared_part = '`{code}`' if _code(holder) else 'the shared part'
-                fixes = [f"pass retain_graph=True to {backward} ({self.words.retain}), as every backward through a "
+                retain = "torch.autograd.grad(..., retain_graph=True)" if captured else self.words.retain
+                fixes = [f"pass retain_graph=True to {backward} ({retain}), as every backward through a "
                          "shared graph but the last needs",
                          f"compute {shared_part} again (a fresh forward) for the second loss, if it must see the "
                          "updated parameters"]
+                if captured:  # the gradient it returned has no graph: in the loss, retain_graph=True drops its term
+                    fixes.insert(0, f"if this loss uses the gradient {backward} returned (a gradient penalty, a score "
+                                 "matching term), pass create_graph=True to it, so that the term trains the parameters "
+                                 "(retain_graph=True alone would let this backward run without that term's gradient)")
                 if any(t._version != v for t, v in versions):  # the earlier loss's update ran since its backward
                     fixes = [f"if the earlier loss ('{earlier}'{explain.at(where)}) must not reach {shared_part} (its "
                              "update is done: a GAN's discriminator loss on the generator's output), detach it where "

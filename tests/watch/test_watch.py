@@ -71,6 +71,11 @@ BROKEN = {
     "fgm_embeddings_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches EmbeddingBackward0, "
                                   r"built before the step \(before the loop\) and held by `global adv`.*recompute "
                                   r"`adv` inside the loop",
+    # a gradient the loss holds, taken without create_graph=True: that first, retain_graph=True would drop its term
+    "sliced_score_matching_no_create_graph": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*which the "
+                                             r"torch.autograd.grad of 'loss' at sliced_score_matching_no_create_"
+                                             r"graph.py:15 in this step already ran.*To fix: if this loss uses the "
+                                             r"gradient .* returned .*pass create_graph=True to it",
     "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
     "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
