@@ -56,6 +56,7 @@ log = logging.getLogger("safeloop.guard")
 
 _SENTINEL = "safeloop_sentinel"
 _FIRST_SEEN = "safeloop_first_seen"  # node.metadata: the step that first found a node made before it
+_BUILT_FROM = "safeloop_built_from"  # node.metadata: its leaves' versions when a retaining backward first reused it
 
 
 def _average(mean: float | None, sample: float) -> float:
@@ -83,6 +84,7 @@ class Case:
     step: int
     scope: Scope | None = None
     batch: Any = None
+    retains: bool = False  # its backward keeps the graph and makes one of the gradient (create_graph=True)
 
 
 class Guard:
@@ -311,7 +313,7 @@ class Guard:
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
         first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None, updates: bool = True,
-        kept: list | None = None,
+        kept: list | None = None, retains: bool = False,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
@@ -321,7 +323,10 @@ class Guard:
         ``inputs``: the ``backward(inputs=...)`` of one loss's backward, which runs only the nodes on paths
         to them, so only those can meet saved tensors an earlier backward freed; ``updates``: the backward writes
         the ``.grad`` of the leaves it reaches, which ``torch.autograd.grad`` does not; ``kept``: under gradient
-        accumulation, the gradients the step's earlier micro-batches left (``accumulated``), which must be there still).
+        accumulation, the gradients the step's earlier micro-batches left (``accumulated``), which must be there still;
+        ``retains``: the one loss's backward makes a graph of its gradient and keeps the loss's (``create_graph=True``),
+        so a graph built before training that it reaches is judged by whether what it was made from changed, see
+        ``_reused``).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -347,7 +352,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None, retains)
             if look:
                 self._check_grads(next(iter(losses)), step, scope, kept)
             return retain
@@ -395,7 +400,8 @@ class Guard:
                        "input), take it with torch.autograd.grad(loss, [x]) or loss.backward(inputs=[x]): the "
                        "parameters' .grad is then left alone"])
 
-    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False) -> list[bool]:
+    def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False,
+                   retains=False) -> list[bool]:
         seen: set = set()
         reached: list[tuple[str, Any, list]] = []  # (loss name, root, the leaves its walk met first)
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
@@ -437,7 +443,8 @@ class Guard:
                             group[find(i)] = find(j)
                         if id(nxt) in kept:
                             retain[i] = True
-            if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch), iteration):
+            if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch, retains),
+                                                  iteration):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
             if not self.thorough:
@@ -713,8 +720,8 @@ class Guard:
         # operation that saves nothing (an add, a squeeze) can sit on top of one that does (a matmul).
         below = [(n, *walk.below(n)) for n in reused]
         saving = [(n, saver, leaves) for n, saver, leaves in below if saver is not None]
-        if saving:
-            return self._reused(*saving[0], case)
+        if saving:  # the newest first: the tensor nearest the loss (a derivative `u_x`, not the `u` it was taken of)
+            return self._reused(*(max(saving, key=lambda s: sequence_nr(s[0])) if walk.HAS_SEQ else saving[0]), case)
         node, _, leaves = below[0]
         self._shared_stale(node, leaves, case)
         return False
@@ -861,11 +868,21 @@ class Guard:
         ``_kept``): no verdict."""
         unpacked = walk.unpack_error(saver)
         freed, changed = walk.is_freed(unpacked), walk.is_inplace(unpacked)
+        # reused by a backward with create_graph=True, which keeps it (an inverse-Hessian-vector product's
+        # torch.autograd.grad through a gradient taken before its loop): stale once what it was made from is updated
+        then = node.metadata.setdefault(_BUILT_FROM, [(t, t._version) for t in leaves]) if case.retains else None
+        updated = explain.changed([node], then) if then is not None else []
+        if then is not None and not (freed or changed or updated):
+            return False
         if self.on_reuse == "error" or freed:
             if freed:
                 state = "an earlier backward already freed its saved tensors, so this backward would fail"
             elif changed:
                 state = f"a tensor it saved was since changed in place ({_WRITES}), so this backward would fail"
+            elif updated:
+                state = (f"{explain.leaf_names(updated, case.scope)}, which it was made from, were updated since a "
+                         "backward that kept it first reused it: this backward would take the gradient at the values "
+                         "from before the update")
             else:
                 state = ("this step's backward will free its saved tensors, and the next step would fail with "
                          "'Trying to backward through the graph a second time'")

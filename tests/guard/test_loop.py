@@ -1,4 +1,5 @@
 """``GraphGuard``: the guard's cases in a hand-written loop, with the same errors and fields."""
+import copy
 import gc
 import random
 import re
@@ -44,6 +45,34 @@ def test_a_graph_built_before_the_loop_is_caught_at_step_one_before_anything_cha
     assert (info.value.step, info.value.holder, info.value.node_name) == (1, "local scale", "SumBackward0")
     assert all(torch.equal(a, b) for a, b in zip(before, state(model)))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_graph_from_before_the_loop_that_every_backward_keeps_is_stopped_once_an_update_made_it_stale():
+    """A backward with create_graph=True, which keeps the graph (LiSSA's torch.autograd.grad through a gradient taken
+    before its loop, nimarb/pytorch_influence_functions' s_test), may go through a graph built before the loop while
+    nothing it was made from has changed: step 1's gradient is a fresh forward's. After an update it would take the
+    gradient at the old weights: stopped before that backward (it was stopped at step 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.randn(3, 4) for _ in range(3)]
+    fresh = copy.deepcopy(model)
+    (fresh(data[0]) - fresh(torch.ones(1, 4)).tanh()).pow(2).mean().backward()
+    guard = GraphGuard(model, opt)
+    anchor = model(torch.ones(1, 4)).tanh()  # built once, with a graph, outside the loop
+    grads = []
+    with pytest.raises(GraphReuseError, match=re.escape("(step 2, loss 'loss'): the loss reaches TanhBackward0, built "
+                                                        "before the step (before the loop) and held by `local anchor`")
+                       + r".*`model.weight`, `model.bias`, which it was made from, were updated since .*"
+                         r"To fix: recompute `anchor` inside the loop"):
+        for x in data:
+            with guard.step():
+                loss = (model(x) - anchor).pow(2).mean()
+                guard.backward(loss, create_graph=True)
+                grads.append([p.grad.clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+    assert len(grads) == 1 and all(torch.equal(a, p.grad) for a, p in zip(grads[0], fresh.parameters()))
 
 
 def play_then_learn(guarded: bool, keep_graph: bool = False):

@@ -76,6 +76,11 @@ BROKEN = {
                                              r"torch.autograd.grad of 'loss' at sliced_score_matching_no_create_"
                                              r"graph.py:15 in this step already ran.*To fix: if this loss uses the "
                                              r"gradient .* returned .*pass create_graph=True to it",
+    # a gradient taken with create_graph=True before the loop, which each step's Hessian-vector product goes through:
+    # its torch.autograd.grad(..., create_graph=True) keeps the graph, the loss's backward does not
+    "hvp_penalty_gradient_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "
+                                        r"before the step \(before the loop\) and held by `global v\[0\]`.*To fix: "
+                                        r"recompute `v\[0\]` inside the loop",
     "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
     "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
