@@ -748,10 +748,11 @@ class Guard:
                          "them, and pass retain_graph=True to the earlier backward"]
                 moved = {id(t) for t in changed}
                 if all(id(leaf) in moved for leaf in _trained(walk.below(node)[1], case.scope)):
-                    # it reaches no trained parameter but those updated since: this loss is not meant to train them
-                    fixes.insert(0, "if this loss must not reach it (a critic's loss on the actor's imagined features, "
-                                 "a temperature loss on the actor's log-probabilities), detach it where this loss "
-                                 "uses it (`{code}.detach()`)")
+                    # it reaches no trained parameter but those updated since: this loss may not be meant to train
+                    # them (a fresh forward first: SAC's temperature loss recomputes log_pi, at the updated weights)
+                    fixes.insert(1, "if this loss must not reach it and is meant for its values as they were (a "
+                                 "critic's loss on the actor's imagined features), detach it where this loss uses it "
+                                 "(`{code}.detach()`)")
             else:
                 detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors, so this "
                           "backward would fail with 'Trying to backward through the graph a second time'")

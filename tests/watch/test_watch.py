@@ -89,7 +89,7 @@ BROKEN = {
     # (the helper's line called from three lines of the loop: three sites, so the critic's step is the iteration's
     # third, not an iteration of its own), named by the actor's graph it reaches, not by the critic's loss itself
     "dreamer_critic_not_detached": r"DoubleBackwardError: .*\(step 3, loss 'loss'\): the loss reaches TanhBackward0, "
-                                   r"made earlier in this loop iteration and held by `global feat`.*To fix: if this "
+                                   r"made earlier in this loop iteration and held by `global feat`.*To fix: .*if this "
                                    r"loss must not reach it .*detach it where this loss uses it \(`feat.detach\(\)`\)",
     # the fix is where values are added to the list, not one element of it
     "baseline_list": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global returns\[0\]`.*To fix: detach "
