@@ -24,7 +24,7 @@ from safeloop.checkpoint import Checkpointer, load
 from safeloop.config import compose, train
 
 from .checkpoint_job import make
-from .conftest import ROOT, subprocess_env
+from .conftest import subprocess_env
 
 TASK = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
         "SLURM_LOCALID": "0", "SLURM_NODELIST": "localhost"}

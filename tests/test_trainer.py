@@ -11,7 +11,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from safeloop import Callback, ConfigError, ConfigWarning, DoubleBackwardError, StepError, Trainer
 from safeloop.models import MLP
-from safeloop.recipes.gan import GAN, GANTrainer, ring
 
 from .conftest import manual
 

@@ -13,7 +13,6 @@ loop that back-propagates each loss in turn, the first with ``retain_graph=True`
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from safeloop import Trainer
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
-from safeloop import ConfigError, StepError, Trainer
+from safeloop import ConfigError, Trainer
 
 QUIET = dict(device="cpu", progress=False, loggers=())
 N = 20  # samples: 5 batches of 4

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from safeloop import GraphGuard
-from safeloop.errors import (CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError,
+from safeloop.errors import (DoubleBackwardError, GraphLeakWarning, GraphReuseError,
                              InplaceModificationError)
 from safeloop.watch import Watch
 

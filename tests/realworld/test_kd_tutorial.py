@@ -19,7 +19,6 @@ The port is one Trainer per stage, as a user would write it: the default ``train
 ``loss_fn=nn.CrossEntropyLoss()`` for the teacher, then one subclass per student holding the teacher as an
 attribute; the tests between stages are the tutorial's functions.
 """
-import copy
 import warnings
 from functools import partial
 

@@ -14,12 +14,10 @@ classification head (MSE and cross-entropy), 3 epochs of 2 fixed batches; the mo
 The port keeps ``awl`` on the Trainer, made in ``configure_optimizers`` with the optimizer, as a Lightning port keeps
 it on its module; ``modules()`` returns it so that checkpoints hold it. A second case resumes the port midway.
 """
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import optim
 
 from safeloop import Trainer

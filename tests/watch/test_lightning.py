@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import safeloop
-from safeloop import GraphReuseError, InplaceModificationError
+from safeloop import GraphReuseError
 from tests.conftest import subprocess_env
 from tests.watch.forked import run_all
 from tests.watch.lightning_like import LightningModule, Trainer
