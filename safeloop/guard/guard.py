@@ -855,11 +855,21 @@ class Guard:
         cleared = f"`{_code(holder.tuple_of)} = None`" if isinstance(holder, explain.Item) else "`{code} = None`"
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
             if keyed else f"{cleared}, where forward rebuilds it when it is None"
-        return [f"make `{{code}}` again every step instead of keeping it: it is made from "
-                f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
-                f"stale); clear the cache before each forward ({clear}), or do not cache it",
-                "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
-                "of each step (`{detached}`)", _target_fix("")]
+        fixes = [f"make `{{code}}` again every step instead of keeping it: it is made from "
+                 f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
+                 f"stale); clear the cache before each forward ({clear}), or do not cache it",
+                 "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
+                 "of each step (`{detached}`)"]
+        return [_target_fix(""), *fixes] if self._compared(trained, case) else [*fixes, _target_fix("")]
+
+    def _compared(self, trained: list, case: Case) -> bool:
+        """Whether the loss also reaches some of ``trained`` (the parameters a kept value was made from) through this
+        step's own nodes: it compares their new output with the kept one (PPO's ratio of new to old log-probabilities,
+        a TD error against a stored target), which is then a target made without no_grad, not a stale cache."""
+        if not walk.HAS_SEQ or self.start_seq is None or case.loss.grad_fn is None:
+            return False
+        fresh = walk.walk(case.loss.grad_fn, self.start_seq, case.step).leaves
+        return not {id(t) for t in trained}.isdisjoint(id(n.variable) for n in fresh)
 
     def _reused(self, node, saver, leaves, case: Case) -> bool:
         """Built before training, saving tensors (in ``saver``, at or below ``node``) -> GraphReuseError
@@ -1657,7 +1667,8 @@ def _target_fix(into: str) -> str:
     """The fix for a value made from trained parameters that the loss only compares with (``into``: where its
     gradient would have gone)."""
     return ("if it is a target the loss compares with, not a value to train through (a value target or an advantage "
-            f"computed with the critic and stored in a replay buffer), compute it under `torch.no_grad()`{into}")
+            "computed with the critic and stored in a replay buffer, a rollout's log-probabilities kept for several "
+            f"updates), compute it under `torch.no_grad()`{into}")
 
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:

@@ -66,7 +66,13 @@ BROKEN = {
                                    r"`u_x` inside the loop",
     # a value made from the trained network and kept since: among the fixes, the one for a target
     "dqn_target_stored_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global buffer\[0\]\[2\]`.*"
-                                    r"if it is a target the loss compares with.*compute it under `torch.no_grad\(\)`",
+                                    r"To fix: if it is a target the loss compares with.*compute it under "
+                                    r"`torch.no_grad\(\)`",
+    # ... and PPO's rollout without no_grad: the loss compares the new log-probabilities with the kept ones
+    "cleanrl_ppo_rollout_without_no_grad": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global b_[a-z]+`.*"
+                                           r"To fix: if it is a target the loss compares with.*a rollout's "
+                                           r"log-probabilities kept for several updates\), compute it under "
+                                           r"`torch.no_grad\(\)`",
     # ... and adversarial embeddings made once before a loop that also remakes `adv` (every fourth step)
     "fgm_embeddings_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches EmbeddingBackward0, "
                                   r"built before the step \(before the loop\) and held by `global adv`.*recompute "
