@@ -371,7 +371,7 @@ def test_advantage_computed_with_grad_is_stopped_naming_the_value_target():
 
 def test_advantage_computed_with_grad_is_advised_no_grad():
     """The advice for a value target stored with its graph: compute it under ``torch.no_grad()``."""
-    with pytest.raises(GraphReuseError, match=r"if it is a target the loss compares with.*replay buffer\), compute "
+    with pytest.raises(GraphReuseError, match=r"if it is a target the loss compares with.*replay buffer.*\), compute "
                                               r"it under `torch\.no_grad\(\)`"):
         ppo_run("always", by_hand=True)
 
