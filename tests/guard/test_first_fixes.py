@@ -487,3 +487,48 @@ def test_a_gan_whose_discriminator_loss_keeps_the_fakes_graph_is_advised_the_det
         warnings.simplefilter("error")
         fixed = [gan_loop("detached", check) for check in CHECKS]
     assert all(same(f, gan_loop("no_grad", None)) for f in fixed)
+
+
+# -- a rollout kept for several updates: a target, not a cache -------------------------------------------------------
+class PPO(Trainer):
+    """PPO's update by hand in a Trainer (vwxyzjn/cleanrl ppo.py's shape): a rollout every ``every`` updates, kept for
+    them, its old log-probabilities compared with the new ones (``no_grad``: the rollout under torch.no_grad())."""
+
+    no_grad, every = True, 4
+
+    def training_step(self, batch):
+        if self.state.step % self.every == 0:
+            obs = torch.randn(8, 4)
+            with torch.no_grad() if self.no_grad else warnings.catch_warnings():
+                dist = torch.distributions.Categorical(logits=self.model(obs))
+                act = dist.sample()
+                self.rollout = (obs, act, dist.log_prob(act))
+        obs, act, old = self.rollout
+        ratio = (torch.distributions.Categorical(logits=self.model(obs)).log_prob(act) - old).exp()
+        return -(ratio * batch).mean()
+
+
+def ppo(no_grad: bool, check: str = "always") -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    trainer = PPO(model=nn.Linear(4, 2), train_data=list(torch.randn(8, 8)), max_steps=8, progress=False, loggers=(),
+                  optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), guard={"check": check})
+    trainer.no_grad = no_grad
+    trainer.fit()
+    return trained(trainer.model)
+
+
+def test_old_log_probabilities_kept_with_their_graph_are_advised_no_grad_first_as_a_target():
+    """The loss compares the model's new log-probabilities with kept ones made from the same parameters: making them
+    again every step (a cache's fix) would make the ratio 1, so the target's fix comes first; applied, it trains as
+    the correct loop, quiet."""
+    with pytest.raises(CarriedGraphError, match=re.escape("held by `self.rollout[2]`")) as caught:
+        ppo(no_grad=False)
+    assert caught.value.step == 2
+    assert caught.value.fixes[0].startswith("if it is a target the loss compares with, not a value to train through")
+    assert "a rollout's log-probabilities kept for several updates), compute it under `torch.no_grad()`" \
+        in caught.value.fixes[0]
+    assert caught.value.fixes[1].startswith("make `self.rollout[2]` again every step")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = [ppo(no_grad=True, check=check) for check in CHECKS]
+    assert all(same(fixed[0], f) for f in fixed[1:])
