@@ -159,9 +159,9 @@ class Guard:
         self._unused: dict[int, weakref.ref] = {}
         self._named: dict[str, weakref.ref] = {}
         # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
-        # was handed to them by then (see ``at_update``): (warning, where to warn, their gradients then, those a later
-        # backward reached)
-        self._untrained: list[tuple[Warning, tuple | None, dict, set[int]]] = []
+        # was handed to them by then (see ``at_update``) or a later loss of the step trains them through the same
+        # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves)
+        self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict]] = []
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
@@ -588,7 +588,7 @@ class Guard:
             placeholder = all(t.dim() == 0 and type(t) is not torch.nn.Parameter for t in every)
             if every and not hidden and not placeholder and len(unheld(every)) == len(every):
                 self._warned.add(key)
-                self._pend_untrained(params, UnusedGradientWarning(
+                self._pend_untrained(params, every, UnusedGradientWarning(
                     f"the loss reaches none of the parameters the optimizers update, only "
                     f"{explain.leaf_names(every, scope)}: backward gives the optimizers nothing, so this loss trains "
                     "nothing", step=step, loss_name=name,
@@ -600,8 +600,14 @@ class Guard:
                            "if the gradient of a parameter an optimizer updates comes from this one by another way, "
                            "turn this check off for that backward (guard.ignore('unused'); under watch, "
                            "--ignore unused)"]))
-        for *_, written in self._untrained:  # the gradients a later backward of the step writes are not handed over
+        for *_, written, _ in self._untrained:  # the gradients a later backward of the step writes are not handed over
             written.update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
+        # a later loss of the step that reaches the optimizers' parameters and that loss's leaves trains them through
+        # it: learning to learn back-propagates each unrolled step's loss of the optimizee for the gradient its
+        # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights
+        self._untrained = [u for u in self._untrained if not any(
+            any(id(t) in held for t in leaves) and any(ref() is t for t in leaves if (ref := u[4].get(id(t))))
+            for _, _, leaves in reached)]
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
@@ -646,11 +652,13 @@ class Guard:
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes))
 
-    def _pend_untrained(self, params, warning: Warning) -> None:
-        """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``) for the next update."""
+    def _pend_untrained(self, params, leaves, warning: Warning) -> None:
+        """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
+        update."""
         frame = self.frame
         where = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-        self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set()))
+        self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set(),
+                                {id(t): weakref.ref(t) for t in leaves}))
 
     def at_update(self) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop):
@@ -659,7 +667,7 @@ class Guard:
         ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
         A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
         pending, self._untrained = self._untrained, []
-        for warning, where, before, written in pending:
+        for warning, where, before, written, _ in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
             warn_at(warning, where, self.heeded)
