@@ -814,7 +814,11 @@ class Guard:
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
         if kept:
-            fixes = ["detach the carried state at the end of each step (`{detached}`) "
+            # a state whose gradient the loop reads (``retain_grad()``: learning to learn's optimizee weights, carried
+            # with their graph across unrolled steps) must still require grad once cut
+            cut = "{detached}.requires_grad_()" if any(
+                n == holder and t.retains_grad for n, t in explain.candidates(case.scope, case.batch)) else "{detached}"
+            fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(

@@ -101,6 +101,48 @@ def test_a_meta_loss_through_detached_fast_weights_trains_nothing_and_is_said_be
     assert fit(MAML, model) == []
 
 
+def learning_to_learn(check=None, cut=False):
+    """An LSTM meta-optimizer over a quadratic's weights, as chenwydj/learning-to-learn-by-gradient-descent-by-gradient-
+    descent's ``do_fit`` (Grad_buffer.ipynb): each unrolled step's loss is back-propagated for the gradient the LSTM
+    reads (it reaches the optimizee's weights only), the sum of the unrolled losses trains the LSTM (a GraphGuard given
+    the meta-optimizer under ``check``, none without); the final LSTM."""
+    torch.manual_seed(0)
+    lstm, head = nn.LSTMCell(1, 4), nn.Linear(4, 1)
+    meta_opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=0.01)
+    W, y = torch.randn(4, 4), torch.randn(4)
+    backward = GraphGuard(optimizers=meta_opt, check=check).backward if check else torch.Tensor.backward
+    theta, state = torch.zeros(4, requires_grad=True), (torch.zeros(4, 4), torch.zeros(4, 4))
+    total = None
+    for it in range(1, 7):
+        loss = ((W @ theta - y) ** 2).sum()
+        total = loss if total is None else total + loss
+        theta.retain_grad()
+        backward(loss, retain_graph=True)
+        state = lstm(theta.grad.detach().clone().view(4, 1), state)
+        update = head(state[0]).view(4)
+        theta = theta + 0.1 * (update.detach() if cut else update)
+        if it % 3 == 0:
+            meta_opt.zero_grad()
+            backward(total)
+            meta_opt.step()
+            theta, state, total = theta.detach().requires_grad_(), tuple(s.detach() for s in state), None
+    return [*lstm.parameters(), *head.parameters()]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_learning_to_learns_backward_for_the_optimizees_gradient_is_quiet_when_the_unrolled_sum_trains(check):
+    """The per-step loss reaches none of the meta-optimizer's parameters; the unrolled sum back-propagated after it
+    reaches them through the same weights: quiet and trained as without the guard. With the LSTM's update detached,
+    the sum reaches none of them either: said."""
+    ref = learning_to_learn()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = learning_to_learn(check)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    with pytest.warns(UnusedGradientWarning, match=r"the loss reaches none of the parameters the optimizers update"):
+        learning_to_learn(check, cut=True)
+
+
 def layer_in_forward(fixed=False):
     """``self.layer2 = nn.Conv2d(...)`` in forward: Code_1 of "Can I instantiate layers in forward function?"
     (discuss.pytorch.org/t/105054), with linear layers."""

@@ -152,6 +152,11 @@ BROKEN = {
     # an LSTM's (h, c) carried without repackage_hidden, no optimizer (the weights updated through .data)
     "word_language_model_not_repackaged": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `local hidden\[0\]`"
                                           r".*\(`hidden = tuple\(t.detach\(\) for t in hidden\)`\)",
+    # learning to learn without the truncation after the meta-optimizer's step: the optimizee's weights, whose gradient
+    # the loop reads (retain_grad), must still require grad once cut
+    "l2l_meta_optimizer_not_truncated": r"CarriedGraphError: .*\(step 3, loss 'loss'\).*held by `optimizee.theta`; an "
+                                        r"earlier backward already freed .*\(`optimizee.theta = "
+                                        r"optimizee.theta.detach\(\).requires_grad_\(\)`\)",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
