@@ -762,10 +762,22 @@ class Guard:
                                  "critic's loss on the actor's imagined features), detach it where this loss uses it "
                                  "(`{code}.detach()`)")
             else:
+                # named where the freed graph begins: the node made before this step may be a graph no backward ran,
+                # built on one that an earlier backward freed (a synthetic-gradient module's output `grad =
+                # dni(out)` over `out`, freed by `out.backward(grad.detach())`): `out` is what to detach, not `grad`
+                node = next((n for n in islice(walk.iter_nodes(node), 10_000)
+                             if type(n) is not walk.ACCUMULATE and _freed(n)), node)
                 detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors, so this "
                           "backward would fail with 'Trying to backward through the graph a second time'")
-                fixes = ["if the earlier loss must not reach it, detach it where that loss uses it (`{code}.detach()`, "
-                         "as a GAN's discriminator loss uses the generator's output)",
+                # no name holds what it made, only a tensor computed from it with a graph of its own (the synthetic
+                # gradient `grad` once `out` is rebound): detaching that tensor would cut its own graph too
+                examples = ("a GAN's discriminator loss on the generator's output, a synthetic gradient module on "
+                            "the activation whose gradient it predicts")
+                detach = (f"it where that loss uses it (`{{code}}.detach()`: {examples})"
+                          if explain.holds(node, case.scope, case.batch) else
+                          f"what {{node}} made where `{{code}}` is computed from it ({examples}), not "
+                          "`{code}` itself")
+                fixes = [f"if one of the two losses must not reach it, detach {detach}",
                          "if both losses need its gradient, pass retain_graph=True to the earlier backward"]
             raise self._error(DoubleBackwardError, node, case, detail, fixes, trace_hint=True)
 
@@ -1693,7 +1705,7 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
     for node in islice(walk.iter_nodes(*nodes), limit):
         if type(node) is walk.ACCUMULATE:
             continue
-        if walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True)):
+        if _freed(node):
             return _FREED
         grows = grows or (prev_seq is not None and sequence_nr(node) < prev_seq and node not in nodes)
     if grows:
@@ -1702,6 +1714,11 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
     if old:
         return _AGAIN
     return None
+
+
+def _freed(node) -> bool:
+    """Whether a backward already freed the tensors ``node`` saved."""
+    return walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
 
 
 def _grad_state(p: torch.Tensor) -> tuple[int, int] | None:

@@ -521,7 +521,7 @@ def test_a_graph_an_earlier_backward_of_the_iteration_freed_is_named_as_the_iter
     with pytest.raises(DoubleBackwardError, match=re.escape(
             "(step 2, loss 'loss'): the loss reaches TanhBackward0, made earlier in this loop iteration and held by "
             "`local fake`; an earlier backward of the iteration already freed its saved tensors") + ".*" + re.escape(
-            "To fix: if the earlier loss must not reach it, detach it where that loss uses it (`fake.detach()`")):
+            "To fix: if one of the two losses must not reach it, detach it where that loss uses it (`fake.detach()`")):
         for real in torch.randn(3, 5, 4):
             fake = g(torch.randn(5, 2))
             d_opt.zero_grad()
@@ -530,6 +530,44 @@ def test_a_graph_an_earlier_backward_of_the_iteration_freed_is_named_as_the_iter
             g_opt.zero_grad()
             guard.backward(F.softplus(-d(fake)).mean())
             g_opt.step()
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])  # (off: explained after backward ran, and freed, `grad`)
+def test_a_synthetic_gradient_modules_loss_through_the_freed_activation_is_told_to_detach_the_activation(check):
+    """Decoupled neural interfaces (andrewliao11/dni.pytorch): layer 1 steps on the gradient a synthesizer predicts
+    from its activation, `out.backward(grad.detach())`; the synthesizer then learns the true gradient. Fed `out`
+    with its graph, its loss goes back through layer 1's freed graph. With `out` rebound to its detached copy, only
+    `grad` (computed from it) names that graph: the fix detaches what `grad` is computed from, not `grad`, whose
+    own graph trains the synthesizer. Fed `out.detach()`: quiet and trained as without the guard."""
+
+    def dni(check=None, detached=True):
+        torch.manual_seed(0)
+        layer1, layer2, synth = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 4)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (layer1, layer2, synth)]
+        backward = GraphGuard(optimizers=opts, check=check).backward if check else torch.Tensor.backward
+        for x in torch.randn(3, 5, 4):
+            out = torch.tanh(layer1(x))
+            grad = synth(out.detach() if detached else out)
+            backward(out, grad.detach())
+            opts[0].step()
+            out = out.detach().requires_grad_()
+            backward(layer2(out).pow(2).mean())
+            opts[1].step()
+            backward(F.mse_loss(grad, out.grad))
+            opts[2].step()
+            for opt in opts:
+                opt.zero_grad()
+        return [p for m in (layer1, layer2, synth) for p in m.parameters()]
+
+    with pytest.raises(DoubleBackwardError, match=re.escape(
+            "(step 3, loss 'loss'): the loss reaches TanhBackward0, made earlier in this loop iteration and held by "
+            "`local grad`") + ".*" + re.escape("To fix: if one of the two losses must not reach it, detach what "
+                                               "TanhBackward0 made where `grad` is computed from it (")):
+        dni(check, detached=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = dni(check)
+    assert all(torch.equal(a, b) for a, b in zip(ours, dni()))
 
 
 def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_variable_does_not():

@@ -157,6 +157,11 @@ BROKEN = {
     "l2l_meta_optimizer_not_truncated": r"CarriedGraphError: .*\(step 3, loss 'loss'\).*held by `optimizee.theta`; an "
                                         r"earlier backward already freed .*\(`optimizee.theta = "
                                         r"optimizee.theta.detach\(\).requires_grad_\(\)`\)",
+    # a synthetic gradient module fed the activation with its graph: its loss goes back through the layer's graph that
+    # `out.backward(grad.detach())` freed; named where the freed graph begins (`out`), not at the module's output
+    "synthetic_gradients_not_detached": r"DoubleBackwardError: .*\(step 3, loss 'loss'\): the loss reaches "
+                                        r"ReluBackward0, made earlier in this loop iteration and held by `global out`.*"
+                                        r"detach it where that loss uses it \(`out.detach\(\)`",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
