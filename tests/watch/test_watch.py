@@ -186,6 +186,11 @@ WARNED = {
     "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
+    # predictive coding's value nodes sampled anew each batch, their optimizer made once, for the first batch's
+    "predictive_coding_stale_x_optimizer": r"predictive_coding_stale_x_optimizer.py:51: UnusedGradientWarning: .*"
+                                           r"\(step 5, loss 'loss'\): the loss reaches `model.4._x`, `model.1._x`, "
+                                           r"which require grad but which no optimizer updates.*build the optimizer "
+                                           r"after replacing",
     # the same with an optimizer that never steps (higher's `inner_opt`, read for its lr): it holds only parameters
     # the meta-optimizer holds, so the check does not wait for it
     "maml_detached_fast_weights_inner_opt": r"maml_detached_fast_weights_inner_opt.py:29: UnusedGradientWarning: .*"
