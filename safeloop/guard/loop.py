@@ -369,9 +369,9 @@ class GraphGuard:
         def older(node) -> bool:  # a leaf, or made before the step: not the step's own
             return type(node) is walk.ACCUMULATE or walk.sequence_nr(node) < start
 
-        nodes = [node for loss in losses.values() if loss.grad_fn is not None
-                 for node in islice(walk.iter_nodes(loss.grad_fn, stop=older), 100_000)]
-        reached = [node for node in nodes if walk.sequence_nr(node) < end]
+        reached = [node for loss in losses.values() if loss.grad_fn is not None
+                   for node in islice(walk.iter_nodes(loss.grad_fn, stop=older), 100_000)
+                   if walk.sequence_nr(node) < end]
         if self._kept is None:  # the backward after ``check`` was someone else's: did it keep the graph?
             saver = next((node for node in reached if walk.holds_tensors(node)), None)
             return saver is not None and not walk.is_freed(walk.unpack_error(saver, first=True))
@@ -380,14 +380,9 @@ class GraphGuard:
             # reaches: the same iteration's loss, in chunks back-propagated one by one over a graph that saves
             # nothing (sentence-transformers' CachedMultipleNegativesRankingLoss: each chunk's scores against one
             # torch.cat of all the embeddings). A state carried with a graph that saves nothing is seen once the
-            # optimizer steps; one whose saved tensors that backward freed is the carried graph it was when this
-            # loss's own part runs the weights of that graph again (the forward over an RNN's hidden state kept
-            # without detach). Else it is the same iteration's next loss over a shared trunk, the last one's backward
-            # without retain_graph (MGDA's per-task losses, each through its own head, from one line).
+            # optimizer steps; one whose saved tensors that backward freed is the carried graph it was.
             saver = next((node for node in reached if walk.holds_tensors(node)), None)
-            if saver is None or not walk.is_freed(walk.unpack_error(saver, first=True)):
-                return bool(reached)
-            return not _weights(n for n in nodes if walk.sequence_nr(n) >= end) & _weights(reached)
+            return bool(reached) and (saver is None or not walk.is_freed(walk.unpack_error(saver, first=True)))
         return bool(reached)
 
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool | None) -> None:
@@ -558,11 +553,6 @@ def _site(frame) -> tuple | None:
     if frame is None:
         return None
     return tuple((f.f_code, f.f_lasti) for f in stack(frame) if f.f_code.co_filename == frame.f_code.co_filename)
-
-
-def _weights(nodes) -> set[int]:
-    """The leaves (parameters) that ``nodes`` use directly."""
-    return {id(nxt.variable) for node in nodes for nxt, _ in node.next_functions if type(nxt) is walk.ACCUMULATE}
 
 
 def _tensors(inputs) -> list | None:
