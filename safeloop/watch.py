@@ -31,8 +31,9 @@ from torch.autograd.graph import GradientEdge
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
-from .guard.before import elements, fields, loop_start
+from .guard.before import elements, loop_start
 from .guard.bytecode import COMPREHENSIONS, loop_around, stack
+from .guard.explain import fields
 from .guard.loop import WRAPPED, GraphGuard
 from .settings import CHECKS, GUARD_CHECKS, GUARD_DEFAULTS, REUSE_POLICIES
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dis
 import functools
 import itertools
-import types
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -15,6 +14,7 @@ from torch.distributions.utils import lazy_property
 
 from . import walk
 from .bytecode import COMPREHENSIONS, loop_around, stack, stored
+from .explain import fields
 
 _LOADS = {"LOAD_NAME", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"}
 _READERS = {"zip", "enumerate", "len", "range", "reversed", "iter", "sorted", "list", "tuple", "min", "max"}
@@ -139,20 +139,6 @@ def _library_call(frames: list, filename: str, forward: int) -> tuple | None:
             return frame, {ins.offset for ins in dis.get_instructions(frame.f_code)
                            if ins.positions.lineno == frame.f_lineno}
     return None
-
-
-def fields(obj) -> dict:
-    """``vars(obj)`` of an object that is neither a tensor nor a module, else {}. Looked at through types only:
-    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op` does,
-    an attribute of the `dist` a script imports), and silencing it would show the script's own warnings a
-    second time (changing the warning filters resets their once-only registry)."""
-    if issubclass(type(obj), (torch.Tensor, types.ModuleType)):
-        return {}
-    try:
-        fields = object.__getattribute__(obj, "__dict__")
-    except (AttributeError, TypeError):
-        return {}
-    return dict(fields) if type(fields) is dict else {}
 
 
 def _filled(body: list[dis.Instruction]) -> set[str]:

@@ -254,7 +254,7 @@ def _nested(obj: Any, prefix: str, depth: int, budget: list[int],
     elif kind in (list, tuple):
         pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj[:64])]
     elif _nested_object(obj):
-        pairs = [(f"{prefix}.{key}", val) for key, val in _fields(obj).items() if not key.startswith("__")]
+        pairs = [(f"{prefix}.{key}", val) for key, val in fields(obj).items() if not key.startswith("__")]
     else:
         return
     budget[0] -= 1
@@ -277,7 +277,7 @@ def candidates(scope: Scope | None = None, batch: Any = None,
                 yield from _attributes(root, name, roots)
         if deep:
             yield from _within([(f"{name}.{key}", val) for name, root in scope.roots.items()
-                                for key, val in _fields(root).items()], budget)
+                                for key, val in fields(root).items()], budget)
         for prefix, space in scope.namespaces():
             for key, val in list(space.items()):
                 if key.startswith("__"):
@@ -342,7 +342,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
         return next((name for name, shape in near if [shape] == made), near[0][0])
     if scan_gc:
         # by type only: isinstance looks an object's __class__ up, which some deprecated objects answer with a
-        # warning (and silencing warnings would show the program's own ones again: see before.fields)
+        # warning (and silencing warnings would show the program's own ones again: see fields)
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
@@ -443,7 +443,7 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
         return []
     found = list(scope.roots.items())
     found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
-    found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in _fields(root).items()
+    found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, mod) for name, mod in found if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
 
@@ -476,20 +476,23 @@ def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
     if scope is None:
         return []
     values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
-    values += [a for v in values for a in _fields(v).values()]
+    values += [a for v in values for a in fields(v).values()]
     values += [i for v in values for i in (v.values() if type(v) is dict else v if type(v) in (list, tuple) else ())]
     return list({id(v): v for v in values if issubclass(type(v), torch.optim.Optimizer)}.values())
 
 
-def _fields(obj) -> dict:
-    """The attributes of an object that is neither a tensor nor a Python module, read by type only."""
+def fields(obj) -> dict:
+    """``vars(obj)`` of an object that is neither a tensor nor a Python module, else {}. Looked at through types only:
+    an object's own attribute lookup (which ``isinstance`` calls) can warn (`torch.distributed.reduce_op` does,
+    an attribute of the `dist` a script imports), and silencing it would show the script's own warnings a
+    second time (changing the warning filters resets their once-only registry)."""
     if issubclass(type(obj), (torch.Tensor, type(os))):
         return {}
     try:
-        fields = object.__getattribute__(obj, "__dict__")
+        own = object.__getattribute__(obj, "__dict__")
     except (AttributeError, TypeError):
         return {}
-    return dict(fields) if type(fields) is dict else {}
+    return dict(own) if type(own) is dict else {}
 
 
 def leaf_names(leaves, scope: Scope | None = None, most: int = 3, batch: Any = None) -> str:
