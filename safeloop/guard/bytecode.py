@@ -22,9 +22,10 @@ def stored(ins: dis.Instruction) -> tuple[str, ...]:
     return (ins.argval[0],) if ins.opname == "STORE_FAST_LOAD_FAST" else ()
 
 
-def loop_around(code, offset: int) -> set[int] | None:
-    """The offsets of the outermost loop's body that holds ``offset``: a tensor that an outer loop makes (WGAN-GP's
-    ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the loop. A loop is
+def loop_around(code, offset: int, innermost: bool = False) -> set[int] | None:
+    """The offsets of the outermost (or ``innermost``) loop's body that holds ``offset``: a tensor that an outer loop
+    makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the
+    loop. A loop is
     a backward jump whose source its target reaches without an exception (since Python 3.12 the handlers of ``with``
     and ``except`` sit at the function's end and jump back to the code after them: no loop); its body, the offsets
     from its target to the jump and the handlers of the ``try`` blocks among them (3.12 puts them after the end)."""
@@ -34,21 +35,22 @@ def loop_around(code, offset: int) -> set[int] | None:
         target = flow.jump(ins)
         if target is not None and target <= ins.offset and ins.offset in flow.reached([target]):
             body = flow.body(target, ins.offset)
-            if offset in body and (best is None or len(body) > len(best)):
+            if offset in body and (best is None or (len(body) < len(best) if innermost else len(body) > len(best))):
                 best = body
     return best
 
 
-def set_every_time(frame, by_calls: bool = False) -> tuple:
-    """(the frame whose loop runs ``frame``: its own or a caller's in its file, the variables that loop sets on every
-    way from its top to the line the frame runs); (None, empty) outside a loop. ``by_calls``: only those set to what a
+def set_every_time(frame, by_calls: bool = False, innermost: bool = False) -> tuple:
+    """(the frame whose loop runs ``frame``: its own or a caller's in its file, the variables that loop (the
+    outermost, or the ``innermost``) sets on every way from its top to the line the frame runs); (None, empty) outside
+    a loop. ``by_calls``: only those set to what a
     call returns (``outs = list(pool.map(...))``): values made in this iteration. Never one set in a branch (``if fix:
     adv = fgm(...)``); with ``by_calls``, not a ``for`` target, an item unpacked, nor a value read from a name, an
     attribute or an index (``x = augmented[i][0]``) either: those may hand on a tensor made before the loop."""
     filename = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename == filename:
         code = frame.f_code
-        body = loop_around(code, frame.f_lasti) if code.co_name not in COMPREHENSIONS else None
+        body = loop_around(code, frame.f_lasti, innermost) if code.co_name not in COMPREHENSIONS else None
         if body is not None:
             flow = Flow(code)
             before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= frame.f_lasti]

@@ -162,6 +162,13 @@ BROKEN = {
     "synthetic_gradients_not_detached": r"DoubleBackwardError: .*\(step 3, loss 'loss'\): the loss reaches "
                                         r"ReluBackward0, made earlier in this loop iteration and held by `global out`.*"
                                         r"detach it where that loss uses it \(`out.detach\(\)`",
+    # MGDA's per-task backward over one trunk without retain_graph, before any update: the same iteration's next loss
+    # (the trunk's output `rep` is set by the batch loop, not by the task loop around the backward), not a state
+    # carried from a step before
+    "mgda_shared_trunk_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                      r"ReluBackward0, held by `global rep`, which the backward of 'loss' at "
+                                      r"mgda_shared_trunk_not_retained.py:33 in this step already ran without "
+                                      r"retain_graph.*To fix: pass retain_graph=True",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
