@@ -559,7 +559,10 @@ def _number(value: Any) -> bool:
 def _positive(key: str, value: Any, optional: bool = False) -> list[str]:
     if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return []
-    return [f"{key} must be a positive integer, got {value!r}"]
+    fraction = key == "val_every" and isinstance(value, float) and 0 < value < 1
+    return [f"{key} must be a positive integer, got {value!r}" + (
+        ": it counts optimizer steps, not a fraction of a pass (Lightning's val_check_interval): give "
+        "val_every=math.ceil(f * len(train_data) / grad_accum)" if fraction else "")]
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> list[str]:

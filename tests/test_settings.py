@@ -93,6 +93,9 @@ class NotACallback:
     ({"optimizer": 42}, "optimizer=42 is an int; give an Optimizer, a callable or None"),
     ({"callbacks": [NotACallback()]}, "callbacks[0]=NotACallback() is a NotACallback; give a Callback"),
     ({"max_steps": True}, "max_steps must be a positive integer, got True"),
+    ({"val_every": 0.5}, "val_every must be a positive integer, got 0.5: it counts optimizer steps, not a fraction of "
+                         "a pass (Lightning's val_check_interval): give val_every=math.ceil(f * len(train_data) / "
+                         "grad_accum)"),
     ({"loss_weights": {"loss": "2"}}, "loss_weights['loss']='2' is a str; give a number"),
     ({"loggers": "csv"}, "loggers='csv' is a str: give a list of logger names and logger objects (loggers=['csv'])"),
     ({"progress": "no"}, "progress='no' is a str; give True or False"),
