@@ -754,13 +754,8 @@ class Guard:
                          "gradient is taken at the parameters as they are now",
                          "if this loss is meant for the parameters as they were, run its backward before changing "
                          "them, and pass retain_graph=True to the earlier backward"]
-                moved = {id(t) for t in changed}
-                if all(id(leaf) in moved for leaf in _trained(walk.below(node)[1], case.scope)):
-                    # it reaches no trained parameter but those updated since: this loss may not be meant to train
-                    # them (a fresh forward first: SAC's temperature loss recomputes log_pi, at the updated weights)
-                    fixes.insert(1, "if this loss must not reach it and is meant for its values as they were (a "
-                                 "critic's loss on the actor's imagined features), detach it where this loss uses it "
-                                 "(`{code}.detach()`)")
+                if _only_changed_below(node, changed, case.scope):
+                    fixes.insert(1, _DETACH_STALE)
             else:
                 # named where the freed graph begins: the node made before this step may be a graph no backward ran,
                 # built on one that an earlier backward freed (a synthetic-gradient module's output `grad =
@@ -1102,6 +1097,8 @@ class Guard:
                     if root is not loss.grad_fn:  # another loss through the graph: it could have come first
                         fixes.append("if this loss is meant for the parameters as they were, run its backward "
                                      f"before changing them, and pass retain_graph=True to {backward}")
+                    if _code(holder) and _only_changed_below(shared[0], changed, scope):
+                        fixes.insert(1, _DETACH_STALE)
                 raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope), detail, fixes,
                                   holder=holder)
         self.spent += time.perf_counter() - t0
@@ -1680,6 +1677,10 @@ _FREED = ("an earlier backward already freed the saved tensors of its graph, so 
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
 _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
               "again: its gradient is added a second time, through weights the update has since changed")
+# the fix for a loss reaching, through a graph an update made stale, no trained parameter but those updated
+_DETACH_STALE = ("if this loss must not reach it and is meant for its values as they were (a critic's loss on the "
+                 "actor's imagined features), detach it where this loss uses it (`{code}.detach()`)")
+
 
 
 def _weight_cast(node) -> bool:
@@ -1771,3 +1772,10 @@ def _why_detached(seen: set[str] | None, words: Words) -> tuple[str, list[str]]:
             "inputs only)",
             [f"make sure the loss is computed from the model's output inside {words.place}, with grad enabled",
              "for a penalty on gradients (a gradient penalty, R1), pass create_graph=True to torch.autograd.grad"])
+
+
+def _only_changed_below(node, changed, scope) -> bool:
+    """Whether every trained parameter below ``node`` is among the ``changed`` ones: the loss reaching it may not be
+    meant to train them (a fresh forward first, though: SAC's temperature loss recomputes log_pi at the new weights)."""
+    moved = {id(t) for t in changed}
+    return all(id(leaf) in moved for leaf in _trained(walk.below(node)[1], scope))

@@ -570,6 +570,38 @@ def test_a_synthetic_gradient_modules_loss_through_the_freed_activation_is_told_
     assert all(torch.equal(a, b) for a, b in zip(ours, dni()))
 
 
+def test_a_critics_loss_on_the_actors_features_inside_one_step_is_told_to_detach_them():
+    """Dreamer's behaviour learning in one ``with guard.step()``: the actor's loss through imagined features steps
+    the actor; the critic's loss on those features, not detached, reaches the actor's freed and now stale graph.
+    Below them is no trained parameter but the actor's: detaching them where the critic uses them is a fix, beside a
+    fresh forward. Fixed: quiet and trained as without the guard."""
+
+    def dreamer(guard=None, detached=True):
+        torch.manual_seed(0)
+        actor, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        actor_opt, critic_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (actor, critic))
+        for x in torch.randn(3, 5, 4):
+            with guard.step() if guard else nullcontext():
+                feat = torch.tanh(actor(x))
+                for opt, loss in ((actor_opt, -critic(feat).mean()),
+                                  (critic_opt, critic(feat.detach() if detached else feat).pow(2).mean())):
+                    opt.zero_grad()
+                    guard.backward(loss) if guard else loss.backward()
+                    opt.step()
+        return [*actor.parameters(), *critic.parameters()]
+
+    with pytest.raises(DoubleBackwardError, match=re.escape(
+            "To fix: compute `feat` again after the change (a fresh forward) for this backward, so that its gradient is "
+            "taken at the parameters as they are now; or if this loss must not reach it and is meant for its values as "
+            "they were (a critic's loss on the actor's imagined features), detach it where this loss uses it "
+            "(`feat.detach()`)")):
+        dreamer(GraphGuard(), detached=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = dreamer(GraphGuard())
+    assert all(torch.equal(a, b) for a, b in zip(ours, dreamer()))
+
+
 def test_a_list_of_losses_kept_across_steps_warns_once_naming_it_and_the_loss_variable_does_not():
     model, opt, data = setup()
     guard = GraphGuard(model, opt, check="always")
