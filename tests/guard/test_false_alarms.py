@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from safeloop import CarriedGraphError, ConfigError, DoubleBackwardError, GraphReuseError, Trainer
+from safeloop import CarriedGraphError, ConfigError, DoubleBackwardError, GraphGuard, GraphReuseError, Trainer
 
 CHECKS = ["always", "auto", "off"]
 
@@ -516,3 +516,49 @@ def test_a_view_of_a_parameter_made_before_training_follows_it_and_is_not_warned
     torch.manual_seed(0)
     ours = run(Reconstructs, TiedAutoencoder(), data, check)
     assert torch.equal(ours.encoder.weight, recomputed.weight) and torch.equal(ours.decoder_bias, bias)
+
+
+class OneShotOffload(torch.autograd.graph.saved_tensors_hooks):
+    """torchtune's activation offloading (``OffloadActivations`` on one stream): pack hands out an id, unpack
+    gives the tensor back once and forgets it."""
+
+    def __init__(self):
+        self.tracker, self.count = {}, 0
+
+        def pack(tensor):
+            self.count += 1
+            self.tracker[self.count] = tensor.clone()  # (to the CPU in torchtune)
+            return self.count
+
+        def unpack(key):
+            assert key in self.tracker, f"untracked tensor with id {key}"
+            return self.tracker.pop(key)
+
+        super().__init__(pack, unpack)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_saved_tensors_unpacked_once_by_a_hook_are_left_to_the_backward_someone_else_calls(check):
+    """``guard.check(loss)`` before a backward it does not call unpacks the step's saved tensors on a checked step,
+    to explain an in-place change there. A tensor an unpack hook gives back is left packed: a one-shot hook would
+    otherwise hand the real backward nothing ('untracked tensor'). Trained as without the guard."""
+
+    def train(guard=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        opt, offload = torch.optim.AdamW(model.parameters(), lr=1e-2), OneShotOffload()
+        checks = GraphGuard(model, opt, check=check).check if guard else lambda loss: None
+        for x, y in zip(torch.randn(4, 8, 8), torch.randn(4, 8, 2)):
+            with offload:
+                out = model(x)
+            loss = F.mse_loss(out, y)
+            checks(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert not offload.tracker
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(train(guard=True), train())
