@@ -31,7 +31,7 @@ from torch.autograd.graph import GradientEdge
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
-from .guard.before import elements, loop_start
+from .guard.before import elements, inside_one_update, loop_start
 from .guard.bytecode import COMPREHENSIONS, loop_around, stack
 from .guard.explain import fields
 from .guard.loop import WRAPPED, GraphGuard
@@ -155,6 +155,8 @@ class Watch:
         values += [a for v in values if issubclass(type(v), torch.nn.Module) for m in v.modules()
                    for a in vars(m).values() if _optimizer(a) is not None]
         self.guard.expect_optimizers({id(o): o for o in map(_optimizer, values) if o is not None}.values())
+        if inside_one_update(frame, self.script, self.guard.variables):
+            self.guard.steps_end_at_updates()
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)

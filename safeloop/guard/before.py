@@ -6,7 +6,7 @@ from __future__ import annotations
 import dis
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from operator import attrgetter
 
 import torch
@@ -23,30 +23,20 @@ _READERS = {"zip", "enumerate", "len", "range", "reversed", "iter", "sorted", "l
 def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"),
                outside: int | None = None) -> int | None:
     """One past the node counter of the newest graph held, before the loop running ``frame`` (or a
-    caller's loop in ``filename``, outside any module's forward; the outermost loop of that function) began,
-    by a variable that the loop
+    caller's loop in ``filename``, outside any module's forward and not inside one update; the outermost loop of
+    that function) began, by a variable that the loop
     does not assign (or an attribute, assigned neither in the loop nor by a method of its object other than
     ``__init__``, of an object such a variable holds); None if none; ``outside`` if no loop of ``filename``
     runs ``frame``. ``variables``: reads a frame's variables (``GraphGuard.variables``)."""
     if not walk.HAS_SEQ:
         return None
-    module = None
-    found = None
     frames = list(stack(frame))
-    # a loop inside a module's forward (and what it calls) is the model's own computation, not the training loop
-    # (an invertible ResNet's power series of autograd.grad calls): the search starts past the outermost forward
-    forwards = [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
-                and issubclass(type(f.f_locals.get("self")), torch.nn.Module)]
-    for i, frame in enumerate(frames):
-        code = frame.f_code
-        if code.co_filename == filename:
-            # a comprehension's own loop (3.11 runs it as a function: `<listcomp>`) is no training loop
-            if found is None and (not forwards or i > forwards[-1]) and code.co_name not in COMPREHENSIONS:
-                body = loop_around(code, frame.f_lasti)
-                if body is not None:
-                    found = frame, body
-            if code.co_name == "<module>":
-                module = code
+    module = next((f.f_code for f in frames if f.f_code.co_filename == filename and f.f_code.co_name == "<module>"),
+                  None)
+    # a loop inside one update (a loss per decoded word) is not the training loop: a caller's is
+    found = next(((f, body) for f, body in _loops(frames, filename) if not _inside_one_update(f, body, variables)),
+                 None)
+    forwards = _forwards(frames)
     if found is None and outside is None:
         found = _library_call(frames, filename, forwards[-1] if forwards else -1)
     del frames
@@ -100,6 +90,63 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
+
+
+def _forwards(frames: list) -> list[int]:
+    """The indices of the frames running a module's ``forward``."""
+    return [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
+            and issubclass(type(f.f_locals.get("self")), torch.nn.Module)]
+
+
+def _loops(frames: list, filename: str) -> Iterator[tuple]:
+    """(frame, the offsets of its outermost loop's body) for each of ``frames`` (the nearest first) of ``filename``
+    that runs a loop, past the outermost ``forward``: a loop inside a module's forward (and what it calls) is the
+    model's own computation (an invertible ResNet's power series of autograd.grad calls), a comprehension's own loop
+    (3.11 runs it as a function: `<listcomp>`) no training loop either."""
+    forwards = _forwards(frames)
+    for i, frame in enumerate(frames):
+        code = frame.f_code
+        if code.co_filename == filename and (not forwards or i > forwards[-1]) and code.co_name not in COMPREHENSIONS:
+            body = loop_around(code, frame.f_lasti)
+            if body is not None:
+                yield frame, body
+
+
+def inside_one_update(frame, filename: str, variables: Callable = attrgetter("f_locals")) -> bool:
+    """Whether the nearest loop of ``filename`` running ``frame`` runs inside one update (see ``_inside_one_update``):
+    its backwards, before any optimizer step, are one step's, not each an iteration of the training loop."""
+    found = next(_loops(list(stack(frame)), filename), None)
+    return found is not None and _inside_one_update(*found, variables)
+
+
+def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
+    """Whether the loop ``body`` of the function ``frame`` runs is inside one update: that function steps an
+    optimizer after the loop, never inside it (the chatbot tutorial's ``train``: a loss per decoded word, summed or
+    back-propagated word by word, then each optimizer steps once). The training loop is then a caller's: what the
+    function made before this loop (the encoder's outputs) is the update's own."""
+    code = list(dis.get_instructions(frame.f_code))
+    names = {**frame.f_globals, **variables(frame)}
+    after = False
+    for k, ins in enumerate(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "step" \
+                and issubclass(type(_receiver(code, k, names)), torch.optim.Optimizer):
+            if ins.offset in body:
+                return False
+            after = after or ins.offset > max(body)
+    return after
+
+
+def _receiver(code: list[dis.Instruction], k: int, names: dict):
+    """The object whose attribute ``code[k]`` loads, where it is a variable or an attribute chain of one
+    (``opt.step``, ``self.opt.step``), read through ``fields``; else None."""
+    attrs = []
+    while k > 0 and code[k - 1].opname == "LOAD_ATTR":
+        k -= 1
+        attrs.append(code[k].argval)
+    value = names.get(code[k - 1].argval) if k > 0 and code[k - 1].opname in _LOADS else None
+    for attr in reversed(attrs):
+        value = fields(value).get(attr)
+    return value
 
 
 _DIST_DEPTH, _DIST_OBJECTS = 6, 200  # how far ``_inside_distribution`` looks: levels of attributes and items, objects

@@ -217,6 +217,12 @@ class GraphGuard:
         if not lazily:
             guard.step_done()
 
+    def steps_end_at_updates(self) -> None:
+        """The loop's steps end at optimizer steps, from its first (under watch: the loop around the first backward
+        runs inside one update, ``before.inside_one_update``): until then a new loss where the step's first backward
+        was called is the same step's."""
+        self._by_optimizer = True
+
     def optimizer_stepping(self) -> None:
         """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
         self._by_optimizer = True

@@ -169,6 +169,12 @@ BROKEN = {
                                       r"ReluBackward0, held by `global rep`, which the backward of 'loss' at "
                                       r"mgda_shared_trunk_not_retained.py:33 in this step already ran without "
                                       r"retain_graph.*To fix: pass retain_graph=True",
+    # a backward per decoded word inside one update (the optimizers step after the words' loop): the encoder's outputs,
+    # made before that loop, are the update's own; the fix retains them, it does not rebuild them
+    "chatbot_loss_per_word_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                          r"TanhBackward0, held by `local encoder_outputs`.*To fix: pass "
+                                          r"retain_graph=True to the backward of 'loss' at "
+                                          r"chatbot_loss_per_word_not_retained.py:74",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
