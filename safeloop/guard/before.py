@@ -113,10 +113,14 @@ def _loops(frames: list, filename: str) -> Iterator[tuple]:
 
 
 def inside_one_update(frame, filename: str, variables: Callable = attrgetter("f_locals")) -> bool:
-    """Whether the nearest loop of ``filename`` running ``frame`` runs inside one update (see ``_inside_one_update``):
-    its backwards, before any optimizer step, are one step's, not each an iteration of the training loop."""
+    """Whether the innermost loop around the line of the nearest frame of ``filename`` that runs one runs inside one
+    update (see ``_inside_one_update``; a loop over decoded words nested in the training loop's body too): its
+    backwards, before any optimizer step, are one step's, not each an iteration of the training loop."""
     found = next(_loops(list(stack(frame)), filename), None)
-    return found is not None and _inside_one_update(*found, variables)
+    if found is None:
+        return False
+    frame = found[0]
+    return _inside_one_update(frame, loop_around(frame.f_code, frame.f_lasti, innermost=True), variables)
 
 
 def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
