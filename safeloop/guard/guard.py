@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.autograd.function import BackwardCFunction
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from .. import fsdp
@@ -709,8 +710,9 @@ class Guard:
             ran = [sequence_nr(n) for n in carried if self._ran_last and sequence_nr(n) in self._ran_last]
             if why is None and any(iteration is None or seq < iteration for seq in ran):
                 why = _RAN_AGAIN
-            if why is None:  # a one-step lag, unless it is a weight's cast the last step's backward used, updated since
-                stale = [n for n in carried if _weight_cast(n) and explain.changed([n], self._last_versions)]
+            if why is None:  # a one-step lag, unless it is a weight a cache keeps (an autocast copy, a parametrized
+                # weight) that the last step's backward used, updated since
+                stale = [n for n in carried if _cached_weight(n) and explain.changed([n], self._last_versions)]
                 if stale:
                     self._stale_cast(stale[0], case)
             if why is not None:
@@ -777,10 +779,17 @@ class Guard:
             raise self._error(DoubleBackwardError, node, case, detail, fixes, trace_hint=True)
 
     def _stale_cast(self, node, case: Case) -> None:
+        """A weight that a cache made during an earlier step (see ``_cached_weight``) -> CarriedGraphError."""
+        stale = "this step's forward computed with that step's weights, not the updated ones"
+        if _cached_weight(node) == "parametrize":
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, a parametrized weight that torch.nn.utils.parametrize.cached() computed "
+                "during an earlier step and keeps until its region exits: " + stale,
+                ["enter parametrize.cached() around each forward only, never around an optimizer step, so that the "
+                 "weight is computed anew after each update"])
         raise self._error(CarriedGraphError, node, case,
             "the loss reaches {node}, a low-precision copy of a weight that torch.autocast made during an "
-            "earlier step and keeps until its outermost region exits: this step's forward computed with that "
-            "step's weights, not the updated ones",
+            "earlier step and keeps until its outermost region exits: " + stale,
             ["enter torch.autocast around each forward and its loss only, never around an optimizer step (as "
              "PyTorch's AMP examples do), so that the weights are cast anew after each update",
              "call torch.clear_autocast_cache() after each optimizer step"])
@@ -791,8 +800,9 @@ class Guard:
         attribute that each forward makes again (a pruned weight, see ``explain.remade_attribute``), read before this
         step's forward: said as such, kept or not (the attribute holds this step's value now)."""
         self._remade(CarriedGraphError, node, case, "by an earlier step's forward", why)
-        if _weight_cast(node) and (any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-                                   or not explain.holds(node, case.scope, case.batch)):
+        cache = _cached_weight(node)
+        if cache == "parametrize" or cache == "autocast" and (any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+                                                             or not explain.holds(node, case.scope, case.batch)):
             self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
         kept, holder = self._kept(node, case, freed=why is _FREED)
         # no tensor made by node itself is found, only ones reaching it (the loss): an attribute stored over by this
@@ -1683,9 +1693,16 @@ _DETACH_STALE = ("if this loss must not reach it and is meant for its values as 
 
 
 
-def _weight_cast(node) -> bool:
-    """Whether ``node`` copied a leaf (a weight) to another dtype, as ``torch.autocast`` does once per region."""
-    return type(node).__name__ == "ToCopyBackward0" and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions)
+def _cached_weight(node) -> str | None:
+    """The cache that keeps ``node``'s output across forwards: "autocast" where it copied a leaf (a weight) to another
+    dtype, as ``torch.autocast`` does once per region; "parametrize" where it computed a parametrized weight that
+    ``torch.nn.utils.parametrize.cached()`` keeps for its region (read afresh: the region's exit replaces the dict);
+    else None."""
+    if type(node).__name__ == "ToCopyBackward0" and any(type(n) is walk.ACCUMULATE for n, _ in node.next_functions):
+        return "autocast"
+    if any(t is not None and t.grad_fn is node for t in parametrize._cache.values()):
+        return "parametrize"
+    return None
 
 
 def _target_fix(into: str) -> str:

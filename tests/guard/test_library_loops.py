@@ -3,6 +3,7 @@ and mmengine's ``OptimWrapper`` are, runs the loop and calls backward; the user'
 Under ``safeloop.watch`` (``Watch``, in process) the names a fix can use are this file's; the first step begins at the
 call into the library; correct code stays quiet and bit for bit the same.
 """
+import contextlib
 import copy
 import warnings
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from safeloop import GraphGuard
 from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWarning, GraphReuseError
@@ -319,6 +321,42 @@ def test_weight_casts_autocast_keeps_across_updates_are_named_at_step_two(region
                                                 r"its loss only, never around an optimizer step"):
         watched(autocast_run, region)
     assert same(watched(autocast_run, "inner"), autocast_run("inner"))
+
+
+# -- torch.nn.utils.parametrize.cached(): a parametrized weight computed once per region --------------------------
+class Symmetric(nn.Module):
+    """pytorch/tutorials, intermediate_source/parametrizations.py: its graph saves nothing, so a weight cached across
+    updates trains on in PyTorch without a word, every forward with the weight of the first."""
+
+    def forward(self, X):
+        return X.triu() + X.triu(1).transpose(-1, -2)
+
+
+def parametrized_run(region):
+    """``region`` "outer": ``parametrize.cached()`` around the library's whole run (step 1's weight is every
+    step's); "inner": around each forward, which reads the weight three times (what the tutorial shows it for)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+
+    def model_fn(model, x):
+        with parametrize.cached() if region == "inner" else contextlib.nullcontext():
+            for _ in range(3):
+                x = model[1](model[0](x))
+            return model[2](x)
+    trainer = supervised_trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), F.mse_loss, model_fn)
+    with parametrize.cached() if region == "outer" else contextlib.nullcontext():
+        trainer.run(batches(4))
+    return model
+
+
+def test_a_parametrized_weight_cached_across_updates_is_named_at_step_two():
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\): the loss reaches AddBackward0, a "
+                                                r"parametrized weight that torch.nn.utils.parametrize.cached\(\) "
+                                                r"computed during an earlier step.*To fix: enter parametrize.cached\(\) "
+                                                r"around each forward only, never around an optimizer step"):
+        watched(parametrized_run, "outer")
+    assert same(watched(parametrized_run, "inner"), parametrized_run("inner"))
 
 
 def gan_in_one_region(clear=False):
