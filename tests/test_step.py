@@ -1466,6 +1466,58 @@ def test_optimizers_sharing_parameters_are_refused_in_automatic_mode_and_train_i
     assert_same_params(ref, ours, exact=True)
 
 
+class SharedEmbedding(nn.Module):
+    """The chatbot tutorial's shape (pytorch/tutorials, beginner_source/chatbot_tutorial.py): one embedding in the
+    encoder and in the decoder, so that both optimizers hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(6, 4)
+        self.encoder = nn.ModuleDict({"embedding": self.embedding, "rnn": nn.GRU(4, 4)})
+        self.decoder = nn.ModuleDict({"embedding": self.embedding, "out": nn.Linear(8, 6)})
+
+    def forward(self, words):
+        encoded, _ = self.encoder["rnn"](self.encoder["embedding"](words))
+        return self.decoder["out"](torch.cat([encoded, self.decoder["embedding"](words)], -1))
+
+
+class SharedEmbeddingTrainer(Trainer):
+    automatic = False
+
+    def configure_optimizers(self):
+        return {"encoder": torch.optim.Adam(self.model.encoder.parameters(), lr=0.01),
+                "decoder": torch.optim.Adam(self.model.decoder.parameters(), lr=0.05)}
+
+    def training_step(self, words):
+        loss = F.cross_entropy(self.model(words).flatten(0, 1), words.flatten())
+        self.backward(loss, optimizer="encoder", retain_graph=True)
+        self.backward(loss, optimizer="decoder")
+        self.step("encoder")
+        self.step("decoder")
+        return loss
+
+
+@pytest.mark.parametrize("check", ["auto", "always", "off"])
+def test_one_loss_routed_to_two_optimizers_sharing_a_parameter_gives_it_the_gradient_once(check):
+    """The hand-written loop back-propagates once and steps both optimizers, each with the embedding's whole gradient;
+    routed to each optimizer in turn, the loss's gradient would have been added to the embedding's twice."""
+    torch.manual_seed(0)
+    ref = SharedEmbedding()
+    ours = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 6, (5, 2), generator=gen) for _ in range(3)]
+    opts = SharedEmbeddingTrainer(model=ref, train_data=[], max_steps=1, device="cpu").configure_optimizers()
+    for words in batches:
+        for opt in opts.values():
+            opt.zero_grad()
+        F.cross_entropy(ref(words).flatten(0, 1), words.flatten()).backward()
+        opts["encoder"].step()
+        opts["decoder"].step()
+    SharedEmbeddingTrainer(model=ours, train_data=batches, max_steps=3, device="cpu", progress=False, loggers=(),
+                           guard={"check": check}).fit()
+    assert_same_params(ref, ours, exact=True)
+
+
 class SAMNeedsClosure(SAM):
     """SAM whose ``step`` takes ``closure=None`` and refuses to run without one, as published implementations do."""
 

@@ -314,6 +314,8 @@ class Runner:
         guard = self.guard
         routed = self.routed and not self.sharded
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if routed else None
+        if inputs is not None:
+            inputs = _not_yet_reached(loss, inputs, optimizer)
         guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs)
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
@@ -342,7 +344,8 @@ class Runner:
         self.own = True
         try:
             with fsdp.only(self.optimizers, route) if route is not None else nullcontext():
-                loss.backward(retain_graph=retain, create_graph=create_graph, inputs=inputs)
+                if inputs is None or inputs:  # (not when every parameter was reached already: ``_not_yet_reached``)
+                    loss.backward(retain_graph=retain, create_graph=create_graph, inputs=inputs)
         except RuntimeError as err:
             explained = self.guard.explain(err, name, original, step, self.scope, batch, list(self.stepped))
             if explained is None:
@@ -835,6 +838,21 @@ def warn_unfrozen(named_parameters, optimizers: dict, frozen: set[int]) -> None:
                       f"(trainer.optimizers[{next(iter(optimizers))!r}].add_param_group({{'params': [...]}})), or "
                       "make their optimizers over every parameter (frozen ones get no gradient and stay as they "
                       "are)", ConfigWarning, stacklevel=user_stacklevel())
+
+
+def _not_yet_reached(loss: torch.Tensor, inputs: list[torch.Tensor], optimizer: str) -> list[torch.Tensor]:
+    """``inputs`` (``optimizer``'s parameters) less those whose ``.grad`` holds ``loss``'s gradient already, from its
+    backward into another optimizer that holds them too (the chatbot tutorial's embedding, shared by its encoder's and
+    its decoder's optimizers, which a hand-written loop back-propagates one loss into once and steps twice): routed to
+    both, it would get that gradient twice. Noted on the loss's graph, which forgets it when it dies; a gradient an
+    update cleared since is written again. A second backward into the same optimizer is left to the guard."""
+    if loss.grad_fn is None:
+        return inputs
+    reached = loss.grad_fn.metadata.setdefault(_REACHED, {})  # parameter -> the optimizer it was first reached for
+    return [p for p in inputs if reached.setdefault(id(p), optimizer) == optimizer or p.grad is None]
+
+
+_REACHED = "safeloop.routed"  # the key of ``_not_yet_reached``'s note in a loss's root node's metadata
 
 
 def clearing(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
