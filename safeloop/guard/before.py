@@ -80,16 +80,35 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
              for item in v if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
     # and the items of a list, tuple or dict held so (fast_neural_style's `gram_style`) that the loop does not add to,
     # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
-    # is newer than the iteration's first graph
-    filled = _filled(body)
+    # is newer than the iteration's first graph; nor does a forward hook (`activation[name] = output`), whose item
+    # is older than the loss made from the forward's output
+    filled, hooked = _filled(body), _hook_targets(models)
     # (and those of the tuples it holds: a data set augmented once, `[(policy(x), y) for x, y in data]`)
-    items = [item for k, v in values if k not in assigned and k not in filled for pair in elements(v)
-             for item in (elements(pair) if type(pair) is tuple else [pair])
+    items = [item for k, v in values if k not in assigned and k not in filled and id(v) not in hooked
+             for pair in elements(v) for item in (elements(pair) if type(pair) is tuple else [pair])
              if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
     ours = [walk.sequence_nr(v.grad_fn) for k, v in values if k in assigned and issubclass(type(v), torch.Tensor)
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
+
+
+def _hook_targets(models: list[torch.nn.Module]) -> set[int]:
+    """The ids of the objects the forward hooks of ``models``' modules can add to: what their closures hold, the
+    globals they name, the attributes of the object a bound method hook belongs to (the forum's ``get_activation``
+    recipe: ``activation[name] = output``; a visualization's ``grads.append((name, output))``)."""
+    targets = set()
+    for module in (m for model in models for m in model.modules()):
+        for hook in [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]:
+            owner = getattr(hook, "__self__", None)
+            fn = getattr(hook, "__func__", hook)
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            cells = [cell.cell_contents for cell in fn.__closure__ or () if cell.cell_contents is not None]
+            named = [fn.__globals__[name] for name in code.co_names if name in fn.__globals__]
+            targets.update(id(v) for v in [*cells, *named, *fields(owner).values()])
+    return targets
 
 
 def _forwards(frames: list) -> list[int]:
