@@ -40,17 +40,16 @@ def loop_around(code, offset: int, innermost: bool = False) -> set[int] | None:
     return best
 
 
-def set_every_time(frame, by_calls: bool = False, innermost: bool = False) -> tuple:
-    """(the frame whose loop runs ``frame``: its own or a caller's in its file, the variables that loop (the
-    outermost, or the ``innermost``) sets on every way from its top to the line the frame runs); (None, empty) outside
-    a loop. ``by_calls``: only those set to what a
+def set_every_time(frame, by_calls: bool = False) -> tuple:
+    """(the frame whose loop runs ``frame``: its own or a caller's in its file, the variables that loop sets on every
+    way from its top to the line the frame runs); (None, empty) outside a loop. ``by_calls``: only those set to what a
     call returns (``outs = list(pool.map(...))``): values made in this iteration. Never one set in a branch (``if fix:
     adv = fgm(...)``); with ``by_calls``, not a ``for`` target, an item unpacked, nor a value read from a name, an
     attribute or an index (``x = augmented[i][0]``) either: those may hand on a tensor made before the loop."""
     filename = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename == filename:
         code = frame.f_code
-        body = loop_around(code, frame.f_lasti, innermost) if code.co_name not in COMPREHENSIONS else None
+        body = loop_around(code, frame.f_lasti) if code.co_name not in COMPREHENSIONS else None
         if body is not None:
             flow = Flow(code)
             before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= frame.f_lasti]

@@ -325,7 +325,7 @@ class GraphGuard:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
                 loss.grad_fn is not None and loss.grad_fn.metadata.get(_SEEN) == self.steps
-                for loss in losses.values()) and updates and not self._same_iteration(losses, frame):
+                for loss in losses.values()) and updates and not self._same_iteration(losses):
             # a new loss where the step's first backward was called, and no optimizer: the loop came round
             # (backwards called elsewhere, several autograd.grad building one loss say, are the same step's); the
             # last step ended at its last backward. An autograd.grad, which writes no .grad, is no sign of it: MAML
@@ -363,7 +363,7 @@ class GraphGuard:
         finally:
             guard.frame = guard.caller = None  # a frame holds every variable of its function: never kept
 
-    def _same_iteration(self, losses: Mapping[str, torch.Tensor], frame) -> bool:
+    def _same_iteration(self, losses: Mapping[str, torch.Tensor]) -> bool:
         """Whether new ``losses`` at the step's first call site reach a node the step made before its last backward
         ended, which kept its graph: the same iteration's next backward through that graph (PCGrad's per-task losses
         over one trunk, each ``backward(retain_graph=True)`` from one line; a second-order adaptation's next inner
@@ -386,27 +386,10 @@ class GraphGuard:
             # reaches: the same iteration's loss, in chunks back-propagated one by one over a graph that saves
             # nothing (sentence-transformers' CachedMultipleNegativesRankingLoss: each chunk's scores against one
             # torch.cat of all the embeddings). A state carried with a graph that saves nothing is seen once the
-            # optimizer steps; one whose saved tensors that backward freed is the carried graph it was, unless an
-            # outer loop's variable holds it (see ``_held_by_an_outer_loop``).
+            # optimizer steps; one whose saved tensors that backward freed is the carried graph it was.
             saver = next((node for node in reached if walk.holds_tensors(node)), None)
-            return bool(reached) and (saver is None or not walk.is_freed(walk.unpack_error(saver, first=True))
-                                      or self._held_by_an_outer_loop(frame, reached))
+            return bool(reached) and (saver is None or not walk.is_freed(walk.unpack_error(saver, first=True)))
         return bool(reached)
-
-    def _held_by_an_outer_loop(self, frame, nodes: list) -> bool:
-        """Whether a variable that a loop around the backward sets every time, and the innermost loop around it does
-        not, holds a tensor made by one of ``nodes``: that loop's value, which the inner loop's losses all go through
-        in one iteration (MGDA's trunk output ``rep``, made once per batch, then a backward for each task from one
-        line) — not a state the innermost loop carries (an RNN's ``hidden``) nor a value made before every loop
-        (seed 001's ``prototypes``)."""
-        looping, outer = set_every_time(frame)
-        inner = set_every_time(frame, innermost=True)[1]
-        if looping is None or not outer - inner:
-            return False
-        made = {id(node) for node in nodes}
-        values = self.variables(looping)
-        return any(issubclass(type(t), torch.Tensor) and id(t.grad_fn) in made
-                   for t in map(values.get, outer - inner))
 
     def _mark(self, losses: Mapping[str, torch.Tensor], retained: bool | None) -> None:
         """Remember the losses of this step: another backward on one stays in the step; one that freed

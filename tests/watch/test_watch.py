@@ -163,7 +163,7 @@ BROKEN = {
                                         r"ReluBackward0, made earlier in this loop iteration and held by `global out`.*"
                                         r"detach it where that loss uses it \(`out.detach\(\)`",
     # MGDA's per-task backward over one trunk without retain_graph, before any update: the same iteration's next loss
-    # (the trunk's output `rep` is set by the batch loop, not by the task loop around the backward), not a state
+    # (the optimizer steps after the task loop, never inside it: one update), not a state
     # carried from a step before
     "mgda_shared_trunk_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
                                       r"ReluBackward0, held by `global rep`, which the backward of 'loss' at "
