@@ -470,6 +470,19 @@ def parameter_names(scope: Scope | None) -> dict[int, tuple[str, bool]]:
     return names
 
 
+def written_parameters(scope: Scope | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of the scope's modules' parameters that hold a graph. A ``Parameter`` is made a leaf; it gets
+    a ``grad_fn`` only when written in place, outside ``torch.no_grad()``, from tensors that require grad (an EMA
+    copy's `ema_p.mul_(d).add_(p, alpha=1 - d)`, its parameters frozen): then each write adds to that graph. The fast
+    weights of a cloned module (learn2learn's) are tensors, not ``Parameter``s: not these."""
+    found: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for root_name, root in _modules(scope):
+        for name, param, _ in _parameters_of(root_name, root):
+            if issubclass(type(param), torch.nn.Parameter) and param.grad_fn is not None:
+                found.setdefault(id(param), (name, param))
+    return list(found.values())
+
+
 def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
     """The optimizers the scope's roots and variables hold, directly, in a dict or list, or as an attribute of an
     object they hold (``trainer.opt_d``)."""

@@ -444,6 +444,7 @@ class Guard:
                             group[find(i)] = find(j)
                         if id(nxt) in kept:
                             retain[i] = True
+            self._written_parameter([*found.nodes, *found.before], Case(name, loss, step, scope, batch))
             if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch, retains),
                                                   iteration):
                 retain[i] = True
@@ -576,9 +577,13 @@ class Guard:
             return out
 
         reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
+        # every parameter the optimizers hold frozen around this backward: it is meant for the gradient of what it
+        # reaches (an energy-based model's Langevin steps: `x.grad` of the samples, the model's requires_grad=False)
+        frozen = not any(p.requires_grad for p in params)
         for name, root, leaves in reached:
             key = f"untrained:{name}"
-            if key in self._warned or any(id(t) in held for t in leaves) or len(unheld(leaves)) < len(leaves):
+            if key in self._warned or frozen or any(id(t) in held for t in leaves) \
+                    or len(unheld(leaves)) < len(leaves):
                 continue
             # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
             # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
@@ -735,6 +740,22 @@ class Guard:
         node, _, leaves = below[0]
         self._shared_stale(node, leaves, case)
         return False
+
+    def _written_parameter(self, nodes, case: Case) -> None:
+        """A node of a parameter's graph (``explain.written_parameters``: an EMA copy written outside torch.no_grad())
+        among ``nodes``, the loss's -> CarriedGraphError, at the first loss that reaches it: that loss back-propagates
+        through the writes into the parameters they were made from (their AccumulateGrad nodes, which the loss
+        reaches anyway, do not count)."""
+        for name, param in explain.written_parameters(case.scope):
+            graph = [n for n in islice(walk.iter_nodes(param.grad_fn), 10_000) if type(n) is not walk.ACCUMULATE]
+            ids = {id(n) for n in graph}  # (the list keeps the nodes, and so their ids, alive)
+            node = next((n for n in nodes if id(n) in ids and not self.is_off("carried", n)), None)
+            if node is not None:
+                raise self._error(CarriedGraphError, node, case,
+                    "the loss reaches {node}, the graph of the parameter {holder}: it was written in place outside "
+                    f"torch.no_grad() from tensors that require grad ({_WRITTEN_EXAMPLE}), so it now requires grad "
+                    "and this loss back-propagates through those writes into the parameters they were made from; "
+                    "each write adds to its graph", [_WRITTEN_FIX], holder=name)
 
     def _before_fit(self, node) -> bool:
         """Whether ``node`` was made before training started (or, without node numbers, first seen in step 1)."""
@@ -1345,6 +1366,7 @@ class Guard:
         replaced every step or every few) is not."""
         self._forget_consumed()
         self._printed = {}  # it holds the step's nodes
+        self.written_parameters(step, scope)
         if self._held is not None:
             self._look_back()
         refs = self.step_graphs()
@@ -1407,24 +1429,49 @@ class Guard:
                 continue
             first, length = self._lists.get(holder.list_of, (None, 0))
             if first is not None and first() is val[0] and len(val) > length:
-                self._warn_growing(step, holder, len(val), frame)
+                # made from a loss's graph (a GAN's fakes kept in an image pool): no torch.no_grad() for them
+                used = any(node.metadata.get(_SENTINEL) is not None
+                           for node in islice(walk.iter_nodes(val[-1].grad_fn), 1_000))
+                self._warn_growing(step, holder, len(val), frame, used)
             self._lists[holder.list_of] = (weakref.ref(val[0]), len(val))
 
-    def _warn_growing(self, step: int, holder: explain.Element, length: int, frame) -> None:
+    def _warn_growing(self, step: int, holder: explain.Element, length: int, frame, used: bool) -> None:
+        """``used``: the tensors are made from a graph a loss goes through (a GAN's fakes kept in an image pool), not
+        one that no loss uses (an evaluation's outputs): they are detached, never computed under torch.no_grad()."""
         key = self.leak_key(holder)
         if key in self._warned:
             return
         self._warned.add(key)
         listed, owner = _code(holder.list_of), _code(holder.filled_by)
         added = f"the tensors the loop hands to `{owner}`" if owner else f"what is added to `{listed}`"
-        detach = (f"detach them where it calls `{owner}`" if owner
-                  else f"detach it where it is added (`{listed}.append(x.detach())`)")
+        if owner:
+            detach = f"detach them where it calls `{owner}`"
+        else:
+            detach = _detach_what_is_added(holder) if used else \
+                f"detach it where it is added (`{listed}.append(x.detach())`)"
+        fix = detach if used else \
+            f"compute {added} under torch.no_grad() (`with torch.no_grad(): out = model(x)`), or {detach}"
+        whose = ("made from the graph of a loss of their step (a GAN's fakes kept in an image pool)" if used else
+                 "graphs that no loss uses (an evaluation's outputs, made without torch.no_grad())")
         self._warn(GraphLeakWarning(
             f"the tensors added to `{listed}` keep their autograd graphs ({length} now, more every step; the first "
-            f"held by `{holder}`), graphs that no loss uses (an evaluation's outputs, made without torch.no_grad()): "
-            "they pile up step after step (their nodes, and the tensors they saved)", step=step, holder=holder,
-            fixes=[f"compute {added} under torch.no_grad() (`with torch.no_grad(): out = model(x)`), or {detach}"]),
-            frame)
+            f"held by `{holder}`), {whose}: they pile up step after step (their nodes, and the tensors they saved)",
+            step=step, holder=holder, fixes=[fix]), frame)
+
+    def written_parameters(self, step: int, scope: Scope | None, frame=None) -> None:
+        """Warn once about the parameters holding a graph (``explain.written_parameters``) after a checked step, where
+        no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it."""
+        if self.is_off("leak"):
+            return
+        written = [name for name, _ in explain.written_parameters(scope) if self.leak_key(name) not in self._warned]
+        if not written:
+            return
+        self._warned.update(self.leak_key(name) for name in written)
+        named = ", ".join(f"`{name}`" for name in written[:3]) + (f" and {len(written) - 3} more" * (len(written) > 3))
+        self._warn(GraphLeakWarning(
+            f"the parameters {named} hold an autograd graph: written in place outside torch.no_grad() from tensors "
+            f"that require grad ({_WRITTEN_EXAMPLE}), they now require grad, and each write adds to their graph, which "
+            "grows step after step", step=step, holder=written[0], fixes=[_WRITTEN_FIX]), frame)
 
     @staticmethod
     def leak_key(holder: str | None) -> str:
@@ -1609,8 +1656,9 @@ def _detach_what_is_added(holder: explain.Element) -> str:
         owner = _code(holder.filled_by)
         return (f"detach the tensors the loop hands to `{owner}` where it calls it (`.detach()` on each tensor "
                 f"argument): `{owner}`'s own code adds them to `{listed}`, graphs and all")
-    return (f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`; `x.item()` for a "
-            "number to log), so that no step's graph stays alive in it")
+    return (f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`, and "
+            f"`{listed}[i] = x.detach()` where an item is replaced, as an image pool does; `x.item()` for a number to "
+            "log), so that no step's graph stays alive in it")
 
 
 def _leak_holder(sentinel, scope, deep: bool = False) -> str | None:
@@ -1631,6 +1679,10 @@ def _leak_holder(sentinel, scope, deep: bool = False) -> str | None:
             return holder
     return None
 
+
+_WRITTEN_EXAMPLE = "an EMA update `ema_p.mul_(d).add_(p, alpha=1 - d)` of a copy whose parameters are frozen"
+_WRITTEN_FIX = ("make that write under `torch.no_grad()`, or write into `ema_p.detach()`, as EMA updates do (the "
+                "parameter then keeps its value and holds no graph)")
 
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")
@@ -1689,7 +1741,8 @@ _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True
               "again: its gradient is added a second time, through weights the update has since changed")
 # the fix for a loss reaching, through a graph an update made stale, no trained parameter but those updated
 _DETACH_STALE = ("if this loss must not reach it and is meant for its values as they were (a critic's loss on the "
-                 "actor's imagined features), detach it where this loss uses it (`{code}.detach()`)")
+                 "actor's imagined features, a discriminator's loss on fakes made before the generator's update, as "
+                 "CycleGAN's), detach it where this loss uses it (`{code}.detach()`)")
 
 
 

@@ -351,6 +351,7 @@ class GraphGuard:
             for first, holder in guard.piled(done, refs, self.scope, iteration):
                 guard.warn_leak(first, done, holder, shown)
             guard.growing_lists(done, self._namespaces(), shown)
+            guard.written_parameters(done, self.scope, shown)
         guard.frame, guard.caller = frame, caller
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
@@ -524,7 +525,7 @@ class GraphGuard:
         for h in holders:
             ps = h.parameters() if isinstance(h, torch.nn.Module) else \
                 (p for g in h.param_groups for p in g["params"])
-            params.update((id(p), p) for p in ps)
+            params.update((id(p), p) for p in ps if p.is_leaf)  # (not a frozen copy's, written outside no_grad)
         return list(params.values())
 
 

@@ -593,8 +593,8 @@ def test_a_critics_loss_on_the_actors_features_inside_one_step_is_told_to_detach
     with pytest.raises(DoubleBackwardError, match=re.escape(
             "To fix: compute `feat` again after the change (a fresh forward) for this backward, so that its gradient is "
             "taken at the parameters as they are now; or if this loss must not reach it and is meant for its values as "
-            "they were (a critic's loss on the actor's imagined features), detach it where this loss uses it "
-            "(`feat.detach()`)")):
+            "they were (a critic's loss on the actor's imagined features, a discriminator's loss on fakes made before "
+            "the generator's update, as CycleGAN's), detach it where this loss uses it (`feat.detach()`)")):
         dreamer(GraphGuard(), detached=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -935,3 +935,84 @@ def test_a_teacher_made_with_weights_swapped_through_data_is_advised_no_grad_and
     with quiet():
         fixed = swapped_teacher_loop("always", no_grad=True)
     assert all(torch.equal(a, b) for a, b in zip(fixed, swapped_teacher_loop(None, no_grad=True)))
+
+
+# -- an EMA copy written outside torch.no_grad() -------------------------------------------------------------------
+class EmaTeacher(Trainer):
+    """Mean teacher's shape: a frozen EMA copy of the model (``self.ema``) moved after each step. Written without
+    torch.no_grad() (``fix`` False), its parameters hold a graph of every update: with ``in_loss`` the consistency
+    loss back-propagates through it into the model (from step 2 on, gradients PyTorch accepts until a freed multiply
+    is reached), otherwise the graph only piles up (a generator's EMA, sampled from under no_grad)."""
+
+    fix, in_loss = False, True
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        loss = F.cross_entropy(out, y)
+        if self.in_loss:
+            loss = loss + F.mse_loss(out.softmax(1), self.ema(x).softmax(1))
+        return loss
+
+    def on_step_end(self, losses):
+        with torch.no_grad() if self.fix else nullcontext():
+            for ema_p, p in zip(self.ema.parameters(), self.model.parameters()):
+                ema_p.mul_(0.9).add_(p, alpha=0.1)
+
+
+def fit_ema(check: str, fix: bool, in_loss: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    EmaTeacher.fix, EmaTeacher.in_loss = fix, in_loss
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    trainer = EmaTeacher(model=model, train_data=DATA, max_steps=len(DATA), guard={"check": check}, device="cpu",
+                         progress=False, loggers=(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer.ema = copy.deepcopy(model).requires_grad_(False)
+    trainer.fit()
+    return weights(trainer.model) + [p.detach().clone() for p in trainer.ema.parameters()]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_an_ema_copy_written_outside_no_grad_is_stopped_where_a_loss_reaches_it_and_the_fix_trains_as_intended(check):
+    said = re.escape("(step 2, loss 'loss'): the loss reaches AddBackward0, the graph of the parameter "
+                     "`self.ema.0.weight`")
+    with pytest.warns(GraphLeakWarning, match=re.escape("(step 1): the parameters `self.ema.0.weight`")), \
+            pytest.raises(CarriedGraphError, match=said) as caught:
+        fit_ema(check, fix=False, in_loss=True)
+    assert caught.value.fixes[0].startswith("make that write under `torch.no_grad()`")
+    with quiet():
+        fixed = fit_ema(check, fix=True, in_loss=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, fit_ema("off", fix=True, in_loss=True)))
+
+
+def test_an_ema_copy_written_outside_no_grad_and_in_no_loss_warns_once_naming_its_parameters():
+    with pytest.warns(GraphLeakWarning) as caught:
+        kept = fit_ema("auto", fix=False, in_loss=False)
+    said, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert said.holder == "self.ema.0.weight" and said.fixes[0].startswith("make that write under `torch.no_grad()`")
+    assert "`self.ema.0.weight`, `self.ema.0.bias`, `self.ema.2.weight` and 1 more hold an autograd graph" in str(said)
+    with quiet():
+        fixed = fit_ema("auto", fix=True, in_loss=False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fixed))  # the warning changes nothing
+
+
+def test_a_guard_given_the_ema_copy_as_part_of_its_model_warns_only_its_own_warning():
+    """The copy's parameters, written outside no_grad, are no longer leaves: they are not taken for trained parameters,
+    whose `.grad` the guard reads (PyTorch warns on a non-leaf's), and only the GraphLeakWarning is shown."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(nn.ModuleDict({"model": model, "ema": ema}), opt, check="always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in DATA:
+            with guard.step():
+                loss = F.cross_entropy(model(x), y)
+                guard.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                for ema_p, p in zip(ema.parameters(), model.parameters()):
+                    ema_p.mul_(0.9).add_(p, alpha=0.1)
+    assert [w.category for w in caught] == [GraphLeakWarning], [str(w.message) for w in caught]
+    assert "`model.ema.0.weight`" in str(caught[0].message)
+    assert [id(p) for p in guard.scope.parameters()] == [id(p) for p in model.parameters()]

@@ -179,6 +179,10 @@ BROKEN = {
     "decoder_loss_per_step_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
                                           r"TanhBackward0, .*To fix: pass retain_graph=True to the backward of 'loss' "
                                           r"at decoder_loss_per_step_not_retained.py:18",
+    # mean teacher's EMA written outside torch.no_grad(): the consistency loss reaches the teacher's parameters' graph
+    "mean_teacher_ema_without_no_grad": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches AddBackward0, "
+                                        r"the graph of the parameter `ema_model.0.weight`: it was written in place "
+                                        r"outside torch.no_grad\(\).*To fix: make that write under `torch.no_grad\(\)`",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
@@ -236,6 +240,18 @@ LEAKED = {
     # the same under a blanket warnings.filterwarnings("ignore") at the script's top: the guard's warning is shown
     "blanket_ignore_running_sum": r"blanket_ignore_running_sum.py:16: GraphLeakWarning: .*\(step 2\).*held by "
                                   r"`global running`",
+    # an EMA target network written outside torch.no_grad(), evaluated under it: its parameters' graph grows unseen
+    "consistency_target_ema_without_detach": r"consistency_target_ema_without_detach.py:43: GraphLeakWarning: .*"
+                                             r"\(step 1\): the parameters `target_model.net.0.weight`, .*hold an "
+                                             r"autograd graph.*To fix: make that write under `torch.no_grad\(\)`, or "
+                                             r"write into `ema_p.detach\(\)`",
+    # CycleGAN's image pool without `.data`: the fakes come from the generator loss's graph, so the fix is a detach
+    # both where the pool appends and where it replaces an item, never torch.no_grad() (G's loss needs that graph)
+    "cyclegan_pool_keeps_graphs": r"cyclegan_pool_keeps_graphs.py:53: GraphLeakWarning: .*\(step 2\): the tensors "
+                                  r"added to `fake_pool.images` .*made from the graph of a loss of their step.*To fix: "
+                                  r"detach what is added to `fake_pool.images` where it is added \(`fake_pool.images."
+                                  r"append\(x.detach\(\)\)`, and `fake_pool.images\[i\] = x.detach\(\)` where an "
+                                  r"item is replaced",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
