@@ -161,8 +161,9 @@ class Guard:
         self._named: dict[str, weakref.ref] = {}
         # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
         # was handed to them by then (see ``at_update``) or a later loss of the step trains them through the same
-        # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves)
-        self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict]] = []
+        # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
+        # whether they were all frozen at its backward)
+        self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
@@ -577,13 +578,13 @@ class Guard:
             return out
 
         reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
-        # every parameter the optimizers hold frozen around this backward: it is meant for the gradient of what it
-        # reaches (an energy-based model's Langevin steps: `x.grad` of the samples, the model's requires_grad=False)
+        # every parameter the optimizers hold frozen around this backward: it may be meant for the gradient of what it
+        # reaches alone (an energy-based model's Langevin steps: `x.grad` of the samples), if a later backward of the
+        # step trains them, once thawed
         frozen = not any(p.requires_grad for p in params)
         for name, root, leaves in reached:
             key = f"untrained:{name}"
-            if key in self._warned or frozen or any(id(t) in held for t in leaves) \
-                    or len(unheld(leaves)) < len(leaves):
+            if key in self._warned or any(id(t) in held for t in leaves) or len(unheld(leaves)) < len(leaves):
                 continue
             # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
             # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
@@ -605,15 +606,15 @@ class Guard:
                            "if the tensors it reaches are the ones to train, give them to an optimizer",
                            "if the gradient of a parameter an optimizer updates comes from this one by another way, "
                            "turn this check off for that backward (guard.ignore('unused'); under watch, "
-                           "--ignore unused)"]))
-        for *_, written, _ in self._untrained:  # the gradients a later backward of the step writes are not handed over
+                           "--ignore unused)"]), frozen)
+        for *_, written, _, _ in self._untrained:  # the gradients a later backward of the step writes: not handed over
             written.update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
         # a later loss of the step that reaches the optimizers' parameters and that loss's leaves trains them through
         # it: learning to learn back-propagates each unrolled step's loss of the optimizee for the gradient its
-        # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights
-        self._untrained = [u for u in self._untrained if not any(
-            any(id(t) in held for t in leaves) and any(ref() is t for t in leaves if (ref := u[4].get(id(t))))
-            for _, _, leaves in reached)]
+        # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights;
+        # one made with the parameters frozen is answered by any later loss that reaches them (the EBM's, thawed)
+        self._untrained = [u for u in self._untrained if not any(any(id(t) in held for t in leaves) and (
+            u[5] or any(ref() is t for t in leaves if (ref := u[4].get(id(t))))) for _, _, leaves in reached)]
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
@@ -658,13 +659,13 @@ class Guard:
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes))
 
-    def _pend_untrained(self, params, leaves, warning: Warning) -> None:
+    def _pend_untrained(self, params, leaves, warning: Warning, frozen: bool) -> None:
         """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
-        update."""
+        update; ``frozen``: every one of ``params`` was frozen at its backward (see ``_unused_gradients``)."""
         frame = self.frame
         where = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
         self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set(),
-                                {id(t): weakref.ref(t) for t in leaves}))
+                                {id(t): weakref.ref(t) for t in leaves}, frozen))
 
     def at_update(self) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop):
@@ -673,7 +674,7 @@ class Guard:
         ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
         A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
         pending, self._untrained = self._untrained, []
-        for warning, where, before, written, _ in pending:
+        for warning, where, before, written, *_ in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
             warn_at(warning, where, self.heeded)
@@ -1399,14 +1400,14 @@ class Guard:
             sentinel = ref()
             if sentinel is None:
                 continue
-            holder = _leak_holder(sentinel, scope)
+            holder = _leak_holder(sentinel, scope, start=self.start_seq)
             key = self.leak_key(holder)
             earlier = self._keeping.get(key)
             alive = earlier[2]() if earlier is not None else None
             if alive is not None and id(alive) not in sentinel.fed_by \
                     and (iteration is None or earlier[3] != iteration):
                 # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them)
-                out.append((earlier[0], earlier[1] or _leak_holder(sentinel, scope, deep=True)))
+                out.append((earlier[0], earlier[1] or _leak_holder(sentinel, scope, deep=True, start=self.start_seq)))
             elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
                 self._keeping[key] = (step, holder, ref, iteration)
         return out
@@ -1661,12 +1662,19 @@ def _detach_what_is_added(holder: explain.Element) -> str:
             "log), so that no step's graph stays alive in it")
 
 
-def _leak_holder(sentinel, scope, deep: bool = False) -> str | None:
+def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) -> str | None:
     """The name of the tensor whose graph holds ``sentinel``'s node, else a parameter's ``.grad`` whose graph does
-    (``backward(create_graph=True)``); None when none is found. ``deep``: ``explain.candidates``'."""
+    (``backward(create_graph=True)``); None when none is found. ``deep``: ``explain.candidates``'. ``start``: the
+    node counter at the start of the running step: a tensor made since holds the old graph through what it was made
+    from, which is named first when a name holds it (a replay buffer, not `old = torch.cat(buffer)` drawn from it)."""
+    made_now = None
     for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
-            return name
+            if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
+                return name
+            made_now = made_now or name
+    if made_now is not None:
+        return made_now
     if scope is None:
         return None
     graded = [p for p in scope.parameters() if p.grad is not None and p.grad.grad_fn is not None]

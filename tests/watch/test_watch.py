@@ -212,6 +212,9 @@ WARNED = {
                                            r"\(step 5, loss 'loss'\): the loss reaches `model.4._x`, `model.1._x`, "
                                            r"which require grad but which no optimizer updates.*build the optimizer "
                                            r"after replacing",
+    # every parameter frozen and no later backward of the step that trains them (an EBM's sampler has one): warned
+    "pinn_network_left_frozen": r"pinn_network_left_frozen.py:16: UnusedGradientWarning: .*\(step 2, loss 'loss'\): "
+                                r"the loss reaches none of the parameters the optimizers update, only `global x`",
     # the same with an optimizer that never steps (higher's `inner_opt`, read for its lr): it holds only parameters
     # the meta-optimizer holds, so the check does not wait for it
     "maml_detached_fast_weights_inner_opt": r"maml_detached_fast_weights_inner_opt.py:29: UnusedGradientWarning: .*"
@@ -252,6 +255,11 @@ LEAKED = {
                                   r"detach what is added to `fake_pool.images` where it is added \(`fake_pool.images."
                                   r"append\(x.detach\(\)\)`, and `fake_pool.images\[i\] = x.detach\(\)` where an "
                                   r"item is replaced",
+    # an EBM's replay buffer keeping its samples' graphs: named as the buffer, not as `old = torch.cat(...)` drawn from
+    # it in this step (whose fix would have been "store loss.item()")
+    "ebm_replay_buffer_keeps_graphs": r"ebm_replay_buffer_keeps_graphs.py:23: GraphLeakWarning: .*\(step 2\): steps 1 "
+                                      r"and 2: .*held by `global buffer\[\d+\]`.*To fix: detach what is added to "
+                                      r"`buffer` where it is added",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
