@@ -23,12 +23,12 @@ def stored(ins: dis.Instruction) -> tuple[str, ...]:
 
 
 def loop_around(code, offset: int, innermost: bool = False) -> set[int] | None:
-    """The offsets of the outermost (or ``innermost``) loop's body that holds ``offset``: a tensor that an outer loop
-    makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not built before the
-    loop. A loop is
-    a backward jump whose source its target reaches without an exception (since Python 3.12 the handlers of ``with``
-    and ``except`` sit at the function's end and jump back to the code after them: no loop); its body, the offsets
-    from its target to the jump and the handlers of the ``try`` blocks among them (3.12 puts them after the end)."""
+    """The offsets of the outermost loop's body that holds ``offset`` (``innermost``: the innermost's): a tensor that
+    an outer loop makes (WGAN-GP's ``fake``, made once per generator step around ``n_critic`` critic steps) is not
+    built before the loop. A loop is a backward jump whose source its target reaches without an exception (since
+    Python 3.12 the handlers of ``with`` and ``except`` sit at the function's end and jump back to the code after
+    them: no loop); its body, the offsets from its target to the jump and the handlers of the ``try`` blocks among
+    them (3.12 puts them after the end)."""
     flow = Flow(code)
     best = None
     for ins in flow.instructions:
@@ -60,6 +60,21 @@ def set_every_time(frame, by_calls: bool = False) -> tuple:
                                     for name in stored(ins))
         frame = frame.f_back
     return None, frozenset()
+
+
+def set_by_outer_loop(frame) -> tuple:
+    """(the frame whose loop runs ``frame``, as ``set_every_time`` finds it; the variables that the outermost loop
+    around its line sets on every way to it and the innermost does not set: what an enclosing loop made for every pass
+    of an inner one, such as the peers' outputs of deep mutual learning, each peer's loss back-propagated in a loop
+    over the peers); (None, empty) where no loop there is inside another."""
+    looping, names = set_every_time(frame)
+    if looping is None:
+        return None, frozenset()
+    inner = loop_around(looping.f_code, looping.f_lasti, innermost=True)
+    if inner == loop_around(looping.f_code, looping.f_lasti):
+        return None, frozenset()
+    inside = {name for ins in Flow(looping.f_code).instructions if ins.offset in inner for name in stored(ins)}
+    return looping, names - inside
 
 
 def stack(frame) -> Iterator:

@@ -723,9 +723,12 @@ class Guard:
                     self._stale_cast(stale[0], case)
             if why is not None:
                 # freed in this iteration: named by the first node whose saved tensors were freed, where the loss's
-                # own nodes are old too, but unfreed (a critic's loss built before the actor's update, on its features)
-                freed = next((n for c in carried for n in islice(walk.iter_nodes(c), 10_000) if why is _FREED
-                              and type(n) is not walk.ACCUMULATE and walk.holds_tensors(n)
+                # own nodes are old too, but unfreed (a critic's loss built before the actor's update, on its features);
+                # a part the last step's update left as it was first (see _unchanged)
+                ordered = sorted(carried, key=lambda n: bool(explain.changed([n], self._last_versions))) \
+                    if why is _FREED else []
+                freed = next((n for c in ordered for n in islice(walk.iter_nodes(c), 10_000)
+                              if type(n) is not walk.ACCUMULATE and walk.holds_tensors(n)
                               and walk.is_freed(walk.unpack_error(n, first=True))), carried[0])
                 self._freed_in_iteration(freed, why, case, iteration)
                 self._carried_and_kept(carried[0], why, case)
@@ -1082,6 +1085,9 @@ class Guard:
                 shared = [n for n in shared if walk.is_freed(walk.unpack_error(n, first=True))]
             if shared:
                 self.spent += time.perf_counter() - t0
+                updated = any(t._version != v for t, v in versions)  # the earlier loss's update ran since its backward
+                if updated:  # named by a part that update left as it was, where this loss enters one (see _unchanged)
+                    shared = _unchanged(nodes, shared, versions) or shared
                 call = "the torch.autograd.grad" if captured else "the backward"
                 backward = f"{call} of '{earlier}'{explain.at(where)}"
                 holder = explain.find_holder(shared[0], scope, None, scan_gc=False, loss=loss)  # what it shares
@@ -1099,7 +1105,7 @@ class Guard:
                     fixes.insert(0, f"if this loss uses the gradient {backward} returned (a gradient penalty, a score "
                                  "matching term), pass create_graph=True to it, so that the term trains the parameters "
                                  "(retain_graph=True alone would let this backward run without that term's gradient)")
-                if any(t._version != v for t, v in versions):  # the earlier loss's update ran since its backward
+                if updated:
                     fixes = [f"if the earlier loss ('{earlier}'{explain.at(where)}) must not reach {shared_part} (its "
                              "update is done: a GAN's discriminator loss on the generator's output), detach it where "
                              f"that loss uses it ({'`{code}.detach()`' if _code(holder) else '.detach()'}); with "
@@ -1764,6 +1770,16 @@ def _cached_weight(node) -> str | None:
     if any(t is not None and t.grad_fn is node for t in parametrize._cache.values()):
         return "parametrize"
     return None
+
+
+def _unchanged(nodes, shared, versions) -> list:
+    """The nodes of ``shared`` (parts of a graph an earlier backward ran) where this loss's own ``nodes`` enter that
+    graph and below which no leaf was written since that backward (``versions``): in deep mutual learning, the second
+    peer's loss enters the first peer's output, whose weights its update changed, and its own output, which the first
+    peer's loss reached without ``.detach()``: the second is what to detach there, not what to compute again."""
+    ran = set(shared)
+    entries = {nxt for n in nodes if n not in ran for nxt, _ in n.next_functions if nxt in ran}
+    return [n for n in shared if n in entries and not explain.changed([n], versions)]
 
 
 def _target_fix(into: str) -> str:

@@ -34,7 +34,7 @@ from ..errors import ConfigError, StepError
 from ..settings import GUARD_DEFAULTS, GuardSettings, read
 from . import explain, walk
 from .before import elements, loop_start
-from .bytecode import set_every_time, stack
+from .bytecode import set_by_outer_loop, set_every_time, stack
 from .explain import Scope
 from .guard import Guard
 from .words import LOOP
@@ -109,6 +109,8 @@ class GraphGuard:
         self._kept: bool | None = False  # the last backward kept its graph (retain_graph); None: someone else's
         self._iteration_seq: int | None = None
         self._iterations = 0  # loop iterations begun, where steps end at optimizer steps (several per iteration)
+        self._made: tuple = ()  # the graphs an outer loop made for the inner one where the last such step began
+        self._again = False  # this step began where the iteration's first did, in the same pass of the outer loop
         self._script: str | None = None  # the script whose functions' variables are searched first (under watch)
         self._globals: dict | None = None  # more globals to search (the script's, under watch)
         self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
@@ -187,14 +189,20 @@ class GraphGuard:
         self._site = _site(frame)  # where the step's first backward was called
         self._timed = self.guard.begin_step(self.steps)
         guard = self.guard
+        waiting = self._expected > len(self._recent)  # an optimizer that has not stepped yet
         if not explicit:
             begun = self._begun[self._site] = self._begun.get(self._site, 0) + 1
             if self._first_site is None or begun > self._begun[self._first_site]:
                 self._first_site = self._site
             if self._site == self._first_site:
-                self._iteration_seq = guard.start_seq
-                self._iterations += 1
-        waiting = self._expected > len(self._recent)  # an optimizer that has not stepped yet
+                # several optimizers, each stepped in a loop inside the training loop (one per peer, deep mutual
+                # learning): a step there is the iteration's next while the graphs the outer loop made for the inner
+                # one are still those the last step began with
+                made = self._made_outside(frame) if max(self._expected, len(self._recent)) > 1 else ()
+                self._again, self._made = bool(made) and made == self._made, made
+                if not self._again:
+                    self._iteration_seq = guard.start_seq
+                    self._iterations += 1
         if not explicit and len(self._recent) + waiting > 1:
             # Several optimizers, a step ending at each one's update: the "last step" a value may come from
             # with its graph (see Guard's one-step lag: SAC's alpha = log_alpha.exp(), made after the last
@@ -432,7 +440,15 @@ class GraphGuard:
     def _iteration_start(self) -> int | None:
         """The node counter where this step's loop iteration began, when the step is not its first (steps
         ended by optimizer steps); else None."""
-        return self._iteration_seq if not self._explicit and self._site != self._first_site else None
+        return self._iteration_seq if not self._explicit and (self._site != self._first_site or self._again) else None
+
+    def _made_outside(self, frame) -> tuple:
+        """The graphs (their nodes' numbers) that the variables an outer loop sets for an inner one running ``frame``
+        hold, or the lists, tuples and dicts they hold (``bytecode.set_by_outer_loop``); () where no loop nests."""
+        looping, names = set_by_outer_loop(frame) if frame is not None else (None, ())
+        values = self.variables(looping) if looping is not None else {}
+        return tuple(walk.sequence_nr(t.grad_fn) for name in sorted(names) for v in [values.get(name)]
+                     for t in [v, *elements(v)] if issubclass(type(t), torch.Tensor) and t.grad_fn is not None)
 
     def expect_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """The loop steps ``optimizers`` (found in a script's variables, under watch), some perhaps not yet

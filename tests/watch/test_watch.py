@@ -183,6 +183,12 @@ BROKEN = {
     "mean_teacher_ema_without_no_grad": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches AddBackward0, "
                                         r"the graph of the parameter `ema_model.0.weight`: it was written in place "
                                         r"outside torch.no_grad\(\).*To fix: make that write under `torch.no_grad\(\)`",
+    # deep mutual learning's KL to the other peer's output not detached, each peer's backward in a loop over the peers:
+    # the second peer's step is the iteration's second, not a graph kept from another; named by the output the first
+    # peer's update left as it was, detached where the first peer's loss uses it (not computed again)
+    "deep_mutual_learning_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches "
+                                         r"AddmmBackward0, made earlier in this loop iteration and held by `global "
+                                         r"outputs\[1\]`.*detach it where that loss uses it \(`outputs\[1\].detach\(\)`",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
