@@ -159,6 +159,7 @@ class Guard:
         # each name (one found again under its name as another tensor is made anew every step)
         self._unused: dict[int, weakref.ref] = {}
         self._named: dict[str, weakref.ref] = {}
+        self._frozen: dict[int, weakref.ref] = {}  # the trained Parameters seen with requires_grad=False (id -> ref)
         # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
         # was handed to them by then (see ``at_update``) or a later loss of the step trains them through the same
         # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
@@ -566,6 +567,7 @@ class Guard:
         if params is None or self.is_off("unused") or any(fsdp.local(p) is not p for p in params):
             return
         held = set(map(id, params))
+        self._frozen.update((id(p), weakref.ref(p)) for p in scope.parameters() if not p.requires_grad)
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld
 
         def unheld(leaves) -> list:
@@ -616,8 +618,9 @@ class Guard:
         self._untrained = [u for u in self._untrained if not any(any(id(t) in held for t in leaves) and (
             u[5] or any(ref() is t for t in leaves if (ref := u[4].get(id(t))))) for _, _, leaves in reached)]
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
-        # anew every step (in forward), or where the optimizer holds parameters the model no longer has (a layer
-        # replaced after the optimizer was built); else it is a part of the model left out of training on purpose
+        # anew every step (in forward), where the optimizer holds parameters the model no longer has (a layer
+        # replaced after the optimizer was built), or where they were frozen at an earlier check (unfrozen for a
+        # second phase of fine-tuning, the optimizer of the first kept); else a part left out of training on purpose
         judged = {i for i, ref in self._unused.items() if ref() is not None}  # still alive: judged already
         fresh = [t for _, _, leaves in reached for t in leaves if id(t) not in held and id(t) not in judged
                  and isinstance(t, torch.nn.Parameter) and t.requires_grad]
@@ -648,7 +651,11 @@ class Guard:
             fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
                          "parameters (or add the new ones: optimizer.add_param_group({'params': "
                          "new_layer.parameters()}))")
-        mistaken = listed | remade | replaced
+        unfrozen = {id(t) for t in wasted if (ref := self._frozen.get(id(t))) is not None and ref() is t}
+        if unfrozen:
+            fixes.append("build the optimizer again after unfreezing parameters (one built while they were frozen "
+                         "was not given them), or add them to it: optimizer.add_param_group({'params': [...]})")
+        mistaken = listed | remade | replaced | unfrozen
         said = [t for t in wasted if id(t) in mistaken and f"unused:{names[id(t)][0]}" not in self._warned]
         if not said:
             return

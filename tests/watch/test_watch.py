@@ -221,6 +221,10 @@ WARNED = {
     # every parameter frozen and no later backward of the step that trains them (an EBM's sampler has one): warned
     "pinn_network_left_frozen": r"pinn_network_left_frozen.py:16: UnusedGradientWarning: .*\(step 2, loss 'loss'\): "
                                 r"the loss reaches none of the parameters the optimizers update, only `global x`",
+    # a backbone unfrozen for a second phase of fine-tuning, the first phase's optimizer (the head's) kept
+    "unfreeze_first_phase_optimizer": r"unfreeze_first_phase_optimizer.py:27: UnusedGradientWarning: .*\(step 5, "
+                                      r"loss 'loss'\): the loss reaches `backbone.0.bias`, `backbone.0.weight`.*build "
+                                      r"the optimizer again after unfreezing parameters",
     # the same with an optimizer that never steps (higher's `inner_opt`, read for its lr): it holds only parameters
     # the meta-optimizer holds, so the check does not wait for it
     "maml_detached_fast_weights_inner_opt": r"maml_detached_fast_weights_inner_opt.py:29: UnusedGradientWarning: .*"
