@@ -3,6 +3,7 @@ plain loops and ``watch``: a variable the loop does not assign holds what was ma
 from __future__ import annotations
 
 import dis
+import functools
 from collections.abc import Iterator
 
 # instructions after which the next one does not run
@@ -51,15 +52,20 @@ def set_every_time(frame, by_calls: bool = False) -> tuple:
         code = frame.f_code
         body = loop_around(code, frame.f_lasti) if code.co_name not in COMPREHENSIONS else None
         if body is not None:
-            flow = Flow(code)
-            before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= frame.f_lasti]
-            here, top = before[-1].offset, min(body)  # (the line's instruction: f_lasti may be in its inline caches)
-            return frame, frozenset(name for call, ins in zip(before, before[1:])
-                                    if (call.opname.startswith("CALL") or not by_calls)
-                                    and here not in flow.reached([top], within=lambda offset: offset != ins.offset)
-                                    for name in stored(ins))
+            return frame, _every_way(code, frame.f_lasti, body, by_calls)
         frame = frame.f_back
     return None, frozenset()
+
+
+def _every_way(code, offset: int, body: set[int], by_calls: bool) -> frozenset[str]:
+    """The variables that the loop whose ``body`` holds ``offset`` sets on every way from its top to it (see
+    ``set_every_time``)."""
+    flow = Flow(code)
+    before = [ins for ins in flow.instructions if ins.offset in body and ins.offset <= offset]
+    here, top = before[-1].offset, min(body)  # (the line's instruction: f_lasti may be in its inline caches)
+    return frozenset(name for call, ins in zip(before, before[1:]) if (call.opname.startswith("CALL") or not by_calls)
+                     and here not in flow.reached([top], within=lambda offset: offset != ins.offset)
+                     for name in stored(ins))
 
 
 def set_by_outer_loop(frame) -> tuple:
@@ -67,14 +73,31 @@ def set_by_outer_loop(frame) -> tuple:
     around its line sets on every way to it and the innermost does not set: what an enclosing loop made for every pass
     of an inner one, such as the peers' outputs of deep mutual learning, each peer's loss back-propagated in a loop
     over the peers); (None, empty) where no loop there is inside another."""
-    looping, names = set_every_time(frame)
-    if looping is None:
-        return None, frozenset()
-    inner = loop_around(looping.f_code, looping.f_lasti, innermost=True)
-    if inner == loop_around(looping.f_code, looping.f_lasti):
-        return None, frozenset()
-    inside = {name for ins in Flow(looping.f_code).instructions if ins.offset in inner for name in stored(ins)}
-    return looping, names - inside
+    filename = frame.f_code.co_filename
+    while frame is not None and frame.f_code.co_filename == filename:
+        names = _set_by_outer_loop(frame.f_code, frame.f_lasti) if frame.f_code.co_name not in COMPREHENSIONS \
+            else None
+        if names:
+            return frame, names
+        if names is not None:
+            break
+        frame = frame.f_back
+    return None, frozenset()
+
+
+@functools.lru_cache(maxsize=256)
+def _set_by_outer_loop(code, offset: int) -> frozenset[str] | None:
+    """``set_by_outer_loop`` for one function: None where no loop holds ``offset``. Read once per call site: a loop
+    run at a script's top level is read from the whole module's code (some milliseconds), and this is asked at every
+    step that begins there."""
+    outer = loop_around(code, offset)
+    if outer is None:
+        return None
+    inner = loop_around(code, offset, innermost=True)
+    if inner == outer:
+        return frozenset()
+    inside = {name for ins in Flow(code).instructions if ins.offset in inner for name in stored(ins)}
+    return _every_way(code, offset, outer, by_calls=False) - inside
 
 
 def stack(frame) -> Iterator:
