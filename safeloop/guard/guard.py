@@ -905,6 +905,11 @@ class Guard:
         detached or not, so it is made again every step; made from none, it is kept without its graph."""
         leaves = walk.below(node)[1]
         trained = _trained(leaves, case.scope)
+        # where the optimizers are known, only what they update now goes stale: a teacher whose training phase is over
+        # (Noisy Student's pseudo-labels made once per generation without no_grad) is no cache to make again
+        held = {id(p) for opt in explain.optimizers(case.scope) for g in opt.param_groups for p in g["params"]}
+        held.update(map(id, (case.scope.optimized() if case.scope is not None else None) or ()))
+        trained = [t for t in trained if id(t) in held] if held else trained
         if not trained:
             only = f" (only on {explain.leaf_names(list(leaves), case.scope)})" if leaves else ""
             return [f"keep it without its graph: it depends on no trained parameter{only}, so build it under "

@@ -889,3 +889,42 @@ def test_deep_mutual_learning_with_the_peers_output_not_detached_is_told_to_deta
         warnings.simplefilter("error")
         ours = mutual(guarded)
     assert all(torch.equal(a, b) for a, b in zip(ours, mutual()))
+
+
+def test_pseudo_labels_a_finished_teacher_made_with_their_graph_are_kept_without_it_not_made_again():
+    """Noisy Student / pseudo-labelling: a teacher trained first, then soft pseudo-labels for the unlabelled set made
+    once by it (meant under ``torch.no_grad()``), and a new student with an optimizer of its own trained on them. The
+    teacher is no longer updated: its pseudo-labels are no stale cache to make again every step (what the fix said
+    of a value made from a module the loop trained), but a constant to keep without its graph; so kept, the student
+    trains bit for bit as with no_grad, and quietly."""
+
+    def noisy_student(guard=None, keep="graph"):
+        torch.manual_seed(0)
+        teacher, student = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        labelled, unlabelled = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(2)], torch.randn(6, 4)
+        step = guard.step if guard else nullcontext
+        for model in (teacher, student):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if model is student:
+                with torch.no_grad() if keep == "no_grad" else nullcontext():
+                    pseudo = F.softmax(teacher(unlabelled), 1)
+                pseudo = pseudo.detach() if keep == "detached" else pseudo
+            for x, y in labelled:
+                with step():
+                    loss = F.cross_entropy(model(x), y)
+                    if model is student:
+                        loss = loss + F.kl_div(F.log_softmax(student(unlabelled), 1), pseudo, reduction="batchmean")
+                    opt.zero_grad()
+                    guard.backward(loss) if guard else loss.backward()
+                    opt.step()
+        return list(student.parameters())
+
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 4, loss 'loss'): the loss reaches SoftmaxBackward0, "
+                                                          "created during an earlier step and held by `local pseudo`")
+                       + ".*" + re.escape("To fix: keep it without its graph: it depends on no trained parameter (only "
+                                          "on `teacher.weight`, `teacher.bias`)")):
+        noisy_student(GraphGuard())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = noisy_student(GraphGuard(), keep="detached")
+    assert all(torch.equal(a, b) for a, b in zip(kept, noisy_student(keep="no_grad")))
