@@ -865,11 +865,17 @@ class Guard:
         if kept:
             # a state whose gradient the loop reads (``retain_grad()``: learning to learn's optimizee weights, carried
             # with their graph across unrolled steps) must still require grad once cut
-            cut = "{detached}.requires_grad_()" if any(
-                n == holder and t.retains_grad for n, t in explain.candidates(case.scope, case.batch)) else "{detached}"
+            held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
+            cut = "{detached}.requires_grad_()" if any(t.retains_grad for t in held) else "{detached}"
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
+            if any(type(t.grad_fn).__name__ == "CopySlices" for t in held):
+                # a buffer whose slots are written in place with values that keep their graphs (dark experience
+                # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
+                fixes.insert(0, "detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, "
+                             "or the tensor handed to the code that writes it), so that its slots keep values, not "
+                             "the graphs of the steps that made them")
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)

@@ -188,7 +188,12 @@ BROKEN = {
     # peer's update left as it was, detached where the first peer's loss uses it (not computed again)
     "deep_mutual_learning_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches "
                                          r"AddmmBackward0, made earlier in this loop iteration and held by `global "
-                                         r"outputs\[1\]`.*detach it where that loss uses it \(`outputs\[1\].detach\(\)`",
+                                         r"outputs\[1\]`.*detach it where that loss uses it "
+                                         r"\(`outputs\[1\].detach\(\)`",
+    # dark experience replay's logits stored with their graphs into a buffer's slots written in place: detached where
+    # they are written, not the buffer at the end of each step (a carried state's fix)
+    "der_logits_stored_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `buffer.logits`.*To fix: "
+                                    r"detach what is written into `buffer.logits` where it is written",
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
