@@ -198,7 +198,8 @@ class GraphGuard:
                 # several optimizers, each stepped in a loop inside the training loop (one per peer, deep mutual
                 # learning): a step there is the iteration's next while the graphs the outer loop made for the inner
                 # one are still those the last step began with
-                made = self._made_outside(frame) if max(self._expected, len(self._recent)) > 1 else ()
+                several = walk.HAS_SEQ and max(self._expected, len(self._recent)) > 1
+                made = self._made_outside(frame) if several else ()
                 self._again, self._made = bool(made) and made == self._made, made
                 if not self._again:
                     self._iteration_seq = guard.start_seq
