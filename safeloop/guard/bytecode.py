@@ -72,32 +72,39 @@ def set_by_outer_loop(frame) -> tuple:
     """(the frame whose loop runs ``frame``, as ``set_every_time`` finds it; the variables that the outermost loop
     around its line sets on every way to it and the innermost does not set: what an enclosing loop made for every pass
     of an inner one, such as the peers' outputs of deep mutual learning, each peer's loss back-propagated in a loop
-    over the peers); (None, empty) where no loop there is inside another."""
+    over the peers; or, in a function whose one loop runs it and that a loop of a caller in its file calls, what the
+    function sets before that loop); (None, empty) where no loop there is inside another."""
     filename = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename == filename:
-        names = _set_by_outer_loop(frame.f_code, frame.f_lasti) if frame.f_code.co_name not in COMPREHENSIONS \
+        found = _set_by_outer_loop(frame.f_code, frame.f_lasti) if frame.f_code.co_name not in COMPREHENSIONS \
             else None
-        if names:
-            return frame, names
-        if names is not None:
-            break
+        if found is not None:
+            names, nested = found
+            caller = frame.f_back
+            while not nested and caller is not None and caller.f_code.co_filename == filename:
+                nested = _set_by_outer_loop(caller.f_code, caller.f_lasti) is not None
+                caller = caller.f_back
+            return (frame, names) if names and nested else (None, frozenset())
         frame = frame.f_back
     return None, frozenset()
 
 
 @functools.lru_cache(maxsize=256)
-def _set_by_outer_loop(code, offset: int) -> frozenset[str] | None:
-    """``set_by_outer_loop`` for one function: None where no loop holds ``offset``. Read once per call site: a loop
-    run at a script's top level is read from the whole module's code (some milliseconds), and this is asked at every
-    step that begins there."""
+def _set_by_outer_loop(code, offset: int) -> tuple[frozenset[str], bool] | None:
+    """``set_by_outer_loop`` for one function: (the variables, whether a loop of its own holds the inner one; if not,
+    what the function sets before its loop), None where no loop holds ``offset``. Read once per call site: a loop run
+    at a script's top level is read from the whole module's code (some milliseconds), and this is asked at every step
+    that begins there."""
     outer = loop_around(code, offset)
     if outer is None:
         return None
     inner = loop_around(code, offset, innermost=True)
-    if inner == outer:
-        return frozenset()
     inside = {name for ins in Flow(code).instructions if ins.offset in inner for name in stored(ins)}
-    return _every_way(code, offset, outer, by_calls=False) - inside
+    if inner != outer:
+        return _every_way(code, offset, outer, by_calls=False) - inside, True
+    if code.co_name == "<module>":
+        return frozenset(), False
+    return _every_way(code, offset, set(range(max(outer) + 1)), by_calls=False) - inside, False
 
 
 def stack(frame) -> Iterator:

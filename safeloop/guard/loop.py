@@ -199,8 +199,8 @@ class GraphGuard:
                 # learning): a step there is the iteration's next while the graphs the outer loop made for the inner
                 # one are still those the last step began with
                 several = walk.HAS_SEQ and max(self._expected, len(self._recent)) > 1
-                made = self._made_outside(frame) if several else ()
-                self._again, self._made = bool(made) and made == self._made, made
+                made, ran = self._made_outside(frame) if several else ((), False)
+                self._again, self._made = ran and made == self._made, made
                 if not self._again:
                     self._iteration_seq = guard.start_seq
                     self._iterations += 1
@@ -443,13 +443,20 @@ class GraphGuard:
         ended by optimizer steps); else None."""
         return self._iteration_seq if not self._explicit and (self._site != self._first_site or self._again) else None
 
-    def _made_outside(self, frame) -> tuple:
+    def _made_outside(self, frame) -> tuple[tuple, bool]:
         """The graphs (their nodes' numbers) that the variables an outer loop sets for an inner one running ``frame``
-        hold, or the lists, tuples and dicts they hold (``bytecode.set_by_outer_loop``); () where no loop nests."""
+        hold, or the lists, tuples and dicts they hold (``bytecode.set_by_outer_loop``; () where no loop nests), and
+        whether an earlier backward ran one of them (a graph made for display, that no loss uses, does not make the
+        steps one iteration)."""
         looping, names = set_by_outer_loop(frame) if frame is not None else (None, ())
         values = self.variables(looping) if looping is not None else {}
-        return tuple(walk.sequence_nr(t.grad_fn) for name in sorted(names) for v in [values.get(name)]
-                     for t in [v, *elements(v)] if issubclass(type(t), torch.Tensor) and t.grad_fn is not None)
+        made = [t.grad_fn for name in sorted(names) for v in [values.get(name)] for t in [v, *elements(v)]
+                if issubclass(type(t), torch.Tensor) and t.grad_fn is not None]
+        # (not walk.below, which caches in the node's metadata what it finds: a graph of this step would never die)
+        savers = [next((n for n in islice(walk.iter_nodes(node), 1_000) if type(n) is not walk.ACCUMULATE
+                        and walk.holds_tensors(n)), None) for node in made]
+        ran = any(walk.is_freed(walk.unpack_error(saver, first=True)) for saver in savers if saver is not None)
+        return tuple(map(walk.sequence_nr, made)), ran
 
     def expect_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """The loop steps ``optimizers`` (found in a script's variables, under watch), some perhaps not yet

@@ -850,7 +850,7 @@ def test_nodes_made_in_other_threads_are_not_taken_for_a_graph_built_before_the_
 
 
 @pytest.mark.parametrize("check", ["always", "auto"])
-@pytest.mark.parametrize("form", ["one step", "a step per peer"])
+@pytest.mark.parametrize("form", ["one step", "a step per peer", "a step per peer, a function per batch"])
 def test_deep_mutual_learning_with_the_peers_output_not_detached_is_told_to_detach_it(check, form):
     """Deep mutual learning (chxy95/Deep-Mutual-Learning): each peer's loss is its cross-entropy plus the KL to the
     other's output, then its own zero_grad, backward and step. Without ``.detach()`` on the other's output, the first
@@ -858,15 +858,30 @@ def test_deep_mutual_learning_with_the_peers_output_not_detached_is_told_to_deta
     the second peer's output, which the first peer's update left as it was, and detaches it where the first loss uses
     it; not a fresh forward, nor the first peer's output, whose weights that update changed. One ``with guard.step()``
     around both updates, or steps ended by each update with the backward in a loop over the peers (each step of it the
-    same iteration). Detached: quiet, and trained bit for bit as without the guard."""
+    same iteration), there or in a function the batch loop calls. Detached: quiet, and trained bit for bit as without
+    the guard."""
 
     def mutual(guard=None, detach=True):
         torch.manual_seed(0)
         peers = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)) for _ in range(2)]
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in peers]
         guard = guard(opts) if guard else None
+
+        def train_batch(x, y):
+            outputs = [m(x) for m in peers]
+            for i in range(2):
+                peer = outputs[1 - i].detach() if detach else outputs[1 - i]
+                loss = F.cross_entropy(outputs[i], y) + F.kl_div(
+                    F.log_softmax(outputs[i], 1), F.softmax(peer, 1), reduction="batchmean")
+                opts[i].zero_grad()
+                guard.backward(loss) if guard else loss.backward()
+                opts[i].step()
+
         for x, y in zip(torch.randn(3, 6, 4), torch.randint(0, 3, (3, 6))):
             with guard.step() if guard and form == "one step" else nullcontext():
+                if form.endswith("a function per batch"):
+                    train_batch(x, y)
+                    continue
                 outputs = [m(x) for m in peers]
                 for i in range(2):
                     peer = outputs[1 - i].detach() if detach else outputs[1 - i]
