@@ -477,9 +477,9 @@ def written_parameters(scope: Scope | None) -> list[tuple[str, torch.nn.Paramete
     weights of a cloned module (learn2learn's) are tensors, not ``Parameter``s: not these."""
     found: dict[int, tuple[str, torch.nn.Parameter]] = {}
     for root_name, root in _modules(scope):
-        for name, param, _ in _parameters_of(root_name, root):
-            if issubclass(type(param), torch.nn.Parameter) and param.grad_fn is not None:
-                found.setdefault(id(param), (name, param))
+        for name, param in root.named_parameters():
+            if param.grad_fn is not None and issubclass(type(param), torch.nn.Parameter):
+                found.setdefault(id(param), (f"{root_name}.{name}", param))
     return list(found.values())
 
 
