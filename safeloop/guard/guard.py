@@ -1777,7 +1777,6 @@ _DETACH_STALE = ("if this loss must not reach it and is meant for its values as 
                  "CycleGAN's), detach it where this loss uses it (`{code}.detach()`)")
 
 
-
 def _cached_weight(node) -> str | None:
     """The cache that keeps ``node``'s output across forwards: "autocast" where it copied a leaf (a weight) to another
     dtype, as ``torch.autocast`` does once per region; "parametrize" where it computed a parametrized weight that
