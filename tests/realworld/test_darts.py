@@ -22,7 +22,8 @@ Every step first updates the architecture, then the weights:
   the architect's next ``zero_grad`` clears), ``clip_grad_norm`` and momentum SGD with weight decay.
   ``CosineAnnealingLR`` is stepped at the start of every epoch, its ``get_lr()`` giving ``eta``.
 
-Changes for a seconds-long test: 2 initial channels, 3 layers (a normal cell, then two reduction cells), 8x8
+Changes for a seconds-long test: 2 initial channels, 3 layers (a normal cell, then two reduction cells), cells of
+2 intermediate nodes (``steps=2, multiplier=2``; the source's are 4), 8x8
 images, 3 classes, batches of 4; CIFAR-10's two halves and their DataLoaders (``next(iter(valid_queue))``) are
 replaced by fixed seeded (train, search) batch pairs, the same 2 in each of 2 epochs; no CUDA (``.cuda()`` and
 ``async=True`` left out). The arithmetic calls torch 0.3 spelled with a leading scalar (``theta.sub(eta, x)``,
@@ -224,7 +225,7 @@ class Cell(nn.Module):
 
 class Network(nn.Module):
 
-    def __init__(self, C, num_classes, layers, criterion, steps=4, multiplier=4, stem_multiplier=3):
+    def __init__(self, C, num_classes, layers, criterion, steps=2, multiplier=2, stem_multiplier=3):
         super(Network, self).__init__()
         self._C = C
         self._num_classes = num_classes
