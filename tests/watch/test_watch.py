@@ -414,22 +414,37 @@ def test_a_scripts_own_warnings_are_shown_as_often_as_without_watch(tmp_path):
     assert watched.stderr == f"{script}:7: UserWarning: a warning of the script\n  warnings.warn('a warning of the script')\n"
 
 
-@pytest.mark.parametrize("line, python_options, shown", [
-    ('warnings.filterwarnings("ignore", category=UserWarning)', [], True),  # names no warning of safeloop's
-    ('warnings.filterwarnings("ignore", message="autograd graph kept alive")', [], False),
-    ('warnings.filterwarnings("ignore", category=safeloop.GraphLeakWarning)', [], False),
-    ('warnings.filterwarnings("ignore")', ["-W", "ignore"], False),  # the command line's filter applies
-])
-def test_only_a_scripts_blanket_warning_filter_lets_the_guards_warnings_through(tmp_path, line, python_options, shown):
+FILTERS = {  # a filter the script adds -> whether the guard's warning is shown
+    'warnings.filterwarnings("ignore", category=UserWarning)': True,  # names no warning of safeloop's
+    'warnings.filterwarnings("ignore", message="autograd graph kept alive")': False,
+    'warnings.filterwarnings("ignore", category=safeloop.GraphLeakWarning)': False,
+    'warnings.filterwarnings("ignore")': False,  # given on the command line too (-W ignore): it applies
+}
+
+
+@pytest.fixture(scope="module")
+def filtered(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """``blanket_ignore_running_sum.py`` with each of ``FILTERS`` instead of its own, under watch (forked), by filter;
+    the last one as a real ``python -W ignore -m safeloop.watch`` subprocess."""
+    cwd = tmp_path_factory.mktemp("filters")
+    source = (SCRIPTS / "blanket_ignore_running_sum.py").read_text()
+    scripts = []
+    for i, line in enumerate(FILTERS):
+        scripts.append(cwd / f"train{i}.py")
+        scripts[-1].write_text(source.replace('warnings.filterwarnings("ignore")', f"import safeloop\n{line}"))
+    procs = run_all([([str(script)], True) for script in scripts[:-1]], cwd)
+    return dict(zip(FILTERS, [*procs, run("-W", "ignore", "-m", "safeloop.watch", str(scripts[-1]), cwd=cwd)]))
+
+
+@pytest.mark.parametrize("line", FILTERS)
+def test_only_a_scripts_blanket_warning_filter_lets_the_guards_warnings_through(filtered, line):
     """A filter the script adds that names no message, module or safeloop warning hides none of the guard's
     warnings; one that names them, or one given on the command line (``-W``), does, as without watch."""
-    source = (SCRIPTS / "blanket_ignore_running_sum.py").read_text()
-    script = tmp_path / "train.py"
-    script.write_text(source.replace('warnings.filterwarnings("ignore")', f"import safeloop\n{line}"))
-    proc = run(*python_options, "-m", "safeloop.watch", str(script), cwd=tmp_path)
+    proc = filtered[line]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("mean loss ")
-    assert ("GraphLeakWarning: autograd graph kept alive after its step (step 2)" in proc.stderr) == shown, proc.stderr
+    assert ("GraphLeakWarning: autograd graph kept alive after its step (step 2)" in proc.stderr) == FILTERS[line], \
+        proc.stderr
 
 
 def test_the_script_runs_as_the_same_main_module_as_without_watch(tmp_path):
