@@ -995,6 +995,56 @@ def test_an_ema_copy_written_outside_no_grad_and_in_no_loss_warns_once_naming_it
     assert all(torch.equal(a, b) for a, b in zip(kept, fixed))  # the warning changes nothing
 
 
+class GanWithEma(Trainer):
+    """Manual mode, two optimizers: a GAN whose generator's EMA copy (``self.g_ema``, BigGAN's G_ema) is moved in
+    ``on_step_end`` and sampled from under no_grad; written without torch.no_grad() (``fix`` False)."""
+
+    automatic, fix = False, False
+
+    def configure_optimizers(self):
+        return {"d": torch.optim.SGD(self.model.d.parameters(), lr=0.05),
+                "g": torch.optim.SGD(self.model.g.parameters(), lr=0.05)}
+
+    def training_step(self, batch):
+        real, _ = batch
+        fake = self.model.g(torch.randn(8, 2))
+        d_loss = F.softplus(self.model.d(fake.detach())).mean() + F.softplus(-self.model.d(real)).mean()
+        self.backward(d_loss, optimizer="d")
+        self.step("d")
+        g_loss = F.softplus(-self.model.d(fake)).mean()
+        self.backward(g_loss, optimizer="g")
+        self.step("g")
+        return {"d": d_loss, "g": g_loss}
+
+    def on_step_end(self, losses):
+        with torch.no_grad() if self.fix else nullcontext():
+            for ema_p, p in zip(self.g_ema.parameters(), self.model.g.parameters()):
+                ema_p.mul_(0.99).add_(p, alpha=0.01)
+
+
+def fit_gan_ema(check: str, fix: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"g": nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4)),
+                           "d": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))})
+    GanWithEma.fix = fix
+    trainer = GanWithEma(model=model, train_data=DATA, max_steps=len(DATA), guard={"check": check}, device="cpu",
+                         progress=False, loggers=())
+    trainer.g_ema = copy.deepcopy(model.g).requires_grad_(False)
+    trainer.fit()
+    return weights(trainer.model) + [p.detach().clone() for p in trainer.g_ema.parameters()]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_a_generators_ema_written_outside_no_grad_in_manual_mode_with_two_optimizers_warns_and_changes_nothing(check):
+    with pytest.warns(GraphLeakWarning, match=re.escape("(step 1): the parameters `self.g_ema.0.weight`, "
+                                                        "`self.g_ema.0.bias`, `self.g_ema.2.weight` and 1 more")):
+        kept = fit_gan_ema(check, fix=False)
+    with quiet():
+        fixed = fit_gan_ema(check, fix=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fixed))
+    assert all(torch.equal(a, b) for a, b in zip(fixed, fit_gan_ema("off", fix=True)))
+
+
 def test_a_guard_given_the_ema_copy_as_part_of_its_model_warns_only_its_own_warning():
     """The copy's parameters, written outside no_grad, are no longer leaves: they are not taken for trained parameters,
     whose `.grad` the guard reads (PyTorch warns on a non-leaf's), and only the GraphLeakWarning is shown."""
