@@ -142,17 +142,20 @@ def inside_one_update(frame, filename: str, variables: Callable = attrgetter("f_
     return _inside_one_update(frame, loop_around(frame.f_code, frame.f_lasti, innermost=True), variables)
 
 
+_STEPPERS = (torch.optim.Optimizer, torch.amp.GradScaler)  # what steps an optimizer: `opt.step()`, `scaler.step(opt)`
+
+
 def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
     """Whether the loop ``body`` of the function ``frame`` runs is inside one update: that function steps an
     optimizer after the loop, never inside it (the chatbot tutorial's ``train``: a loss per decoded word, summed or
-    back-propagated word by word, then each optimizer steps once). The training loop is then a caller's: what the
-    function made before this loop (the encoder's outputs) is the update's own."""
+    back-propagated word by word, then each optimizer steps once, itself or through a GradScaler). The training loop
+    is then a caller's: what the function made before this loop (the encoder's outputs) is the update's own."""
     code = list(dis.get_instructions(frame.f_code))
     names = {**frame.f_globals, **variables(frame)}
     after = False
     for k, ins in enumerate(code):
         if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "step" \
-                and issubclass(type(_receiver(code, k, names)), torch.optim.Optimizer):
+                and issubclass(type(_receiver(code, k, names)), _STEPPERS):
             if ins.offset in body:
                 return False
             after = after or ins.offset > max(body)

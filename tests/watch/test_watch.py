@@ -175,6 +175,11 @@ BROKEN = {
                                           r"TanhBackward0, held by `local encoder_outputs`.*To fix: pass "
                                           r"retain_graph=True to the backward of 'loss' at "
                                           r"chatbot_loss_per_word_not_retained.py:74",
+    # ... the same with the optimizers stepped through a GradScaler (`scaler.step(encoder_optimizer)`)
+    "chatbot_loss_per_word_scaled_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                                 r"TanhBackward0, held by `local encoder_outputs`.*To fix: pass "
+                                                 r"retain_graph=True to the backward of 'loss' at "
+                                                 r"chatbot_loss_per_word_scaled_not_retained.py:73",
     # ... the same with the words' loop nested in the training loop's body: not a recurrent state to detach
     "decoder_loss_per_step_not_retained": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
                                           r"TanhBackward0, .*To fix: pass retain_graph=True to the backward of 'loss' "
