@@ -66,7 +66,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     objects = held + [m for v in models for m in list(v.modules())[1:]
                       if not (m._forward_pre_hooks or m._forward_hooks)]
     held += [a for o in objects if id(o) not in renamed
-             for k, a in fields(o).items() if k not in attributes and k not in _set_by_methods(o)]
+             for k, a in _state(o).items() if k not in attributes and k not in _set_by_methods(o)]
     # and those deeper inside a torch.distributions object held so (zuko's `dist = flow(c)`: the graph of each of its
     # transforms, `dist.transform.transforms[0].base.shift`), which the loop's `dist.log_prob(x)` reads every step
     budget = [_DIST_OBJECTS]
@@ -91,6 +91,15 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
             and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
+
+
+def _state(obj) -> dict:
+    """``fields(obj)``, and a module's own buffers, which it keeps apart from its ``__dict__``: one registered with a
+    graph (CoOp's ``token_prefix``, embedded without ``torch.no_grad()``) was built before the loop too."""
+    own = fields(obj)
+    if issubclass(type(obj), torch.nn.Module):
+        own.update(obj.named_buffers(recurse=False))
+    return own
 
 
 def _hook_targets(models: list[torch.nn.Module]) -> set[int]:

@@ -876,6 +876,9 @@ class Guard:
                 fixes.insert(0, "detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, "
                              "or the tensor handed to the code that writes it), so that its slots keep values, not "
                              "the graphs of the steps that made them")
+            if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
+                fixes.insert(0, "start the sum again after each backward (`{code} = 0`), so that each backward "
+                             "takes the losses added since the last one (the GFlowNet tutorial's `minibatch_loss`)")
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
@@ -913,8 +916,7 @@ class Guard:
         trained = _trained(leaves, case.scope)
         # where the optimizers are known, only what they update now goes stale: a teacher whose training phase is over
         # (Noisy Student's pseudo-labels made once per generation without no_grad) is no cache to make again
-        held = {id(p) for opt in explain.optimizers(case.scope) for g in opt.param_groups for p in g["params"]}
-        held.update(map(id, (case.scope.optimized() if case.scope is not None else None) or ()))
+        held = _optimized_ids(case.scope)
         trained = [t for t in trained if id(t) in held] if held else trained
         if not trained:
             only = f" (only on {explain.leaf_names(list(leaves), case.scope)})" if leaves else ""
@@ -1013,9 +1015,13 @@ class Guard:
             return [f"compute {tensor} inside {self.words.place}, with the object that keeps it (a "
                     "torch.distributions object built from the model's output, a cache), so every step builds its own "
                     "graph"] + constant
-        return [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
-                f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
-                "`torch.no_grad()`"]
+        fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
+                 f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
+                 "`torch.no_grad()`"]
+        # made from none of the leaves the loop's optimizers update (CoOp's prompt prefix, embedded by CLIP's token
+        # embedding, which no optimizer holds), it trains nothing: a constant
+        held = _optimized_ids(case.scope)
+        return fixes[::-1] if held and leaves and held.isdisjoint(map(id, leaves)) else fixes
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
@@ -1216,6 +1222,12 @@ class Guard:
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
                      "leave the frozen model out of training"]
+        elif not torch.is_grad_enabled():  # its backward is called inside no_grad (a caller's: an evaluation's)
+            why = ("grad mode is off where its backward is called: it was computed inside torch.no_grad() (perhaps a "
+                   "caller's, as an evaluation loop's)")
+            fixes = ["compute the loss outside torch.no_grad(), or inside `with torch.enable_grad():` (or under the "
+                     "`@torch.enable_grad()` decorator of the function that computes it and steps, as Tent's "
+                     "`forward_and_adapt`) where a caller's no_grad cannot be left"]
         else:
             seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
             why, fixes = _why_detached(seen, self.words)
@@ -1598,6 +1610,14 @@ def _code(holder: str | None) -> str | None:
     if isinstance(holder, explain.Inside):  # the variable holding the object that holds it: built again whole
         return _code(holder.owner)
     return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
+
+
+def _optimized_ids(scope) -> set[int]:
+    """The ids of the parameters the loop's optimizers update, those in its variables and those known to step; empty
+    while none is known."""
+    held = {id(p) for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]}
+    held.update(map(id, (scope.optimized() if scope is not None else None) or ()))
+    return held
 
 
 def _trained(leaves, scope) -> list:

@@ -202,6 +202,20 @@ BROKEN = {
     "fourier_cache": r"CarriedGraphError: .*\(step 2, loss 'loss'\): .*held by `model.enc.cached`.*To fix: keep it "
                      r"without its graph: it depends on no trained parameter \(only on `model.enc.B`\).*"
                      r"\(`model.enc.cached = model.enc.cached.detach\(\)`\)",
+    # a buffer registered with a graph, of a submodule (CoOp's prompt tokens): made before the loop, stopped at step 1;
+    # the embedding it was made from is in no optimizer, so keeping it as a constant comes first
+    "coop_prompt_tokens_embedded_with_graph":
+        r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built before the step \(before the loop\) "
+        r"and held by `model.prompt_learner.token_(prefix|suffix)`.*To fix: if it is meant as a constant \(no gradient "
+        r"through it into `clip_model.token_embedding.weight`\)",
+    # a sum of losses over episodes never started again after its backward: the sum, not a state to truncate
+    "gflownet_minibatch_loss_not_reset": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
+                                         r"minibatch_loss`.*To fix: start the sum again after each backward "
+                                         r"\(`minibatch_loss = 0`\)",
+    # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
+    "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
+                                      r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
+                                      r"`@torch.enable_grad\(\)` decorator",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -213,6 +227,12 @@ FIRST_FIX = {
     "fourier_cache": ("fourier_cache_fixed", "fourier_cache_first_fix",
                       "    model.enc.cached = model.enc.cached.detach()",
                       "store it detached once made (`model.enc.cached = model.enc.cached.detach()`)"),
+    # (the correct script is the broken one with its first fix applied)
+    "gflownet_minibatch_loss_not_reset": ("gflownet_minibatch_loss", "gflownet_minibatch_loss",
+                                          "        minibatch_loss = 0", "start the sum again after each backward"),
+    "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
+                                       "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
+                                       "under the `@torch.enable_grad()` decorator of the function"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
