@@ -87,8 +87,10 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     items = [item for k, v in values if k not in assigned and k not in filled and id(v) not in hooked
              for pair in elements(v) for item in (elements(pair) if type(pair) is tuple else [pair])
              if issubclass(type(item), torch.Tensor) and item.grad_fn is not None]
+    # (`target = grams[0]`: not ours; but an item the loop wrote its graph into, in place, is: an adversarial patch
+    # placed into each batch of a list by slice assignment, `img[i, :, h:h + ph, w:w + pw] = patch_forward(patch)`)
     ours = [walk.sequence_nr(v.grad_fn) for k, v in values if k in assigned and issubclass(type(v), torch.Tensor)
-            and v.grad_fn is not None and not any(v is item for item in items)]  # (`target = grams[0]`: not ours)
+            and v.grad_fn is not None and (v._version or not any(v is item for item in items))]
     seqs += [seq for item in items if ours and (seq := walk.sequence_nr(item.grad_fn)) < min(ours)]
     return max(seqs) + 1 if seqs else None
 
