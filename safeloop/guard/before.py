@@ -97,10 +97,12 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
 
 def _state(obj) -> dict:
     """``fields(obj)``, and a module's own buffers, which it keeps apart from its ``__dict__``: one registered with a
-    graph (CoOp's ``token_prefix``, embedded without ``torch.no_grad()``) was built before the loop too."""
+    graph (CoOp's ``token_prefix``, embedded without ``torch.no_grad()``) was built before the loop too; not one
+    written in place since it was made (a running statistic a forward updates outside ``torch.no_grad()``), whose
+    graph may be this step's."""
     own = fields(obj)
     if issubclass(type(obj), torch.nn.Module):
-        own.update(obj.named_buffers(recurse=False))
+        own.update((name, b) for name, b in obj.named_buffers(recurse=False) if not b._version)
     return own
 
 
@@ -265,14 +267,15 @@ def _set_by_methods(obj) -> frozenset[str]:
 
 def _calls_setattr(obj) -> bool:
     """Whether a method of ``obj``'s class other than ``__init__`` (classes of torch itself left out) calls
-    ``setattr``: it sets attributes whose names ``_set_by_methods`` cannot read."""
+    ``setattr`` or ``register_buffer``: it sets attributes whose names ``_set_by_methods`` cannot read."""
     return _methods_of(type(obj))[1]
 
 
 @functools.lru_cache(maxsize=None)
 def _methods_of(kind: type, builders: tuple[str, ...] = ("__init__",)) -> tuple[frozenset[str], bool]:
     """What the methods of ``kind`` other than ``builders`` (torch's own classes left out) do: the attributes they
-    assign, whether they call ``setattr``. Read once per class: a library's objects (accelerate's ``Accelerator``)
+    assign, whether they call ``setattr`` (or ``register_buffer``: vector-quantize-pytorch's codebook registers its
+    statistics anew at every forward). Read once per class: a library's objects (accelerate's ``Accelerator``)
     have classes of thousands of instructions, met at every step's search."""
     stores, calls = set(), False
     for cls in kind.__mro__:
@@ -285,7 +288,8 @@ def _methods_of(kind: type, builders: tuple[str, ...] = ("__init__",)) -> tuple[
                     for i in dis.get_instructions(c):
                         if i.opname == "STORE_ATTR":
                             stores.add(i.argval)
-                        calls = calls or (i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr")
+                        calls = calls or (i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == "setattr") or (
+                            i.opname in ("LOAD_ATTR", "LOAD_METHOD") and i.argval == "register_buffer")
     return frozenset(stores), calls
 
 

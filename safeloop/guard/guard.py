@@ -1018,10 +1018,13 @@ class Guard:
         fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
                  f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
                  "`torch.no_grad()`"]
-        # made from none of the leaves the loop's optimizers update (CoOp's prompt prefix, embedded by CLIP's token
-        # embedding, which no optimizer holds), it trains nothing: a constant
-        held = _optimized_ids(case.scope)
-        return fixes[::-1] if held and leaves and held.isdisjoint(map(id, leaves)) else fixes
+        # made only from modules' parameters that none of the loop's optimizers update (CoOp's prompt prefix, embedded
+        # by CLIP's token embedding, which no optimizer holds), it trains nothing: a constant (not so from a tensor of
+        # its own that requires grad, noise drawn once: drawn again every step)
+        leaves, held = list(leaves), _optimized_ids(case.scope)
+        constant = held and leaves and len(_trained(leaves, case.scope)) == len(leaves) and held.isdisjoint(
+            map(id, leaves))
+        return fixes[::-1] if constant else fixes
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node

@@ -1036,11 +1036,11 @@ def test_gp_features_computed_once_with_their_graph_fail_bare():
 @pytest.mark.parametrize("how", ["watch", "graph guard"])
 def test_gp_features_computed_once_with_their_graph_are_named(how, tmp_path):
     """Stopped at step 1 (bare: PyTorch's error at step 2), naming ``features`` and the network's weights it would
-    stop the gradient of."""
-    with pytest.raises(GraphReuseError, match=r"\(step 1, .*held by `local features`.*To fix: recompute "
-                                              r"`features` inside the loop.*`feature_extractor.2.weight`.*store "
-                                              r"`features.detach\(\)` instead, or compute it under "
-                                              r"`torch.no_grad\(\)`"):
+    stop the gradient of: no optimizer holds them, so keeping it a constant comes first."""
+    with pytest.raises(GraphReuseError, match=r"\(step 1, .*held by `local features`.*To fix: if it is meant as a "
+                                              r"constant .*`feature_extractor.2.weight`.*store `features.detach\(\)` "
+                                              r"instead, or compute it under `torch.no_grad\(\)`; or recompute "
+                                              r"`features` inside the loop"):
         if how == "watch":
             watched_run(features_once, tmp_path)
         else:
