@@ -65,19 +65,25 @@ class Scope:
 
 class Item(str):
     """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``): ``tuple_of`` names the tuple,
-    which a fix must replace as a whole."""
+    which a fix must replace as a whole. ``whole``: where that tuple (or list) is itself inside a tuple, which
+    cannot be assigned to (a Neural Turing Machine's ``(reads, (h, c), head_weights)``), the outermost such tuple's
+    name, and ``rebuilt`` the code that makes it again with every tensor detached (``{0}`` standing for that name)."""
 
     tuple_of: str
+    whole: str | None = None
+    rebuilt: str = "{0}"
 
 
 class Element(str):
     """A holder's name that is an element of a list (``losses[0]``): ``list_of`` names the list, where a fix
     detaches what is added, since the next element would hold the next step's graph; ``filled_by`` names the object
     of an installed library whose own code adds to it (torchmetrics' ``auroc``, whose ``update`` appends to
-    ``auroc.preds``): there the fix detaches what is handed to it."""
+    ``auroc.preds``): there the fix detaches what is handed to it. ``whole`` and ``rebuilt``: as ``Item``'s."""
 
     list_of: str
     filled_by: str | None = None
+    whole: str | None = None
+    rebuilt: str = "{0}"
 
 
 class Inside(str):
@@ -99,8 +105,10 @@ def key_text(key: Any) -> str:
     return repr(key)
 
 
-def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items."""
+def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | None = None
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items. ``outer``: the name and value of
+    the outermost tuple that ``obj`` is inside through tuples only (see ``Item.whole``)."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif depth <= 0:
@@ -110,16 +118,31 @@ def _items(obj: Any, prefix: str, depth: int = 2) -> Iterator[tuple[str, torch.T
             yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)
     elif isinstance(obj, (list, tuple)):
         for i, val in enumerate(obj):
-            if type(obj) is tuple and isinstance(val, torch.Tensor):
-                item = Item(f"{prefix}[{i}]")
-                item.tuple_of = prefix
-                yield item, val
-            elif isinstance(obj, list) and isinstance(val, torch.Tensor):
-                element = Element(f"{prefix}[{i}]")
-                element.list_of = prefix
-                yield element, val
+            if isinstance(val, torch.Tensor):
+                if type(obj) is tuple:
+                    held = Item(f"{prefix}[{i}]")
+                    held.tuple_of = prefix
+                else:
+                    held = Element(f"{prefix}[{i}]")
+                    held.list_of = prefix
+                if outer is not None:
+                    held.whole, held.rebuilt = outer[0], _rebuilt(outer[1])
+                yield held, val
             else:
-                yield from _items(val, f"{prefix}[{i}]", depth - 1)
+                inside = (outer or (prefix, obj)) if type(obj) is tuple else None
+                yield from _items(val, f"{prefix}[{i}]", depth - 1, inside)
+
+
+def _rebuilt(obj: Any, name: str = "{0}") -> str:
+    """Code that makes ``obj`` (named ``name``) again with every tensor in its tuples and lists detached."""
+    if isinstance(obj, torch.Tensor):
+        return f"{name}.detach()"
+    if type(obj) not in (tuple, list):
+        return name
+    if obj and all(isinstance(val, torch.Tensor) for val in obj):
+        return f"tuple(t.detach() for t in {name})" if type(obj) is tuple else f"[t.detach() for t in {name}]"
+    parts = ", ".join(_rebuilt(val, f"{name}[{i}]") for i, val in enumerate(obj))
+    return f"({parts}{',' * (len(obj) == 1)})" if type(obj) is tuple else f"[{parts}]"
 
 
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))  # what every module keeps: its parameters, buffers, hooks...

@@ -870,12 +870,10 @@ class Guard:
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
-            if any(type(t.grad_fn).__name__ == "CopySlices" for t in held):
+            if any(_written_in_slots(t, node) for t in held):
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
-                fixes.insert(0, "detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, "
-                             "or the tensor handed to the code that writes it), so that its slots keep values, not "
-                             "the graphs of the steps that made them")
+                fixes.insert(0, _SLOTS_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, "start the sum again after each backward (`{code} = 0`), so that each backward "
                              "takes the losses added since the last one (the GFlowNet tutorial's `minibatch_loss`)")
@@ -926,7 +924,8 @@ class Guard:
         # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None,
         # a tuple's item with its tuple (PyG's `conv._cached_edge_index`, an (edge_index, edge_weight) pair)
         keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
-        cleared = f"`{_code(holder.tuple_of)} = None`" if isinstance(holder, explain.Item) else "`{code} = None`"
+        cleared = f"`{_code(holder.whole or holder.tuple_of)} = None`" if isinstance(holder, explain.Item) \
+            else "`{code} = None`"
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
             if keyed else f"{cleared}, where forward rebuilds it when it is None"
         fixes = [f"make `{{code}}` again every step instead of keeping it: it is made from "
@@ -1534,6 +1533,9 @@ class Guard:
             listed = _code(holder.list_of)
             detail += f", one more in `{listed}` every step"
             fixes = [_detach_what_is_added(holder)]
+        elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
+            detail += "; values were written into its slots in place with their graphs"
+            fixes = [_SLOTS_FIX.format(code=_code(holder))]
         elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
             detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
                        f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
@@ -1564,7 +1566,10 @@ class Guard:
         code = _code(holder) or "tensor"
         described = f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step"  # code in backticks
         names = {"node": node_name, "holder": described, "code": code, "detached": f"{code} = {code}.detach()"}
-        if isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
+        if isinstance(holder, (explain.Item, explain.Element)) and holder.whole:  # inside a tuple in a tuple
+            whole = _code(holder.whole)
+            names["detached"] = f"{whole} = {holder.rebuilt.format(whole)}"
+        elif isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
             whole = _code(holder.tuple_of)
             names["detached"] = f"{whole} = tuple(t.detach() for t in {whole})"
         elif isinstance(holder, explain.Element):  # of a list: likewise
@@ -1629,6 +1634,28 @@ def _trained(leaves, scope) -> list:
         return []
     ids = {id(p) for p in scope.parameters()}
     return [leaf for leaf in leaves if id(leaf) in ids]
+
+
+class Slots(str):
+    """A holder's name that is a tensor whose slots were written in place with values that keep their graphs
+    (``queue[:bs] = emb``: the last write's ``CopySlices`` node, over the writes of earlier steps)."""
+
+
+def _written_in_slots(tensor: torch.Tensor, node=None) -> bool:
+    """Whether ``tensor``'s slots were written in place (``CopySlices``): with ``node``, over a value that ``node``
+    made (a queue written step after step), not only in a tensor made anew and filled with values made from ``node``
+    (a Neural Turing Machine's memory, each row written from the last memory's: its state, not its slots, to detach)."""
+    fn = tensor.grad_fn
+    while type(fn).__name__ == "CopySlices":
+        fn = fn.next_functions[0][0]
+        if node is None or fn is node:
+            return True
+    return False
+
+
+_SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
+              "handed to the code that writes it), or write it under `torch.no_grad()`, so that its slots keep "
+              "values, not the graphs of the steps that made them")
 
 
 class GradOf(str):
@@ -1717,6 +1744,7 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
     made_now = None
     for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
+            name = Slots(name) if type(name) is str and _written_in_slots(tensor) else name
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
                 return name
             made_now = made_now or name
