@@ -870,7 +870,7 @@ class Guard:
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
-            if any(_written_in_slots(t, node) for t in held):
+            if any(_written_in_slots(t) for t in held):
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
                 fixes.insert(0, _SLOTS_FIX)
@@ -1641,16 +1641,8 @@ class Slots(str):
     (``queue[:bs] = emb``: the last write's ``CopySlices`` node, over the writes of earlier steps)."""
 
 
-def _written_in_slots(tensor: torch.Tensor, node=None) -> bool:
-    """Whether ``tensor``'s slots were written in place (``CopySlices``): with ``node``, over a value that ``node``
-    made (a queue written step after step), not only in a tensor made anew and filled with values made from ``node``
-    (a Neural Turing Machine's memory, each row written from the last memory's: its state, not its slots, to detach)."""
-    fn = tensor.grad_fn
-    while type(fn).__name__ == "CopySlices":
-        fn = fn.next_functions[0][0]
-        if node is None or fn is node:
-            return True
-    return False
+def _written_in_slots(tensor: torch.Tensor) -> bool:
+    return type(tensor.grad_fn).__name__ == "CopySlices"
 
 
 _SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
