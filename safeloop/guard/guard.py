@@ -870,7 +870,16 @@ class Guard:
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
-            if any(_written_in_slots(t) for t in held):
+            written = any(_written_in_slots(t) for t in held)
+            if written and type(node).__name__ == "CopySlices" and node.metadata.get(_SENTINEL):
+                # the loss reaches a write in place that the step making it back-propagated through (its walk met it:
+                # an adversarial patch placed into each image of a batch kept in a list, read again in a second
+                # epoch): the write carries the gradient, so a copy is written into, never a detached value
+                fixes = ["write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop "
+                         "takes `{code}`, before the write), so that `{code}` keeps its values and each step's writes "
+                         "and graph stay its own; detaching what is written would stop the gradient through the "
+                         "write", fixes[1]]
+            elif written:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
                 fixes.insert(0, _SLOTS_FIX)

@@ -216,6 +216,11 @@ BROKEN = {
     "gflownet_minibatch_loss_not_reset": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
                                          r"minibatch_loss`.*To fix: start the sum again after each backward "
                                          r"\(`minibatch_loss = 0`\)",
+    # an adversarial patch written in place into batches of a list read for two epochs: the second epoch goes back
+    # through the first's writes; the loss needs the gradient through the write, so the first fix writes into a copy
+    "adversarial_patch_two_epochs": r"CarriedGraphError: .*\(step 5, loss 'loss'\).*held by `global "
+                                    r"train_batches\[0\]\[0\]`.*To fix: write into a copy: clone the tensor before "
+                                    r"writing into it \(`x = x.clone\(\)`",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
@@ -234,6 +239,8 @@ FIRST_FIX = {
     # (the correct script is the broken one with its first fix applied)
     "gflownet_minibatch_loss_not_reset": ("gflownet_minibatch_loss", "gflownet_minibatch_loss",
                                           "        minibatch_loss = 0", "start the sum again after each backward"),
+    "adversarial_patch_two_epochs": ("adversarial_patch_two_epochs_cloned", "adversarial_patch_two_epochs_cloned",
+                                     "        img = img.clone()", "clone the tensor before writing into it"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
