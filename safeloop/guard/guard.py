@@ -937,9 +937,13 @@ class Guard:
             else "`{code} = None`"
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
             if keyed else f"{cleared}, where forward rebuilds it when it is None"
+        # a plain tensor variable (a latent made once per image before its optimization loop) is no cache a forward
+        # rebuilds; an object holding the tensor (a distribution built `if dist is None`) is cleared by None
+        cache = "" if not isinstance(holder, explain.Inside) and re.fullmatch(r"\w+", _code(holder) or "") else \
+            f"; clear the cache before each forward ({clear}), or do not cache it"
         fixes = [f"make `{{code}}` again every step instead of keeping it: it is made from "
                  f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
-                 f"stale); clear the cache before each forward ({clear}), or do not cache it",
+                 f"stale){cache}",
                  "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
                  "of each step (`{detached}`)"]
         return [_target_fix(""), *fixes] if self._compared(trained, case) else [*fixes, _target_fix("")]

@@ -221,6 +221,12 @@ BROKEN = {
     "adversarial_patch_two_epochs": r"CarriedGraphError: .*\(step 5, loss 'loss'\).*held by `global "
                                     r"train_batches\[0\]\[0\]`.*To fix: write into a copy: clone the tensor before "
                                     r"writing into it \(`x = x.clone\(\)`",
+    # a projector's noised latent made once per image before its inner optimization loop: back-propagated again by
+    # the inner loop's steps (step 2 is a one-step lag); a plain variable, so no cache cleared for a forward to rebuild
+    "projector_latent_noise_once_per_image": r"CarriedGraphError: .*\(step 3, loss 'loss'\).*held by `global "
+                                             r"latent_n`.*To fix: make `latent_n` again every step instead of keeping "
+                                             r"it: it is made from `global latent_in`, whose updates a kept value "
+                                             r"misses \(detached, it stays stale\); or ",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
