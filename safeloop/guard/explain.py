@@ -182,8 +182,10 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
 
 def _module_path(prefix: str, name: str) -> str:
     """A submodule's name as Python spells it, so that a fix applies as written: ``model.blocks[0].rot``, not
-    ``model.blocks.0.rot``."""
-    return prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".") if part)
+    ``model.blocks.0.rot``; a compiled module's (``torch.compile(m)``) as its attributes read through it: ``model.h``,
+    not ``model._orig_mod.h``."""
+    return prefix + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".")
+                            if part and part != "_orig_mod")
 
 
 _INSTALLED = tuple({sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")})  # where pip puts packages
@@ -468,7 +470,8 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
     found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
-    return [(name, mod) for name, mod in found if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
+    return [(name, getattr(mod, "_orig_mod", mod)) for name, mod in found  # a compiled module: named through it
+            if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
 
 
 def _parameters_of(name: str, module: torch.nn.Module, listed: bool = False) -> Iterator[tuple[str, Any, bool]]:

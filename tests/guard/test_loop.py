@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.nn.utils.prune  # noqa: F401  (torch.nn.utils.prune)
 
 from safeloop import (CarriedGraphError, ConfigError, DoubleBackwardError, GraphGuard, GraphLeakWarning,
-                      GraphReuseError, InplaceModificationError, NoGraphError, Trainer)
+                      GraphReuseError, InplaceModificationError, NoGraphError, Trainer, UnusedGradientWarning)
 from safeloop.guard.guard import Guard
 from safeloop.guard.words import LOOP, TRAINER
 
@@ -157,6 +157,36 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
                                                           "created during an earlier step and held by `local h`")
                        + r".*To fix: detach the carried state at the end of each step \(`h = h.detach\(\)`\)"):
         carry(GraphGuard(model), model, opt, data, detach=False)
+
+
+class Unregistered(torch.nn.Module):
+    """A layer kept in a plain list (not registered), and a state the loop keeps on the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.extra, self.h = torch.nn.Linear(4, 4), [torch.nn.Linear(4, 4)], None
+
+    def forward(self, x):
+        return self.extra[0](self.lin(x))
+
+
+def test_a_compiled_models_attributes_and_parameters_are_named_as_the_loop_reads_them():
+    """``torch.compile(m)`` wraps ``m`` (its ``_orig_mod``) and reads and writes attributes through to it: the fix
+    names ``model.h``, as the loop wrote it, not ``model._orig_mod.h``."""
+    torch.manual_seed(0)
+    model = torch.compile(Unregistered(), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt)
+    with pytest.warns(UnusedGradientWarning, match=re.escape("reaches `model.extra[0].weight`, `model.extra[0].bias`")), \
+            pytest.raises(CarriedGraphError, match=re.escape("held by `model.h`") + ".*" + re.escape(
+                "(`model.h = model.h.detach()`)")):
+        for step in range(3):
+            with guard.step():
+                out = model(torch.randn(8, 4))
+                model.h = out if step == 0 else model.h + out
+                guard.backward(model.h.pow(2).mean())
+                opt.step()
+                opt.zero_grad()
 
 
 class Consistency:
