@@ -875,10 +875,7 @@ class Guard:
                 # the loss reaches a write in place that the step making it back-propagated through (its walk met it:
                 # an adversarial patch placed into each image of a batch kept in a list, read again in a second
                 # epoch): the write carries the gradient, so a copy is written into, never a detached value
-                fixes = ["write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop "
-                         "takes `{code}`, before the write), so that `{code}` keeps its values and each step's writes "
-                         "and graph stay its own; detaching what is written would stop the gradient through the "
-                         "write", fixes[1]]
+                fixes = [_COPY_FIX, fixes[1]]
             elif written:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
@@ -1548,7 +1545,7 @@ class Guard:
             fixes = [_detach_what_is_added(holder)]
         elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
             detail += "; values were written into its slots in place with their graphs"
-            fixes = [_SLOTS_FIX.format(code=_code(holder))]
+            fixes = [(_COPY_FIX if holder.through else _SLOTS_FIX).format(code=_code(holder))]
         elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
             detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
                        f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
@@ -1651,13 +1648,20 @@ def _trained(leaves, scope) -> list:
 
 class Slots(str):
     """A holder's name that is a tensor whose slots were written in place with values that keep their graphs
-    (``queue[:bs] = emb``: the last write's ``CopySlices`` node, over the writes of earlier steps)."""
+    (``queue[:bs] = emb``: the last write's ``CopySlices`` node, over the writes of earlier steps). ``through``: a
+    loss of the step that wrote it went back through the write (an adversarial patch written into each image of
+    batches the loop takes from a list): the write carries a gradient, which detaching what is written would stop."""
+
+    through: bool = False
 
 
 def _written_in_slots(tensor: torch.Tensor) -> bool:
     return type(tensor.grad_fn).__name__ == "CopySlices"
 
 
+_COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "
+             "`{code}`, before the write), so that `{code}` keeps its values and each step's writes and graph stay its "
+             "own; detaching what is written would stop the gradient through the write")
 _SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
               "handed to the code that writes it), or write it under `torch.no_grad()`, so that its slots keep "
               "values, not the graphs of the steps that made them")
@@ -1749,7 +1753,9 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
     made_now = None
     for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
-            name = Slots(name) if type(name) is str and _written_in_slots(tensor) else name
+            if type(name) in (str, explain.Item) and _written_in_slots(tensor):
+                name = Slots(name)
+                name.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
                 return name
             made_now = made_now or name

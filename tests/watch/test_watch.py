@@ -322,9 +322,11 @@ LEAKED = {
                                       r"`buffer` where it is added",
     # an adversarial patch written in place into each batch of a list held in memory: each batch keeps its step's graph
     # (and the patched pixels), which is said; the first step's own graph, written into a tensor made before the loop,
-    # is not taken for one built before the loop (a GraphReuseError at step 1 on a run PyTorch completes)
+    # is not taken for one built before the loop (a GraphReuseError at step 1 on a run PyTorch completes). The loss went
+    # through the write, so the fix writes into a copy, not a detached patch (which would stop the patch's gradient)
     "adversarial_patch_written_into_batches": r"adversarial_patch_written_into_batches.py:44: GraphLeakWarning: .*"
-                                              r"\(step 2\): steps 1 and 2: .*held by `global train_batches\[0\]\[0\]`",
+                                              r"\(step 2\): steps 1 and 2: .*held by `global train_batches\[0\]\[0\]`"
+                                              r".*To fix: write into a copy: clone the tensor before writing into it",
     "create_graph_grads": r"create_graph_grads.py:13: GraphLeakWarning: .*\(step 2\).*held by `model.0.weight.grad`.*"
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
