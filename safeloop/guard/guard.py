@@ -1078,12 +1078,14 @@ class Guard:
         new = case.loss.grad_fn is not None and self.start_seq is not None and walk.HAS_SEQ \
             and sequence_nr(case.loss.grad_fn) >= self.start_seq
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
-        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new)
+        start = self.start_seq if walk.HAS_SEQ else None
+        holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
+                                     start=start)
         if first and not freed and holder is not None and self._held_by_this_iteration(node, case, new):
             holder = None
         if first and holder is None and not freed:
             return False, None
-        return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss)
+        return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss, start=start)
 
     def _held_by_this_iteration(self, node, case: Case, new: bool) -> bool:
         """Whether only the variables that the plain loop sets in each iteration from a call hold ``node`` (see

@@ -1,6 +1,8 @@
 """States and queues kept across steps: a Neural Turing Machine's state carried whole (loudinthecloud/pytorch-ntm,
-ntm/ntm.py: ``(reads, (h, c), head_weights)``, a tuple holding lists and a tuple) and SwAV's queue of past
-embeddings (facebookresearch/swav, main_swav.py) written outside ``torch.no_grad()``."""
+ntm/ntm.py: ``(reads, (h, c), head_weights)``, a tuple holding lists and a tuple), its memory written by every
+forward (ntm/memory.py: ``self.prev_mem = self.memory``, then ``self.memory = self.prev_mem * (1 - erase) + add``),
+and SwAV's queue of past embeddings (facebookresearch/swav, main_swav.py) written outside ``torch.no_grad()``."""
+import re
 import warnings
 
 import pytest
@@ -38,6 +40,74 @@ def test_a_state_nested_in_a_tuple_is_detached_by_rebuilding_the_outer_tuple():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train_ntm_like(fixed=True)
+
+
+class Memory(nn.Module):
+    """pytorch-ntm's NTMMemory, reduced: one read and one write per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory = self.prev_mem = torch.zeros(2, 6, 5)
+
+    def write(self, w, erase, add):
+        self.prev_mem = self.memory
+        self.memory = self.prev_mem * (1 - w.unsqueeze(-1) * erase.unsqueeze(1)) + w.unsqueeze(-1) * add.unsqueeze(1)
+
+
+class NTM(nn.Module):
+    """An LSTM controller reading and writing ``memory``, its state ``([read], (h, c))`` kept on the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory, self.controller, self.head = Memory(), nn.LSTMCell(4 + 5, 8), nn.Linear(8, 6 + 5 + 5)
+        self.previous_state = ([torch.zeros(2, 5)], (torch.zeros(2, 8), torch.zeros(2, 8)))
+
+    def forward(self, x):
+        reads, state = self.previous_state
+        h, c = self.controller(torch.cat([x, *reads], 1), state)
+        w, erase, add = self.head(h).split([6, 5, 5], 1)
+        w = w.softmax(1)
+        read = (w.unsqueeze(1) @ self.memory.memory).squeeze(1)
+        self.memory.write(w, erase.sigmoid(), add)
+        self.previous_state = ([read], (h, c))
+        return read
+
+
+def train_ntm(fixes: int) -> None:
+    """Three batches of three time steps, the memory and the state carried from batch to batch (``init_sequence``
+    called once, before the loop); ``fixes``: how many of the guard's first fixes are applied, in its order."""
+    torch.manual_seed(0)
+    model = NTM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt)
+    for _ in range(3):
+        with guard.step():
+            for x in torch.randn(3, 2, 4):
+                out = model(x)
+            guard.backward(out.square().mean())
+            opt.step()
+            opt.zero_grad()
+            if fixes >= 1:
+                model.memory.memory = model.memory.memory.detach()
+            if fixes >= 2:
+                model.previous_state = ([t.detach() for t in model.previous_state[0]],
+                                      tuple(t.detach() for t in model.previous_state[1]))
+
+
+def test_a_memory_written_by_every_forward_is_named_by_its_latest_value_then_the_state_beside_it():
+    """Each forward sets ``prev_mem`` to the last ``memory`` and writes ``memory`` again: what carries the last batch's
+    graph to the next is ``memory``, whose fix applied as written leaves the controller's state, named next, with its
+    own fix; both applied, the loop trains quiet."""
+    detach = re.escape("(`model.memory.memory = model.memory.memory.detach()`)")
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `model.memory.memory`.*" + detach):
+        train_ntm(fixes=0)
+    with pytest.raises(CarriedGraphError, match=r"held by `model.previous_state\[0\]\[0\]`.*" + re.escape(
+            "(`model.previous_state = ([t.detach() for t in model.previous_state[0]], tuple(t.detach() for t in "
+            "model.previous_state[1]))`)")):
+        train_ntm(fixes=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_ntm(fixes=2)
 
 
 def test_a_queue_written_with_graphs_is_told_to_detach_what_is_written():
