@@ -62,6 +62,14 @@ class Scope:
                         for p in g["params"]}.values())
         return cls(roots={"self": trainer, "self.model": model}, functions=(training_step,), parameters=lambda: trained)
 
+    def named_roots(self) -> list[tuple[str, Any]]:
+        """The roots, each named by the first variable of the namespaces that holds it, as the loop's code names it
+        (``net.memory`` for ``GraphGuard(net)``, not ``model.memory``), else by its own name."""
+        spaces = [space for _, space in self.namespaces()]
+        return [(next((key for space in spaces for key, val in list(space.items())
+                       if root is not None and val is root and not key.startswith("__")), name), root)
+                for name, root in self.roots.items()]
+
 
 class Item(str):
     """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``): ``tuple_of`` names the tuple,
@@ -296,13 +304,13 @@ def candidates(scope: Scope | None = None, batch: Any = None,
     named before a library's ``self`` running below it."""
     budget = [_DEEP_OBJECTS]
     if scope is not None:
-        roots = {id(root) for root in scope.roots.values()}
-        for name, root in scope.roots.items():
+        roots, named = {id(root) for root in scope.roots.values()}, scope.named_roots()
+        for name, root in named:
             if root is not None:
                 yield from _attributes(root, name, roots)
         if deep:
-            yield from _within([(f"{name}.{key}", val) for name, root in scope.roots.items()
-                                for key, val in fields(root).items()], budget)
+            yield from _within([(f"{name}.{key}", val) for name, root in named for key, val in fields(root).items()],
+                               budget)
         for prefix, space in scope.namespaces():
             for key, val in list(space.items()):
                 if key.startswith("__"):
@@ -477,9 +485,9 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     """The modules of the scope by name: its roots, and those in its variables."""
     if scope is None:
         return []
-    found = list(scope.roots.items())
+    found = scope.named_roots()
     found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
-    found += [(f"{name}.{key}", val) for name, root in scope.roots.items() for key, val in fields(root).items()
+    found += [(f"{name}.{key}", val) for name, root in scope.named_roots() for key, val in fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, getattr(mod, "_orig_mod", mod)) for name, mod in found  # a compiled module: named through it
             if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder

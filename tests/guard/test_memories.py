@@ -77,33 +77,33 @@ def train_ntm(fixes: int) -> None:
     """Three batches of three time steps, the memory and the state carried from batch to batch (``init_sequence``
     called once, before the loop); ``fixes``: how many of the guard's first fixes are applied, in its order."""
     torch.manual_seed(0)
-    model = NTM()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = GraphGuard(model, opt)
+    net = NTM()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    guard = GraphGuard(net, opt)
     for _ in range(3):
         with guard.step():
             for x in torch.randn(3, 2, 4):
-                out = model(x)
+                out = net(x)
             guard.backward(out.square().mean())
             opt.step()
             opt.zero_grad()
             if fixes >= 1:
-                model.memory.memory = model.memory.memory.detach()
+                net.memory.memory = net.memory.memory.detach()
             if fixes >= 2:
-                model.previous_state = ([t.detach() for t in model.previous_state[0]],
-                                      tuple(t.detach() for t in model.previous_state[1]))
+                net.previous_state = ([t.detach() for t in net.previous_state[0]],
+                                      tuple(t.detach() for t in net.previous_state[1]))
 
 
 def test_a_memory_written_by_every_forward_is_named_by_its_latest_value_then_the_state_beside_it():
     """Each forward sets ``prev_mem`` to the last ``memory`` and writes ``memory`` again: what carries the last batch's
     graph to the next is ``memory``, whose fix applied as written leaves the controller's state, named next, with its
-    own fix; both applied, the loop trains quiet."""
-    detach = re.escape("(`model.memory.memory = model.memory.memory.detach()`)")
-    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `model.memory.memory`.*" + detach):
+    own fix; both applied, the loop trains quiet. The model is named as the loop's variable holding it (``net``)."""
+    detach = re.escape("(`net.memory.memory = net.memory.memory.detach()`)")
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `net.memory.memory`.*" + detach):
         train_ntm(fixes=0)
-    with pytest.raises(CarriedGraphError, match=r"held by `model.previous_state\[0\]\[0\]`.*" + re.escape(
-            "(`model.previous_state = ([t.detach() for t in model.previous_state[0]], tuple(t.detach() for t in "
-            "model.previous_state[1]))`)")):
+    with pytest.raises(CarriedGraphError, match=r"held by `net.previous_state\[0\]\[0\]`.*" + re.escape(
+            "(`net.previous_state = ([t.detach() for t in net.previous_state[0]], tuple(t.detach() for t in "
+            "net.previous_state[1]))`)")):
         train_ntm(fixes=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -829,7 +829,7 @@ def critic_loop(guard_check: str | None, clip_after: bool):
 def test_weights_clipped_through_data_after_the_forward_in_a_loop_are_named_and_the_fix_is_quiet():
     """Only parameters a node saved count: the first layer's weight is not saved (its input needs no gradient),
     nor are the biases, so their new values change no gradient."""
-    with pytest.raises(InplaceModificationError, match=re.escape("whose graph saved `model.2.weight`, written")):
+    with pytest.raises(InplaceModificationError, match=re.escape("whose graph saved `netD.2.weight`, written")):
         critic_loop("always", clip_after=True)
     with quiet():
         fixed = critic_loop("always", clip_after=False)

@@ -124,7 +124,7 @@ def test_graph_guard_check_in_on_before_backward_catches_a_graph_of_init_and_lea
     data = [torch.randn(3, 4) for _ in range(4)]
     torch.manual_seed(0)
     with pytest.raises(GraphReuseError, match=re.escape("(step 1, loss 'loss'): the loss reaches ExpBackward0, built "
-                                                        "before the step (before the loop) and held by `model.scale`")):
+                                                        "before the step (before the loop) and held by `self.scale`")):
         Trainer(max_epochs=2).fit(Checked(scale_in_init=True), data)
     trained = []
     for check in (False, True):
