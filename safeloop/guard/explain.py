@@ -485,9 +485,9 @@ def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
     """The modules of the scope by name: its roots, and those in its variables."""
     if scope is None:
         return []
-    found = scope.named_roots()
-    found += [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
-    found += [(f"{name}.{key}", val) for name, root in scope.named_roots() for key, val in fields(root).items()
+    roots = scope.named_roots()
+    found = roots + [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    found += [(f"{name}.{key}", val) for name, root in roots for key, val in fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, getattr(mod, "_orig_mod", mod)) for name, mod in found  # a compiled module: named through it
             if issubclass(type(mod), torch.nn.Module)]  # by type: see find_holder
