@@ -342,14 +342,15 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     """Name of a tensor whose ``grad_fn`` is ``node``, or whose graph reaches it. Of those: the nearest, then the
     first of the shape ``node`` made, as a state carried from step to step keeps its shape (`h` rather than the
     `out` of ``out, h = rnn(x, h)``). With ``start`` (the node counter at the running step's start): the nearest of
-    those held since before the step; when this step made every one of them, the latest of the shape ``node`` made
-    (if any): the value of a state that the next step reads (a Neural Turing Machine's ``memory``, written by every
-    forward, rather than its ``prev_mem``, which each write sets to the last ``memory``). A local variable holding
-    ``loss`` (a plain loop's ``loss = ...``, made in the step) does not count, nor, with ``new_loss``, any variable
-    holding it, nor the tensors in the variables named in ``fresh`` (``outs`` of ``local outs[0]``). Deeper inside
-    the objects the variables hold (``candidates``' ``deep``: a torch.distributions object built before the loop),
-    one made by ``node`` counts in the order searched, one reaching it only if no nearer name does; the fix builds
-    that object again. A dict's entry made by ``node`` gives way to a variable holding the same tensor."""
+    those held since before the step; when this step made every one of them and none straight from ``node``, the
+    latest of the shape ``node`` made (if any): the value of a state that the next step reads (a Neural Turing
+    Machine's ``memory``, written by every forward, rather than its ``prev_mem``, which each write sets to the last
+    ``memory``). A local variable holding ``loss`` (a plain loop's ``loss = ...``, made in the step) does not count,
+    nor, with ``new_loss``, any variable holding it, nor the tensors in the variables named in ``fresh`` (``outs``
+    of ``local outs[0]``). Deeper inside the objects the variables hold (``candidates``' ``deep``: a
+    torch.distributions object built before the loop), one made by ``node`` counts in the order searched, one
+    reaching it only if no nearer name does; the fix builds that object again. A dict's entry made by ``node`` gives
+    way to a variable holding the same tensor."""
     near, deep, entry = [], [], None
     for name, tensor in candidates(scope, batch, deep=True):
         if entry is not None:  # a variable holding the very tensor a dict's entry holds is what the code reads
@@ -374,9 +375,10 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
         made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
         kept = [(name, t) for name, t in near if start is None or walk.sequence_nr(t.grad_fn) < start]
         alike = [(name, t) for name, t in near if [tuple(t.shape)] == made]
-        if not kept and alike:
-            # every holder made in this step: a state it wrote again holds the node as the latest value of its shape,
-            # the one the next step reads (NTM's `memory` written by each forward, `prev_mem` set to the last `memory`)
+        if not kept and alike and not any(nxt is node for _, t in near for nxt, _ in t.grad_fn.next_functions):
+            # every holder made in this step, none straight from the node (as `y0 = pred_y[-1]`, taken after the
+            # update, is): a state the step wrote again holds the node as the latest value of its shape, the one the
+            # next step reads (NTM's `memory` written by each forward, `prev_mem` set to the last `memory`)
             return next((name for name, t in alike if not any(_made_from(o, t) for _, o in alike)), alike[0][0])
         # a tensor made from another that reaches ``node`` holds it through that one: ``pred`` of this step, made
         # from ``y0 = pred[-1]`` kept from the last step, holds that step's ``pred`` through ``y0``
