@@ -146,7 +146,9 @@ class Guard:
         self._cost: float | None = None
         self._spent: float | None = None
         self._sentinels: list[weakref.ref] = []
-        self._sentinel_updates = False  # whether one of them is on the graph of a backward that writes .grad
+        # the parameters that the step wrote through `.data` where the fingerprints saw it (version counters do not):
+        # what abandoning the step does not undo, said by the Trainer
+        self.written_unseen: list[torch.Tensor] = []
         # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
         # whether that step is over) (see ``end_step``)
         self._held: tuple | None = None
@@ -247,6 +249,7 @@ class Guard:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
         self.prev_seq = self.start_seq
         self._ran_last, self._ran_now = self._ran_now, set()
+        self.written_unseen = []
         if CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             # where the last step ended (see ``step_done``): a graph made while fetching the batch is this step's
             self.start_seq = walk.sequence_now() if self.next_start is None else self.next_start
@@ -355,7 +358,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates and inputs is None, retains)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates, retains)
             if look:
                 self._check_grads(next(iter(losses)), step, scope, kept)
             return retain
@@ -461,13 +464,13 @@ class Guard:
                 self._check_written(*self._printed[name])
             if not self.is_off("consumed"):
                 self._check_consumed(runs, name, loss, step, scope)
-            # one per loss of the step's first call, and one more for the first backward that updates: a step's first
-            # call may be an `autograd.grad` whose graph dies with it (an attack's), while its loss's graph is kept
-            if len(self._sentinels) < len(losses) or (updates and not self._sentinel_updates):
+            # one per loss of the step's first call, and one per backward that updates: a step's first call may be an
+            # `autograd.grad` whose graph dies with it (an attack's), and a later backward's graph may be the one kept
+            # (a GAN's generator loss, back-propagated after the discriminator's)
+            if len(self._sentinels) < len(losses) or updates:
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
-                self._sentinel_updates = self._sentinel_updates or updates
         if reached and updates and scope is not None:
-            self._unused_gradients(reached, step, scope)
+            self._unused_gradients(reached, step, scope, inputs)
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
@@ -501,6 +504,7 @@ class Guard:
             return
         names = explain.leaf_names(stale, case.scope)
         first = explain.leaf_names(stale[:1], case.scope)
+        self.written_unseen = written
         raise self._error(InplaceModificationError, saved[stale[0].untyped_storage().data_ptr()], case,
             f"the loss reaches {{node}}, whose graph saved {names}, written since the forward that used them by a "
             "write PyTorch's version counter does not see (through `.data`: the version is unchanged): backward would "
@@ -557,7 +561,7 @@ class Guard:
                          "`ctx.saved_tensors`): PyTorch then refuses a backward through a tensor changed since"],
                         holder=holder.strip("`") if holder.startswith("`") else None)
 
-    def _unused_gradients(self, reached, step: int, scope: Scope) -> None:
+    def _unused_gradients(self, reached, step: int, scope: Scope, inputs=None) -> None:
         """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
         per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
         and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
@@ -609,8 +613,10 @@ class Guard:
                            "if the gradient of a parameter an optimizer updates comes from this one by another way, "
                            "turn this check off for that backward (guard.ignore('unused'); under watch, "
                            "--ignore unused)"]), frozen)
+        routed = None if inputs is None else set(map(id, inputs))  # backward(inputs=...) writes theirs only
         for *_, written, _, _ in self._untrained:  # the gradients a later backward of the step writes: not handed over
-            written.update(id(t) for _, _, leaves in reached for t in leaves if id(t) in held)
+            written.update(id(t) for _, _, leaves in reached for t in leaves
+                           if id(t) in held and (routed is None or id(t) in routed))
         # a later loss of the step that reaches the optimizers' parameters and that loss's leaves trains them through
         # it: learning to learn back-propagates each unrolled step's loss of the optimizee for the gradient its
         # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights;
@@ -1150,7 +1156,8 @@ class Guard:
                              "retain_graph=True its gradient would stay in the .grad of the parameters below and be "
                              "added to their next update",
                              f"if both losses need its gradient, pass retain_graph=True to {backward}"]
-                if shared[0] is loss.grad_fn is root:  # the same loss again: retaining would add its gradient twice
+                # the same loss again (its top node may save nothing, a mean's): retaining would add its gradient twice
+                if loss.grad_fn is root:
                     detail = (f"this loss ({{node}}{held}) was already back-propagated by {backward} in this step, "
                               "without retain_graph, which freed its saved tensors")
                     fixes = [self.words.twice, self.words.shared]
@@ -1400,7 +1407,7 @@ class Guard:
     # -- after the step ------------------------------------------------------------------
     def step_graphs(self) -> list[weakref.ref]:
         """The checked step's graphs (weak references), handed over to a later ``leaks``."""
-        refs, self._sentinels, self._sentinel_updates = self._sentinels, [], False
+        refs, self._sentinels = self._sentinels, []
         return refs
 
     def _forget_consumed(self) -> None:
@@ -1454,7 +1461,8 @@ class Guard:
             key = self.leak_key(holder)
             earlier = self._keeping.get(key)
             alive = earlier[2]() if earlier is not None else None
-            if alive is not None and id(alive) not in sentinel.fed_by \
+            # two graphs of one step (a backward each, the losses of a dict) held together are no pile
+            if alive is not None and earlier[0] != step and id(alive) not in sentinel.fed_by \
                     and (iteration is None or earlier[3] != iteration):
                 # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them)
                 out.append((earlier[0], earlier[1] or _leak_holder(sentinel, scope, deep=True, start=self.start_seq)))

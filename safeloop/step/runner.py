@@ -681,10 +681,14 @@ class Runner:
 
     def changed_outside(self) -> list[str]:
         """The trained parameters this step changed other than by the Trainer's own updates (their version
-        counters moved since the step began, or, for an optimizer the Trainer updated, before its update began)."""
+        counters moved since the step began, or, for an optimizer the Trainer updated, before its update began;
+        or the guard saw them written through `.data`, unless their optimizer's snapshot, taken at its update, puts
+        them back)."""
         began = {id(p): v for name, versions in self.began.items()
                  for p, v in zip((p for g in self.optimizers[name].param_groups for p in g["params"]), versions)}
         moved = {id(p) for p, v in zip(self.params, self.versions) if began.get(id(p), p._version) != v}
+        restored = {id(p) for name in self.undo.saved for g in self.optimizers[name].param_groups for p in g["params"]}
+        moved.update(id(p) for p in self.guard.written_unseen if id(p) not in restored)
         return [name for name, p in self.config.named_parameters() if id(p) in moved] if moved else []
 
     def abandon(self) -> str:
