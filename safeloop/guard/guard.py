@@ -149,6 +149,7 @@ class Guard:
         # the parameters that the step wrote through `.data` where the fingerprints saw it (version counters do not):
         # what abandoning the step does not undo, said by the Trainer
         self.written_unseen: list[torch.Tensor] = []
+        self._micro_seq: int | None = None  # under gradient accumulation, where the step's current micro-batch began
         # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
         # whether that step is over) (see ``end_step``)
         self._held: tuple | None = None
@@ -249,7 +250,7 @@ class Guard:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
         self.prev_seq = self.start_seq
         self._ran_last, self._ran_now = self._ran_now, set()
-        self.written_unseen = []
+        self.written_unseen, self._micro_seq = [], None
         if CHEAP_PEEK:  # read every step: post-mortems on unchecked steps know the step's nodes too
             # where the last step ended (see ``step_done``): a graph made while fetching the batch is this step's
             self.start_seq = walk.sequence_now() if self.next_start is None else self.next_start
@@ -365,6 +366,22 @@ class Guard:
         finally:
             self.spent += time.perf_counter() - t0
 
+    def micro_batch_done(self) -> None:
+        """Under gradient accumulation, a micro-batch's backward is over: a node made before now that a later
+        micro-batch's loss reaches was made by an earlier one (see ``_carried_from_micro_batch``)."""
+        self._micro_seq = walk.sequence_now() if walk.HAS_SEQ else None
+
+    def _carried_from_micro_batch(self, nodes, case: Case) -> None:
+        """A node of an earlier micro-batch of the step whose backward freed its saved tensors (an RNN's hidden state
+        carried from one micro-batch to the next without ``.detach()``): this loss's backward would fail on it."""
+        for node in nodes:
+            if sequence_nr(node) < self._micro_seq and walk.holds_tensors(node) \
+                    and walk.is_freed(walk.unpack_error(node, first=True)):
+                raise self._error(CarriedGraphError, node, case,
+                    "the loss reaches {node}, made by an earlier micro-batch of this step and held by {holder}, whose "
+                    "backward already freed its saved tensors: under grad_accum each micro-batch is back-propagated "
+                    "on its own", ["detach the carried state at the end of each training_step (`{detached}`)"])
+
     @staticmethod
     def accumulated(scope: Scope) -> list[tuple[torch.Tensor | None, int]]:
         """Each trained parameter's gradient and its version, as a micro-batch's backward left them: what the next
@@ -436,6 +453,8 @@ class Guard:
             # the nodes this backward runs: with inputs=..., only those on paths to them
             ran = walk.runs(root, inputs) if inputs is not None else None
             runs = found.nodes if ran is None else [n for n in found.nodes if n in ran]
+            if self._micro_seq is not None and not self.is_off("carried"):
+                self._carried_from_micro_batch(runs, Case(name, loss, step, scope, batch))
             if self._consumed and not self.is_off("consumed"):
                 self._check_ran(runs, name, loss, step, scope)
             if len(losses) == 1:

@@ -252,6 +252,7 @@ class Runner:
                                           last=i == len(batches) - 1, kept=kept)
                         if only is None and i < len(batches) - 1 and self.guard.check != "off":
                             kept = self.guard.accumulated(self.scope)
+                            self.guard.micro_batch_done()
                 for name, loss in losses.items():
                     total[name] = total[name] + loss.detach() if name in total else loss.detach()
                 del output, losses, batch  # the step's graph must not outlive it (checked at its end)

@@ -184,14 +184,19 @@ AUTOMATIC_TWICE = (re.escape("gradients were already present when training_step 
                              "called backward itself"), re.escape("To fix: return the loss from training_step"))
 MANUAL_TWICE = (r"this loss \(PowBackward0\) was already back-propagated by the backward of '(loss|g)' in this step",
                 re.escape("To fix: call self.backward once on each loss: delete the second"))
-# mistake: (error, step, what it names (holder, node), fix; a dict: by path), check
+CARRIED = (r"held by `self\.h`",
+           re.escape("To fix: detach the carried state at the end of each step (`self.h = self.h.detach()`)"))
+# mistake: (error, step (a dict: by path, 2 elsewhere), (what it names, its fix) (a dict: by path), check)
 ERRORS = {
     "reuse": (GraphReuseError, 1, (r"held by `self\.pre`",
                                    re.escape("To fix: recompute `self.pre` inside training_step")), "auto"),
     "double": (DoubleBackwardError, 1, {"dict": AUTOMATIC_TWICE, "sum": AUTOMATIC_TWICE, "accum": AUTOMATIC_TWICE,
                                         "manual": MANUAL_TWICE, "two": MANUAL_TWICE}, "auto"),
-    "carried": (CarriedGraphError, 2, (r"held by `self\.h`", re.escape(
-        "To fix: detach the carried state at the end of each step (`self.h = self.h.detach()`)")), "auto"),
+    # under grad_accum=2 carried from the first micro-batch of step 1 to the second, whose backward freed it
+    "carried": (CarriedGraphError, {"accum": 1}, {**dict.fromkeys(PATHS, CARRIED), "accum": (
+        re.escape("made by an earlier micro-batch of this step and held by `self.h`, whose backward already freed"),
+        re.escape("To fix: detach the carried state at the end of each training_step (`self.h = self.h.detach()`)"))},
+                "auto"),
     "ctx": (InplaceModificationError, 1, (re.escape("keeps a tensor made in the step as an attribute of its ctx "
                                                     "(`ctx.x`)"), re.escape("`x = x + 1` rather than `x += 1`")),
             "auto"),
@@ -206,16 +211,10 @@ ERRORS = {
     "ema": (CarriedGraphError, 2, (r"the graph of the parameter `self\.ema\.g\.weight`",
                                    re.escape("To fix: make that write under `torch.no_grad()`")), "auto"),
 }
-CARRIED_IN_ACCUMULATION = pytest.mark.xfail(strict=True, reason=(
-    "a state carried from one micro-batch of grad_accum to the next reaches a graph the last micro-batch's backward "
-    "freed: automatic mode records no consumed graph (Runner.backward_all does not call guard.backward_done) and the "
-    "carried check looks at nodes made before the step only, so backward itself fails and the error is a "
-    "DoubleBackwardError without the holder or the detach fix"))
 
 
 def cells(table):
-    return [pytest.param(m, p, marks=CARRIED_IN_ACCUMULATION if (m, p) == ("carried", "accum") else ())
-            for m in sorted(table) for p in PATHS if (m, p) not in COVERED]
+    return [(m, p) for m in sorted(table) for p in PATHS if (m, p) not in COVERED]
 
 
 @pytest.mark.parametrize("mistake, path", cells(ERRORS))
