@@ -72,14 +72,17 @@ class Scope:
 
 
 class Item(str):
-    """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``): ``tuple_of`` names the tuple,
-    which a fix must replace as a whole. ``whole``: where that tuple (or list) is itself inside a tuple, which
+    """A holder's name that is an item of a tuple (an LSTM's ``(h, c)``, or a namedtuple): ``tuple_of`` names the
+    tuple, which a fix must replace as a whole. ``whole``: where that tuple (or list) is itself inside a tuple, which
     cannot be assigned to (a Neural Turing Machine's ``(reads, (h, c), head_weights)``), the outermost such tuple's
-    name, and ``rebuilt`` the code that makes it again with every tensor detached (``{0}`` standing for that name)."""
+    name, and ``rebuilt`` the code that makes it again with every tensor detached (``{0}`` standing for that name).
+    ``in_list``: where the tuple is an element of a list, through tuples only (an actor-critic's ``saved_actions``
+    of (log-prob, value) pairs), that list's name."""
 
     tuple_of: str
     whole: str | None = None
     rebuilt: str = "{0}"
+    in_list: str | None = None
 
 
 class Element(str):
@@ -113,10 +116,11 @@ def key_text(key: Any) -> str:
     return repr(key)
 
 
-def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | None = None
-           ) -> Iterator[tuple[str, torch.Tensor]]:
+def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | None = None,
+           listed: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs inside ``obj``: attributes, mapping values, list items. ``outer``: the name and value of
-    the outermost tuple that ``obj`` is inside through tuples only (see ``Item.whole``)."""
+    the outermost tuple that ``obj`` is inside through tuples only (see ``Item.whole``); ``listed``: the name of the
+    list that ``obj`` is an element of through tuples only (see ``Item.in_list``)."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif depth <= 0:
@@ -125,31 +129,38 @@ def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | Non
         for key, val in list(obj.items()):
             yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)
     elif isinstance(obj, (list, tuple)):
+        tupled = isinstance(obj, tuple)  # a namedtuple too
         for i, val in enumerate(obj):
             if isinstance(val, torch.Tensor):
-                if type(obj) is tuple:
+                if tupled:
                     held = Item(f"{prefix}[{i}]")
-                    held.tuple_of = prefix
+                    held.tuple_of, held.in_list = prefix, listed
                 else:
                     held = Element(f"{prefix}[{i}]")
                     held.list_of = prefix
-                if outer is not None:
-                    held.whole, held.rebuilt = outer[0], _rebuilt(outer[1])
+                # a namedtuple is made again by its own class (`tuple(...)` would lose its fields' names)
+                top = outer or ((prefix, obj) if tupled and type(obj) is not tuple else None)
+                if top is not None:
+                    held.whole, held.rebuilt = top[0], _rebuilt(top[1])
                 yield held, val
             else:
-                inside = (outer or (prefix, obj)) if type(obj) is tuple else None
-                yield from _items(val, f"{prefix}[{i}]", depth - 1, inside)
+                inside = (outer or (prefix, obj)) if tupled else None
+                yield from _items(val, f"{prefix}[{i}]", depth - 1, inside, listed if tupled else prefix)
 
 
 def _rebuilt(obj: Any, name: str = "{0}") -> str:
     """Code that makes ``obj`` (named ``name``) again with every tensor in its tuples and lists detached."""
     if isinstance(obj, torch.Tensor):
         return f"{name}.detach()"
-    if type(obj) not in (tuple, list):
+    named = isinstance(obj, tuple) and type(obj) is not tuple  # a namedtuple
+    if not named and type(obj) not in (tuple, list):
         return name
     if obj and all(isinstance(val, torch.Tensor) for val in obj):
-        return f"tuple(t.detach() for t in {name})" if type(obj) is tuple else f"[t.detach() for t in {name}]"
+        each = f"t.detach() for t in {name}"
+        return f"type({name})(*({each}))" if named else f"tuple({each})" if type(obj) is tuple else f"[{each}]"
     parts = ", ".join(_rebuilt(val, f"{name}[{i}]") for i, val in enumerate(obj))
+    if named:
+        return f"type({name})({parts})"
     return f"({parts}{',' * (len(obj) == 1)})" if type(obj) is tuple else f"[{parts}]"
 
 

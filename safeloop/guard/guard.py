@@ -875,12 +875,22 @@ class Guard:
                 trace_hint=True, holder=replaced)
         # a list keeping values with their graphs, one per step; a list made anew every step from the last one (a
         # Transformer-XL's memories, one per layer) is a carried state, detached whole below
-        if kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope, case.batch):
-            listed = _code(holder.list_of)
+        # a list the loss is built from, named by it rather than by a variable that took an item of it (the loop
+        # variable of `for log_prob, R in zip(saved_log_probs, returns)`)
+        built = self._built_from_list(node, case) if kept else None
+        holder = built or holder
+        if built or kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope,
+                                                                                            case.batch):
+            listed = _code(_list_of(holder))
             if why not in (_FREED, _AGAIN):
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
-            fixes = [_detach_what_is_added(holder)]
-            if not holder.filled_by:  # (a list of the user's own: not one a library's object keeps and empties)
+            if built:  # detaching what is added would leave the loss without the graph it is built from
+                fixes = [f"empty `{listed}` after each backward (`del {listed}[:]`): the loss is built from it "
+                         "(REINFORCE's log-probs of an episode, an actor-critic's saved actions), so no earlier "
+                         "step's values may stay in it"]
+            else:
+                fixes = [_detach_what_is_added(holder)]
+            if not built and not holder.filled_by:  # (a list of the user's own: not one a library's keeps, empties)
                 fixes.append(f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses "
                              f"stacked over several iterations), empty it after each backward (`del {listed}[:]`), "
                              "and let one step span the iterations that add to it")
@@ -969,6 +979,25 @@ class Guard:
                  "if it is a state carried from step to step on purpose (an RNN's hidden state), detach it at the end "
                  "of each step (`{detached}`)"]
         return [_target_fix(""), *fixes] if self._compared(trained, case) else [*fixes, _target_fix("")]
+
+    def _built_from_list(self, node, case: Case) -> str | None:
+        """The name of ``node``'s tensor in a list the loss is built from, else None. Such a list is filled several
+        times in this step (an episode's log-probs, an actor-critic's saved actions, whose items are tuples) and holds
+        every way this step's nodes lead from the loss to a leaf. Not a baseline made of past values, nor a target
+        stored in a replay buffer (DQN's), one per step, nor one the loss compares with the network's fresh output."""
+        if not walk.HAS_SEQ or self.start_seq is None or case.loss.grad_fn is None:
+            return None
+        found = [(name, t.grad_fn) for name, t in explain.candidates(case.scope, case.batch, deep=True)
+                 if t.grad_fn is not None and _list_of(name) is not None]
+        for holder in dict.fromkeys(name for name, fn in found if fn is node):
+            listed = _list_of(holder)
+            held = [(name, fn) for name, fn in found if _list_of(name) == listed]
+            made = {name[len(listed):].split("]")[0] for name, fn in held if sequence_nr(fn) >= self.start_seq}
+            nodes = {fn for _, fn in held}
+            reached = walk.iter_nodes(case.loss.grad_fn, stop=lambda n: n in nodes or sequence_nr(n) < self.start_seq)
+            if len(made) > 1 and not any(type(n) is walk.ACCUMULATE for n in islice(reached, 100_000)):
+                return holder
+        return None
 
     def _compared(self, trained: list, case: Case) -> bool:
         """Whether the loss also reaches some of ``trained`` (the parameters a kept value was made from) through this
@@ -1760,6 +1789,11 @@ def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
         if type(node) is walk.ACCUMULATE or sequence_nr(node) <= used:
             return None
     return None
+
+
+def _list_of(holder: str | None) -> str | None:
+    """The list a holder is an element of, directly or inside tuples (an actor-critic's (log-prob, value) pairs)."""
+    return holder.list_of if isinstance(holder, explain.Element) else getattr(holder, "in_list", None)
 
 
 def _detach_what_is_added(holder: explain.Element) -> str:

@@ -227,6 +227,18 @@ BROKEN = {
                                              r"latent_n`.*To fix: make `latent_n` again every step instead of keeping "
                                              r"it: it is made from `global latent_in`, whose updates a kept value "
                                              r"misses \(detached, it stays stale\); or ",
+    # an actor-critic's saved (log-prob, value) namedtuples never emptied: the loss is built from the list, so the list
+    # is named, not a tuple in it, and emptied after the backward first (detaching what is added would cut the loss)
+    "actor_critic_saved_actions_kept": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `local "
+                                       r"saved_actions\[4\]\[1\]`; an earlier backward already freed.*To fix: empty "
+                                       r"`saved_actions` after each backward \(`del saved_actions\[:\]`\)",
+    # ... and REINFORCE's log-probs, named by the list rather than by the loop variable left holding one of them
+    "reinforce_log_probs_kept": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `policy.saved_log_probs"
+                                r"\[4\]`.*To fix: empty `policy.saved_log_probs` after each backward",
+    # an LSTM state kept as a namedtuple: made again by its own class, not as a list or a plain tuple
+    "lstm_namedtuple_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global state\[1\]`.*"
+                                          r"To fix: detach the carried state at the end of each step \(`state = "
+                                          r"type\(state\)\(\*\(t.detach\(\) for t in state\)\)`\)",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
@@ -247,6 +259,13 @@ FIRST_FIX = {
                                           "        minibatch_loss = 0", "start the sum again after each backward"),
     "adversarial_patch_two_epochs": ("adversarial_patch_two_epochs_cloned", "adversarial_patch_two_epochs_cloned",
                                      "        img = img.clone()", "clone the tensor before writing into it"),
+    "actor_critic_saved_actions_kept": ("actor_critic_saved_actions", "actor_critic_saved_actions",
+                                        "    del saved_actions[:]", "empty `saved_actions` after each backward"),
+    "reinforce_log_probs_kept": ("reinforce_log_probs", "reinforce_log_probs", "    del policy.saved_log_probs[:]",
+                                 "empty `policy.saved_log_probs` after each backward"),
+    "lstm_namedtuple_state_not_detached": ("lstm_namedtuple_state_detached", "lstm_namedtuple_state_detached",
+                                           "    state = type(state)(*(t.detach() for t in state))",
+                                           "detach the carried state at the end of each step"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
