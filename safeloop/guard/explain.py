@@ -25,7 +25,7 @@ import torch
 import safeloop
 
 from . import walk
-from .walk import reachable
+from .walk import reachable, sequence_nr
 
 
 @dataclass
@@ -384,7 +384,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     near = near or deep
     if near:
         made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
-        kept = [(name, t) for name, t in near if start is None or walk.sequence_nr(t.grad_fn) < start]
+        kept = [(name, t) for name, t in near if start is None or sequence_nr(t.grad_fn) < start]
         alike = [(name, t) for name, t in near if [tuple(t.shape)] == made]
         if not kept and alike and not any(nxt is node for _, t in near for nxt, _ in t.grad_fn.next_functions):
             # every holder made in this step, none straight from the node (as `y0 = pred_y[-1]`, taken after the

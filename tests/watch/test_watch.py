@@ -239,6 +239,11 @@ BROKEN = {
     "lstm_namedtuple_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global state\[1\]`.*"
                                           r"To fix: detach the carried state at the end of each step \(`state = "
                                           r"type\(state\)\(\*\(t.detach\(\) for t in state\)\)`\)",
+    # a memory network's read vector fed back, not detached where its controller state and memory are: named as the
+    # read vector (whose new value is made as the carried one was), not as the controller state the loop detaches
+    "memory_net_read_vector_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global rv`.*To "
+                                           r"fix: detach the carried state at the end of each step \(`rv = "
+                                           r"rv.detach\(\)`\)",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
@@ -266,6 +271,8 @@ FIRST_FIX = {
     "lstm_namedtuple_state_not_detached": ("lstm_namedtuple_state_detached", "lstm_namedtuple_state_detached",
                                            "    state = type(state)(*(t.detach() for t in state))",
                                            "detach the carried state at the end of each step"),
+    "memory_net_read_vector_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
+                                            "    rv = rv.detach()", "detach the carried state at the end of each step"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
