@@ -863,9 +863,11 @@ class Guard:
             self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
         kept, holder = self._kept(node, case, freed=why is _FREED)
         # no tensor made by node itself is found, only ones reaching it (the loss): an attribute stored over by this
-        # step's value after the loss read the old one names the place that kept it
-        replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and not explain.holds(
-            node, case.scope, case.batch) else None
+        # step's value after the loss read the old one names the place that kept it; not where a named tensor reaches
+        # it (a batch renormalization's running std, written in place with its graph every forward: not the running
+        # mean beside it, made alike)
+        replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and _code(holder) is None and not \
+            explain.holds(node, case.scope, case.batch) else None
         if replaced is not None:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and kept in {holder}, which this step then "
