@@ -97,6 +97,15 @@ class Element(str):
     rebuilt: str = "{0}"
 
 
+class Entry(str):
+    """A holder's name that is a value of a dict whose values are all tensors (a memory network's state
+    ``mhx['memory']`` beside ``mhx['usage']``): ``whole`` names the dict and ``rebuilt`` the code that makes it again
+    with every value detached, as a carried state is cut whole."""
+
+    whole: str
+    rebuilt: str
+
+
 class Inside(str):
     """A holder's name that is a tensor deep inside an object a variable holds (``dist.loc`` of a torch.distributions
     object built from the model's output, ``dist.transform.transforms[0].base.shift`` of zuko's): ``owner`` names that
@@ -126,8 +135,14 @@ def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | Non
     elif depth <= 0:
         return
     elif isinstance(obj, Mapping):
+        whole = type(obj) is dict and len(obj) > 1 and all(isinstance(val, torch.Tensor) for val in obj.values())
         for key, val in list(obj.items()):
-            yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)
+            if whole:
+                held = Entry(f"{prefix}[{key_text(key)}]")
+                held.whole, held.rebuilt = prefix, "{{k: v.detach() for k, v in {0}.items()}}"
+                yield held, val
+            else:
+                yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)
     elif isinstance(obj, (list, tuple)):
         tupled = isinstance(obj, tuple)  # a namedtuple too
         for i, val in enumerate(obj):
@@ -371,7 +386,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
         fn = tensor.grad_fn
         if fn is None or (tensor is loss and (new_loss or name.startswith("local "))) or _variable(name) in fresh:
             continue
-        if fn is node and type(name) is str and name.endswith("]"):
+        if fn is node and type(name) in (str, Entry) and name.endswith("]"):
             # SentenceTransformer's forward stores its output in the dict of features it is handed:
             # `emb = model(features)['sentence_embedding']` leaves it in `features` too
             entry = name, tensor

@@ -1636,7 +1636,7 @@ class Guard:
         code = _code(holder) or "tensor"
         described = f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step"  # code in backticks
         names = {"node": node_name, "holder": described, "code": code, "detached": f"{code} = {code}.detach()"}
-        if isinstance(holder, (explain.Item, explain.Element)) and holder.whole:  # inside a tuple in a tuple
+        if isinstance(holder, (explain.Item, explain.Element, explain.Entry)) and holder.whole:  # in a tuple in a tuple
             whole = _code(holder.whole)
             names["detached"] = f"{whole} = {holder.rebuilt.format(whole)}"
         elif isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
@@ -1818,7 +1818,7 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
     made_now = None
     for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
-            if type(name) in (str, explain.Item) and _written_in_slots(tensor):
+            if type(name) in (str, explain.Item, explain.Entry) and _written_in_slots(tensor):
                 name = Slots(name)
                 name.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:

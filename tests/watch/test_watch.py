@@ -249,6 +249,10 @@ BROKEN = {
     "batch_renorm_running_stats_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `model\[1\]."
                                              r"running_std`.*To fix: detach the carried state at the end of each step "
                                              r"\(`model\[1\].running_std = model\[1\].running_std.detach\(\)`\)",
+    # ... and its memory, a dict of tensors, not detached: the dict is detached whole, not the one entry named
+    "memory_net_memory_dict_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
+                                           r"mhx\['\w+'\]`.*To fix: detach the carried state at the end of each "
+                                           r"step \(`mhx = \{k: v.detach\(\) for k, v in mhx.items\(\)\}`\)",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
@@ -278,6 +282,9 @@ FIRST_FIX = {
                                            "detach the carried state at the end of each step"),
     "memory_net_read_vector_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
                                             "    rv = rv.detach()", "detach the carried state at the end of each step"),
+    "memory_net_memory_dict_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
+                                            "    mhx = {k: v.detach() for k, v in mhx.items()}",
+                                            "detach the carried state at the end of each step"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
