@@ -236,7 +236,7 @@ BROKEN = {
     "reinforce_log_probs_kept": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `policy.saved_log_probs"
                                 r"\[4\]`.*To fix: empty `policy.saved_log_probs` after each backward",
     # an LSTM state kept as a namedtuple: made again by its own class, not as a list or a plain tuple
-    "lstm_namedtuple_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global state\[1\]`.*"
+    "lstm_namedtuple_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global state\[0\]`.*"
                                           r"To fix: detach the carried state at the end of each step \(`state = "
                                           r"type\(state\)\(\*\(t.detach\(\) for t in state\)\)`\)",
     # a memory network's read vector fed back, not detached where its controller state and memory are: named as the
