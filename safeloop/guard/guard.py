@@ -1381,6 +1381,9 @@ class Guard:
                           "after it was used")
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
                          ".clone() the tensor before changing it"]
+                if held and not node_name:  # a tensor kept from step to step, no operation's output: a buffer
+                    fixes.insert(0, f"read a copy of `{_code(held)}` where the step uses it (`{_code(held)}.clone()`, "
+                                 "as MoCo reads its queue), or write into it after the backward")
                 if not self.trace:
                     fixes.append(f"{self.words.trace}: PyTorch then prints the traceback of the forward call whose "
                                  "saved tensor was changed")

@@ -253,6 +253,11 @@ BROKEN = {
     "memory_net_memory_dict_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
                                            r"mhx\['\w+'\]`.*To fix: detach the carried state at the end of each "
                                            r"step \(`mhx = \{k: v.detach\(\) for k, v in mhx.items\(\)\}`\)",
+    # a queue of keys enqueued into in place before the backward, read by the loss as it is: a buffer kept from step
+    # to step, so the first fix reads a copy where the loss uses it (moco's `.clone().detach()`: moco_queue_read_cloned)
+    "moco_queue_read_without_clone": r"InplaceModificationError: .*\(step 1, loss 'loss'\).*`model.queue` or a view "
+                                     r"of it\) was changed in place after it was used. To fix: read a copy of "
+                                     r"`model.queue` where the step uses it \(`model.queue.clone\(\)`",
     # a backward called inside a caller's torch.no_grad() (robustbench's evaluation) on a loss computed there
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
