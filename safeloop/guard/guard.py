@@ -1232,6 +1232,11 @@ class Guard:
                                      f"before changing them, and pass retain_graph=True to {backward}")
                     if _code(holder) and _only_changed_below(shared[0], changed, scope):
                         fixes.insert(1, _DETACH_STALE)
+                    if isinstance(holder, (explain.Item, explain.Element, explain.Entry)) and \
+                            not explain.holds_as_made(shared[0], holder, scope):  # a state each forward makes again
+                        fixes.insert(0, "detach the carried state after each backward (`{detached}`), as a "
+                                     "truncated BPTT does (an L-BFGS closure's model keeping its LSTM states between "
+                                     "calls), or start it again in each forward")
                 raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope), detail, fixes,
                                   holder=holder)
         self.spent += time.perf_counter() - t0

@@ -253,6 +253,11 @@ BROKEN = {
     "memory_net_memory_dict_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
                                            r"mhx\['\w+'\]`.*To fix: detach the carried state at the end of each "
                                            r"step \(`mhx = \{k: v.detach\(\) for k, v in mhx.items\(\)\}`\)",
+    # a stateful LSTM's states kept on the module between an L-BFGS closure's calls, which change the weights: the
+    # state is detached after each backward, not computed again or detached where the loss uses it
+    "lbfgs_closure_state_not_detached": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `seq.state\[1\]`.*"
+                                        r"To fix: detach the carried state after each backward \(`seq.state = "
+                                        r"tuple\(t.detach\(\) for t in seq.state\)`\)",
     # a queue of keys enqueued into in place before the backward, read by the loss as it is: a buffer kept from step
     # to step, so the first fix reads a copy where the loss uses it (moco's `.clone().detach()`: moco_queue_read_cloned)
     "moco_queue_read_without_clone": r"InplaceModificationError: .*\(step 1, loss 'loss'\).*`model.queue` or a view "
@@ -290,6 +295,9 @@ FIRST_FIX = {
     "memory_net_memory_dict_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
                                             "    mhx = {k: v.detach() for k, v in mhx.items()}",
                                             "detach the carried state at the end of each step"),
+    "lbfgs_closure_state_not_detached": ("lbfgs_closure_state_detached", "lbfgs_closure_state_detached",
+                                         "        seq.state = tuple(t.detach() for t in seq.state)",
+                                         "detach the carried state after each backward"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
