@@ -99,11 +99,10 @@ class Element(str):
 
 class Entry(str):
     """A holder's name that is a value of a dict whose values are all tensors (a memory network's state
-    ``mhx['memory']`` beside ``mhx['usage']``): ``whole`` names the dict and ``rebuilt`` the code that makes it again
-    with every value detached, as a carried state is cut whole."""
+    ``mhx['memory']`` beside ``mhx['usage']``): ``whole`` names the dict, whose values a fix detaches all at once, in
+    place (another name may hold the same dict: kornia's ``params`` replaying an augmentation's ``_params``)."""
 
     whole: str
-    rebuilt: str
 
 
 class Inside(str):
@@ -139,7 +138,7 @@ def _items(obj: Any, prefix: str, depth: int = 2, outer: tuple[str, tuple] | Non
         for key, val in list(obj.items()):
             if whole:
                 held = Entry(f"{prefix}[{key_text(key)}]")
-                held.whole, held.rebuilt = prefix, "{{k: v.detach() for k, v in {0}.items()}}"
+                held.whole = prefix
                 yield held, val
             else:
                 yield from _items(val, f"{prefix}[{key_text(key)}]", depth - 1)

@@ -863,10 +863,11 @@ class Guard:
             self._stale_cast(node, case)  # (inside a region turned off, the casts are kept too: held by no variable)
         kept, holder = self._kept(node, case, freed=why is _FREED)
         # no tensor made by node itself is found, only ones reaching it (the loss): an attribute stored over by this
-        # step's value after the loss read the old one names the place that kept it; not where a named tensor reaches
-        # it (a batch renormalization's running std, written in place with its graph every forward: not the running
-        # mean beside it, made alike)
-        replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and _code(holder) is None and not \
+        # step's value after the loss read the old one names the place that kept it; not where an attribute or an item
+        # reaches it (a batch renormalization's running std, written in place with its graph every forward: not the
+        # running mean beside it, made alike). A variable reaching it is most likely the loss (HF's `loss`, scaled)
+        stored = re.search(r"[.\[]", _code(holder) or "") is not None
+        replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and not stored and not \
             explain.holds(node, case.scope, case.batch) else None
         if replaced is not None:
             raise self._error(CarriedGraphError, node, case,
@@ -1644,7 +1645,10 @@ class Guard:
         code = _code(holder) or "tensor"
         described = f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step"  # code in backticks
         names = {"node": node_name, "holder": described, "code": code, "detached": f"{code} = {code}.detach()"}
-        if isinstance(holder, (explain.Item, explain.Element, explain.Entry)) and holder.whole:  # in a tuple in a tuple
+        if isinstance(holder, explain.Entry):  # a dict of tensors: every value detached, in the same dict
+            whole = _code(holder.whole)
+            names["detached"] = f"{whole}.update({{k: v.detach() for k, v in {whole}.items()}})"
+        elif isinstance(holder, (explain.Item, explain.Element)) and holder.whole:  # inside a tuple in a tuple
             whole = _code(holder.whole)
             names["detached"] = f"{whole} = {holder.rebuilt.format(whole)}"
         elif isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached

@@ -252,7 +252,7 @@ BROKEN = {
     # ... and its memory, a dict of tensors, not detached: the dict is detached whole, not the one entry named
     "memory_net_memory_dict_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global "
                                            r"mhx\['\w+'\]`.*To fix: detach the carried state at the end of each "
-                                           r"step \(`mhx = \{k: v.detach\(\) for k, v in mhx.items\(\)\}`\)",
+                                           r"step \(`mhx.update\(\{k: v.detach\(\) for k, v in mhx.items\(\)\}\)`\)",
     # a stateful LSTM's states kept on the module between an L-BFGS closure's calls, which change the weights: the
     # state is detached after each backward, not computed again or detached where the loss uses it
     "lbfgs_closure_state_not_detached": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `seq.state\[1\]`.*"
@@ -293,7 +293,7 @@ FIRST_FIX = {
     "memory_net_read_vector_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
                                             "    rv = rv.detach()", "detach the carried state at the end of each step"),
     "memory_net_memory_dict_not_detached": ("memory_net_read_vector_detached", "memory_net_read_vector_detached",
-                                            "    mhx = {k: v.detach() for k, v in mhx.items()}",
+                                            "    mhx.update({k: v.detach() for k, v in mhx.items()})",
                                             "detach the carried state at the end of each step"),
     "lbfgs_closure_state_not_detached": ("lbfgs_closure_state_detached", "lbfgs_closure_state_detached",
                                          "        seq.state = tuple(t.detach() for t in seq.state)",

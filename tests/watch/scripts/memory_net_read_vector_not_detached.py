@@ -46,5 +46,5 @@ for epoch in range(4):
     loss.backward()
     optimizer.step()
     chx = [(h.detach(), c.detach()) for h, c in chx]
-    mhx = {k: v.detach() for k, v in mhx.items()}
+    mhx.update({k: v.detach() for k, v in mhx.items()})
     print(f"batch {epoch}: loss {loss.item()!r}")
