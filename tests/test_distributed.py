@@ -216,47 +216,93 @@ def cli_with_trainer(tmp_path: Path, target: str, source: str, *overrides: str) 
     return [*TORCHRUN, "-m", "safeloop", f"trainer._target_={target}", *overrides], env
 
 
-def torchrun_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+def torchrun_script(tmp_path: Path, body: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``body`` on 2 ranks, with ``tests.ddp_cases`` importable; the Trainer makes the process group."""
     (tmp_path / "job.py").write_text(f"import os, sys, faulthandler\nimport torch\nimport safeloop\n"
                                      # a rank that hangs prints every thread's stack, not only torchrun's timeout
-                                     "faulthandler.dump_traceback_later(100, exit=True)\n"
+                                     f"faulthandler.dump_traceback_later({timeout - 20}, exit=True)\n"
                                      f"sys.path.insert(0, {str(ROOT)!r})\nfrom tests import ddp_cases\n"
                                      + textwrap.dedent(body))
-    proc = torchrun("job.py", cwd=tmp_path)
+    proc = torchrun("job.py", cwd=tmp_path, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
 
-@pytest.fixture(scope="module", params=["plain", "manual_gan"])  # through DistributedDataParallel / the reducer
-def two_fits(request, tmp_path_factory):
-    """One 2-rank job per case: a Trainer fits 2 steps, then fits on to the end (without a process group of
-    the caller's it makes one), saves each rank's parameters, then ends the group as its atexit handler
-    does and reports the gloo threads still running."""
-    case, tmp_path = request.param, tmp_path_factory.mktemp("two_fits")
-    proc = torchrun_script(tmp_path, f"""
+# Jobs whose every rank returns from the script, run in turn by one 2-rank launch (a launch costs ~5 s of CPU), in
+# the order written: each is a function of its own, whose report(text) lines each rank writes to NAME_rankR.txt
+# (its files go to the launch's directory). A group a job's Trainer made is ended after it, as at exit, so that the
+# next job's Trainer makes one of its own.
+JOBS: dict[str, str] = {}
+
+
+def job(name: str, *parts: str) -> None:
+    """Job ``name``: its source, in parts, each indented as it likes."""
+    JOBS[name] = "".join(textwrap.dedent(part) for part in parts)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Path:
+    """The directory of one launch that ran every job of JOBS."""
+    out = tmp_path_factory.mktemp("jobs")
+    functions = "".join(f"\n\ndef {name}(report):\n{textwrap.indent(body, '    ')}" for name, body in JOBS.items())
+    torchrun_script(out, functions + textwrap.dedent(f"""
+
         torch.set_num_threads(1)
-        trainer = ddp_cases.build({case!r}, world=2)
+        for index, name in enumerate({list(JOBS)!r}):
+            print(f"rank {{os.environ['RANK']}}: job {{name}}", flush=True)  # the job a failure or a hang came in
+            # torch names a group by a count that starts again at 0 once the groups end, and the launch's store
+            # keeps each rank's gloo address under that name: a name of its own for each job's groups, or gloo
+            # would connect to the addresses of an earlier job's group
+            torch.distributed.distributed_c10d._world.group_count = 100 * index
+            with open(f"{{name}}_rank{{os.environ['RANK']}}.txt", "w") as file:
+                globals()[name](lambda text: file.write(f"{{text}}\\n"))
+            safeloop.distributed._end_group()  # what runs at exit
+        """), timeout=240)
+    return out
+
+
+def reported(jobs: Path, name: str) -> list[str]:
+    """What each rank's run of job ``name`` reported: rank 0's, then rank 1's."""
+    return [(jobs / f"{name}_rank{rank}.txt").read_text() for rank in (0, 1)]
+
+
+def gloo_threads() -> str:
+    """Job source: the report of the gloo threads this process still runs."""
+    return """
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        report(f"gloo threads: {sorted(n for n in names if 'gloo' in n)}")
+        """
+
+
+# through DistributedDataParallel / the reducer: a Trainer fits 2 steps, then fits on to the end (without a process
+# group of the caller's it makes one), saves each rank's parameters, then ends the group as its atexit handler does
+# and reports the gloo threads still running
+for _case in ("plain", "manual_gan"):
+    job(f"two_fits_{_case}", f"""
+        trainer = ddp_cases.build({_case!r}, world=2)
         trainer.max_steps = 2
         trainer.fit()
         trainer.max_steps = ddp_cases.STEPS
         trainer.fit()
-        torch.save([p.detach() for p in trainer.model.parameters()], f"params{{os.environ['RANK']}}.pt")
+        params = [p.detach() for p in trainer.model.parameters()]
+        torch.save(params, f"two_fits_{_case}_params{{os.environ['RANK']}}.pt")
         safeloop.distributed._end_group()  # what runs at exit
-        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        sys.stdout.write(f"gloo threads: {{sorted(n for n in names if 'gloo' in n)}}\\n")  # one write per rank
-        sys.stdout.flush()
-        """)
-    return case, tmp_path, proc
+        """, gloo_threads())
+
+
+@pytest.fixture(params=["plain", "manual_gan"])
+def two_fits(request, jobs):
+    """The case, and the launch's directory."""
+    return request.param, jobs
 
 
 @pytest.mark.distributed
 def test_a_second_fit_goes_on_where_the_first_stopped(two_fits):
     """A second fit() of the same Trainer (more steps) goes on where the first stopped, in the same group."""
-    case, tmp_path, _ = two_fits
+    case, jobs = two_fits
     single = ddp_cases.result(case)["params"]
     for rank in (0, 1):
-        for p, expected in zip(torch.load(tmp_path / f"params{rank}.pt"), single, strict=True):
+        for p, expected in zip(torch.load(jobs / f"two_fits_{case}_params{rank}.pt"), single, strict=True):
             torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -265,126 +311,134 @@ def test_the_group_the_trainer_made_ends_with_its_threads_before_interpreter_shu
     """Gloo's worker threads left running into interpreter shutdown can abort the process at exit
     ("terminate called without an active exception", SIGABRT) when one releases a finished
     all-reduce's tensors; ending the group at exit (what the Trainer's atexit handler does) must stop them."""
-    assert two_fits[2].stdout.count("gloo threads: []") == 2, two_fits[2].stdout
+    case, jobs = two_fits
+    assert reported(jobs, f"two_fits_{case}") == ["gloo threads: []\n"] * 2, case
 
 
-@pytest.mark.distributed
-def test_a_group_the_script_made_after_importing_safeloop_ends_with_its_threads(tmp_path):
-    """The same for a group the user's script makes and destroys: safeloop, imported first, sees to it,
-    while the Trainers stay alive past the group's end, as a script's globals do. Cases through
-    DistributedDataParallel (whose wrapper, kept, would hold the group's threads as long as it lives),
-    safeloop's reducer, and both with a second fit()."""
-    proc = torchrun_script(tmp_path, """
-        import torch.distributed as dist
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        trainers = [ddp_cases.build(case, world=2) for case in ("plain", "gan", "accum")]
-        for trainer in trainers:
-            trainer.max_steps = 2
-            trainer.fit()
-            trainer.max_steps = ddp_cases.STEPS
-            trainer.fit()
-        dist.destroy_process_group()
-        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        try:
-            trainers[0].fit()
-        except safeloop.SafeloopError as err:
-            names.append(f"{type(err).__name__}: {err}")
-        sys.stdout.write(f"gloo threads: {sorted(n for n in names if 'gloo' in n)}\\n{names[-1]}\\n")
-        sys.stdout.flush()
-        """)
-    assert proc.stdout.count("gloo threads: []") == 2, proc.stdout
-    assert proc.stdout.count("DistributedError: the process group this Trainer joined has ended "
-                             "(destroy_process_group): fit() needs it") == 2, proc.stdout
-
-
-@pytest.mark.distributed
-def test_fit_after_a_failed_fit_says_the_group_ended(tmp_path):
-    proc = torchrun_script(tmp_path, """
-        class Fails(ddp_cases.Recording):
-            def training_step(self, batch):
-                if self.state.step == 1:
-                    raise ValueError("bad batch")
-                return super().training_step(batch)
-
-        trainer = ddp_cases.build("plain", world=2)
-        trainer.__class__ = Fails
-        for attempt in (1, 2):
-            try:
-                trainer.fit()
-            except safeloop.SafeloopError as err:
-                print(f"fit {attempt}: {type(err).__name__}: {err}")
-        """)
-    assert proc.stdout.count("fit 1: StepError: step 2 failed and was abandoned") == 2, proc.stdout
-    assert proc.stdout.count("fit 2: DistributedError: the process group ended with an earlier fit() that failed "
-                             "(the other ranks stopped with it): start the job again; trainer.resume=auto "
-                             "continues from the last checkpoint") == 2, proc.stdout
-
-
-@pytest.mark.distributed
-def test_a_rank_left_alone_in_ddps_all_reduce_says_another_rank_failed_not_only_what_gloo_says(tmp_path):
-    """Rank 1 fails after its step 3 updated (on_step_end); rank 0 goes on into step 4, where
-    DistributedDataParallel's all-reduce finds rank 1 gone: torch raises a plain RuntimeError in gloo's words,
-    which the Trainer says as a rank left alone, with the step abandoned and left as it was."""
-    proc = torchrun_script(tmp_path, """
-        class Fails(ddp_cases.Recording):
-            def on_step_end(self, losses):
-                if self.dist.rank == 1 and self.state.step == 3:
-                    raise ValueError("bad hook")
-
-        trainer = ddp_cases.build("plain", world=2)
-        trainer.__class__ = Fails
-        try:
-            trainer.fit()
-        except safeloop.SafeloopError as err:
-            sys.stdout.write(f"rank {trainer.dist.rank}: {type(err).__name__}: {err}\\n")  # one write per rank
-        """)
-    assert "rank 1: StepError: step 3's update was applied; the error came after it, in on_step_end: ValueError: " \
-           "bad hook\n" in proc.stdout, proc.stdout
-    assert re.search(r"rank 0: DistributedError: step 4: rank 0 of 2 could not take part in this step's collective "
-                     r"calls \(under DistributedDataParallel: its all-reduce of the gradients\) \(.*gloo.*\)\. The "
-                     r"step was abandoned \(parameters and optimizer state are unchanged\)\. Every rank makes this "
-                     r"call at the same point, and another did not: it most likely failed", proc.stdout), proc.stdout
-
-
-@pytest.mark.distributed
-def test_train_data_replaced_in_on_epoch_start_or_between_fits_is_sharded_again(tmp_path):
-    """Each rank trains on its own half of every train_data it is given: the first; one assigned in
-    on_step_end halfway through the first pass, read from the second pass on; the one on_epoch_start puts in
-    its place at the third pass; and the one assigned before a second fit()."""
-    proc = torchrun_script(tmp_path, """
-        from torch.utils.data import DataLoader, TensorDataset
-
-        def loader(first):
-            return DataLoader(TensorDataset(torch.arange(first, first + 16.0).unsqueeze(1)), batch_size=2)
-
-        class Seen(safeloop.Trainer):
-            seen = []
-
-            def training_step(self, batch):
-                (x,) = batch
-                self.seen += x[:, 0].tolist()
-                return self.model(x).pow(2).mean()
-
-            def on_step_end(self, losses):
-                if self.state.step == 2:
-                    self.train_data = loader(100.0)
-
-            def on_epoch_start(self):
-                if self.state.epoch == 2:
-                    self.train_data = loader(300.0)
-
-        trainer = Seen(model=torch.nn.Linear(1, 1), train_data=loader(0.0), max_steps=12, device="cpu",
-                       optimizer=torch.optim.SGD, progress=False, loggers=())
-        trainer.fit()  # 3 passes of 16 samples / 2 ranks / 2 a batch = 4 steps
-        trainer.train_data = loader(200.0)
-        trainer.max_steps = 16
+# The same for a group the user's script makes and destroys: safeloop, imported first, sees to it, while the
+# Trainers stay alive past the group's end, as a script's globals do. Cases through DistributedDataParallel (whose
+# wrapper, kept, would hold the group's threads as long as it lives), safeloop's reducer, and both with a second fit()
+job("script_group", """
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    trainers = [ddp_cases.build(case, world=2) for case in ("plain", "gan", "accum")]
+    for trainer in trainers:
+        trainer.max_steps = 2
         trainer.fit()
-        torch.save(trainer.seen, f"seen{os.environ['RANK']}.pt")
-        """)
-    seen = [torch.load(tmp_path / f"seen{rank}.pt") for rank in (0, 1)]
-    assert len(seen[0]) == len(seen[1]) == 32, proc.stdout
+        trainer.max_steps = ddp_cases.STEPS
+        trainer.fit()
+    dist.destroy_process_group()
+    """, gloo_threads(), """
+    try:
+        trainers[0].fit()
+    except safeloop.SafeloopError as err:
+        report(f"{type(err).__name__}: {err}")
+    """)
+
+
+@pytest.mark.distributed
+def test_a_group_the_script_made_after_importing_safeloop_ends_with_its_threads(jobs):
+    for text in reported(jobs, "script_group"):
+        assert text.startswith("gloo threads: []\nDistributedError: the process group this Trainer joined has ended "
+                               "(destroy_process_group): fit() needs it"), text
+
+
+# Each rank trains on its own half of every train_data it is given: the first; one assigned in on_step_end halfway
+# through the first pass, read from the second pass on; the one on_epoch_start puts in its place at the third pass;
+# and the one assigned before a second fit()
+job("replaced_data", """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def loader(first):
+        return DataLoader(TensorDataset(torch.arange(first, first + 16.0).unsqueeze(1)), batch_size=2)
+
+    class Seen(safeloop.Trainer):
+        seen = []
+
+        def training_step(self, batch):
+            (x,) = batch
+            self.seen += x[:, 0].tolist()
+            return self.model(x).pow(2).mean()
+
+        def on_step_end(self, losses):
+            if self.state.step == 2:
+                self.train_data = loader(100.0)
+
+        def on_epoch_start(self):
+            if self.state.epoch == 2:
+                self.train_data = loader(300.0)
+
+    trainer = Seen(model=torch.nn.Linear(1, 1), train_data=loader(0.0), max_steps=12, device="cpu",
+                   optimizer=torch.optim.SGD, progress=False, loggers=())
+    trainer.fit()  # 3 passes of 16 samples / 2 ranks / 2 a batch = 4 steps
+    trainer.train_data = loader(200.0)
+    trainer.max_steps = 16
+    trainer.fit()
+    torch.save(trainer.seen, f"seen{os.environ['RANK']}.pt")
+    """)
+
+
+@pytest.mark.distributed
+def test_train_data_replaced_in_on_epoch_start_or_between_fits_is_sharded_again(jobs):
+    seen = [torch.load(jobs / f"seen{rank}.pt") for rank in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 32, seen
     assert sorted(seen[0] + seen[1]) == [float(v) for first in (0, 100, 200, 300) for v in range(first, first + 16)]
+
+
+job("failed_fit", """
+    class Fails(ddp_cases.Recording):
+        def training_step(self, batch):
+            if self.state.step == 1:
+                raise ValueError("bad batch")
+            return super().training_step(batch)
+
+    trainer = ddp_cases.build("plain", world=2)
+    trainer.__class__ = Fails
+    for attempt in (1, 2):
+        try:
+            trainer.fit()
+        except safeloop.SafeloopError as err:
+            report(f"fit {attempt}: {type(err).__name__}: {err}")
+    """)
+
+
+@pytest.mark.distributed
+def test_fit_after_a_failed_fit_says_the_group_ended(jobs):
+    for text in reported(jobs, "failed_fit"):
+        assert "fit 1: StepError: step 2 failed and was abandoned" in text, text
+        assert "fit 2: DistributedError: the process group ended with an earlier fit() that failed (the other ranks " \
+               "stopped with it): start the job again; trainer.resume=auto continues from the last checkpoint" \
+               in text, text
+
+
+# Last: it leaves rank 0 alone. Rank 1 fails after its step 3 updated (on_step_end); rank 0 goes on into step 4,
+# where DistributedDataParallel's all-reduce finds rank 1 gone
+job("alone_in_ddp", """
+    class Fails(ddp_cases.Recording):
+        def on_step_end(self, losses):
+            if self.dist.rank == 1 and self.state.step == 3:
+                raise ValueError("bad hook")
+
+    trainer = ddp_cases.build("plain", world=2)
+    trainer.__class__ = Fails
+    try:
+        trainer.fit()
+    except safeloop.SafeloopError as err:
+        report(f"rank {trainer.dist.rank}: {type(err).__name__}: {err}")
+    """)
+
+
+@pytest.mark.distributed
+def test_a_rank_left_alone_in_ddps_all_reduce_says_another_rank_failed_not_only_what_gloo_says(jobs):
+    """Torch raises a plain RuntimeError in gloo's words, which the Trainer says as a rank left alone, with the step
+    abandoned and left as it was."""
+    rank0, rank1 = reported(jobs, "alone_in_ddp")
+    assert rank1.startswith("rank 1: StepError: step 3's update was applied; the error came after it, in "
+                            "on_step_end: ValueError: bad hook\n"), rank1
+    assert re.match(r"rank 0: DistributedError: step 4: rank 0 of 2 could not take part in this step's collective "
+                    r"calls \(under DistributedDataParallel: its all-reduce of the gradients\) \(.*gloo.*\)\. The "
+                    r"step was abandoned \(parameters and optimizer state are unchanged\)\. Every rank makes this "
+                    r"call at the same point, and another did not: it most likely failed", rank0, re.S), rank0
 
 
 @pytest.mark.distributed
