@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import ddp_cases
+from tests import ddp_cases, forkserver
 from tests.conftest import ROOT, subprocess_env
 
 # sam: a two-phase update (SAM's closure) in manual mode; lbfgs: L-BFGS's closure in automatic mode
@@ -441,13 +441,28 @@ def test_a_rank_left_alone_in_ddps_all_reduce_says_another_rank_failed_not_only_
                     r"call at the same point, and another did not: it most likely failed", rank0, re.S), rank0
 
 
+@pytest.fixture(scope="module")
+def default_job(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, list[str], subprocess.CompletedProcess]:
+    """The default job on 2 ranks for 20 steps, run in first/ with its checkpoints in ckpt/, then resumed there for
+    10 more in second/: the directory, the first run, the checkpoints it left, the second run."""
+    tmp_path = tmp_path_factory.mktemp("default_job")
+    ckpt = tmp_path / "ckpt"
+    common = ("-m", "safeloop", f"checkpoint.dir={ckpt}", "trainer.log_every=10")
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = torchrun(*common, "trainer.max_steps=20", cwd=tmp_path / "first")
+    saved = sorted(p.name for p in ckpt.glob("*.pt"))
+    second = torchrun(*common, "trainer.max_steps=30", "trainer.resume=auto", cwd=tmp_path / "second")
+    return tmp_path, first, saved, second
+
+
 @pytest.mark.distributed
-def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(tmp_path):
-    proc = torchrun("-m", "safeloop", "trainer.max_steps=20", "trainer.log_every=10", cwd=tmp_path)
+def test_default_job_runs_under_torchrun_with_outputs_from_rank_zero_only(default_job):
+    tmp_path, proc, _, _ = default_job
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("outputs: ") == 1, proc.stdout
     assert "not a DataLoader" not in proc.stderr  # the recipe's own batches split across ranks
-    runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    runs = [p for p in (tmp_path / "first" / "outputs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs  # rank 1 makes no Hydra directory of its own
     rows = (runs[0] / "metrics.csv").read_text().splitlines()
     assert any(row.startswith("20,loss,") for row in rows), rows
@@ -505,7 +520,7 @@ def test_a_parameter_left_without_gradient_under_ddp_stops_before_the_optimizer_
 def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
     cmd = [sys.executable, "-m", "safeloop", "-m", "optimizer.lr=1e-2,1e-3", "trainer.max_steps=20",
            "trainer.val_every=null"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    proc = forkserver.run(cmd, cwd=tmp_path, timeout=120)  # one process, not torchrun: forked
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = sorted(p.parent for p in (tmp_path / "multirun").glob("*/*/*/metrics.csv"))
     assert [r.name for r in runs] == ["0", "1"], runs
@@ -521,16 +536,13 @@ def test_multirun_sweeps_with_one_output_directory_per_run(tmp_path):
 
 
 @pytest.mark.distributed
-def test_resume_under_torchrun_rank_zero_writes_every_rank_loads(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    common = ("-m", "safeloop", f"checkpoint.dir={ckpt}", "trainer.val_every=null", "trainer.log_every=5")
-    first = torchrun(*common, "trainer.max_steps=10", cwd=tmp_path)
+def test_resume_under_torchrun_rank_zero_writes_every_rank_loads(default_job):
+    tmp_path, first, saved, second = default_job
     assert first.returncode == 0, first.stdout + first.stderr
-    assert sorted(p.name for p in ckpt.glob("*.pt")) == ["step-000000010.pt"]  # one writer, no rank copies
-    second = torchrun(*common, "trainer.max_steps=15", "trainer.resume=auto", cwd=tmp_path)
+    assert saved == ["step-000000020.pt"]  # one writer, no rank copies
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from" in second.stdout + second.stderr
-    assert sorted(p.name for p in ckpt.glob("*.pt")) == ["step-000000010.pt", "step-000000015.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt")) == ["step-000000020.pt", "step-000000030.pt"]
 
 
 @pytest.mark.distributed
