@@ -351,15 +351,15 @@ def halfway(case: str, world: int, directory: Path) -> None:
     build(case, world, max_steps=STEPS // 2, checkpoint={"dir": str(directory)}).fit()
 
 
-if __name__ == "__main__":
+def run(out: Path, cases: list[str]) -> None:
+    """Each case on this rank, its result in ``out``: the cases of the module's docstring, in one group."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    out = Path(sys.argv[1])
     dist.init_process_group("gloo")  # one group for every case; each Trainer joins it
     rank = dist.get_rank()
     world = dist.get_world_size()
-    for case in sys.argv[2:]:
+    for case in cases:
         if case.startswith("resume-"):
             halfway(case.removeprefix("resume-"), world, out / case)
             dist.barrier()  # rank zero has written the checkpoint before the others look for it
@@ -380,3 +380,7 @@ if __name__ == "__main__":
             done = result(case, world)
         torch.save(done, out / f"{case}_rank{rank}.pt")
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]), sys.argv[2:])

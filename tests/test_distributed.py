@@ -43,18 +43,11 @@ def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> Path:
-    """Every case of tests/ddp_cases.py run once on 2 ranks; one file per case and rank. The RESUMED
-    cases also stop halfway and resume, from their own checkpoint and from a one-process one."""
-    out = tmp_path_factory.mktemp("ddp")
-    for case in RESUMED:
-        ddp_cases.halfway(case, 1, out / f"one-process-{case}")
-    resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
-    proc = torchrun(str(ROOT / "tests" / "ddp_cases.py"), str(out), *CASES, "schedule", "validation", "early_stop", "pass_end",
-                    "scheduler_twice", *resumed,
-                    "lone_save", cwd=out)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
+def ranks(jobs) -> Path:
+    """Every case of tests/ddp_cases.py run once on 2 ranks (by the launch that runs JOBS after them); one file per
+    case and rank. The RESUMED cases also stop halfway and resume, from their own checkpoint and from a one-process
+    one."""
+    return jobs
 
 
 @pytest.mark.distributed
@@ -242,22 +235,28 @@ def job(name: str, *parts: str) -> None:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Path:
-    """The directory of one launch that ran every job of JOBS."""
-    out = tmp_path_factory.mktemp("jobs")
+    """The directory of the module's one launch: every case of tests/ddp_cases.py (``ranks``), then every job of
+    JOBS."""
+    out = tmp_path_factory.mktemp("ddp")
+    for case in RESUMED:
+        ddp_cases.halfway(case, 1, out / f"one-process-{case}")
+    resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
+    cases = [*CASES, "schedule", "validation", "early_stop", "pass_end", "scheduler_twice", *resumed, "lone_save"]
     functions = "".join(f"\n\ndef {name}(report):\n{textwrap.indent(body, '    ')}" for name, body in JOBS.items())
     torchrun_script(out, functions + textwrap.dedent(f"""
 
-        torch.set_num_threads(1)
-        for index, name in enumerate({list(JOBS)!r}):
+        print(f"rank {{os.environ['RANK']}}: tests/ddp_cases.py", flush=True)
+        ddp_cases.run(ddp_cases.Path.cwd(), {cases!r})
+        for index, name in enumerate({list(JOBS)!r}, start=1):
             print(f"rank {{os.environ['RANK']}}: job {{name}}", flush=True)  # the job a failure or a hang came in
             # torch names a group by a count that starts again at 0 once the groups end, and the launch's store
             # keeps each rank's gloo address under that name: a name of its own for each job's groups, or gloo
-            # would connect to the addresses of an earlier job's group
+            # would connect to the addresses of an earlier group of the launch
             torch.distributed.distributed_c10d._world.group_count = 100 * index
             with open(f"{{name}}_rank{{os.environ['RANK']}}.txt", "w") as file:
                 globals()[name](lambda text: file.write(f"{{text}}\\n"))
             safeloop.distributed._end_group()  # what runs at exit
-        """), timeout=240)
+        """), timeout=300)
     return out
 
 
