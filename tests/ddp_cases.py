@@ -351,10 +351,12 @@ def halfway(case: str, world: int, directory: Path) -> None:
     build(case, world, max_steps=STEPS // 2, checkpoint={"dir": str(directory)}).fit()
 
 
-def run(out: Path, cases: list[str]) -> None:
-    """Each case on this rank, its result in ``out``: the cases of the module's docstring, in one group."""
+def run(out: str | Path, cases: list[str]) -> None:
+    """Each case on this rank, its result in the directory ``out``: the cases of the module's docstring, in one
+    group (``torchrun ... tests/ddp_cases.py OUT_DIR CASE...``, or a script of the test's)."""
     import torch.distributed as dist
 
+    out = Path(out)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # one group for every case; each Trainer joins it
     rank = dist.get_rank()
@@ -383,4 +385,4 @@ def run(out: Path, cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]), sys.argv[2:])
+    run(sys.argv[1], sys.argv[2:])

@@ -221,10 +221,10 @@ def torchrun_script(tmp_path: Path, body: str, timeout: float = 120) -> subproce
     return proc
 
 
-# Jobs whose every rank returns from the script, run in turn by one 2-rank launch (a launch costs ~5 s of CPU), in
-# the order written: each is a function of its own, whose report(text) lines each rank writes to NAME_rankR.txt
-# (its files go to the launch's directory). A group a job's Trainer made is ended after it, as at exit, so that the
-# next job's Trainer makes one of its own.
+# Jobs whose every rank returns from the script, run in turn by the module's one 2-rank launch after the cases of
+# tests/ddp_cases.py (a launch costs ~5 s of CPU), in the order written. Each is a function of its own, whose
+# report(text) lines each rank writes to NAME_rankR.txt (its files go to the launch's directory). A group a job's
+# Trainer made is ended after it, as at exit, so that the next job's Trainer makes one of its own.
 JOBS: dict[str, str] = {}
 
 
@@ -246,7 +246,7 @@ def jobs(tmp_path_factory) -> Path:
     torchrun_script(out, functions + textwrap.dedent(f"""
 
         print(f"rank {{os.environ['RANK']}}: tests/ddp_cases.py", flush=True)
-        ddp_cases.run(ddp_cases.Path.cwd(), {cases!r})
+        ddp_cases.run({str(out)!r}, {cases!r})
         for index, name in enumerate({list(JOBS)!r}, start=1):
             print(f"rank {{os.environ['RANK']}}: job {{name}}", flush=True)  # the job a failure or a hang came in
             # torch names a group by a count that starts again at 0 once the groups end, and the launch's store
