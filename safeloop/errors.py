@@ -75,7 +75,10 @@ class _Report:
         fixes: list[str] | None = None,
         picture: str | None = None,
         abandoned: str | None = None,
+        what: str | None = None,
     ):
+        if what is not None:  # a case of the class's mistake told in its own words
+            self.what = what
         self.detail = detail
         self.step = step
         self.loss_name = loss_name

@@ -380,7 +380,8 @@ class Guard:
                 raise self._error(CarriedGraphError, node, case,
                     "the loss reaches {node}, made by an earlier micro-batch of this step and held by {holder}, whose "
                     "backward already freed its saved tensors: under grad_accum each micro-batch is back-propagated "
-                    "on its own", ["detach the carried state at the end of each training_step (`{detached}`)"])
+                    "on its own", ["detach the carried state at the end of each training_step (`{detached}`)"],
+                    what="graph carried over from an earlier micro-batch")
 
     @staticmethod
     def accumulated(scope: Scope) -> list[tuple[torch.Tensor | None, int]]:
@@ -821,8 +822,9 @@ class Guard:
                 # dni(out)` over `out`, freed by `out.backward(grad.detach())`): `out` is what to detach, not `grad`
                 node = next((n for n in islice(walk.iter_nodes(node), 10_000)
                              if type(n) is not walk.ACCUMULATE and _freed(n)), node)
-                detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors, so this "
-                          "backward would fail with 'Trying to backward through the graph a second time'")
+                detail = (f"{made}; an earlier backward of the iteration already freed its saved tensors: going "
+                          "through them again is what makes PyTorch fail with 'Trying to backward through the graph a "
+                          "second time'")
                 # no name holds what it made, only a tensor computed from it with a graph of its own (the synthetic
                 # gradient `grad` once `out` is rebound): detaching that tensor would cut its own graph too
                 examples = ("a GAN's discriminator loss on the generator's output, a synthetic gradient module on "
@@ -1635,8 +1637,9 @@ class Guard:
 
     # -- messages ------------------------------------------------------------------------
     def _error(self, cls, node, case: Case, detail: str, fixes: list[str], trace_hint: bool = False,
-               holder: str | None = ...) -> GraphLifecycleError:
-        """The error ``cls`` about ``node`` (None: no node in particular) in ``case``'s loss, with its picture.
+               holder: str | None = ..., what: str | None = None) -> GraphLifecycleError:
+        """The error ``cls`` (titled ``what`` when given) about ``node`` (None: no node in particular) in ``case``'s
+        loss, with its picture.
         ``detail`` and ``fixes`` may name ``{node}``, ``{holder}`` (``holder``: found when not given),
         ``{code}`` (the holder's expression) and ``{detached}`` (the statement that detaches it)."""
         if holder is ...:
@@ -1671,7 +1674,7 @@ class Guard:
                 picture = render(case.loss.grad_fn, self.out_dir / f"step{case.step}_{case.name}.dot",
                                  [node] if node is not None else (), holder)
         return cls(detail, step=case.step, loss_name=case.name, node_name=node_name, holder=holder,
-                   fixes=[f.format(**names) for f in fixes], picture=picture)
+                   fixes=[f.format(**names) for f in fixes], picture=picture, what=what)
 
 
 def _placeholder(loss: torch.Tensor) -> bool:
@@ -1905,8 +1908,8 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> 
 _CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
             "SAM's first step moves the weights), so the graph holds values from before the change: retain_graph=True "
             "cannot help (PyTorch refuses a graph whose saved tensors were written in place)")
-_FREED = ("an earlier backward already freed the saved tensors of its graph, so this backward would fail with "
-          "'Trying to backward through the graph a second time'")
+_FREED = ("an earlier backward already freed the saved tensors of its graph: going through it again is what makes "
+          "PyTorch fail with 'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
 _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
               "again: its gradient is added a second time, through weights the update has since changed")

@@ -194,6 +194,7 @@ ERRORS = {
                                         "manual": MANUAL_TWICE, "two": MANUAL_TWICE}, "auto"),
     # under grad_accum=2 carried from the first micro-batch of step 1 to the second, whose backward freed it
     "carried": (CarriedGraphError, {"accum": 1}, {**dict.fromkeys(PATHS, CARRIED), "accum": (
+        re.escape("graph carried over from an earlier micro-batch (step 1") + ".*" +
         re.escape("made by an earlier micro-batch of this step and held by `self.h`, whose backward already freed"),
         re.escape("To fix: detach the carried state at the end of each training_step (`self.h = self.h.detach()`)"))},
                 "auto"),
