@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import itertools
+import types
 from collections.abc import Callable, Iterator
 from operator import attrgetter
 
@@ -167,12 +169,67 @@ def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
     names = {**frame.f_globals, **variables(frame)}
     after = False
     for k, ins in enumerate(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "step" \
-                and issubclass(type(_receiver(code, k, names)), _STEPPERS):
+        if _steps(code, k, names, frame.f_code.co_filename):
             if ins.offset in body:
                 return False
             after = after or ins.offset > max(body)
     return after
+
+
+def _steps(code: list[dis.Instruction], k: int, names: dict, filename: str, deep: bool = True) -> bool:
+    """Whether ``code[k]`` steps an optimizer: it loads ``step`` of one (``opt.step``, ``self.opt.step``,
+    ``scaler.step``), or (``deep``) loads a function of the script (``filename``) that does so itself, one call deep:
+    on an optimizer it reaches through its ``self``, or on one of its arguments where this call gives it an optimizer
+    (the chatbot tutorial's clipping and optimizer steps moved into ``update(encoder_optimizer, ...)``)."""
+    ins = code[k]
+    attribute = ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+    if attribute and ins.argval == "step":
+        return issubclass(type(_receiver(code, k, names)), _STEPPERS)
+    if not deep or not (attribute or ins.opname in _LOADS):
+        return False
+    owner = _receiver(code, k, names) if attribute else None
+    function = inspect.getattr_static(owner, ins.argval, None) if owner is not None else names.get(ins.argval)
+    if type(function) is not types.FunctionType or function.__code__.co_filename != filename:
+        return False
+    inner = function.__code__
+    arguments = inner.co_varnames[:inner.co_argcount + inner.co_kwonlyargcount]
+    given = any(issubclass(type(v), _STEPPERS) for v in _given(code, k, names))
+    names = {**function.__globals__, **({arguments[0]: owner} if owner is not None and arguments else {})}
+    inside = list(dis.get_instructions(inner))
+    return any(_steps(inside, j, names, filename, deep=False)
+               or (given and inside[j].argval == "step" and _root(inside, j).argval in arguments)
+               for j in range(len(inside)) if inside[j].opname in ("LOAD_ATTR", "LOAD_METHOD"))
+
+
+def _given(code: list[dis.Instruction], k: int, names: dict) -> list:
+    """What the arguments of the call whose function ``code[k]`` loads read: the values of its variables and of
+    their attributes (``update(opt, (enc, dec))``: ``opt``, ``enc``, ``dec``), up to the call (the first one that
+    starts where ``code[k]``'s expression starts)."""
+    values: list = []
+    chain = False  # the last instruction loaded a variable or an attribute of one
+    for ins in code[k + 1:]:
+        if ins.opname == "CALL" and _start(ins) == _start(code[k]):
+            break
+        if ins.opname in _LOADS:
+            values.append(names.get(ins.argval))
+        elif ins.opname == "LOAD_ATTR" and chain:
+            values[-1] = fields(values[-1]).get(ins.argval)
+        chain = ins.opname in _LOADS or (chain and ins.opname == "LOAD_ATTR")
+    return values
+
+
+def _start(ins: dis.Instruction) -> tuple | None:
+    """Where the expression an instruction belongs to starts in the source: (line, column); None before Python 3.11
+    (there a call's arguments are read up to the end of the function)."""
+    at = getattr(ins, "positions", None)
+    return (at.lineno, at.col_offset) if at is not None else None
+
+
+def _root(code: list[dis.Instruction], k: int) -> dis.Instruction:
+    """The load an attribute chain ending at ``code[k]`` starts from (``opt`` of ``opt.step``)."""
+    while k > 0 and code[k - 1].opname == "LOAD_ATTR":
+        k -= 1
+    return code[k - 1] if k > 0 else code[k]
 
 
 def _receiver(code: list[dis.Instruction], k: int, names: dict):
