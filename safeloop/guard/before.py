@@ -163,17 +163,22 @@ _STEPPERS = (torch.optim.Optimizer, torch.amp.GradScaler)  # what steps an optim
 def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
     """Whether the loop ``body`` of the function ``frame`` runs is inside one update: that function steps an
     optimizer after the loop, never inside it (the chatbot tutorial's ``train``: a loss per decoded word, summed or
-    back-propagated word by word, then each optimizer steps once, itself or through a GradScaler). The training loop
-    is then a caller's: what the function made before this loop (the encoder's outputs) is the update's own."""
+    back-propagated word by word, then each optimizer steps once, itself or through a GradScaler), or steps none and
+    is called from a loop of the script that steps one (a function back-propagating a loss per decoded word, the
+    training loop stepping after it). The training loop is then a caller's: what the function made before this loop
+    (the encoder's outputs) is the update's own."""
     code = list(dis.get_instructions(frame.f_code))
     names = {**frame.f_globals, **variables(frame)}
-    after = False
-    for k, ins in enumerate(code):
-        if _steps(code, k, names, frame.f_code.co_filename):
-            if ins.offset in body:
-                return False
-            after = after or ins.offset > max(body)
-    return after
+    steps = [ins.offset for k, ins in enumerate(code) if _steps(code, k, names, frame.f_code.co_filename)]
+    if steps:
+        return not body.intersection(steps) and max(steps) > max(body)
+    caller = next((f for f in stack(frame.f_back) if f.f_code.co_filename == frame.f_code.co_filename), None)
+    around = loop_around(caller.f_code, caller.f_lasti, innermost=True) if caller is not None else None
+    if not around:
+        return False
+    code = list(dis.get_instructions(caller.f_code))
+    names = {**caller.f_globals, **variables(caller)}
+    return any(ins.offset in around and _steps(code, k, names, caller.f_code.co_filename) for k, ins in enumerate(code))
 
 
 def _steps(code: list[dis.Instruction], k: int, names: dict, filename: str, deep: bool = True) -> bool:
