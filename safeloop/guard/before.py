@@ -183,13 +183,15 @@ def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
 
 def _steps(code: list[dis.Instruction], k: int, names: dict, filename: str, deep: bool = True) -> bool:
     """Whether ``code[k]`` steps an optimizer: it loads ``step`` of one (``opt.step``, ``self.opt.step``,
-    ``scaler.step``), or (``deep``) loads a function of the script (``filename``) that does so itself, one call deep:
-    on an optimizer it reaches through its ``self``, or on one of its arguments where this call gives it an optimizer
-    (the chatbot tutorial's clipping and optimizer steps moved into ``update(encoder_optimizer, ...)``)."""
+    ``scaler.step``) or of an object it cannot read, taken for one (``optimizers[name].step``, ``o.step`` of a loop
+    over optimizers yet to run, a function's argument), or (``deep``) loads a function of the script (``filename``)
+    that does so itself, one call deep (the chatbot tutorial's clipping and optimizer steps moved into
+    ``update(encoder_optimizer, ...)``; a method's ``self.opt.step()``)."""
     ins = code[k]
     attribute = ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
     if attribute and ins.argval == "step":
-        return issubclass(type(_receiver(code, k, names)), _STEPPERS)
+        receiver = _receiver(code, k, names)
+        return receiver is None or issubclass(type(receiver), _STEPPERS)
     if not deep or not (attribute or ins.opname in _LOADS):
         return False
     owner = _receiver(code, k, names) if attribute else None
@@ -197,44 +199,9 @@ def _steps(code: list[dis.Instruction], k: int, names: dict, filename: str, deep
     if type(function) is not types.FunctionType or function.__code__.co_filename != filename:
         return False
     inner = function.__code__
-    arguments = inner.co_varnames[:inner.co_argcount + inner.co_kwonlyargcount]
-    given = any(issubclass(type(v), _STEPPERS) for v in _given(code, k, names))
-    names = {**function.__globals__, **({arguments[0]: owner} if owner is not None and arguments else {})}
+    bound = {inner.co_varnames[0]: owner} if owner is not None and inner.co_argcount else {}  # a method's `self`
     inside = list(dis.get_instructions(inner))
-    return any(_steps(inside, j, names, filename, deep=False)
-               or (given and inside[j].argval == "step" and _root(inside, j).argval in arguments)
-               for j in range(len(inside)) if inside[j].opname in ("LOAD_ATTR", "LOAD_METHOD"))
-
-
-def _given(code: list[dis.Instruction], k: int, names: dict) -> list:
-    """What the arguments of the call whose function ``code[k]`` loads read: the values of its variables and of
-    their attributes (``update(opt, (enc, dec))``: ``opt``, ``enc``, ``dec``), up to the call (the first one that
-    starts where ``code[k]``'s expression starts)."""
-    values: list = []
-    chain = False  # the last instruction loaded a variable or an attribute of one
-    for ins in code[k + 1:]:
-        if ins.opname == "CALL" and _start(ins) == _start(code[k]):
-            break
-        if ins.opname in _LOADS:
-            values.append(names.get(ins.argval))
-        elif ins.opname == "LOAD_ATTR" and chain:
-            values[-1] = fields(values[-1]).get(ins.argval)
-        chain = ins.opname in _LOADS or (chain and ins.opname == "LOAD_ATTR")
-    return values
-
-
-def _start(ins: dis.Instruction) -> tuple | None:
-    """Where the expression an instruction belongs to starts in the source: (line, column); None before Python 3.11
-    (there a call's arguments are read up to the end of the function)."""
-    at = getattr(ins, "positions", None)
-    return (at.lineno, at.col_offset) if at is not None else None
-
-
-def _root(code: list[dis.Instruction], k: int) -> dis.Instruction:
-    """The load an attribute chain ending at ``code[k]`` starts from (``opt`` of ``opt.step``)."""
-    while k > 0 and code[k - 1].opname == "LOAD_ATTR":
-        k -= 1
-    return code[k - 1] if k > 0 else code[k]
+    return any(_steps(inside, j, {**function.__globals__, **bound}, filename, deep=False) for j in range(len(inside)))
 
 
 def _receiver(code: list[dis.Instruction], k: int, names: dict):
