@@ -165,10 +165,13 @@ def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
     optimizer after the loop, never inside it (the chatbot tutorial's ``train``: a loss per decoded word, summed or
     back-propagated word by word, then each optimizer steps once, itself or through a GradScaler), or steps none and
     is called from a loop of the script that steps one (a function back-propagating a loss per decoded word, the
-    training loop stepping after it). The training loop is then a caller's: what the function made before this loop
-    (the encoder's outputs) is the update's own."""
+    training loop stepping after it), or the loop goes over optimizers (``for opt, loss in zip(optimizers, losses)``:
+    one update of each). The training loop is then a caller's: what the function made before this loop (the
+    encoder's outputs, the features the losses share) is the update's own."""
     code = list(dis.get_instructions(frame.f_code))
     names = {**frame.f_globals, **variables(frame)}
+    if _over_optimizers(code, body, names):
+        return True
     steps = [ins.offset for k, ins in enumerate(code) if _steps(code, k, names, frame.f_code.co_filename)]
     if steps:
         return not body.intersection(steps) and max(steps) > max(body)
@@ -179,6 +182,31 @@ def _inside_one_update(frame, body: set[int], variables: Callable) -> bool:
     code = list(dis.get_instructions(caller.f_code))
     names = {**caller.f_globals, **variables(caller)}
     return any(ins.offset in around and _steps(code, k, names, caller.f_code.co_filename) for k, ins in enumerate(code))
+
+
+def _over_optimizers(code: list[dis.Instruction], body: set[int], names: dict) -> bool:
+    """Whether the ``for`` loop whose ``body`` starts at its ``FOR_ITER`` goes over optimizers: its header reads one,
+    or a list, tuple or dict holding one (``zip(optimizers, losses)``, ``(opt_d, opt_g)``, ``self.optimizers``)."""
+    top = next(k for k, ins in enumerate(code) if ins.offset == min(body))
+    if code[top].opname != "FOR_ITER":
+        return False
+    line = _line(code[top])
+    header = itertools.takewhile(lambda k: _line(code[k]) == line, range(top - 1, -1, -1))
+    for k in header:
+        ins, then = code[k], code[k + 1]
+        if then.opname == "LOAD_ATTR" and then.argval not in ("items", "values"):
+            continue  # read for an attribute of it (`optimizer.param_groups`)
+        value = names.get(ins.argval) if ins.opname in _LOADS else \
+            fields(_receiver(code, k, names)).get(ins.argval) if ins.opname == "LOAD_ATTR" else None
+        if any(issubclass(type(v), _STEPPERS) for v in [value, *elements(value)]):
+            return True
+    return False
+
+
+def _line(ins: dis.Instruction) -> int | None:
+    """The line an instruction runs for (its expression's first, from Python 3.11 on)."""
+    at = getattr(ins, "positions", None)
+    return at.lineno if at is not None else ins.starts_line
 
 
 def _steps(code: list[dis.Instruction], k: int, names: dict, filename: str, deep: bool = True) -> bool:
