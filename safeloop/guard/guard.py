@@ -1087,11 +1087,12 @@ class Guard:
                  f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
                  "`torch.no_grad()`"]
         # made only from modules' parameters that none of the loop's optimizers update (CoOp's prompt prefix, embedded
-        # by CLIP's token embedding, which no optimizer holds), it trains nothing: a constant (not so from a tensor of
-        # its own that requires grad, noise drawn once: drawn again every step)
+        # by CLIP's token embedding, which no optimizer holds; a pretrained encoder outside a GraphGuard's model), it
+        # trains nothing: a constant (not so from a tensor of its own that requires grad, noise drawn once: drawn
+        # again every step)
         leaves, held = list(leaves), _optimized_ids(case.scope)
-        constant = held and leaves and len(_trained(leaves, case.scope)) == len(leaves) and held.isdisjoint(
-            map(id, leaves))
+        constant = held and leaves and all(isinstance(leaf, torch.nn.Parameter) for leaf in leaves) and \
+            held.isdisjoint(map(id, leaves))
         return fixes[::-1] if constant else fixes
 
     def _shared_stale(self, node, leaves, case: Case) -> None:

@@ -47,6 +47,31 @@ def test_a_graph_built_before_the_loop_is_caught_at_step_one_before_anything_cha
     assert all(p.grad is None for p in model.parameters())
 
 
+def frozen_features_loop(detach: bool) -> list[torch.Tensor]:
+    """A head trained on features a pretrained encoder, outside ``GraphGuard``'s model and in no optimizer, made
+    once before the loop (``detach``: as the guard's first fix says)."""
+    encoder, (head, opt, data) = torch.nn.Linear(4, 4), setup()
+    features = encoder(torch.randn(3, 4))
+    features = features.detach() if detach else features
+    guard = GraphGuard(head, opt)
+    for _ in range(3):
+        with guard.step():
+            guard.backward(head(features).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+    return state(head)
+
+
+def test_features_of_an_encoder_no_optimizer_trains_are_told_to_be_kept_as_a_constant_first():
+    with pytest.raises(GraphReuseError, match=re.escape("To fix: if it is meant as a constant (no gradient through it "
+                                                        "into `encoder.weight`, `encoder.bias`), store "
+                                                        "`features.detach()` instead")):
+        frozen_features_loop(detach=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frozen_features_loop(detach=True)
+
+
 def test_a_graph_from_before_the_loop_that_every_backward_keeps_is_stopped_once_an_update_made_it_stale():
     """A backward with create_graph=True, which keeps the graph (LiSSA's torch.autograd.grad through a gradient taken
     before its loop, nimarb/pytorch_influence_functions' s_test), may go through a graph built before the loop while
