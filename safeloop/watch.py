@@ -31,7 +31,7 @@ from torch.autograd.graph import GradientEdge
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .guard import walk
-from .guard.before import elements, inside_one_update, loop_start
+from .guard.before import elements, inside_one_update, loop_start, training_loop
 from .guard.bytecode import COMPREHENSIONS, loop_around, stack
 from .guard.explain import fields
 from .guard.loop import WRAPPED, GraphGuard
@@ -49,6 +49,8 @@ class Watch:
         self.names: dict[int, str] = {}  # optimizer -> its name in messages
         self.started = False
         self.first_update: int | None = None  # the node counter when an optimizer step began before any backward
+        self.sites: set[tuple] = set()  # the script's lines that called a backward: (code, offset)
+        self.loop: tuple | None = None  # the training loop running the last new one (``training_loop``)
 
     def __enter__(self) -> Watch:
         self.saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
@@ -103,11 +105,16 @@ class Watch:
                 result = run(retain_graph)
                 self.guard.guard.start_fit()  # what the script made until now, it made before training
                 return result
-            self.started = True
-            self.first_step(frame)
         # a library's backward (accelerator.backward, mmengine's update_params) is told by the script's line calling
         # it: where a step begins, the line messages show, the variables searched first
         line = next((f for f in stack(frame) if f.f_code.co_filename == self.script), frame)
+        site = (line.f_code, line.f_lasti)
+        if not self.started:
+            self.started = True
+            self.first_step(frame)
+        elif site not in self.sites:
+            self.another_loop(frame)
+        self.sites.add(site)
         self.busy = True
         try:
             return self.guard.run(losses, line, run, retain_graph, create_graph, inputs, updates,
@@ -157,6 +164,20 @@ class Watch:
         self.guard.expect_optimizers({id(o): o for o in map(_optimizer, values) if o is not None}.values())
         if inside_one_update(frame, self.script, self.guard.variables):
             self.guard.steps_end_at_updates()
+        self.loop = training_loop(frame, self.script, self.guard.variables)
+        engine = self.guard.guard
+        if start is not None and start > engine.fit_seq:
+            engine.start_fit(at=start)
+
+    def another_loop(self, frame) -> None:
+        """A backward from a line of the script not seen before: where a training loop other than the last one runs
+        it (a second phase: a student trained after its teacher, a fine-tuning after a pre-training), training starts
+        again there. What the script made before that loop was built before its steps, as for the first loop."""
+        loop = training_loop(frame, self.script, self.guard.variables)
+        if loop is None or loop == self.loop:
+            return
+        self.loop = loop
+        start = loop_start(frame, self.script, self.guard.variables)
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)

@@ -35,9 +35,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     frames = list(stack(frame))
     module = next((f.f_code for f in frames if f.f_code.co_filename == filename and f.f_code.co_name == "<module>"),
                   None)
-    # a loop inside one update (a loss per decoded word) is not the training loop: a caller's is
-    found = next(((f, body) for f, body in _loops(frames, filename) if not _inside_one_update(f, body, variables)),
-                 None)
+    found = _training_loop(frames, filename, variables)
     forwards = _forwards(frames)
     if found is None and outside is None:
         found = _library_call(frames, filename, forwards[-1] if forwards else -1)
@@ -130,6 +128,20 @@ def _forwards(frames: list) -> list[int]:
     """The indices of the frames running a module's ``forward``."""
     return [i for i, f in enumerate(frames) if f.f_code.co_name == "forward"
             and issubclass(type(f.f_locals.get("self")), torch.nn.Module)]
+
+
+def training_loop(frame, filename: str, variables: Callable = attrgetter("f_locals")) -> tuple | None:
+    """The training loop of ``filename`` running ``frame`` (the one ``loop_start`` looks before): its code and first
+    offset; None where no loop of the script runs it."""
+    found = _training_loop(list(stack(frame)), filename, variables)
+    return None if found is None else (found[0].f_code, min(found[1]))
+
+
+def _training_loop(frames: list, filename: str, variables: Callable) -> tuple | None:
+    """(frame, the offsets of its loop's body) of the nearest of ``_loops`` not inside one update (a loss per decoded
+    word: a caller's loop is the training loop)."""
+    return next(((f, body) for f, body in _loops(frames, filename) if not _inside_one_update(f, body, variables)),
+                None)
 
 
 def _loops(frames: list, filename: str) -> Iterator[tuple]:

@@ -51,6 +51,10 @@ BROKEN = {
     "seed000_ex2_reused_input": r"GraphReuseError: .*\(step 1, loss 'loss'\).*held by `local input_data`.*"
                                 r"recompute `input_data` inside the loop",
     "seed000_ex3_edit_grads": r"DoubleBackwardError: .*\(step 2, loss 'loss'\).*held by `local loss`",
+    # a second training loop: what the script made between the loops was built before that loop's steps
+    "teacher_then_student_targets_with_graph": r"GraphReuseError: .*\(step 6, loss 'loss'\): the loss reaches "
+                                               r"AddmmBackward0, built before the step \(before the loop\) and held by "
+                                               r"`global targets\[0\]`",
     "seed001_reused_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MvBackward0, built before "
                             r"the step \(before the loop\) and held by `global y`.*To fix: recompute `y` inside the loop",
     "seed002_backward_twice": r"DoubleBackwardError: .*\(step 1, loss 'loss'\).*held by `global computed_loss`.*"
