@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError, StepError
 from ..settings import GUARD_DEFAULTS, GuardSettings, read
 from . import explain, walk
-from .before import elements, loop_start
+from .before import elements, loop_start, training_loop
 from .bytecode import set_by_outer_loop, set_every_time, stack
 from .explain import Scope
 from .guard import Guard
@@ -115,6 +115,8 @@ class GraphGuard:
         self._globals: dict | None = None  # more globals to search (the script's, under watch)
         self._read: set = set()  # the code of the functions whose variables the guard read (see ``variables``)
         self._timed, self._started, self._ended = False, 0.0, 0.0
+        self._opened: set[tuple] = set()  # the lines that opened a ``with guard.step()``: (code, offset)
+        self._loop: tuple | None = None  # the training loop running the last new one (``before.training_loop``)
         # Checked steps' graphs (step, its loop iteration, weak references), looked at two steps later: a loop's
         # variables hold the last step's loss until the next step replaces it, and a script's variables hold its
         # last losses to the end, which is no leak. A leak is one holder keeping the graphs of several
@@ -159,7 +161,7 @@ class GraphGuard:
                 raise StepError("guard.step() is already open: steps do not nest (one `with guard.step():` "
                                 "around each training step)", self.steps)
             self._end()
-        if self.steps == 0:
+        if self._another_loop(frame) or self.steps == 0:
             self._start(frame)
         self._begin(frame, explicit=True)
         return self
@@ -167,6 +169,17 @@ class GraphGuard:
     def __exit__(self, kind, value, tb) -> None:
         if self._open:
             self._end(failed=kind is not None)
+
+    def _another_loop(self, frame) -> bool:
+        """Whether ``with guard.step()`` opens, from a line not seen before, in another training loop than the last
+        (a second phase: a student trained after its teacher): training starts again there (``_start``)."""
+        site = None if frame is None else (frame.f_code, frame.f_lasti)
+        if site is None or site in self._opened:
+            return False
+        self._opened.add(site)
+        loop, last = training_loop(frame, frame.f_code.co_filename, self.variables), self._loop
+        self._loop = loop or last
+        return loop is not None and loop != last
 
     def _start(self, frame) -> None:
         """Training starts at the first ``with guard.step()``; where a variable of the loop running it, set on every way

@@ -72,6 +72,37 @@ def test_features_of_an_encoder_no_optimizer_trains_are_told_to_be_kept_as_a_con
         frozen_features_loop(detach=True)
 
 
+def teacher_then_student(no_grad: bool) -> list[torch.Tensor]:
+    """Two training loops under one guard: a teacher trained, then a student on the teacher's outputs, computed once
+    between the loops (``no_grad``: under ``torch.no_grad()``, as they should be)."""
+    (teacher, opt_t, data), (student, opt_s, _) = setup(), setup(1)
+    guard = GraphGuard()
+    for x in data:
+        with guard.step():
+            guard.backward(teacher(x).pow(2).mean())
+            opt_t.step()
+            opt_t.zero_grad()
+    with torch.no_grad() if no_grad else nullcontext():
+        targets = teacher(torch.stack(data))
+    for _ in range(2):
+        for x, target in zip(data, targets):
+            with guard.step():
+                guard.backward((student(x) - target).pow(2).mean())
+                opt_s.step()
+                opt_s.zero_grad()
+    return state(student)
+
+
+def test_a_second_training_loop_starts_training_again_what_was_made_before_it_is_built_before_its_steps():
+    with pytest.raises(GraphReuseError, match=re.escape("(step 7, loss 'loss'): the loss reaches ViewBackward0, built "
+                                                        "before the step (before the loop) and held by `local "
+                                                        "targets`")):
+        teacher_then_student(no_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        teacher_then_student(no_grad=True)
+
+
 def test_a_graph_from_before_the_loop_that_every_backward_keeps_is_stopped_once_an_update_made_it_stale():
     """A backward with create_graph=True, which keeps the graph (LiSSA's torch.autograd.grad through a gradient taken
     before its loop, nimarb/pytorch_influence_functions' s_test), may go through a graph built before the loop while

@@ -389,13 +389,13 @@ def class_loop(model, label_encoder, data, guard=None, fix=None, frozen=False):
 def test_class_embedding_computed_before_the_loop_is_stopped_at_the_first_step(place, frozen):
     """The embeddings computed once with their graph: stopped at step 1, before any gradient or update, naming
     ``class_emb``, with "recompute `class_emb` inside the loop" and ``torch.no_grad()`` for a constant (first for a
-    frozen encoder under watch, which sees that no optimizer holds it)."""
+    frozen encoder, which no optimizer holds)."""
     torch.manual_seed(0)
     built = class_build()
     start = {"model": {k: v.clone() for k, v in built[0].state_dict().items()}, "encoder": built[1].weight.clone()}
     pattern = r"step 1, .*held by `(local )?class_emb`.*To fix: " + (
         r"if it is meant as a constant.*compute it under `torch\.no_grad\(\)`; or recompute `class_emb` inside the loop"
-        if frozen and place == "watch" else
+        if frozen else
         r"recompute `class_emb` inside the loop.*or compute it under `torch\.no_grad\(\)`")
     with pytest.raises(GraphReuseError, match=pattern):
         if place == "watch":
