@@ -165,19 +165,19 @@ class Watch:
         if inside_one_update(frame, self.script, self.guard.variables):
             self.guard.steps_end_at_updates()
         self.loop = training_loop(frame, self.script, self.guard.variables)
-        engine = self.guard.guard
-        if start is not None and start > engine.fit_seq:
-            engine.start_fit(at=start)
+        self.start_at(start)
 
     def another_loop(self, frame) -> None:
         """A backward from a line of the script not seen before: where a training loop other than the last one runs
         it (a second phase: a student trained after its teacher, a fine-tuning after a pre-training), training starts
         again there. What the script made before that loop was built before its steps, as for the first loop."""
         loop = training_loop(frame, self.script, self.guard.variables)
-        if loop is None or loop == self.loop:
-            return
-        self.loop = loop
-        start = loop_start(frame, self.script, self.guard.variables)
+        if loop is not None and loop != self.loop:
+            self.loop = loop
+            self.start_at(loop_start(frame, self.script, self.guard.variables))
+
+    def start_at(self, start: int | None) -> None:
+        """Training starts at node counter ``start`` (None: where it started), unless it started later."""
         engine = self.guard.guard
         if start is not None and start > engine.fit_seq:
             engine.start_fit(at=start)
