@@ -22,8 +22,11 @@ A child forked from the server sees none of another test's modules (the server n
 ``cnn.py`` is found afresh in its own directory. What torch, Hydra and safeloop read from the environment when
 imported (``OMP_NUM_THREADS``, ``TORCH_*``, ``CUDA_*``, ``HYDRA_*``, ...) is the server's, so a fork only runs
 a command whose environment is the server's (``tests.conftest.subprocess_env()`` when it started) but for
-``PYTEST_CURRENT_TEST`` and entries put before the server's ``PYTHONPATH``; any other difference, however
-harmless it looks, runs a real subprocess (conservative: no list of keys read at import to keep up to date).
+``PYTEST_CURRENT_TEST``, entries put before the server's ``PYTHONPATH`` and the variables the server's imports set
+to the value they read as unset (``import torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to its default, in the
+server and in a test's process once it built an optimizer: after that every command would otherwise differ); any
+other difference, however harmless it looks, runs a real subprocess (conservative: no list of keys read at import
+to keep up to date).
 So do command lines that are not ``python`` with one of the forms above (a console script, ``-X``/``-W`` flags).
 ``SAFELOOP_TESTS_NO_FORK=1`` runs every command as a real subprocess, to check the suite both ways.
 
@@ -107,7 +110,7 @@ def child(request):
 
 
 reply = os.fdopen(os.dup(1), "w")
-print(json.dumps({"ready": os.getpid()}), file=reply, flush=True)
+print(json.dumps({"ready": dict(os.environ)}), file=reply, flush=True)  # with what the imports set
 for line in sys.stdin:
     request = json.loads(line)
     sys.stdout.flush(), sys.stderr.flush()
@@ -137,9 +140,9 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=tempfile.gettempdir(), env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.buffer = b""
-        self.reply(None, "ready")
+        self.set_by_imports = {k: v for k, v in self.reply(None, "ready").items() if self.env.get(k) != v}
 
-    def reply(self, deadline: float | None, key: str) -> int | None:
+    def reply(self, deadline: float | None, key: str) -> int | dict | None:
         """The server's next reply, ``key``'s value; None at the deadline."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
@@ -176,8 +179,8 @@ def _request(args, cwd, env: dict) -> dict | None:
         return None
     else:
         kind, target, rest = "script", args[1], args[2:]
-    base = (_server.env if _server else subprocess_env())
-    if {k: v for k, v in env.items() if k not in IGNORED and k != "PYTHONPATH"} != \
+    base, set_by_imports = (_server.env, _server.set_by_imports) if _server else (subprocess_env(), {})
+    if {k: v for k, v in env.items() if k not in IGNORED and k != "PYTHONPATH" and set_by_imports.get(k) != v} != \
             {k: v for k, v in base.items() if k not in IGNORED and k != "PYTHONPATH"}:
         return None
     path, own = env.get("PYTHONPATH", ""), base.get("PYTHONPATH", "")
