@@ -34,6 +34,7 @@ import atexit
 import importlib
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -546,7 +547,13 @@ class Distributed:
 
 
 def _end_group() -> None:
+    """End the process group. Its gloo worker threads let go of a finished collective only after it completed,
+    and one started in a backward holds the backward's Python context (torch 2.13), which takes the GIL to let go
+    of; the group's destructor joins those threads while it holds the GIL. A group ended, or its last holder (a
+    failed step's DistributedDataParallel) freed, right after such a collective would wait forever: the GIL is let
+    go of for a moment first."""
     if dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
