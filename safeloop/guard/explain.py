@@ -390,7 +390,7 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             # `emb = model(features)['sentence_embedding']` leaves it in `features` too
             entry = name, tensor
         elif fn is node:
-            return name
+            return start is not None and _written_again(name, tensor, scope, batch, start) or name
         if reachable(fn, node, limit=2_000):
             (deep if isinstance(name, Inside) else near).append((name, tensor))
     if entry is not None:
@@ -418,6 +418,19 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def _written_again(name: str, tensor: torch.Tensor, scope: Scope | None, batch: Any, start: int) -> str | None:
+    """The attribute beside ``name`` (of the same object) that this step made straight from ``tensor``, of its
+    shape: an object keeping a state's last value next to its current one (a Neural Turing Machine's memory written
+    once a step: ``self.prev_mem = self.memory``, then ``self.memory = f(self.prev_mem)``). The current value is the
+    one the next step reads; detaching the last one would not help, as the next write sets it again."""
+    owner = name.rpartition(".")[0]
+    if type(name) is not str or not owner:
+        return None
+    return next((other for other, t in candidates(scope, batch) if type(other) is str and t.grad_fn is not None
+                 and other.rpartition(".")[0] == owner and t.shape == tensor.shape
+                 and sequence_nr(t.grad_fn) >= start and _made_from(t, tensor)), None)
 
 
 def _variable(name: str) -> str:

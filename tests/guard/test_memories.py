@@ -73,16 +73,17 @@ class NTM(nn.Module):
         return read
 
 
-def train_ntm(fixes: int) -> None:
-    """Three batches of three time steps, the memory and the state carried from batch to batch (``init_sequence``
-    called once, before the loop); ``fixes``: how many of the guard's first fixes are applied, in its order."""
+def train_ntm(fixes: int, time_steps: int = 3) -> None:
+    """Three batches of ``time_steps`` time steps, the memory and the state carried from batch to batch
+    (``init_sequence`` called once, before the loop); ``fixes``: how many of the guard's first fixes are applied, in
+    its order."""
     torch.manual_seed(0)
     net = NTM()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     guard = GraphGuard(net, opt)
     for _ in range(3):
         with guard.step():
-            for x in torch.randn(3, 2, 4):
+            for x in torch.randn(time_steps, 2, 4):
                 out = net(x)
             guard.backward(out.square().mean())
             opt.step()
@@ -94,20 +95,23 @@ def train_ntm(fixes: int) -> None:
                                       tuple(t.detach() for t in net.previous_state[1]))
 
 
-def test_a_memory_written_by_every_forward_is_named_by_its_latest_value_then_the_state_beside_it():
+@pytest.mark.parametrize("time_steps", [3, 1])
+def test_a_memory_written_by_every_forward_is_named_by_its_latest_value_then_the_state_beside_it(time_steps):
     """Each forward sets ``prev_mem`` to the last ``memory`` and writes ``memory`` again: what carries the last batch's
     graph to the next is ``memory``, whose fix applied as written leaves the controller's state, named next, with its
-    own fix; both applied, the loop trains quiet. The model is named as the loop's variable holding it (``net``)."""
+    own fix; both applied, the loop trains quiet. The model is named as the loop's variable holding it (``net``).
+    With one time step a batch, ``prev_mem`` holds the last batch's ``memory`` itself: detaching it would not help
+    (the next write sets it again), and ``memory`` is still the one named."""
     detach = re.escape("(`net.memory.memory = net.memory.memory.detach()`)")
     with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `net.memory.memory`.*" + detach):
-        train_ntm(fixes=0)
+        train_ntm(fixes=0, time_steps=time_steps)
     with pytest.raises(CarriedGraphError, match=r"held by `net.previous_state\[0\]\[0\]`.*" + re.escape(
             "(`net.previous_state = ([t.detach() for t in net.previous_state[0]], tuple(t.detach() for t in "
             "net.previous_state[1]))`)")):
-        train_ntm(fixes=1)
+        train_ntm(fixes=1, time_steps=time_steps)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train_ntm(fixes=2)
+        train_ntm(fixes=2, time_steps=time_steps)
 
 
 def test_a_queue_written_with_graphs_is_told_to_detach_what_is_written():
