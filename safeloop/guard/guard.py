@@ -377,11 +377,18 @@ class Guard:
         for node in nodes:
             if sequence_nr(node) < self._micro_seq and walk.holds_tensors(node) \
                     and walk.is_freed(walk.unpack_error(node, first=True)):
+                holder = explain.find_holder(node, case.scope, case.batch)
+                built = self._built_from_list(node, case, self._micro_seq, holder)
+                if built or isinstance(holder, explain.Element):  # a list the micro-batches add to, as steps would
+                    fixes = _list_fixes(built or holder, built)
+                else:
+                    fixes = ["detach the carried state at the end of each training_step (`{detached}`)"]
+                if _is_held(holder, case.loss, case):  # the loss itself: a sum of the micro-batches' losses
+                    fixes.insert(0, _START_AGAIN)
                 raise self._error(CarriedGraphError, node, case,
                     "the loss reaches {node}, made by an earlier micro-batch of this step and held by {holder}, whose "
                     "backward already freed its saved tensors: under grad_accum each micro-batch is back-propagated "
-                    "on its own", ["detach the carried state at the end of each training_step (`{detached}`)"],
-                    what="graph carried over from an earlier micro-batch")
+                    "on its own", fixes, what="graph carried over from an earlier micro-batch", holder=built or holder)
 
     @staticmethod
     def accumulated(scope: Scope) -> list[tuple[torch.Tensor | None, int]]:
@@ -889,19 +896,9 @@ class Guard:
             listed = _code(_list_of(holder))
             if why not in (_FREED, _AGAIN):
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
-            if built:  # detaching what is added would leave the loss without the graph it is built from
-                fixes = [f"empty `{listed}` after each backward (`del {listed}[:]`): the loss is built from it "
-                         "(REINFORCE's log-probs of an episode, an actor-critic's saved actions), so no earlier "
-                         "step's values may stay in it"]
-            else:
-                fixes = [_detach_what_is_added(holder)]
-            if not built and not holder.filled_by:  # (a list of the user's own: not one a library's keeps, empties)
-                fixes.append(f"if the loss is built from `{listed}` (REINFORCE's log-probs of an episode, losses "
-                             f"stacked over several iterations), empty it after each backward (`del {listed}[:]`), "
-                             "and let one step span the iterations that add to it")
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
-                fixes, trace_hint=True, holder=holder)
+                _list_fixes(holder, built), trace_hint=True, holder=holder)
         if kept:
             # a state whose gradient the loop reads (``retain_grad()``: learning to learn's optimizee weights, carried
             # with their graph across unrolled steps) must still require grad once cut
@@ -921,8 +918,7 @@ class Guard:
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
                 fixes.insert(0, _SLOTS_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
-                fixes.insert(0, "start the sum again after each backward (`{code} = 0`), so that each backward "
-                             "takes the losses added since the last one (the GFlowNet tutorial's `minibatch_loss`)")
+                fixes.insert(0, _START_AGAIN)
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
@@ -985,21 +981,26 @@ class Guard:
                  "of each step (`{detached}`)"]
         return [_target_fix(""), *fixes] if self._compared(trained, case) else [*fixes, _target_fix("")]
 
-    def _built_from_list(self, node, case: Case) -> str | None:
-        """The name of ``node``'s tensor in a list the loss is built from, else None. Such a list is filled several
-        times in this step (an episode's log-probs, an actor-critic's saved actions, whose items are tuples) and holds
-        every way this step's nodes lead from the loss to a leaf. Not a baseline made of past values, nor a target
-        stored in a replay buffer (DQN's), one per step, nor one the loss compares with the network's fresh output."""
-        if not walk.HAS_SEQ or self.start_seq is None or case.loss.grad_fn is None:
+    def _built_from_list(self, node, case: Case, start: int | None = None,
+                         holder: str | None = None) -> str | None:
+        """The name of ``node``'s tensor (or ``holder``, an item reaching it) in a list the loss is built from, else
+        None. Such a list is filled several times in this step (since ``start``, the node counter at its start unless
+        given: an episode's log-probs, an actor-critic's saved actions, whose items are tuples) and holds every way
+        this step's nodes lead from the loss to a leaf. Not a baseline made of past values, one per step, nor a
+        target stored in a replay buffer (DQN's), nor one the loss compares with the network's fresh output."""
+        start = self.start_seq if start is None else start
+        if not walk.HAS_SEQ or start is None or case.loss.grad_fn is None:
             return None
         found = [(name, t.grad_fn) for name, t in explain.candidates(case.scope, case.batch, deep=True)
                  if t.grad_fn is not None and _list_of(name) is not None]
-        for holder in dict.fromkeys(name for name, fn in found if fn is node):
+        for holder in [holder] if holder is not None else dict.fromkeys(name for name, fn in found if fn is node):
             listed = _list_of(holder)
+            if listed is None:
+                continue
             held = [(name, fn) for name, fn in found if _list_of(name) == listed]
-            made = {name[len(listed):].split("]")[0] for name, fn in held if sequence_nr(fn) >= self.start_seq}
+            made = {name[len(listed):].split("]")[0] for name, fn in held if sequence_nr(fn) >= start}
             nodes = {fn for _, fn in held}
-            reached = walk.iter_nodes(case.loss.grad_fn, stop=lambda n: n in nodes or sequence_nr(n) < self.start_seq)
+            reached = walk.iter_nodes(case.loss.grad_fn, stop=lambda n: n in nodes or sequence_nr(n) < start)
             if len(made) > 1 and not any(type(n) is walk.ACCUMULATE for n in islice(reached, 100_000)):
                 return holder
         return None
@@ -1812,6 +1813,29 @@ def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
 def _list_of(holder: str | None) -> str | None:
     """The list a holder is an element of, directly or inside tuples (an actor-critic's (log-prob, value) pairs)."""
     return holder.list_of if isinstance(holder, explain.Element) else getattr(holder, "in_list", None)
+
+
+_START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that each backward takes the losses added "
+                "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
+
+
+def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
+    """Whether the variable or attribute named ``holder`` holds ``tensor`` itself."""
+    return any(t is tensor for name, t in explain.candidates(case.scope, case.batch) if name == holder)
+
+
+def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:
+    """The fixes for a list keeping earlier steps' graphs, whose item ``holder`` is; ``built``: the loss is built from
+    it (see ``Guard._built_from_list``), and detaching what is added would leave the loss without its graph."""
+    listed = _code(_list_of(holder))
+    if built:
+        return [f"empty `{listed}` after each backward (`del {listed}[:]`): the loss is built from it (REINFORCE's "
+                "log-probs of an episode, an actor-critic's saved actions), so no earlier step's values may stay in it"]
+    if holder.filled_by:  # a library's list, which it keeps and empties itself
+        return [_detach_what_is_added(holder)]
+    return [_detach_what_is_added(holder), f"if the loss is built from `{listed}` (REINFORCE's log-probs of an "
+            f"episode, losses stacked over several iterations), empty it after each backward (`del {listed}[:]`), "
+            "and let one step span the iterations that add to it"]
 
 
 def _detach_what_is_added(holder: explain.Element) -> str:

@@ -3,10 +3,12 @@ of losses, in sequential backwards (the first retained) and summed; manual mode 
 GAN's step: the discriminator's update, then the generator's loss through it); gradient accumulation. Each is caught
 at the step the table says, naming its holder and its fix; a failed step leaves parameters and optimizer state as the
 last update left them, or says which parameters the step itself wrote through `.data`; the mistake's correct twin is
-quiet on the same path."""
+quiet on the same path. The states of its carried-fix paragraph (a namedtuple, a dict, a list the loss is built from,
+a sum of losses) run with one loss in automatic mode too: tests/guard covers them in plain loops only."""
 import copy
 import re
 import warnings
+from collections import namedtuple
 from contextlib import nullcontext
 
 import pytest
@@ -21,6 +23,7 @@ from safeloop import (CarriedGraphError, DoubleBackwardError, GraphLeakWarning, 
 PATHS = ["dict", "sum", "manual", "two", "accum"]
 COVERED = {("carried", "manual"), ("ctx", "manual"), ("data", "manual"), ("nograd", "manual"),
            ("leak", "manual"), ("unused", "manual")}
+STATES = {"namedtuple", "dict", "list", "summed"}  # with one loss in automatic mode too
 
 
 class CtxLinear(torch.autograd.Function):
@@ -34,6 +37,9 @@ class CtxLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.mm(ctx.weight), grad.t().mm(ctx.x)
+
+
+State = namedtuple("State", "h c")
 
 
 class Net(nn.Module):
@@ -63,6 +69,9 @@ class Paths(Trainer):
         self.pre = torch.tanh(self.model.g(self.x0))  # the reuse mistake: a graph made before training
         self.ema = copy.deepcopy(self.model).requires_grad_(False)
         self.kept = []  # (parameters, optimizer states) after each update
+        self.saved, self.sum_loss = [], 0  # the losses the loss is built from, and their sum, kept across steps
+        self.st = State(torch.zeros(3, 4), torch.zeros(3, 4))
+        self.mhx = {"h": torch.zeros(3, 4), "m": torch.zeros(3, 4)}
 
     def configure_optimizers(self):
         def sgd(params):
@@ -86,6 +95,32 @@ class Paths(Trainer):
             if fixed:
                 self.h = self.h.detach()
             return loss, out
+        if mistake == "namedtuple":  # an LSTM's state as a namedtuple, detached through its own class
+            out = model(batch)
+            h = torch.tanh(out + self.st.h)
+            self.st = State(h, self.st.c + h)
+            loss = self.st.c.pow(2).mean()
+            if fixed:
+                self.st = State(*(t.detach() for t in self.st))
+            return loss, out
+        if mistake == "dict":  # a memory network's state as a dict, detached in place
+            out = model(batch)
+            self.mhx["h"] = torch.tanh(out + self.mhx["h"])
+            self.mhx["m"] = self.mhx["m"] + self.mhx["h"]
+            loss = self.mhx["m"].pow(2).mean()
+            if fixed:
+                self.mhx.update({k: v.detach() for k, v in self.mhx.items()})
+            return loss, out
+        if mistake in ("list", "summed"):  # the loss built from a list never emptied, or a sum never started again
+            if fixed:  # after the last backward
+                del self.saved[:]
+                self.sum_loss = 0
+            out = model(batch)
+            if mistake == "list":  # one loss per row, as REINFORCE keeps one log-prob per time step of an episode
+                self.saved.extend(row.pow(2).mean() for row in out)
+                return torch.stack(self.saved).mean(), out
+            self.sum_loss = self.sum_loss + out.pow(2).mean()
+            return self.sum_loss, out
         if mistake == "ctx":
             h = model.g(batch)
             if fixed:
@@ -198,6 +233,15 @@ ERRORS = {
         re.escape("made by an earlier micro-batch of this step and held by `self.h`, whose backward already freed"),
         re.escape("To fix: detach the carried state at the end of each training_step (`self.h = self.h.detach()`)"))},
                 "auto"),
+    "namedtuple": (CarriedGraphError, {"accum": 1}, (r"held by `self\.st(\[\d\])?`", re.escape(
+        "(`self.st = type(self.st)(*(t.detach() for t in self.st))`)")), "auto"),
+    "dict": (CarriedGraphError, {"accum": 1}, (r"held by `self\.mhx\['\w'\]`", re.escape(
+        "(`self.mhx.update({k: v.detach() for k, v in self.mhx.items()})`)")), "auto"),
+    # detaching what is added would leave the loss without its graph; detaching the sum would keep adding old losses
+    "list": (CarriedGraphError, {"accum": 1}, (r"held by `self\.saved\[\d\]`", re.escape(
+        "To fix: empty `self.saved` after each backward (`del self.saved[:]`): the loss is built from it")), "auto"),
+    "summed": (CarriedGraphError, {"accum": 1}, (r"held by `self\.sum_loss`", re.escape(
+        "To fix: start the sum again after each backward (`self.sum_loss = 0`)")), "auto"),
     "ctx": (InplaceModificationError, 1, (re.escape("keeps a tensor made in the step as an attribute of its ctx "
                                                     "(`ctx.x`)"), re.escape("`x = x + 1` rather than `x += 1`")),
             "auto"),
@@ -215,7 +259,7 @@ ERRORS = {
 
 
 def cells(table):
-    return [(m, p) for m in sorted(table) for p in PATHS if (m, p) not in COVERED]
+    return [(m, p) for m in sorted(table) for p in [*PATHS, *["one"][:m in STATES]] if (m, p) not in COVERED]
 
 
 @pytest.mark.parametrize("mistake, path", cells(ERRORS))
