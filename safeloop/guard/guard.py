@@ -19,6 +19,7 @@ import re
 import time
 import types
 import weakref
+from collections import Counter
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from itertools import islice
@@ -1045,7 +1046,7 @@ class Guard:
             if not kept:
                 return False
             saves = f" (its graph saves tensors in {type(saver).__name__})" if saver is not node else ""
-            fixes = self._rebuild_fixes(holder, leaves, case) + [
+            fixes = self._rebuild_fixes(node, holder, leaves, case) + [
                 "do not pass retain_graph=True: it would back-propagate the same stale graph every step"]
             raise self._error(GraphReuseError, node, case,
                 f"the loss reaches {{node}}, built before the step ({self.words.before}) and held by {{holder}}"
@@ -1063,13 +1064,14 @@ class Guard:
                 log.info("step %d, loss '%s': %s", case.step, case.name, msg)
         return True
 
-    def _rebuild_fixes(self, holder: str | None, leaves, case: Case) -> list[str]:
-        """The fixes for a graph built before the step and held by ``holder``: compute it inside the step, and if it
-        is meant as a constant, detach it, said only where that is a tensor's own statement (a named tensor) or
-        where it trains nothing; a tensor kept unnamed or inside an object (a torch.distributions object built from
+    def _rebuild_fixes(self, node, holder: str | None, leaves, case: Case) -> list[str]:
+        """The fixes for a graph built before the step (``node``) and held by ``holder``: compute it inside the step,
+        and if it is meant as a constant, detach it, said only where that is a tensor's own statement (a named tensor)
+        or where it trains nothing; a tensor kept unnamed or inside an object (a torch.distributions object built from
         the model's output) and made from trained parameters is built again, not kept detached, which would stop
         their training, unless it is a target the loss compares with (a value target stored in a replay buffer):
-        said so (``{code}``: see ``_error``)."""
+        said so (``{code}``: see ``_error``). A named tensor that trains nothing, or that the model made over several
+        forwards (a statistic of the data), is told to be kept as a constant first."""
         # detaching stops the gradient into the leaves below: right only if that is what was meant
         into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
         if _trained(leaves, case.scope):
@@ -1094,7 +1096,7 @@ class Guard:
         leaves, held = list(leaves), _optimized_ids(case.scope)
         constant = held and leaves and all(isinstance(leaf, torch.nn.Parameter) for leaf in leaves) and \
             held.isdisjoint(map(id, leaves))
-        return fixes[::-1] if constant else fixes
+        return fixes[::-1] if constant or _several_forwards(node) else fixes
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node
@@ -1357,7 +1359,7 @@ class Guard:
                     "the loss reaches {node}, built before the step and held by {holder}; a tensor that graph "
                     f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
                     "stale and retain_graph cannot help",
-                    self._rebuild_fixes(holder, walk.below(saving[0])[1], case), holder=holder)
+                    self._rebuild_fixes(saving[0], holder, walk.below(saving[0])[1], case), holder=holder)
             written = _written_leaf(loss, text, tensor)
             if written is not None and not stepped:
                 node, leaf = written
@@ -1822,6 +1824,16 @@ _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that
 def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
     """Whether the variable or attribute named ``holder`` holds ``tensor`` itself."""
     return any(t is tensor for name, t in explain.candidates(case.scope, case.batch) if name == holder)
+
+
+def _several_forwards(node) -> bool:
+    """Whether the graph below ``node`` reaches a leaf from more than one place: a value the model made over several
+    forwards, a statistic of the data (Deep SVDD's center, the mean of the network's outputs over the training set,
+    computed once before training), which is meant as a constant: computing it again every step would run the model
+    over the data each time."""
+    uses = Counter(id(nxt) for n in islice(walk.iter_nodes(node), 100_000) for nxt, _ in n.next_functions
+                   if type(nxt) is walk.ACCUMULATE)
+    return any(count > 1 for count in uses.values())
 
 
 def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:

@@ -68,6 +68,11 @@ BROKEN = {
     "pinn_derivative_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches MmBackward0, built "
                                    r"before the step \(before the loop\) and held by `global u_x`.*To fix: recompute "
                                    r"`u_x` inside the loop",
+    # a statistic of the data made by several forwards of the trained network before the loop (Deep SVDD's center):
+    # meant as a constant, said first
+    "deep_svdd_center_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches IndexPutBackward0, "
+                                   r"built before the step \(before the loop\) and held by `global c`.*To fix: if it "
+                                   r"is meant as a constant .*store `c.detach\(\)` instead",
     # a value made from the trained network and kept since: among the fixes, the one for a target
     "dqn_target_stored_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global buffer\[0\]\[2\]`.*"
                                     r"To fix: if it is a target the loss compares with.*compute it under "
@@ -302,6 +307,8 @@ FIRST_FIX = {
     "lbfgs_closure_state_not_detached": ("lbfgs_closure_state_detached", "lbfgs_closure_state_detached",
                                          "        seq.state = tuple(t.detach() for t in seq.state)",
                                          "detach the carried state after each backward"),
+    "deep_svdd_center_with_graph": ("deep_svdd_center_no_grad", "deep_svdd_center_detached", "c = c.detach()",
+                                    "store `c.detach()` instead"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
