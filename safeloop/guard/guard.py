@@ -1735,7 +1735,9 @@ class Slots(str):
 
 
 def _written_in_slots(tensor: torch.Tensor) -> bool:
-    return type(tensor.grad_fn).__name__ == "CopySlices"
+    """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``), or
+    ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch)."""
+    return type(tensor.grad_fn).__name__ in ("CopySlices", "IndexPutBackward0")
 
 
 _COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "

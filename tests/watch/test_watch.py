@@ -73,6 +73,10 @@ BROKEN = {
     "deep_svdd_center_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches IndexPutBackward0, "
                                    r"built before the step \(before the loop\) and held by `global c`.*To fix: if it "
                                    r"is meant as a constant .*store `c.detach\(\)` instead",
+    # a memory bank's rows of the batch written by momentum outside no_grad (`memory[idx] = ...`, index_put_): the
+    # write is what to detach
+    "memory_bank_momentum_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global memory`.*To "
+                                       r"fix: detach what is written into `memory` where it is written",
     # a value made from the trained network and kept since: among the fixes, the one for a target
     "dqn_target_stored_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global buffer\[0\]\[2\]`.*"
                                     r"To fix: if it is a target the loss compares with.*compute it under "
