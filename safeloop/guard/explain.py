@@ -45,6 +45,8 @@ class Scope:
             ``no_grad``, ``detach``, ``item``), changing nothing; None when it cannot.
         optimized: the parameters the optimizers update, or None while the optimizers are not known (a plain
             loop given none, before one steps): a loss's leaves are judged against them only when known.
+        data: a Trainer's training data when it is a list of batches, which the steps get as they are: searched
+            last, for a graph a step left in a batch (written into in place), as ``self.train_data``.
     """
 
     roots: Mapping[str, Any] = field(default_factory=dict)
@@ -53,6 +55,7 @@ class Scope:
     parameters: Callable[[], Iterable[torch.Tensor]] = tuple
     rerun: Callable[[Any], set[str] | None] | None = None
     optimized: Callable[[], Iterable[torch.Tensor] | None] = lambda: None
+    data: list | tuple | None = None
 
     @classmethod
     def of_trainer(cls, trainer: Any, model: Any, training_step: Callable, optimizers: Mapping) -> Scope:
@@ -60,7 +63,9 @@ class Scope:
         once per fit (a parameter ``add_param_group`` adds later may hold gradients nothing cleared)."""
         trained = list({id(p): p for opt in optimizers.values() for g in opt.param_groups
                         for p in g["params"]}.values())
-        return cls(roots={"self": trainer, "self.model": model}, functions=(training_step,), parameters=lambda: trained)
+        data = trainer.train_data if isinstance(trainer.train_data, (list, tuple)) else None
+        return cls(roots={"self": trainer, "self.model": model}, functions=(training_step,), parameters=lambda: trained,
+                   data=data)
 
     def named_roots(self) -> list[tuple[str, Any]]:
         """The roots, each named by the first variable of the namespaces that holds it, as the loop's code names it
@@ -431,6 +436,11 @@ def _written_again(name: str, tensor: torch.Tensor, scope: Scope | None, batch: 
     return next((other for other, t in candidates(scope, batch) if type(other) is str and t.grad_fn is not None
                  and other.rpartition(".")[0] == owner and t.shape == tensor.shape
                  and sequence_nr(t.grad_fn) >= start and _made_from(t, tensor)), None)
+
+
+def data_items(scope: Scope) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of the scope's ``data`` (a Trainer's list of batches), named from ``self.train_data``."""
+    return _items(scope.data, "self.train_data", depth=3) if scope.data is not None else iter(())
 
 
 def _variable(name: str) -> str:

@@ -1734,6 +1734,12 @@ class Slots(str):
     through: bool = False
 
 
+def _slots(name: str, tensor: torch.Tensor) -> Slots:
+    slots = Slots(name)
+    slots.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
+    return slots
+
+
 def _written_in_slots(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``), or
     ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch)."""
@@ -1873,8 +1879,7 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
     for name, tensor in explain.candidates(scope, deep=deep):
         if _holds(tensor, sentinel):
             if type(name) in (str, explain.Item, explain.Entry) and _written_in_slots(tensor):
-                name = Slots(name)
-                name.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
+                name = _slots(name, tensor)
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
                 return name
             made_now = made_now or name
@@ -1882,6 +1887,9 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
         return made_now
     if scope is None:
         return None
+    for name, tensor in explain.data_items(scope):  # a batch of the Trainer's list that a step wrote into
+        if _holds(tensor, sentinel):
+            return _slots(name, tensor) if _written_in_slots(tensor) else name
     graded = [p for p in scope.parameters() if p.grad is not None and p.grad.grad_fn is not None]
     for param in graded:
         if _holds(param.grad, sentinel):

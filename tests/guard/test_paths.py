@@ -318,12 +318,9 @@ WARNINGS = {
     "patch_once": (GraphLeakWarning, 2, r"steps 1 and 2: .* held by `self\.train_data\[\d\]`",
                    re.escape("To fix: write into a copy: clone the tensor before writing into it")),
 }
-UNSAID = pytest.mark.xfail(strict=True, raises=AssertionError, reason="the Trainer does not search its train_data's "
-                           "batches: the leak names no holder and tells to store loss.item(), not to write into a copy")
 
 
-@pytest.mark.parametrize("mistake, path", [pytest.param(*cell, marks=[UNSAID][:cell[0] == "patch_once"])
-                                           for cell in cells(WARNINGS)])
+@pytest.mark.parametrize("mistake, path", cells(WARNINGS))
 def test_a_warned_mistake_is_said_on_every_path_and_the_fix_is_quiet(mistake, path):
     category, step, named, fix = WARNINGS[mistake]
     with warnings.catch_warnings(record=True) as said:
