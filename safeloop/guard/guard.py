@@ -19,7 +19,6 @@ import re
 import time
 import types
 import weakref
-from collections import Counter
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from itertools import islice
@@ -1835,13 +1834,18 @@ def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
 
 
 def _several_forwards(node) -> bool:
-    """Whether the graph below ``node`` reaches a leaf from more than one place: a value the model made over several
-    forwards, a statistic of the data (Deep SVDD's center, the mean of the network's outputs over the training set,
-    computed once before training), which is meant as a constant: computing it again every step would run the model
-    over the data each time."""
-    uses = Counter(id(nxt) for n in islice(walk.iter_nodes(node), 100_000) for nxt, _ in n.next_functions
-                   if type(nxt) is walk.ACCUMULATE)
-    return any(count > 1 for count in uses.values())
+    """Whether the graph below ``node`` reaches a leaf from several places side by side, none below another: a value
+    the model made over several forwards of different data, a statistic of the data (Deep SVDD's center, the mean of
+    the network's outputs over the training set, computed once before training), meant as a constant: computing it
+    again every step would run the model over the data each time. Not one made by steps in time, each using the
+    last one's output (an ODE or SDE solved, an RNN run over a sequence): the model's forward, computed again."""
+    uses: dict[int, list] = {}
+    for n in islice(walk.iter_nodes(node), 100_000):
+        for nxt, _ in n.next_functions:
+            if type(nxt) is walk.ACCUMULATE:
+                uses.setdefault(id(nxt), []).append(n)
+    first = next((found[:2] for found in uses.values() if len(found) > 1), None)
+    return first is not None and not (walk.reachable(*first) or walk.reachable(*first[::-1]))
 
 
 def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:

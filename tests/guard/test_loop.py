@@ -72,6 +72,32 @@ def test_features_of_an_encoder_no_optimizer_trains_are_told_to_be_kept_as_a_con
         frozen_features_loop(detach=True)
 
 
+def kept_before_the_loop(how: str) -> None:
+    """A loop whose loss reads a value of the trained model made before it, by four forwards: of four batches, summed
+    (a statistic of the data: Deep SVDD's center) or of four time steps, each on the last one's output (a state
+    made by an RNN cell, as an ODE solve's would be)."""
+    model, opt, data = setup()
+    if how == "batches":
+        kept = sum(model(torch.randn(3, 4)) for _ in range(4)) / 4
+    else:
+        kept = torch.zeros(3, 4)
+        for _ in range(4):
+            kept = torch.tanh(model(kept))
+    guard = GraphGuard(model, opt)
+    for x in data:
+        with guard.step():
+            guard.backward((model(x) - kept).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("how, first", [("batches", "if it is meant as a constant"),
+                                        ("time", "recompute `kept` inside the loop")])
+def test_a_value_made_by_forwards_side_by_side_is_told_to_be_kept_as_a_constant_first_not_one_made_in_time(how, first):
+    with pytest.raises(GraphReuseError, match=re.escape(f"To fix: {first}")):
+        kept_before_the_loop(how)
+
+
 def teacher_then_student(no_grad: bool) -> list[torch.Tensor]:
     """Two training loops under one guard: a teacher trained, then a student on the teacher's outputs, computed once
     between the loops (``no_grad``: under ``torch.no_grad()``, as they should be)."""
