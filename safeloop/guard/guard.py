@@ -1875,8 +1875,9 @@ def _detach_what_is_added(holder: explain.Element) -> str:
 
 
 def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) -> str | None:
-    """The name of the tensor whose graph holds ``sentinel``'s node, else a parameter's ``.grad`` whose graph does
-    (``backward(create_graph=True)``); None when none is found. ``deep``: ``explain.candidates``'. ``start``: the
+    """The name of the tensor whose graph holds ``sentinel``'s node, else of a batch of the Trainer's list of them
+    (``Scope.data``), else a parameter's ``.grad`` whose graph does (``backward(create_graph=True)``); None when none
+    is found. ``deep``: ``explain.candidates``'. ``start``: the
     node counter at the start of the running step: a tensor made since holds the old graph through what it was made
     from, which is named first when a name holds it (a replay buffer, not `old = torch.cat(buffer)` drawn from it)."""
     made_now = None
