@@ -6,6 +6,7 @@ process, one thread, alternating round by round, and compares medians.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -70,9 +71,12 @@ def row(name: str, ours: float, ref: float, target: float | None, unit_per: int 
 def table(rows: list[dict]) -> str:
     lines = ["| benchmark | safeloop µs/step | reference µs/step | ratio | target |",
              "|---|---:|---:|---:|---|"]
+    def us(value: float) -> str:
+        return "—" if math.isnan(value) else f"{value:.1f}"  # a row that times nothing (a memory ratio)
+
     for r in rows:
         target = "—" if r["target"] is None else f"≤ {r['target']:.2f}× {'✓' if r['ok'] else '✗'}"
-        lines.append(f"| {r['benchmark']} | {r['safeloop_us']:.1f} | {r['reference_us']:.1f} | "
+        lines.append(f"| {r['benchmark']} | {us(r['safeloop_us'])} | {us(r['reference_us'])} | "
                      f"{r['ratio']:.3f}× | {target} |")
     return "\n".join(lines)
 

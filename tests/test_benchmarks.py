@@ -33,3 +33,11 @@ def test_a_benchmark_that_raises_costs_its_own_rows_only_and_the_run_exits_1(mon
     out, err = capsys.readouterr()
     assert "| mid MLP | " in out
     assert "RuntimeError: invalid device ordinal" in err and "failed, no rows: bench_fsdp (tracebacks above)" in err
+
+
+def test_a_row_that_times_nothing_shows_a_dash_not_nan(capsys):
+    """A memory ratio (FSDP2's state per rank, undo's snapshots) has no µs/step of either system."""
+    memory = {"benchmark": "memory held", "safeloop_us": float("nan"), "reference_us": float("nan"), "ratio": 0.5,
+              "target": 0.55, "ok": True}
+    assert report([memory], quick=False) == 0
+    assert "| memory held | — | — | 0.500× | ≤ 0.55× ✓ |" in capsys.readouterr().out
