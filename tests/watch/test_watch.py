@@ -280,6 +280,22 @@ BROKEN = {
     "tent_adapt_without_enable_grad": r"NoGraphError: .*\(step 1, loss 'loss'\): grad mode is off where its backward "
                                       r"is called: it was computed inside torch.no_grad\(\).*To fix: .*"
                                       r"`@torch.enable_grad\(\)` decorator",
+    # DEC's target distribution computed without torch.no_grad() every third batch and used by the next two: a target
+    # the loss compares with, kept from the step that made it (the correct loop: dec_target_distribution)
+    "dec_target_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*created during an earlier step and held "
+                             r"by `global p`.*To fix: if it is a target the loss compares with.*compute it under "
+                             r"`torch.no_grad\(\)`",
+    # fast neural style's loss network left trainable: the style Gram matrices made before the loop keep its graph
+    # (the correct loop: fast_neural_style_gram_before_loop; the fix named for one element: test_first_fixes)
+    "fast_neural_style_vgg_not_frozen": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches DivBackward0, "
+                                        r"built before the step \(before the loop\) and held by `global "
+                                        r"gram_style\[\d\]`.*or compute it under `torch.no_grad\(\)`",
+    # SRGAN's generator loss built from the D step's fake_out after optimizerD.step() changed D's weights in place
+    # (the correct loop: srgan_generator_recomputed)
+    "srgan_fake_out_from_d_step": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'optimizerD' "
+                                  r"stepped after this loss was built and before its backward.*To fix: recompute the "
+                                  r"loss after the optimizer step \(in a GAN: the generator loss from a fresh "
+                                  r"D\(fake\)",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
