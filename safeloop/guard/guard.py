@@ -1085,8 +1085,14 @@ class Guard:
             return [f"compute {tensor} inside {self.words.place}, with the object that keeps it (a "
                     "torch.distributions object built from the model's output, a cache), so every step builds its own "
                     "graph"] + constant
-        fixes = [f"recompute `{{code}}` inside {self.words.place}, so every step builds its own graph",
-                 f"if it is meant as a constant{into}, store `{{code}}.detach()` instead, or compute it under "
+        code, detached = "{code}", "{code}.detach()"
+        if isinstance(holder, explain.Element) and self._all_built_before(holder, case):
+            # every item of the list keeps a graph built before the step (fast neural style's Gram matrices of the
+            # style image): the list is made again, or stored detached, as a whole
+            code = _code(holder.list_of)
+            detached = f"[t.detach() for t in {code}]"
+        fixes = [f"recompute `{code}` inside {self.words.place}, so every step builds its own graph",
+                 f"if it is meant as a constant{into}, store `{detached}` instead, or compute it under "
                  "`torch.no_grad()`"]
         # made only from modules' parameters that none of the loop's optimizers update (CoOp's prompt prefix, embedded
         # by CLIP's token embedding, which no optimizer holds; a pretrained encoder outside a GraphGuard's model), it
@@ -1096,6 +1102,13 @@ class Guard:
         constant = held and leaves and all(isinstance(leaf, torch.nn.Parameter) for leaf in leaves) and \
             held.isdisjoint(map(id, leaves))
         return fixes[::-1] if constant or _several_forwards(node) else fixes
+
+    def _all_built_before(self, holder: explain.Element, case: Case) -> bool:
+        """Whether the list ``holder`` is an item of holds tensors only, more than one, each with a graph built
+        before the step."""
+        items = [t for name, t in explain.candidates(case.scope, case.batch) if _list_of(name) == holder.list_of]
+        return len(items) > 1 and self.start_seq is not None and walk.HAS_SEQ and all(
+            t.grad_fn is not None and sequence_nr(t.grad_fn) < self.start_seq for t in items)
 
     def _shared_stale(self, node, leaves, case: Case) -> None:
         """Built before training, saves nothing, from trained parameters -> GraphSharingWarning (once per node

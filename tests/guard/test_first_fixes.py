@@ -534,7 +534,7 @@ def test_old_log_probabilities_kept_with_their_graph_are_advised_no_grad_first_a
     assert all(same(fixed[0], f) for f in fixed[1:])
 
 
-# -- a list of constants built before the loop: the fix names one element ------------------------------------------
+# -- a list of constants built before the loop: the fix detaches the whole list ----------------------------------------
 def gram_loop(fixed: str) -> None:
     """Fast neural style's Gram matrices of the style image, a list made before the loop by a loss network left
     trainable (in no optimizer); ``fixed``: a statement run on the list after it is made (the first fix applied)."""
@@ -552,9 +552,9 @@ def gram_loop(fixed: str) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.xfail(strict=True, reason="the fix names one element of a list whose every element keeps a graph "
-                   "built before the loop: `grams[1].detach()` applied, the next run stops at `grams[0]`")
 def test_the_first_fix_for_a_list_of_constants_built_before_the_loop_detaches_the_whole_list():
+    """Every item keeps a graph made before the loop: a fix naming one item (`grams[1].detach()`) would stop the next
+    run at `grams[0]`."""
     with pytest.raises(Exception, match=r"held by `local grams.*To fix: if it is meant as a constant") as err:
         gram_loop("")
     stored = re.search(r"store `(.+?)` instead", str(err.value)).group(1)  # one element's, or the whole list's

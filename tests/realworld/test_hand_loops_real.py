@@ -388,15 +388,16 @@ def test_fast_neural_style_with_a_frozen_vgg_and_gram_matrices_computed_once(che
 
 def trainable_vgg_stopped(run):
     """``run(*built)`` on a style loop with ``Vgg16(requires_grad=True)`` raises the guard's error at step 1, before
-    any update, naming ``gram_style``; VGG is in no optimizer, so the first fix keeps the target a constant."""
+    any update, naming ``gram_style``; VGG is in no optimizer, so the first fix keeps the targets constants, the whole
+    list at once (each of its Gram matrices keeps a graph)."""
     torch.manual_seed(0)
     transformer, *rest = built = style_build(vgg_requires_grad=True)
     start = deepcopy(transformer)
     with pytest.raises(GraphReuseError, match=r"built before the step is reused \(step 1, .*`local gram_style\[3\]`.*"
                                               r"To fix: if it is meant as a constant \(no gradient through it into "
-                                              r"`vgg\..*store `gram_style\[3\].detach\(\)` instead, or compute it "
-                                              r"under `torch.no_grad\(\)`; or recompute `gram_style\[3\]` inside "
-                                              r"the loop"):
+                                              r"`vgg\..*store `\[t.detach\(\) for t in gram_style\]` instead, or "
+                                              r"compute it under `torch.no_grad\(\)`; or recompute `gram_style` "
+                                              r"inside the loop"):
         run(*built)
     assert_same(transformer, start)
 
