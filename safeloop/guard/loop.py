@@ -53,7 +53,7 @@ class GraphGuard:
             and tells a loss of a frozen model apart.
         optimizers: an optimizer, a list or a dict of them (optional): a step then ends at their
             step when no ``with guard.step()`` marks it, and an update between a loss and its
-            backward is named.
+            backward is named (a list's optimizers by the caller's variables that hold them).
         check / on_reuse / trace / warmup / budget / ignore: as ``guard.*`` for the Trainer
             (``safeloop.settings.GuardSettings``). ``trace=True`` turns anomaly mode on from here until
             ``close()``.
@@ -83,7 +83,7 @@ class GraphGuard:
                 problems.append(f"optimizers={optimizers!r} is of type {type(optimizers).__name__}: give a "
                                 "torch.optim.Optimizer, a list or a dict of them")
                 optimizers = ()
-            optimizers = {f"optimizer {i}": opt for i, opt in enumerate(optimizers)}
+            optimizers = _named(list(optimizers), sys._getframe(1))
         optimizers = dict(optimizers or {})
         problems += [f"optimizers[{name!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}"
                      for name, opt in optimizers.items() if not isinstance(opt, torch.optim.Optimizer)]
@@ -629,3 +629,15 @@ def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:
         except AttributeError:
             continue
     return False
+
+
+def _named(optimizers: list, caller) -> dict[str, Any]:
+    """A list of optimizers by the names the caller's variables give them (`[opt_g, opt_d]`: 'opt_g' and 'opt_d',
+    as watch names them), else by position ('optimizer 0') where no single variable holds one."""
+    def name(i: int, opt: Any) -> str:
+        held = [key for key, val in caller.f_locals.items() if val is opt and not key.startswith("_")]
+        return held[0] if len(held) == 1 else f"optimizer {i}"
+    names = [name(i, opt) for i, opt in enumerate(optimizers)]
+    if len(set(names)) < len(names):
+        names = [f"optimizer {i}" for i in range(len(optimizers))]
+    return dict(zip(names, optimizers))

@@ -1055,3 +1055,26 @@ def test_pseudo_labels_a_finished_teacher_made_with_their_graph_are_kept_without
         warnings.simplefilter("error")
         kept = noisy_student(GraphGuard(), keep="detached")
     assert all(torch.equal(a, b) for a, b in zip(kept, noisy_student(keep="no_grad")))
+
+
+def test_optimizers_given_as_a_list_are_named_by_the_callers_variables():
+    """SRGAN's step (leftthomas/SRGAN, train.py): the generator's loss built from the discriminator step's `fake_out`,
+    back-propagated after `optimizerD.step()` changed the weights that graph saved. The optimizers, handed over as a
+    list, are named as the loop names them (as watch does), not by their place in it."""
+    torch.manual_seed(0)
+    net_g, net_d = torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                                               torch.nn.Linear(4, 1))
+    optimizerG = torch.optim.Adam(net_g.parameters())
+    optimizerD = torch.optim.Adam(net_d.parameters())
+    guard = GraphGuard(None, [optimizerG, optimizerD])
+    with pytest.raises(InplaceModificationError, match="optimizer 'optimizerD' stepped after this loss was built"):
+        for real in torch.randn(3, 4, 3):
+            with guard.step():
+                fake = net_g(torch.randn(4, 3))
+                real_out, fake_out = net_d(real).mean(), net_d(fake).mean()
+                optimizerD.zero_grad()
+                guard.backward(1 - real_out + fake_out, retain_graph=True)
+                optimizerD.step()
+                optimizerG.zero_grad()
+                guard.backward(1 - fake_out + fake.pow(2).mean())
+                optimizerG.step()
