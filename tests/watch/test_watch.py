@@ -433,12 +433,12 @@ def run(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every script under watch (exit code, stdout, stderr), and those that run to their end without it (stdout), by
-    script; the correct and first-fixed scripts of ``FIRST_FIX`` under watch in the other check modes too, by (script,
-    mode): each in a process of its own, forked from one that imported torch (``forked.run_all``)."""
+    """Every script under watch, and those that run to their end without it, by script; the correct and first-fixed
+    scripts of ``FIRST_FIX`` under watch in the other check modes too, by (script, mode): each in a process of its
+    own, forked from one that imported torch (``forked.run_all``)."""
     cwd = tmp_path_factory.mktemp("watch")
     names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
-    plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED)]
+    plain = [*FIXED, *sorted(WARNED), *sorted(LEAKED), *OWN_WARNING]
     modes = [(n, mode) for fixed in FIRST_FIX.values() for n in fixed[:2] for mode in ("always", "off")]
     results = run_all([([*options(n), str(SCRIPTS / f"{n}.py")], True) for n in names]
                       + [([str(SCRIPTS / f"{n}.py")], False) for n in plain]
@@ -446,7 +446,7 @@ def runs(tmp_path_factory):
     watched, results = dict(zip(names, results)), results[len(names):]
     for name, proc in zip(plain, results):
         assert proc.returncode == 0, (name, proc.stderr)
-    return watched, {n: proc.stdout for n, proc in zip(plain, results)}, dict(zip(modes, results[len(plain):]))
+    return watched, dict(zip(plain, results)), dict(zip(modes, results[len(plain):]))
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -466,7 +466,7 @@ def test_a_graph_made_before_the_loop_is_stopped_before_the_first_iteration_ends
 def test_a_script_whose_gradients_go_nowhere_runs_as_without_watch_and_says_so_once(runs, name):
     proc = runs[0][name]
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == runs[1][name]
+    assert proc.stdout == runs[1][name].stdout
     assert len(re.findall("UnusedGradientWarning", proc.stderr)) == 1, proc.stderr
     assert re.search(WARNED[name], proc.stderr), proc.stderr
 
@@ -475,7 +475,7 @@ def test_a_script_whose_gradients_go_nowhere_runs_as_without_watch_and_says_so_o
 def test_a_script_keeping_graphs_outside_the_loss_runs_as_without_watch_and_names_the_holder_once(runs, name):
     proc = runs[0][name]
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == runs[1][name]
+    assert proc.stdout == runs[1][name].stdout
     assert len(re.findall("GraphLeakWarning", proc.stderr)) == 1, proc.stderr
     assert re.search(LEAKED[name], proc.stderr), proc.stderr
 
@@ -492,7 +492,7 @@ def test_a_script_catching_the_error_prints_the_explanation_instead(runs, name):
 def test_a_fixed_seed_script_prints_what_it_prints_without_watch_and_warns_nothing(runs, name):
     proc = runs[0][name]
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == runs[1][name]
+    assert proc.stdout == runs[1][name].stdout
     assert "Warning" not in proc.stderr and "safeloop" not in proc.stderr, proc.stderr
 
 
@@ -509,7 +509,7 @@ def test_the_first_fix_applied_as_written_trains_bit_for_bit_as_the_correct_scri
     assert words in first_fix, first_fix
     added = [d for d in difflib.ndiff(_code(name), _code(applied)) if d[0] in "+-"]
     assert added == [f"+ {line}"]  # the broken script and that one line: nothing else changed
-    assert runs[1][applied] == runs[1][correct]  # without watch: the same losses and the same final weights
+    assert runs[1][applied].stdout == runs[1][correct].stdout  # without watch: the same losses and final weights
 
 
 @pytest.mark.parametrize("name", sorted(n for fixed in FIRST_FIX.values() for n in fixed[:2]))
@@ -517,7 +517,7 @@ def test_a_correct_or_first_fixed_script_is_quiet_and_bit_identical_in_every_che
     for mode in ("always", "off"):  # auto: test_a_fixed_seed_script_prints_what_it_prints_without_watch...
         proc = runs[2][name, mode]
         assert proc.returncode == 0 and proc.stderr == "", (mode, proc.stderr)
-        assert proc.stdout == runs[1][name], mode
+        assert proc.stdout == runs[1][name].stdout, mode
 
 
 def test_a_scripts_own_error_keeps_its_exit_code_and_traceback(tmp_path):
@@ -638,11 +638,8 @@ def test_a_script_that_spawns_workers_or_stops_by_syntax_error_or_ctrl_c_shows_a
                    "_call_impl calls the forward through inner(): a warning whose stacklevel reaches module.py is "
                    "put at another line of it, and Python's once-per-place rule shows it again")
 @pytest.mark.parametrize("name", OWN_WARNING)
-def test_a_correct_script_that_warns_by_itself_shows_the_same_stderr_as_without_watch(tmp_path, name):
-    script = str(SCRIPTS / f"{name}.py")
-    with ThreadPoolExecutor(2) as pool:
-        plain, watched = pool.map(lambda args: run(*args, cwd=tmp_path),
-                                  [(script,), ("-m", "safeloop.watch", *options(name), script)])
-    assert plain.returncode == 0 and plain.stderr.count("UserWarning") == 1, plain.stderr
+def test_a_correct_script_that_warns_by_itself_shows_the_same_stderr_as_without_watch(runs, name):
+    plain, watched = runs[1][name], runs[0][name]
+    assert plain.stderr.count("UserWarning") == 1, plain.stderr
     assert (watched.returncode, watched.stdout) == (0, plain.stdout)  # the same losses and final weights
     assert watched.stderr == plain.stderr

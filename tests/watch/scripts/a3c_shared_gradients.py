@@ -1,6 +1,6 @@
-# ikostrikov/pytorch-a3c (train.py, my_optim.py): a model and an Adam in shared memory; a worker process (spawn
-# method) copies the shared weights into its own model, back-propagates an actor-critic loss there and hands the
-# gradients over by hand (`shared_param._grad = param.grad`) before the shared optimizer steps.
+# ikostrikov/pytorch-a3c (main.py, train.py): a model and an Adam in shared memory; a worker process (`mp.Process`,
+# forked on Linux) copies the shared weights into its own model, back-propagates an actor-critic loss there and
+# hands the gradients over by hand (`shared_param._grad = param.grad`) before the shared optimizer steps.
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ if __name__ == "__main__":
     shared_model = ActorCritic()
     shared_model.share_memory()
     optimizer = torch.optim.Adam(shared_model.parameters(), lr=0.01)
-    worker = mp.get_context("spawn").Process(target=train, args=(0, shared_model, optimizer))
+    worker = mp.Process(target=train, args=(0, shared_model, optimizer))
     worker.start()
     worker.join()
     print(f"exit code {worker.exitcode}, actor weight sum {shared_model.actor.weight.sum().item():.6f}")
