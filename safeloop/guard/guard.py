@@ -168,6 +168,13 @@ class Guard:
         # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
         # whether they were all frozen at its backward)
         self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
+        # the optimizers' parameters that had a gradient after a checked backward since the last update (id -> ref),
+        # with the first such backward's step, loss and line; how many updates in a row found every one of them
+        # cleared (see ``_check_cleared``); and what the backward pre-flighted last gives (parameters, step, loss, line)
+        self._given: dict[int, weakref.ref] = {}
+        self._given_by: tuple[int, str, tuple | None] | None = None
+        self._cleared = 0
+        self._giving: tuple | None = None
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
@@ -498,6 +505,7 @@ class Guard:
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
         if reached and updates and scope is not None:
             self._unused_gradients(reached, step, scope, inputs)
+            self._giving = scope.optimized(), step, reached[0][0], _warn_where(self.frame)
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
@@ -611,6 +619,7 @@ class Guard:
             return out
 
         reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
+        routed = None if inputs is None else set(map(id, inputs))  # backward(inputs=...) writes theirs only
         # every parameter the optimizers hold frozen around this backward: it may be meant for the gradient of what it
         # reaches alone (an energy-based model's Langevin steps: `x.grad` of the samples), if a later backward of the
         # step trains them, once thawed
@@ -640,7 +649,6 @@ class Guard:
                            "if the gradient of a parameter an optimizer updates comes from this one by another way, "
                            "turn this check off for that backward (guard.ignore('unused'); under watch, "
                            "--ignore unused)"]), frozen)
-        routed = None if inputs is None else set(map(id, inputs))  # backward(inputs=...) writes theirs only
         for *_, written, _, _ in self._untrained:  # the gradients a later backward of the step writes: not handed over
             written.update(id(t) for _, _, leaves in reached for t in leaves
                            if id(t) in held and (routed is None or id(t) in routed))
@@ -702,14 +710,12 @@ class Guard:
     def _pend_untrained(self, params, leaves, warning: Warning, frozen: bool) -> None:
         """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
         update; ``frozen``: every one of ``params`` was frozen at its backward (see ``_unused_gradients``)."""
-        frame = self.frame
-        where = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-        self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set(),
+        self._untrained.append((warning, _warn_where(self.frame), {id(p): (p, _grad_state(p)) for p in params}, set(),
                                 {id(t): weakref.ref(t) for t in leaves}, frozen))
 
     def at_update(self) -> None:
-        """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop):
-        a loss found reaching none of the optimizers' parameters since the last update is said now, unless one of
+        """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and
+        the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers' parameters since the last update is said now, unless one of
         them holds a gradient that no backward wrote since that loss's check: a gradient handed over by hand (A3C's
         ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
         A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
@@ -718,6 +724,31 @@ class Guard:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
             warn_at(warning, where, self.heeded)
+        self._check_cleared()
+
+    def _check_cleared(self) -> None:
+        """Gradients cleared before the update that should use them: the optimizers' parameters a backward wrote a
+        gradient into since the last update all have none now (``optimizer.zero_grad()`` between ``backward()`` and
+        ``step()``, or before ``step()`` with ``backward()`` after it): the update changes nothing. Said when two
+        updates in a row find it (one alone may be a step skipped on purpose). Gradients zeroed in place
+        (``zero_grad(set_to_none=False)``) are not told from gradients that are zero."""
+        given, by = [p for ref in self._given.values() if (p := ref()) is not None], self._given_by
+        self._given, self._given_by = {}, None
+        if not given:
+            return
+        self._cleared = self._cleared + 1 if all(p.grad is None for p in given) else 0
+        if self._cleared < 2 or "cleared" in self._warned:
+            return
+        self._warned.add("cleared")
+        step, name, where = by
+        warn_at(UnusedGradientWarning(
+            "the gradients this backward writes are cleared before the optimizer step that should use them: at "
+            "the step, none of the optimizers' parameters has a gradient (zero_grad() is called between backward() "
+            "and step(), or before step() with backward() after it), so the update changes nothing and the model "
+            "does not train", step=step, loss_name=name,
+            fixes=["clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), "
+                   "or right after optimizer.step(): the order is zero_grad(), backward(), step()"]),
+            where, self.heeded)
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
@@ -1185,6 +1216,13 @@ class Guard:
             elif walk.HAS_SEQ and (inputs is None or captured):
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
+        if self._giving is not None and retained is not None and not captured:  # the gradients it wrote are there
+            params, *by = self._giving
+            given = [p for p in params or () if p.grad is not None]
+            self._given.update((id(p), weakref.ref(p)) for p in given)
+            if given and self._given_by is None:
+                self._given_by = tuple(by)
+        self._giving = None
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
@@ -2038,6 +2076,11 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
 def _freed(node) -> bool:
     """Whether a backward already freed the tensors ``node`` saved."""
     return walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
+
+
+def _warn_where(frame) -> tuple | None:
+    """Where ``warn_at`` puts a warning about ``frame``'s line, now: its file, line and module globals."""
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
 
 
 def _grad_state(p: torch.Tensor) -> tuple[int, int] | None:

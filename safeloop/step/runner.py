@@ -481,6 +481,8 @@ class Runner:
                 opt.step()
         finally:
             self.updating = False
+        if closure is not None:  # the gradients its backwards wrote were this update's
+            self.guard.at_update()
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
         self.applied.add(name)  # its gradients stay until the next step begins (``clear_applied``)

@@ -267,3 +267,72 @@ def test_gradients_handed_to_the_optimizers_parameters_by_hand_are_the_losss_and
     assert [n for n, _ in said] == [line] and "(step 1, loss 'loss'): the loss reaches none of the parameters the " \
         "optimizers update, only `local.weight`, `local.bias`" in said[0][1]
     assert all(torch.equal(a, b) for a, b in zip(untrained, worker_loop(None, hand_over=False)[0], strict=True))
+
+
+def zero_grad_order(order: str, check: str, manual: bool = False) -> tuple[list, torch.Tensor]:
+    """Six steps of a regression whose iteration calls zero_grad(), backward() and step() in ``order`` (a
+    GraphGuard loop, or the Trainer's manual mode): the warnings, the trained weight."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(6)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if manual:
+            class Manual(Trainer):
+                automatic = False
+
+                def training_step(self, batch):
+                    loss = F.mse_loss(self.model(batch[0]), batch[1])
+                    calls = {"zero_grad": self.optimizers["optimizer"].zero_grad,
+                             "backward": lambda: self.backward(loss), "step": self.step}
+                    for call in order.split():
+                        calls[call]()
+                    return loss
+
+            Manual(model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), train_data=data, max_steps=6,
+                   guard={"check": check}, device="cpu", progress=False, loggers=()).fit()
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            guard = GraphGuard(model, opt, check=check)
+            for x, y in data:
+                loss = F.mse_loss(model(x), y)
+                calls = {"zero_grad": opt.zero_grad, "backward": lambda: guard.backward(loss), "step": opt.step}
+                for call in order.split():
+                    calls[call]()
+    return [w for w in said if issubclass(w.category, UnusedGradientWarning)], model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["loop", "manual"])
+@pytest.mark.parametrize("check", ["always", "auto"])
+@pytest.mark.parametrize("order", ["backward zero_grad step", "zero_grad step backward"])
+def test_gradients_cleared_between_backward_and_step_are_said_once_and_the_right_order_is_quiet(order, check, manual):
+    """The model that never trains because each iteration clears its gradients before the step uses them (the
+    order of a forum's "my model does not learn"); the guard changes nothing it computes."""
+    said, weight = zero_grad_order(order, check, manual)
+    torch.manual_seed(0)
+    assert torch.equal(weight, nn.Linear(4, 1).weight)  # as without the guard: never updated
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
+    assert "the gradients this backward writes are cleared before the optimizer step that should use them" in \
+        str(said[0].message)
+    assert "To fix: clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), " \
+        "or right after optimizer.step()" in str(said[0].message)
+    right, trained = zero_grad_order("zero_grad backward step", check, manual)
+    assert right == [] and not torch.equal(trained, weight)
+
+
+def test_one_update_that_finds_its_gradients_cleared_is_a_step_skipped_on_purpose():
+    """A step skipped by clearing its gradients (a loss judged bad) and stepping anyway is quiet: only the same
+    finding at two updates in a row is said."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check="always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(6):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            opt.zero_grad()
+            guard.backward(F.mse_loss(model(x), y))
+            if step in (1, 3):
+                opt.zero_grad()
+            opt.step()

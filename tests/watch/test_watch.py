@@ -335,6 +335,11 @@ FIRST_FIX = {
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
+    # zero_grad() between backward() and step(): the warning at the backward whose gradients the step never sees
+    "zero_grad_between_backward_and_step": r"zero_grad_between_backward_and_step.py:17: UnusedGradientWarning: .*"
+                                           r"\(step \d, loss 'loss'\): the gradients this backward writes are "
+                                           r"cleared before the optimizer step that should use them.*To fix: clear "
+                                           r"the gradients before the backward",
     "plain_list_layers": r"plain_list_layers.py:27: UnusedGradientWarning: .*\(step 2, loss 'loss'\): the loss reaches "
                          r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
     "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "
