@@ -715,10 +715,11 @@ class Guard:
 
     def at_update(self) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and
-        the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers' parameters since the last update is said now, unless one of
-        them holds a gradient that no backward wrote since that loss's check: a gradient handed over by hand (A3C's
-        ``shared_param._grad = param.grad``, DARTS' ``alpha.grad = g``, first-order MAML's), which is the loss's.
-        A gradient changed in place counts as handed over too (``shared.grad.copy_(local.grad)``)."""
+        the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers'
+        parameters since the last update is said now, unless one of them holds a gradient that no backward wrote since
+        that loss's check: a gradient handed over by hand (A3C's ``shared_param._grad = param.grad``, DARTS'
+        ``alpha.grad = g``, first-order MAML's), which is the loss's. A gradient changed in place counts as handed
+        over too (``shared.grad.copy_(local.grad)``). Then: gradients cleared too early (``_check_cleared``)."""
         pending, self._untrained = self._untrained, []
         for warning, where, before, written, *_ in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
