@@ -560,3 +560,40 @@ def test_the_first_fix_for_a_list_of_constants_built_before_the_loop_detaches_th
     stored = re.search(r"store `(.+?)` instead", str(err.value)).group(1)  # one element's, or the whole list's
     target = stored[:-len(".detach()")] if re.fullmatch(r"grams\[\d\]\.detach\(\)", stored) else "grams[:]"
     gram_loop(f"{target} = {stored}")  # the first fix as written: no other error follows
+
+
+# -- a KV cache written by each forward and read by its loss: detached, both caches ----------------------------------
+class KVCache(nn.Module):
+    """Meta llama's Attention (llama/model.py) trained as it is: each forward writes its keys and values into the
+    preallocated ``cache_k`` and ``cache_v`` in place and attends over what it wrote there; ``cache=False`` attends
+    over this forward's keys and values. ``rows``: the caches' length (16: the batch's, written whole)."""
+
+    def __init__(self, cache: bool = True, rows: int = 20):
+        super().__init__()
+        self.wk, self.wv = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.cache, self.cache_k, self.cache_v = cache, torch.zeros(rows, 4), torch.zeros(rows, 4)
+
+    def forward(self, x):
+        keys, values = self.wk(x), self.wv(x)
+        if self.cache:
+            self.cache_k[:len(x)] = keys
+            self.cache_v[:len(x)] = values
+            keys, values = self.cache_k[:len(x)], self.cache_v[:len(x)]
+        return torch.softmax(x @ keys.t(), -1) @ values
+
+
+@pytest.mark.xfail(strict=True, reason="the first fix is the adversarial patch's `x = x.clone()` before the write "
+                   "(a clone of the cache keeps the last step's graph: the run applying it stops again), or, the cache "
+                   "written whole, the detach of one cache: the run applying it stops at the other")
+@pytest.mark.parametrize("rows", [20, 16])
+def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_both_caches(rows):
+    """The caches keep the last step's write with its graph (PyTorch: 'backward through the graph a second time' at
+    step 2). Their values are meant to persist, so the fix detaches them: both, or the next run stops at the other."""
+    with pytest.raises(CarriedGraphError, match=r"held by `model\.rot\.cache_[kv]`") as info:
+        cache_loop(Deep(KVCache(rows=rows)))
+    assert info.value.fixes[0].startswith("detach the carried state at the end of each step")
+    fix = first_fix_code(info.value)
+    correct = cache_loop(Deep(KVCache(cache=False)), check=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(same(cache_loop(Deep(KVCache(rows=rows)), fix, check=check), correct) for check in CHECKS)
