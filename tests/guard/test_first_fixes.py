@@ -582,6 +582,11 @@ class KVCache(nn.Module):
         return torch.softmax(x @ keys.t(), -1) @ values
 
 
+def kv(cache: bool = True, rows: int = 20) -> nn.Module:
+    torch.manual_seed(2)
+    return Deep(KVCache(cache, rows))
+
+
 @pytest.mark.xfail(strict=True, reason="the first fix is the adversarial patch's `x = x.clone()` before the write "
                    "(a clone of the cache keeps the last step's graph: the run applying it stops again), or, the cache "
                    "written whole, the detach of one cache: the run applying it stops at the other")
@@ -590,10 +595,10 @@ def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_
     """The caches keep the last step's write with its graph (PyTorch: 'backward through the graph a second time' at
     step 2). Their values are meant to persist, so the fix detaches them: both, or the next run stops at the other."""
     with pytest.raises(CarriedGraphError, match=r"held by `model\.rot\.cache_[kv]`") as info:
-        cache_loop(Deep(KVCache(rows=rows)))
+        cache_loop(kv(rows=rows))
     assert info.value.fixes[0].startswith("detach the carried state at the end of each step")
     fix = first_fix_code(info.value)
-    correct = cache_loop(Deep(KVCache(cache=False)), check=None)
+    correct = cache_loop(kv(cache=False), check=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert all(same(cache_loop(Deep(KVCache(rows=rows)), fix, check=check), correct) for check in CHECKS)
+        assert all(same(cache_loop(kv(rows=rows), fix, check=check), correct) for check in CHECKS)
