@@ -936,15 +936,22 @@ class Guard:
             # with their graph across unrolled steps) must still require grad once cut
             held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
             cut = "{detached}.requires_grad_()" if any(t.retains_grad for t in held) else "{detached}"
+            # an object's tensors written in place beside it (llama's cache_k beside its cache_v) are detached with
+            # it: the fix of one alone would stop the next run at the other
+            cut = "; ".join([cut, *(f"{c} = {c}.detach()" for c in self._written_beside(holder, held, case))])
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
             written = any(_written_in_slots(t) for t in held)
+            own = re.search(r"\.\w+$", _code(holder) or "") is not None  # an object's attribute, not a taken item
             if written and type(node).__name__ == "CopySlices" and node.metadata.get(_SENTINEL):
                 # the loss reaches a write in place that the step making it back-propagated through (its walk met it:
                 # an adversarial patch placed into each image of a batch kept in a list, read again in a second
-                # epoch): the write carries the gradient, so a copy is written into, never a detached value
-                fixes = [_COPY_FIX, fixes[1]]
+                # epoch): the write carries the gradient, so a copy is written into, never a detached value. Not an
+                # object's own tensor that each forward writes into and reads (llama's KV cache trained as it is):
+                # its copy, stored back, would keep the last step's graph; detached, it keeps its values
+                if not own:
+                    fixes = [_COPY_FIX, fixes[1]]
             elif written:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
@@ -957,6 +964,24 @@ class Guard:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
+
+    def _written_beside(self, holder: str | None, held: list[torch.Tensor], case: Case) -> list[str]:
+        """The other attributes of the object whose attribute ``holder`` is (``model.attn.cache_k`` beside
+        ``model.attn.cache_v``), as code, that hold a tensor written in place (``copy_``, slots) over a graph made
+        before this step."""
+        code = _code(holder) or ""
+        owner = code.rpartition(".")[0]
+        if not owner or self.start_seq is None or not walk.HAS_SEQ:
+            return []
+        beside = []
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            other = _code(name) or ""
+            if other.rpartition(".")[0] == owner and other != code and re.fullmatch(r"\w+", other[len(owner) + 1:]) \
+                    and not any(tensor is t for t in held) and type(tensor.grad_fn).__name__ in _WRITTEN_NODES \
+                    and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
+                            for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)) and other not in beside:
+                beside.append(other)
+        return beside
 
     def _remade(self, cls, node, case: Case, made: str, why: str) -> None:
         """``node`` made ``made`` as a module attribute that each forward makes again (``explain.remade_attribute``:
@@ -1789,6 +1814,9 @@ def _slots(name: str, tensor: torch.Tensor) -> Slots:
     slots = Slots(name)
     slots.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
     return slots
+
+
+_WRITTEN_NODES = ("CopySlices", "IndexPutBackward0", "CopyBackwards")  # a tensor's last change wrote it in place
 
 
 def _written_in_slots(tensor: torch.Tensor) -> bool:

@@ -587,13 +587,12 @@ def kv(cache: bool = True, rows: int = 20) -> nn.Module:
     return Deep(KVCache(cache, rows))
 
 
-@pytest.mark.xfail(strict=True, reason="the first fix is the adversarial patch's `x = x.clone()` before the write "
-                   "(a clone of the cache keeps the last step's graph: the run applying it stops again), or, the cache "
-                   "written whole, the detach of one cache: the run applying it stops at the other")
 @pytest.mark.parametrize("rows", [20, 16])
 def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_both_caches(rows):
     """The caches keep the last step's write with its graph (PyTorch: 'backward through the graph a second time' at
-    step 2). Their values are meant to persist, so the fix detaches them: both, or the next run stops at the other."""
+    step 2). Their values are meant to persist, so the fix detaches them, not the adversarial patch's `x = x.clone()`
+    before the write (the clone, stored back, keeps the last step's graph); both, or the next run stops at the other
+    (written whole, 16 rows, the node reached is a `CopyBackwards`, not a `CopySlices`)."""
     with pytest.raises(CarriedGraphError, match=r"held by `model\.rot\.cache_[kv]`") as info:
         cache_loop(kv(rows=rows))
     assert info.value.fixes[0].startswith("detach the carried state at the end of each step")

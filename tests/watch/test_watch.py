@@ -296,6 +296,11 @@ BROKEN = {
                                   r"stepped after this loss was built and before its backward.*To fix: recompute the "
                                   r"loss after the optimizer step \(in a GAN: the generator loss from a fresh "
                                   r"D\(fake\)",
+    # llama's Attention fine-tuned with its KV cache, written in place by each forward and read by the loss: both
+    # caches detached at the end of each step (their values kept), not cloned before the write (the clone, stored
+    # back, keeps the last step's graph), nor one cache alone (the next run stops at the other)
+    "llama_kv_cache_trained": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches CopySlices, .*held by "
+                              r"`model.attention.cache_[kv]`.*To fix: detach the carried state at the end of each step",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -332,6 +337,11 @@ FIRST_FIX = {
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
                                        "@torch.enable_grad()  # ensure grads in possible no grad context for testing",
                                        "under the `@torch.enable_grad()` decorator of the function"),
+    "llama_kv_cache_trained": ("llama_kv_cache_detached", "llama_kv_cache_detached",
+                               "    model.attention.cache_v = model.attention.cache_v.detach(); "
+                               "model.attention.cache_k = model.attention.cache_k.detach()",
+                               "(`model.attention.cache_v = model.attention.cache_v.detach(); "
+                               "model.attention.cache_k = model.attention.cache_k.detach()`)"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
