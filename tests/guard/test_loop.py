@@ -98,6 +98,37 @@ def test_a_value_made_by_forwards_side_by_side_is_told_to_be_kept_as_a_constant_
         kept_before_the_loop(how)
 
 
+def conditioned_on_prompts_embedded_before_the_loop(inside: bool) -> list[torch.Tensor]:
+    """DreamBooth with its text encoder trained (diffusers' train_dreambooth.py, --train_text_encoder): the model is
+    conditioned on the embeddings of two prompts (the instance's, the class's), made by the encoder before the loop and
+    stacked, the encoder in the optimizer; ``inside``: made inside the loop (the first fix applied)."""
+    torch.manual_seed(0)
+    encoder, model = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD([*model.parameters(), *encoder.parameters()], lr=0.1)
+    prompts, data = torch.randn(2, 4), [torch.randn(2, 4) for _ in range(3)]
+    embeds = torch.stack([encoder(prompts[0]), encoder(prompts[1])])
+    guard = GraphGuard(model, opt)
+    for x in data:
+        with guard.step():
+            if inside:
+                embeds = torch.stack([encoder(prompts[0]), encoder(prompts[1])])
+            guard.backward(model(torch.cat([x, embeds], 1)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+    return state(encoder)
+
+
+@pytest.mark.xfail(strict=True, reason="two forwards side by side are taken for a statistic of the data (Deep SVDD's "
+                   "center): the detach comes first, which leaves the trained encoder untrained without a word")
+def test_values_made_side_by_side_and_stacked_not_reduced_are_told_to_be_recomputed_first():
+    """Several forwards of a trained encoder kept apart (stacked), not reduced into one value (a sum, a mean), are
+    per-input values that a step computes again, not a statistic of the data."""
+    with pytest.raises(GraphReuseError, match=re.escape("To fix: recompute `embeds` inside the loop")):
+        conditioned_on_prompts_embedded_before_the_loop(inside=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        conditioned_on_prompts_embedded_before_the_loop(inside=True)
+
 def teacher_then_student(no_grad: bool) -> list[torch.Tensor]:
     """Two training loops under one guard: a teacher trained, then a student on the teacher's outputs, computed once
     between the loops (``no_grad``: under ``torch.no_grad()``, as they should be)."""
