@@ -1914,18 +1914,26 @@ def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
 
 
 def _several_forwards(node) -> bool:
-    """Whether the graph below ``node`` reaches a leaf from several places side by side, none below another: a value
-    the model made over several forwards of different data, a statistic of the data (Deep SVDD's center, the mean of
-    the network's outputs over the training set, computed once before training), meant as a constant: computing it
-    again every step would run the model over the data each time. Not one made by steps in time, each using the
-    last one's output (an ODE or SDE solved, an RNN run over a sequence): the model's forward, computed again."""
+    """Whether the graph below ``node`` reaches a leaf from several places side by side, none below another, and
+    combines them into one value (a sum, a mean): a value the model made over several forwards of different data, a
+    statistic of the data (Deep SVDD's center, the mean of the network's outputs over the training set, computed once
+    before training), meant as a constant: computing it again every step would run the model over the data each time.
+    Not one made by steps in time, each using the last one's output (an ODE or SDE solved, an RNN run over a
+    sequence), nor values kept apart (DreamBooth's prompt embeddings, stacked, of a text encoder it trains): the
+    model's forwards, computed again."""
     uses: dict[int, list] = {}
     for n in islice(walk.iter_nodes(node), 100_000):
         for nxt, _ in n.next_functions:
             if type(nxt) is walk.ACCUMULATE:
                 uses.setdefault(id(nxt), []).append(n)
     first = next((found[:2] for found in uses.values() if len(found) > 1), None)
-    return first is not None and not (walk.reachable(*first) or walk.reachable(*first[::-1]))
+    if first is None or walk.reachable(*first, limit=10_000) or walk.reachable(*first[::-1], limit=10_000):
+        return False
+    return any(_REDUCTION.fullmatch(type(n).__name__) and all(walk.reachable(n, f, limit=10_000) for f in first)
+               for n in islice(walk.iter_nodes(node), 200))
+
+
+_REDUCTION = re.compile(r"(Add|Sub|Sum|Mean|Std|Var|StdMean|VarMean)Backward\d")  # nodes combining values into one
 
 
 def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:

@@ -118,8 +118,6 @@ def conditioned_on_prompts_embedded_before_the_loop(inside: bool) -> list[torch.
     return state(encoder)
 
 
-@pytest.mark.xfail(strict=True, reason="two forwards side by side are taken for a statistic of the data (Deep SVDD's "
-                   "center): the detach comes first, which leaves the trained encoder untrained without a word")
 def test_values_made_side_by_side_and_stacked_not_reduced_are_told_to_be_recomputed_first():
     """Several forwards of a trained encoder kept apart (stacked), not reduced into one value (a sum, a mean), are
     per-input values that a step computes again, not a statistic of the data."""

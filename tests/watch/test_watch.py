@@ -301,6 +301,12 @@ BROKEN = {
     # back, keeps the last step's graph), nor one cache alone (the next run stops at the other)
     "llama_kv_cache_trained": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches CopySlices, .*held by "
                               r"`model.attention.cache_[kv]`.*To fix: detach the carried state at the end of each step",
+    # DreamBooth's prompt embeddings made before the loop by the text encoder it trains: two forwards side by side,
+    # stacked, not reduced into a statistic of the data (Deep SVDD's center), so recomputed first, not kept detached
+    "dreambooth_text_embeddings_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                              r"StackBackward0, built before the step \(before the loop\) and held by "
+                                              r"`global prompt_embeds`.*To fix: recompute `prompt_embeds` inside the "
+                                              r"loop",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -342,6 +348,11 @@ FIRST_FIX = {
                                "model.attention.cache_k = model.attention.cache_k.detach()",
                                "(`model.attention.cache_v = model.attention.cache_v.detach(); "
                                "model.attention.cache_k = model.attention.cache_k.detach()`)"),
+    "dreambooth_text_embeddings_before_loop": ("dreambooth_text_embeddings_in_loop",
+                                               "dreambooth_text_embeddings_in_loop",
+                                               "    prompt_embeds = torch.stack([text_encoder(instance_prompt_ids)."
+                                               "mean(0), text_encoder(class_prompt_ids).mean(0)])",
+                                               "recompute `prompt_embeds` inside the loop"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
