@@ -566,38 +566,49 @@ def test_the_first_fix_for_a_list_of_constants_built_before_the_loop_detaches_th
 class KVCache(nn.Module):
     """Meta llama's Attention (llama/model.py) trained as it is: each forward writes its keys and values into the
     preallocated ``cache_k`` and ``cache_v`` in place and attends over what it wrote there; ``cache=False`` attends
-    over this forward's keys and values. ``rows``: the caches' length (16: the batch's, written whole)."""
+    over this forward's keys and values. ``write``: a slice (llama's), the whole cache (16 rows, the batch's), rows
+    chosen by a tensor of positions (gpt-fast's ``k_out[:, :, input_pos] = k_val``) or ``index_copy_`` (lit-gpt's)."""
 
-    def __init__(self, cache: bool = True, rows: int = 20):
+    def __init__(self, cache: bool = True, write: str = "slice"):
         super().__init__()
+        rows = 16 if write == "whole" else 20
         self.wk, self.wv = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
-        self.cache, self.cache_k, self.cache_v = cache, torch.zeros(rows, 4), torch.zeros(rows, 4)
+        self.cache, self.write, self.cache_k, self.cache_v = cache, write, torch.zeros(rows, 4), torch.zeros(rows, 4)
 
     def forward(self, x):
         keys, values = self.wk(x), self.wv(x)
         if self.cache:
-            self.cache_k[:len(x)] = keys
-            self.cache_v[:len(x)] = values
+            pos = torch.arange(len(x))
+            for cache, new in ((self.cache_k, keys), (self.cache_v, values)):
+                if self.write == "index_copy":
+                    cache.index_copy_(0, pos, new)
+                elif self.write == "index_put":
+                    cache[pos] = new
+                else:
+                    cache[:len(x)] = new
             keys, values = self.cache_k[:len(x)], self.cache_v[:len(x)]
         return torch.softmax(x @ keys.t(), -1) @ values
 
 
-def kv(cache: bool = True, rows: int = 20) -> nn.Module:
+def kv(cache: bool = True, write: str = "slice") -> nn.Module:
     torch.manual_seed(2)
-    return Deep(KVCache(cache, rows))
+    return Deep(KVCache(cache, write))
 
 
-@pytest.mark.parametrize("rows", [20, 16])
-def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_both_caches(rows):
+@pytest.mark.parametrize("write", ["slice", "whole", pytest.param("index_put", marks=pytest.mark.xfail(
+    strict=True, reason="the first fix detaches what is written into the cache, which stops the gradient the loss takes "
+    "through it")), pytest.param("index_copy", marks=pytest.mark.xfail(
+    strict=True, reason="the first fix detaches one cache: the run applying it stops at the other"))])
+def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_both_caches(write):
     """The caches keep the last step's write with its graph (PyTorch: 'backward through the graph a second time' at
     step 2). Their values are meant to persist, so the fix detaches them, not the adversarial patch's `x = x.clone()`
     before the write (the clone, stored back, keeps the last step's graph); both, or the next run stops at the other
-    (written whole, 16 rows, the node reached is a `CopyBackwards`, not a `CopySlices`)."""
+    (written whole, the node reached is a `CopyBackwards`, not a `CopySlices`)."""
     with pytest.raises(CarriedGraphError, match=r"held by `model\.rot\.cache_[kv]`") as info:
-        cache_loop(kv(rows=rows))
+        cache_loop(kv(write=write))
     assert info.value.fixes[0].startswith("detach the carried state at the end of each step")
     fix = first_fix_code(info.value)
     correct = cache_loop(kv(cache=False), check=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert all(same(cache_loop(kv(rows=rows), fix, check=check), correct) for check in CHECKS)
+        assert all(same(cache_loop(kv(write=write), fix, check=check), correct) for check in CHECKS)
