@@ -595,10 +595,7 @@ def kv(cache: bool = True, write: str = "slice") -> nn.Module:
     return Deep(KVCache(cache, write))
 
 
-@pytest.mark.parametrize("write", ["slice", "whole", pytest.param("index_put", marks=pytest.mark.xfail(
-    strict=True, reason="the first fix detaches what is written into the cache, which stops the gradient the loss takes "
-    "through it")), pytest.param("index_copy", marks=pytest.mark.xfail(
-    strict=True, reason="the first fix detaches one cache: the run applying it stops at the other"))])
+@pytest.mark.parametrize("write", ["slice", "whole", "index_put", "index_copy"])
 def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_both_caches(write):
     """The caches keep the last step's write with its graph (PyTorch: 'backward through the graph a second time' at
     step 2). Their values are meant to persist, so the fix detaches them, not the adversarial patch's `x = x.clone()`
