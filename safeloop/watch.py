@@ -122,11 +122,11 @@ class Watch:
         finally:
             self.busy = False
 
-    def stepping(self, *_) -> None:
+    def stepping(self, optimizer, *_) -> None:
         """An optimizer's step() begins (before any backward: where the first step may begin, see ``first_step``)."""
         if not self.started and self.first_update is None:
             self.first_update = walk.sequence_now()
-        self.guard.optimizer_stepping()
+        self.guard.optimizer_stepping(optimizer)
 
     def stepped(self, optimizer, args, kwargs) -> None:
         name = self.names.get(id(optimizer))

@@ -48,6 +48,7 @@ from ..errors import (
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
 from .explain import Scope
+from .order import GradientOrder
 from .prints import Prints
 from .render import render
 from .walk import CHEAP_PEEK, sequence_nr
@@ -168,12 +169,9 @@ class Guard:
         # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
         # whether they were all frozen at its backward)
         self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
-        # the optimizers' parameters that had a gradient after a checked backward since the last update (id -> ref),
-        # with the first such backward's step, loss and line; how many updates in a row found every one of them
-        # cleared (see ``_check_cleared``); and what the backward pre-flighted last gives (parameters, step, loss, line)
-        self._given: dict[int, weakref.ref] = {}
-        self._given_by: tuple[int, str, tuple | None] | None = None
-        self._cleared = 0
+        # the order of zero_grad(), backward() and step(), read from the optimizers' gradients (see ``order``); the
+        # optimizers' parameters of the updating backward pre-flighted last, with its step, loss and line
+        self._order = GradientOrder()
         self._giving: tuple | None = None
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
@@ -505,7 +503,9 @@ class Guard:
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
         if reached and updates and scope is not None:
             self._unused_gradients(reached, step, scope, inputs)
-            self._giving = scope.optimized(), step, reached[0][0], _warn_where(self.frame)
+            self._giving = scope.optimized()
+            if self._giving is not None:
+                self._order.before_backward(self._giving, (step, reached[0][0], _warn_where(self.frame)))
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
@@ -713,43 +713,41 @@ class Guard:
         self._untrained.append((warning, _warn_where(self.frame), {id(p): (p, _grad_state(p)) for p in params}, set(),
                                 {id(t): weakref.ref(t) for t in leaves}, frozen))
 
-    def at_update(self) -> None:
+    def at_update(self, params=None) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and
         the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers'
         parameters since the last update is said now, unless one of them holds a gradient that no backward wrote since
         that loss's check: a gradient handed over by hand (A3C's ``shared_param._grad = param.grad``, DARTS'
         ``alpha.grad = g``, first-order MAML's), which is the loss's. A gradient changed in place counts as handed
-        over too (``shared.grad.copy_(local.grad)``). Then: gradients cleared too early (``_check_cleared``)."""
+        over too (``shared.grad.copy_(local.grad)``). Then: the updated ``params`` (the optimizer's; None: unknown)
+        have their gradients cleared too early, or never (``_check_cleared``)."""
         pending, self._untrained = self._untrained, []
         for warning, where, before, written, *_ in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
             warn_at(warning, where, self.heeded)
-        self._check_cleared()
+        self._check_cleared(params)
 
-    def _check_cleared(self) -> None:
-        """Gradients cleared before the update that should use them: the optimizers' parameters a backward wrote a
-        gradient into since the last update all have none now (``optimizer.zero_grad()`` between ``backward()`` and
-        ``step()``, or before ``step()`` with ``backward()`` after it): the update changes nothing. Said when two
-        updates in a row find it (one alone may be a step skipped on purpose). Gradients zeroed in place
-        (``zero_grad(set_to_none=False)``) are not told from gradients that are zero."""
-        given, by = [p for ref in self._given.values() if (p := ref()) is not None], self._given_by
-        self._given, self._given_by = {}, None
-        if not given:
+    def _check_cleared(self, params) -> None:
+        """Gradients cleared before the update of ``params`` that should use them, or never cleared (``order``)."""
+        found = self._order.at_update(params)
+        if found is None or found[0] in self._warned:
             return
-        self._cleared = self._cleared + 1 if all(p.grad is None for p in given) else 0
-        if self._cleared < 2 or "cleared" in self._warned:
-            return
-        self._warned.add("cleared")
-        step, name, where = by
-        warn_at(UnusedGradientWarning(
-            "the gradients this backward writes are cleared before the optimizer step that should use them: at "
-            "the step, none of the optimizers' parameters has a gradient (zero_grad() is called between backward() "
-            "and step(), or before step() with backward() after it), so the update changes nothing and the model "
-            "does not train", step=step, loss_name=name,
-            fixes=["clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), "
-                   "or right after optimizer.step(): the order is zero_grad(), backward(), step()"]),
-            where, self.heeded)
+        kind, (step, name, where) = found
+        self._warned.add(kind)
+        if kind == "cleared":
+            what = ("the gradients this backward writes are cleared before the optimizer step that should use them: "
+                    "at the step, none of the optimizers' parameters has a gradient (zero_grad() is called between "
+                    "backward() and step(), or before step() with backward() after it), so the update changes nothing "
+                    "and the model does not train")
+        else:
+            what = ("this backward adds to the gradients an earlier optimizer step already applied: nothing cleared "
+                    "them since (zero_grad() is never called, or less often than step()), so every step applies the "
+                    "sum of every gradient so far")
+        warn_at(UnusedGradientWarning(what, step=step, loss_name=name, fixes=[
+            "clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), or right "
+            "after optimizer.step(): the order is zero_grad(), backward(), step() (to accumulate gradients over "
+            "several backwards, step and clear once per group)"]), where, self.heeded)
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
@@ -1243,11 +1241,7 @@ class Guard:
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
         if self._giving is not None and retained is not None and not captured:  # the gradients it wrote are there
-            params, *by = self._giving
-            given = [p for p in params or () if p.grad is not None]
-            self._given.update((id(p), weakref.ref(p)) for p in given)
-            if given and self._given_by is None:
-                self._given_by = tuple(by)
+            self._order.after_backward()
         self._giving = None
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:

@@ -130,7 +130,7 @@ class GraphGuard:
         # backward was called starts a step.
         self._by_optimizer = bool(optimizers)
         unhooked = [name for name, opt in optimizers.items()
-                    if not _step_post_hook(opt, lambda *_, _name=name: self.optimizer_stepped(_name))]
+                    if not _step_post_hook(opt, lambda o, *_, _name=name: self.optimizer_stepped(_name, given=o))]
         if unhooked:
             raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
                                "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer or "
@@ -245,14 +245,15 @@ class GraphGuard:
         was called is the same step's."""
         self._by_optimizer = True
 
-    def optimizer_stepping(self) -> None:
+    def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer's ``step()`` begins: from now on a step ends at optimizer steps (python -m safeloop.watch)."""
         self._by_optimizer = True
-        self.guard.at_update()
+        self.guard.at_update(_trained(optimizer))
 
-    def optimizer_stepped(self, name: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Optimizer ``name`` stepped: a step not marked by ``with guard.step()`` ends here."""
-        self.guard.at_update()  # (under watch, done as it began)
+    def optimizer_stepped(self, name: str, optimizer: torch.optim.Optimizer | None = None, given=None) -> None:
+        """Optimizer ``name`` stepped (``optimizer``: one seen stepping under watch; ``given``: one of the loop's,
+        or the optimizer it wraps): a step not marked by ``with guard.step()`` ends here."""
+        self.guard.at_update(_trained(optimizer or given))  # (under watch, done as it began)
         self._recent[name] = walk.sequence_now()
         if optimizer is not None:
             self._stepping.add(optimizer)
@@ -615,6 +616,11 @@ def _need_tensors(method: str, losses: Mapping[str, Any]) -> None:
             what = "loss" if method == "backward" else "loss (a tensor, or a dict of named loss tensors)"
             raise StepError(f"guard.{method}() takes the {what}, got {'' if name == 'loss' else f'{name!r}: '}"
                             f"{type(loss).__name__}: pass the tensor your loss computation returned")
+
+
+def _trained(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor] | None:
+    """The parameters ``optimizer`` updates (None for none)."""
+    return None if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _step_post_hook(opt: torch.optim.Optimizer, fn: Callable) -> bool:

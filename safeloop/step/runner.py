@@ -470,7 +470,7 @@ class Runner:
         self.began[name] = _versions(opt)
         # a step with a closure runs forward and backward inside: anything may fail after it changed weights
         self.undo.before_update(name, False if closure is not None else last)
-        self.guard.at_update()
+        self.guard.at_update(trained(opt))
         self.updating = True
         try:
             if closure is not None:
@@ -482,7 +482,7 @@ class Runner:
         finally:
             self.updating = False
         if closure is not None:  # the gradients its backwards wrote were this update's
-            self.guard.at_update()
+            self.guard.at_update(trained(opt))
         if name in self.unreached and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.unreached.discard(name)
         self.applied.add(name)  # its gradients stay until the next step begins (``clear_applied``)

@@ -270,11 +270,14 @@ def test_gradients_handed_to_the_optimizers_parameters_by_hand_are_the_losss_and
 
 
 def zero_grad_order(order: str, check: str, manual: bool = False) -> tuple[list, torch.Tensor]:
-    """Six steps of a regression whose iteration calls zero_grad(), backward() and step() in ``order`` (a
-    GraphGuard loop, or the Trainer's manual mode): the warnings, the trained weight."""
+    """Six steps of a regression whose iteration calls zero_grad(), backward() (of a loss computed there) and step()
+    in ``order`` (a GraphGuard loop, or the Trainer's manual mode): the warnings, the trained weight."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(6)]
+
+    def loss(batch):  # a loss of its own for each backward
+        return F.mse_loss(model(batch[0]), batch[1])
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         if manual:
@@ -282,42 +285,56 @@ def zero_grad_order(order: str, check: str, manual: bool = False) -> tuple[list,
                 automatic = False
 
                 def training_step(self, batch):
-                    loss = F.mse_loss(self.model(batch[0]), batch[1])
-                    calls = {"zero_grad": self.optimizers["optimizer"].zero_grad,
-                             "backward": lambda: self.backward(loss), "step": self.step}
+                    losses = []
+                    calls = {"zero_grad": self.optimizers["optimizer"].zero_grad, "step": self.step,
+                             "backward": lambda: self.backward(losses.append(loss(batch)) or losses[-1])}
                     for call in order.split():
                         calls[call]()
-                    return loss
+                    return losses[-1]
 
             Manual(model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), train_data=data, max_steps=6,
                    guard={"check": check}, device="cpu", progress=False, loggers=()).fit()
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             guard = GraphGuard(model, opt, check=check)
-            for x, y in data:
-                loss = F.mse_loss(model(x), y)
-                calls = {"zero_grad": opt.zero_grad, "backward": lambda: guard.backward(loss), "step": opt.step}
+            for batch in data:
+                calls = {"zero_grad": opt.zero_grad, "backward": lambda: guard.backward(loss(batch)), "step": opt.step}
                 for call in order.split():
                     calls[call]()
     return [w for w in said if issubclass(w.category, UnusedGradientWarning)], model.weight.detach().clone()
 
 
+CLEARED = "the gradients this backward writes are cleared before the optimizer step that should use them"
+KEPT = "this backward adds to the gradients an earlier optimizer step already applied"
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["loop", "manual"])
 @pytest.mark.parametrize("check", ["always", "auto"])
-@pytest.mark.parametrize("order", ["backward zero_grad step", "zero_grad step backward"])
-def test_gradients_cleared_between_backward_and_step_are_said_once_and_the_right_order_is_quiet(order, check, manual):
-    """The model that never trains because each iteration clears its gradients before the step uses them (the
-    order of a forum's "my model does not learn"); the guard changes nothing it computes."""
-    said, weight = zero_grad_order(order, check, manual)
-    torch.manual_seed(0)
-    assert torch.equal(weight, nn.Linear(4, 1).weight)  # as without the guard: never updated
-    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
-    assert "the gradients this backward writes are cleared before the optimizer step that should use them" in \
-        str(said[0].message)
-    assert "To fix: clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), " \
-        "or right after optimizer.step()" in str(said[0].message)
+@pytest.mark.parametrize("order, said", [("backward zero_grad step", CLEARED), ("zero_grad step backward", CLEARED),
+                                         ("backward step", KEPT)])
+def test_gradients_cleared_too_early_or_never_are_said_once_and_the_right_order_is_quiet(order, said, check, manual):
+    """The model that never trains because each iteration clears its gradients before the step uses them, and the
+    one whose every step applies the sum of all gradients so far (the orders of a forum's "my model does not
+    learn"); the guard changes nothing it computes. The Trainer's manual mode clears the gradients an update
+    applied by itself: without zero_grad() it is right."""
+    warned, weight = zero_grad_order(order, check, manual)
     right, trained = zero_grad_order("zero_grad backward step", check, manual)
-    assert right == [] and not torch.equal(trained, weight)
+    assert right == [] and not torch.equal(trained, nn.Linear(4, 1).weight)
+    if manual and said == KEPT:
+        assert warned == [] and torch.equal(weight, trained)
+        return
+    torch.manual_seed(0)
+    if said == CLEARED:
+        assert torch.equal(weight, nn.Linear(4, 1).weight)  # as without the guard: never updated
+    assert len(warned) == 1 and warned[0].filename == __file__, [str(w.message) for w in warned]
+    assert said in str(warned[0].message)
+    assert "To fix: clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), " \
+        "or right after optimizer.step()" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("order", ["zero_grad backward backward step", "backward backward step zero_grad"])
+def test_gradients_accumulated_over_backwards_and_cleared_once_per_update_are_quiet(order):
+    assert zero_grad_order(order, "always")[0] == []
 
 
 def test_one_update_that_finds_its_gradients_cleared_is_a_step_skipped_on_purpose():

@@ -361,6 +361,10 @@ WARNED = {
                                            r"\(step \d, loss 'loss'\): the gradients this backward writes are "
                                            r"cleared before the optimizer step that should use them.*To fix: clear "
                                            r"the gradients before the backward",
+    # ... and never called: the warning at the backward that adds to the gradients the last step applied
+    "zero_grad_never_called": r"zero_grad_never_called.py:16: UnusedGradientWarning: .*\(step \d, loss 'loss'\): "
+                              r"this backward adds to the gradients an earlier optimizer step already applied.*To "
+                              r"fix: clear the gradients before the backward",
     "plain_list_layers": r"plain_list_layers.py:27: UnusedGradientWarning: .*\(step 2, loss 'loss'\): the loss reaches "
                          r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
     "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "

@@ -1,0 +1,98 @@
+"""The order of ``zero_grad()``, ``backward()`` and ``step()``, read from the optimizers' gradients: at each checked
+backward that writes them (before it runs and after) and at each update. Two mistakes leave every update wrong without
+an error:
+
+- gradients cleared before the update that should use them (``zero_grad()`` between ``backward()`` and ``step()``, or
+  before ``step()`` with ``backward()`` after it): at the update no parameter has a gradient, and nothing changes;
+- gradients never cleared (no ``zero_grad()``): each backward adds to the gradient an earlier update applied, so every
+  update applies the sum of every gradient so far.
+
+A gradient counts as cleared when it is None, or another tensor, or the same tensor at another version than the one
+last seen (``zero_()``, and anything else written into it in place): so a backward the guard did not check, or a
+gradient changed by hand, reads as cleared, and nothing is said. Gradients zeroed in place right before the update
+(``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``) cannot be told from gradients that are zero.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def _state(p: torch.Tensor) -> tuple | None:
+    """``p``'s gradient as it is now: the tensor (weakly) and its version; None for none."""
+    return None if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+
+
+def _same(p: torch.Tensor, state: tuple | None) -> bool:
+    """Whether ``p``'s gradient is still the tensor, at the version, that ``state`` saw."""
+    return state is not None and p.grad is not None and state[0]() is p.grad and state[1] == p.grad._version
+
+
+class GradientOrder:
+    """What the checked backwards and the updates saw of the optimizers' gradients (see the module docstring), per
+    parameter: an update of one optimizer judges its own parameters (a predictive-coding loop steps the value nodes'
+    optimizer at every inference step while the weights' gradients add up until theirs steps)."""
+
+    def __init__(self) -> None:
+        self._params: dict[int, weakref.ref] = {}  # the optimizers' parameters the checked backwards saw
+        self._seen: dict[int, tuple | None] = {}  # their gradients after the last checked backward or their update
+        self._applied: set[int] = set()  # those with a gradient at their optimizer's last update, not cleared since
+        self._added: set[int] = set()  # of those, the ones a checked backward added to since (never cleared)
+        # those with a gradient after a checked backward since their optimizer's last update: the first such
+        # backward's (step, loss name, where to warn)
+        self._given: dict[int, tuple] = {}
+        self._by: tuple | None = None  # the backward about to run's
+        self._before: dict[int, tuple | None] = {}  # its parameters' applied gradients before it ran
+        self._found: dict[tuple, int] = {}  # (mistake, optimizer) -> the updates in a row that found it
+
+    def before_backward(self, params, by: tuple) -> None:
+        """A checked backward is about to write the gradients of ``params`` (the optimizers'); ``by``: its step,
+        loss name and where to warn."""
+        self._before = {}
+        for p in params:
+            i = id(p)
+            self._params[i] = weakref.ref(p)
+            if not _same(p, self._seen.get(i)):  # cleared (or written) since last seen
+                self._applied.discard(i)
+                self._added.discard(i)
+            elif i in self._applied:
+                self._before[i] = self._seen[i]
+        self._by = by
+
+    def after_backward(self) -> None:
+        """That backward ran: the gradients it left; those it added to a gradient an update applied."""
+        for i, ref in self._params.items():
+            p = ref()
+            if p is not None:
+                if i in self._before and not _same(p, self._before[i]):
+                    self._added.add(i)
+                self._seen[i] = _state(p)
+                if p.grad is not None:
+                    self._given.setdefault(i, self._by)
+        self._before = {}
+
+    def at_update(self, params=None) -> tuple[str, tuple] | None:
+        """An update of ``params`` (an optimizer's; None: every one's): ("cleared" or "kept", the first checked
+        backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else None.
+        Updates with no checked backward since the last one are not counted."""
+        params = [p for p in (params or [r() for r in self._params.values()])
+                  if p is not None and id(p) in self._params]
+        given = [self._given[id(p)] for p in params if id(p) in self._given]
+        with_grad = [p for p in params if p.grad is not None]
+        found = None
+        if given:
+            if not any(id(p) in self._given for p in with_grad):
+                found = "cleared"
+            elif all(id(p) in self._added and _same(p, self._seen.get(id(p))) for p in with_grad):
+                found = "kept"  # (not where the gradients changed since that backward: cleared, or clipped)
+            key = id(params[0])
+            for kind in ("cleared", "kept"):
+                self._found[kind, key] = self._found.get((kind, key), 0) + 1 if kind == found else 0
+        for p in params:
+            i = id(p)
+            self._seen[i] = _state(p)
+            (self._applied.add if p.grad is not None else self._applied.discard)(i)
+            self._added.discard(i)
+            self._given.pop(i, None)
+        return (found, given[0]) if found is not None and self._found[found, id(params[0])] == 2 else None
