@@ -61,15 +61,21 @@ class GradientOrder:
         self._by = by
 
     def after_backward(self) -> None:
-        """That backward ran: the gradients it left; those it added to a gradient an update applied."""
-        for i, ref in self._params.items():
+        """That backward ran: the gradients it left; those it added to a gradient an update applied. Parameters no
+        longer alive (a layer made anew in each forward) are forgotten."""
+        for i, ref in list(self._params.items()):
             p = ref()
-            if p is not None:
-                if i in self._before and not _same(p, self._before[i]):
-                    self._added.add(i)
-                self._seen[i] = _state(p)
-                if p.grad is not None:
-                    self._given.setdefault(i, self._by)
+            if p is None:
+                for kept in (self._params, self._seen, self._given):
+                    kept.pop(i, None)
+                self._applied.discard(i)
+                self._added.discard(i)
+                continue
+            if i in self._before and not _same(p, self._before[i]):
+                self._added.add(i)
+            self._seen[i] = _state(p)
+            if p.grad is not None:
+                self._given.setdefault(i, self._by)
         self._before = {}
 
     def at_update(self, params=None) -> tuple[str, tuple] | None:
@@ -77,7 +83,7 @@ class GradientOrder:
         backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else None.
         Updates with no checked backward since the last one are not counted."""
         params = [p for p in (params or [r() for r in self._params.values()])
-                  if p is not None and id(p) in self._params]
+                  if p is not None and id(p) in self._params and self._params[id(p)]() is p]
         given = [self._given[id(p)] for p in params if id(p) in self._given]
         with_grad = [p for p in params if p.grad is not None]
         found = None
