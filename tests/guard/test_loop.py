@@ -128,6 +128,7 @@ def test_values_made_side_by_side_and_stacked_not_reduced_are_told_to_be_recompu
         warnings.simplefilter("error")
         conditioned_on_prompts_embedded_before_the_loop(inside=True)
 
+
 @pytest.mark.xfail(strict=True, reason="an input's .grad is looked at nowhere: the guard checks the gradients of the "
                    "optimizers' parameters only, so the attack of the second epoch reads the sum of two epochs' "
                    "gradients of the same kept batch, as in PyTorch, without a word")
@@ -149,6 +150,7 @@ def test_an_attack_reading_the_grad_of_a_kept_batch_never_cleared_is_warned():
                     opt.zero_grad()
                     guard.backward(model(perturbed.detach()).pow(2).mean())
                     opt.step()
+
 
 def teacher_then_student(no_grad: bool) -> list[torch.Tensor]:
     """Two training loops under one guard: a teacher trained, then a student on the teacher's outputs, computed once
