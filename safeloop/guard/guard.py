@@ -169,10 +169,10 @@ class Guard:
         # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
         # whether they were all frozen at its backward)
         self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
-        # the order of zero_grad(), backward() and step(), read from the optimizers' gradients (see ``order``); the
-        # optimizers' parameters of the updating backward pre-flighted last, with its step, loss and line
+        # the order of zero_grad(), backward() and step(), read from the optimizers' gradients (see ``order``), and
+        # whether it reads the gradients of the backward pre-flighted last (one that writes the optimizers')
         self._order = GradientOrder()
-        self._giving: tuple | None = None
+        self._giving = False
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
@@ -503,9 +503,10 @@ class Guard:
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
         if reached and updates and scope is not None:
             self._unused_gradients(reached, step, scope, inputs)
-            self._giving = scope.optimized()
-            if self._giving is not None:
-                self._order.before_backward(self._giving, (step, reached[0][0], _warn_where(self.frame)))
+            optimized = scope.optimized()
+            self._giving = optimized is not None
+            if optimized is not None:
+                self._order.before_backward(optimized, (step, reached[0][0], _warn_where(self.frame)))
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
@@ -1240,9 +1241,9 @@ class Guard:
             elif walk.HAS_SEQ and (inputs is None or captured):
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
-        if self._giving is not None and retained is not None and not captured:  # the gradients it wrote are there
+        if self._giving and retained is not None and not captured:  # the gradients it wrote are there
             self._order.after_backward()
-        self._giving = None
+        self._giving = False
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
         """A node that an earlier non-retaining backward of this step ran: backward would find it freed."""
