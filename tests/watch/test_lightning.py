@@ -31,16 +31,39 @@ def run(*args: str, cwd: Path, watch: tuple[str, ...] | None = ()) -> subprocess
     return subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
 
 
-def test_a_graph_built_in_init_is_reused_at_step_one_as_in_a_plain_loop_and_a_correct_module_stays_quiet(tmp_path):
+LAUNCH = ("import subprocess, sys\nimport torch\n\n"
+          "if sys.argv[1:] == ['child']:\n"
+          "    t = torch.eye(2, requires_grad=True)\n    a = torch.ones(2, requires_grad=True)\n    y = t @ a\n"
+          "    for i in range(2):\n        loss = (t @ (torch.ones(2) + y)).sum()\n        loss.backward()\n"
+          "else:\n"
+          "    child = subprocess.run([sys.executable, '-u', __file__, 'child'], capture_output=True, text=True)\n"
+          "    print('child exit code', child.returncode)\n    print(child.stderr)\n")
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory) -> tuple[Path, dict[str, list[subprocess.CompletedProcess]]]:
+    """The runs of the tests below, by test, in processes forked from one that imported torch (``forked.run_all``),
+    and their directory (``launch.py`` there: a script that starts another)."""
+    cwd = tmp_path_factory.mktemp("lightning")
+    (cwd / "launch.py").write_text(LAUNCH)
+    jobs = {  # each script: under watch with the graph of __init__, under watch and without it as it is
+        "init": [job for script in ("plain.py", "train.py") for job in (
+            ([str(SCRIPTS / script), "--scale-in-init", "exp"], True), ([str(SCRIPTS / script)], True),
+            ([str(SCRIPTS / script)], False))],
+        "launch": [([str(cwd / "launch.py")], False), (["--trace", str(cwd / "launch.py")], True)],
+        **{f"broadcast-{check}": [(["--check", check, str(SCRIPTS / "train.py"), "--scale-in-init", "pow",
+                                     "--strategy", "ddp", *more], True) for more in ((), ("--accumulate", "2"))]
+           for check in ("auto", "off")}}
+    results = iter(run_all([job for runs in jobs.values() for job in runs], cwd))
+    return cwd, {name: [next(results) for _ in runs] for name, runs in jobs.items()}
+
+
+def test_a_graph_built_in_init_is_reused_at_step_one_as_in_a_plain_loop_and_a_correct_module_stays_quiet(forked):
     """Lightning runs training_step inside optimizer.step(closure): the first step starts with the optimizer's
     step, not with the script, so a graph of __init__ is built before it (it was taken for a carried state, at
     step 2)."""
     scripts = ("plain.py", "train.py")
-    # each script: under watch with the graph of __init__, under watch and without it as it is (see forked.py)
-    jobs = [job for script in scripts for job in (([str(SCRIPTS / script), "--scale-in-init", "exp"], True),
-                                                   ([str(SCRIPTS / script)], True), ([str(SCRIPTS / script)], False))]
-    results = run_all(jobs, tmp_path)
-    for script, (proc, watched, plain) in zip(scripts, zip(*[iter(results)] * 3)):
+    for script, (proc, watched, plain) in zip(scripts, zip(*[iter(forked[1]["init"])] * 3)):
         assert proc.returncode == 1
         assert re.search(REUSED, proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
         assert f"lightning_scripts/{script}" in proc.stderr
@@ -56,18 +79,10 @@ def test_the_ranks_the_ddp_launcher_starts_as_python_script_are_watched_too(tmp_
     assert len(errors) == 2 and all(re.search(REUSED, line) for line in errors), proc.stderr[-3000:]
 
 
-def test_a_python_script_the_watched_script_starts_is_watched_with_the_same_settings(tmp_path):
+def test_a_python_script_the_watched_script_starts_is_watched_with_the_same_settings(forked):
     """The child makes seed 001's mistake; started by the watched script, it stops at its first iteration."""
-    script = tmp_path / "launch.py"
-    script.write_text(
-        "import subprocess, sys\nimport torch\n\n"
-        "if sys.argv[1:] == ['child']:\n"
-        "    t = torch.eye(2, requires_grad=True)\n    a = torch.ones(2, requires_grad=True)\n    y = t @ a\n"
-        "    for i in range(2):\n        loss = (t @ (torch.ones(2) + y)).sum()\n        loss.backward()\n"
-        "else:\n"
-        "    child = subprocess.run([sys.executable, '-u', __file__, 'child'], capture_output=True, text=True)\n"
-        "    print('child exit code', child.returncode)\n    print(child.stderr)\n")
-    plain, watched = run_all([([str(script)], False), (["--trace", str(script)], True)], tmp_path)
+    script = forked[0] / "launch.py"
+    plain, watched = forked[1]["launch"]
     assert plain.stdout.startswith("child exit code 1\n") and \
         "RuntimeError: Trying to backward through the graph a second time" in plain.stdout
     assert watched.returncode == 0, watched.stderr
@@ -78,15 +93,13 @@ def test_a_python_script_the_watched_script_starts_is_watched_with_the_same_sett
 
 
 @pytest.mark.parametrize("check", ["auto", "off"])
-def test_weights_broadcast_in_place_after_a_graph_saved_them_are_named_as_such_not_cloned(tmp_path, check):
+def test_weights_broadcast_in_place_after_a_graph_saved_them_are_named_as_such_not_cloned(forked, check):
     """DDP's constructor writes every parameter in place under no_grad before training: a graph built in
     __init__ that saved a weight fails in backward with PyTorch's in-place error, whose usual fix (.clone())
     does not apply."""
     broadcast = ("changed in place (optimizer steps update parameters in place, and so do writes under "
                  "torch.no_grad() or through .data, such as DDP's broadcast of the weights at start-up)")
-    # the second: with gradient accumulation (below)
-    proc, accumulating = run_all([(["--check", check, str(SCRIPTS / "train.py"), "--scale-in-init", "pow", "--strategy",
-                                    "ddp", *more], True) for more in ((), ("--accumulate", "2"))], tmp_path)
+    proc, accumulating = forked[1][f"broadcast-{check}"]  # the second: with gradient accumulation (below)
     error = proc.stderr.strip().splitlines()[-1]
     kind = "GraphReuseError" if check == "auto" else "InplaceModificationError"
     assert error.startswith(f"safeloop.errors.{kind}") and broadcast in error and ".clone()" not in error, error
