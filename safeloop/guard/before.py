@@ -55,7 +55,11 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
         assigned.update(i.argval for i in dis.get_instructions(code) if code is not frame.f_code
                         and i.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF"))
     values = list(variables(frame).items())
-    held = [v for k, v in values if k not in assigned]
+    # (not a tensor the loop writes into in place, `outputs[i * bs:(i + 1) * bs] = out` of temporal ensembling: its
+    # graph may be this step's, as a buffer's in ``_state``)
+    filled = _filled(body)
+    held = [v for k, v in values if k not in assigned
+            and not (issubclass(type(v), torch.Tensor) and v._version and k in filled)]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
     # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
     # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
@@ -82,7 +86,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
     # is newer than the iteration's first graph; nor does a forward hook (`activation[name] = output`), whose item
     # is older than the loss made from the forward's output
-    filled, hooked = _filled(body), _hook_targets(models)
+    hooked = _hook_targets(models)
     # (and those of the tuples it holds: a data set augmented once, `[(policy(x), y) for x, y in data]`)
     items = [item for k, v in values if k not in assigned and k not in filled and id(v) not in hooked
              for pair in elements(v) for item in (elements(pair) if type(pair) is tuple else [pair])

@@ -400,6 +400,12 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             (deep if isinstance(name, Inside) else near).append((name, tensor))
     if entry is not None:
         return entry[0]
+    # an earlier write into a tensor's slots, held by the tensor written again since (temporal ensembling's
+    # `outputs[i * bs:(i + 1) * bs] = out` every step, read by the targets made from it): the tensor keeping the
+    # graphs, not a value made from it
+    written = next((name for name, t in near if _writes_over(t.grad_fn, node)), None)
+    if written is not None:
+        return written
     near = near or deep
     if near:
         made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
@@ -423,6 +429,13 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             if issubclass(type(obj), torch.Tensor) and obj.grad_fn is node:
                 return "an unnamed tensor (found by the garbage collector)"  # starts with "a": no code
     return None
+
+
+def _writes_over(fn, node) -> bool:
+    """Whether ``fn`` is a chain of writes into a tensor's slots down to ``node``, an earlier write into it."""
+    while fn is not node and type(fn).__name__ in walk.SLOT_WRITES and type(node).__name__ in walk.SLOT_WRITES:
+        fn = fn.next_functions[0][0]
+    return fn is node and type(node).__name__ in walk.SLOT_WRITES
 
 
 def _written_again(name: str, tensor: torch.Tensor, scope: Scope | None, batch: Any, start: int) -> str | None:

@@ -943,7 +943,7 @@ class Guard:
                      f"recompute it inside {self.words.place} from its inputs"]
             written = any(_written_in_slots(t) for t in held)
             own = re.search(r"\.\w+$", _code(holder) or "") is not None  # an object's attribute, not a taken item
-            if written and type(node).__name__ in _SLOT_WRITES and node.metadata.get(_SENTINEL):
+            if written and type(node).__name__ in walk.SLOT_WRITES and node.metadata.get(_SENTINEL):
                 # the loss reaches a write in place that the step making it back-propagated through (its walk met it:
                 # an adversarial patch placed into each image of a batch kept in a list, read again in a second
                 # epoch): the write carries the gradient, so a copy is written into, never a detached value. Not an
@@ -1811,15 +1811,14 @@ def _slots(name: str, tensor: torch.Tensor) -> Slots:
     return slots
 
 
-_SLOT_WRITES = ("CopySlices", "IndexPutBackward0", "IndexCopyBackward0")
-_WRITTEN_NODES = (*_SLOT_WRITES, "CopyBackwards")  # a tensor's last change wrote it in place
+_WRITTEN_NODES = (*walk.SLOT_WRITES, "CopyBackwards")  # a tensor's last change wrote it in place
 
 
 def _written_in_slots(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``),
     ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch), or
     ``x.index_copy_(dim, idx, v)``."""
-    return type(tensor.grad_fn).__name__ in _SLOT_WRITES
+    return type(tensor.grad_fn).__name__ in walk.SLOT_WRITES
 
 
 _COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "

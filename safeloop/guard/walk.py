@@ -32,6 +32,9 @@ with torch.enable_grad():  # imported under no_grad, it still needs a node to lo
     _leaf_node = torch.ones(1, requires_grad=True).view(1).grad_fn
 ACCUMULATE = type(_leaf_node.next_functions[0][0])  # AccumulateGrad, found without naming a private class
 HAS_SEQ = hasattr(_leaf_node, "_sequence_nr")
+# the nodes of a write into some of a tensor's slots in place (`x[:n] = v`, `x[idx] = v`, `x.index_copy_(0, idx, v)`),
+# whose first input is the tensor's value before the write
+SLOT_WRITES = ("CopySlices", "IndexPutBackward0", "IndexCopyBackward0")
 del _leaf_node
 _probe = torch.zeros((), requires_grad=True)
 _saved_attrs: dict[type, tuple[tuple[str, str], ...]] = {}

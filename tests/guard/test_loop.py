@@ -1134,9 +1134,6 @@ def test_optimizers_given_as_a_list_are_named_by_the_callers_variables():
                 optimizerG.step()
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor made before the loop and written into in place by it, holding a "
-                   "graph, is taken for a graph built before the loop: the first step begins after its write, and the "
-                   "step's own output seems built before the loop (a GraphReuseError on a correct loop)")
 def test_a_buffer_the_loop_writes_its_graph_into_in_place_does_not_move_the_first_steps_start():
     """Temporal ensembling's `outputs[i * bs:(i + 1) * bs] = out`, in a loop whose own `out` is made above the step:
     the buffer, made before the loop and written into in place by it (its graph is this step's), is no graph built
@@ -1157,3 +1154,4 @@ def test_a_buffer_the_loop_writes_its_graph_into_in_place_does_not_move_the_firs
         buf.detach_()
         buf[0] = buf[1]
     assert len(losses) == len(data)
+
