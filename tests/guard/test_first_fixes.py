@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, Trainer
+from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphReuseError, Trainer
 
 from ..ddp_cases import SAM
 
@@ -609,3 +609,25 @@ def test_a_kv_cache_written_by_each_forward_is_detached_at_the_end_of_each_step_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(same(cache_loop(kv(write=write), fix, check=check), correct) for check in CHECKS)
+
+
+@pytest.mark.xfail(strict=True, reason="a tensor the trained model made before the loop from trained parameters, in "
+                   "one forward, is told to be recomputed inside the loop first: for Learning without Forgetting's "
+                   "responses of the original network, recorded once as distillation targets, that makes them the "
+                   "trained network's own outputs, a run that completes without a word and forgets")
+def test_responses_recorded_before_the_loop_as_distillation_targets_are_kept_as_constants_first():
+    """Learning without Forgetting (Li & Hoiem): the old head's responses on every new-task example, recorded once
+    before training without torch.no_grad(), then read by slices as the targets of a distillation loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(12, 4)
+    y_o = model(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt)
+    with pytest.raises(GraphReuseError, match=r"held by `local y_o`.*To fix: if it is meant as a constant"):
+        for i in range(0, 12, 4):
+            with guard.step():
+                loss = F.kl_div(model(x[i:i + 4]).log_softmax(1), y_o[i:i + 4].softmax(1), reduction="batchmean")
+                guard.backward(loss)
+                opt.step()
+                opt.zero_grad()
