@@ -1155,3 +1155,27 @@ def test_a_buffer_the_loop_writes_its_graph_into_in_place_does_not_move_the_firs
         buf[0] = buf[1]
     assert len(losses) == len(data)
 
+
+
+@pytest.mark.xfail(strict=True, reason="of two variables carrying the state together (a simulator's position and "
+                   "velocity), the fix detaches the one named (`pos`) only: applied, the next run stops at the same "
+                   "step, naming `pos` again (made in the step from `vel`, still carrying the last step's graph)")
+def test_a_state_carried_in_two_variables_is_detached_whole():
+    """A differentiable simulator unrolled over time with truncated backprop, its `pos, vel` never detached."""
+    model, opt, _ = setup()
+    target = torch.ones(4)
+    pos, vel = torch.zeros(4), torch.zeros(4)
+    guard = GraphGuard(model, opt)
+    with pytest.raises(CarriedGraphError, match=r"To fix: detach the carried state at the end of each step \(`("
+                       + re.escape("pos = pos.detach(); vel = vel.detach()") + "|"
+                       + re.escape("vel = vel.detach(); pos = pos.detach()") + ")`"):
+        for _ in range(3):
+            with guard.step():
+                loss = 0
+                for _ in range(3):
+                    vel = vel + 0.1 * torch.tanh(model(torch.stack([pos, vel]).sum(0)))
+                    pos = pos + 0.1 * vel
+                    loss = loss + (pos - target).pow(2).sum()
+                guard.backward(loss)
+                opt.step()
+                opt.zero_grad()
