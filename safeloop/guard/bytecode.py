@@ -57,6 +57,24 @@ def set_every_time(frame, by_calls: bool = False) -> tuple:
     return None, frozenset()
 
 
+def carried(frame) -> frozenset[str]:
+    """The variables that the loop running ``frame`` (see ``set_every_time``) reads before it sets them, in the order
+    of its code: a state carried from one iteration to the next (`pos` of `pos = pos + dt * vel`)."""
+    frame = set_every_time(frame)[0]
+    if frame is None:
+        return frozenset()
+    body = loop_around(frame.f_code, frame.f_lasti)
+    first: dict[str, bool] = {}
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset in body:
+            for name in stored(ins):
+                first.setdefault(name, False)
+            if ins.opname.startswith(("LOAD_FAST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF")):
+                for name in ins.argval if type(ins.argval) is tuple else [ins.argval]:  # (3.13's LOAD_FAST_LOAD_FAST)
+                    first.setdefault(name, True)
+    return frozenset(name for name, read in first.items() if read)
+
+
 def _every_way(code, offset: int, body: set[int], by_calls: bool) -> frozenset[str]:
     """The variables that the loop whose ``body`` holds ``offset`` sets on every way from its top to it (see
     ``set_every_time``)."""

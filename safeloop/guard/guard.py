@@ -937,7 +937,8 @@ class Guard:
             cut = "{detached}.requires_grad_()" if any(t.retains_grad for t in held) else "{detached}"
             # an object's tensors written in place beside it (llama's cache_k beside its cache_v) are detached with
             # it: the fix of one alone would stop the next run at the other
-            cut = "; ".join([cut, *(f"{c} = {c}.detach()" for c in self._written_beside(holder, held, case))])
+            cut = "; ".join([cut, *(f"{c} = {c}.detach()" for c in [*self._written_beside(holder, held, case),
+                                                                      *self._carried_beside(holder, held, case)])])
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
@@ -963,6 +964,24 @@ class Guard:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
+
+    def _carried_beside(self, holder: str | None, held: list[torch.Tensor], case: Case) -> list[str]:
+        """The other variables of the plain loop holding ``holder`` (a variable too) that carry the state with it
+        (a simulator's `vel` beside its `pos`): read by the loop before it sets them, holding a graph that reaches a
+        node made before this step. The fix of one alone would stop the next run at the same step."""
+        kind, _, code = (holder or "").partition(" ")
+        if kind not in ("global", "local") or self.frame is None or self.start_seq is None or not walk.HAS_SEQ:
+            return []
+        carried = bytecode.carried(self.frame)
+        beside = []
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            other = name.partition(" ")[2]
+            if name.partition(" ")[0] == kind and other in carried and other != code and other not in beside \
+                    and tensor.grad_fn is not None and not any(tensor is t for t in held) \
+                    and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
+                            for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
+                beside.append(other)
+        return beside
 
     def _written_beside(self, holder: str | None, held: list[torch.Tensor], case: Case) -> list[str]:
         """The other attributes of the object whose attribute ``holder`` is (``model.attn.cache_k`` beside

@@ -1157,9 +1157,6 @@ def test_a_buffer_the_loop_writes_its_graph_into_in_place_does_not_move_the_firs
 
 
 
-@pytest.mark.xfail(strict=True, reason="of two variables carrying the state together (a simulator's position and "
-                   "velocity), the fix detaches the one named (`pos`) only: applied, the next run stops at the same "
-                   "step, naming `pos` again (made in the step from `vel`, still carrying the last step's graph)")
 def test_a_state_carried_in_two_variables_is_detached_whole():
     """A differentiable simulator unrolled over time with truncated backprop, its `pos, vel` never detached."""
     model, opt, _ = setup()

@@ -322,11 +322,12 @@ BROKEN = {
                                          r"AddmmBackward0, built before the step \(before the loop\) and held by "
                                          r"`global y_o`.*store `y_o.detach\(\)` instead, or compute it under "
                                          r"`torch.no_grad\(\)`",
-    # a differentiable simulator's state `pos, vel` never detached between truncated-backprop windows: only `pos` is
-    # named in the fix (a strict xfail in tests/guard/test_loop.py: applied, the next run names `pos` again)
+    # a differentiable simulator's state `pos, vel` never detached between truncated-backprop windows: both are
+    # detached (the fix of `pos` alone stopped the next run at the same step, naming `pos` again)
     "diffsim_state_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches AddBackward0, "
                                   r"created during an earlier step and held by `global pos`.*To fix: detach the "
-                                  r"carried state at the end of each step \(`pos = pos.detach\(\)",
+                                  r"carried state at the end of each step \(`pos = pos.detach\(\); vel = "
+                                  r"vel.detach\(\)`\)",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -368,6 +369,10 @@ FIRST_FIX = {
                                "model.attention.cache_k = model.attention.cache_k.detach()",
                                "(`model.attention.cache_v = model.attention.cache_v.detach(); "
                                "model.attention.cache_k = model.attention.cache_k.detach()`)"),
+    "diffsim_state_not_detached": ("diffsim_truncated_bptt", "diffsim_truncated_bptt",
+                                   "    pos = pos.detach(); vel = vel.detach()",
+                                   "detach the carried state at the end of each step (`pos = pos.detach(); vel = "
+                                   "vel.detach()`)"),
     "dreambooth_text_embeddings_before_loop": ("dreambooth_text_embeddings_in_loop",
                                                "dreambooth_text_embeddings_in_loop",
                                                "    prompt_embeds = torch.stack([text_encoder(instance_prompt_ids)."

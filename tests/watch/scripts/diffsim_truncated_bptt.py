@@ -20,6 +20,6 @@ for window in range(4):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    pos, vel = pos.detach(), vel.detach()
+    pos = pos.detach(); vel = vel.detach()
     print(f"{loss.item():.6f}")
 print(" ".join(f"{v:.6f}" for v in [*pos.tolist(), *vel.tolist()]))
