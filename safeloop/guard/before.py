@@ -57,9 +57,9 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     values = list(variables(frame).items())
     # (not a tensor the loop writes into in place, `outputs[i * bs:(i + 1) * bs] = out` of temporal ensembling: its
     # graph may be this step's, as a buffer's in ``_state``)
-    filled = _filled(body)
+    written = _written_into(body)
     held = [v for k, v in values if k not in assigned
-            and not (issubclass(type(v), torch.Tensor) and v._version and k in filled)]
+            and not (issubclass(type(v), torch.Tensor) and v._version and k in written)]
     # and the tensors of the objects those variables hold (`self.x` of a model class whose method runs the loop; of
     # a module's submodules too: `model[0].scaled`), but not those the loop, the object's own methods or a forward
     # hook assign (spectral_norm's `weight`, made anew by a hook before each forward)
@@ -86,7 +86,7 @@ def loop_start(frame, filename: str, variables: Callable = attrgetter("f_locals"
     # older than every graph the loop's own variables hold: an item added this iteration (by a call the loop makes)
     # is newer than the iteration's first graph; nor does a forward hook (`activation[name] = output`), whose item
     # is older than the loss made from the forward's output
-    hooked = _hook_targets(models)
+    filled, hooked = _filled(body), _hook_targets(models)
     # (and those of the tuples it holds: a data set augmented once, `[(policy(x), y) for x, y in data]`)
     items = [item for k, v in values if k not in assigned and k not in filled and id(v) not in hooked
              for pair in elements(v) for item in (elements(pair) if type(pair) is tuple else [pair])
@@ -314,6 +314,22 @@ def _filled(body: list[dis.Instruction]) -> set[str]:
         if calls > reading or any(ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") for ins in line):
             filled.update(ins.argval for k, ins in enumerate(line) if ins.opname in _LOADS and not _indexed(line, k))
     return filled
+
+
+def _written_into(body: list[dis.Instruction]) -> set[str]:
+    """The variables whose items a loop's ``body`` stores (``outputs[i * bs:(i + 1) * bs] = out``): the name loaded
+    as the container of each item store, found by going back over the stack from the store."""
+    written = set()
+    for k, ins in enumerate(body):
+        depth = {"STORE_SUBSCR": 2, "STORE_SLICE": 3}.get(ins.opname)  # the container's place below the top
+        for before in reversed(body[:k] if depth else []):
+            depth -= dis.stack_effect(before.opcode, before.arg) if before.opcode >= dis.HAVE_ARGUMENT else \
+                dis.stack_effect(before.opcode)
+            if depth <= 0:
+                if depth == 0 and before.opname in _LOADS:
+                    written.add(before.argval)
+                break
+    return written
 
 
 def _indexed(line: list[dis.Instruction], k: int) -> bool:
