@@ -59,19 +59,22 @@ def set_every_time(frame, by_calls: bool = False) -> tuple:
 
 def carried(frame) -> frozenset[str]:
     """The variables that the loop running ``frame`` (see ``set_every_time``) reads before it sets them, in the order
-    of its code: a state carried from one iteration to the next (`pos` of `pos = pos + dt * vel`)."""
+    of its code: a state carried from one iteration to the next (`pos` of `pos = pos + dt * vel`); not one it sets
+    in a line that detaches (`rv = rv.detach()`: carried without its graph)."""
     frame = set_every_time(frame)[0]
     if frame is None:
         return frozenset()
     body = loop_around(frame.f_code, frame.f_lasti)
-    first: dict[str, bool] = {}
-    for ins in dis.get_instructions(frame.f_code):
-        if ins.offset in body:
-            for name in stored(ins):
-                first.setdefault(name, False)
-            if ins.opname.startswith(("LOAD_FAST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF")):
-                for name in ins.argval if type(ins.argval) is tuple else [ins.argval]:  # (3.13's LOAD_FAST_LOAD_FAST)
-                    first.setdefault(name, True)
+    instructions = [ins for ins in dis.get_instructions(frame.f_code) if ins.offset in body]
+    detaching = {ins.positions.lineno for ins in instructions if ins.argval in ("detach", "detach_")}
+    first: dict[str, bool] = {name: False for ins in instructions if ins.positions.lineno in detaching
+                              for name in stored(ins)}
+    for ins in instructions:
+        for name in stored(ins):
+            first.setdefault(name, False)
+        if ins.opname.startswith(("LOAD_FAST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF")):
+            for name in ins.argval if type(ins.argval) is tuple else [ins.argval]:  # (3.13's LOAD_FAST_LOAD_FAST)
+                first.setdefault(name, True)
     return frozenset(name for name, read in first.items() if read)
 
 
