@@ -14,76 +14,79 @@ gradient changed by hand, reads as cleared, and nothing is said. Gradients zeroe
 """
 from __future__ import annotations
 
-import weakref
+import itertools
 
 import torch
 
+# No weak reference to a parameter or its gradient is kept: a module whose parameters are tensor subclasses (FSDP2's
+# DTensors) swaps them in ``.to()`` (torch.utils.swap_tensors), which refuses a tensor with one. A gradient seen is
+# marked instead, with a number of its own in an attribute.
+_MARK = "_safeloop_seen"
+_marks = itertools.count(1)
+
 
 def _state(p: torch.Tensor) -> tuple | None:
-    """``p``'s gradient as it is now: the tensor (weakly) and its version; None for none."""
-    return None if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+    """``p``'s gradient as it is now: its mark and its version; None for none."""
+    grad = p.grad
+    if grad is None:
+        return None
+    if _MARK not in grad.__dict__:
+        grad.__dict__[_MARK] = next(_marks)
+    return grad.__dict__[_MARK], grad._version
 
 
 def _same(p: torch.Tensor, state: tuple | None) -> bool:
     """Whether ``p``'s gradient is still the tensor, at the version, that ``state`` saw."""
-    return state is not None and p.grad is not None and state[0]() is p.grad and state[1] == p.grad._version
+    grad = p.grad
+    return state is not None and grad is not None and grad.__dict__.get(_MARK) == state[0] \
+        and grad._version == state[1]
 
 
 class GradientOrder:
     """What the checked backwards and the updates saw of the optimizers' gradients (see the module docstring), per
-    parameter: an update of one optimizer judges its own parameters (a predictive-coding loop steps the value nodes'
-    optimizer at every inference step while the weights' gradients add up until theirs steps)."""
+    parameter (by id): an update of one optimizer judges its own parameters (a predictive-coding loop steps the value
+    nodes' optimizer at every inference step while the weights' gradients add up until theirs steps)."""
 
     def __init__(self) -> None:
-        self._params: dict[int, weakref.ref] = {}  # the optimizers' parameters the checked backwards saw
         self._seen: dict[int, tuple | None] = {}  # their gradients after the last checked backward or their update
         self._applied: set[int] = set()  # those with a gradient at their optimizer's last update, not cleared since
         self._added: set[int] = set()  # of those, the ones a checked backward added to since (never cleared)
         # those with a gradient after a checked backward since their optimizer's last update: the first such
         # backward's (step, loss name, where to warn)
         self._given: dict[int, tuple] = {}
-        self._by: tuple | None = None  # the backward about to run's
+        self._current: list[torch.Tensor] = []  # the parameters of the backward about to run (until it ran)
+        self._by: tuple | None = None  # its step, loss name and where to warn
         self._before: dict[int, tuple | None] = {}  # its parameters' applied gradients before it ran
         self._found: dict[tuple, int] = {}  # (mistake, optimizer) -> the updates in a row that found it
 
     def before_backward(self, params, by: tuple) -> None:
         """A checked backward is about to write the gradients of ``params`` (the optimizers'); ``by``: its step,
         loss name and where to warn."""
-        self._before = {}
-        for p in params:
+        self._current, self._by, self._before = list(params), by, {}
+        for p in self._current:
             i = id(p)
-            self._params[i] = weakref.ref(p)
             if not _same(p, self._seen.get(i)):  # cleared (or written) since last seen
                 self._applied.discard(i)
                 self._added.discard(i)
             elif i in self._applied:
                 self._before[i] = self._seen[i]
-        self._by = by
 
     def after_backward(self) -> None:
-        """That backward ran: the gradients it left; those it added to a gradient an update applied. Parameters no
-        longer alive (a layer made anew in each forward) are forgotten."""
-        for i, ref in list(self._params.items()):
-            p = ref()
-            if p is None:
-                for kept in (self._params, self._seen, self._given):
-                    kept.pop(i, None)
-                self._applied.discard(i)
-                self._added.discard(i)
-                continue
+        """That backward ran: the gradients it left; those it added to a gradient an update applied."""
+        for p in self._current:
+            i = id(p)
             if i in self._before and not _same(p, self._before[i]):
                 self._added.add(i)
             self._seen[i] = _state(p)
             if p.grad is not None:
                 self._given.setdefault(i, self._by)
-        self._before = {}
+        self._current, self._before = [], {}
 
-    def at_update(self, params=None) -> tuple[str, tuple] | None:
-        """An update of ``params`` (an optimizer's; None: every one's): ("cleared" or "kept", the first checked
-        backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else None.
-        Updates with no checked backward since the last one are not counted."""
-        params = [p for p in (params or [r() for r in self._params.values()])
-                  if p is not None and id(p) in self._params and self._params[id(p)]() is p]
+    def at_update(self, params) -> tuple[str, tuple] | None:
+        """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared" or "kept", the first
+        checked backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else
+        None. Updates with no checked backward since the last one are not counted."""
+        params = [p for p in params or () if id(p) in self._seen]
         given = [self._given[id(p)] for p in params if id(p) in self._given]
         with_grad = [p for p in params if p.grad is not None]
         found = None

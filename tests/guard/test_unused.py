@@ -353,3 +353,22 @@ def test_one_update_that_finds_its_gradients_cleared_is_a_step_skipped_on_purpos
             if step in (1, 3):
                 opt.zero_grad()
             opt.step()
+
+
+def test_the_guard_keeps_no_weak_reference_to_a_parameter_or_its_gradient():
+    """FSDP2's ``module.to()`` swaps its parameters (and their gradients) with ``torch.utils.swap_tensors``, which
+    refuses a tensor that has a weak reference: a second ``fit()`` of a sharded model moved it again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check="always")
+    for x, y in DATA:
+        opt.zero_grad()
+        guard.backward(F.mse_loss(model(x), y))
+        opt.step()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # what a module of DTensors does
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert model.weight.dtype == model.weight.grad.dtype == torch.float64
