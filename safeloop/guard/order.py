@@ -8,9 +8,11 @@ an error:
   update applies the sum of every gradient so far.
 
 A gradient counts as cleared when it is None, or another tensor, or the same tensor at another version than the one
-last seen (``zero_()``, and anything else written into it in place): so a backward the guard did not check, or a
-gradient changed by hand, reads as cleared, and nothing is said. Gradients zeroed in place right before the update
-(``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``) cannot be told from gradients that are zero.
+last seen (``zero_()``, and anything else written into it in place), or, where an update applied it and it looks
+untouched since, all zeros (``p.grad.data.zero_()`` writes through ``.data``, which no version counts): so a backward
+the guard did not check, or a gradient changed by hand, reads as cleared, and nothing is said. Gradients zeroed in
+place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``) cannot be told
+from gradients that are zero.
 """
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ def _same(p: torch.Tensor, state: tuple | None) -> bool:
         and grad._version == state[1]
 
 
+def _zeroed(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` whose gradient is all zeros (one host sync for them all; none for no parameter)."""
+    if not params:
+        return []
+    nonzero = torch.stack([p.grad.detach().ne(0).any().cpu() for p in params]).tolist()
+    return [p for p, keeps in zip(params, nonzero) if not keeps]
+
+
 class GradientOrder:
     """What the checked backwards and the updates saw of the optimizers' gradients (see the module docstring), per
     parameter (by id): an update of one optimizer judges its own parameters (a predictive-coding loop steps the value
@@ -63,6 +73,9 @@ class GradientOrder:
         """A checked backward is about to write the gradients of ``params`` (the optimizers'); ``by``: its step,
         loss name and where to warn."""
         self._current, self._by, self._before = list(params), by, {}
+        kept = [p for p in self._current if id(p) in self._applied and _same(p, self._seen.get(id(p)))]
+        for p in _zeroed(kept):  # zeroed through ``.data``, which no version counts
+            self._seen[id(p)] = None
         for p in self._current:
             i = id(p)
             if not _same(p, self._seen.get(i)):  # cleared (or written) since last seen
