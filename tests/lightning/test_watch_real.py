@@ -20,8 +20,16 @@ REUSED = ("GraphReuseError: graph built before the step is reused (step 1, loss 
 
 
 def run(*args: str, watch: bool, cwd: Path) -> subprocess.CompletedProcess:
+    """The script's run; run again once where it aborted at exit as Lightning's DDP launch sometimes does under load,
+    with or without watch, after the training printed its result ("terminate called without an active
+    exception", SIGABRT, in a thread torn down at interpreter exit)."""
     command = [sys.executable, *(["-m", "safeloop.watch"] if watch else []), SCRIPT, *args]
-    return subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    for _ in range(2):
+        proc = subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        aborted = proc.returncode == -6 and "terminate called without an active exception" in proc.stderr
+        if not (aborted and proc.stdout):
+            break
+    return proc
 
 
 @pytest.mark.parametrize("args", [("auto",), ("manual",), ("auto", "2", "ddp"), ("auto", "2", "ddp_spawn")],
