@@ -24,8 +24,7 @@ included. With ``precision="bf16-true"`` the port matches the same loop with the
 (``model.to(dtype=torch.bfloat16)`` before the optimizer is made, no autocast and no scaler), the parameters as
 Lightning's ``bf16-true`` holds them (lightning/fabric/plugins/precision/half.py, ``HalfPrecision.convert_module``).
 nanoGPT resumes (``init_from='resume'``) under any ``dtype``: its checkpoint holds no scaler. The Trainer refuses a
-checkpoint saved with another precision's GradScaler (or without one); the message for a float32 checkpoint resumed
-under float16 says the reverse of what happened (strict xfail).
+checkpoint saved with another precision's GradScaler (or without one), naming both precisions.
 """
 import math
 
