@@ -45,11 +45,15 @@ def _same(p: torch.Tensor, state: tuple | None) -> bool:
 
 
 def _zeroed(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Those of ``params`` whose gradient is all zeros (one host sync for them all; none for no parameter)."""
-    if not params:
-        return []
-    nonzero = torch.stack([p.grad.detach().ne(0).any().cpu() for p in params]).tolist()
-    return [p for p, keeps in zip(params, nonzero) if not keeps]
+    """Those of ``params`` whose gradient is all zeros: one read per device (a host sync on a GPU)."""
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for p in params:
+        by_device.setdefault(p.grad.device, []).append((p, p.grad.detach().ne(0).any()))
+    out = []
+    for pairs in by_device.values():
+        nonzero = torch.stack([flag for _, flag in pairs]).tolist()
+        out.extend(p for (p, _), keeps in zip(pairs, nonzero) if not keeps)
+    return out
 
 
 class GradientOrder:
