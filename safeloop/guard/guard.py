@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from .. import fsdp
 from ..errors import (
     CarriedGraphError,
     ConfigError,
@@ -42,15 +40,14 @@ from ..errors import (
     InplaceModificationError,
     NoGraphError,
     StepError,
-    UnusedGradientWarning,
     warn_at,
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
 from .explain import Scope
-from .order import GradientOrder
 from .prints import Prints
 from .render import render
+from .unused import UnusedGradients
 from .walk import CHEAP_PEEK, sequence_nr
 from .words import TRAINER, Words
 
@@ -159,20 +156,8 @@ class Guard:
         # per list a plain loop's variable holds: its first item when looked at, with its graph, and its length then
         self._lists: dict[str, tuple[weakref.ref, int]] = {}
         self._warned: set[str] = set()
-        # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
-        # each name (one found again under its name as another tensor is made anew every step)
-        self._unused: dict[int, weakref.ref] = {}
-        self._named: dict[str, weakref.ref] = {}
-        self._frozen: dict[int, weakref.ref] = {}  # the trained Parameters seen with requires_grad=False (id -> ref)
-        # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
-        # was handed to them by then (see ``at_update``) or a later loss of the step trains them through the same
-        # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
-        # whether they were all frozen at its backward)
-        self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
-        # the order of zero_grad(), backward() and step(), read from the optimizers' gradients (see ``order``), and
-        # whether it reads the gradients of the backward pre-flighted last (one that writes the optimizers')
-        self._order = GradientOrder()
-        self._giving = False
+        self.unused = UnusedGradients()  # gradient that no optimizer uses, and the order of zero_grad/backward/step
+        self._giving = False  # ``unused.order`` reads the gradients of the backward pre-flighted last
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
@@ -502,11 +487,12 @@ class Guard:
             if len(self._sentinels) < len(losses) or updates:
                 self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
         if reached and updates and scope is not None:
-            self._unused_gradients(reached, step, scope, inputs)
+            if not self.is_off("unused"):
+                self.unused.check(reached, step, scope, inputs, _warn_where(self.frame), self.heeded)
             optimized = scope.optimized()
             self._giving = optimized is not None
             if optimized is not None:
-                self._order.before_backward(optimized, (step, reached[0][0], _warn_where(self.frame)))
+                self.unused.order.before_backward(optimized, (step, reached[0][0], _warn_where(self.frame)))
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group
@@ -597,158 +583,11 @@ class Guard:
                          "`ctx.saved_tensors`): PyTorch then refuses a backward through a tensor changed since"],
                         holder=holder.strip("`") if holder.startswith("`") else None)
 
-    def _unused_gradients(self, reached, step: int, scope: Scope, inputs=None) -> None:
-        """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
-        per parameter): a loss that reaches none of their parameters trains nothing; a Parameter that requires grad
-        and that none of them holds gets a gradient that goes nowhere. Plain tensors that require grad (an input
-        for its gradient, a perturbation, fast weights updated by hand) are another matter: only Parameters count."""
-        params = scope.optimized()
-        # FSDP2: the graph's leaves are the gathered parameters, not the optimizers' shards: nothing to compare
-        if params is None or self.is_off("unused") or any(fsdp.local(p) is not p for p in params):
-            return
-        held = set(map(id, params))
-        self._frozen.update((id(p), weakref.ref(p)) for p in scope.parameters() if not p.requires_grad)
-        more = None  # the optimizers the scope holds too: looked for only when something looks unheld
-
-        def unheld(leaves) -> list:
-            nonlocal more
-            out = [t for t in leaves if id(t) not in held]
-            if out and more is None:
-                more = {id(p) for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]}
-                held.update(more)
-                out = [t for t in out if id(t) not in held]
-            return out
-
-        reached = [(name, root, [n.variable for n in leaves]) for name, root, leaves in reached]
-        routed = None if inputs is None else set(map(id, inputs))  # backward(inputs=...) writes theirs only
-        # every parameter the optimizers hold frozen around this backward: it may be meant for the gradient of what it
-        # reaches alone (an energy-based model's Langevin steps: `x.grad` of the samples), if a later backward of the
-        # step trains them, once thawed
-        frozen = not any(p.requires_grad for p in params)
-        for name, root, leaves in reached:
-            key = f"untrained:{name}"
-            if key in self._warned or any(id(t) in held for t in leaves) or len(unheld(leaves)) < len(leaves):
-                continue
-            # its walk stopped at what earlier losses' walks met: the whole graph tells, unless an autograd Function
-            # in it runs a backward of its own (reentrant checkpointing: the parameters are not its inputs)
-            nodes = list(islice(walk.iter_nodes(root), 100_000))
-            every = [n.variable for n in nodes if type(n) is walk.ACCUMULATE]
-            hidden = any(isinstance(n, BackwardCFunction) for n in nodes)
-            # a placeholder made from scalar leaves (``torch.tensor(0., requires_grad=True).to(out)``) trains nothing
-            placeholder = all(t.dim() == 0 and type(t) is not torch.nn.Parameter for t in every)
-            if every and not hidden and not placeholder and len(unheld(every)) == len(every):
-                self._warned.add(key)
-                self._pend_untrained(params, every, UnusedGradientWarning(
-                    f"the loss reaches none of the parameters the optimizers update, only "
-                    f"{explain.leaf_names(every, scope)}: backward gives the optimizers nothing, so this loss trains "
-                    "nothing", step=step, loss_name=name,
-                    fixes=["if it goes through copies of the parameters (fast weights made with "
-                           ".detach().requires_grad_(), copy.deepcopy), make them from the parameters themselves: "
-                           "`fast = [p - lr * g for p, g in zip(params, grads)]` with grads = "
-                           "torch.autograd.grad(inner_loss, params, create_graph=True), so the loss reaches them",
-                           "if the tensors it reaches are the ones to train, give them to an optimizer",
-                           "if the gradient of a parameter an optimizer updates comes from this one by another way, "
-                           "turn this check off for that backward (guard.ignore('unused'); under watch, "
-                           "--ignore unused)"]), frozen)
-        for *_, written, _, _ in self._untrained:  # the gradients a later backward of the step writes: not handed over
-            written.update(id(t) for _, _, leaves in reached for t in leaves
-                           if id(t) in held and (routed is None or id(t) in routed))
-        # a later loss of the step that reaches the optimizers' parameters and that loss's leaves trains them through
-        # it: learning to learn back-propagates each unrolled step's loss of the optimizee for the gradient its
-        # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights;
-        # one made with the parameters frozen is answered by any later loss that reaches them (the EBM's, thawed)
-        self._untrained = [u for u in self._untrained if not any(any(id(t) in held for t in leaves) and (
-            u[5] or any(ref() is t for t in leaves if (ref := u[4].get(id(t))))) for _, _, leaves in reached)]
-        # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
-        # anew every step (in forward), where the optimizer holds parameters the model no longer has (a layer
-        # replaced after the optimizer was built), or where they were frozen at an earlier check (unfrozen for a
-        # second phase of fine-tuning, the optimizer of the first kept); else a part left out of training on purpose
-        judged = {i for i, ref in self._unused.items() if ref() is not None}  # still alive: judged already
-        fresh = [t for _, _, leaves in reached for t in leaves if id(t) not in held and id(t) not in judged
-                 and isinstance(t, torch.nn.Parameter) and t.requires_grad]
-        wasted = list({id(t): t for t in unheld(fresh)}.values()) if fresh else []
-        if not wasted:
-            return
-        self._unused.update((id(t), weakref.ref(t)) for t in wasted)  # one kept across steps is judged once
-        names = explain.parameter_names(scope)
-        listed = {id(t) for t in wasted if names.get(id(t), ("", False))[1]}
-        for t in wasted:
-            if id(t) in names:
-                self._named.setdefault(names[id(t)][0], weakref.ref(t))
-        remade = {id(t) for t in wasted if id(t) in names and self._named[names[id(t)][0]]() is not t}
-        optimized = list(scope.optimized() or ()) + [p for o in explain.optimizers(scope) for g in o.param_groups
-                                                     for p in g["params"]]
-        known = {id(t) for _, t in explain.candidates(scope)} | set(names)
-        stale = any(id(p) not in known for p in optimized)  # held by the optimizer only: a replaced layer's
-        replaced = {id(t) for t in wasted if id(t) in names and id(t) not in listed} if stale else set()
-        fixes = []
-        if listed:
-            fixes.append("keep layers in an nn.ModuleList (an nn.ModuleDict for a dict), not a plain list: a plain "
-                         "list's layers are not registered, so model.parameters(), and the optimizer built from it, "
-                         "miss them")
-        if remade:
-            fixes.append("create layers and Parameters once, in __init__: one made in forward is a new tensor every "
-                         "step, which no optimizer holds")
-        if replaced:
-            fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
-                         "parameters (or add the new ones: optimizer.add_param_group({'params': "
-                         "new_layer.parameters()}))")
-        unfrozen = {id(t) for t in wasted if (ref := self._frozen.get(id(t))) is not None and ref() is t}
-        if unfrozen:
-            fixes.append("build the optimizer again after unfreezing parameters (one built while they were frozen "
-                         "was not given them), or add them to it: optimizer.add_param_group({'params': [...]})")
-        mistaken = listed | remade | replaced | unfrozen
-        said = [t for t in wasted if id(t) in mistaken and f"unused:{names[id(t)][0]}" not in self._warned]
-        if not said:
-            return
-        self._warned.update(f"unused:{names[id(t)][0]}" for t in said)
-        fixes.append("if they are meant to stay fixed, p.requires_grad_(False): backward then skips them")
-        self._warn(UnusedGradientWarning(
-            f"the loss reaches {explain.leaf_names(said, scope)}, which require grad but which no optimizer "
-            "updates: their gradient goes nowhere and they keep their initial values",
-            step=step, loss_name=reached[0][0], fixes=fixes))
-
-    def _pend_untrained(self, params, leaves, warning: Warning, frozen: bool) -> None:
-        """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
-        update; ``frozen``: every one of ``params`` was frozen at its backward (see ``_unused_gradients``)."""
-        self._untrained.append((warning, _warn_where(self.frame), {id(p): (p, _grad_state(p)) for p in params}, set(),
-                                {id(t): weakref.ref(t) for t in leaves}, frozen))
-
     def at_update(self, params=None) -> None:
-        """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and
-        the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers'
-        parameters since the last update is said now, unless one of them holds a gradient that no backward wrote since
-        that loss's check: a gradient handed over by hand (A3C's ``shared_param._grad = param.grad``, DARTS'
-        ``alpha.grad = g``, first-order MAML's), which is the loss's. A gradient changed in place counts as handed
-        over too (``shared.grad.copy_(local.grad)``). Then: the updated ``params`` (the optimizer's; None: unknown)
-        have their gradients cleared too early, or never (``_check_cleared``)."""
-        pending, self._untrained = self._untrained, []
-        for warning, where, before, written, *_ in pending:
-            if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
-                continue
-            warn_at(warning, where, self.heeded)
-        self._check_cleared(params)
-
-    def _check_cleared(self, params) -> None:
-        """Gradients cleared before the update of ``params`` that should use them, or never cleared (``order``)."""
-        found = self._order.at_update(params)
-        if found is None or found[0] in self._warned:
-            return
-        kind, (step, name, where) = found
-        self._warned.add(kind)
-        if kind == "cleared":
-            what = ("the gradients this backward writes are cleared before the optimizer step that should use them: "
-                    "at the step, none of the optimizers' parameters has a gradient (zero_grad() is called between "
-                    "backward() and step(), or before step() with backward() after it), so the update changes nothing "
-                    "and the model does not train")
-        else:
-            what = ("this backward adds to the gradients an earlier optimizer step already applied: nothing cleared "
-                    "them since (zero_grad() is never called, or less often than step()), so every step applies the "
-                    "sum of every gradient so far")
-        warn_at(UnusedGradientWarning(what, step=step, loss_name=name, fixes=[
-            "clear the gradients before the backward (optimizer.zero_grad() at the top of the iteration), or right "
-            "after optimizer.step(): the order is zero_grad(), backward(), step() (to accumulate gradients over "
-            "several backwards, step and clear once per group)"]), where, self.heeded)
+        """An optimizer update of ``params`` (the optimizer's; None: unknown) is about to run (the Trainer's, watch's),
+        or has just run (a ``GraphGuard``'s loop, and the Trainer's and watch's after a closure's backwards): what
+        the checks of gradient that no optimizer uses kept for it is said now (``unused.UnusedGradients``)."""
+        self.unused.at_update(params, self.heeded)
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called
@@ -1261,7 +1100,7 @@ class Guard:
                 self._ran_now.update(sequence_nr(n) for n in nodes)
         self._walked = None
         if self._giving and retained is not None and not captured:  # the gradients it wrote are there
-            self._order.after_backward()
+            self.unused.order.after_backward()
         self._giving = False
 
     def _check_ran(self, nodes, name, loss, step, scope) -> None:
@@ -2133,11 +1972,6 @@ def _freed(node) -> bool:
 def _warn_where(frame) -> tuple | None:
     """Where ``warn_at`` puts a warning about ``frame``'s line, now: its file, line and module globals."""
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-
-
-def _grad_state(p: torch.Tensor) -> tuple[int, int] | None:
-    """``p``'s gradient as an update will find it: which tensor, and its version (None: no gradient)."""
-    return None if p.grad is None else (id(p.grad), p.grad._version)
 
 
 class Recorder(TorchFunctionMode):
