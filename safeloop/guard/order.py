@@ -44,11 +44,6 @@ def _same(p: torch.Tensor, state: tuple | None) -> bool:
         and grad._version == state[1]
 
 
-def _tensor_of(p: torch.Tensor) -> int | None:
-    """The mark of ``p``'s gradient (None: none, or one never seen)."""
-    return None if p.grad is None else p.grad.__dict__.get(_MARK)
-
-
 def _zeroed(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Those of ``params`` whose gradient is all zeros: one read per device (a host sync on a GPU)."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -104,15 +99,6 @@ class GradientOrder:
                 self._given.setdefault(i, self._by)
         self._current, self._before = [], {}
 
-    def _still_added(self, params: list[torch.Tensor]) -> bool:
-        """Whether the gradients of ``params``, which the last checked backward added to, still hold those sums: each
-        is the tensor that backward left, at its version, or written in place since (clipped, unscaled) but not all
-        zeros (cleared). One replaced (handed over by hand) holds another gradient."""
-        changed = [p for p in params if not _same(p, self._seen.get(id(p)))]
-        if any(_tensor_of(p) != (self._seen.get(id(p)) or (None,))[0] for p in changed):
-            return False
-        return not _zeroed(changed)
-
     def at_update(self, params) -> tuple[str, tuple] | None:
         """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared" or "kept", the first
         checked backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else
@@ -124,8 +110,8 @@ class GradientOrder:
         if given:
             if not any(id(p) in self._given for p in with_grad):
                 found = "cleared"
-            elif all(id(p) in self._added for p in with_grad) and self._still_added(with_grad):
-                found = "kept"
+            elif all(id(p) in self._added and _same(p, self._seen.get(id(p))) for p in with_grad):
+                found = "kept"  # (not where the gradients changed since that backward: cleared, or clipped)
             key = id(params[0])
             for kind in ("cleared", "kept"):
                 self._found[kind, key] = self._found.get((kind, key), 0) + 1 if kind == found else 0
