@@ -14,7 +14,7 @@ the GPUs (NCCL). Besides ``CASES``:
   stepped; ``prebuilt`` gives an optimizer built before the sharding;
   ``precision16`` asks for a GradScaler and ``unsharded`` shards nothing in its ``configure_sharding``;
   ``fails_on_rank1`` raises on rank 1 alone; ``hand`` is a hand-written loop under
-  GraphGuard.
+  GraphGuard, ``hand_through_data`` the same clearing its gradients through ``.data``.
 """
 from __future__ import annotations
 
@@ -106,8 +106,10 @@ class FailsAfterD(ManualGan):
         super().on_before_optimizer_step(name, optimizer)
 
 
-def hand(world: int) -> dict:
-    """A hand-written FSDP2 loop (sharded as the Trainer shards) under GraphGuard, checking every step."""
+def hand(world: int, through_data: bool = False) -> dict:
+    """A hand-written FSDP2 loop (sharded as the Trainer shards) under GraphGuard, checking every step; its gradients
+    cleared by ``opt.zero_grad()`` after each step, or (``through_data``) by ``p.grad.data.zero_()`` before each
+    backward, as code older than ``set_to_none`` clears them."""
     torch.manual_seed(0)
     model = MLP(8, 32, 1, 3)
     sampler = DistributedSampler(dataset(), shuffle=False) if world > 1 else None
@@ -118,10 +120,14 @@ def hand(world: int) -> dict:
     guard = GraphGuard(model, optimizers=opt, check="always")
     for _, (x, y) in zip(range(STEPS), loader):
         with guard.step():
+            for p in model.parameters() if through_data else ():
+                if p.grad is not None:
+                    p.grad.data.zero_()
             loss = F.mse_loss(model(x), y)
             guard.backward(loss)
             opt.step()
-            opt.zero_grad()
+            if not through_data:
+                opt.zero_grad()
     return {"params": [fsdp.full(p.detach()).clone() for p in model.parameters()], "sharded": fsdp.is_sharded(model)}
 
 
@@ -158,8 +164,8 @@ if __name__ == "__main__":
             x, y = dataset()[:4]
             trainer.stale = F.mse_loss(trainer.model(x), y)
             trainer.fit()
-        elif case == "hand":
-            done = hand(world)
+        elif case in ("hand", "hand_through_data"):
+            done = hand(world, through_data=case == "hand_through_data")
         elif case == "killed":
             build("fsdp", world, cls=KilledAt3,
                   checkpoint={"dir": str(out / "killed"), "every": 1, "sharded": True}).fit()

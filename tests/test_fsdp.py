@@ -34,7 +34,7 @@ def ranks(tmp_path_factory):
     (out / "killed.txt").write_text(" ".join(sorted(p.name for p in (out / "killed").glob("step-*.pt"))))
     resumed = [f"{how}-{case}" for case in RESUMED for how in ("resume", "from-one-process")]
     proc = torchrun(script, str(out), *fsdp_cases.CASES, *resumed, "sharded-checkpoint", "undo", "prebuilt",
-                    "precision16", "unsharded", "hand", "reused", "after-killed", cwd=out, timeout=240)
+                    "precision16", "unsharded", "hand", "hand_through_data", "reused", "after-killed", cwd=out, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (out / "after-killed.txt").write_text(proc.stdout + proc.stderr)
     return out
@@ -57,10 +57,12 @@ def test_sharded_ranks_end_with_the_parameters_of_one_process_over_the_same_glob
     assert rank0["skipped"] == rank1["skipped"] == single["skipped"] == (1 if case == "nan_skip" else 0)
 
 
-def test_graphguard_in_a_hand_written_fsdp2_loop_is_quiet_and_changes_nothing(ranks):
-    # the guard's warnings are errors in that job (an unused-gradient warning there was a false alarm once)
-    single = fsdp_cases.hand(1)
-    for done in load(ranks, "hand"):
+@pytest.mark.parametrize("case", ["hand", "hand_through_data"])
+def test_graphguard_in_a_hand_written_fsdp2_loop_is_quiet_and_changes_nothing(ranks, case):
+    """The guard's warnings are errors in that job (an unused-gradient warning there was a false alarm once). Sharded
+    gradients cleared through ``.data`` are read by the guard shard by shard (a DTensor has no ``tolist()``)."""
+    single = fsdp_cases.hand(1, through_data=case == "hand_through_data")
+    for done in load(ranks, case):
         assert done["sharded"]
         for p, expected in zip(done["params"], single["params"], strict=True):
             torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,8 @@ import itertools
 
 import torch
 
+from .. import fsdp
+
 # No weak reference to a parameter or its gradient is kept: a module whose parameters are tensor subclasses (FSDP2's
 # DTensors) swaps them in ``.to()`` (torch.utils.swap_tensors), which refuses a tensor with one. A gradient seen is
 # marked instead, with a number of its own in an attribute.
@@ -48,7 +50,8 @@ def _zeroed(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Those of ``params`` whose gradient is all zeros: one read per device (a host sync on a GPU)."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for p in params:
-        by_device.setdefault(p.grad.device, []).append((p, p.grad.detach().ne(0).any()))
+        grad = fsdp.local(p.grad.detach())  # (this rank's shard of a sharded one: no collective)
+        by_device.setdefault(grad.device, []).append((p, grad.ne(0).any()))
     out = []
     for pairs in by_device.values():
         nonzero = torch.stack([flag for _, flag in pairs]).tolist()
