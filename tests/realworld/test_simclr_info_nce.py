@@ -39,9 +39,10 @@ ARGS = SimpleNamespace(batch_size=BATCH, n_views=VIEWS, device=torch.device("cpu
 class TinyResNet(nn.Module):
     def __init__(self, num_classes):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                                      nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.fc = nn.Linear(8, num_classes)
 
     def forward(self, x):
