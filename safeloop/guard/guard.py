@@ -1482,15 +1482,18 @@ class Guard:
                 continue
             first, length = self._lists.get(holder.list_of, (None, 0))
             if first is not None and first() is val[0] and len(val) > length:
-                # made from a loss's graph (a GAN's fakes kept in an image pool): no torch.no_grad() for them
-                used = any(node.metadata.get(_SENTINEL) is not None
-                           for node in islice(walk.iter_nodes(val[-1].grad_fn), 1_000))
+                # made from a loss's graph (a GAN's fakes kept in an image pool), or the losses themselves: no
+                # torch.no_grad() for them. The first item too: the last may be a loss its backward has yet to walk
+                # (`train_losses.append(loss)` before `loss.backward()`)
+                used = any(node.metadata.get(_SENTINEL) is not None for item in (val[-1], val[0])
+                           for node in islice(walk.iter_nodes(item.grad_fn), 1_000))
                 self._warn_growing(step, holder, len(val), frame, used)
             self._lists[holder.list_of] = (weakref.ref(val[0]), len(val))
 
     def _warn_growing(self, step: int, holder: explain.Element, length: int, frame, used: bool) -> None:
-        """``used``: the tensors are made from a graph a loss goes through (a GAN's fakes kept in an image pool), not
-        one that no loss uses (an evaluation's outputs): they are detached, never computed under torch.no_grad()."""
+        """``used``: the tensors are made from a graph a loss goes through (a GAN's fakes kept in an image pool, the
+        losses themselves), not one that no loss uses (an evaluation's outputs): they are detached, never computed
+        under torch.no_grad()."""
         key = self.leak_key(holder)
         if key in self._warned:
             return
@@ -1504,7 +1507,8 @@ class Guard:
                 f"detach it where it is added (`{listed}.append(x.detach())`)"
         fix = detach if used else \
             f"compute {added} under torch.no_grad() (`with torch.no_grad(): out = model(x)`), or {detach}"
-        whose = ("made from the graph of a loss of their step (a GAN's fakes kept in an image pool)" if used else
+        whose = ("made from the graph of a loss of their step, or that loss itself (a GAN's fakes kept in an image "
+                 "pool, the losses kept for an epoch's mean)" if used else
                  "graphs that no loss uses (an evaluation's outputs, made without torch.no_grad())")
         self._warn(GraphLeakWarning(
             f"the tensors added to `{listed}` keep their autograd graphs ({length} now, more every step; the first "

@@ -114,6 +114,42 @@ def test_outputs_kept_in_a_loop_warn_naming_the_list_and_the_fix_at_the_append_w
     assert torch.equal(fixed[1], bare[1]) and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
 
 
+def losses_kept_loop(epochs: int = 2, batches: int = 3) -> list[torch.Tensor]:
+    """The ``fit_one_cycle`` of Jovian's "Zero to GANs" lesson (tests/realworld/test_one_cycle_resnet9.py):
+    ``train_losses.append(loss)`` *before* ``loss.backward()``, the list started afresh each epoch for the epoch's
+    mean. Returns the trained weights."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(batches)]
+    for _ in range(epochs):
+        train_losses = []
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            train_losses.append(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        torch.stack(train_losses).mean().item()
+    return weights(model)
+
+
+@pytest.mark.parametrize("check", ["auto", "always"])
+def test_losses_appended_before_their_backward_are_named_as_losses_with_the_detach_fix(check):
+    """The list grows by the loss about to be back-propagated: its graph is the step's loss graph, not one that no
+    loss uses, and ``torch.no_grad()`` is no fix for a loss (it could not be back-propagated)."""
+    with Watch(GraphGuard(check=check), __file__):
+        with pytest.warns(GraphLeakWarning, match="`local train_losses") as caught:
+            watched = losses_kept_loop()
+    leak, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert "no loss uses" not in str(leak) and "made from the graph of a loss" in str(leak)
+    assert leak.fixes == [re.sub(r"\s+", " ", """detach what is added to `train_losses` where it is added
+        (`train_losses.append(x.detach())`, and `train_losses[i] = x.detach()` where an item is replaced, as an
+        image pool does; `x.item()` for a number to log), so that no step's graph stays alive in it""")]
+    bare = losses_kept_loop()
+    assert all(torch.equal(a, b) for a, b in zip(watched, bare, strict=True))
+
+
 def evaluation_loop(guard_check: str | None, no_grad: bool = False, keep=None):
     """An evaluation after each update, outside the step and without ``torch.no_grad()``, its outputs kept for a
     metric at the end: torch-ema's ``with ema.average_parameters(): outputs.append(model(x_val))``
