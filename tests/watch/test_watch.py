@@ -328,6 +328,19 @@ BROKEN = {
                                   r"created during an earlier step and held by `global pos`.*To fix: detach the "
                                   r"carried state at the end of each step \(`pos = pos.detach\(\); vel = "
                                   r"vel.detach\(\)`\)",
+    # StyleGAN2's path-length running mean returned without `.detach()`: kept from the regularization that made it
+    "stylegan2_path_mean_not_detached": r"CarriedGraphError: .*\(step 9, loss 'loss'\): the loss reaches AddBackward0, "
+                                        r"created during an earlier step and held by `global mean_path_length`.*To "
+                                        r"fix: detach the carried state at the end of each step \(`mean_path_length = "
+                                        r"mean_path_length.detach\(\)`\)",
+    # TD3's actor loss built beside the critic's, back-propagated after the critic's step changed the weights it saved
+    "td3_actor_loss_before_critic_step": r"InplaceModificationError: .*\(step 3, loss 'loss'\): optimizer "
+                                         r"'critic_optimizer' stepped after this loss was built and before its "
+                                         r"backward.*To fix: recompute `actor_loss` after the optimizer step",
+    # TRPO's Fisher-vector product whose first gradient lost create_graph=True: the product has no graph
+    "trpo_fvp_without_create_graph": r"NoGraphError: .*\(step 1, loss 'loss'\): it does not depend on any tensor that "
+                                     r"requires grad .*from gradients torch.autograd.grad returned without "
+                                     r"create_graph=True.*pass create_graph=True to torch.autograd.grad",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -378,6 +391,9 @@ FIRST_FIX = {
                                                "    prompt_embeds = torch.stack([text_encoder(instance_prompt_ids)."
                                                "mean(0), text_encoder(class_prompt_ids).mean(0)])",
                                                "recompute `prompt_embeds` inside the loop"),
+    "stylegan2_path_mean_not_detached": ("stylegan2_path_length_reg", "stylegan2_path_mean_detached_first_fix",
+                                         "    mean_path_length = mean_path_length.detach()",
+                                         "detach the carried state at the end of each step"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
@@ -394,6 +410,11 @@ WARNED = {
                          r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
     "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "
                         r"`model.layer2.weight`, `model.layer2.bias`.*create layers and Parameters once, in __init__",
+    # Glow's ActNorm initialised in the first forward by assigning new Parameters, the optimizer made before
+    "glow_actnorm_parameters_replaced": r"glow_actnorm_parameters_replaced.py:52: UnusedGradientWarning: .*\(step 2, "
+                                        r"loss 'loss'\): the loss reaches `flows.2.loc`, `flows.0.loc`, "
+                                        r"`flows.0.scale` and 1 more, which require grad but which no optimizer "
+                                        r"updates",
     "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
@@ -457,6 +478,19 @@ LEAKED = {
     "ebm_replay_buffer_keeps_graphs": r"ebm_replay_buffer_keeps_graphs.py:23: GraphLeakWarning: .*\(step 2\): steps 1 "
                                       r"and 2: .*held by `global buffer\[\d+\]`.*To fix: detach what is added to "
                                       r"`buffer` where it is added",
+    # ema-pytorch's EMA.update without its @torch.no_grad(): the frozen EMA parameters written in place with lerp_
+    "ddpm_ema_update_without_no_grad": r"ddpm_ema_update_without_no_grad.py:34: GraphLeakWarning: .*\(step 1\): the "
+                                       r"parameters `ema.ema_model.0.weight`, .* hold an autograd graph: written in "
+                                       r"place outside torch.no_grad\(\).*To fix: make that write under "
+                                       r"`torch.no_grad\(\)`",
+    # a neural ODE's RunningAverageMeter fed the loss tensor instead of loss.item()
+    "neural_ode_meter_keeps_loss": r"neural_ode_meter_keeps_loss.py:55: GraphLeakWarning: .*\(step 2\): steps 1 and 2: "
+                                   r".*held by `loss_meter.avg`.*Store loss.item\(\) or loss.detach\(\)",
+    # VQ-VAE-2's EMA codebook buffers written in the training forward without `.data`: each buffer's graph grows; the
+    # loss reaches the codes detached only, so the writes are what to make without a graph, not a loss to store
+    "vqvae2_ema_codebook_without_data": r"vqvae2_ema_codebook_without_data.py:57: GraphLeakWarning: .*\(step 2\): "
+                                        r".*held by `model.quantize.embed`.*a buffer of a module, written in place.*"
+                                        r"To fix: write it under `torch.no_grad\(\)`",
     # an adversarial patch written in place into each batch of a list held in memory: each batch keeps its step's graph
     # (and the patched pixels), which is said; the first step's own graph, written into a tensor made before the loop,
     # is not taken for one built before the loop (a GraphReuseError at step 1 on a run PyTorch completes). The loss went
