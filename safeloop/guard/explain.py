@@ -591,6 +591,17 @@ def written_parameters(scope: Scope | None) -> list[tuple[str, torch.nn.Paramete
     return list(found.values())
 
 
+def graph_buffers(scope: Scope | None) -> dict[int, str]:
+    """id -> name of the buffers registered on the scope's modules that hold a graph (a running statistic, an EMA
+    codebook, written in forward outside ``torch.no_grad()``)."""
+    found: dict[int, str] = {}
+    for root_name, root in _modules(scope):
+        for name, buf in root.named_buffers():
+            if buf.grad_fn is not None:
+                found.setdefault(id(buf), f"{root_name}.{name}")
+    return found
+
+
 def optimizers(scope: Scope | None) -> list[torch.optim.Optimizer]:
     """The optimizers the scope's roots and variables hold, directly, in a dict or list, or as an attribute of an
     object they hold (``trainer.opt_d``)."""

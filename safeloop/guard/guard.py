@@ -1554,6 +1554,11 @@ class Guard:
         elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
             detail += "; values were written into its slots in place with their graphs"
             fixes = [(_COPY_FIX if holder.through else _SLOTS_FIX).format(code=_code(holder))]
+        elif isinstance(holder, Buffer):  # module state updated in forward from the batch, outside torch.no_grad()
+            others = ", ".join(f"`{other}`" for other in holder.others[:3])
+            detail += ("; it is a buffer of a module (state such as running statistics or an EMA codebook), written "
+                       f"with values that have a graph{f' (and so are {others})' if others else ''}")
+            fixes = [_BUFFER_FIX.format(code=_code(holder), more=" and the other buffers named" if others else "")]
         elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
             detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
                        f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
@@ -1689,6 +1694,19 @@ _COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x
 _SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
               "handed to the code that writes it), or write it under `torch.no_grad()`, so that its slots keep "
               "values, not the graphs of the steps that made them")
+
+
+class Buffer(str):
+    """A holder's name that is a buffer of a module, written with values that keep their graphs (VQ-VAE's EMA codebook
+    updated in forward without ``.data``): its writes, not a loss kept, are what to make without a graph. ``others``:
+    the names of the scope's other buffers that hold a graph (the codebook's running sums beside it)."""
+
+    others: list[str] = []
+
+
+_BUFFER_FIX = ("write it{more} under `torch.no_grad()`, or through `.data` as VQ-VAE's EMA codebook does "
+               "(`{code}.data.mul_(d).add_(x, alpha=1 - d)`), so that it keeps values, not the graphs of the steps "
+               "that made them")
 
 
 class GradOf(str):
@@ -1831,6 +1849,9 @@ def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) 
         if _holds(tensor, sentinel):
             if type(name) in (str, explain.Item, explain.Entry) and _written_in_slots(tensor):
                 name = _slots(name, tensor)
+            elif type(name) is str and id(tensor) in (buffers := explain.graph_buffers(scope)):
+                name = Buffer(name)
+                name.others = [other for key, other in buffers.items() if key != id(tensor)]
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
                 return name
             made_now = made_now or name

@@ -134,3 +134,48 @@ def test_a_queue_written_with_graphs_is_told_to_detach_what_is_written():
                 guard.backward((emb - target).square().mean())
                 opt.step()
                 opt.zero_grad()
+
+
+class Codebook(nn.Module):
+    """VQ-VAE-2's EMA codebook (rosinality/vq-vae-2-pytorch, vqvae.py ``Quantize``), its buffers written in the training
+    forward from the batch's encodings; ``no_grad``: the writes under ``torch.no_grad()`` (as the fix says)."""
+
+    def __init__(self, no_grad: bool):
+        super().__init__()
+        self.no_grad = no_grad
+        self.register_buffer("embed", torch.randn(2, 4))
+        self.register_buffer("embed_avg", self.embed.clone())
+
+    def forward(self, flatten):
+        index = (flatten @ self.embed).argmax(1)
+        quantize = self.embed.T[index]
+        with torch.no_grad() if self.no_grad else torch.enable_grad():
+            self.embed_avg.mul_(0.9).add_(flatten.T @ nn.functional.one_hot(index, 4).float(), alpha=0.1)
+            self.embed.copy_(self.embed_avg)
+        return flatten + (quantize - flatten).detach()  # the codes reach the loss detached only
+
+
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_a_buffer_written_with_graphs_in_forward_is_told_to_write_it_without_a_graph(no_grad):
+    """No loss reaches the codebook's graphs, which pile up: the warning names the buffer and the other one holding a
+    graph, and the writes to make without a graph, not a loss to store as ``.item()``; applied, nothing is said."""
+    torch.manual_seed(0)
+    enc, book = nn.Linear(3, 2), Codebook(no_grad)
+    model = nn.ModuleDict({"enc": enc, "book": book})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, check="always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with guard.step():
+                guard.backward(book(enc(torch.randn(5, 3))).square().mean())
+                opt.step()
+                opt.zero_grad()
+    said = [str(w.message) for w in caught if issubclass(w.category, GraphLeakWarning)]
+    if no_grad:
+        assert said == []
+    else:
+        assert len(said) == 1 and re.search(r"held by `model.book.embed`.*a buffer of a module .*written with values "
+                                            r"that have a graph \(and so are `model.book.embed_avg`\).*To fix: write "
+                                            r"it and the other buffers named under `torch.no_grad\(\)`", said[0]), said
+        assert "loss.item()" not in said[0]

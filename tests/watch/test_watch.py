@@ -489,8 +489,9 @@ LEAKED = {
     # VQ-VAE-2's EMA codebook buffers written in the training forward without `.data`: each buffer's graph grows; the
     # loss reaches the codes detached only, so the writes are what to make without a graph, not a loss to store
     "vqvae2_ema_codebook_without_data": r"vqvae2_ema_codebook_without_data.py:57: GraphLeakWarning: .*\(step 2\): "
-                                        r".*held by `model.quantize.embed`.*a buffer of a module, written in place.*"
-                                        r"To fix: write it under `torch.no_grad\(\)`",
+                                        r".*held by `model.quantize.embed`.*a buffer of a module .*written with values "
+                                        r"that have a graph \(and so are `model.quantize.embed_avg`\).*To fix: write "
+                                        r"it and the other buffers named under `torch.no_grad\(\)`",
     # an adversarial patch written in place into each batch of a list held in memory: each batch keeps its step's graph
     # (and the patched pixels), which is said; the first step's own graph, written into a tensor made before the loop,
     # is not taken for one built before the loop (a GraphReuseError at step 1 on a run PyTorch completes). The loss went
