@@ -137,7 +137,9 @@ class UnusedGradients:
         if replaced:
             fixes.append("build the optimizer after replacing a layer: one built before updates the old layer's "
                          "parameters (or add the new ones: optimizer.add_param_group({'params': "
-                         "new_layer.parameters()}))")
+                         "new_layer.parameters()})); to set a parameter's values (Glow's ActNorm initialised from the "
+                         "first batch), copy them into it under torch.no_grad() (`p.copy_(value)`, or "
+                         "`p.data.copy_(value)`) instead of assigning a new nn.Parameter")
         unfrozen = {id(t) for t in wasted if (ref := self._frozen.get(id(t))) is not None and ref() is t}
         if unfrozen:
             fixes.append("build the optimizer again after unfreezing parameters (one built while they were frozen "

@@ -414,7 +414,9 @@ WARNED = {
     "glow_actnorm_parameters_replaced": r"glow_actnorm_parameters_replaced.py:52: UnusedGradientWarning: .*\(step 2, "
                                         r"loss 'loss'\): the loss reaches `flows.2.loc`, `flows.0.loc`, "
                                         r"`flows.0.scale` and 1 more, which require grad but which no optimizer "
-                                        r"updates",
+                                        r"updates.*to set a parameter's values .*copy them into it under "
+                                        r"torch.no_grad\(\) \(`p.copy_\(value\)`, or `p.data.copy_\(value\)`\) "
+                                        r"instead of assigning a new nn.Parameter",
     "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
