@@ -432,10 +432,11 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
 
 
 def _writes_over(fn, node) -> bool:
-    """Whether ``fn`` is a chain of writes into a tensor's slots down to ``node``, an earlier write into it."""
-    while fn is not node and type(fn).__name__ in walk.SLOT_WRITES and type(node).__name__ in walk.SLOT_WRITES:
+    """Whether ``fn`` is a chain of writes into a tensor (into its slots, or over it whole with ``copy_``: StyleGAN2-
+    ADA's `self.pl_mean.copy_(pl_mean)`) down to ``node``, an earlier write into it."""
+    while fn is not node and type(fn).__name__ in walk.WRITES and type(node).__name__ in walk.WRITES:
         fn = fn.next_functions[0][0]
-    return fn is node and type(node).__name__ in walk.SLOT_WRITES
+    return fn is node and type(node).__name__ in walk.WRITES
 
 
 def _written_again(name: str, tensor: torch.Tensor, scope: Scope | None, batch: Any, start: int) -> str | None:

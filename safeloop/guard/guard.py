@@ -795,6 +795,10 @@ class Guard:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
                 fixes.insert(0, _SLOTS_FIX)
+            elif any(type(t.grad_fn).__name__ == "CopyBackwards" for t in held):
+                # a tensor written over whole with a value that keeps its graph (StyleGAN2-ADA's running mean of path
+                # lengths, `self.pl_mean.copy_(pl_mean)` without its .detach()): that write is what to detach
+                fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
@@ -834,7 +838,7 @@ class Guard:
         for name, tensor in explain.candidates(case.scope, case.batch):
             other = _code(name) or ""
             if other.rpartition(".")[0] == owner and other != code and re.fullmatch(r"\w+", other[len(owner) + 1:]) \
-                    and not any(tensor is t for t in held) and type(tensor.grad_fn).__name__ in _WRITTEN_NODES \
+                    and not any(tensor is t for t in held) and type(tensor.grad_fn).__name__ in walk.WRITES \
                     and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
                             for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)) and other not in beside:
                 beside.append(other)
@@ -1678,9 +1682,6 @@ def _slots(name: str, tensor: torch.Tensor) -> Slots:
     return slots
 
 
-_WRITTEN_NODES = (*walk.SLOT_WRITES, "CopyBackwards")  # a tensor's last change wrote it in place
-
-
 def _written_in_slots(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``),
     ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch), or
@@ -1691,6 +1692,8 @@ def _written_in_slots(tensor: torch.Tensor) -> bool:
 _COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "
              "`{code}`, before the write), so that `{code}` keeps its values and each step's writes and graph stay its "
              "own; detaching what is written would stop the gradient through the write")
+_COPIED_FIX = ("detach what is copied into `{code}` where it is written (`{code}.copy_(x.detach())`), or write it "
+               "under `torch.no_grad()`, so that it keeps a value, not the graph of the step that made it")
 _SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
               "handed to the code that writes it), or write it under `torch.no_grad()`, so that its slots keep "
               "values, not the graphs of the steps that made them")

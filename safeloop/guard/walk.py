@@ -35,6 +35,8 @@ HAS_SEQ = hasattr(_leaf_node, "_sequence_nr")
 # the nodes of a write into some of a tensor's slots in place (`x[:n] = v`, `x[idx] = v`, `x.index_copy_(0, idx, v)`),
 # whose first input is the tensor's value before the write
 SLOT_WRITES = ("CopySlices", "IndexPutBackward0", "IndexCopyBackward0")
+# ... and of a write over the whole tensor (`x.copy_(v)`): its first input too is the value before the write
+WRITES = (*SLOT_WRITES, "CopyBackwards")
 del _leaf_node
 _probe = torch.zeros((), requires_grad=True)
 _saved_attrs: dict[type, tuple[tuple[str, str], ...]] = {}

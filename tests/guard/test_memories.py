@@ -179,3 +179,24 @@ def test_a_buffer_written_with_graphs_in_forward_is_told_to_write_it_without_a_g
                                             r"that have a graph \(and so are `model.book.embed_avg`\).*To fix: write "
                                             r"it and the other buffers named under `torch.no_grad\(\)`", said[0]), said
         assert "loss.item()" not in said[0]
+
+
+def test_a_running_mean_copied_over_with_its_graph_is_named_and_told_to_detach_what_is_copied():
+    """StyleGAN2-ADA's path-length mean (NVlabs/stylegan2-ada-pytorch, training/loss.py) written back with
+    `pl_mean.copy_(new)` without `.detach()`: the next penalty goes back through the last one's freed graph. Named as
+    the running mean, which the copy wrote over, not as the value lerped from it in this step."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model)
+    pl_mean = torch.zeros([])
+    with pytest.raises(CarriedGraphError, match=r"held by `local pl_mean`.*To fix: detach what is copied into "
+                                                r"`pl_mean` where it is written \(`pl_mean.copy_\(x.detach\(\)\)`\)"):
+        for _ in range(3):
+            with guard.step():
+                lengths = model(torch.randn(4, 3)).square().sum(1).sqrt()
+                new = pl_mean.lerp(lengths.mean(), 0.01)
+                pl_mean.copy_(new)
+                guard.backward((lengths - new).square().mean())
+                opt.step()
+                opt.zero_grad()

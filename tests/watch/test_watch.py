@@ -333,6 +333,12 @@ BROKEN = {
                                         r"created during an earlier step and held by `global mean_path_length`.*To "
                                         r"fix: detach the carried state at the end of each step \(`mean_path_length = "
                                         r"mean_path_length.detach\(\)`\)",
+    # ... and StyleGAN2-ADA's, a plain tensor of the loss object written over with copy_ without `.detach()`: named as
+    # that tensor (not the lerped local made from it, whose detach would do nothing), the copy told to detach first
+    "stylegan2_ada_pl_mean_not_detached": r"CarriedGraphError: .*\(step 11, loss 'loss'\): the loss reaches "
+                                          r"CopyBackwards, created during an earlier step and held by `self.pl_mean`.*"
+                                          r"To fix: detach what is copied into `self.pl_mean` where it is written "
+                                          r"\(`self.pl_mean.copy_\(x.detach\(\)\)`\)",
     # TD3's actor loss built beside the critic's, back-propagated after the critic's step changed the weights it saved
     "td3_actor_loss_before_critic_step": r"InplaceModificationError: .*\(step 3, loss 'loss'\): optimizer "
                                          r"'critic_optimizer' stepped after this loss was built and before its "
