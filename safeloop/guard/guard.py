@@ -795,9 +795,12 @@ class Guard:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
                 fixes.insert(0, _SLOTS_FIX)
-            elif any(type(t.grad_fn).__name__ == "CopyBackwards" for t in held):
-                # a tensor written over whole with a value that keeps its graph (StyleGAN2-ADA's running mean of path
-                # lengths, `self.pl_mean.copy_(pl_mean)` without its .detach()): that write is what to detach
+            elif type(node).__name__ == "CopyBackwards" and not node.metadata.get(_SENTINEL) \
+                    and any(type(t.grad_fn).__name__ == "CopyBackwards" for t in held):
+                # a tensor written over whole with a value that keeps its graph, a write that no loss of the step
+                # making it went back through (StyleGAN2-ADA's running mean of path lengths, `self.pl_mean.copy_(
+                # pl_mean)` without its .detach()): that write is what to detach. Not a cache each forward writes and
+                # its loss reads (llama's KV cache written whole): detaching the write would stop its gradient
                 fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
