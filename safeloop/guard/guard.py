@@ -54,6 +54,7 @@ from .words import TRAINER, Words
 log = logging.getLogger("safeloop.guard")
 
 _SENTINEL = "safeloop_sentinel"
+_LOOKED = "safeloop_looked"  # node.metadata: the id of the tensor written in place whose graph it was at a look
 _FIRST_SEEN = "safeloop_first_seen"  # node.metadata: the step that first found a node made before it
 _BUILT_FROM = "safeloop_built_from"  # node.metadata: its leaves' versions when a retaining backward first reused it
 
@@ -1524,18 +1525,45 @@ class Guard:
 
     def written_parameters(self, step: int, scope: Scope | None, frame=None) -> None:
         """Warn once about the parameters holding a graph (``explain.written_parameters``) after a checked step, where
-        no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it."""
+        no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it; and
+        once about the tensors written so (``_written_copies``: diffusers' EMA shadow parameters, kept in a list)."""
         if self.is_off("leak"):
             return
-        written = [name for name, _ in explain.written_parameters(scope) if self.leak_key(name) not in self._warned]
-        if not written:
-            return
-        self._warned.update(self.leak_key(name) for name in written)
-        named = ", ".join(f"`{name}`" for name in written[:3]) + (f" and {len(written) - 3} more" * (len(written) > 3))
-        self._warn(GraphLeakWarning(
-            f"the parameters {named} hold an autograd graph: written in place outside torch.no_grad() from tensors "
-            f"that require grad ({_WRITTEN_EXAMPLE}), they now require grad, and each write adds to their graph, which "
-            "grows step after step", step=step, holder=written[0], fixes=[_WRITTEN_FIX]), frame)
+        for kind, names, example in (
+                ("parameters", [name for name, _ in explain.written_parameters(scope)], _WRITTEN_EXAMPLE),
+                ("tensors", self._written_copies(scope), "an EMA's shadow copies of the parameters kept as tensors, "
+                                                         "`s.sub_((1 - d) * (s - p))`")):
+            written = [name for name in names if self.leak_key(name) not in self._warned]
+            if not written:
+                continue
+            self._warned.update(self.leak_key(name) for name in written)
+            named = ", ".join(f"`{name}`" for name in written[:3])
+            named += f" and {len(written) - 3} more" * (len(written) > 3)
+            self._warn(GraphLeakWarning(
+                f"the {kind} {named} hold an autograd graph: written in place outside torch.no_grad() from tensors "
+                f"that require grad ({example}), they now require grad, and each write adds to their graph, "
+                "which grows step after step", step=step, holder=written[0], fixes=[_WRITTEN_FIX]), frame)
+
+    def _written_copies(self, scope: Scope | None) -> list[str]:
+        """The names of the tensors the scope holds, not parameters, written in place (their version moved) with a
+        graph that reaches a parameter, that no loss's walk met, and that grew over the graph the same tensor held at an
+        earlier look: copies of the parameters updated outside torch.no_grad() (an EMA's shadow parameters, kept as
+        tensors in a list), whose graph every update extends. A state the loss reads is met by its walk; a sum made
+        again (`val_loss = 0`, then `+=`) is another tensor; one written once and kept (`best = val_loss`) does not
+        grow."""
+        found = {}
+        for name, tensor in explain.candidates(scope):
+            fn = tensor.grad_fn
+            if fn is None or not tensor._version or isinstance(tensor, torch.nn.Parameter):
+                continue
+            nodes = list(islice(walk.iter_nodes(fn), 1_000))
+            if any(n.metadata.get(_SENTINEL) is not None for n in nodes):
+                continue
+            if any(n is not fn and n.metadata.get(_LOOKED) == id(tensor) for n in nodes) and \
+                    any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
+                found.setdefault(id(tensor), name)
+            fn.metadata[_LOOKED] = id(tensor)
+        return list(found.values())
 
     @staticmethod
     def leak_key(holder: str | None) -> str:

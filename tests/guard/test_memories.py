@@ -200,3 +200,32 @@ def test_a_running_mean_copied_over_with_its_graph_is_named_and_told_to_detach_w
                 guard.backward((lengths - new).square().mean())
                 opt.step()
                 opt.zero_grad()
+
+
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_shadow_copies_in_a_list_written_outside_no_grad_warn_once_naming_them(no_grad):
+    """diffusers' EMAModel (src/diffusers/training_utils.py) keeps detached clones of the parameters in a plain list;
+    its step() without @torch.no_grad() writes them in place from the parameters, and their graph grows by every step,
+    made by no loss: warned once, naming the list's tensors and the write to make under torch.no_grad()."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, check="always")
+    shadow = [p.clone().detach() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with guard.step():
+                guard.backward(model(torch.randn(4, 3)).square().mean())
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad() if no_grad else torch.enable_grad():
+                    for s, p in zip(shadow, model.parameters()):
+                        s.sub_(0.1 * (s - p))
+    said = [str(w.message) for w in caught if issubclass(w.category, GraphLeakWarning)]
+    if no_grad:
+        assert said == []
+    else:
+        assert len(said) == 1 and re.search(r"the tensors `local shadow\[0\]`, `local shadow\[1\]` hold an autograd "
+                                            r"graph: written in place outside torch.no_grad\(\).*To fix: make that "
+                                            r"write under `torch.no_grad\(\)`", said[0]), said
