@@ -352,6 +352,12 @@ BROKEN = {
     "trpo_fvp_without_create_graph": r"NoGraphError: .*\(step 1, loss 'loss'\): it does not depend on any tensor that "
                                      r"requires grad .*from gradients torch.autograd.grad returned without "
                                      r"create_graph=True.*pass create_graph=True to torch.autograd.grad",
+    # Transformer-XL's memories made again without no_grad and detach in _update_mems: carried into the next segment's
+    # forward as the list the model returns; the list is detached whole at the end of each step
+    "transformer_xl_mems_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches \w+, created "
+                                        r"during an earlier step and held by `global mems\[\d\]`.*To fix: detach the "
+                                        r"carried state at the end of each step \(`mems = \[t.detach\(\) for t in "
+                                        r"mems\]`\)",
 }
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
@@ -405,6 +411,10 @@ FIRST_FIX = {
     "stylegan2_path_mean_not_detached": ("stylegan2_path_length_reg", "stylegan2_path_mean_detached_first_fix",
                                          "    mean_path_length = mean_path_length.detach()",
                                          "detach the carried state at the end of each step"),
+    "transformer_xl_mems_not_detached": ("transformer_xl_mems", "transformer_xl_mems_not_detached_first_fix",
+                                         "    mems = [t.detach() for t in mems]",
+                                         "detach the carried state at the end of each step (`mems = [t.detach() for "
+                                         "t in mems]`)"),
 }
 # scripts that run to their end, warning once (the line of the script that warns, the parameter, the fix)
 WARNED = {
