@@ -271,7 +271,8 @@ def test_gradients_handed_to_the_optimizers_parameters_by_hand_are_the_losss_and
 
 def zero_grad_order(order: str, check: str, manual: bool = False) -> tuple[list, torch.Tensor]:
     """Six steps of a regression whose iteration calls zero_grad(), backward() (of a loss computed there) and step()
-    in ``order`` (a GraphGuard loop, or the Trainer's manual mode): the warnings, the trained weight."""
+    in ``order`` (a GraphGuard loop, or the Trainer's manual mode; the loop can also clip the gradients by norm, or
+    replace them in place): the warnings, the trained weight."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(6)]
@@ -304,7 +305,9 @@ def zero_grad_order(order: str, check: str, manual: bool = False) -> tuple[list,
             guard = GraphGuard(model, opt, check=check)
             for batch in data:
                 calls = {"zero_grad": opt.zero_grad, "backward": lambda: guard.backward(loss(batch)), "step": opt.step,
-                         "zero_data": zero_data}
+                         "zero_data": zero_data,
+                         "clip": lambda: nn.utils.clip_grad_norm_(model.parameters(), 0.01),  # (scales them in place)
+                         "replace": lambda: [p.grad.copy_(torch.randn_like(p)) for p in model.parameters()]}
                 for call in order.split():
                     calls[call]()
     return [w for w in said if issubclass(w.category, UnusedGradientWarning)], model.weight.detach().clone()
@@ -347,6 +350,19 @@ def test_gradients_accumulated_over_backwards_and_cleared_once_per_update_are_qu
     assert warned == []
     if order.startswith("zero_data backward step"):
         assert torch.equal(weight, zero_grad_order("zero_grad backward step", check)[1])
+
+
+@pytest.mark.xfail(strict=True, reason="order.py counts a gradient changed in place since the backward as cleared")
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_gradients_never_cleared_are_said_where_they_are_clipped_before_each_step(check):
+    """clip_grad_norm_ (and GradScaler's unscale_) scales the gradients in place between backward() and step(): the
+    sum of every gradient so far is still what each step applies. Gradients replaced in place instead (written by
+    hand from another source) are no longer what the backwards added: quiet."""
+    warned, _ = zero_grad_order("backward clip step", check)
+    assert len(warned) == 1 and warned[0].filename == __file__, [str(w.message) for w in warned]
+    assert KEPT in str(warned[0].message)
+    assert zero_grad_order("zero_grad backward clip step", check)[0] == []
+    assert zero_grad_order("backward replace step", check)[0] == []
 
 
 def test_one_update_that_finds_its_gradients_cleared_is_a_step_skipped_on_purpose():

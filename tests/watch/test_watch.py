@@ -427,6 +427,10 @@ WARNED = {
     "zero_grad_never_called": r"zero_grad_never_called.py:16: UnusedGradientWarning: .*\(step \d, loss 'loss'\): "
                               r"this backward adds to the gradients an earlier optimizer step already applied.*To "
                               r"fix: clear the gradients before the backward",
+    # ... nor where clip_grad_norm_ scales them in place between backward and step (minGPT's trainer)
+    "mingpt_trainer_zero_grad_missing": r"mingpt_trainer_zero_grad_missing.py:15: UnusedGradientWarning: .*\(step \d, "
+                                        r"loss 'loss'\): this backward adds to the gradients an earlier optimizer "
+                                        r"step already applied.*To fix: clear the gradients before the backward",
     "plain_list_layers": r"plain_list_layers.py:27: UnusedGradientWarning: .*\(step 2, loss 'loss'\): the loss reaches "
                          r"`model.layers\[1\].weight`, `model.layers\[0\].weight`.*keep layers in an nn.ModuleList",
     "layer_in_forward": r"layer_in_forward.py:25: UnusedGradientWarning: .*\(step 3, loss 'loss'\): the loss reaches "
