@@ -10,9 +10,11 @@ an error:
 A gradient counts as cleared when it is None, or another tensor, or the same tensor at another version than the one
 last seen (``zero_()``, and anything else written into it in place), or, where an update applied it and it looks
 untouched since, all zeros (``p.grad.data.zero_()`` writes through ``.data``, which no version counts): so a backward
-the guard did not check, or a gradient changed by hand, reads as cleared, and nothing is said. Gradients zeroed in
-place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``) cannot be told
-from gradients that are zero.
+the guard did not check, or a gradient changed by hand, reads as cleared, and nothing is said. One exception: a
+gradient that a backward added to an applied one, then only multiplied by a positive factor before the update
+(``clip_grad_norm_``, GradScaler's ``unscale_``), still holds the sum, and is still kept at that update. Gradients
+zeroed in place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``)
+cannot be told from gradients that are zero.
 """
 from __future__ import annotations
 
@@ -37,6 +39,24 @@ def _state(p: torch.Tensor) -> tuple | None:
     if _MARK not in grad.__dict__:
         grad.__dict__[_MARK] = next(_marks)
     return grad.__dict__[_MARK], grad._version
+
+
+def _measure(p: torch.Tensor) -> torch.Tensor:
+    """A few numbers of ``p``'s gradient that multiplying it by a factor multiplies alike: its norm, its sum, its first
+    and last element (of this rank's shard of a sharded one)."""
+    flat = fsdp.local(p.grad.detach()).flatten()
+    return torch.stack((flat.norm(), flat.sum(), flat[:1].sum(), flat[-1:].sum())).float()
+
+
+def _rescaled(p: torch.Tensor, state: tuple, measure: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient is the tensor that ``state`` saw and ``measure`` measured, since multiplied in place by
+    a positive factor only (clipping by norm, unscaling): what the backward left is still in it."""
+    if p.grad is None or p.grad.__dict__.get(_MARK) != state[0]:
+        return False
+    now = _measure(p)
+    factor = now[0] / measure[0]
+    return bool(torch.isfinite(factor) and factor > 0) and torch.allclose(now, measure * factor, rtol=1e-4,
+                                                                          atol=1e-6 * float(now[0]))
 
 
 def _same(p: torch.Tensor, state: tuple | None) -> bool:
@@ -67,7 +87,8 @@ class GradientOrder:
     def __init__(self) -> None:
         self._seen: dict[int, tuple | None] = {}  # their gradients after the last checked backward or their update
         self._applied: set[int] = set()  # those with a gradient at their optimizer's last update, not cleared since
-        self._added: set[int] = set()  # of those, the ones a checked backward added to since (never cleared)
+        # of those, the ones a checked backward added to since (never cleared), with what it left (``_measure``)
+        self._added: dict[int, torch.Tensor] = {}
         # those with a gradient after a checked backward since their optimizer's last update: the first such
         # backward's (step, loss name, where to warn)
         self._given: dict[int, tuple] = {}
@@ -87,7 +108,7 @@ class GradientOrder:
             i = id(p)
             if not _same(p, self._seen.get(i)):  # cleared (or written) since last seen
                 self._applied.discard(i)
-                self._added.discard(i)
+                self._added.pop(i, None)
             elif i in self._applied:
                 self._before[i] = self._seen[i]
 
@@ -96,7 +117,7 @@ class GradientOrder:
         for p in self._current:
             i = id(p)
             if i in self._before and not _same(p, self._before[i]):
-                self._added.add(i)
+                self._added[i] = _measure(p)
             self._seen[i] = _state(p)
             if p.grad is not None:
                 self._given.setdefault(i, self._by)
@@ -113,8 +134,10 @@ class GradientOrder:
         if given:
             if not any(id(p) in self._given for p in with_grad):
                 found = "cleared"
-            elif all(id(p) in self._added and _same(p, self._seen.get(id(p))) for p in with_grad):
-                found = "kept"  # (not where the gradients changed since that backward: cleared, or clipped)
+            elif all(id(p) in self._added and (_same(p, self._seen.get(id(p)))
+                                               or _rescaled(p, self._seen[id(p)], self._added[id(p)]))
+                     for p in with_grad):
+                found = "kept"  # (not where the gradients changed since that backward otherwise: cleared, replaced)
             key = id(params[0])
             for kind in ("cleared", "kept"):
                 self._found[kind, key] = self._found.get((kind, key), 0) + 1 if kind == found else 0
@@ -122,6 +145,6 @@ class GradientOrder:
             i = id(p)
             self._seen[i] = _state(p)
             (self._applied.add if p.grad is not None else self._applied.discard)(i)
-            self._added.discard(i)
+            self._added.pop(i, None)
             self._given.pop(i, None)
         return (found, given[0]) if found is not None and self._found[found, id(params[0])] == 2 else None

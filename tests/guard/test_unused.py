@@ -352,7 +352,6 @@ def test_gradients_accumulated_over_backwards_and_cleared_once_per_update_are_qu
         assert torch.equal(weight, zero_grad_order("zero_grad backward step", check)[1])
 
 
-@pytest.mark.xfail(strict=True, reason="order.py counts a gradient changed in place since the backward as cleared")
 @pytest.mark.parametrize("check", ["always", "auto"])
 def test_gradients_never_cleared_are_said_where_they_are_clipped_before_each_step(check):
     """clip_grad_norm_ (and GradScaler's unscale_) scales the gradients in place between backward() and step(): the
