@@ -354,6 +354,9 @@ BROKEN = {
                                      r"create_graph=True.*pass create_graph=True to torch.autograd.grad",
     # Transformer-XL's memories made again without no_grad and detach in _update_mems: carried into the next segment's
     # forward as the list the model returns; the list is detached whole at the end of each step
+    # ... and a cache object of key and value lists, never detached: its entry, not the output made from it this step
+    "kv_cache_object_carried": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `past_key_values.key_cache"
+                               r"\[0\]`.*To fix: detach the carried state",
     "transformer_xl_mems_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches \w+, created "
                                         r"during an earlier step and held by `global mems\[\d\]`.*To fix: detach the "
                                         r"carried state at the end of each step \(`mems = \[t.detach\(\) for t in "
