@@ -410,7 +410,11 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     if near:
         made = [tuple(m.shape) for m in getattr(node, "_input_metadata", ())[:1]]  # the shape of what node made
         kept = [(name, t) for name, t in near if start is None or sequence_nr(t.grad_fn) < start]
-        alike = [(name, t) for name, t in near if [tuple(t.shape)] == made]
+        # (not a variable reaching it only through holders of another shape: an output made from a cache that the
+        # forward extends, `out` from `cache.key_cache[0]`, holds the node through the cache)
+        other = [t for _, t in near if [tuple(t.shape)] != made]
+        alike = [(name, t) for name, t in near if [tuple(t.shape)] == made and not (
+            other and re.fullmatch(r"(local|global|closure) \w+", name) and _through(t, node, other))]
         if not kept and alike and not any(nxt is node for _, t in near for nxt, _ in t.grad_fn.next_functions):
             # every holder made in this step, none straight from the node (as `y0 = pred_y[-1]`, taken after the
             # update, is): a state the step wrote again holds the node as the latest value of its shape, the one the
@@ -460,6 +464,12 @@ def data_items(scope: Scope) -> Iterator[tuple[str, torch.Tensor]]:
 def _variable(name: str) -> str:
     """The variable a holder's name starts from: `outs` of `local outs[0]`, and of `outs[0].x` inside an object."""
     return re.match(r"(?:(?:local|global|closure) )?(\w*)", name.owner if isinstance(name, Inside) else name).group(1)
+
+
+def _through(tensor: torch.Tensor, node, others: list[torch.Tensor], limit: int = 2_000) -> bool:
+    """Whether ``tensor``'s graph reaches ``node`` only through the graphs of ``others``."""
+    stops = {o.grad_fn for o in others if o.grad_fn is not tensor.grad_fn}
+    return not any(n is node for n in islice(walk.iter_nodes(tensor.grad_fn, stop=lambda n: n in stops), limit))
 
 
 def _made_from(tensor: torch.Tensor, other: torch.Tensor, limit: int = 2_000) -> bool:

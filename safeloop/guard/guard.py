@@ -775,10 +775,12 @@ class Guard:
             # with their graph across unrolled steps) must still require grad once cut
             held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
             cut = "{detached}.requires_grad_()" if any(t.retains_grad for t in held) else "{detached}"
-            # an object's tensors written in place beside it (llama's cache_k beside its cache_v) are detached with
-            # it: the fix of one alone would stop the next run at the other
+            # an object's tensors written in place beside it (llama's cache_k beside its cache_v), or its lists beside
+            # the one holding it (a key/value cache's key_cache beside its value_cache), are detached with it: the fix
+            # of one alone would stop the next run at the other
             cut = "; ".join([cut, *(f"{c} = {c}.detach()" for c in [*self._written_beside(holder, held, case),
-                                                                      *self._carried_beside(holder, held, case)])])
+                                                                      *self._carried_beside(holder, held, case)]),
+                             *(f"{c} = [t.detach() for t in {c}]" for c in self._lists_beside(holder, case))])
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
@@ -825,6 +827,23 @@ class Guard:
             other = name.partition(" ")[2]
             if name.partition(" ")[0] == kind and other in carried and other != code and other not in beside \
                     and tensor.grad_fn is not None and not any(tensor is t for t in held) \
+                    and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
+                            for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
+                beside.append(other)
+        return beside
+
+    def _lists_beside(self, holder: str | None, case: Case) -> list[str]:
+        """The other lists of the object whose list ``holder`` is an element of (transformers' DynamicCache:
+        ``cache.key_cache`` beside ``cache.value_cache``), as code, that hold a graph made before this step."""
+        listed = _code(holder.list_of) if isinstance(holder, explain.Element) else None
+        owner = (listed or "").rpartition(".")[0]
+        if not owner or self.start_seq is None or not walk.HAS_SEQ:
+            return []
+        beside = []
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            other = _code(name.list_of) if isinstance(name, explain.Element) else ""
+            if other.rpartition(".")[0] == owner and other != listed and re.fullmatch(r"\w+", other[len(owner) + 1:]) \
+                    and other not in beside and tensor.grad_fn is not None \
                     and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
                             for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
                 beside.append(other)

@@ -229,3 +229,51 @@ def test_shadow_copies_in_a_list_written_outside_no_grad_warn_once_naming_them(n
         assert len(said) == 1 and re.search(r"the tensors `local shadow\[0\]`, `local shadow\[1\]` hold an autograd "
                                             r"graph: written in place outside torch.no_grad\(\).*To fix: make that "
                                             r"write under `torch.no_grad\(\)`", said[0]), said
+class KeyValueCache:
+    """transformers' DynamicCache (src/transformers/cache_utils.py): a list of keys and one of values per layer, which
+    each forward extends (here: a window of the last 4 positions)."""
+
+    def __init__(self):
+        self.key_cache, self.value_cache = [], []
+
+    def update(self, key, value, layer):
+        if len(self.key_cache) <= layer:
+            self.key_cache.append(key)
+            self.value_cache.append(value)
+        else:
+            self.key_cache[layer] = torch.cat([self.key_cache[layer], key], dim=-2)[..., -4:, :]
+            self.value_cache[layer] = torch.cat([self.value_cache[layer], value], dim=-2)[..., -4:, :]
+        return self.key_cache[layer], self.value_cache[layer]
+
+
+def train_with_cache(fixed: bool) -> None:
+    """Three segments of attention over a key/value cache carried across steps; ``fixed``: the fix applied."""
+    torch.manual_seed(0)
+    q, k, v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    opt = torch.optim.SGD([*q.parameters(), *k.parameters(), *v.parameters()], lr=0.1)
+    guard = GraphGuard(q)
+    cache = KeyValueCache()
+    for _ in range(3):
+        with guard.step():
+            x = torch.randn(2, 3, 8)
+            keys, values = cache.update(k(x), v(x), 0)
+            out = torch.softmax(q(x) @ keys.transpose(-1, -2), -1) @ values  # the shape of this segment's k(x)
+            guard.backward((out - x).square().mean())
+            opt.step()
+            opt.zero_grad()
+            if fixed:  # the fix
+                cache.value_cache = [t.detach() for t in cache.value_cache]
+                cache.key_cache = [t.detach() for t in cache.key_cache]
+
+
+def test_a_cache_object_carried_is_named_by_its_lists_not_by_the_output_made_from_them():
+    """The output this step made from the cache has the shape of the node the last segment made; the cache's entry,
+    extended by this step, does not. The cache's list is named, and both lists are detached: the fix of one alone
+    would stop the next run at the other."""
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `cache.value_cache\[0\]`.*"
+                       + re.escape("(`cache.value_cache = [t.detach() for t in cache.value_cache]; cache.key_cache = "
+                                   "[t.detach() for t in cache.key_cache]`)")):
+        train_with_cache(fixed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_with_cache(fixed=True)

@@ -354,9 +354,12 @@ BROKEN = {
                                      r"create_graph=True.*pass create_graph=True to torch.autograd.grad",
     # Transformer-XL's memories made again without no_grad and detach in _update_mems: carried into the next segment's
     # forward as the list the model returns; the list is detached whole at the end of each step
-    # ... and a cache object of key and value lists, never detached: its entry, not the output made from it this step
-    "kv_cache_object_carried": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `past_key_values.key_cache"
-                               r"\[0\]`.*To fix: detach the carried state",
+    # ... and a cache object of key and value lists, never detached: its entry, not the output made from it this step;
+    # both lists detached (the fix of one alone would stop the next run at the other)
+    "kv_cache_object_carried": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `past_key_values.value_cache"
+                               r"\[0\]`.*To fix: detach the carried state at the end of each step \(`past_key_values."
+                               r"value_cache = \[t.detach\(\) for t in past_key_values.value_cache\]; past_key_values."
+                               r"key_cache = \[t.detach\(\) for t in past_key_values.key_cache\]`\)",
     "transformer_xl_mems_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches \w+, created "
                                         r"during an earlier step and held by `global mems\[\d\]`.*To fix: detach the "
                                         r"carried state at the end of each step \(`mems = \[t.detach\(\) for t in "
@@ -414,6 +417,10 @@ FIRST_FIX = {
     "stylegan2_path_mean_not_detached": ("stylegan2_path_length_reg", "stylegan2_path_mean_detached_first_fix",
                                          "    mean_path_length = mean_path_length.detach()",
                                          "detach the carried state at the end of each step"),
+    "kv_cache_object_carried": ("kv_cache_object_detached", "kv_cache_object_detached",
+                                "    past_key_values.value_cache = [t.detach() for t in past_key_values.value_cache]; "
+                                "past_key_values.key_cache = [t.detach() for t in past_key_values.key_cache]",
+                                "detach the carried state at the end of each step"),
     "transformer_xl_mems_not_detached": ("transformer_xl_mems", "transformer_xl_mems_not_detached_first_fix",
                                          "    mems = [t.detach() for t in mems]",
                                          "detach the carried state at the end of each step (`mems = [t.detach() for "
