@@ -354,6 +354,10 @@ BROKEN = {
                                      r"create_graph=True.*pass create_graph=True to torch.autograd.grad",
     # Transformer-XL's memories made again without no_grad and detach in _update_mems: carried into the next segment's
     # forward as the list the model returns; the list is detached whole at the end of each step
+    # the Recurrent Memory Transformer's memory never detached after an update every third segment
+    "rmt_memory_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, created "
+                               r"during an earlier step and held by `global memory`.*To fix: detach the carried state "
+                               r"at the end of each step \(`memory = memory.detach\(\)`\)",
     # ... and a cache object of key and value lists, never detached: its entry, not the output made from it this step;
     # both lists detached (the fix of one alone would stop the next run at the other)
     "kv_cache_object_carried": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `past_key_values.value_cache"
@@ -417,6 +421,9 @@ FIRST_FIX = {
     "stylegan2_path_mean_not_detached": ("stylegan2_path_length_reg", "stylegan2_path_mean_detached_first_fix",
                                          "    mean_path_length = mean_path_length.detach()",
                                          "detach the carried state at the end of each step"),
+    "rmt_memory_not_detached": ("rmt_memory_segments", "rmt_memory_not_detached_first_fix",
+                                "            memory = memory.detach()",
+                                "detach the carried state at the end of each step (`memory = memory.detach()`)"),
     "kv_cache_object_carried": ("kv_cache_object_detached", "kv_cache_object_detached",
                                 "    past_key_values.value_cache = [t.detach() for t in past_key_values.value_cache]; "
                                 "past_key_values.key_cache = [t.detach() for t in past_key_values.key_cache]",
