@@ -355,12 +355,13 @@ def test_gradients_accumulated_over_backwards_and_cleared_once_per_update_are_qu
 @pytest.mark.parametrize("check", ["always", "auto"])
 def test_gradients_never_cleared_are_said_where_they_are_clipped_before_each_step(check):
     """clip_grad_norm_ (and GradScaler's unscale_) scales the gradients in place between backward() and step(): the
-    sum of every gradient so far is still what each step applies. Gradients replaced in place instead (written by
-    hand from another source) are no longer what the backwards added: quiet."""
+    sum of every gradient so far is still what each step applies. Gradients cleared (through ``.data`` too), or
+    replaced in place (written by hand from another source), are no longer what the backwards added: quiet."""
     warned, _ = zero_grad_order("backward clip step", check)
     assert len(warned) == 1 and warned[0].filename == __file__, [str(w.message) for w in warned]
     assert KEPT in str(warned[0].message)
     assert zero_grad_order("zero_grad backward clip step", check)[0] == []
+    assert zero_grad_order("zero_data backward clip step", check)[0] == []  # cleared through .data, then clipped
     assert zero_grad_order("backward replace step", check)[0] == []
 
 
