@@ -462,6 +462,11 @@ WARNED = {
     "maml_detached_fast_weights": r"maml_detached_fast_weights.py:29: UnusedGradientWarning: .*\(step 2, "
                                   r"loss 'loss'\): the loss reaches none of the parameters the optimizers update, only an unnamed "
                                   r"tensor shaped as `model.2.weight`.*create_graph=True",
+    # an ensemble trained through torch.func.stack_module_state, its optimizer built on the original models' parameters
+    "vmap_ensemble_optimizer_on_models": r"vmap_ensemble_optimizer_on_models.py:38: UnusedGradientWarning: .*\(step 2, "
+                                         r"loss 'loss'\): the loss reaches none of the parameters the optimizers "
+                                         r"update, only `global params\['fc\w\.\w+'\]`.*or if the tensors it reaches "
+                                         r"are the ones to train, give them to an optimizer",
     # predictive coding's value nodes sampled anew each batch, their optimizer made once, for the first batch's
     "predictive_coding_stale_x_optimizer": r"predictive_coding_stale_x_optimizer.py:51: UnusedGradientWarning: .*"
                                            r"\(step 5, loss 'loss'\): the loss reaches `model.4._x`, `model.1._x`, "
