@@ -100,6 +100,23 @@ BROKEN = {
     "hvp_penalty_gradient_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "
                                         r"before the step \(before the loop\) and held by `global v\[0\]`.*To fix: "
                                         r"recompute `v\[0\]` inside the loop",
+    # RLHF's PPO (TRL's PPOTrainer.step) with the rollout's forward pass outside no_grad: the stored returns (made from
+    # the old values and log-probabilities) keep its graph across the ppo_epochs, a target the loss compares with
+    "trl_ppo_rlhf_old_logprobs_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global returns`.*"
+                                            r"To fix: if it is a target the loss compares with.*compute it under "
+                                            r"`torch.no_grad\(\)`",
+    # ... and with a trainable reference model outside no_grad: the KL penalty's graph reaches only the reference,
+    # which no optimizer holds, so the returns are kept without it
+    "trl_ppo_rlhf_reference_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global returns`.*"
+                                           r"To fix: keep it without its graph: it depends on no trained parameter "
+                                           r"\(only on `ref_model\.[\w.]+`.*store it detached once made "
+                                           r"\(`returns = returns.detach\(\)`\)",
+    # DPO's reference log-probabilities precomputed from the policy before training (TRL's precompute_ref_log_probs)
+    # without no_grad: kept in the dataset's dicts, meant as constants
+    "dpo_precomputed_reference_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "
+                                            r"before the step \(before the loop\) and held by `global "
+                                            r"train_dataset\[0\]\['ref_\w+_logps'\]`.*if it is meant as a constant.*"
+                                            r"compute it under `torch.no_grad\(\)`",
     "gan_lazy_r1": r"InplaceModificationError: .*\(step 2, loss 'loss'\): optimizer 'd_optim' stepped after this loss "
                    r"was built and before its backward.*a gradient penalty from a fresh D\(real\)",
     "gan_fake_not_detached": r"DoubleBackwardError: .*\(step 2, loss 'loss'\): the loss reaches TanhBackward0, made "
@@ -428,6 +445,9 @@ FIRST_FIX = {
                                 "    past_key_values.value_cache = [t.detach() for t in past_key_values.value_cache]; "
                                 "past_key_values.key_cache = [t.detach() for t in past_key_values.key_cache]",
                                 "detach the carried state at the end of each step"),
+    "trl_ppo_rlhf_reference_not_detached": ("trl_ppo_rlhf_rollouts_kl", "trl_ppo_rlhf_reference_not_detached_first_fix",
+                                            "    returns = returns.detach()",
+                                            "store it detached once made (`returns = returns.detach()`)"),
     "transformer_xl_mems_not_detached": ("transformer_xl_mems", "transformer_xl_mems_not_detached_first_fix",
                                          "    mems = [t.detach() for t in mems]",
                                          "detach the carried state at the end of each step (`mems = [t.detach() for "
