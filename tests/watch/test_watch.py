@@ -111,6 +111,12 @@ BROKEN = {
                                            r"To fix: keep it without its graph: it depends on no trained parameter "
                                            r"\(only on `ref_model\.[\w.]+`.*store it detached once made "
                                            r"\(`returns = returns.detach\(\)`\)",
+    # OpenRLHF's make_experience without @torch.no_grad(): the second Experience of the buffer, made before the first
+    # update, keeps a graph whose saved weights that update changed (not a loss built before an optimizer step)
+    "openrlhf_make_experience_without_no_grad": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by "
+                                                r"`replay_buffer.items\[1\].\w+`; a tensor its graph saved was changed "
+                                                r"in place since it was made.*To fix: if it is a target the loss "
+                                                r"compares with.*compute it under `torch.no_grad\(\)`",
     # DPO's reference log-probabilities precomputed from the policy before training (TRL's precompute_ref_log_probs)
     # without no_grad: kept in the dataset's dicts, meant as constants
     "dpo_precomputed_reference_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "

@@ -1,7 +1,7 @@
-"""trl_ppo_rlhf_rollouts_kl.py (huggingface/trl v0.7, trl/trainer/ppo_trainer.py) with the reference model left
-trainable (a deepcopy of the policy, not frozen, held by no optimizer) and its log-probabilities computed outside
-torch.no_grad(): the KL penalty in the rewards, and so the returns the value loss compares with, keep the reference's
-graph across the ppo_epochs; the first minibatch's backward frees it and PyTorch fails at the second."""
+# trl_ppo_rlhf_rollouts_kl.py (huggingface/trl v0.7, trl/trainer/ppo_trainer.py) with the reference model left
+# trainable (a deepcopy of the policy, not frozen, held by no optimizer) and its log-probabilities computed outside
+# torch.no_grad(): the KL penalty in the rewards, and so the returns the value loss compares with, keep the reference's
+# graph across the ppo_epochs; the first minibatch's backward frees it and PyTorch fails at the second.
 import copy
 
 import torch

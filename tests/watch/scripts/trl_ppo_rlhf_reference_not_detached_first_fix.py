@@ -1,7 +1,7 @@
-"""trl_ppo_rlhf_reference_not_detached.py with the guard's first fix applied as written: the returns stored detached
-once made (`returns = returns.detach()`), so the value loss of every minibatch compares with a constant; the rewards
-(and the KL penalty in them) reach the loss only through the returns and the detached advantages, so the run trains
-as trl_ppo_rlhf_rollouts_kl.py, the reference's trainable copy aside."""
+# trl_ppo_rlhf_reference_not_detached.py with the guard's first fix applied as written: the returns stored detached
+# once made (`returns = returns.detach()`), so the value loss of every minibatch compares with a constant; the rewards
+# (and the KL penalty in them) reach the loss only through the returns and the detached advantages, so the run trains
+# as trl_ppo_rlhf_rollouts_kl.py, the reference's trainable copy aside.
 import copy
 
 import torch
