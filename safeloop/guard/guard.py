@@ -1983,6 +1983,8 @@ _CHANGED = ("; since that backward, {} under that graph were changed in place (b
 _FREED = ("an earlier backward already freed the saved tensors of its graph: going through it again is what makes "
           "PyTorch fail with 'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"
+_SAVED_CHANGED = (f"a tensor its graph saved was changed in place since it was made ({_WRITES}), so this backward "
+                  "would fail")
 _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
               "again: its gradient is added a second time, through weights the update has since changed")
 # the fix for a loss reaching, through a graph an update made stale, no trained parameter but those updated
@@ -2023,9 +2025,10 @@ def _target_fix(into: str) -> str:
 
 def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
     """Why a graph made during an earlier step is a mistake: its saved tensors are freed (``_FREED``), it grows
-    every step, or every step back-propagates it again. None for a one-step lag, which is fine: made during the
+    every step, or every step back-propagates it again, or a tensor it saved was changed in place since (an
+    optimizer step after a rollout stored with its graph). None for a one-step lag, which is fine: made during the
     last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``), from nothing older, with
-    no buffer freed yet, so this step's backward is its first and only one."""
+    no buffer freed or changed yet, so this step's backward is its first and only one."""
     old = prev_seq is None or any(sequence_nr(n) < prev_seq for n in nodes)
     grows = False
     for node in islice(walk.iter_nodes(*nodes), limit):
@@ -2033,6 +2036,8 @@ def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None
             continue
         if _freed(node):
             return _FREED
+        if walk.holds_tensors(node) and walk.is_inplace(walk.unpack_error(node)):
+            return _SAVED_CHANGED
         grows = grows or (prev_seq is not None and sequence_nr(node) < prev_seq and node not in nodes)
     if grows:
         return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "

@@ -1176,3 +1176,30 @@ def test_a_state_carried_in_two_variables_is_detached_whole():
                 guard.backward(loss)
                 opt.step()
                 opt.zero_grad()
+
+
+def test_a_kept_rollout_whose_saved_weights_an_update_changed_is_a_carried_graph_not_a_loss_built_before_the_update():
+    """Values kept with their graph from one rollout (OpenRLHF's make_experience without no_grad) and compared with,
+    one per update: the second one's graph saved weights that the first update changed. Said before its backward as
+    a graph carried over whose saved tensors changed, naming the buffer, with the fix for a target; not as an
+    optimizer step between this loss's forward and its backward (the loss was built after it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), GraphGuard(model)
+
+    def update(old):
+        with guard.step():
+            loss = (model(torch.randn(3, 4)) - old).pow(2).mean()
+            guard.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    update(torch.zeros(3, 1))
+    buffer = [model(torch.randn(3, 4)) for _ in range(2)]
+    update(buffer[0])  # the first backward through a value made since the last step: a one-step lag, fine
+    before = state(model)
+    with pytest.raises(CarriedGraphError, match=re.escape("(step 3, loss 'loss'): the loss reaches ") + r".*held by "
+                       r"`local old`; a tensor its graph saved was changed in place since it was made.*To fix: "
+                       r"if it is a target the loss compares with.*compute it under `torch.no_grad\(\)`"):
+        update(buffer[1])
+    assert all(torch.equal(a, b) for a, b in zip(before, state(model)))
