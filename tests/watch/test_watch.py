@@ -123,6 +123,11 @@ BROKEN = {
                                                  r"_buffered_inputs\['ref_per_token_logps'\]`.*To fix: if it is a "
                                                  r"target the loss compares with.*compute it under "
                                                  r"`torch.no_grad\(\)`",
+    # a prompt's KV cache (a tuple of (key, value) per layer) computed once before a loop that generates through it
+    # with gradient: named by one key of it, recomputed inside the loop first
+    "kv_cache_prompt_cache_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "
+                                         r"before the step \(before the loop\) and held by `global prompt_cache\[\d\]"
+                                         r"\[\d\]`.*To fix: recompute `prompt_cache\[\d\]\[\d\]` inside the loop",
     # DPO's reference log-probabilities precomputed from the policy before training (TRL's precompute_ref_log_probs)
     # without no_grad: kept in the dataset's dicts, meant as constants
     "dpo_precomputed_reference_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches \w+, built "
@@ -633,7 +638,8 @@ def test_a_broken_seed_script_stops_at_the_first_iteration_naming_the_tensor_and
     assert f"{name}.py" in proc.stderr  # the script's own frames in the traceback
 
 
-@pytest.mark.parametrize("name", ["seed001_reused_graph", "pinn_derivative_before_loop", "fgm_embeddings_before_loop"])
+@pytest.mark.parametrize("name", ["seed001_reused_graph", "pinn_derivative_before_loop", "fgm_embeddings_before_loop",
+                                  "kv_cache_prompt_cache_before_loop"])
 def test_a_graph_made_before_the_loop_is_stopped_before_the_first_iteration_ends(runs, name):
     assert runs[0][name].stdout == ""  # without watch: the first iteration's line, then the crash
 
