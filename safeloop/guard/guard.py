@@ -622,7 +622,7 @@ class Guard:
         """
         carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
         if carried:
-            why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None)
+            why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None, iteration)
             # the nodes the last step's backward ran already (retain_graph=True): not a one-step lag
             ran = [sequence_nr(n) for n in carried if self._ran_last and sequence_nr(n) in self._ran_last]
             if why is None and any(iteration is None or seq < iteration for seq in ran):
@@ -2023,28 +2023,30 @@ def _target_fix(into: str) -> str:
             f"updates), compute it under `torch.no_grad()`{into}")
 
 
-def _why_carried(nodes, prev_seq: int | None, limit: int = 10_000) -> str | None:
+def _why_carried(nodes, prev_seq: int | None, iteration: int | None = None, limit: int = 10_000) -> str | None:
     """Why a graph made during an earlier step is a mistake: its saved tensors are freed (``_FREED``), it grows
-    every step, or every step back-propagates it again, or a tensor it saved was changed in place since (an
-    optimizer step after a rollout stored with its graph). None for a one-step lag, which is fine: made during the
-    last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``), from nothing older, with
-    no buffer freed or changed yet, so this step's backward is its first and only one."""
+    every step, or every step back-propagates it again, or a tensor it saved was changed in place since it was made
+    before this loop iteration (an optimizer step after a rollout stored with its graph; one made in this iteration
+    before an update of it is told as that update, see ``Guard.explain``). None for a one-step lag, which is fine: made
+    during the last step (after its update, say: soft actor-critic's ``alpha = log_alpha.exp()``), from nothing
+    older, with no buffer freed or changed yet, so this step's backward is its first and only one. ``iteration``:
+    see ``preflight``."""
     old = prev_seq is None or any(sequence_nr(n) < prev_seq for n in nodes)
-    grows = False
+    grows = changed = False
     for node in islice(walk.iter_nodes(*nodes), limit):
         if type(node) is walk.ACCUMULATE:
             continue
         if _freed(node):
             return _FREED
-        if walk.holds_tensors(node) and walk.is_inplace(walk.unpack_error(node)):
-            return _SAVED_CHANGED
         grows = grows or (prev_seq is not None and sequence_nr(node) < prev_seq and node not in nodes)
+        changed = changed or (iteration is None or sequence_nr(node) < iteration) and walk.holds_tensors(node) \
+            and walk.is_inplace(walk.unpack_error(node))
     if grows:
         return ("its graph extends the graphs of the steps before it, so it grows every step (memory and backward "
                 "time with it)")
     if old:
         return _AGAIN
-    return None
+    return _SAVED_CHANGED if changed else None
 
 
 def _freed(node) -> bool:
