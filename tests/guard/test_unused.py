@@ -400,3 +400,28 @@ def test_the_guard_keeps_no_weak_reference_to_a_parameter_or_its_gradient():
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
     assert model.weight.dtype == model.weight.grad.dtype == torch.float64
+
+
+@pytest.mark.xfail(strict=True, reason="the guard judges where gradients go, not their values: a DPO loss whose "
+                   "reference log-probabilities come from the policy itself, outside torch.no_grad(), has its two "
+                   "paths cancel (a zero gradient every step, nothing learned), and runs quietly")
+def test_a_dpo_loss_against_the_policy_itself_outside_no_grad_is_said_to_have_no_gradient():
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Embedding(8, 8), nn.Linear(8, 8))
+    optimizer, guard = torch.optim.SGD(policy.parameters(), lr=0.1), GraphGuard(policy)
+
+    def logps(model, ids):
+        return model(ids[:, :-1]).log_softmax(-1).gather(2, ids[:, 1:, None]).sum((1, 2))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with guard.step():
+                chosen, rejected = torch.randint(0, 8, (2, 5)), torch.randint(0, 8, (2, 5))
+                ref_chosen, ref_rejected = logps(policy, chosen), logps(policy, rejected)  # the reference: no no_grad
+                logits = (logps(policy, chosen) - logps(policy, rejected)) - (ref_chosen - ref_rejected)
+                guard.backward(-F.logsigmoid(0.1 * logits).mean())
+                assert all(p.grad.abs().max() == 0 for p in policy.parameters())
+                optimizer.step()
+                optimizer.zero_grad()
+    assert any("gradient" in str(w.message) for w in caught), [str(w.message) for w in caught]
