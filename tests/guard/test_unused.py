@@ -421,7 +421,7 @@ def test_a_dpo_loss_against_the_policy_itself_outside_no_grad_is_said_to_have_no
                 ref_chosen, ref_rejected = logps(policy, chosen), logps(policy, rejected)  # the reference: no no_grad
                 logits = (logps(policy, chosen) - logps(policy, rejected)) - (ref_chosen - ref_rejected)
                 guard.backward(-F.logsigmoid(0.1 * logits).mean())
-                assert all(p.grad.abs().max() == 0 for p in policy.parameters())
+                assert all(p.grad.abs().max() < 1e-6 for p in policy.parameters())  # (summed in another order)
                 optimizer.step()
                 optimizer.zero_grad()
     assert any("gradient" in str(w.message) for w in caught), [str(w.message) for w in caught]
