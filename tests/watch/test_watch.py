@@ -817,8 +817,8 @@ def test_a_script_that_spawns_workers_or_stops_by_syntax_error_or_ctrl_c_shows_a
 
 
 @pytest.mark.xfail(strict=True, reason="a graph built before the loop and held by a variable is told to be recomputed "
-                   "inside the loop first; DPO's reference log-probabilities stored in the dataset's items are meant as "
-                   "constants (recomputed from the policy, the reference would be the policy itself)")
+                   "inside the loop first; DPO's reference log-probabilities stored in the dataset's items are meant "
+                   "as constants (recomputed from the policy, the reference would be the policy itself)")
 def test_reference_log_probabilities_precomputed_into_the_dataset_are_told_to_be_kept_as_constants_first(runs):
     first_fix = runs[0]["dpo_precomputed_reference_with_graph"].stderr.strip().splitlines()[-1].split("To fix: ")[1]
     assert first_fix.startswith("if it is meant as a constant"), first_fix
