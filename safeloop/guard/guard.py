@@ -493,7 +493,12 @@ class Guard:
             optimized = scope.optimized()
             self._giving = optimized is not None
             if optimized is not None:
-                self.unused.order.before_backward(optimized, (step, reached[0][0], _warn_where(self.frame)))
+                held = set(map(id, optimized))
+                routed = None if inputs is None else set(map(id, inputs))  # backward(inputs=...) writes theirs only
+                plain = {id(t): t for _, _, leaves in reached for t in (n.variable for n in leaves)
+                         if id(t) not in held and type(t) is torch.Tensor and (routed is None or id(t) in routed)}
+                self.unused.before_backward(optimized, list(plain.values()),
+                                            (step, reached[0][0], _warn_where(self.frame)), scope, self.heeded)
         if len(losses) == 1:
             return retain
         last = {find(i): i for i in range(len(losses))}  # the last loss of each group

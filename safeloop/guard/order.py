@@ -15,10 +15,18 @@ gradient that a backward added to an applied one, then only multiplied by a posi
 (``clip_grad_norm_``, GradScaler's ``unscale_``), still holds the sum, and is still kept at that update. Gradients
 zeroed in place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``)
 cannot be told from gradients that are zero.
+
+A third mistake is read from the plain tensors (no optimizer holds them, not Parameters) whose gradients a checked
+backward writes: an attack's input kept across steps, its gradient never cleared. A backward counts as an attack's when
+every gradient it gave the optimizers' parameters is cleared (None or all zeros) before the next checked backward with
+no update in between (FGSM's `model.zero_grad()` after reading `data.grad`). A later step's backward that adds to that
+input's gradient, the very tensor at the version the attack left and not all zeros, while a checked step in between
+left it alone (a batch kept in a list, met again at the next epoch), makes the next attack read the sum of both.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
@@ -93,14 +101,24 @@ class GradientOrder:
         # backward's (step, loss name, where to warn)
         self._given: dict[int, tuple] = {}
         self._current: list[torch.Tensor] = []  # the parameters of the backward about to run (until it ran)
+        self._leaves: list[torch.Tensor] = []  # and the plain leaves it writes
         self._by: tuple | None = None  # its step, loss name and where to warn
         self._before: dict[int, tuple | None] = {}  # its parameters' applied gradients before it ran
         self._found: dict[tuple, int] = {}  # (mistake, optimizer) -> the updates in a row that found it
+        # the last checked backward's plain leaves (with their gradients' states) and the parameters it gave gradients,
+        # until the next checked backward tells whether it was an attack's (see the module docstring)
+        self._last: tuple[list, list, int] | None = None
+        # plain leaf (by id) -> its gradient's state after an attack's backward, that step, a weak reference to it
+        # (whose end drops the entry: a batch of a data loader's is a new tensor every step)
+        self._attacked: dict[int, tuple] = {}
+        self._steps: tuple = (None, None)  # the last two steps with a checked backward
 
-    def before_backward(self, params, by: tuple) -> None:
-        """A checked backward is about to write the gradients of ``params`` (the optimizers'); ``by``: its step,
-        loss name and where to warn."""
-        self._current, self._by, self._before = list(params), by, {}
+    def before_backward(self, params, by: tuple, leaves=()) -> list[torch.Tensor]:
+        """A checked backward is about to write the gradients of ``params`` (the optimizers') and of ``leaves`` (plain
+        tensors that require grad); ``by``: its step, loss name and where to warn. Returns those of ``leaves`` whose
+        gradient an attack of an earlier step left, which this backward adds to (see the module docstring)."""
+        self._judge_last(by[0])
+        self._current, self._by, self._before, self._leaves = list(params), by, {}, list(leaves)
         kept = [p for p in self._current if id(p) in self._applied and _same(p, self._seen.get(id(p)))]
         for p in _zeroed(kept):  # zeroed through ``.data``, which no version counts
             self._seen[id(p)] = None
@@ -111,6 +129,11 @@ class GradientOrder:
                 self._added.pop(i, None)
             elif i in self._applied:
                 self._before[i] = self._seen[i]
+        earlier = self._steps[0]
+        kept = [t for t in self._leaves if (then := self._attacked.get(id(t))) is not None and earlier is not None
+                and then[1] < earlier and _same(t, then[0])]
+        zeroed = set(map(id, _zeroed(kept))) if kept else set()
+        return [t for t in kept if id(t) not in zeroed]
 
     def after_backward(self) -> None:
         """That backward ran: the gradients it left; those it added to a gradient an update applied."""
@@ -121,12 +144,28 @@ class GradientOrder:
             self._seen[i] = _state(p)
             if p.grad is not None:
                 self._given.setdefault(i, self._by)
-        self._current, self._before = [], {}
+        given = [p for p in self._current if p.grad is not None]
+        self._last = ([(t, _state(t)) for t in self._leaves if t.grad is not None], given, self._by[0])
+        self._current, self._before, self._leaves = [], {}, []
+
+    def _judge_last(self, step: int) -> None:
+        """Before a checked backward of ``step``: whether the last one was an attack's (the gradients it gave the
+        parameters all cleared since, with no update in between)."""
+        if step != self._steps[1]:
+            self._steps = (self._steps[1], step)
+        if self._last is not None:
+            written, given, at = self._last
+            present = [p for p in given if p.grad is not None]
+            if written and given and len(_zeroed(present)) == len(present):
+                for t, state in written:
+                    self._attacked[id(t)] = (state, at, weakref.ref(t, lambda _, i=id(t): self._attacked.pop(i, None)))
+            self._last = None
 
     def at_update(self, params) -> tuple[str, tuple] | None:
         """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared" or "kept", the first
         checked backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else
         None. Updates with no checked backward since the last one are not counted."""
+        self._last = None  # an update used the last backward's gradients: not an attack's
         params = [p for p in params or () if id(p) in self._seen]
         given = [self._given[id(p)] for p in params if id(p) in self._given]
         with_grad = [p for p in params if p.grad is not None]

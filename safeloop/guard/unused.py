@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from .. import fsdp
-from ..errors import UnusedGradientWarning, warn_at
+from ..errors import GraphLifecycleWarning, UnusedGradientWarning, warn_at
 from . import explain, walk
 from .explain import Scope
 from .order import GradientOrder
@@ -154,6 +154,24 @@ class UnusedGradients:
             f"the loss reaches {explain.leaf_names(said, scope)}, which require grad but which no optimizer "
             "updates: their gradient goes nowhere and they keep their initial values",
             step=step, loss_name=reached[0][0], fixes=fixes), where, heeded)
+
+    def before_backward(self, params, leaves, by: tuple, scope: Scope, heeded: list | None) -> None:
+        """A checked backward is about to write the gradients of ``params`` (the optimizers') and of ``leaves`` (the
+        plain tensors that require grad it reaches): where it adds to the gradient an attack of an earlier step left
+        in a kept input, never cleared since (``order.GradientOrder``), that is said (once)."""
+        kept = self.order.before_backward(params, by, leaves)
+        if not kept or "kept input" in self._warned:
+            return
+        self._warned.add("kept input")
+        step, name, where = by
+        first = explain.leaf_names(kept[:1], scope).strip("`").removeprefix("local ")
+        warn_at(GraphLifecycleWarning(
+            f"this backward adds to `{first}.grad`, which an attack's backward of an earlier step wrote (the "
+            "gradients it gave the parameters were cleared before the next backward) and which nothing cleared "
+            "since: the same tensor, kept from step to step, so the attack that reads it now reads the sum of both "
+            "steps' gradients", step=step, loss_name=name, fixes=[
+                f"clear it before the attack's backward (`{first}.grad = None`), or take the input's gradient "
+                f"without writing `.grad`: `grad, = torch.autograd.grad(loss, [{first}])`"]), where, heeded)
 
     def _pend(self, params, leaves, where: tuple | None, warning: Warning, frozen: bool) -> None:
         """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
