@@ -1015,8 +1015,9 @@ class Guard:
         or where it trains nothing; a tensor kept unnamed or inside an object (a torch.distributions object built from
         the model's output) and made from trained parameters is built again, not kept detached, which would stop
         their training, unless it is a target the loss compares with (a value target stored in a replay buffer):
-        said so (``{code}``: see ``_error``). A named tensor that trains nothing, or that the model made over several
-        forwards (a statistic of the data), is told to be kept as a constant first."""
+        said so (``{code}``: see ``_error``). A named tensor that trains nothing, that the model made over several
+        forwards (a statistic of the data), or that holds the responses to data the loss compares with their fresh
+        ones (``_responses``), is told to be kept as a constant first."""
         # detaching stops the gradient into the leaves below: right only if that is what was meant
         into = f" (no gradient through it into {explain.leaf_names(leaves, case.scope)})" if leaves else ""
         if _trained(leaves, case.scope):
@@ -1047,7 +1048,28 @@ class Guard:
         leaves, held = list(leaves), _optimized_ids(case.scope)
         constant = held and leaves and all(isinstance(leaf, torch.nn.Parameter) for leaf in leaves) and \
             held.isdisjoint(map(id, leaves))
-        return fixes[::-1] if constant or _several_forwards(node) else fixes
+        return fixes[::-1] if constant or _several_forwards(node) or self._responses(node, leaves, case) else fixes
+
+    def _responses(self, node, leaves, case: Case) -> bool:
+        """Whether ``node`` (built before the step) holds the trained parameters' responses to data that this step's
+        own forward of them reads a part of again (a slice of the same tensor: a batch), which the loss compares them
+        with: Learning without Forgetting's responses of the original network, recorded once before training as
+        distillation targets. Computed again, they would be the trained network's own outputs: a constant. (Not a
+        value the loss reads alone, a GNN's full-graph output sliced as each step's prediction, nor one made from
+        other data: a state run in time, a factor.)"""
+        trained = _trained(leaves, case.scope)
+        if not trained or not self._compared(trained, case):
+            return False
+        params = {p.untyped_storage().data_ptr() for p in trained}
+
+        def data(nodes) -> list[tuple[int, int]]:  # the tensors they saved that are no parameter's: (storage, size)
+            return [(t.untyped_storage().data_ptr(), t.numel()) for n in nodes if walk.holds_tensors(n)
+                    for t in walk.saved_tensors(n) if not t.requires_grad and t.layout is torch.strided
+                    and not t.is_nested and t.untyped_storage().data_ptr() not in params]
+        kept = dict(data(islice(walk.iter_nodes(node), 10_000)))
+        # a part of a tensor the kept value saved whole (not a module's buffer, which every forward saves as it is)
+        return any(size < kept.get(ptr, 0) for ptr, size in
+                   data(walk.walk(case.loss.grad_fn, self.start_seq, case.step).nodes) if ptr)
 
     def _all_built_before(self, holder: explain.Element, case: Case) -> bool:
         """Whether the list ``holder`` is an item of holds tensors only, more than one, each with a graph built

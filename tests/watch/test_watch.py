@@ -350,11 +350,12 @@ BROKEN = {
                                               r"outputs`.*To fix: detach what is written into `outputs` where it is "
                                               r"written",
     # Learning without Forgetting's responses y_o of the original network recorded before the loop without
-    # torch.no_grad(): the holder and the constant fix are said (recomputing them in the loop, said first, is wrong:
-    # a strict xfail in tests/guard/test_first_fixes.py)
+    # torch.no_grad(): the holder and the constant fix, first (recomputing them in the loop would make them the trained
+    # network's own outputs)
     "lwf_recorded_responses_with_graph": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches "
                                          r"AddmmBackward0, built before the step \(before the loop\) and held by "
-                                         r"`global y_o`.*store `y_o.detach\(\)` instead, or compute it under "
+                                         r"`global y_o`.*To fix: if it is meant as a constant .*store `y_o.detach\(\)` "
+                                         r"instead, or compute it under "
                                          r"`torch.no_grad\(\)`",
     # a differentiable simulator's state `pos, vel` never detached between truncated-backprop windows: both are
     # detached (the fix of `pos` alone stopped the next run at the same step, naming `pos` again)
