@@ -1370,7 +1370,7 @@ class Guard:
                          "step the optimizer after this backward"]
             else:
                 made_by = f", the output of {node_name}" if node_name else ""
-                held = _written_tensor(text, tensor, scope, batch)  # MoCo's queue, enqueued into before backward
+                held = _written_tensor(text, tensor, scope, batch, loss)  # MoCo's queue, enqueued into before backward
                 made_by += f": `{held}` or a view of it" if held else ""
                 detail = (f"a tensor the graph saved for backward ({tensor}{made_by}) was changed in place "
                           "after it was used")
@@ -1984,13 +1984,15 @@ def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[A
     return None
 
 
-def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> str | None:
+def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any, loss=None) -> str | None:
     """For PyTorch's in-place error ``text`` naming ``tensor``: the name of the tensor the scope holds (a module's
     buffer or attribute, a variable) whose version is the one PyTorch names and whose number of elements ``tensor``
     has (the saved tensor may be a view of it: an unsqueezed queue), or, failing that, more (a slice of it: the view
     ``fake[:3]`` an augmentation saved), searched nearest first: the first variable that holds such tensors must hold
-    one alone (None if none does, or if it holds several: two buffers alike). An operation's output ("output 0 of
-    Sigmoid") is in the graph: a tensor that requires no grad (a deep copy of a state dict) is not it."""
+    one alone (None if none does, or if it holds several: two buffers alike), or of those it holds, one alone in a
+    module whose parameters the ``loss`` reaches (the model's queue, not its copy in a deep copy of the model made for
+    an EMA, whose parameters the loss does not reach). An operation's output ("output 0 of Sigmoid") is in the graph:
+    a tensor that requires no grad (a deep copy of a state dict) is not it."""
     version, sizes = re.search(r"is at version (\d+)", text), re.search(r"\[([\d, ]*)\]\]$", tensor)
     if version is None or sizes is None:
         return None
@@ -2001,6 +2003,18 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any) -> 
     alike = [(name, t) for name, t in alike if t.numel() == numel] or alike
     found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in alike]
     nearest = {id(t): name for holder, name, t in found if holder == found[0][0]} if found else {}
+    if len(nearest) > 1 and loss is not None and loss.grad_fn is not None:
+        names = explain.parameter_names(scope)
+        reached = [names[id(n.variable)][0] for n in islice(walk.iter_nodes(loss.grad_fn), 100_000)
+                   if type(n) is walk.ACCUMULATE and id(n.variable) in names]
+
+        def owns(name: str, params) -> bool:  # whether the module that holds ``name`` holds one of ``params``
+            owner = name.rpartition(".")[0]
+            return bool(owner) and any(p.startswith(owner + ".") for p in params)
+        used = {i: name for i, name in nearest.items() if owns(name, reached)}
+        # the others in modules of their own whose parameters the loss does not reach (a deep copy of the model)
+        if all(owns(name, [n for n, _ in names.values()]) for i, name in nearest.items() if i not in used):
+            nearest = used
     return next(iter(nearest.values())) if len(nearest) == 1 else None
 
 

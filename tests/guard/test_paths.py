@@ -369,8 +369,6 @@ class QueueInModel(Paths):
         return loss
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="two tensors at the version and of the size PyTorch "
-                   "names (the queue and its copy) under `self`: the written one is not told apart, and none is named")
 def test_a_queue_that_a_deep_copy_of_the_model_duplicates_is_named():
     with pytest.raises(InplaceModificationError, match=re.escape(
             "To fix: read a copy of `self.model.queue` where the step uses it (`self.model.queue.clone()`")):
