@@ -105,8 +105,9 @@ class GradientOrder:
         self._by: tuple | None = None  # its step, loss name and where to warn
         self._before: dict[int, tuple | None] = {}  # its parameters' applied gradients before it ran
         self._found: dict[tuple, int] = {}  # (mistake, optimizer) -> the updates in a row that found it
-        # the last checked backward's plain leaves (with their gradients' states) and the parameters it gave gradients,
-        # until the next checked backward tells whether it was an attack's (see the module docstring)
+        # the last checked backward's plain leaves (weak references, with their gradients' states), the parameters it
+        # gave gradients and its step, until the next checked backward tells whether it was an attack's (see the module
+        # docstring)
         self._last: tuple[list, list, int] | None = None
         # plain leaf (by id) -> its gradient's state after an attack's backward, that step, a weak reference to it
         # (whose end drops the entry: a batch of a data loader's is a new tensor every step)
@@ -145,7 +146,7 @@ class GradientOrder:
             if p.grad is not None:
                 self._given.setdefault(i, self._by)
         given = [p for p in self._current if p.grad is not None]
-        self._last = ([(t, _state(t)) for t in self._leaves if t.grad is not None], given, self._by[0])
+        self._last = ([(weakref.ref(t), _state(t)) for t in self._leaves if t.grad is not None], given, self._by[0])
         self._current, self._before, self._leaves = [], {}, []
 
     def _judge_last(self, step: int) -> None:
@@ -157,9 +158,14 @@ class GradientOrder:
             written, given, at = self._last
             present = [p for p in given if p.grad is not None]
             if written and given and len(_zeroed(present)) == len(present):
-                for t, state in written:
-                    self._attacked[id(t)] = (state, at, weakref.ref(t, lambda _, i=id(t): self._attacked.pop(i, None)))
+                for t, state in ((ref(), state) for ref, state in written):
+                    if t is not None:  # its entry goes with it
+                        self._attacked[id(t)] = (state, at, weakref.ref(t, lambda _, i=id(t): self._forget(i)))
             self._last = None
+
+    def _forget(self, i: int) -> None:
+        """The plain leaf ``i`` (by id) is gone."""
+        self._attacked.pop(i, None)
 
     def at_update(self, params) -> tuple[str, tuple] | None:
         """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared" or "kept", the first

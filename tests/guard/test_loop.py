@@ -167,6 +167,46 @@ def test_an_attack_reading_the_grad_of_a_kept_batch_never_cleared_is_warned():
             attacked_twice(clear)
 
 
+def test_kept_inputs_whose_gradient_an_update_uses_or_a_closure_writes_are_no_attack():
+    """Quiet: kept real batches whose `.grad` a GAN's discriminator backward (with an R1 penalty) writes and nothing
+    clears or reads (the backward's gradients go to the update), and kept collocation points of a physics-informed
+    net trained by L-BFGS, whose closure clears the parameters' gradients before each of its backwards."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.01), torch.optim.SGD(disc.parameters(), lr=0.01)
+    reals = [torch.randn(3, 4) for _ in range(2)]
+    net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    lbfgs = torch.optim.LBFGS(net.parameters(), max_iter=3)
+    points = [torch.rand(5, 1, requires_grad=True) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard = GraphGuard(torch.nn.ModuleList([gen, disc]), [opt_g, opt_d])
+        for _ in range(3):
+            for real in reals:
+                with guard.step():
+                    real.requires_grad_(True)
+                    opt_d.zero_grad()
+                    out = disc(real).sum()
+                    grad, = torch.autograd.grad(out, real, create_graph=True)
+                    guard.backward(out + disc(gen(torch.randn(3, 2)).detach()).sum() + grad.pow(2).sum())
+                    opt_d.step()
+                    opt_g.zero_grad()
+                    guard.backward(-disc(gen(torch.randn(3, 2))).sum())
+                    opt_g.step()
+        guard = GraphGuard(net, lbfgs)
+        for _ in range(3):
+            for x in points:
+                with guard.step():
+                    def closure():
+                        lbfgs.zero_grad()
+                        u = net(x)
+                        du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+                        loss = (du - u).pow(2).mean()
+                        guard.backward(loss)
+                        return loss
+                    lbfgs.step(closure)
+
+
 def teacher_then_student(no_grad: bool) -> list[torch.Tensor]:
     """Two training loops under one guard: a teacher trained, then a student on the teacher's outputs, computed once
     between the loops (``no_grad``: under ``torch.no_grad()``, as they should be)."""
