@@ -322,7 +322,7 @@ class TinyLanguageModel(nn.Module):
         return sample["target"]
 
     def set_num_updates(self, num_updates):
-        pass
+        """fairseq's trainer tells the model each update's number; this model keeps nothing that depends on it."""
 
 
 # -- fairseq/tasks/fairseq_task.py, fairseq/trainer.py, fairseq/data/iterators.py ----------------------------

@@ -232,7 +232,8 @@ class SwinUnevenEpochs(SwinAccumulated):
         return loss
 
     def on_step_end(self, losses):
-        pass
+        """Nothing: each update's rate is set in ``training_step``, where the update is (not once per step as in
+        ``SwinAccumulated``)."""
 
 
 class Loader(list):
