@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("pytorch_lightning")
 
 from tests.conftest import subprocess_env  # noqa: E402
+from tests.watch.forked import ABORTED  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "lit_regression.py")
 REUSED = ("GraphReuseError: graph built before the step is reused (step 1, loss 'loss'): the loss reaches "
@@ -26,7 +27,7 @@ def run(*args: str, watch: bool, cwd: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, *(["-m", "safeloop.watch"] if watch else []), SCRIPT, *args]
     for _ in range(2):
         proc = subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-        aborted = proc.returncode == -6 and "terminate called without an active exception" in proc.stderr
+        aborted = proc.returncode == -6 and ABORTED in proc.stderr
         if not (aborted and proc.stdout):
             break
     return proc
