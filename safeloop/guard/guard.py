@@ -1472,7 +1472,8 @@ class Guard:
         replaced every step or every few) is not."""
         self._forget_consumed()
         self._printed = {}  # it holds the step's nodes
-        self.written_parameters(step, scope)
+        if self.thorough:  # a graph that grows every step is a mistake that repeats: see begin_step
+            self.written_parameters(step, scope)
         if self._held is not None:
             self._look_back()
         refs = self.step_graphs()
@@ -1522,8 +1523,8 @@ class Guard:
         """Warn about a list a loop's variable holds, or an object of its own class that it holds keeps
         (``explain.held_lists``), that keeps one more graph every step, outside any loss: its first and last items
         tensors with graphs, the first the same as when last looked at, with its graph, and the list longer since
-        (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``). Looked at on
-        checked steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
+        (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``). Looked at after
+        thorough steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
         if self.is_off("leak"):
             return
         named = set()  # a list two variables reach (`self.outputs`, `trainer.outputs`) is named once, by the nearest

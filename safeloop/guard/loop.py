@@ -199,7 +199,7 @@ class GraphGuard:
     def _begin(self, frame, explicit: bool) -> None:
         self.steps += 1
         self._frame, self._explicit, self._open = frame, explicit, True
-        self._site = _site(frame)  # where the step's first backward was called
+        self._site = None if explicit else _site(frame)  # where the step's first backward was called
         self._timed = self.guard.begin_step(self.steps)
         guard = self.guard
         waiting = self._expected > len(self._recent)  # an optimizer that has not stepped yet
@@ -234,7 +234,8 @@ class GraphGuard:
         self._open = False
         self._frame = None  # a frame holds every variable of its function: never kept past the step
         if self._timed and not failed:
-            self._graphs.append((step, None if self._explicit else self._iterations, guard.step_graphs()))
+            if guard.thorough:  # the leak checks look back at the steps that ran the secondary checks
+                self._graphs.append((step, None if self._explicit else self._iterations, guard.step_graphs()))
             guard.record_step_time(step, (self._ended if lazily else _perf_counter()) - self._started)
         if not lazily:
             guard.step_done()
