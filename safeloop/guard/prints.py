@@ -53,7 +53,8 @@ class Prints:
     global module hooks, and a compiled module (``torch.compile(model)``) is left alone."""
 
     def __init__(self):
-        # id(parameter) -> (weak reference, [(version, data pointer, norm, the forward's output nodes), ...])
+        # id(parameter) -> (the parameter, [(version, data pointer, norm, the forward's output nodes), ...]), for one
+        # step (no weak reference to a parameter: see order.py)
         self._seen: dict[int, tuple[Any, list[tuple]]] = {}
         self._handles: dict[int, Any] = {}  # id(module) -> its hook's handle
 
@@ -105,8 +106,8 @@ class Prints:
                 except (RuntimeError, TypeError):  # a tensor without storage (functorch, meta): no fingerprint
                     continue
                 seen = self._seen.get(id(param))
-                if seen is None or seen[0]() is not param:
-                    seen = self._seen[id(param)] = (weakref.ref(param), [])
+                if seen is None or seen[0] is not param:
+                    seen = self._seen[id(param)] = (param, [])
                 seen[1].append(taken)
 
     def changed(self, leaves, nodes) -> list[torch.Tensor]:
@@ -120,7 +121,7 @@ class Prints:
         compared: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> [(leaf, written?)]
         for leaf in leaves:
             seen = self._seen.get(id(leaf))
-            if seen is None or seen[0]() is not leaf:
+            if seen is None or seen[0] is not leaf:
                 continue
             used = [(ptr, norm) for version, ptr, norm, made in seen[1] if version == leaf._version and made & held]
             if not used:

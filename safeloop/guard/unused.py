@@ -10,7 +10,6 @@ that write the optimizers' gradients, and at each update:
 """
 from __future__ import annotations
 
-import weakref
 from itertools import islice
 
 import torch
@@ -28,11 +27,12 @@ class UnusedGradients:
 
     def __init__(self) -> None:
         self._warned: set[str] = set()
-        # the Parameters found getting gradient for no optimizer (id -> weak reference), and the first found under
-        # each name (one found again under its name as another tensor is made anew every step)
-        self._unused: dict[int, weakref.ref] = {}
-        self._named: dict[str, weakref.ref] = {}
-        self._frozen: dict[int, weakref.ref] = {}  # the trained Parameters seen with requires_grad=False (id -> ref)
+        # No weak reference to a parameter is kept (see order.py): those below are held, each only until a later check
+        # finds it gone. The Parameters found getting gradient for no optimizer at the last check that reached them,
+        # and the last found under each name (one found again under its name as another tensor is made anew every step)
+        self._unused: dict[int, torch.Tensor] = {}
+        self._named: dict[str, torch.Tensor] = {}
+        self._frozen: dict[int, torch.Tensor] = {}  # the trained Parameters seen with requires_grad=False, still there
         # the losses found reaching none of the optimizers' parameters, said at the next update unless their gradient
         # was handed to them by then (see ``at_update``) or a later loss of the step trains them through the same
         # leaves: (warning, where to warn, their gradients then, those a later backward reached, the loss's leaves,
@@ -52,7 +52,9 @@ class UnusedGradients:
         if params is None or any(fsdp.local(p) is not p for p in params):
             return
         held = set(map(id, params))
-        self._frozen.update((id(p), weakref.ref(p)) for p in scope.parameters() if not p.requires_grad)
+        now = {id(p): p for p in scope.parameters()}
+        self._frozen = {i: p for i, p in self._frozen.items() if i in now} | \
+            {i: p for i, p in now.items() if not p.requires_grad}
         more = None  # the optimizers the scope holds too: looked for only when something looks unheld
 
         def unheld(leaves) -> list:
@@ -103,24 +105,24 @@ class UnusedGradients:
         # meta-optimizer reads, and then the unrolled sum of those losses, which reaches the meta-optimizer's weights;
         # one made with the parameters frozen is answered by any later loss that reaches them (the EBM's, thawed)
         self._untrained = [u for u in self._untrained if not any(any(id(t) in held for t in leaves) and (
-            u[5] or any(ref() is t for t in leaves if (ref := u[4].get(id(t))))) for _, _, leaves in reached)]
+            u[5] or any(u[4].get(id(t)) is t for t in leaves)) for _, _, leaves in reached)]
         # Parameters no optimizer holds: a mistake where their layer is kept in a plain list, where they are made
         # anew every step (in forward), where the optimizer holds parameters the model no longer has (a layer
         # replaced after the optimizer was built), or where they were frozen at an earlier check (unfrozen for a
         # second phase of fine-tuning, the optimizer of the first kept); else a part left out of training on purpose
-        judged = {i for i, ref in self._unused.items() if ref() is not None}  # still alive: judged already
-        fresh = [t for _, _, leaves in reached for t in leaves if id(t) not in held and id(t) not in judged
+        # judged already: one the last checks found, reached again (held since: the same tensor)
+        found = {id(t) for _, _, leaves in reached for t in leaves}
+        self._unused = {i: t for i, t in self._unused.items() if i in found}
+        fresh = [t for _, _, leaves in reached for t in leaves if id(t) not in held and id(t) not in self._unused
                  and isinstance(t, torch.nn.Parameter) and t.requires_grad]
         wasted = list({id(t): t for t in unheld(fresh)}.values()) if fresh else []
         if not wasted:
             return
-        self._unused.update((id(t), weakref.ref(t)) for t in wasted)  # one kept across steps is judged once
+        self._unused.update((id(t), t) for t in wasted)  # one kept across steps is judged once
         names = explain.parameter_names(scope)
         listed = {id(t) for t in wasted if names.get(id(t), ("", False))[1]}
-        for t in wasted:
-            if id(t) in names:
-                self._named.setdefault(names[id(t)][0], weakref.ref(t))
-        remade = {id(t) for t in wasted if id(t) in names and self._named[names[id(t)][0]]() is not t}
+        earlier, self._named = self._named, {names[id(t)][0]: t for t in wasted if id(t) in names}
+        remade = {id(t) for t in wasted if id(t) in names and earlier.get(names[id(t)][0], t) is not t}
         optimized = list(scope.optimized() or ()) + [p for o in explain.optimizers(scope) for g in o.param_groups
                                                      for p in g["params"]]
         known = {id(t) for _, t in explain.candidates(scope)} | set(names)
@@ -140,7 +142,7 @@ class UnusedGradients:
                          "new_layer.parameters()})); to set a parameter's values (Glow's ActNorm initialised from the "
                          "first batch), copy them into it under torch.no_grad() (`p.copy_(value)`, or "
                          "`p.data.copy_(value)`) instead of assigning a new nn.Parameter")
-        unfrozen = {id(t) for t in wasted if (ref := self._frozen.get(id(t))) is not None and ref() is t}
+        unfrozen = {id(t) for t in wasted if self._frozen.get(id(t)) is t}
         if unfrozen:
             fixes.append("build the optimizer again after unfreezing parameters (one built while they were frozen "
                          "was not given them), or add them to it: optimizer.add_param_group({'params': [...]})")
@@ -177,7 +179,7 @@ class UnusedGradients:
         """Keep ``warning`` (a loss that reaches none of the optimizers' ``params``, only ``leaves``) for the next
         update; ``frozen``: every one of ``params`` was frozen at its backward (see ``check``)."""
         self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set(),
-                                {id(t): weakref.ref(t) for t in leaves}, frozen))
+                                {id(t): t for t in leaves}, frozen))
 
     def at_update(self, params, heeded: list | None) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and

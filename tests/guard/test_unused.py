@@ -383,23 +383,49 @@ def test_one_update_that_finds_its_gradients_cleared_is_a_step_skipped_on_purpos
             opt.step()
 
 
-def test_the_guard_keeps_no_weak_reference_to_a_parameter_or_its_gradient():
+class FrozenAndListed(nn.Module):
+    """A frozen first layer (fine-tuning) and a layer kept in a plain list, which no optimizer holds: the parameters
+    the guard remembers between checks (``UnusedGradients``'s frozen and unused ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 8).requires_grad_(False)
+        self.layers = [nn.Linear(8, 8)]
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.layers[0](self.frozen(x)))
+
+
+@pytest.mark.parametrize("loop", ["GraphGuard always", "GraphGuard auto", "Trainer"])
+def test_the_guard_keeps_no_weak_reference_to_a_parameter_or_its_gradient(loop):
     """FSDP2's ``module.to()`` swaps its parameters (and their gradients) with ``torch.utils.swap_tensors``, which
-    refuses a tensor that has a weak reference: a second ``fit()`` of a sharded model moved it again."""
+    refuses a tensor that has a weak reference: a second ``fit()`` of a sharded model moved it again. So does any
+    model's ``to()`` under ``torch.__future__.set_swap_module_params_on_conversion(True)``: frozen parameters and
+    those no optimizer holds (here in a plain list, warned about) included."""
     torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = GraphGuard(model, opt, check="always")
-    for x, y in DATA:
-        opt.zero_grad()
-        guard.backward(F.mse_loss(model(x), y))
-        opt.step()
+    model = FrozenAndListed()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if loop == "Trainer":
+            Regression(model=model, train_data=DATA * 4, max_steps=12, device="cpu", progress=False, loggers=(),
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).fit()
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            guard = GraphGuard(model, opt, check=loop.split()[1])
+            for x, y in DATA * 4:
+                opt.zero_grad()
+                guard.backward(F.mse_loss(model(x), y))
+                opt.step()
+    assert any("nn.ModuleList" in str(w.message) for w in said)  # the listed layer was judged, and is remembered
     torch.__future__.set_swap_module_params_on_conversion(True)  # what a module of DTensors does
     try:
         model.to(torch.float64)
+        model.layers[0].to(torch.float64)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
-    assert model.weight.dtype == model.weight.grad.dtype == torch.float64
+    assert model.out.weight.dtype == model.out.weight.grad.dtype == torch.float64
+    assert model.frozen.weight.dtype == model.layers[0].weight.dtype == torch.float64
 
 
 @pytest.mark.xfail(strict=True, reason="the guard judges where gradients go, not their values: a DPO loss whose "
