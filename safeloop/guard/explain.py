@@ -118,10 +118,17 @@ class Inside(str):
     owner: str
 
 
+def code_of(holder: str | None) -> str | None:
+    """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
+    if isinstance(holder, Inside):  # the variable holding the object that holds it: built again whole
+        return code_of(holder.owner)
+    return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
+
+
 def key_text(key: Any) -> str:
     """A mapping's key as a holder's name writes it: its repr, but a tensor as its shape (a cache keyed by the step's
     tensors, DeepXDE's ``dde.grad`` Jacobians keyed by (output, input)): its values would fill the message, and
-    differ from step to step, so that the same holder would look new every step (see ``Guard.leak_key``)."""
+    differ from step to step, so that the same holder would look new every step (see ``leaks.Leaks.key``)."""
     if issubclass(type(key), torch.Tensor):
         return f"<tensor of shape {list(key.shape)}>"
     if type(key) is tuple:

@@ -6,7 +6,7 @@ internal to them. It sees only what it is handed: the losses, the step number, t
 diagnosis). Per step its caller calls, in order: ``begin_step`` (decides whether this step is
 checked and reads the node counter), ``preflight`` (before any backward: raises or warns, and says
 which backwards must retain the graph), ``explain`` (only when a backward raised), ``end_step``
-(leaks). Its messages use the caller's ``words`` (see ``words.py``).
+(the leak checks of ``leaks.py``). Its messages use the caller's ``words`` (see ``words.py``).
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ import os
 import re
 import time
 import types
-import weakref
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.nn.utils import parametrize
@@ -33,7 +32,6 @@ from ..errors import (
     CarriedGraphError,
     ConfigError,
     DoubleBackwardError,
-    GraphLeakWarning,
     GraphLifecycleError,
     GraphReuseError,
     GraphSharingWarning,
@@ -44,7 +42,9 @@ from ..errors import (
 )
 from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
-from .explain import Scope
+from .explain import Scope, code_of
+from .leaks import (COPY_FIX, SENTINEL, SLOTS_FIX, WRITTEN_EXAMPLE, WRITTEN_FIX, Leaks, detach_what_is_added,
+                    written_in_slots)
 from .prints import Prints
 from .render import render
 from .unused import UnusedGradients
@@ -53,8 +53,6 @@ from .words import TRAINER, Words
 
 log = logging.getLogger("safeloop.guard")
 
-_SENTINEL = "safeloop_sentinel"
-_LOOKED = "safeloop_looked"  # node.metadata: the id of the tensor written in place whose graph it was at a look
 _FIRST_SEEN = "safeloop_first_seen"  # node.metadata: the step that first found a node made before it
 _BUILT_FROM = "safeloop_built_from"  # node.metadata: its leaves' versions when a retaining backward first reused it
 
@@ -62,17 +60,6 @@ _BUILT_FROM = "safeloop_built_from"  # node.metadata: its leaves' versions when 
 def _average(mean: float | None, sample: float) -> float:
     """A running average that follows slow drift (machine load) and smooths step-to-step noise."""
     return sample if mean is None else 0.8 * mean + 0.2 * sample
-
-
-class _Sentinel:
-    """Put in the metadata of a step's nodes: it dies with the last of them, so a live one means some of
-    that step's graph outlived it. ``fed_by``: the ids of the sentinels of earlier steps whose nodes this step's
-    losses reached (a tensor made in one step and back-propagated through in the next: WGAN's ``fake``)."""
-
-    __slots__ = ("__weakref__", "fed_by")
-
-    def __init__(self, fed_by: frozenset[int] = frozenset()):
-        self.fed_by = fed_by
 
 
 @dataclass(frozen=True)
@@ -144,18 +131,11 @@ class Guard:
         self._step_time: float | None = None
         self._cost: float | None = None
         self._spent: float | None = None
-        self._sentinels: list[weakref.ref] = []
         # the parameters that the step wrote through `.data` where the fingerprints saw it (version counters do not):
         # what abandoning the step does not undo, said by the Trainer
         self.written_unseen: list[torch.Tensor] = []
         self._micro_seq: int | None = None  # under gradient accumulation, where the step's current micro-batch began
-        # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
-        # whether that step is over) (see ``end_step``)
-        self._held: tuple | None = None
-        # per holder (``leak_key``): the earliest step whose graph it was found keeping, and that graph
-        self._keeping: dict[str, tuple[int, str, weakref.ref, int | None]] = {}
-        # per list a plain loop's variable holds: its first item when looked at, with its graph, and its length then
-        self._lists: dict[str, tuple[weakref.ref, int]] = {}
+        self.leaks = Leaks(self._warn, lambda: self.is_off("leak"))  # graphs kept alive after their step
         self._warned: set[str] = set()
         self.unused = UnusedGradients()  # gradient that no optimizer uses, and the order of zero_grad/backward/step
         self._giving = False  # ``unused.order`` reads the gradients of the backward pre-flighted last
@@ -234,8 +214,7 @@ class Guard:
         self._printed = {}  # it holds the step's losses and nodes: a loss name not seen again would keep them
         if CHEAP_PEEK:
             self.next_start = walk.sequence_now()
-        if self._held is not None:
-            self._look_back()
+        self.leaks.look_back(self.start_seq)
 
     def begin_step(self, step: int) -> bool:
         """Decide whether ``step`` is checked, and whether it is timed (returned); read the node counter."""
@@ -485,8 +464,8 @@ class Guard:
             # one per loss of the step's first call, and one per backward that updates: a step's first call may be an
             # `autograd.grad` whose graph dies with it (an attack's), and a later backward's graph may be the one kept
             # (a GAN's generator loss, back-propagated after the discriminator's)
-            if len(self._sentinels) < len(losses) or updates:
-                self._sentinels.append(weakref.ref(self._watch(root, found.nodes, found.before)))
+            if self.leaks.marked < len(losses) or updates:
+                self._watch(root, found.nodes, found.before)
         if reached and updates and scope is not None:
             if not self.is_off("unused"):
                 self.unused.check(reached, step, scope, inputs, _warn_where(self.frame), self.heeded)
@@ -601,21 +580,14 @@ class Guard:
         frame = frame or self.frame
         warn_at(warning, frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_globals), self.heeded)
 
-    def _watch(self, root, nodes, before=()) -> _Sentinel:
-        """One sentinel on every node of the step that a loss's walk met (see ``end_step``): a holder may keep
-        any of them, not only the loss back-propagated (the loss itself while the step back-propagates
-        ``loss / n``, as gradient accumulation does; an output; a running sum). Not on nodes whose carried check
-        is off: a graph carried from step to step on purpose is alive for several steps by design. ``before``: the
-        nodes of earlier steps the loss reached, whose sentinels it was fed by."""
-        sentinel = _Sentinel(frozenset(id(s) for n in before if (s := n.metadata.get(_SENTINEL)) is not None))
+    def _watch(self, root, nodes, before=()) -> None:
+        """Mark the nodes of the step that a loss's walk met (``leaks.Leaks.mark``), not those whose carried check is
+        off: a graph carried from step to step on purpose is alive for several steps by design."""
         if self.is_off("carried"):
             nodes = ()
         elif self._regions:
             nodes = [node for node in nodes if not self.is_off("carried", node)]
-        root.metadata[_SENTINEL] = sentinel
-        for node in nodes:
-            node.metadata[_SENTINEL] = sentinel
-        return sentinel
+        self.leaks.mark(root, nodes, before)
 
     def _before_step(self, nodes, case: Case, iteration: int | None = None) -> bool:
         """Judge the nodes made before the step that the loss reaches, by the verdicts below in order (each
@@ -673,9 +645,9 @@ class Guard:
             if node is not None:
                 raise self._error(CarriedGraphError, node, case,
                     "the loss reaches {node}, the graph of the parameter {holder}: it was written in place outside "
-                    f"torch.no_grad() from tensors that require grad ({_WRITTEN_EXAMPLE}), so it now requires grad "
+                    f"torch.no_grad() from tensors that require grad ({WRITTEN_EXAMPLE}), so it now requires grad "
                     "and this loss back-propagates through those writes into the parameters they were made from; "
-                    "each write adds to its graph", [_WRITTEN_FIX], holder=name)
+                    "each write adds to its graph", [WRITTEN_FIX], holder=name)
 
     def _before_fit(self, node) -> bool:
         """Whether ``node`` was made before training started (or, without node numbers, first seen in step 1)."""
@@ -751,7 +723,7 @@ class Guard:
         # step's value after the loss read the old one names the place that kept it; not where an attribute or an item
         # reaches it (a batch renormalization's running std, written in place with its graph every forward: not the
         # running mean beside it, made alike). A variable reaching it is most likely the loss (HF's `loss`, scaled)
-        stored = re.search(r"[.\[]", _code(holder) or "") is not None
+        stored = re.search(r"[.\[]", code_of(holder) or "") is not None
         replaced = explain.replaced_holder(node, case.scope, case.batch) if kept and not stored and not \
             explain.holds(node, case.scope, case.batch) else None
         if replaced is not None:
@@ -769,7 +741,7 @@ class Guard:
         holder = built or holder
         if built or kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope,
                                                                                             case.batch):
-            listed = _code(_list_of(holder))
+            listed = code_of(_list_of(holder))
             if why not in (_FREED, _AGAIN):
                 why = f"the graphs of earlier steps pile up in `{listed}`, one more every step"
             raise self._error(CarriedGraphError, node, case,
@@ -789,21 +761,21 @@ class Guard:
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
-            written = any(_written_in_slots(t) for t in held)
-            own = re.search(r"\.\w+$", _code(holder) or "") is not None  # an object's attribute, not a taken item
-            if written and type(node).__name__ in walk.SLOT_WRITES and node.metadata.get(_SENTINEL):
+            written = any(written_in_slots(t) for t in held)
+            own = re.search(r"\.\w+$", code_of(holder) or "") is not None  # an object's attribute, not a taken item
+            if written and type(node).__name__ in walk.SLOT_WRITES and node.metadata.get(SENTINEL):
                 # the loss reaches a write in place that the step making it back-propagated through (its walk met it:
                 # an adversarial patch placed into each image of a batch kept in a list, read again in a second
                 # epoch): the write carries the gradient, so a copy is written into, never a detached value. Not an
                 # object's own tensor that each forward writes into and reads (llama's KV cache trained as it is):
                 # its copy, stored back, would keep the last step's graph; detached, it keeps its values
                 if not own:
-                    fixes = [_COPY_FIX, fixes[1]]
+                    fixes = [COPY_FIX, fixes[1]]
             elif written:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
                 # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
-                fixes.insert(0, _SLOTS_FIX)
-            elif type(node).__name__ == "CopyBackwards" and not node.metadata.get(_SENTINEL) \
+                fixes.insert(0, SLOTS_FIX)
+            elif type(node).__name__ == "CopyBackwards" and not node.metadata.get(SENTINEL) \
                     and any(type(t.grad_fn).__name__ == "CopyBackwards" for t in held):
                 # a tensor written over whole with a value that keeps its graph, a write that no loss of the step
                 # making it went back through (StyleGAN2-ADA's running mean of path lengths, `self.pl_mean.copy_(
@@ -840,13 +812,13 @@ class Guard:
     def _lists_beside(self, holder: str | None, case: Case) -> list[str]:
         """The other lists of the object whose list ``holder`` is an element of (transformers' DynamicCache:
         ``cache.key_cache`` beside ``cache.value_cache``), as code, that hold a graph made before this step."""
-        listed = _code(holder.list_of) if isinstance(holder, explain.Element) else None
+        listed = code_of(holder.list_of) if isinstance(holder, explain.Element) else None
         owner = (listed or "").rpartition(".")[0]
         if not owner or self.start_seq is None or not walk.HAS_SEQ:
             return []
         beside = []
         for name, tensor in explain.candidates(case.scope, case.batch):
-            other = _code(name.list_of) if isinstance(name, explain.Element) else ""
+            other = code_of(name.list_of) if isinstance(name, explain.Element) else ""
             if other.rpartition(".")[0] == owner and other != listed and re.fullmatch(r"\w+", other[len(owner) + 1:]) \
                     and other not in beside and tensor.grad_fn is not None \
                     and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
@@ -858,13 +830,13 @@ class Guard:
         """The other attributes of the object whose attribute ``holder`` is (``model.attn.cache_k`` beside
         ``model.attn.cache_v``), as code, that hold a tensor written in place (``copy_``, slots) over a graph made
         before this step."""
-        code = _code(holder) or ""
+        code = code_of(holder) or ""
         owner = code.rpartition(".")[0]
         if not owner or self.start_seq is None or not walk.HAS_SEQ:
             return []
         beside = []
         for name, tensor in explain.candidates(case.scope, case.batch):
-            other = _code(name) or ""
+            other = code_of(name) or ""
             if other.rpartition(".")[0] == owner and other != code and re.fullmatch(r"\w+", other[len(owner) + 1:]) \
                     and not any(tensor is t for t in held) and type(tensor.grad_fn).__name__ in walk.WRITES \
                     and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
@@ -912,13 +884,13 @@ class Guard:
         # a dict's entry is cleared by removing it (forward tests `key in cache`, cache.get(key)), an attribute by None,
         # a tuple's item with its tuple (PyG's `conv._cached_edge_index`, an (edge_index, edge_weight) pair)
         keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", holder)
-        cleared = f"`{_code(holder.whole or holder.tuple_of)} = None`" if isinstance(holder, explain.Item) \
+        cleared = f"`{code_of(holder.whole or holder.tuple_of)} = None`" if isinstance(holder, explain.Item) \
             else "`{code} = None`"
         clear = f"`{keyed.group(1)}.pop({keyed.group(2)}, None)`, where forward rebuilds it when it is missing" \
             if keyed else f"{cleared}, where forward rebuilds it when it is None"
         # a plain tensor variable (a latent made once per image before its optimization loop) is no cache a forward
         # rebuilds; an object holding the tensor (a distribution built `if dist is None`) is cleared by None
-        cache = "" if not isinstance(holder, explain.Inside) and re.fullmatch(r"\w+", _code(holder) or "") else \
+        cache = "" if not isinstance(holder, explain.Inside) and re.fullmatch(r"\w+", code_of(holder) or "") else \
             f"; clear the cache before each forward ({clear}), or do not cache it"
         fixes = [f"make `{{code}}` again every step instead of keeping it: it is made from "
                  f"{explain.leaf_names(trained, case.scope)}, whose updates a kept value misses (detached, it stays "
@@ -1024,10 +996,10 @@ class Guard:
             constant = [_target_fix(into)]
         else:
             constant = [f"if it is meant as a constant{into}, build it under `torch.no_grad()`"]
-        if isinstance(holder, explain.Inside) and _code(holder.owner) != "self":
+        if isinstance(holder, explain.Inside) and code_of(holder.owner) != "self":
             return [f"build `{{code}}` inside {self.words.place} (it holds the graph in `{holder}`, made when it is "
                     "built), so every step builds its own graph"] + constant
-        if _code(holder) is None or isinstance(holder, explain.Inside):  # (inside `self`: the code calling the guard)
+        if code_of(holder) is None or isinstance(holder, explain.Inside):  # (inside `self`: the code calling the guard)
             tensor = f"`{holder.split(' ', 1)[-1]}`" if isinstance(holder, explain.Inside) else "the tensor"
             return [f"compute {tensor} inside {self.words.place}, with the object that keeps it (a "
                     "torch.distributions object built from the model's output, a cache), so every step builds its own "
@@ -1036,7 +1008,7 @@ class Guard:
         if isinstance(holder, explain.Element) and self._all_built_before(holder, case):
             # every item of the list keeps a graph built before the step (fast neural style's Gram matrices of the
             # style image): the list is made again, or stored detached, as a whole
-            code = _code(holder.list_of)
+            code = code_of(holder.list_of)
             detached = f"[t.detach() for t in {code}]"
         fixes = [f"recompute `{code}` inside {self.words.place}, so every step builds its own graph",
                  f"if it is meant as a constant{into}, store `{detached}` instead, or compute it under "
@@ -1092,7 +1064,7 @@ class Guard:
         if not kept:
             return
         self._warned.add(key)
-        code = _code(holder)
+        code = code_of(holder)
         self._warn(GraphSharingWarning(
             f"the loss reaches {type(node).__name__}, built before training started from the trained "
             f"{explain.leaf_names(trained, case.scope)} and held by "
@@ -1179,7 +1151,7 @@ class Guard:
                 held = ", held by {holder}" if holder else ""  # none found: a local of the step, most likely
                 detail = (f"the loss reaches {{node}}{held}, which {backward} in this step already ran without "
                           "retain_graph, freeing its saved tensors: both losses share that graph")
-                shared_part = '`{code}`' if _code(holder) else 'the shared part'
+                shared_part = '`{code}`' if code_of(holder) else 'the shared part'
                 retain = "torch.autograd.grad(..., retain_graph=True)" if captured else self.words.retain
                 fixes = [f"pass retain_graph=True to {backward} ({retain}), as every backward through a "
                          "shared graph but the last needs",
@@ -1192,7 +1164,7 @@ class Guard:
                 if updated:
                     fixes = [f"if the earlier loss ('{earlier}'{explain.at(where)}) must not reach {shared_part} (its "
                              "update is done: a GAN's discriminator loss on the generator's output), detach it where "
-                             f"that loss uses it ({'`{code}.detach()`' if _code(holder) else '.detach()'}); with "
+                             f"that loss uses it ({'`{code}.detach()`' if code_of(holder) else '.detach()'}); with "
                              "retain_graph=True its gradient would stay in the .grad of the parameters below and be "
                              "added to their next update",
                              f"if both losses need its gradient, pass retain_graph=True to {backward}"]
@@ -1203,7 +1175,7 @@ class Guard:
                     fixes = [self.words.twice, self.words.shared]
                 elif any(n is root for n in nodes):  # made from that loss (`errD = errD_real + errD_fake` after both)
                     made_from = explain.find_holder(root, scope, None, scan_gc=False, loss=loss)  # that loss
-                    term = f"`{_code(made_from)}`" if _code(made_from) else f"the loss '{earlier}'"
+                    term = f"`{code_of(made_from)}`" if code_of(made_from) else f"the loss '{earlier}'"
                     detail = (f"this loss is made from {term} ({{node}}), which {backward} in this step already "
                               "back-propagated without retain_graph, freeing its saved tensors: its gradient is in "
                               ".grad already, and with retain_graph=True there it would be added twice")
@@ -1214,13 +1186,13 @@ class Guard:
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
                     detail += _CHANGED.format(explain.leaf_names(changed, scope))
-                    again = f"`{_code(holder)}`" if _code(holder) else "the loss"
+                    again = f"`{code_of(holder)}`" if code_of(holder) else "the loss"
                     fixes = [f"compute {again} again after the change (a fresh forward) for this backward, so that "
                              "its gradient is taken at the parameters as they are now"]
                     if root is not loss.grad_fn:  # another loss through the graph: it could have come first
                         fixes.append("if this loss is meant for the parameters as they were, run its backward "
                                      f"before changing them, and pass retain_graph=True to {backward}")
-                    if _code(holder) and _only_changed_below(shared[0], changed, scope):
+                    if code_of(holder) and _only_changed_below(shared[0], changed, scope):
                         fixes.insert(1, _DETACH_STALE)
                     if isinstance(holder, (explain.Item, explain.Element, explain.Entry)) and \
                             not explain.holds_as_made(shared[0], holder, scope):  # a state each forward makes again
@@ -1347,7 +1319,7 @@ class Guard:
             if written is not None and not stepped:
                 node, leaf = written
                 holder = explain.find_holder(node, scope, batch)
-                code = f"`{_code(holder)}`" if _code(holder) else "the tensors made from it"
+                code = f"`{code_of(holder)}`" if code_of(holder) else "the tensors made from it"
                 return self._error(InplaceModificationError, node, case,
                     f"the loss reaches {{node}}, held by {{holder}}, whose graph saved "
                     f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, by no "
@@ -1362,7 +1334,7 @@ class Guard:
             # `fake` written in place after the discriminator's step) is the program's own in-place write
             if stepped and written is not None:  # named by what alone holds the node that saved it (`errG`)
                 holder = explain.sole_holder(written[0], scope)
-                loss_code = f"`{_code(holder)}`" if _code(holder) else "the loss"
+                loss_code = f"`{code_of(holder)}`" if code_of(holder) else "the loss"
                 detail = (f"optimizer {', '.join(repr(s) for s in stepped)} stepped after this loss was built and "
                           f"before its backward, changing parameters its graph saved ({tensor})")
                 fixes = [f"recompute {loss_code} after the optimizer step (in a GAN: the generator loss from a fresh "
@@ -1377,8 +1349,9 @@ class Guard:
                 fixes = ["use the out-of-place form (x = x + 1 rather than x += 1 or x.add_(1))",
                          ".clone() the tensor before changing it"]
                 if held and not node_name:  # a tensor kept from step to step, no operation's output: a buffer
-                    fixes.insert(0, f"read a copy of `{_code(held)}` where the step uses it (`{_code(held)}.clone()`, "
-                                 "as MoCo reads its queue), or write into it after the backward")
+                    fixes.insert(0, f"read a copy of `{code_of(held)}` where the step uses it "
+                                 f"(`{code_of(held)}.clone()`, as MoCo reads its queue), or write into it after the "
+                                 "backward")
                 if not self.trace:
                     fixes.append(f"{self.words.trace}: PyTorch then prints the traceback of the forward call whose "
                                  "saved tensor was changed")
@@ -1453,11 +1426,6 @@ class Guard:
             self.spent += time.perf_counter() - t0
 
     # -- after the step ------------------------------------------------------------------
-    def step_graphs(self) -> list[weakref.ref]:
-        """The checked step's graphs (weak references), handed over to a later ``leaks``."""
-        refs, self._sentinels = self._sentinels, []
-        return refs
-
     def _forget_consumed(self) -> None:
         """Drop the step's consumed graphs (they hold its nodes), keeping their leaves' versions: a graph of the step
         that a later step's loss reaches, under parameters an update changed since, cannot be retained (see
@@ -1466,198 +1434,11 @@ class Guard:
         self._consumed, self._walked = [], None
 
     def end_step(self, step: int, scope: Scope | None = None) -> None:
-        """A timed step is over. A graph of this step still alive once the next step is over is looked at
-        (see ``piled``): a holder that keeps graphs of two steps at once (``running_loss += loss``,
-        ``history.append(loss)``) is a leak; one that keeps the last of them (``self.last_loss = loss``,
-        replaced every step or every few) is not."""
+        """A timed step of the Trainer is over: what it consumed is dropped, and its graphs are left to the leak checks
+        (``leaks.Leaks.step_over``)."""
         self._forget_consumed()
         self._printed = {}  # it holds the step's nodes
-        if self.thorough:  # a graph that grows every step is a mistake that repeats: see begin_step
-            self.written_parameters(step, scope)
-        if self._held is not None:
-            self._look_back()
-        refs = self.step_graphs()
-        if refs:
-            self._held = (step, refs, scope, False)
-
-    def _look_back(self) -> None:
-        """Warn about the held graphs of the step before this one once this one is over (see ``end_step``)."""
-        step, refs, scope, over = self._held
-        if not over:  # the held step itself is just over
-            self._held = (step, refs, scope, True)
-            return
-        self._held = None
-        for first, holder in self.piled(step, refs, scope):
-            self.warn_leak(first, step, holder)
-
-    def piled(self, step: int, refs: list[weakref.ref], scope: Scope | None = None,
-              iteration: int | None = None) -> list[tuple[int, str | None]]:
-        """The holders that keep a graph of ``step`` (``refs``: ``step_graphs``) while the graph of an earlier
-        step they were found keeping is alive too: graphs piling up. Returns (that earlier step, how the
-        holder was named then, None when unnamed). A holder whose earlier graph is gone replaced it: this
-        step's is its new one; so did one whose earlier graph this step's loss went through (a tensor made in
-        one step, back-propagated in the next, and held until the next one replaces it: no pile). ``iteration``:
-        the loop iteration of ``step``, where one has several (a step per optimizer): a holder of two steps of
-        one iteration (mmengine's `log_vars` of a GAN's D and G losses) keeps no more than that iteration's."""
-        if not refs or self.is_off("leak"):
-            return []
-        out = []
-        for ref in refs:
-            sentinel = ref()
-            if sentinel is None:
-                continue
-            holder = _leak_holder(sentinel, scope, start=self.start_seq)
-            key = self.leak_key(holder)
-            earlier = self._keeping.get(key)
-            alive = earlier[2]() if earlier is not None else None
-            # two graphs of one step (a backward each, the losses of a dict) held together are no pile
-            if alive is not None and earlier[0] != step and id(alive) not in sentinel.fed_by \
-                    and (iteration is None or earlier[3] != iteration):
-                # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them)
-                out.append((earlier[0], earlier[1] or _leak_holder(sentinel, scope, deep=True, start=self.start_seq)))
-            elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
-                self._keeping[key] = (step, holder, ref, iteration)
-        return out
-
-    def growing_lists(self, step: int, namespaces: Iterable[tuple[str, Mapping[str, Any]]], frame=None) -> None:
-        """Warn about a list a loop's variable holds, or an object of its own class that it holds keeps
-        (``explain.held_lists``), that keeps one more graph every step, outside any loss: its first and last items
-        tensors with graphs, the first the same as when last looked at, with its graph, and the list longer since
-        (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``). Looked at after
-        thorough steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
-        if self.is_off("leak"):
-            return
-        named = set()  # a list two variables reach (`self.outputs`, `trainer.outputs`) is named once, by the nearest
-        for holder, val in explain.held_lists(namespaces):
-            if id(val) in named:
-                continue
-            named.add(id(val))
-            if len(val) < 2 or not all(issubclass(type(t), torch.Tensor) and t.grad_fn is not None
-                                       for t in (val[0], val[-1])):
-                continue
-            first, length = self._lists.get(holder.list_of, (None, 0))
-            if first is not None and first() is val[0] and len(val) > length:
-                # made from a loss's graph (a GAN's fakes kept in an image pool), or the losses themselves: no
-                # torch.no_grad() for them. The first item too: the last may be a loss its backward has yet to walk
-                # (`train_losses.append(loss)` before `loss.backward()`)
-                used = any(node.metadata.get(_SENTINEL) is not None for item in (val[-1], val[0])
-                           for node in islice(walk.iter_nodes(item.grad_fn), 1_000))
-                self._warn_growing(step, holder, len(val), frame, used)
-            self._lists[holder.list_of] = (weakref.ref(val[0]), len(val))
-
-    def _warn_growing(self, step: int, holder: explain.Element, length: int, frame, used: bool) -> None:
-        """``used``: the tensors are made from a graph a loss goes through (a GAN's fakes kept in an image pool, the
-        losses themselves), not one that no loss uses (an evaluation's outputs): they are detached, never computed
-        under torch.no_grad()."""
-        key = self.leak_key(holder)
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        listed, owner = _code(holder.list_of), _code(holder.filled_by)
-        added = f"the tensors the loop hands to `{owner}`" if owner else f"what is added to `{listed}`"
-        if owner:
-            detach = f"detach them where it calls `{owner}`"
-        else:
-            detach = _detach_what_is_added(holder) if used else \
-                f"detach it where it is added (`{listed}.append(x.detach())`)"
-        fix = detach if used else \
-            f"compute {added} under torch.no_grad() (`with torch.no_grad(): out = model(x)`), or {detach}"
-        whose = ("made from the graph of a loss of their step, or that loss itself (a GAN's fakes kept in an image "
-                 "pool, the losses kept for an epoch's mean)" if used else
-                 "graphs that no loss uses (an evaluation's outputs, made without torch.no_grad())")
-        self._warn(GraphLeakWarning(
-            f"the tensors added to `{listed}` keep their autograd graphs ({length} now, more every step; the first "
-            f"held by `{holder}`), {whose}: they pile up step after step (their nodes, and the tensors they saved)",
-            step=step, holder=holder, fixes=[fix]), frame)
-
-    def written_parameters(self, step: int, scope: Scope | None, frame=None) -> None:
-        """Warn once about the parameters holding a graph (``explain.written_parameters``) after a checked step, where
-        no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it; and
-        once about the tensors written so (``_written_copies``: diffusers' EMA shadow parameters, kept in a list)."""
-        if self.is_off("leak"):
-            return
-        for kind, names, example in (
-                ("parameters", [name for name, _ in explain.written_parameters(scope)], _WRITTEN_EXAMPLE),
-                ("tensors", self._written_copies(scope), "an EMA's shadow copies of the parameters kept as tensors, "
-                                                         "`s.sub_((1 - d) * (s - p))`")):
-            written = [name for name in names if self.leak_key(name) not in self._warned]
-            if not written:
-                continue
-            self._warned.update(self.leak_key(name) for name in written)
-            named = ", ".join(f"`{name}`" for name in written[:3])
-            named += f" and {len(written) - 3} more" * (len(written) > 3)
-            self._warn(GraphLeakWarning(
-                f"the {kind} {named} hold an autograd graph: written in place outside torch.no_grad() from tensors "
-                f"that require grad ({example}), they now require grad, and each write adds to their graph, "
-                "which grows step after step", step=step, holder=written[0], fixes=[_WRITTEN_FIX]), frame)
-
-    def _written_copies(self, scope: Scope | None) -> list[str]:
-        """The names of the tensors the scope holds, not parameters, written in place (their version moved) with a
-        graph that reaches a parameter, that no loss's walk met, and that grew over the graph the same tensor held at an
-        earlier look: copies of the parameters updated outside torch.no_grad() (an EMA's shadow parameters, kept as
-        tensors in a list), whose graph every update extends. A state the loss reads is met by its walk; a sum made
-        again (`val_loss = 0`, then `+=`) is another tensor; one written once and kept (`best = val_loss`) does not
-        grow."""
-        found = {}
-        for name, tensor in explain.candidates(scope):
-            fn = tensor.grad_fn
-            if fn is None or not tensor._version or isinstance(tensor, torch.nn.Parameter):
-                continue
-            nodes = list(islice(walk.iter_nodes(fn), 1_000))
-            if any(n.metadata.get(_SENTINEL) is not None for n in nodes):
-                continue
-            if any(n is not fn and n.metadata.get(_LOOKED) == id(tensor) for n in nodes) and \
-                    any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
-                found.setdefault(id(tensor), name)
-            fn.metadata[_LOOKED] = id(tensor)
-        return list(found.values())
-
-    @staticmethod
-    def leak_key(holder: str | None) -> str:
-        # self.history[3] is self.history[0] again, and history[3]['loss'] history[0]['loss'] (not model.layers[0].out
-        # and model.layers[1].out: two holders)
-        return "leak:" + re.sub(r"(\[\d+\])+(?=(\[[^\]]*\])*$)", "[]", holder or "")
-
-    def warn_leak(self, first: int, step: int, holder: str | None, frame=None) -> None:
-        """Warn once per holder (None: not found by name); ``frame``: the user's code to point at (default:
-        the Trainer's caller). The warning's ``step`` is the later of the two steps, its ``holder`` the name."""
-        key = self.leak_key(holder)
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        held = f"`{holder}`" if holder else "a reference kept outside the step (a list, a global, a closure)"
-        detail = (f"steps {first} and {step}: the autograd graphs of both steps are still alive, held by {held}: such "
-                  "graphs pile up step after step (their nodes, and any tensors they still hold)")
-        fixes: list[str] = []
-        if isinstance(holder, explain.Element):  # a list that keeps one more step's graph every step
-            listed = _code(holder.list_of)
-            detail += f", one more in `{listed}` every step"
-            fixes = [_detach_what_is_added(holder)]
-        elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
-            detail += "; values were written into its slots in place with their graphs"
-            fixes = [(_COPY_FIX if holder.through else _SLOTS_FIX).format(code=_code(holder))]
-        elif isinstance(holder, Buffer):  # module state updated in forward from the batch, outside torch.no_grad()
-            others = ", ".join(f"`{other}`" for other in holder.others[:3])
-            detail += ("; it is a buffer of a module (state such as running statistics or an EMA codebook), written "
-                       f"with values that have a graph{f' (and so are {others})' if others else ''}")
-            fixes = [_BUFFER_FIX.format(code=_code(holder), more=" and the other buffers named" if others else "")]
-        elif isinstance(holder, GradOf):  # backward(create_graph=True): the reference cycle its docs warn about
-            detail += (f"; backward(create_graph=True) gave the gradient a graph, which keeps the parameter and its "
-                       f"graph alive in a reference cycle; zeroing `.grad` in place or adding to it keeps it "
-                       f"growing{holder.others}")
-            fixes = ["set the gradients to None before each backward (`optimizer.zero_grad(set_to_none=True)`, or "
-                     "`p.grad = None` for each parameter) instead of `p.grad.zero_()` or `p.grad.data.zero_()`",
-                     "if the second-order graph serves a penalty or a Hessian product, take the gradients with "
-                     "`torch.autograd.grad(loss, params, create_graph=True)`, which writes no `.grad`"]
-        elif holder and (cache := re.match(r"(.*?)\[\(?<tensor of shape ", holder)):
-            # a mapping keyed by each step's tensors (a cache of derivatives: DeepXDE's `dde.grad`) gets a new entry
-            cached = _code(cache[1])
-            detail += f", one more entry in `{cached}` every step (it is keyed by the tensors of each step)"
-            fixes = [f"clear `{cached}` at the end of each step (`{cached}.clear()`), or key it by something that "
-                     "stays the same from step to step"]
-        else:
-            detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
-        self._warn(GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes), frame)
+        self.leaks.step_over(step, scope, self.start_seq, self.thorough)
 
     # -- messages ------------------------------------------------------------------------
     def _error(self, cls, node, case: Case, detail: str, fixes: list[str], trace_hint: bool = False,
@@ -1669,20 +1450,21 @@ class Guard:
         if holder is ...:
             holder = explain.find_holder(node, case.scope, case.batch) if node is not None else None
         node_name = type(node).__name__ if node is not None else None
-        code = _code(holder) or "tensor"
-        described = f"`{holder}`" if _code(holder) else holder or "a tensor made outside the step"  # code in backticks
+        code = code_of(holder) or "tensor"
+        # code in backticks
+        described = f"`{holder}`" if code_of(holder) else holder or "a tensor made outside the step"
         names = {"node": node_name, "holder": described, "code": code, "detached": f"{code} = {code}.detach()"}
         if isinstance(holder, explain.Entry):  # a dict of tensors: every value detached, in the same dict
-            whole = _code(holder.whole)
+            whole = code_of(holder.whole)
             names["detached"] = f"{whole}.update({{k: v.detach() for k, v in {whole}.items()}})"
         elif isinstance(holder, (explain.Item, explain.Element)) and holder.whole:  # inside a tuple in a tuple
-            whole = _code(holder.whole)
+            whole = code_of(holder.whole)
             names["detached"] = f"{whole} = {holder.rebuilt.format(whole)}"
         elif isinstance(holder, explain.Item):  # an item of a tuple: the tuple is replaced, every tensor detached
-            whole = _code(holder.tuple_of)
+            whole = code_of(holder.tuple_of)
             names["detached"] = f"{whole} = tuple(t.detach() for t in {whole})"
         elif isinstance(holder, explain.Element):  # of a list: likewise
-            whole = _code(holder.list_of)
+            whole = code_of(holder.list_of)
             names["detached"] = f"{whole} = [t.detach() for t in {whole}]"
         elif isinstance(holder, explain.Inside):  # inside an object (`dist.loc`): that tensor, not the object
             names["detached"] = f"{holder} = {holder}.detach()"
@@ -1722,13 +1504,6 @@ def _check_names(names) -> frozenset:
     return frozenset(names)
 
 
-def _code(holder: str | None) -> str | None:
-    """The expression a holder names, for a fix: "global y" -> "y"; None for "an unnamed tensor"."""
-    if isinstance(holder, explain.Inside):  # the variable holding the object that holds it: built again whole
-        return _code(holder.owner)
-    return holder.split(" ", 1)[-1] if holder and not holder.startswith(("a ", "an ")) else None
-
-
 def _optimized_ids(scope) -> set[int]:
     """The ids of the parameters the loop's optimizers update, those in its variables and those known to step; empty
     while none is known."""
@@ -1745,65 +1520,8 @@ def _trained(leaves, scope) -> list:
     return [leaf for leaf in leaves if id(leaf) in ids]
 
 
-class Slots(str):
-    """A holder's name that is a tensor whose slots were written in place with values that keep their graphs
-    (``queue[:bs] = emb``: the last write's ``CopySlices`` node, over the writes of earlier steps). ``through``: a
-    loss of the step that wrote it went back through the write (an adversarial patch written into each image of
-    batches the loop takes from a list): the write carries a gradient, which detaching what is written would stop."""
-
-    through: bool = False
-
-
-def _slots(name: str, tensor: torch.Tensor) -> Slots:
-    slots = Slots(name)
-    slots.through = tensor.grad_fn.metadata.get(_SENTINEL) is not None
-    return slots
-
-
-def _written_in_slots(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``),
-    ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch), or
-    ``x.index_copy_(dim, idx, v)``."""
-    return type(tensor.grad_fn).__name__ in walk.SLOT_WRITES
-
-
-_COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "
-             "`{code}`, before the write), so that `{code}` keeps its values and each step's writes and graph stay its "
-             "own; detaching what is written would stop the gradient through the write")
 _COPIED_FIX = ("detach what is copied into `{code}` where it is written (`{code}.copy_(x.detach())`), or write it "
                "under `torch.no_grad()`, so that it keeps a value, not the graph of the step that made it")
-_SLOTS_FIX = ("detach what is written into `{code}` where it is written (`{code}[i] = x.detach()`, or the tensor "
-              "handed to the code that writes it), or write it under `torch.no_grad()`, so that its slots keep "
-              "values, not the graphs of the steps that made them")
-
-
-class Buffer(str):
-    """A holder's name that is a buffer of a module, written with values that keep their graphs (VQ-VAE's EMA codebook
-    updated in forward without ``.data``): its writes, not a loss kept, are what to make without a graph. ``others``:
-    the names of the scope's other buffers that hold a graph (the codebook's running sums beside it)."""
-
-    others: list[str] = []
-
-
-_BUFFER_FIX = ("write it{more} under `torch.no_grad()`, or through `.data` as VQ-VAE's EMA codebook does "
-               "(`{code}.data.mul_(d).add_(x, alpha=1 - d)`), so that it keeps values, not the graphs of the steps "
-               "that made them")
-
-
-class GradOf(str):
-    """A holder's name that is a parameter's ``.grad`` with a graph (``backward(create_graph=True)``); ``others``:
-    what the message adds about other parameters whose ``.grad`` has one too."""
-
-    others: str = ""
-
-
-def _holds(tensor, sentinel) -> bool:
-    fn = tensor.grad_fn
-    if fn is None and tensor._is_view():  # a view made under no_grad keeps its base, graph and all (torchmetrics'
-        fn = tensor._base.grad_fn  # AUROC stores its preds reshaped under no_grad)
-    return any(node.metadata.get(_SENTINEL) is sentinel for node in islice(walk.iter_nodes(fn), 20_000))
-
-
 def _modules_of(scope: Scope) -> list[torch.nn.Module]:
     """The modules a scope holds: its roots, their attributes, the variables it reads (by type only)."""
     values = list(scope.roots.values()) + [v for _, space in scope.namespaces() for v in list(space.values())]
@@ -1896,67 +1614,16 @@ _REDUCTION = re.compile(r"(Add|Sub|Sum|Mean|Std|Var|StdMean|VarMean)Backward\d")
 def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:
     """The fixes for a list keeping earlier steps' graphs, whose item ``holder`` is; ``built``: the loss is built from
     it (see ``Guard._built_from_list``), and detaching what is added would leave the loss without its graph."""
-    listed = _code(_list_of(holder))
+    listed = code_of(_list_of(holder))
     if built:
         return [f"empty `{listed}` after each backward (`del {listed}[:]`): the loss is built from it (REINFORCE's "
                 "log-probs of an episode, an actor-critic's saved actions), so no earlier step's values may stay in it"]
     if holder.filled_by:  # a library's list, which it keeps and empties itself
-        return [_detach_what_is_added(holder)]
-    return [_detach_what_is_added(holder), f"if the loss is built from `{listed}` (REINFORCE's log-probs of an "
+        return [detach_what_is_added(holder)]
+    return [detach_what_is_added(holder), f"if the loss is built from `{listed}` (REINFORCE's log-probs of an "
             f"episode, losses stacked over several iterations), empty it after each backward (`del {listed}[:]`), "
             "and let one step span the iterations that add to it"]
 
-
-def _detach_what_is_added(holder: explain.Element) -> str:
-    """The fix for a list keeping one more step's graph every step: where the user's code adds to it."""
-    listed = _code(holder.list_of)
-    if holder.filled_by:  # a library's object adds what it is handed (torchmetrics' `auroc.update(preds, target)`)
-        owner = _code(holder.filled_by)
-        return (f"detach the tensors the loop hands to `{owner}` where it calls it (`.detach()` on each tensor "
-                f"argument): `{owner}`'s own code adds them to `{listed}`, graphs and all")
-    return (f"detach what is added to `{listed}` where it is added (`{listed}.append(x.detach())`, and "
-            f"`{listed}[i] = x.detach()` where an item is replaced, as an image pool does; `x.item()` for a number to "
-            "log), so that no step's graph stays alive in it")
-
-
-def _leak_holder(sentinel, scope, deep: bool = False, start: int | None = None) -> str | None:
-    """The name of the tensor whose graph holds ``sentinel``'s node, else of a batch of the Trainer's list of them
-    (``Scope.data``), else a parameter's ``.grad`` whose graph does (``backward(create_graph=True)``); None when none
-    is found. ``deep``: ``explain.candidates``'. ``start``: the
-    node counter at the start of the running step: a tensor made since holds the old graph through what it was made
-    from, which is named first when a name holds it (a replay buffer, not `old = torch.cat(buffer)` drawn from it)."""
-    made_now = None
-    for name, tensor in explain.candidates(scope, deep=deep):
-        if _holds(tensor, sentinel):
-            if type(name) in (str, explain.Item, explain.Entry) and _written_in_slots(tensor):
-                name = _slots(name, tensor)
-            elif type(name) is str and id(tensor) in (buffers := explain.graph_buffers(scope)):
-                name = Buffer(name)
-                name.others = [other for key, other in buffers.items() if key != id(tensor)]
-            if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
-                return name
-            made_now = made_now or name
-    if made_now is not None:
-        return made_now
-    if scope is None:
-        return None
-    for name, tensor in explain.data_items(scope):  # a batch of the Trainer's list that a step wrote into
-        if _holds(tensor, sentinel):
-            return _slots(name, tensor) if _written_in_slots(tensor) else name
-    graded = [p for p in scope.parameters() if p.grad is not None and p.grad.grad_fn is not None]
-    for param in graded:
-        if _holds(param.grad, sentinel):
-            name = explain.parameter_names(scope).get(id(param), (None,))[0]
-            holder = GradOf(f"{name}.grad" if name else "a parameter's .grad")
-            if len(graded) > 1:
-                holder.others = f" (and the .grad of {len(graded) - 1} more parameters)"
-            return holder
-    return None
-
-
-_WRITTEN_EXAMPLE = "an EMA update `ema_p.mul_(d).add_(p, alpha=1 - d)` of a copy whose parameters are frozen"
-_WRITTEN_FIX = ("make that write under `torch.no_grad()`, or write into `ema_p.detach()`, as EMA updates do (the "
-                "parameter then keeps its value and holds no graph)")
 
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")

@@ -120,7 +120,7 @@ class GraphGuard:
         # Checked steps' graphs (step, its loop iteration, weak references), looked at two steps later: a loop's
         # variables hold the last step's loss until the next step replaces it, and a script's variables hold its
         # last losses to the end, which is no leak. A leak is one holder keeping the graphs of several
-        # iterations at once (``running_loss += loss``, ``history.append(loss)``; see ``Guard.piled``).
+        # iterations at once (``running_loss += loss``, ``history.append(loss)``; see ``Leaks.piled``).
         self._graphs: list[tuple[int, int | None, list]] = []
         self._recent: dict[str, int] = {}  # optimizer -> node counter at its last step
         self._stepping: weakref.WeakSet = weakref.WeakSet()  # the optimizers seen stepping (under watch)
@@ -235,7 +235,7 @@ class GraphGuard:
         self._frame = None  # a frame holds every variable of its function: never kept past the step
         if self._timed and not failed:
             if guard.thorough:  # the leak checks look back at the steps that ran the secondary checks
-                self._graphs.append((step, None if self._explicit else self._iterations, guard.step_graphs()))
+                self._graphs.append((step, None if self._explicit else self._iterations, guard.leaks.step_graphs()))
             guard.record_step_time(step, (self._ended if lazily else _perf_counter()) - self._started)
         if not lazily:
             guard.step_done()
@@ -372,10 +372,11 @@ class GraphGuard:
             done, iteration, refs = self._graphs.pop(0)
             # shown at the script's line under watch (a library's backward called the guard)
             shown = next((f for f in stack(frame) if f.f_code.co_filename == self._script), frame)
-            for first, holder in guard.piled(done, refs, self.scope, iteration):
-                guard.warn_leak(first, done, holder, shown)
-            guard.growing_lists(done, self._namespaces(), shown)
-            guard.written_parameters(done, self.scope, shown)
+            leaks = guard.leaks
+            for first, holder in leaks.piled(done, refs, self.scope, iteration, start=guard.start_seq):
+                leaks.warn(first, done, holder, shown)
+            leaks.growing_lists(done, self._namespaces(), shown)
+            leaks.written_parameters(done, self.scope, shown)
         guard.frame, guard.caller = frame, caller
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
