@@ -609,6 +609,24 @@ def written_parameters(scope: Scope | None) -> list[tuple[str, torch.nn.Paramete
     return list(found.values())
 
 
+def aliases(scope: Scope | None, params: list[torch.Tensor]) -> list[str]:
+    """The variables of a namespace that hold one module holding some of ``params``, in the order the namespace made
+    them (``student``, then ``teacher = student``): a copy meant (a teacher, a target network) that is the module
+    itself, so that freezing it froze the trained one. Empty when no such module is held twice."""
+    if scope is None:
+        return []
+    wanted = {id(p) for p in params}
+    for _, space in scope.namespaces():
+        held: dict[int, list[str]] = {}
+        for key, val in list(space.items()):
+            if not key.startswith("__") and isinstance(val, torch.nn.Module):
+                held.setdefault(id(val), []).append(key)
+        for keys in held.values():
+            if len(keys) > 1 and any(id(p) in wanted for p in space[keys[0]].parameters()):
+                return keys
+    return []
+
+
 def graph_buffers(scope: Scope | None) -> dict[int, str]:
     """id -> name of the buffers registered on the scope's modules that hold a graph (a running statistic, an EMA
     codebook, written in forward outside ``torch.no_grad()``)."""

@@ -135,7 +135,7 @@ class Guard:
         # what abandoning the step does not undo, said by the Trainer
         self.written_unseen: list[torch.Tensor] = []
         self._micro_seq: int | None = None  # under gradient accumulation, where the step's current micro-batch began
-        self.leaks = Leaks(self._warn, lambda: self.is_off("leak"))  # graphs kept alive after their step
+        self.leaks = Leaks(self._warn, self.is_off)  # graphs kept alive after their step
         self._warned: set[str] = set()
         self.unused = UnusedGradients()  # gradient that no optimizer uses, and the order of zero_grad/backward/step
         self._giving = False  # ``unused.order`` reads the gradients of the backward pre-flighted last
@@ -1260,6 +1260,11 @@ class Guard:
             why = "every parameter of the model has requires_grad=False (all frozen)"
             fixes = ["unfreeze the parameters you want to train (p.requires_grad_(True))",
                      "leave the frozen model out of training"]
+            if shared := explain.aliases(scope, params):  # `teacher = student`, then the teacher frozen
+                named = " and ".join(f"`{key}`" for key in shared)
+                why += f"; {named} are one module, not copies: freezing one froze the other"
+                fixes.insert(0, f"if `{shared[-1]}` is meant as a copy (a teacher, a target network), make it one: "
+                                f"`{shared[-1]} = copy.deepcopy({shared[0]})`, then freeze it")
         elif not torch.is_grad_enabled():  # its backward is called inside no_grad (a caller's: an evaluation's)
             why = ("grad mode is off where its backward is called: it was computed inside torch.no_grad() (perhaps a "
                    "caller's, as an evaluation loop's)")

@@ -9,8 +9,8 @@ checks (every warm-up step, then every 4th check: a leak repeats every step):
 - parameters, and copies of them kept as tensors, written in place outside ``torch.no_grad()`` (an EMA update), whose
   graph every write extends (``written_parameters``).
 
-Each is said once per holder. The holder's kind (``Slots``, ``Buffer``, ``GradOf``, a list's ``explain.Element``)
-chooses the fix.
+Each is said once per holder. The holder's kind (``Slots``, ``Buffer``, ``Statistic``, ``GradOf``, a list's
+``explain.Element``) chooses the fix.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .explain import Scope, code_of
 from .walk import sequence_nr
 
 SENTINEL = "safeloop_sentinel"
-_LOOKED = "safeloop_looked"  # node.metadata: the id of the tensor written in place whose graph it was at a look
+_LOOKED = "safeloop_looked"  # node.metadata: (id, name) of the tensor whose graph it was at a look
 
 
 class Sentinel:
@@ -43,10 +43,10 @@ class Sentinel:
 
 class Leaks:
     """The leak checks' state from step to step (see the module docstring). ``warn``: how a warning is shown (the
-    guard's: at the user's frame); ``off``: whether the ``leak`` check is turned off."""
+    guard's: at the user's frame); ``is_off``: whether a check is turned off (the guard's, for a node or the run)."""
 
-    def __init__(self, warn: Callable[..., None], off: Callable[[], bool]) -> None:
-        self._warn, self._off = warn, off
+    def __init__(self, warn: Callable[..., None], is_off: Callable[..., bool]) -> None:
+        self._warn, self._is_off = warn, is_off
         self._sentinels: list[weakref.ref] = []  # this checked step's, one per loss walked (see ``mark``)
         # a thorough check's graphs, looked at when the next step is over: (step, weak references, scope,
         # whether that step is over) (see ``step_over``)
@@ -113,7 +113,7 @@ class Leaks:
         the loop iteration of ``step``, where one has several (a step per optimizer): a holder of two steps of
         one iteration (mmengine's `log_vars` of a GAN's D and G losses) keeps no more than that iteration's.
         ``start``: the node counter where the running step began (see ``_holder``)."""
-        if not refs or self._off():
+        if not refs or self._is_off("leak"):
             return []
         out = []
         for ref in refs:
@@ -139,7 +139,7 @@ class Leaks:
         tensors with graphs, the first the same as when last looked at, with its graph, and the list longer since
         (evaluation outputs appended without ``torch.no_grad()``: ``val_outputs.append(model(x))``). Looked at after
         thorough steps, through the first and last items alone. A list of loss graphs is ``piled``'s."""
-        if self._off():
+        if self._is_off("leak"):
             return
         named = set()  # a list two variables reach (`self.outputs`, `trainer.outputs`) is named once, by the nearest
         for holder, val in explain.held_lists(namespaces):
@@ -188,43 +188,53 @@ class Leaks:
         """Warn once about the parameters holding a graph (``explain.written_parameters``) after a thorough step, where
         no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it; and
         once about the tensors written so (``_written_copies``: diffusers' EMA shadow parameters, kept in a list)."""
-        if self._off():
+        if self._is_off("leak"):
             return
-        for kind, names, example in (
-                ("parameters", [name for name, _ in explain.written_parameters(scope)], WRITTEN_EXAMPLE),
-                ("tensors", self._written_copies(scope), "an EMA's shadow copies of the parameters kept as tensors, "
-                                                         "`s.sub_((1 - d) * (s - p))`")):
+        written_in_place, remade = self._written_copies(scope)
+        for kind, names, example, fix in (
+                ("parameters", [name for name, _ in explain.written_parameters(scope)], WRITTEN_EXAMPLE, WRITTEN_FIX),
+                ("tensors", written_in_place, "an EMA's shadow copies of the parameters kept as tensors, "
+                                              "`s.sub_((1 - d) * (s - p))`", WRITTEN_FIX),
+                ("tensors", remade, None, _REMADE_FIX)):
             written = [name for name in names if self.key(name) not in self._warned]
             if not written:
                 continue
             self._warned.update(self.key(name) for name in written)
             named = ", ".join(f"`{name}`" for name in written[:3])
             named += f" and {len(written) - 3} more" * (len(written) > 3)
-            self._warn(GraphLeakWarning(
-                f"the {kind} {named} hold an autograd graph: written in place outside torch.no_grad() from tensors "
-                f"that require grad ({example}), they now require grad, and each write adds to their graph, "
-                "which grows step after step", step=step, holder=written[0], fixes=[WRITTEN_FIX]), frame)
+            how = (f"written in place outside torch.no_grad() from tensors that require grad ({example}), they now "
+                   "require grad, and each write adds to their graph") if example else \
+                ("made again from their last value outside torch.no_grad(), with tensors that require grad (a running "
+                 "statistic no loss reads, DINO's `center = center * m + batch_center * (1 - m)`), each value holds "
+                 "the graph of the last one")
+            self._warn(GraphLeakWarning(f"the {kind} {named} hold an autograd graph: {how}, which grows step after "
+                                        "step", step=step, holder=written[0], fixes=[fix]), frame)
 
-    def _written_copies(self, scope: Scope | None) -> list[str]:
-        """The names of the tensors the scope holds, not parameters, written in place (their version moved) with a
-        graph that reaches a parameter, that no loss's walk met, and that grew over the graph the same tensor held at an
-        earlier look: copies of the parameters updated outside torch.no_grad() (an EMA's shadow parameters, kept as
-        tensors in a list), whose graph every update extends. A state the loss reads is met by its walk; a sum made
-        again (`val_loss = 0`, then `+=`) is another tensor; one written once and kept (`best = val_loss`) does not
-        grow."""
-        found = {}
+    def _written_copies(self, scope: Scope | None) -> tuple[list[str], list[str]]:
+        """The names of the tensors the scope holds, not parameters, with a graph that reaches a parameter, that no
+        loss's walk met, and that grew over the graph the same tensor, or the same name, held at an earlier look:
+        those written in place (their version moved), copies of the parameters updated outside torch.no_grad() (an
+        EMA's shadow parameters, kept as tensors in a list), whose graph every update extends; and those made again
+        from their last value (a running statistic no loss reads, DINO's center of a teacher left requiring grad, a
+        BatchNorm's running mean written by hand), whose graph every value extends. A state the loss reads is met by
+        its walk (a state carried on purpose, its `carried` check off, is left alone); a sum made again (`val_loss = 0`,
+        then `+=`) is made from another tensor; one written once and kept (`best = val_loss`) does not grow."""
+        found, remade = {}, {}
         for name, tensor in explain.candidates(scope):
             fn = tensor.grad_fn
-            if fn is None or not tensor._version or isinstance(tensor, torch.nn.Parameter):
+            if fn is None or isinstance(tensor, torch.nn.Parameter) or fn.metadata.get(SENTINEL) is not None:
+                continue
+            if not tensor._version and self._is_off("carried", fn):  # a state carried on purpose: no sentinel on it
                 continue
             nodes = list(islice(walk.iter_nodes(fn), 1_000))
             if any(n.metadata.get(SENTINEL) is not None for n in nodes):
                 continue
-            if any(n is not fn and n.metadata.get(_LOOKED) == id(tensor) for n in nodes) and \
+            looked = [n.metadata.get(_LOOKED) for n in nodes if n is not fn]
+            if any(m is not None and (m[0] == id(tensor) or m[1] == name) for m in looked) and \
                     any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
-                found.setdefault(id(tensor), name)
-            fn.metadata[_LOOKED] = id(tensor)
-        return list(found.values())
+                (found if tensor._version else remade).setdefault(id(tensor), name)
+            fn.metadata[_LOOKED] = (id(tensor), name)
+        return list(found.values()), list(remade.values())
 
     @staticmethod
     def key(holder: str | None) -> str:
@@ -269,6 +279,10 @@ class Leaks:
             detail += f", one more entry in `{cached}` every step (it is keyed by the tensors of each step)"
             fixes = [f"clear `{cached}` at the end of each step (`{cached}.clear()`), or key it by something that "
                      "stays the same from step to step"]
+        elif isinstance(holder, Statistic):  # a moving mean written by hand outside torch.no_grad()
+            detail += ("; it holds several values made from the steps' graphs (a running statistic, outputs gathered "
+                       "by torch.cat), not a loss")
+            fixes = [_STATISTIC_FIX.format(code=code_of(holder))]
         else:
             detail += ". Store loss.item() or loss.detach() instead of the loss tensor"
         self._warn(GraphLeakWarning(detail, step=step, holder=holder, fixes=fixes), frame)
@@ -288,6 +302,8 @@ def _holder(sentinel, scope, deep: bool = False, start: int | None = None) -> st
             elif type(name) is str and id(tensor) in (buffers := explain.graph_buffers(scope)):
                 name = Buffer(name)
                 name.others = [other for key, other in buffers.items() if key != id(tensor)]
+            elif type(name) is str and tensor.numel() > 1:
+                name = Statistic(name)
             if start is None or tensor.grad_fn is None or not walk.HAS_SEQ or sequence_nr(tensor.grad_fn) < start:
                 return name
             made_now = made_now or name
@@ -360,6 +376,17 @@ _BUFFER_FIX = ("write it{more} under `torch.no_grad()`, or through `.data` as VQ
                "that made them")
 
 
+class Statistic(str):
+    """A holder's name that is a plain tensor of several values (no loss, which is one value) keeping the graphs of
+    the steps it was made from: a running statistic made from each batch (d2l's BatchNorm written from scratch, its
+    moving mean returned without ``.data``), to be kept detached rather than stored as ``loss.item()``."""
+
+
+_STATISTIC_FIX = ("store `{code}` detached, or make it under `torch.no_grad()` where no loss needs its graph (d2l's "
+                  "BatchNorm returns its moving statistics as `moving_mean.data`), so that it keeps values, not the "
+                  "graphs of the steps that made them")
+
+
 class GradOf(str):
     """A holder's name that is a parameter's ``.grad`` with a graph (``backward(create_graph=True)``); ``others``:
     what the message adds about other parameters whose ``.grad`` has one too."""
@@ -382,3 +409,6 @@ def detach_what_is_added(holder: explain.Element) -> str:
 WRITTEN_EXAMPLE = "an EMA update `ema_p.mul_(d).add_(p, alpha=1 - d)` of a copy whose parameters are frozen"
 WRITTEN_FIX = ("make that write under `torch.no_grad()`, or write into `ema_p.detach()`, as EMA updates do (the "
                "parameter then keeps its value and holds no graph)")
+_REMADE_FIX = ("make them under `torch.no_grad()` (DINO's `update_center` is a `@torch.no_grad()` method), or from "
+               "detached values (`c = c * m + batch_center.detach() * (1 - m)`): a statistic no loss reads needs no "
+               "graph, and keeps its values")

@@ -1102,3 +1102,78 @@ def test_a_guard_given_the_ema_copy_as_part_of_its_model_warns_only_its_own_warn
     assert [w.category for w in caught] == [GraphLeakWarning], [str(w.message) for w in caught]
     assert "`model.ema.0.weight`" in str(caught[0].message)
     assert [id(p) for p in guard.scope.parameters()] == [id(p) for p in model.parameters()]
+
+
+# -- a running statistic made again from itself outside no_grad ----------------------------------------------------
+def d2l_batch_norm(X, gamma, beta, moving_mean, moving_var, eps, momentum, data):
+    """d2l-en's ``batch_norm`` from scratch (chapter_convolutional-modern/batch-norm.md): in training, the moving
+    statistics are made again from their last values and the batch's; returned without ``.data`` before d2l-ai/d2l-en
+    #1342 (``data`` False), they keep the graph of every batch so far (pytorch/pytorch#20275, nflows #10)."""
+    if not torch.is_grad_enabled():
+        X_hat = (X - moving_mean) / torch.sqrt(moving_var + eps)
+    else:
+        mean = X.mean(dim=0)
+        var = ((X - mean) ** 2).mean(dim=0)
+        X_hat = (X - mean) / torch.sqrt(var + eps)
+        moving_mean = (1.0 - momentum) * moving_mean + momentum * mean
+        moving_var = (1.0 - momentum) * moving_var + momentum * var
+    Y = gamma * X_hat + beta
+    return (Y, moving_mean.data, moving_var.data) if data else (Y, moving_mean, moving_var)
+
+
+class D2lBatchNorm(nn.Module):
+    data = True
+
+    def __init__(self, num_features):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(num_features))
+        self.beta = nn.Parameter(torch.zeros(num_features))
+        self.moving_mean = torch.zeros(num_features)
+        self.moving_var = torch.ones(num_features)
+
+    def forward(self, X):
+        Y, self.moving_mean, self.moving_var = d2l_batch_norm(
+            X, self.gamma, self.beta, self.moving_mean, self.moving_var, eps=1e-5, momentum=0.1, data=self.data)
+        return Y
+
+
+def d2l_batch_norm_loop(check: str | None, data: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    D2lBatchNorm.data = data
+    model = nn.Sequential(nn.Linear(4, 8), D2lBatchNorm(8), nn.Sigmoid(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check=check) if check else None
+    for x, y in DATA:
+        with guard.step() if guard else nullcontext():
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            guard.backward(loss) if guard else loss.backward()
+            opt.step()
+    with torch.no_grad():
+        return weights(model) + [model[1].moving_mean.clone(), model[1].moving_var.clone(), model(DATA[0][0])]
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_moving_statistics_made_again_from_themselves_outside_no_grad_warn_once_naming_them(check):
+    """No loss reads the moving statistics in training, but their graph holds each step's batch forward: the graphs
+    of two steps alive at once, named by the first statistic. `.data` (d2l's fix) is quiet and trains the same weights
+    and statistics."""
+    with pytest.warns(GraphLeakWarning) as caught:
+        kept = d2l_batch_norm_loop(check, data=False)
+    said, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert said.holder == "model[1].moving_mean" and "steps 1 and 2" in str(said)
+    with quiet():
+        fixed = d2l_batch_norm_loop(check, data=True)
+    bare = d2l_batch_norm_loop(None, data=False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, bare)) and all(torch.equal(a, b) for a, b in zip(fixed, bare))
+    with quiet():
+        assert all(torch.equal(a, b) for a, b in zip(d2l_batch_norm_loop("off", data=False), bare))
+
+
+def test_moving_statistics_kept_with_their_graphs_are_told_to_be_kept_detached_not_as_a_loss():
+    """A tensor of several values is no loss: the fix is not `loss.item()`."""
+    with pytest.warns(GraphLeakWarning) as caught:
+        d2l_batch_norm_loop("always", data=False)
+    said, = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert "loss.item()" not in str(said) and "not a loss" in str(said)
+    assert said.fixes[0].startswith("store `model[1].moving_mean` detached, or make it under `torch.no_grad()`")
