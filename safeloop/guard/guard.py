@@ -1183,6 +1183,9 @@ class Guard:
                              "of the loss you give it, accelerator.backward or mmengine's update_params, "
                              "back-propagates the loss itself)",
                              "for a sum, back-propagate the sum alone or each of its terms, not both"]
+                elif _code(holder) and (statistic := _statistic(holder, ran, scope)) is not None:
+                    into = explain.leaf_names(walk.below(statistic.grad_fn)[1], scope)
+                    fixes = [_STATISTIC.format(into)]
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
                     detail += _CHANGED.format(explain.leaf_names(changed, scope))
@@ -1202,6 +1205,24 @@ class Guard:
                 raise self._error(DoubleBackwardError, shared[0], Case(name, loss, step, scope), detail, fixes,
                                   holder=holder)
         self.spent += time.perf_counter() - t0
+
+    def _freed_statistic(self, case: Case) -> GraphLifecycleError | None:
+        """For backward's error on a freed graph: the error naming a statistic of the data (made over several
+        forwards: ``_several_forwards``) that the loss reaches and whose graph a backward the guard was not shown freed
+        (EWC's Fisher information weighted by the model's probabilities outside ``torch.no_grad()``, estimated by
+        backwards of its own), if one is held by name; else None."""
+        nodes = set(walk.walk(case.loss.grad_fn, 0, case.step).nodes)
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            fn = tensor.grad_fn
+            if tensor is case.loss or fn not in nodes or not _code(name) or not _several_forwards(fn):
+                continue
+            if any(walk.holds_tensors(n) and walk.is_freed(walk.unpack_error(n, first=True))
+                   for n in islice(walk.iter_nodes(fn), 10_000)):
+                return self._error(DoubleBackwardError, fn, case,
+                    "the loss reaches {node}, held by {holder}, a graph that an earlier backward already ran, freeing "
+                    "its saved tensors",
+                    [_STATISTIC.format(explain.leaf_names(walk.below(fn)[1], case.scope))], holder=name)
+        return None
 
     def _check_consumed(self, nodes, name, loss, step, scope) -> None:
         """A graph a non-retaining backward already consumed (within this step)."""
@@ -1300,6 +1321,9 @@ class Guard:
                     return explained
                 finally:
                     self.checking = checking
+            statistic = self._freed_statistic(case)
+            if statistic is not None:
+                return statistic
             return self._error(DoubleBackwardError, None, case,
                 "backward reached a graph whose saved tensors an earlier backward already freed (" +
                 text.split(".")[0] + ")",
@@ -1593,6 +1617,17 @@ def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
     return any(t is tensor for name, t in explain.candidates(case.scope, case.batch) if name == holder)
 
 
+def _statistic(holder: str, ran: set, scope) -> torch.Tensor | None:
+    """The tensor ``holder`` names, if it is a statistic of the data that an earlier backward's graph is under but
+    that backward did not go through: made over several forwards (``_several_forwards``) beside the losses back-
+    propagated one per sample, as EWC's Fisher information is (weighted by the model's own probabilities, taken
+    outside ``torch.no_grad()``). It is meant as a constant: retaining that graph for it would keep it, and the next
+    update of the weights it saved would break it."""
+    held = next((t for name, t in explain.candidates(scope) if name == holder), None)
+    fn = getattr(held, "grad_fn", None)
+    return held if fn is not None and fn not in ran and _several_forwards(fn) else None
+
+
 def _several_forwards(node) -> bool:
     """Whether the graph below ``node`` reaches a leaf from several places side by side, none below another, and
     combines them into one value (a sum, a mean): a value the model made over several forwards of different data, a
@@ -1702,6 +1737,10 @@ _SAVED_CHANGED = (f"a tensor its graph saved was changed in place since it was m
 _RAN_AGAIN = ("the last step's backward already ran its graph (retain_graph=True kept it), so this backward runs it "
               "again: its gradient is added a second time, through weights the update has since changed")
 # the fix for a loss reaching, through a graph an update made stale, no trained parameter but those updated
+_STATISTIC = ("if it is meant as a constant (a statistic of the data made over several forwards, as EWC's Fisher "
+              "information), compute what it is made of under `torch.no_grad()`, or store `{{code}}.detach()` (no "
+              "gradient through it into {}): retain_graph=True would keep its graph, whose saved weights the next "
+              "update changes")
 _DETACH_STALE = ("if this loss must not reach it and is meant for its values as they were (a critic's loss on the "
                  "actor's imagined features, a discriminator's loss on fakes made before the generator's update, as "
                  "CycleGAN's), detach it where this loss uses it (`{code}.detach()`)")
