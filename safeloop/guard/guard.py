@@ -44,7 +44,7 @@ from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
 from .explain import Scope, code_of
 from .leaks import (COPY_FIX, SENTINEL, SLOTS_FIX, WRITTEN_EXAMPLE, WRITTEN_FIX, Leaks, detach_what_is_added,
-                    written_in_slots)
+                    written_below, written_in_slots)
 from .prints import Prints
 from .render import render
 from .unused import UnusedGradients
@@ -784,6 +784,10 @@ class Guard:
                 fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
+            elif written_below(node):
+                # grown by writes in place outside any loss, from the parameters (seen by ``_written_copies``): Synaptic
+                # Intelligence's path integral `W[n].add_(-p.grad * (p - p_old[n]))`, then made into its omega
+                fixes.insert(0, _WRITTEN_BELOW)
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
@@ -1183,7 +1187,7 @@ class Guard:
                              "of the loss you give it, accelerator.backward or mmengine's update_params, "
                              "back-propagates the loss itself)",
                              "for a sum, back-propagate the sum alone or each of its terms, not both"]
-                elif _code(holder) and (statistic := _statistic(holder, ran, scope)) is not None:
+                elif code_of(holder) and (statistic := _statistic(holder, ran, scope)) is not None:
                     into = explain.leaf_names(walk.below(statistic.grad_fn)[1], scope)
                     fixes = [_STATISTIC.format(into)]
                 changed = explain.changed(shared, versions)
@@ -1214,7 +1218,7 @@ class Guard:
         nodes = set(walk.walk(case.loss.grad_fn, 0, case.step).nodes)
         for name, tensor in explain.candidates(case.scope, case.batch):
             fn = tensor.grad_fn
-            if tensor is case.loss or fn not in nodes or not _code(name) or not _several_forwards(fn):
+            if tensor is case.loss or fn not in nodes or not code_of(name) or not _several_forwards(fn):
                 continue
             if any(walk.holds_tensors(n) and walk.is_freed(walk.unpack_error(n, first=True))
                    for n in islice(walk.iter_nodes(fn), 10_000)):
@@ -1665,6 +1669,10 @@ def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:
             "and let one step span the iterations that add to it"]
 
 
+_WRITTEN_BELOW = ("make the writes in place that grew its graph under `torch.no_grad()` (or from `p.detach()`): "
+                  "values made from the parameters and added step after step to a tensor outside any loss (a running "
+                  "sum such as Synaptic Intelligence's path integral, `W[n].add_(-p.grad * (p.detach() - "
+                  "p_old[n]))`; an EMA's shadow copy), which {holder} is made from or is; it then holds no graph")
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")
 

@@ -348,6 +348,12 @@ def slots(name: str, tensor: torch.Tensor) -> Slots:
     return held
 
 
+def written_below(node, limit: int = 1_000) -> bool:
+    """Whether a node under ``node`` was, at a look of ``Leaks._written_copies``, the graph of a tensor written in
+    place outside any loss from the parameters (Synaptic Intelligence's path integral taken without ``p.detach()``)."""
+    return any(n.metadata.get(_LOOKED) is not None for n in islice(walk.iter_nodes(node), limit))
+
+
 def written_in_slots(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s last change wrote some of its slots in place: ``x[:n] = v`` (``CopySlices``),
     ``x[idx] = v`` with a tensor of indices or a mask (``index_put_``: a memory bank's rows of the batch), or

@@ -89,3 +89,73 @@ def test_a_fisher_information_weighted_outside_no_grad_is_told_to_be_kept_as_a_c
     assert len(caught.value.fixes) == 1 and "store `precision['0.weight'].detach()`" in caught.value.fixes[0]
     fixed = train_ewc(None, weights_with_graph=True, stored_detached=True)
     assert all(torch.equal(a, b) for a, b in zip(fixed.parameters(), train_ewc(None).parameters()))
+
+
+def test_means_kept_with_their_graph_are_stopped_before_the_penalty_trains_nothing():
+    """``p.clone()`` without ``.detach()``: the penalty's gradient through the kept values cancels its gradient
+    through the parameters, so EWC silently does nothing; the graph, used by every step of the next task, is stopped
+    with the fix for a value the loss compares with (made under ``torch.no_grad()``)."""
+    with pytest.raises(CarriedGraphError, match=r"the loss reaches CloneBackward0.*held by `local means\[.*To fix: if "
+                                                r"it is a target the loss compares with.*compute it under "
+                                                r"`torch.no_grad\(\)`"):
+        train_ewc("auto", means_with_graph=True)
+
+
+def train_si(check, p_detached=True, steps=4):
+    """Synaptic Intelligence over two tasks; ``p_detached``: the path integral made from ``p.detach()`` as the
+    source has it (else from ``p``, with its graph)."""
+    tasks, model = data(), nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = GraphGuard(model, opt, check=check) if check else None
+    prev = {n: p.detach().clone() for n, p in model.named_parameters()}
+    omega = None
+    for xs, ys in tasks:
+        W = {n: p.data.clone().zero_() for n, p in model.named_parameters()}
+        p_old = {n: p.data.clone() for n, p in model.named_parameters()}
+        for i in range(steps):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xs[i * 8:(i + 1) * 8]), ys[i * 8:(i + 1) * 8])
+            if omega is not None:
+                loss = loss + 10. * sum((omega[n] * (p - prev[n]) ** 2).sum() for n, p in model.named_parameters())
+            if guard is None:
+                loss.backward()
+            else:
+                with guard.step():
+                    guard.backward(loss)
+            opt.step()
+            for n, p in model.named_parameters():
+                W[n].add_(-p.grad * ((p.detach() if p_detached else p) - p_old[n]))
+                p_old[n] = p.detach().clone()
+        current = {n: p.detach().clone() for n, p in model.named_parameters()}
+        omega = {n: (0 if omega is None else omega[n]) + W[n] / ((current[n] - prev[n]) ** 2 + 0.1) for n in W}
+        prev = current
+    return model
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_synaptic_intelligence_is_quiet_and_bit_identical(check):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = train_si(check)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), train_si(None).parameters()))
+
+
+def test_a_path_integral_made_with_the_graph_of_the_parameters_is_warned_as_it_grows():
+    """``W[n].add_(-p.grad * (p - p_old[n]))``: each update adds to the graph of W, which no loss of the task uses:
+    named, with the write under ``torch.no_grad()`` as the fix (the same values as ``p.detach()``)."""
+    with pytest.warns(GraphLeakWarning, match=r"`local W\['0\.weight'\]`.*To fix: make that write under "
+                                              r"`torch.no_grad\(\)`"):
+        with pytest.raises(CarriedGraphError):
+            train_si("always", p_detached=False)
+
+
+def test_the_omega_made_from_a_path_integral_with_its_graph_is_told_to_have_it_written_under_no_grad():
+    """At the next task's first step the loss reaches omega, made from W's grown graph (W itself made anew for the
+    task): detaching omega at the end of each step would still train that step through W's graph, so the first fix is
+    the write into W, which then trains as the correct loop."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphLeakWarning)
+        with pytest.raises(CarriedGraphError, match=r"\(step 5, loss 'loss'\).*held by `local omega\[.*To fix: make "
+                                                    r"the writes in place that grew its graph under `torch.no_grad\(\)` "
+                                                    r"\(or from `p.detach\(\)`\)"):
+            train_si("auto", p_detached=False)
