@@ -439,6 +439,11 @@ FIRST_FIX = {
     "lbfgs_closure_state_not_detached": ("lbfgs_closure_state_detached", "lbfgs_closure_state_detached",
                                          "        seq.state = tuple(t.detach() for t in seq.state)",
                                          "detach the carried state after each backward"),
+    # (the estimate's entries stored detached where it is made: the buffers are registered from them)
+    "ewc_fisher_label_weights_with_graph": ("ewc_fisher_all_labels", "ewc_fisher_label_weights_stored_detached",
+                                            "        est_fisher_info = {n: p.detach() for n, p in "
+                                            "est_fisher_info.items()}",
+                                            "store `self.fc__0__weight_EWC_estimated_fisher.detach()`"),
     "deep_svdd_center_with_graph": ("deep_svdd_center_no_grad", "deep_svdd_center_detached", "c = c.detach()",
                                     "store `c.detach()` instead"),
     "tent_adapt_without_enable_grad": ("tent_adapt_under_caller_no_grad", "tent_adapt_under_caller_no_grad",
