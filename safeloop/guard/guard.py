@@ -784,9 +784,10 @@ class Guard:
                 fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
-            elif written_below(node):
-                # grown by writes in place outside any loss, from the parameters (seen by ``_written_copies``): Synaptic
-                # Intelligence's path integral `W[n].add_(-p.grad * (p - p_old[n]))`, then made into its omega
+            elif held and not any(t._version for t in held) and written_below(node):
+                # made from a tensor whose graph grew by writes in place outside any loss, from the parameters (seen by
+                # ``Leaks``' looks): Synaptic Intelligence's omega, from its path integral `W[n].add_(-p.grad * (p -
+                # p_old[n]))`. Not a tensor written in place itself (a KV cache the loss reads): detached as a state
                 fixes.insert(0, _WRITTEN_BELOW)
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
@@ -1672,7 +1673,7 @@ def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:
 _WRITTEN_BELOW = ("make the writes in place that grew its graph under `torch.no_grad()` (or from `p.detach()`): "
                   "values made from the parameters and added step after step to a tensor outside any loss (a running "
                   "sum such as Synaptic Intelligence's path integral, `W[n].add_(-p.grad * (p.detach() - "
-                  "p_old[n]))`; an EMA's shadow copy), which {holder} is made from or is; it then holds no graph")
+                  "p_old[n]))`; an EMA's shadow copy), which {holder} is made from; it then holds no graph")
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")
 
