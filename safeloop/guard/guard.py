@@ -952,7 +952,10 @@ class Guard:
         if then is not None and not (freed or changed or updated):
             return False
         if self.on_reuse == "error" or freed:
-            if freed:
+            # (freed below its first saver: the forwards under a statistic made by several, which their own
+            # backwards ran, as EWC's Fisher information weighted with its graph)
+            if freed or any(walk.holds_tensors(n) and walk.is_freed(walk.unpack_error(n, first=True))
+                            for n in islice(walk.iter_nodes(saver), 10_000)):
                 state = "an earlier backward already freed its saved tensors, so this backward would fail"
             elif changed:
                 state = f"a tensor it saved was since changed in place ({_WRITES}), so this backward would fail"

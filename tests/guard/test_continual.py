@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphLeakWarning, GraphReuseError
+from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphLeakWarning, GraphReuseError, Trainer
 
 CHECKS = ["always", "auto", "off"]
 
@@ -159,3 +159,36 @@ def test_the_omega_made_from_a_path_integral_with_its_graph_is_told_to_have_it_w
                                                     r"the writes in place that grew its graph under `torch.no_grad\(\)` "
                                                     r"\(or from `p.detach\(\)`\)"):
             train_si("auto", p_detached=False)
+
+
+class EWCTrainer(Trainer):
+    """Each task a ``fit`` of its own, the penalty added in ``training_step``."""
+
+    fisher_info = means = None
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        if self.fisher_info is not None:
+            loss = loss + 50. * sum((self.fisher_info[n] * (p - self.means[n]) ** 2).sum()
+                                    for n, p in self.model.named_parameters())
+        return loss
+
+
+def test_in_a_trainer_the_fisher_information_with_its_freed_graph_is_stopped_before_any_gradient_changes():
+    """Estimated between two fits: built before the second fit's first step, its graph already freed by the
+    estimate's own backwards (said so), kept as a constant first."""
+    tasks, model = data(), nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    fisher_info = means = None
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss 'loss'\).*held by `self\.fisher_info\[.*an earlier "
+                                              r"backward already freed its saved tensors.*To fix: if it is meant as a "
+                                              r"constant"):
+        for xs, ys in tasks:
+            trainer = EWCTrainer(model=model, train_data=[(xs[i * 8:(i + 1) * 8], ys[i * 8:(i + 1) * 8])
+                                                          for i in range(4)], max_steps=4, device="cpu",
+                                 optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), progress=False, loggers=())
+            trainer.fisher_info, trainer.means = fisher_info, means
+            trainer.fit()
+            fisher_info, means = fisher(model, [(xs[i:i + 1], ys[i:i + 1]) for i in range(5)],
+                                        weights_with_graph=True)
+    assert all(p.grad is None for p in model.parameters())
