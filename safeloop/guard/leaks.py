@@ -27,7 +27,7 @@ from .explain import Scope, code_of
 from .walk import sequence_nr
 
 SENTINEL = "safeloop_sentinel"
-_LOOKED = "safeloop_looked"  # node.metadata: (id, name) of the tensor whose graph it was at a look
+_LOOKED = "safeloop_looked"  # node.metadata: (id, name) of the tensor whose graph it was at a look, and that look
 
 
 class Sentinel:
@@ -56,6 +56,7 @@ class Leaks:
         # per list a plain loop's variable holds: its first item when looked at, with its graph, and its length then
         self._lists: dict[str, tuple[weakref.ref, int]] = {}
         self._warned: set[str] = set()
+        self._looks = 0  # the looks of ``_written_copies`` so far
 
     @property
     def marked(self) -> int:
@@ -218,7 +219,10 @@ class Leaks:
         from their last value (a running statistic no loss reads, DINO's center of a teacher left requiring grad, a
         BatchNorm's running mean written by hand), whose graph every value extends. A state the loss reads is met by
         its walk (a state carried on purpose, its `carried` check off, is left alone); a sum made again (`val_loss = 0`,
-        then `+=`) is made from another tensor; one written once and kept (`best = val_loss`) does not grow."""
+        then `+=`) is made from another tensor; one written once and kept (`best = val_loss`) does not grow. Only an
+        earlier look counts: in one look, two variables of one name may hold a loss and the loss scaled from it (the
+        loop's `loss`, and a library's `loss = loss / n` in the backward it calls)."""
+        self._looks += 1
         found, remade = {}, {}
         for name, tensor in explain.candidates(scope):
             fn = tensor.grad_fn
@@ -229,11 +233,11 @@ class Leaks:
             nodes = list(islice(walk.iter_nodes(fn), 1_000))
             if any(n.metadata.get(SENTINEL) is not None for n in nodes):
                 continue
-            looked = [n.metadata.get(_LOOKED) for n in nodes if n is not fn]
-            if any(m is not None and (m[0] == id(tensor) or m[1] == name) for m in looked) and \
+            looked = [m for n in nodes if n is not fn and (m := n.metadata.get(_LOOKED)) and m[2] < self._looks]
+            if any(m[0] == id(tensor) or m[1] == name for m in looked) and \
                     any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
                 (found if tensor._version else remade).setdefault(id(tensor), name)
-            fn.metadata[_LOOKED] = (id(tensor), name)
+            fn.metadata[_LOOKED] = (id(tensor), name, self._looks)
         return list(found.values()), list(remade.values())
 
     @staticmethod

@@ -56,3 +56,10 @@ class OptimWrapper:
 def accumulated_backward(loss: torch.Tensor, steps: int = 2) -> None:
     """accelerate's ``accelerator.backward(loss)`` under gradient accumulation: the library divides the loss."""
     (loss / steps).backward()
+
+
+def scaled_backward(loss: torch.Tensor, counts: int = 2) -> None:
+    """mmengine's ``OptimWrapper.update_params`` and accelerate's ``backward``: the loss scaled under its own name
+    (``loss = loss / counts``), then back-propagated, in the library's frame."""
+    loss = loss / counts
+    loss.backward()
