@@ -213,11 +213,13 @@ class Leaks:
 
     def _written_copies(self, scope: Scope | None) -> tuple[list[str], list[str]]:
         """The names of the tensors the scope holds, not parameters, with a graph that reaches a parameter, that no
-        loss's walk met, and that grew over the graph the same tensor, or the same name, held at an earlier look:
-        those written in place (their version moved), copies of the parameters updated outside torch.no_grad() (an
-        EMA's shadow parameters, kept as tensors in a list), whose graph every update extends; and those made again
-        from their last value (a running statistic no loss reads, DINO's center of a teacher left requiring grad, a
-        BatchNorm's running mean written by hand), whose graph every value extends. A state the loss reads is met by
+        loss's walk met, and that grew over the graph held at an earlier look: by the same tensor, for those written in
+        place (their version moved), copies of the parameters updated outside torch.no_grad() (an EMA's shadow
+        parameters, kept as tensors in a list), whose graph every update extends; by the same name, for those made
+        again from their last value (a running statistic no loss reads, DINO's center of a teacher left requiring grad,
+        a BatchNorm's running mean written by hand), whose graph every value extends. (A tensor made anew may have the
+        id of one gone, and a graph made from it: Grad-CAM's map made from the activations a library's variable held
+        at a look inside its `autograd.grad`.) A state the loss reads is met by
         its walk (a state carried on purpose, its `carried` check off, is left alone); a sum made again (`val_loss = 0`,
         then `+=`) is made from another tensor; one written once and kept (`best = val_loss`) does not grow. Only an
         earlier look counts: in one look, two variables of one name may hold a loss and the loss scaled from it (the
@@ -234,7 +236,7 @@ class Leaks:
             if any(n.metadata.get(SENTINEL) is not None for n in nodes):
                 continue
             looked = [m for n in nodes if n is not fn and (m := n.metadata.get(_LOOKED)) and m[2] < self._looks]
-            if any(m[0] == id(tensor) or m[1] == name for m in looked) and \
+            if any(m[0] == id(tensor) if tensor._version else m[1] == name for m in looked) and \
                     any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
                 (found if tensor._version else remade).setdefault(id(tensor), name)
             fn.metadata[_LOOKED] = (id(tensor), name, self._looks)
