@@ -1673,10 +1673,11 @@ def _list_fixes(holder: explain.Element, built: str | None) -> list[str]:
             "and let one step span the iterations that add to it"]
 
 
-_WRITTEN_BELOW = ("make the writes in place that grew its graph under `torch.no_grad()` (or from `p.detach()`): "
-                  "values made from the parameters and added step after step to a tensor outside any loss (a running "
-                  "sum such as Synaptic Intelligence's path integral, `W[n].add_(-p.grad * (p.detach() - "
-                  "p_old[n]))`; an EMA's shadow copy), which {holder} is made from; it then holds no graph")
+_WRITTEN_BELOW = ("make the writes that grew its graph under `torch.no_grad()` (or from `p.detach()`): values made "
+                  "from the parameters and added step after step to a tensor outside any loss (a running sum such as "
+                  "Synaptic Intelligence's path integral, `W[n].add_(-p.grad * (p.detach() - p_old[n]))`; an EMA's "
+                  "shadow copy, `ema[k] = d * ema[k] + (1 - d) * p`), which {holder} is made from; it then holds no "
+                  "graph")
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")
 

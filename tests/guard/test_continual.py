@@ -156,7 +156,7 @@ def test_the_omega_made_from_a_path_integral_with_its_graph_is_told_to_have_it_w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphLeakWarning)
         with pytest.raises(CarriedGraphError, match=r"\(step 5, loss 'loss'\).*held by `local omega\[.*To fix: make "
-                                                    r"the writes in place that grew its graph under `torch.no_grad\(\)` "
+                                                    r"the writes that grew its graph under `torch.no_grad\(\)` "
                                                     r"\(or from `p.detach\(\)`\)"):
             train_si("auto", p_detached=False)
 
