@@ -24,6 +24,7 @@ import torch
 
 import safeloop
 
+from .. import fsdp
 from . import walk
 from .walk import reachable, sequence_nr
 
@@ -710,15 +711,32 @@ def library_file(filename: str) -> bool:
     return filename.startswith(_LIBRARIES)
 
 
-def versions(leaves) -> list[tuple[torch.Tensor, int]]:
-    """(tensor, version counter) of each AccumulateGrad node in ``leaves``: an in-place write moves the counter."""
-    return [(t, t._version) for t in (node.variable for node in leaves)]
+def mark(tensor: torch.Tensor) -> tuple[int, int]:
+    """(version counter, address of its data): an in-place write moves the counter; a new tensor assigned to
+    ``.data`` (PGD's attack projecting the embedding weight, ``param.data = backup + r``), which the counter does not
+    see, moves the address. A write through ``.data`` in place alone (``param.data.add_(r)``) moves neither."""
+    try:
+        return tensor._version, fsdp.local(tensor).data_ptr()
+    except (RuntimeError, TypeError):  # a tensor without storage (functorch, meta): the counter alone
+        return tensor._version, 0
 
 
-def changed(nodes, then: list[tuple[torch.Tensor, int]], limit: int = 100_000) -> list[torch.Tensor]:
-    """The leaves of the graph below ``nodes`` whose version moved since ``then`` (``versions``): written in place
-    since (SAM's ``p.add_(e_w)``), in the order of ``then``."""
-    moved = {id(t) for t, version in then if t._version != version}
+def versions(leaves) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """(tensor, ``mark``) of each AccumulateGrad node in ``leaves``: a write moves the mark."""
+    return [(t, mark(t)) for t in (node.variable for node in leaves)]
+
+
+def through_data(changed: list[torch.Tensor], then: list[tuple[torch.Tensor, tuple[int, int]]]) -> bool:
+    """Whether every one of the ``changed`` leaves kept its version since ``then``: written through ``.data``, which
+    autograd does not see (a backward through a graph that saved them runs on without a word)."""
+    kept = {id(t) for t, (version, _) in then if t._version == version}
+    return all(id(t) in kept for t in changed)
+
+
+def changed(nodes, then: list[tuple[torch.Tensor, tuple[int, int]]], limit: int = 100_000) -> list[torch.Tensor]:
+    """The leaves of the graph below ``nodes`` whose ``mark`` moved since ``then`` (``versions``): written in place
+    since (SAM's ``p.add_(e_w)``), or given new values through ``.data``, in the order of ``then``."""
+    moved = {id(t) for t, version in then if mark(t) != version}
     if not moved:
         return []
     below = {id(n.variable) for n in islice(walk.iter_nodes(*nodes), limit) if type(n) is walk.ACCUMULATE}

@@ -146,7 +146,7 @@ class Guard:
         # inputs, its leaves' versions then, where it was called, whether someone else ran it, whether autograd.grad
         # did); a later backward of the step reaching a node they ran would find it freed
         self._consumed: list[tuple[str, Any, set, Any, list, str | None, bool, bool]] = []
-        self._last_versions: list[tuple[torch.Tensor, int]] = []  # the last step's (see end_step)
+        self._last_versions: list[tuple[torch.Tensor, tuple[int, int]]] = []  # the last step's (see end_step)
         self._walked: tuple | None = None  # the last loss pre-flighted alone: (name, root, nodes, leaves, where)
         self._printed: dict[str, tuple] = {}  # per loss of a checked step: what _check_written compared (always)
         # the node numbers that a checked step's retaining backwards ran (this step's, the last step's): a later
@@ -947,7 +947,7 @@ class Guard:
         freed, changed = walk.is_freed(unpacked), walk.is_inplace(unpacked)
         # reused by a backward with create_graph=True, which keeps it (an inverse-Hessian-vector product's
         # torch.autograd.grad through a gradient taken before its loop): stale once what it was made from is updated
-        then = node.metadata.setdefault(_BUILT_FROM, [(t, t._version) for t in leaves]) if case.retains else None
+        then = node.metadata.setdefault(_BUILT_FROM, [(t, explain.mark(t)) for t in leaves]) if case.retains else None
         updated = explain.changed([node], then) if then is not None else []
         if then is not None and not (freed or changed or updated):
             return False
@@ -1149,7 +1149,7 @@ class Guard:
                 shared = [n for n in shared if walk.is_freed(walk.unpack_error(n, first=True))]
             if shared:
                 self.spent += time.perf_counter() - t0
-                updated = any(t._version != v for t, v in versions)  # the earlier loss's update ran since its backward
+                updated = any(explain.mark(t) != v for t, v in versions)  # the earlier loss's update ran since its backward
                 if updated:  # named by a part that update left as it was, where this loss enters one (see _unchanged)
                     shared = _unchanged(nodes, shared, versions) or shared
                 call = "the torch.autograd.grad" if captured else "the backward"
@@ -1196,7 +1196,8 @@ class Guard:
                     fixes = [_STATISTIC.format(into)]
                 changed = explain.changed(shared, versions)
                 if changed:  # retaining it cannot help: its values, and the tensors it saved, are from before
-                    detail += _CHANGED.format(explain.leaf_names(changed, scope))
+                    unseen = explain.through_data(changed, versions)
+                    detail += (_CHANGED_DATA if unseen else _CHANGED).format(explain.leaf_names(changed, scope))
                     again = f"`{code_of(holder)}`" if code_of(holder) else "the loss"
                     fixes = [f"compute {again} again after the change (a fresh forward) for this backward, so that "
                              "its gradient is taken at the parameters as they are now"]
@@ -1742,6 +1743,9 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any, los
 _CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
             "SAM's first step moves the weights), so the graph holds values from before the change: retain_graph=True "
             "cannot help (PyTorch refuses a graph whose saved tensors were written in place)")
+_CHANGED_DATA = ("; since that backward, {} under that graph were written through `.data` (as an adversarial "
+                 "attack perturbs an embedding weight), so the graph holds values from before the change: with "
+                 "retain_graph=True this backward would run on them without a word")
 _FREED = ("an earlier backward already freed the saved tensors of its graph: going through it again is what makes "
           "PyTorch fail with 'Trying to backward through the graph a second time'")
 _AGAIN = "the same graph is back-propagated again by every step since it was made"

@@ -42,8 +42,9 @@ from .words import LOOP
 _perf_counter = time.perf_counter
 _SEEN = "safeloop_backward_step"  # node.metadata of a loss's root: the last step that back-propagated it
 _DONE = "safeloop_freed_step"  # ... the step whose backward ran without retaining its graph
-# where an optimizer wrapper that keeps no step hooks holds the optimizer it steps: accelerate's, opacus's DPOptimizer
-WRAPPED = ("optimizer", "original_optimizer")
+# where an optimizer wrapper that keeps no step hooks holds the optimizer it steps: accelerate's, opacus's
+# DPOptimizer, nfnets-pytorch's AGC (which clips the gradients, then steps its `.optim`)
+WRAPPED = ("optimizer", "original_optimizer", "optim")
 
 class GraphGuard:
     """Checks the autograd graph of the losses a plain training loop back-propagates.
@@ -133,8 +134,8 @@ class GraphGuard:
                     if not _step_post_hook(opt, lambda o, *_, _name=name: self.optimizer_stepped(_name, given=o))]
         if unhooked:
             raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
-                               "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer or "
-                               ".original_optimizer that does: pass the optimizer it wraps" for name in unhooked])
+                               "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer, "
+                               ".original_optimizer or .optim that does: pass the optimizer it wraps" for name in unhooked])
         # Before the first step: anything made until then was built before training. The first
         # ``with guard.step()`` moves this to where it opens, or where its loop began (``_start``).
         self.guard.start_fit()

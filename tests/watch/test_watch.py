@@ -182,11 +182,17 @@ BROKEN = {
                                r"whose graph saved `netD.2.weight`.*through `.data`.*To fix: write them before the "
                                r"forward that uses them",
     # FreeLB's embeddings computed at the first ascent step only: no update between the ascent steps, so retaining the
-    # graph trains as computing them again does (run_glue_freelb.py's way, the second fix)
+    # graph trains as computing them again does (run_glue_freelb.py's way, the second fix; tests/guard/test_adversarial.py)
     "freelb_embeds_init_once": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches EmbeddingBackward0, "
                                r"held by `global embeds_init`, which the backward of 'loss' at "
                                r"freelb_embeds_init_once.py:47 in this step already ran without retain_graph.*To fix: "
                                r"pass retain_graph=True .*or compute `embeds_init` again",
+    # PGD's attacks write the embedding weight through `.data` (version counters do not move): the adversarial loss
+    # taken from the clean forward's outputs would run with retain_graph=True on the values from before the attack
+    "pgd_adversarial_loss_from_clean_outputs": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches "
+                                               r"AddmmBackward0, held by `global outputs`.*`module.emb.weight` under "
+                                               r"that graph were written through `.data`.*To fix: compute `outputs` "
+                                               r"again after the change \(a fresh forward\)",
     # SAM's second pass through the first pass's graph after first_step moved the weights in place: retaining the
     # graph cannot help, a fresh forward does; the first backward named by its line, as every loss is 'loss' here
     "sam_predictions_reused": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches AddmmBackward0, held "
@@ -418,8 +424,6 @@ BROKEN = {
 # broken script -> (its correct version, the script with the first fix of its error applied as written, the line that
 # fix adds, and the words of that first fix that say it): the fix trains bit for bit as the correct version
 FIRST_FIX = {
-    "freelb_embeds_init_once": ("freelb_embedding_ascent", "freelb_embeds_init_once_first_fix",
-                                "        loss.backward(retain_graph=True)", "pass retain_graph=True"),
     "sam_predictions_reused": ("sam_predictions_reused_fixed", "sam_predictions_reused_first_fix",
                                "    predictions = model(inputs)", "compute `predictions` again after the change"),
     "rotary_cache": ("rotary_cache_fixed", "rotary_cache_first_fix", "    model.rot.cached_freqs = None",
