@@ -1149,7 +1149,8 @@ class Guard:
                 shared = [n for n in shared if walk.is_freed(walk.unpack_error(n, first=True))]
             if shared:
                 self.spent += time.perf_counter() - t0
-                updated = any(explain.mark(t) != v for t, v in versions)  # the earlier loss's update ran since its backward
+                # the earlier loss's update ran since its backward
+                updated = any(explain.mark(t) != v for t, v in versions)
                 if updated:  # named by a part that update left as it was, where this loss enters one (see _unchanged)
                     shared = _unchanged(nodes, shared, versions) or shared
                 call = "the torch.autograd.grad" if captured else "the backward"

@@ -135,7 +135,8 @@ class GraphGuard:
         if unhooked:
             raise ConfigError([f"optimizers[{name!r}] ({type(optimizers[name]).__name__}) keeps no step hooks (it "
                                "never ran torch.optim.Optimizer.__init__) and wraps none in .optimizer, "
-                               ".original_optimizer or .optim that does: pass the optimizer it wraps" for name in unhooked])
+                               ".original_optimizer or .optim that does: pass the optimizer it wraps"
+                               for name in unhooked])
         # Before the first step: anything made until then was built before training. The first
         # ``with guard.step()`` moves this to where it opens, or where its loop began (``_start``).
         self.guard.start_fit()
