@@ -182,7 +182,7 @@ BROKEN = {
                                r"whose graph saved `netD.2.weight`.*through `.data`.*To fix: write them before the "
                                r"forward that uses them",
     # FreeLB's embeddings computed at the first ascent step only: no update between the ascent steps, so retaining the
-    # graph trains as computing them again does (run_glue_freelb.py's way, the second fix; tests/guard/test_adversarial.py)
+    # graph trains as computing them again does (run_glue_freelb.py's way, the second fix; tests/guard/test_training_tricks.py)
     "freelb_embeds_init_once": r"DoubleBackwardError: .*\(step 1, loss 'loss'\): the loss reaches EmbeddingBackward0, "
                                r"held by `global embeds_init`, which the backward of 'loss' at "
                                r"freelb_embeds_init_once.py:47 in this step already ran without retain_graph.*To fix: "

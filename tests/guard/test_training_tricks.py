@@ -1,9 +1,14 @@
-"""Training tricks that add forward/backward passes or edit gradients, in a plain loop under ``GraphGuard``: FreeLB's
-ascent steps on a perturbation of the embeddings (zhuchen03/FreeLB, run_glue_freelb.py), PGD's attack written into the
-embedding weight through ``.data`` (xiangking/ark-nlp, attack.py; the mistake of its issue #46), and adaptive
-gradient clipping as an optimizer wrapper that never ran ``Optimizer.__init__`` (vballoli/nfnets-pytorch, agc.py).
-The watch scripts ``freelb_*``, ``pgd_*`` and ``nfnets_agc_wrapper`` run the same loops verbatim.
+"""Training tricks that add forward/backward passes, edit the batch or edit gradients, in a plain loop under
+``GraphGuard`` or ``watch`` in process: FreeLB's ascent steps on a perturbation of the embeddings (zhuchen03/FreeLB,
+run_glue_freelb.py), PGD's attack written into the embedding weight through ``.data`` (xiangking/ark-nlp, attack.py;
+the mistake of its issue #46), PGD adversarial training on images (locuslab/robust_overfitting, train_cifar.py),
+CutMix's patch written into the batch in place (clovaai/CutMix-PyTorch, train.py), and adaptive gradient clipping as
+an optimizer wrapper that never ran ``Optimizer.__init__`` (vballoli/nfnets-pytorch, agc.py). The watch scripts
+``freelb_*``, ``pgd_*``, ``rdrop_two_forwards`` and ``nfnets_agc_wrapper`` run such loops verbatim.
 """
+import warnings
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +16,7 @@ import torch.nn.functional as F
 
 from safeloop import GraphGuard
 from safeloop.errors import DoubleBackwardError
+from safeloop.watch import Watch
 
 
 def embedder():
@@ -131,3 +137,105 @@ def test_an_agc_wrapper_is_followed_through_the_optimizer_it_steps(check):
         return [p.detach().clone() for p in model.parameters()]
     bare = run(None)
     assert all(torch.equal(p, q) for p, q in zip(run(check or "auto"), bare, strict=True))
+
+
+def watched(run, check):
+    """``run()`` bare (``check`` None), or under ``watch`` in process with every warning an error."""
+    if check is None:
+        return run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Watch(GraphGuard(check=check), __file__):
+            return run()
+
+
+def clamp(X, lower_limit, upper_limit):
+    return torch.max(torch.min(X, upper_limit), lower_limit)
+
+
+def robust_overfitting():
+    """train_cifar.py's PGD training: the attack's backwards reach the model's parameters too (cleared by the
+    training step's ``opt.zero_grad()``), ``delta`` written through ``.data`` at an index and its gradient zeroed in
+    place; the loss's L1 term added in place; then a clean forward with its graph, for the logged accuracy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    epsilon, alpha, upper_limit, lower_limit = 8 / 255, 2 / 255, 1, 0
+    train_loss = 0
+    for X, y in [(torch.rand(4, 3, 6, 6), torch.randint(3, (4,))) for _ in range(3)]:
+        delta = torch.zeros_like(X)
+        delta.uniform_(-epsilon, epsilon)
+        delta = clamp(delta, lower_limit - X, upper_limit - X)
+        delta.requires_grad = True
+        for _ in range(2):
+            output = model(X + delta)
+            index = slice(None, None, None)
+            loss = F.cross_entropy(output, y)
+            loss.backward()
+            grad = delta.grad.detach()
+            d = delta[index, :, :, :]
+            g = grad[index, :, :, :]
+            x = X[index, :, :, :]
+            d = torch.clamp(d + alpha * torch.sign(g), min=-epsilon, max=epsilon)
+            d = clamp(d, lower_limit - x, upper_limit - x)
+            delta.data[index, :, :, :] = d
+            delta.grad.zero_()
+        delta = delta.detach()
+        robust_output = model(torch.clamp(X + delta[:X.size(0)], min=lower_limit, max=upper_limit))
+        robust_loss = F.cross_entropy(robust_output, y)
+        for name, param in model.named_parameters():
+            if 'bias' not in name:
+                robust_loss += 5e-4 * param.abs().sum()
+        opt.zero_grad()
+        robust_loss.backward()
+        opt.step()
+        output = model(X)
+        loss = F.cross_entropy(output, y)
+        train_loss += loss.item() * y.size(0)
+    return [p.detach().clone() for p in model.parameters()], train_loss
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_pgd_adversarial_training_on_images_is_quiet_and_unchanged(check):
+    bare, ours = robust_overfitting(), watched(robust_overfitting, check)
+    assert ours[1] == bare[1] and all(torch.equal(p, q) for p, q in zip(ours[0], bare[0], strict=True))
+
+
+def rand_bbox(size, lam, rng):
+    W, H = size[2], size[3]
+    cut_rat = np.sqrt(1. - lam)
+    cut_w, cut_h = int(W * cut_rat), int(H * cut_rat)
+    cx, cy = rng.integers(W), rng.integers(H)
+    return (np.clip(cx - cut_w // 2, 0, W), np.clip(cy - cut_h // 2, 0, H), np.clip(cx + cut_w // 2, 0, W),
+            np.clip(cy + cut_h // 2, 0, H))
+
+
+def cutmix():
+    """CutMix's step, over a list of batches read for two epochs: the patch of a permuted batch written into the
+    input in place (it needs no grad), the loss mixed by the pixel ratio."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = nn.CrossEntropyLoss()
+    train_loader = [(torch.rand(4, 3, 6, 6), torch.randint(3, (4,))) for _ in range(3)]
+    for epoch in range(2):
+        for i, (input, target) in enumerate(train_loader):
+            lam = rng.beta(1.0, 1.0)
+            rand_index = torch.randperm(input.size()[0])
+            target_a = target
+            target_b = target[rand_index]
+            bbx1, bby1, bbx2, bby2 = rand_bbox(input.size(), lam, rng)
+            input[:, :, bbx1:bbx2, bby1:bby2] = input[rand_index, :, bbx1:bbx2, bby1:bby2]
+            lam = 1 - ((bbx2 - bbx1) * (bby2 - bby1) / (input.size()[-1] * input.size()[-2]))
+            output = model(input)
+            loss = criterion(output, target_a) * lam + criterion(output, target_b) * (1. - lam)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_cutmix_writing_a_patch_into_the_batch_is_quiet_and_unchanged(check):
+    assert all(torch.equal(p, q) for p, q in zip(watched(cutmix, check), cutmix(), strict=True))
