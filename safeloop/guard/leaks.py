@@ -263,6 +263,13 @@ class Leaks:
             listed = code_of(holder.list_of)
             detail += f", one more in `{listed}` every step"
             fixes = [detach_what_is_added(holder)]
+        elif isinstance(holder, explain.Entry) and (listed := re.fullmatch(r"(.*)\[\d+\]", holder.whole)):
+            # a list of dicts of tensors, one more each step (a detector's loss dict appended whole for logging)
+            listed = code_of(listed[1])
+            detail += f", one more dict in `{listed}` every step"
+            fixes = [f"detach the dict's values where it is added to `{listed}` (`{listed}.append({{k: v.detach() "
+                     f"for k, v in d.items()}})`; `v.item()` for numbers to log), so that no step's graph stays alive "
+                     "in it"]
         elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
             detail += "; values were written into its slots in place with their graphs"
             fixes = [(COPY_FIX if holder.through else SLOTS_FIX).format(code=code_of(holder))]
