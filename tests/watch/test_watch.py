@@ -547,6 +547,10 @@ WARNED = {
 }
 # scripts that run to their end, warning of a graph kept alive after its step (the line that warns, the holder)
 LEAKED = {
+    # DETR's loss dict appended whole to a list every step for an epoch summary: named as the list of dicts
+    "detr_loss_dicts_kept": r"detr_loss_dicts_kept.py:199: GraphLeakWarning: .*\(step 2\).*held by "
+                            r"`global history\[0\]\['loss_ce'\]`.*one more dict in `history` every step.*To fix: "
+                            r"detach the dict's values where it is added to `history`",
     # gradient accumulation by hand: each micro-batch back-propagates `loss / accumulate` while `running` sums the
     # losses themselves, with their graphs (meant: loss.item())
     "running_sum_of_losses": r"running_sum_of_losses.py:12: GraphLeakWarning: autograd graph kept alive after its step "
