@@ -320,7 +320,8 @@ def _nested(obj: Any, prefix: str, depth: int, budget: list[int],
         return
     if depth <= 0 or budget[0] <= 0 or id(obj) in seen:
         return
-    if kind is dict:  # (the first 64 items: a data set kept as a list is no holder's place)
+    if issubclass(kind, dict):  # a defaultdict too (a metric logger's meters); the first 64 items: a data set
+        # kept as a list is no holder's place
         pairs = [(f"{prefix}[{key_text(key)}]", val) for key, val in list(islice(obj.items(), 64))]
     elif kind in (list, tuple):
         pairs = [(f"{prefix}[{i}]", val) for i, val in enumerate(obj[:64])]

@@ -128,7 +128,13 @@ class Leaks:
             # two graphs of one step (a backward each, the losses of a dict) held together are no pile
             if alive is not None and earlier[0] != step and id(alive) not in sentinel.fed_by \
                     and (iteration is None or earlier[3] != iteration):
-                # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them)
+                # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them),
+                # once: found later under another name (a metric logger returned by its epoch's function), it is
+                # the same pile
+                if earlier[1] is None and key in self._warned:
+                    continue
+                if earlier[1] is None:
+                    self._warned.add(key)
                 out.append((earlier[0], earlier[1] or _holder(sentinel, scope, deep=True, start=start)))
             elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
                 self._keeping[key] = (step, holder, ref, iteration)

@@ -2,6 +2,7 @@
 whole for logging, step after step, as TRI-ML/packnet-sfm's trainer did before its fix (issue #47: ``outputs``
 holding each step's ``output['loss']`` for the epoch)."""
 import re
+from collections import defaultdict
 import warnings
 
 import pytest
@@ -43,3 +44,53 @@ def test_a_list_of_loss_dicts_is_named_with_the_fix_at_the_append_and_the_fix_wo
             warnings.simplefilter("error")
             fixed = detector_loop(check, detach=True)
         assert fixed[1] == bare[1] and all(torch.equal(a, b) for a, b in zip(fixed[0], bare[0]))
+
+
+class Meter:
+    """torchvision's ``SmoothedValue`` (references/detection/utils.py), reduced: a running total."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def update(self, value):
+        self.total += value
+        self.count += 1
+
+
+class MetricLogger:
+    """torchvision's ``MetricLogger`` without the ``v.item()`` of its ``update``: it keeps what it is handed."""
+
+    def __init__(self):
+        self.meters = defaultdict(Meter)
+
+    def update(self, **kwargs):
+        for k, v in kwargs.items():
+            self.meters[k].update(v)
+
+
+def train_one_epoch(model, opt, guard, data):
+    metric_logger = MetricLogger()
+    for x, y in data:
+        loss_dict = {'loss_a': F.mse_loss(model(x), y), 'loss_b': model(x).abs().mean()}
+        losses = sum(loss_dict.values())
+        opt.zero_grad()
+        guard.backward(losses)
+        opt.step()
+        metric_logger.update(loss=losses, **loss_dict)
+    return metric_logger
+
+
+def test_a_metric_logger_keeping_the_losses_in_a_defaultdict_is_named_once():
+    """The meters are a ``defaultdict`` of objects: the holder is found inside them, and the same pile, found again
+    under the name that holds the logger an epoch returned, is not warned twice."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GraphGuard(model, opt, check="always")
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+    with pytest.warns(GraphLeakWarning) as caught:
+        for _ in range(2):
+            logger = train_one_epoch(model, opt, guard, data)
+    leaks = [w.message for w in caught if w.category is GraphLeakWarning]
+    assert [leak.holder for leak in leaks] == ["metric_logger.meters['loss'].total"], leaks
+    assert logger.meters['loss'].count == 4
