@@ -131,10 +131,10 @@ class Leaks:
                 # unnamed: looked for deeper, now that it piles up (a callback's list in a library's list of them),
                 # once: found later under another name (a metric logger returned by its epoch's function), it is
                 # the same pile
-                if earlier[1] is None and key in self._warned:
+                if earlier[1] is None and "unnamed pile" in self._warned:
                     continue
                 if earlier[1] is None:
-                    self._warned.add(key)
+                    self._warned.add("unnamed pile")  # (not a holder's ``key``: ``warn`` says it)
                 out.append((earlier[0], earlier[1] or _holder(sentinel, scope, deep=True, start=start)))
             elif alive is None or earlier[3] != iteration:  # (of one iteration: the earlier step's is kept)
                 self._keeping[key] = (step, holder, ref, iteration)
