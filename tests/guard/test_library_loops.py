@@ -5,6 +5,7 @@ call into the library; correct code stays quiet and bit for bit the same.
 """
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from safeloop.errors import CarriedGraphError, DoubleBackwardError, GraphLeakWar
 from safeloop.errors import InplaceModificationError, NoGraphError, UnusedGradientWarning
 from safeloop.watch import Watch
 
+from . import enginelib
 from .enginelib import Engine, OptimWrapper, accumulated_backward, scaled_backward, supervised_trainer
 
 
@@ -568,3 +570,26 @@ def test_a_loss_the_library_scales_under_its_own_name_is_no_statistic_made_again
     ``update_params``, accelerate's ``backward``), seen in one look, are not one tensor made again. Quiet under watch,
     trained as without it."""
     assert same(watched(loop_with_a_scaled_backward, check=check), loop_with_a_scaled_backward())
+
+
+def test_graphs_a_library_keeps_where_the_loop_cannot_name_them_are_warned_once():
+    """A library's own list keeps every step's loss (no variable of the loop holds it): the pile is warned once, its
+    holder unnamed, however many steps keep adding to it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = GraphGuard(model, check="always")
+    try:
+        with pytest.warns(GraphLeakWarning) as said:
+            for x, y in batches(8):
+                with guard.step():
+                    loss = F.mse_loss(model(x), y)
+                    enginelib.log_loss(loss)
+                    guard.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        enginelib.LOGGED.clear()
+    leaks = [w for w in said if issubclass(w.category, GraphLeakWarning)]
+    assert len(leaks) == 1, [str(w.message) for w in leaks]
+    assert re.search(r"steps 1 and 2: the autograd graphs of both steps are still alive", str(leaks[0].message))
