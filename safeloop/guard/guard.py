@@ -954,8 +954,7 @@ class Guard:
         if self.on_reuse == "error" or freed:
             # (freed below its first saver: the forwards under a statistic made by several, which their own
             # backwards ran, as EWC's Fisher information weighted with its graph)
-            if freed or any(walk.holds_tensors(n) and walk.is_freed(walk.unpack_error(n, first=True))
-                            for n in islice(walk.iter_nodes(saver), 10_000)):
+            if freed or _freed_below(saver):
                 state = "an earlier backward already freed its saved tensors, so this backward would fail"
             elif changed:
                 state = f"a tensor it saved was since changed in place ({_WRITES}), so this backward would fail"
@@ -1226,8 +1225,7 @@ class Guard:
             fn = tensor.grad_fn
             if tensor is case.loss or fn not in nodes or not code_of(name) or not _several_forwards(fn):
                 continue
-            if any(walk.holds_tensors(n) and walk.is_freed(walk.unpack_error(n, first=True))
-                   for n in islice(walk.iter_nodes(fn), 10_000)):
+            if _freed_below(fn):
                 return self._error(DoubleBackwardError, fn, case,
                     "the loss reaches {node}, held by {holder}, a graph that an earlier backward already ran, freeing "
                     "its saved tensors",
@@ -1823,6 +1821,11 @@ def _why_carried(nodes, prev_seq: int | None, iteration: int | None = None, limi
 def _freed(node) -> bool:
     """Whether a backward already freed the tensors ``node`` saved."""
     return walk.holds_tensors(node) and walk.is_freed(walk.unpack_error(node, first=True))
+
+
+def _freed_below(node, limit: int = 10_000) -> bool:
+    """Whether a backward already freed the tensors some node of the graph below ``node`` saved."""
+    return any(_freed(n) for n in islice(walk.iter_nodes(node), limit))
 
 
 def _warn_where(frame) -> tuple | None:
