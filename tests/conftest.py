@@ -36,7 +36,10 @@ def _fresh_state(tmp_path, tmp_path_factory, monkeypatch):
 def _process_state_put_back():
     """What a test changes for the whole process is put back after it, so that no test passes or fails for
     what an earlier one left: anomaly mode (``GraphGuard(trace=True)``), the "safeloop" logger's level and
-    handlers (a fit shows its logs), ``sys.argv`` (a CLI run), the rank ``rank_zero_only`` prints from."""
+    handlers (a fit shows its logs), ``sys.argv`` (a CLI run), the rank ``rank_zero_only`` prints from, and
+    ``os.environ`` (a fit's seed sets ``SAFELOOP_SEED_WORKERS``, its determinism ``CUBLAS_WORKSPACE_CONFIG``: left
+    there, a later command would differ from the fork server's and run as a slow real subprocess)."""
+    environ = dict(os.environ)
     anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
     logger = logging.getLogger("safeloop")
     level, handlers = logger.level, list(logger.handlers)
@@ -44,6 +47,9 @@ def _process_state_put_back():
     argv_items = list(argv)
     rank = getattr(rank_zero_only, "rank", None)
     yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     torch.autograd.set_detect_anomaly(*anomaly)
     logger.setLevel(level)
     logger.handlers[:] = handlers
