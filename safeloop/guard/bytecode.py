@@ -61,9 +61,21 @@ def carried(frame) -> frozenset[str]:
     """The variables that the loop running ``frame`` (see ``set_every_time``) reads before it sets them, in the order
     of its code: a state carried from one iteration to the next (`pos` of `pos = pos + dt * vel`); not one it sets
     in a line that detaches (`rv = rv.detach()`: carried without its graph)."""
+    return frozenset(name for name, read in _first_use(frame).items() if read)
+
+
+def set_first(frame) -> frozenset[str]:
+    """The variables that the loop running ``frame`` sets before it reads them, in the order of its code: values of
+    the running iteration (`z_q` of `z_q = quantize(z)`), never a state the next iteration reads."""
+    return frozenset(name for name, read in _first_use(frame).items() if not read)
+
+
+def _first_use(frame) -> dict[str, bool]:
+    """Each variable that the loop running ``frame`` reads or sets -> whether its code reads it first (a variable set
+    in a line that detaches counts as set first)."""
     frame = set_every_time(frame)[0]
     if frame is None:
-        return frozenset()
+        return {}
     body = loop_around(frame.f_code, frame.f_lasti)
     instructions = [ins for ins in dis.get_instructions(frame.f_code) if ins.offset in body]
     detaching = {ins.positions.lineno for ins in instructions if ins.argval in ("detach", "detach_")}
@@ -75,7 +87,7 @@ def carried(frame) -> frozenset[str]:
         if ins.opname.startswith(("LOAD_FAST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF")):
             for name in ins.argval if type(ins.argval) is tuple else [ins.argval]:  # (3.13's LOAD_FAST_LOAD_FAST)
                 first.setdefault(name, True)
-    return frozenset(name for name, read in first.items() if read)
+    return first
 
 
 def _every_way(code, offset: int, body: set[int], by_calls: bool) -> frozenset[str]:

@@ -792,6 +792,10 @@ class Guard:
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
+            if _rebound_leaf(node, held, case) is not None:
+                why += ("; {holder} was rebound to a value made from the tensor the optimizer updates, which keeps "
+                        "updating that one while every step back-propagates through all the values made from it")
+                fixes = [_REBOUND_FIX]
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
@@ -1101,13 +1105,15 @@ class Guard:
             and sequence_nr(case.loss.grad_fn) >= self.start_seq
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         start = self.start_seq if walk.HAS_SEQ else None
+        remade = bytecode.set_first(self.frame) if self.frame is not None and start is not None else ()
         holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
-                                     start=start)
+                                     start=start, remade=remade)
         if first and not freed and holder is not None and self._held_by_this_iteration(node, case, new):
             holder = None
         if first and holder is None and not freed:
             return False, None
-        return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss, start=start)
+        return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss, start=start,
+                                                   remade=remade)
 
     def _held_by_this_iteration(self, node, case: Case, new: bool) -> bool:
         """Whether only the variables that the plain loop sets in each iteration from a call hold ``node`` (see
@@ -1303,6 +1309,11 @@ class Guard:
         else:
             seen = scope.rerun(batch) if scope is not None and scope.rerun is not None and batch is not None else None
             why, fixes = _why_detached(seen, self.words)
+            rebound = _rebound_variable(scope, batch)
+            if rebound is not None:
+                why = (f"`{rebound}` was rebound to a value without a graph (made under torch.no_grad(), or "
+                       "detached), and the tensor the optimizer updates, which it held, is no variable's any more")
+                fixes = [_REBOUND_FIX.format(code=rebound), *fixes]
         if among:  # every entry of a returned dict is trained (Lightning's {"loss": ..., "acc": ...} trains "loss")
             fixes = [f"if {name!r} is a metric, log it with self.log({name!r}, value) rather than return it: every "
                      "entry of the dict training_step returns is a loss the Trainer back-propagates", *fixes]
@@ -1547,6 +1558,37 @@ def _optimized_ids(scope) -> set[int]:
     held = {id(p) for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]}
     held.update(map(id, (scope.optimized() if scope is not None else None) or ()))
     return held
+
+
+def _rebound_leaf(node, held: list[torch.Tensor], case: Case) -> torch.Tensor | None:
+    """The tensor an optimizer updates, of the shape of ``held`` (the carried state), that ``node``'s graph reaches and
+    that no variable holds any more: the variable that held it was rebound to a value made from it (VQGAN+CLIP's latent
+    clamped out of place after each step, `z = z.clamp(...)`). The optimizer keeps updating that old tensor."""
+    optimized = _optimized_ids(case.scope)
+    if not optimized or not held:
+        return None
+    leaves = [n.variable for n in islice(walk.iter_nodes(node), 10_000)
+              if type(n) is walk.ACCUMULATE and id(n.variable) in optimized and n.variable.shape == held[0].shape]
+    named = {id(t) for _, t in explain.candidates(case.scope, case.batch)}
+    return next((leaf for leaf in leaves if id(leaf) not in named), None)
+
+
+def _rebound_variable(scope, batch) -> str | None:
+    """A variable holding a tensor without a graph, of the shape of one an optimizer updates that no variable holds
+    any more: rebound to a value made from it under torch.no_grad() (VQGAN+CLIP's latent clamped out of place there).
+    As code, or None."""
+    if scope is None:
+        return None
+    held = list(explain.candidates(scope, batch))
+    named = {id(t) for _, t in held}
+    lost = [p for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"] if id(p) not in named]
+    return next((code_of(name) for name, t in held if lost and re.fullmatch(r"(local|global) \w+", name)
+                 and not t.requires_grad and any(t.shape == p.shape for p in lost)), None)
+
+
+_REBOUND_FIX = ("write the new value into `{code}` in place under `torch.no_grad()` (`with torch.no_grad(): "
+                "{code}.copy_(...)` where `{code} = ...` is written), so that `{code}` stays the tensor the optimizer "
+                "updates (detached, it would not be trained at all)")
 
 
 def _trained(leaves, scope) -> list:

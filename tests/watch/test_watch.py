@@ -547,6 +547,10 @@ WARNED = {
 }
 # scripts that run to their end, warning of a graph kept alive after its step (the line that warns, the holder)
 LEAKED = {
+    # deep image prior's exponential average of the outputs written from `out` itself, not `out.detach()`: nothing
+    # back-propagates it, and it keeps the graphs of every step before it
+    "dip_denoising_out_avg_with_graph": r"dip_denoising_out_avg_with_graph.py:31: GraphLeakWarning: .*\(step 3\).*"
+                                        r"held by `global out_avg`.*To fix: store `out_avg` detached",
     # torchvision's detection loop with a metric logger whose update keeps the loss dict's tensors: found inside the
     # logger's defaultdict of meters, and warned once, though the next epoch's loop holds it by another name
     "torchvision_detection_logger_keeps_graphs": r"torchvision_detection_logger_keeps_graphs.py:94: GraphLeakWarning: "

@@ -1,0 +1,139 @@
+"""Loops that optimize an input or a latent rather than (or beside) a model's weights, under ``GraphGuard`` through
+``Watch`` in process, as ``python -m safeloop.watch`` runs them: VQGAN+CLIP's latent ``z`` (nerdyrodent/VQGAN-CLIP,
+generate.py: a leaf Adam updates, clamped in place after each step, prompts embedded once before the loop by a frozen
+perceptor); the watch scripts ``vqgan_clip_*``, ``dip_*`` and ``sds_*`` run such loops as their sources write them.
+Each fix a message gives is applied as written and must train bit for bit as the correct loop."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeloop import CarriedGraphError, GraphGuard, GraphReuseError, NoGraphError
+from safeloop.watch import Watch
+
+
+class ReplaceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_forward, x_backward):
+        ctx.shape = x_backward.shape
+        return x_forward
+
+    @staticmethod
+    def backward(ctx, grad_in):
+        return None, grad_in.sum_to_size(ctx.shape)
+
+
+class ClampWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, min, max):
+        ctx.min, ctx.max = min, max
+        ctx.save_for_backward(input)
+        return input.clamp(min, max)
+
+    @staticmethod
+    def backward(ctx, grad_in):
+        input, = ctx.saved_tensors
+        return grad_in * (grad_in * (input - input.clamp(ctx.min, ctx.max)) >= 0), None, None
+
+
+class Prompt(nn.Module):
+    def __init__(self, embed, weight=1.):
+        super().__init__()
+        self.register_buffer('embed', embed)
+        self.register_buffer('weight', torch.as_tensor(weight))
+
+    def forward(self, input):
+        input_normed = F.normalize(input.unsqueeze(1), dim=2)
+        embed_normed = F.normalize(self.embed.unsqueeze(0), dim=2)
+        dists = input_normed.sub(embed_normed).norm(dim=2).div(2).arcsin().pow(2).mul(2)
+        return self.weight.abs() * dists.mean()
+
+
+def vqgan_clip(clamp: str = "in place", frozen: bool = True, embed_fix: bool = False):
+    """generate.py's loop, shrunk: ``clamp`` says how ``z`` is clamped after each step: "in place" (``z.copy_`` under
+    ``torch.inference_mode()``, as the source), "rebound" (``z = z.clamp(...)`` with grad on), "rebound under
+    no_grad", or "fixed" (the first fix of "rebound" as its message writes it); ``frozen``: the perceptor made
+    ``requires_grad_(False)`` as the source does; ``embed_fix``: the prompt's embedding stored detached."""
+    torch.manual_seed(0)
+    codebook = nn.Embedding(16, 4).requires_grad_(False)
+    decoder = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(4, 3, 3, padding=1)).requires_grad_(False)
+    token_embedding = nn.Embedding(32, 8).requires_grad_(not frozen)
+    visual = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 8))
+    visual.requires_grad_(not frozen)
+    z_min = codebook.weight.min(dim=0).values[None, :, None, None]
+    z_max = codebook.weight.max(dim=0).values[None, :, None, None]
+    z = (F.one_hot(torch.randint(16, [16]), 16).float() @ codebook.weight).view([-1, 4, 4, 4]).permute(0, 3, 1, 2)
+    z.requires_grad_(True)
+    pMs = []
+    for txt, weight in [(torch.tensor([[1, 5, 7]]), 1.), (torch.tensor([[2, 9]]), 0.5)]:
+        embed = token_embedding(txt).mean(1).float()
+        pMs.append(Prompt(embed.detach() if embed_fix else embed, weight))
+    opt = torch.optim.Adam([z], lr=0.1)
+    losses = []
+    for i in range(5):
+        opt.zero_grad(set_to_none=True)
+        x = z.movedim(1, 3)
+        d = x.pow(2).sum(dim=-1, keepdim=True) + codebook.weight.pow(2).sum(dim=1) - 2 * x @ codebook.weight.T
+        z_q = ReplaceGrad.apply(F.one_hot(d.argmin(-1), 16).to(d.dtype) @ codebook.weight, x).movedim(3, 1)
+        out = ClampWithGrad.apply(torch.tanh(decoder(z_q)).add(1).div(2), 0, 1)
+        iii = visual(out)
+        loss = sum(prompt(iii) for prompt in pMs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if clamp == "in place":
+            with torch.inference_mode():
+                z.copy_(z.maximum(z_min).minimum(z_max))
+        elif clamp == "rebound":
+            z = z.maximum(z_min).minimum(z_max)
+        elif clamp == "rebound under no_grad":
+            with torch.no_grad():
+                z = z.maximum(z_min).minimum(z_max)
+        else:
+            with torch.no_grad(): z.copy_(z.maximum(z_min).minimum(z_max))  # noqa: E701 (the fix as written)
+    return losses, opt.param_groups[0]["params"][0].detach().clone()
+
+
+def watched(fn, check: str, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Watch(GraphGuard(check=check), __file__):
+            return fn(**kwargs)
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_a_latent_clamped_in_place_after_each_step_trains_as_without_the_guard(check):
+    assert same(watched(vqgan_clip, check), vqgan_clip())
+
+
+def test_a_latent_clamped_out_of_place_is_told_to_be_written_into_in_place_not_detached():
+    """``z = z.clamp(...)`` rebinds ``z`` to a value made from the optimizer's leaf: Adam keeps updating the old leaf,
+    each step back-propagates through the clamps of all the steps before it (the third fails in PyTorch). Detaching
+    ``z`` would leave the loss without a graph; the fix writes the clamp into the leaf."""
+    with pytest.raises(CarriedGraphError, match=r"held by `local z`.*To fix: write the new value into `z` in place "
+                                                r"under `torch.no_grad\(\)` \(`with torch.no_grad\(\): z.copy_\(...\)`"):
+        watched(vqgan_clip, "always", clamp="rebound")
+    for check in ("always", "off"):
+        assert same(watched(vqgan_clip, check, clamp="fixed"), vqgan_clip())
+
+
+def test_a_latent_clamped_out_of_place_under_no_grad_is_told_the_optimizer_lost_it():
+    with pytest.raises(NoGraphError, match=r"step 2.*To fix: write the new value into `z` in place"):
+        watched(vqgan_clip, "always", clamp="rebound under no_grad")
+
+
+def test_prompt_embeddings_of_a_perceptor_left_trainable_are_told_to_be_stored_detached():
+    """generate.py's perceptor without ``requires_grad_(False)``: each prompt's embedding keeps the graph of the
+    text encoder, built before the loop; the second step would fail. Stored detached, the latent trains as with the
+    frozen perceptor (the image encoder's gradients, which no optimizer holds, go nowhere)."""
+    with pytest.raises(GraphReuseError, match=r"step 1.*held by `local embed`.*To fix: if it is meant as a constant .*"
+                                              r"store `embed.detach\(\)` instead"):
+        watched(vqgan_clip, "always", frozen=False)
+    for check in ("always", "off"):
+        assert same(watched(vqgan_clip, check, frozen=False, embed_fix=True), vqgan_clip())
