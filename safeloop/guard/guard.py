@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import logging
 import math
 import os
@@ -1166,7 +1167,8 @@ class Guard:
                 detail = (f"the loss reaches {{node}}{held}, which {backward} in this step already ran without "
                           "retain_graph, freeing its saved tensors: both losses share that graph")
                 shared_part = '`{code}`' if code_of(holder) else 'the shared part'
-                retain = "torch.autograd.grad(..., retain_graph=True)" if captured else self.words.retain
+                retain = "torch.autograd.grad(..., retain_graph=True)" if captured else _retained_call(
+                    where, self.words.retain)
                 fixes = [f"pass retain_graph=True to {backward} ({retain}), as every backward through a "
                          "shared graph but the last needs",
                          f"compute {shared_part} again (a fresh forward) for the second loss, if it must see the "
@@ -1589,6 +1591,18 @@ def _rebound_variable(scope, batch) -> str | None:
 _REBOUND_FIX = ("write the new value into `{code}` in place under `torch.no_grad()` (`with torch.no_grad(): "
                 "{code}.copy_(...)` where `{code} = ...` is written), so that `{code}` stays the tensor the optimizer "
                 "updates (detached, it would not be trained at all)")
+
+
+def _retained_call(where: tuple[str, int] | None, default: str) -> str:
+    """The backward call on the line ``where`` with retain_graph=True added, as code (`latents.backward(gradient=grad,
+    retain_graph=True)` of score distillation's gradient given by hand), or ``default`` where that line is not one
+    call of a tensor's ``backward`` alone."""
+    line = linecache.getline(where[0], where[1]).strip() if where is not None else ""
+    call = re.fullmatch(r"([\w.\[\]]+)\.backward\((.*)\)", line)
+    if call is None or "retain_graph" in call[2] or "(" in call[2]:
+        return default
+    args = f"{call[2]}, " if call[2] else ""
+    return f"{call[1]}.backward({args}retain_graph=True)"
 
 
 def _trained(leaves, scope) -> list:

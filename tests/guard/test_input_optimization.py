@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeloop import CarriedGraphError, GraphGuard, GraphReuseError, NoGraphError
+from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphReuseError, NoGraphError
 from safeloop.watch import Watch
 
 
@@ -137,3 +137,78 @@ def test_prompt_embeddings_of_a_perceptor_left_trainable_are_told_to_be_stored_d
         watched(vqgan_clip, "always", frozen=False)
     for check in ("always", "off"):
         assert same(watched(vqgan_clip, check, frozen=False, embed_fix=True), vqgan_clip())
+
+
+class SpecifyGradient(torch.autograd.Function):
+    """stable-dreamfusion's (nerf/sd.py after commit 28bd8ee): a dummy loss whose backward gives ``gt_grad``."""
+
+    @staticmethod
+    def forward(ctx, input_tensor, gt_grad):
+        ctx.save_for_backward(gt_grad)
+        return torch.zeros([1], device=input_tensor.device, dtype=input_tensor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gt_grad, = ctx.saved_tensors
+        return gt_grad / len(gt_grad), None
+
+
+def sds(mode: str = "retained"):
+    """Score distillation as stable-dreamfusion's train_step writes it, shrunk (the watch script
+    ``sds_latents_backward_retained`` is the whole loop): the guidance's gradient given to the rendered image's
+    latents by hand, then the regularizers on the same render back-propagated. ``mode``: "retained" (the source
+    before 28bd8ee: ``latents.backward(gradient=grad, retain_graph=True)``, dummy loss 0), "not retained" (the same
+    without retain_graph), "fixed" (that one's first fix as its message writes it), "specified" (the source after
+    28bd8ee: ``SpecifyGradient``, one backward), "target" (the source today: an MSE to ``(latents - grad).detach()``)."""
+    torch.manual_seed(0)
+    field = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 4))
+    vae = nn.Conv2d(3, 4, 2, stride=2).requires_grad_(False)
+    unet = nn.Conv2d(4, 4, 3, padding=1).requires_grad_(False)
+    optimizer = torch.optim.Adam(field.parameters(), lr=1e-2)
+    for _ in range(3):
+        rays = torch.randn(1, 64, 3)
+        optimizer.zero_grad()
+        out = field(rays)
+        pred_rgb = torch.sigmoid(out[..., :3]).reshape(1, 8, 8, 3).permute(0, 3, 1, 2).contiguous()
+        latents = vae(2 * pred_rgb - 1)
+        with torch.no_grad():
+            noise = torch.randn_like(latents)
+            noise_pred = unet(0.7 * latents + 0.3 * noise)
+        grad = torch.nan_to_num(0.5 * (noise_pred - noise))
+        if mode == "retained":
+            latents.backward(gradient=grad, retain_graph=True)
+            loss = 0
+        elif mode == "not retained":
+            latents.backward(gradient=grad)
+            loss = 0
+        elif mode == "fixed":
+            latents.backward(gradient=grad, retain_graph=True)  # the first fix as written
+            loss = 0
+        elif mode == "specified":
+            loss = SpecifyGradient.apply(latents, grad)
+        else:
+            targets = (latents - grad).detach()
+            loss = 0.5 * F.mse_loss(latents.float(), targets, reduction='sum') / latents.shape[0]
+        pred_ws = torch.sigmoid(out[..., 3]).reshape(1, 1, 8, 8)
+        loss = loss + 1e-3 * (pred_ws ** 2).mean()
+        loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in field.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["retained", "specified", "target"])
+@pytest.mark.parametrize("check", ["always", "auto", "off"])
+def test_score_distillation_written_each_way_trains_as_without_the_guard(mode, check):
+    assert all(torch.equal(p, q) for p, q in zip(watched(sds, check, mode=mode), sds(mode), strict=True))
+
+
+def test_a_hand_given_gradient_not_retained_is_told_to_retain_in_that_call_itself():
+    """The regularizers' backward goes through the render that ``latents.backward(gradient=grad)`` freed: the fix
+    names that call with retain_graph=True added, as it is written, and so applied trains as the source."""
+    with pytest.raises(DoubleBackwardError, match=r"To fix: pass retain_graph=True to the backward of 'loss' at "
+                                                  r"test_input_optimization.py:\d+ \(latents.backward\(gradient=grad, "
+                                                  r"retain_graph=True\)\)"):
+        watched(sds, "always", mode="not retained")
+    source = sds()
+    for check in ("always", "off"):
+        assert all(torch.equal(p, q) for p, q in zip(watched(sds, check, mode="fixed"), source, strict=True))
