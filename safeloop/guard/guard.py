@@ -793,7 +793,7 @@ class Guard:
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
-            if _rebound_leaf(node, held, case) is not None:
+            if re.fullmatch(r"(local|global) \w+", str(holder)) and _rebound_leaf(node, held, case) is not None:
                 why += ("; {holder} was rebound to a value made from the tensor the optimizer updates, which keeps "
                         "updating that one while every step back-propagates through all the values made from it")
                 fixes = [_REBOUND_FIX]
@@ -1569,9 +1569,10 @@ def _rebound_leaf(node, held: list[torch.Tensor], case: Case) -> torch.Tensor | 
     optimized = _optimized_ids(case.scope)
     if not optimized or not held:
         return None
-    leaves = [n.variable for n in islice(walk.iter_nodes(node), 10_000)
-              if type(n) is walk.ACCUMULATE and id(n.variable) in optimized and n.variable.shape == held[0].shape]
-    named = {id(t) for _, t in explain.candidates(case.scope, case.batch)}
+    leaves = [n.variable for n in islice(walk.iter_nodes(node), 10_000) if type(n) is walk.ACCUMULATE
+              and id(n.variable) in optimized and n.variable.shape == held[0].shape
+              and not isinstance(n.variable, torch.nn.Parameter)]
+    named = _named_ids(case.scope, case.batch) if leaves else set()
     return next((leaf for leaf in leaves if id(leaf) not in named), None)
 
 
@@ -1582,10 +1583,20 @@ def _rebound_variable(scope, batch) -> str | None:
     if scope is None:
         return None
     held = list(explain.candidates(scope, batch))
-    named = {id(t) for _, t in held}
-    lost = [p for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"] if id(p) not in named]
+    named = _named_ids(scope, batch)
+    lost = [p for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]
+            if id(p) not in named and not isinstance(p, torch.nn.Parameter)]
     return next((code_of(name) for name, t in held if lost and re.fullmatch(r"(local|global) \w+", name)
                  and not t.requires_grad and any(t.shape == p.shape for p in lost)), None)
+
+
+def _named_ids(scope, batch) -> set[int]:
+    """The ids of the tensors the scope's variables hold, and of its modules' parameters (a Parameter is its module's,
+    whatever the variables hold: never a latent or an input a variable let go of)."""
+    named = {id(t) for _, t in explain.candidates(scope, batch)}
+    if scope is not None:
+        named.update(id(p) for module in _modules_of(scope) for p in module.parameters())
+    return named
 
 
 _REBOUND_FIX = ("write the new value into `{code}` in place under `torch.no_grad()` (`with torch.no_grad(): "
