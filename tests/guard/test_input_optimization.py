@@ -289,3 +289,43 @@ def test_deep_image_prior_average_detached_as_its_leak_says_trains_as_the_source
 def test_an_optimized_input_rebound_by_the_closure_is_said_to_go_untrained():
     with pytest.raises(Warning, match=r"`net_input`"):
         watched(deep_image_prior, "always", opt_over="net,input")
+
+
+def uap_sgd(detach: bool):
+    """kenny-co/sgd-uap-torch's attacks.py ``uap_sgd`` (a universal perturbation: the batch's copies of ``delta`` a
+    leaf whose ``.data`` is set every iteration, its gradient's sign averaged into ``delta`` by hand, no optimizer),
+    shrunk, with the source's ``losses.append(torch.mean(loss))``, which keeps every iteration's graph
+    (``detach``: as the leak's message says to write it). The first ``batch_delta.grad.data.zero_()`` of each
+    iteration, which fails on the first (no gradient yet), is left out: the last line of the iteration does it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 5))
+    loader = [(torch.rand(4, 3, 2, 2), torch.randint(5, (4,))) for _ in range(3)]
+    eps, eps_step = 0.1, 0.08
+    batch_delta = torch.zeros_like(loader[0][0])
+    delta = batch_delta[0]
+    losses = []
+    loss_fn = nn.CrossEntropyLoss(reduction='none')
+    beta = torch.FloatTensor([12])
+    batch_delta.requires_grad_()
+    for epoch in range(2):
+        for i, (x_val, y_val) in enumerate(loader):
+            batch_delta.data = delta.unsqueeze(0).repeat([x_val.shape[0], 1, 1, 1])
+            perturbed = torch.clamp((x_val + batch_delta), 0, 1)
+            outputs = model(perturbed)
+            loss = torch.mean(torch.min(loss_fn(outputs, y_val), beta))
+            losses.append(torch.mean(loss).detach() if detach else torch.mean(loss))
+            loss.backward()
+            grad_sign = batch_delta.grad.data.mean(dim=0).sign()
+            delta = delta + grad_sign * eps_step
+            delta = torch.clamp(delta, -eps, eps)
+            batch_delta.grad.data.zero_()
+    return [loss.item() for loss in losses], [delta.detach().clone()]
+
+
+def test_a_universal_perturbations_kept_losses_are_named_and_detached_where_added():
+    with Watch(GraphGuard(check="always"), __file__), pytest.warns(Warning, match=r"held by `local losses\[0\]`.*To "
+                                                                   r"fix: detach what is added to `losses`"):
+        kept = uap_sgd(False)
+    assert same_run(kept, uap_sgd(False))
+    for check in ("always", "auto", "off"):
+        assert same_run(watched(uap_sgd, check, detach=True), uap_sgd(False))
