@@ -377,7 +377,7 @@ def candidates(scope: Scope | None = None, batch: Any = None,
 
 def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bool = True,
                 loss: torch.Tensor | None = None, new_loss: bool = False, fresh: Collection[str] = (),
-                start: int | None = None, remade: Collection[str] = ()) -> str | None:
+                start: int | None = None, remade: Callable[[], Collection[str]] | None = None) -> str | None:
     """Name of a tensor whose ``grad_fn`` is ``node``, or whose graph reaches it. Of those: the nearest, then the
     first of the shape ``node`` made, as a state carried from step to step keeps its shape (`h` rather than the
     `out` of ``out, h = rnn(x, h)``). With ``start`` (the node counter at the running step's start): the nearest of
@@ -389,8 +389,8 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
     of ``local outs[0]``). Deeper inside the objects the variables hold (``candidates``' ``deep``: a
     torch.distributions object built before the loop), one made by ``node`` counts in the order searched, one
     reaching it only if no nearer name does; the fix builds that object again. A dict's entry made by ``node`` gives
-    way to a variable holding the same tensor. Of the latest: not a variable named in ``remade``, that the loop sets
-    before it reads it (`z_q = quantize(z)`, made from the state `z`): the next step does not read it."""
+    way to a variable holding the same tensor. Of the latest: not a variable named by ``remade()``, that the loop
+    sets before it reads it (`z_q = quantize(z)`, made from the state `z`): the next step does not read it."""
     near, deep, entry = [], [], None
     for name, tensor in candidates(scope, batch, deep=True):
         if entry is not None:  # a variable holding the very tensor a dict's entry holds is what the code reads
@@ -429,8 +429,9 @@ def find_holder(node, scope: Scope | None = None, batch: Any = None, scan_gc: bo
             # every holder made in this step, none straight from the node (as `y0 = pred_y[-1]`, taken after the
             # update, is): a state the step wrote again holds the node as the latest value of its shape, the one the
             # next step reads (NTM's `memory` written by each forward, `prev_mem` set to the last `memory`)
+            fresh_names = remade() if remade is not None else ()
             alike = [(name, t) for name, t in alike if not (re.fullmatch(r"(local|global) \w+", name)
-                                                            and _variable(name) in remade)] or alike
+                                                            and _variable(name) in fresh_names)] or alike
             return next((name for name, t in alike if not any(_made_from(o, t) for _, o in alike)), alike[0][0])
         # a tensor made from another that reaches ``node`` holds it through that one: ``pred`` of this step, made
         # from ``y0 = pred[-1]`` kept from the last step, holds that step's ``pred`` through ``y0``

@@ -1106,7 +1106,8 @@ class Guard:
             and sequence_nr(case.loss.grad_fn) >= self.start_seq
         first = node.metadata.setdefault(_FIRST_SEEN, case.step) == case.step
         start = self.start_seq if walk.HAS_SEQ else None
-        remade = bytecode.set_first(self.frame) if self.frame is not None and start is not None else ()
+        frame = self.frame  # (read only where a holder is chosen among values of the step: a walk of the code)
+        remade = functools.cache(lambda: bytecode.set_first(frame)) if frame is not None and start is not None else None
         holder = explain.find_holder(node, case.scope, case.batch, scan_gc=False, loss=case.loss, new_loss=new,
                                      start=start, remade=remade)
         if first and not freed and holder is not None and self._held_by_this_iteration(node, case, new):
