@@ -1581,14 +1581,14 @@ def _rebound_variable(scope, batch) -> str | None:
     """A variable holding a tensor without a graph, of the shape of one an optimizer updates that no variable holds
     any more: rebound to a value made from it under torch.no_grad() (VQGAN+CLIP's latent clamped out of place there).
     As code, or None."""
-    if scope is None:
+    plain = [p for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]
+             if not isinstance(p, torch.nn.Parameter)]
+    if scope is None or not plain:
         return None
-    held = list(explain.candidates(scope, batch))
     named = _named_ids(scope, batch)
-    lost = [p for opt in explain.optimizers(scope) for g in opt.param_groups for p in g["params"]
-            if id(p) not in named and not isinstance(p, torch.nn.Parameter)]
-    return next((code_of(name) for name, t in held if lost and re.fullmatch(r"(local|global) \w+", name)
-                 and not t.requires_grad and any(t.shape == p.shape for p in lost)), None)
+    lost = [p for p in plain if id(p) not in named]
+    return next((code_of(name) for name, t in explain.candidates(scope, batch) if lost and not t.requires_grad
+                 and re.fullmatch(r"(local|global) \w+", name) and any(t.shape == p.shape for p in lost)), None)
 
 
 def _named_ids(scope, batch) -> set[int]:
