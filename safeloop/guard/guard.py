@@ -1115,7 +1115,7 @@ class Guard:
         if first and holder is None and not freed:
             return False, None
         return True, holder or explain.find_holder(node, case.scope, case.batch, loss=case.loss, start=start,
-                                                   remade=remade)
+                                                   remade=remade) or _loss_added_to(node, case)
 
     def _held_by_this_iteration(self, node, case: Case, new: bool) -> bool:
         """Whether only the variables that the plain loop sets in each iteration from a call hold ``node`` (see
@@ -1677,6 +1677,21 @@ def _changed_after(fn, tensor, used: int, depth: int = 8) -> str | None:
         if type(node) is walk.ACCUMULATE or sequence_nr(node) <= used:
             return None
     return None
+
+
+def _loss_added_to(node, case: Case) -> str | None:
+    """The variable holding the loss itself where the loss is a tensor added to in place over ``node`` (``loss +=
+    term``, the sum started once for several backwards: gradient matching's ``loss = torch.tensor(0.0)`` once per
+    iteration, not once per outer step): nothing else holds that node, an earlier sum's last term."""
+    loss, fn = case.loss, case.loss.grad_fn
+    if loss._version == 0:
+        return None
+    for _ in range(1_000):  # down the chain of in-place writes, each the next one's first input
+        fn = fn.next_functions[0][0] if fn is not None and fn.next_functions else None
+        if fn is None or fn is node:
+            break
+    return next((name for name, t in explain.candidates(case.scope, case.batch) if t is loss), None) \
+        if fn is node else None
 
 
 def _list_of(holder: str | None) -> str | None:

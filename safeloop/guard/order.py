@@ -16,7 +16,11 @@ gradient that a backward added to an applied one, then only multiplied by a posi
 zeroed in place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``)
 cannot be told from gradients that are zero.
 
-A third mistake is read from the plain tensors (no optimizer holds them, not Parameters) whose gradients a checked
+A third: an optimizer whose parameters never get a gradient (a loss that reaches them only through a gradient taken
+without ``create_graph=True``, or through ``.item()``): none of them requiring grad has had one at a checked backward or
+an update so far, at two of its updates in a row, each after a checked backward. Its steps change nothing.
+
+A fourth mistake is read from the plain tensors (no optimizer holds them, not Parameters) whose gradients a checked
 backward writes: an attack's input kept across steps, its gradient never cleared. A backward counts as an attack's when
 every gradient it gave the optimizers' parameters is cleared (None or all zeros) before the next checked backward with
 no update in between (FGSM's `model.zero_grad()` after reading `data.grad`). A later step's backward that adds to that
@@ -113,6 +117,10 @@ class GradientOrder:
         # (whose end drops the entry: a batch of a data loader's is a new tensor every step)
         self._attacked: dict[int, tuple] = {}
         self._steps: tuple = (None, None)  # the last two steps with a checked backward
+        self._had: set[int] = set()  # the optimizers' parameters seen with a gradient (by id; see ``_starved``)
+        self._backwards = 0  # the checked backwards so far, and the last one's ``by``
+        self._last_by: tuple | None = None
+        self._counted: dict[int, int] = {}  # optimizer (by its first parameter's id) -> ``_backwards`` at its update
 
     def before_backward(self, params, by: tuple, leaves=()) -> list[torch.Tensor]:
         """A checked backward is about to write the gradients of ``params`` (the optimizers') and of ``leaves`` (plain
@@ -145,6 +153,8 @@ class GradientOrder:
             self._seen[i] = _state(p)
             if p.grad is not None:
                 self._given.setdefault(i, self._by)
+                self._had.add(i)
+        self._backwards, self._last_by = self._backwards + 1, self._by
         given = [p for p in self._current if p.grad is not None]
         self._last = ([(weakref.ref(t), _state(t)) for t in self._leaves if t.grad is not None], given, self._by[0])
         self._current, self._before, self._leaves = [], {}, []
@@ -168,14 +178,15 @@ class GradientOrder:
         self._attacked.pop(i, None)
 
     def at_update(self, params) -> tuple[str, tuple] | None:
-        """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared" or "kept", the first
-        checked backward's ``by``) where the second of that optimizer's updates in a row finds that mistake, else
-        None. Updates with no checked backward since the last one are not counted."""
+        """An update of ``params`` (an optimizer's; None: not known, nothing judged): ("cleared", "kept" or "starved",
+        the first checked backward's ``by``, for "starved" the last one's) where the second of that optimizer's updates
+        in a row finds that mistake, else None. Updates with no checked backward since the last one are not counted."""
         self._last = None  # an update used the last backward's gradients: not an attack's
         params = [p for p in params or () if id(p) in self._seen]
         given = [self._given[id(p)] for p in params if id(p) in self._given]
         with_grad = [p for p in params if p.grad is not None]
-        found = None
+        self._had.update(id(p) for p in with_grad)
+        found, starved = None, self._starved(params)
         if given:
             if not any(id(p) in self._given for p in with_grad):
                 found = "cleared"
@@ -186,10 +197,25 @@ class GradientOrder:
             key = id(params[0])
             for kind in ("cleared", "kept"):
                 self._found[kind, key] = self._found.get((kind, key), 0) + 1 if kind == found else 0
+        if starved is not None:
+            key, found = id(params[0]), "starved" if starved else found
+            self._found["starved", key] = self._found.get(("starved", key), 0) + 1 if starved else 0
         for p in params:
             i = id(p)
             self._seen[i] = _state(p)
             (self._applied.add if p.grad is not None else self._applied.discard)(i)
             self._added.pop(i, None)
             self._given.pop(i, None)
-        return (found, given[0]) if found is not None and self._found[found, id(params[0])] == 2 else None
+        if found is None or self._found[found, id(params[0])] != 2:
+            return None
+        return found, given[0] if given else self._last_by
+
+    def _starved(self, params: list[torch.Tensor]) -> bool | None:
+        """Whether none of ``params`` (an optimizer's, updating now) that require grad has ever been seen with a
+        gradient (see the module docstring); None where nothing is judged: no checked backward since its last update."""
+        if not params:
+            return None
+        counted, self._counted[id(params[0])] = self._counted.get(id(params[0]), 0), self._backwards
+        if self._backwards == counted:
+            return None
+        return any(p.requires_grad for p in params) and not any(id(p) in self._had for p in params)

@@ -6,7 +6,8 @@ that write the optimizers' gradients, and at each update:
 - a Parameter that requires grad and that no optimizer holds gets a gradient that goes nowhere, where that is a
   mistake: its layer kept in a plain list, made anew in forward, replaced after the optimizer was built, or unfrozen
   for a later phase with the first phase's optimizer kept;
-- gradients cleared before the update that should use them, or never cleared (``order.GradientOrder``).
+- gradients cleared before the update that should use them, or never cleared, and an optimizer whose parameters never
+  get one (``order.GradientOrder``).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class UnusedGradients:
         # whether they were all frozen at its backward)
         self._untrained: list[tuple[Warning, tuple | None, dict, set[int], dict, bool]] = []
         self.order = GradientOrder()  # the order of zero_grad(), backward() and step()
+        self._scope: Scope | None = None  # the last checked backward's, to name an optimizer's parameters at its update
 
     def check(self, reached, step: int, scope: Scope, inputs, where: tuple | None, heeded: list | None) -> None:
         """Gradient that no optimizer uses, once the optimizers are known (thorough steps; said once per loss and
@@ -161,6 +163,7 @@ class UnusedGradients:
         """A checked backward is about to write the gradients of ``params`` (the optimizers') and of ``leaves`` (the
         plain tensors that require grad it reaches): where it adds to the gradient an attack of an earlier step left
         in a kept input, never cleared since (``order.GradientOrder``), that is said (once)."""
+        self._scope = scope
         kept = self.order.before_backward(params, by, leaves)
         if not kept or "kept input" in self._warned:
             return
@@ -203,6 +206,23 @@ class UnusedGradients:
             return
         kind, (step, name, where) = found
         self._warned.add(kind)
+        if kind == "starved":
+            if any(key.startswith("untrained:") for key in self._warned):  # said already: a loss reaching none of them
+                return
+            trained = [p for p in params if p.requires_grad]
+            has = "has" if len(trained) == 1 else "have"
+            warn_at(UnusedGradientWarning(
+                f"an optimizer updates {explain.leaf_names(trained, self._scope)}, which {has} had no gradient at any "
+                "of its steps so far: no backward "
+                "reaches them, so its steps change nothing and they keep their initial values", step=step,
+                loss_name=name, fixes=[
+                    "make the loss reach them through its graph: a gradient taken on its way with torch.autograd.grad "
+                    "(an unrolled inner step, a matched gradient) needs create_graph=True, and a value read from them "
+                    "through .item(), .detach() or under torch.no_grad() cuts the way",
+                    "if the loop replaced them after the optimizer was built (`x = x.detach().requires_grad_()`), "
+                    "build the optimizer after",
+                    "if they are meant to stay fixed, leave them out of the optimizer"]), where, heeded)
+            return
         if kind == "cleared":
             what = ("the gradients this backward writes are cleared before the optimizer step that should use them: "
                     "at the step, none of the optimizers' parameters has a gradient (zero_grad() is called between "
