@@ -204,6 +204,9 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
                     yield from _filled(_items(val, f"{base}.{key}"), mod, base)
             for key, val in mod.named_buffers(recurse=False):
                 yield f"{base}.{key}", val
+            for key, val in mod.named_parameters(recurse=False):
+                if val.grad_fn is not None:  # a parameter's slot set to a computed tensor (gdtuo's updated weights)
+                    yield f"{base}.{key}", val
         return
     fields = dict(vars(obj))
     for cls in type(obj).__mro__[:-1]:  # class-level state too (``history = []`` in the class body)

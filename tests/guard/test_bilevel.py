@@ -6,6 +6,7 @@ main.py and utils.py), dataset distillation by matching training trajectories wi
 Each correct loop trains bit for bit as without the guard and says nothing; each mistake is told with its tensor and a
 fix that trains as the correct loop."""
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,65 @@ def test_an_optimizer_whose_tensors_the_unrolled_loss_never_reaches_is_warned_on
     assert f"`local {name}`, which has had no gradient" in said[0] and "(step 2, loss 'loss')" in said[0], said[0]
     fix = "needs create_graph=True" if mistake == "no create_graph" else ".item()"
     assert fix in said[0].split("To fix: ")[1].split("; or ")[0], said[0]
+
+
+GDTUO = Path(__file__).parents[1] / "watch" / "scripts" / "gdtuo_hyperoptimized_adam.py"
+# the mistakes: the weights made again from themselves with their graph (no `param.detach()`), and Adam's moments
+# read back without `.detach()`: each step's graph then holds every earlier step's
+UNDETACHED = {"weights": ("params[name] = param.detach() - self.parameters['alpha'] * dparam",
+                          "params[name] = param - self.parameters['alpha'] * dparam"),
+              "moments": ("m = beta1 * self.cache[name]['m'].detach() +", "m = beta1 * self.cache[name]['m'] +")}
+
+
+def hyperoptimize(check: str | None, mistake: str | None = None) -> list[torch.Tensor]:
+    """Six steps of gdtuo's README loop (Adam whose hyperparameters SGD learns), its classes as the watch script has
+    them (``mistake``: a key of ``UNDETACHED``), each step in a ``guard.step()``: the weights and Adam's alpha."""
+    source = GDTUO.read_text().split("class MNIST_FullyConnected")[0]
+    if mistake:
+        source = source.replace(*UNDETACHED[mistake])
+    gdtuo: dict = {}
+    exec(compile(source, str(GDTUO), "exec"), gdtuo)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    optim = gdtuo["Adam"](optimizer=gdtuo["SGD"](1e-5))
+    mw = gdtuo["ModuleWrapper"](model, optimizer=optim)
+    mw.initialize()
+    guard = GraphGuard(model, check=check) if check else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+        for _ in range(6):
+            with guard.step() if guard else torch.enable_grad():
+                mw.begin()
+                loss = F.nll_loss(F.log_softmax(mw.forward(torch.randn(8, 6)), 1), torch.randint(0, 3, (8,)))
+                mw.zero_grad()
+                guard.backward(loss, create_graph=True) if guard else loss.backward(create_graph=True)
+                mw.step()
+    return [p.detach().clone() for p in [*model.parameters(), optim.parameters["alpha"]]]
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_hypergradient_descent_is_quiet_and_trains_as_without_the_guard(check):
+    bare = hyperoptimize(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+        assert all(torch.equal(a, b) for a, b in zip(hyperoptimize(check), bare))
+
+
+@pytest.mark.parametrize("mistake", sorted(UNDETACHED))
+def test_hyperoptimized_weights_or_moments_kept_with_their_graph_are_stopped_at_step_3(mistake):
+    """Trained as without the guard, but every step's backward goes through all earlier steps' graphs, kept: the
+    weights in the model's parameter slots (``m._parameters[k] = ...``) are named."""
+    with pytest.raises(CarriedGraphError, match=r"\(step 3, loss 'loss'\).*held by `model\[2\]\.weight`.*grows every "
+                                                r"step.*To fix: make the writes that grew its graph under "
+                                                r"`torch.no_grad\(\)` \(or from `p.detach\(\)`\)"):
+        hyperoptimize("always", mistake)
+
+
+@pytest.mark.xfail(strict=True, reason="Adam's moments kept with their graph are held by the optimizer's cache "
+                   "(`optim.cache['2.weight']['m']`), two dicts inside an object of the loop's variable, which the "
+                   "search for a holder does not reach before the model's weights made from them; the fix offered "
+                   "first (the writes under torch.no_grad(), or from p.detach()) leaves the moments' graph as it is")
+def test_hyperoptimized_moments_kept_with_their_graph_are_named_by_the_cache():
+    with pytest.raises(CarriedGraphError, match=r"held by `optim\.cache"):
+        hyperoptimize("always", "moments")

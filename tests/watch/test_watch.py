@@ -634,12 +634,14 @@ LEAKED = {
                           r"To fix: set the gradients to None before each backward "
                           r"\(`optimizer.zero_grad\(set_to_none=True\)`",
 }
+# mistaken scripts the guard does not see yet under watch (a strict xfail below): they run as without it
+MISSED = ("gdtuo_weights_not_detached",)
 # scripts that catch the RuntimeError themselves and print it: they print the guard's explanation instead
 NO_GRAPH = ("seed003_detach", "seed003_no_grad", "seed004_detach", "seed004_requires_grad")
 # correct scripts that warn by themselves (a torch deprecation inside a module's forward): tested on their own below
 OWN_WARNING = ("acgan_softmax_no_dim",)
 FIXED = sorted(p.stem for p in SCRIPTS.glob("*.py")
-               if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH, *OWN_WARNING})
+               if p.stem not in {*BROKEN, *WARNED, *LEAKED, *NO_GRAPH, *OWN_WARNING, *MISSED})
 
 def options(name: str) -> list[str]:
     """The watch options a script gives on its first line ("# watch: --check always")."""
@@ -873,3 +875,14 @@ def test_a_correct_script_that_warns_by_itself_shows_the_same_stderr_as_without_
     assert plain.stderr.count("UserWarning") == 1, plain.stderr
     assert (watched.returncode, watched.stdout) == (0, plain.stdout)  # the same losses and final weights
     assert watched.stderr == plain.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="with no torch optimizer, a step ends at a backward on a new loss unless that "
+                   "loss reaches the graph the last backward kept; backward(create_graph=True) keeps it, and gdtuo's "
+                   "weights made from themselves without `param.detach()` reach it at every step, so the whole run is "
+                   "one step and the graph growing across them is never judged (a GraphGuard with guard.step() stops "
+                   "it at step 3: tests/guard/test_bilevel.py)")
+@pytest.mark.parametrize("name", MISSED)
+def test_hyperoptimized_weights_kept_with_their_graph_are_stopped_under_watch(runs, name):
+    proc = runs[0][name]
+    assert proc.returncode == 1 and "CarriedGraphError" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
