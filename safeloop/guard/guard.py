@@ -1317,6 +1317,14 @@ class Guard:
                 why = (f"`{rebound}` was rebound to a value without a graph (made under torch.no_grad(), or "
                        "detached), and the tensor the optimizer updates, which it held, is no variable's any more")
                 fixes = [_REBOUND_FIX.format(code=rebound), *fixes]
+            # a gradient of parameters this step took without create_graph=True (seen under watch): what a loss made
+            # of gradients (gradient matching's, a penalty) lacks, most likely
+            taken = [(earlier, where) for earlier, _, _, inputs, _, where, _, captured in self._consumed
+                     if captured and any(isinstance(t, torch.nn.Parameter) for t in inputs or ())]
+            if taken and not seen:
+                fixes.insert(0, f"if the loss is made of the gradients that the torch.autograd.grad of '{taken[-1][0]}'"
+                                f"{explain.at(taken[-1][1])} returned (a matched gradient, a gradient penalty), pass "
+                                "create_graph=True to it: without it they carry no graph")
         if among:  # every entry of a returned dict is trained (Lightning's {"loss": ..., "acc": ...} trains "loss")
             fixes = [f"if {name!r} is a metric, log it with self.log({name!r}, value) rather than return it: every "
                      "entry of the dict training_step returns is a loss the Trainer back-propagates", *fixes]

@@ -5,6 +5,8 @@ main.py and utils.py), dataset distillation by matching training trajectories wi
 ``tests/watch/scripts/dc_gradient_matching.py``, ``mtt_trajectory_matching.py`` and ``gdtuo_hyperoptimized_adam.py``.
 Each correct loop trains bit for bit as without the guard and says nothing; each mistake is told with its tensor and a
 fix that trains as the correct loop."""
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import CarriedGraphError, GraphGuard, NoGraphError, UnusedGradientWarning
+from tests.conftest import subprocess_env
 
 MODES = ["always", "auto", "off"]
 
@@ -99,12 +102,28 @@ def test_a_matching_loss_summed_across_outer_steps_is_told_to_start_again_and_th
     assert torch.equal(condense("always", "sum kept, reset"), condense(None))
 
 
-@pytest.mark.xfail(strict=True, reason="a loss with no graph in a plain loop is told first to be computed from the "
-                   "model's output with grad enabled; that the step's torch.autograd.grad of the parameters ran without "
-                   "create_graph=True is not known to the NoGraphError, whose create_graph fix comes second")
+@pytest.mark.xfail(strict=True, reason="a GraphGuard does not see the loop's torch.autograd.grad calls (watch does: "
+                   "the test below), so a loss with no graph is told first to be computed from the model's output with "
+                   "grad enabled; create_graph=True comes second, for a penalty on gradients")
 def test_a_synthetic_gradient_taken_without_create_graph_is_told_to_pass_it_first():
-    with pytest.raises(NoGraphError, match=r"To fix: for a penalty on gradients .*pass create_graph=True"):
+    with pytest.raises(NoGraphError, match=r"To fix: if the loss is made of the gradients .*pass create_graph=True"):
         condense("always", "no create_graph")
+
+
+def test_under_watch_a_synthetic_gradient_taken_without_create_graph_is_told_to_pass_it_to_that_call(tmp_path):
+    """Under watch the step's torch.autograd.grad of the parameters without create_graph=True is known: the fix names
+    that call's line (the synthetic side's, the last of the step), and applied there it is the correct script."""
+    source = (Path(__file__).parents[1] / "watch" / "scripts" / "dc_gradient_matching.py").read_text()
+    right = "gw_syn = torch.autograd.grad(loss_syn, net_parameters, create_graph=True)"
+    script = tmp_path / "dc.py"
+    script.write_text(source.replace(right, "gw_syn = torch.autograd.grad(loss_syn, net_parameters)"))
+    line = source[:source.index(right)].count("\n") + 1
+    proc = subprocess.run([sys.executable, "-m", "safeloop.watch", str(script)], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("safeloop.errors.NoGraphError"), proc.stderr[-2000:]
+    assert f"To fix: if the loss is made of the gradients that the torch.autograd.grad of 'loss' at dc.py:{line} " \
+           "returned (a matched gradient, a gradient penalty), pass create_graph=True to it" in last, last
 
 
 def distill(check: str | None, mistake: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
