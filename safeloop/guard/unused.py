@@ -207,7 +207,9 @@ class UnusedGradients:
         kind, (step, name, where) = found
         self._warned.add(kind)
         if kind == "starved":
-            if any(key.startswith("untrained:") for key in self._warned):  # said already: a loss reaching none of them
+            # said already: a loss reaching none of the optimizers' parameters, or Parameters no optimizer holds
+            # (replaced after the optimizer was built, which holds the old ones: a predictive-coding loop's value nodes)
+            if any(key.startswith(("untrained:", "unused:")) for key in self._warned):
                 return
             trained = [p for p in params if p.requires_grad]
             has = "has" if len(trained) == 1 else "have"
