@@ -91,6 +91,13 @@ BROKEN = {
                                            r"To fix: if it is a target the loss compares with.*a rollout's "
                                            r"log-probabilities kept for several updates\), compute it under "
                                            r"`torch.no_grad\(\)`",
+    # recurrent PPO's rollout run with grad, only the stored log-probabilities and values detached: the next
+    # iteration's `initial_lstm_state` takes the rollout's LSTM state, and its graph over the updated weights, into the
+    # update (bare: PyTorch's in-place error at that backward)
+    "cleanrl_ppo_lstm_state_with_graph": r"CarriedGraphError: .*\(step 5, loss 'loss'\).*held by "
+                                         r"`global next_lstm_state\[0\]`.*To fix: make the writes that grew its graph "
+                                         r"under `torch.no_grad\(\)`.*; or detach the carried state at the end of each "
+                                         r"step \(`next_lstm_state = tuple\(t.detach\(\) for t in next_lstm_state\)`\)",
     # ... and adversarial embeddings made once before a loop that also remakes `adv` (every fourth step)
     "fgm_embeddings_before_loop": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches EmbeddingBackward0, "
                                   r"built before the step \(before the loop\) and held by `global adv`.*recompute "
