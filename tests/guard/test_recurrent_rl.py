@@ -256,3 +256,189 @@ def test_recurrent_td3_states_stored_with_their_graph_are_told_to_be_stored_deta
 def test_recurrent_td3_states_stored_with_their_graph_under_no_grad_acting_are_quiet():
     """Acting under ``torch.no_grad()``, the states stored in tensors as they are hold no graph."""
     assert same(quietly(recurrent_td3, "always", stored="graph"), recurrent_td3(None, stored="graph"))
+
+
+# MuZero's unrolled model (werner-duvaud/muzero-general)
+
+def support_to_scalar(logits, support_size):
+    probabilities = torch.softmax(logits, dim=1)
+    support = torch.tensor([x for x in range(-support_size, support_size + 1)]).expand(probabilities.shape).float()
+    x = torch.sum(support * probabilities, dim=1, keepdim=True)
+    return torch.sign(x) * (((torch.sqrt(1 + 4 * 0.001 * (torch.abs(x) + 1 + 0.001)) - 1) / (2 * 0.001)) ** 2 - 1)
+
+
+def scalar_to_support(x, support_size):
+    x = torch.sign(x) * (torch.sqrt(torch.abs(x) + 1) - 1) + 0.001 * x
+    x = torch.clamp(x, -support_size, support_size)
+    floor = x.floor()
+    prob = x - floor
+    logits = torch.zeros(x.shape[0], x.shape[1], 2 * support_size + 1)
+    logits.scatter_(2, (floor + support_size).long().unsqueeze(-1), (1 - prob).unsqueeze(-1))
+    indexes = floor + support_size + 1
+    prob = prob.masked_fill_(2 * support_size < indexes, 0.0)
+    indexes = indexes.masked_fill_(2 * support_size < indexes, 0.0)
+    logits.scatter_(2, indexes.long().unsqueeze(-1), prob.unsqueeze(-1))
+    return logits
+
+
+def normalized(encoded_state):
+    """models.py's scaling of an encoded state to [0, 1]."""
+    min_encoded_state = encoded_state.min(1, keepdim=True)[0]
+    max_encoded_state = encoded_state.max(1, keepdim=True)[0]
+    scale_encoded_state = max_encoded_state - min_encoded_state
+    scale_encoded_state[scale_encoded_state < 1e-5] += 1e-5
+    return (encoded_state - min_encoded_state) / scale_encoded_state
+
+
+class MuZeroNetwork(nn.Module):
+    def __init__(self, support_size=3, actions=2, encoding=5):
+        super().__init__()
+        self.action_space_size, self.full_support_size = actions, 2 * support_size + 1
+        self.representation_network = nn.Linear(4, encoding)
+        self.dynamics_encoded_state_network = nn.Linear(encoding + actions, encoding)
+        self.dynamics_reward_network = nn.Linear(encoding, self.full_support_size)
+        self.prediction_policy_network = nn.Linear(encoding, actions)
+        self.prediction_value_network = nn.Linear(encoding, self.full_support_size)
+
+    def prediction(self, encoded_state):
+        return self.prediction_policy_network(encoded_state), self.prediction_value_network(encoded_state)
+
+    def dynamics(self, encoded_state, action):
+        action_one_hot = torch.zeros((action.shape[0], self.action_space_size)).float()
+        action_one_hot.scatter_(1, action.long(), 1.0)
+        next_encoded_state = self.dynamics_encoded_state_network(torch.cat((encoded_state, action_one_hot), dim=1))
+        return normalized(next_encoded_state), self.dynamics_reward_network(next_encoded_state)
+
+    def initial_inference(self, observation):
+        encoded_state = normalized(self.representation_network(observation))
+        policy_logits, value = self.prediction(encoded_state)
+        reward = torch.log(torch.zeros(1, self.full_support_size).scatter(
+            1, torch.tensor([[self.full_support_size // 2]]).long(), 1.0).repeat(len(observation), 1))
+        return value, reward, policy_logits, encoded_state
+
+    def recurrent_inference(self, encoded_state, action):
+        next_encoded_state, reward = self.dynamics(encoded_state, action)
+        policy_logits, value = self.prediction(next_encoded_state)
+        return value, reward, policy_logits, next_encoded_state
+
+
+def loss_function(value, reward, policy_logits, target_value, target_reward, target_policy):
+    value_loss = (-target_value * nn.LogSoftmax(dim=1)(value)).sum(1)
+    reward_loss = (-target_reward * nn.LogSoftmax(dim=1)(reward)).sum(1)
+    policy_loss = (-target_policy * nn.LogSoftmax(dim=1)(policy_logits)).sum(1)
+    return value_loss, reward_loss, policy_loss
+
+
+def scale_gradient(tensor, scale):
+    """The MuZero paper's pseudocode."""
+    return tensor * scale + tensor.detach() * (1 - scale)
+
+
+def muzero_batch(rng, unroll: int = 3, support_size: int = 3):
+    """A batch as the replay buffer gives it: observations, actions, value/reward/policy targets from numpy."""
+    observation_batch = torch.tensor(rng.standard_normal((6, 4))).float()
+    action_batch = torch.tensor(rng.integers(0, 2, (6, unroll + 1))).long().unsqueeze(-1)
+    target_value = scalar_to_support(torch.tensor(rng.standard_normal((6, unroll + 1))).float(), support_size)
+    target_reward = scalar_to_support(torch.tensor(rng.standard_normal((6, unroll + 1))).float(), support_size)
+    target_policy = torch.softmax(torch.tensor(rng.standard_normal((6, unroll + 1, 2))).float(), -1)
+    return observation_batch, action_batch, target_value, target_reward, target_policy
+
+
+def unrolled_losses(model, batch, scaling: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``update_weights``' predictions and the losses of each unrolled step, their gradients scaled by hooks
+    (``scaling="hooks"``, as trainer.py does, the lambdas reading the loop's ``i`` late as there) or by the paper's
+    ``scale_gradient``; the reward loss of the first step left out (``0``)."""
+    observation_batch, action_batch, target_value, target_reward, target_policy = batch
+    gradient_scale_batch = torch.full(action_batch.shape[:2], float(action_batch.shape[1] - 1))
+    value, reward, policy_logits, hidden_state = model.initial_inference(observation_batch)
+    predictions = [(value, reward, policy_logits)]
+    for i in range(1, action_batch.shape[1]):
+        value, reward, policy_logits, hidden_state = model.recurrent_inference(hidden_state, action_batch[:, i])
+        if scaling == "hooks":
+            hidden_state.register_hook(lambda grad: grad * 0.5)
+        else:
+            hidden_state = scale_gradient(hidden_state, 0.5)
+        predictions.append((value, reward, policy_logits))
+    losses = []
+    for i, (value, reward, policy_logits) in enumerate(predictions):
+        current = list(loss_function(value.squeeze(-1), reward.squeeze(-1), policy_logits, target_value[:, i],
+                                     target_reward[:, i], target_policy[:, i]))
+        pred_value_scalar = support_to_scalar(value, 3).detach().cpu().numpy().squeeze()  # the priorities'
+        assert pred_value_scalar.shape == (6,)
+        for k in range(3):
+            if i and scaling == "hooks":
+                current[k].register_hook(lambda grad: grad / gradient_scale_batch[:, i])
+            elif i:
+                current[k] = scale_gradient(current[k], 1 / gradient_scale_batch[:, i])
+        losses.append((current[0], current[1] if i else 0, current[2]))
+    return losses
+
+
+def muzero(check: str | None, scaling: str = "hooks") -> list[torch.Tensor]:
+    """Four training steps, the three sums started again in each (``update_weights``' locals)."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = MuZeroNetwork()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    guard = GraphGuard(model, optimizer, check=check) if check else None
+    for _ in range(4):
+        value_loss, reward_loss, policy_loss = (0, 0, 0)
+        for current_value_loss, current_reward_loss, current_policy_loss in unrolled_losses(
+                model, muzero_batch(rng), scaling):
+            value_loss += current_value_loss
+            reward_loss += current_reward_loss
+            policy_loss += current_policy_loss
+        loss = (value_loss * 0.25 + reward_loss + policy_loss).mean()
+        optimizer.zero_grad()
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def muzero_sums_kept(check: str) -> None:
+    """``muzero`` with the sums started once, before the loop: each step adds to the last one's."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = MuZeroNetwork()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    guard = GraphGuard(model, optimizer, check=check)
+    value_loss, reward_loss, policy_loss = (0, 0, 0)
+    for _ in range(4):
+        for current_value_loss, current_reward_loss, current_policy_loss in unrolled_losses(
+                model, muzero_batch(rng), "hooks"):
+            value_loss += current_value_loss
+            reward_loss += current_reward_loss
+            policy_loss += current_policy_loss
+        loss = (value_loss * 0.25 + reward_loss + policy_loss).mean()
+        optimizer.zero_grad()
+        guard.backward(loss)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("scaling", ["hooks", "paper"])
+@pytest.mark.parametrize("check", MODES)
+def test_muzero_unrolled_with_scaled_gradients_and_states_written_in_place_is_quiet_and_bit_identical(check, scaling):
+    """Hooks on the hidden states and losses (the last state's never runs), the in-place ``+= 1e-5`` on a tensor of
+    the graph, the targets' ``scatter_`` and ``masked_fill_``, ``tensor * s + tensor.detach() * (1 - s)``: nothing
+    to say, and the same weights."""
+    assert same(quietly(muzero, check, scaling), muzero(None, scaling))
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_muzero_sums_of_losses_kept_across_steps_are_stopped_at_the_second_step(check):
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `local (value|reward|policy)_loss`"):
+        muzero_sums_kept(check)
+
+
+@pytest.mark.xfail(strict=True, reason="the first fix detaches the three sums at the end of each step, as for a "
+                   "recurrent state (truncated BPTT): applied, the weights train bit for bit as the correct loop (a "
+                   "detached term adds nothing to the gradient), but each sum keeps every earlier step's values, so "
+                   "the loss and the value/reward/policy losses update_weights returns for its logs grow step after "
+                   "step (11.9, 23.9, 35.4, 46.3 here). The rule that says to start a sum again (`_START_AGAIN`) "
+                   "looks only at a carried tensor that is the back-propagated loss itself (the GFlowNet tutorial's "
+                   "`minibatch_loss`), not at sums the loss is made from")
+def test_muzero_sums_of_losses_kept_across_steps_are_told_to_start_again():
+    with pytest.raises(CarriedGraphError) as caught:
+        muzero_sums_kept("always")
+    assert caught.value.fixes[0].startswith("start the sum again after each backward"), caught.value.fixes[0]
+    assert all(name in caught.value.fixes[0] for name in ("value_loss", "reward_loss", "policy_loss"))
