@@ -27,7 +27,7 @@ from .explain import Scope, code_of
 from .walk import sequence_nr
 
 SENTINEL = "safeloop_sentinel"
-_LOOKED = "safeloop_looked"  # node.metadata: (id, name) of the tensor whose graph it was at a look, and that look
+_LOOKED = "safeloop_looked"  # node.metadata: (id, {name: first look}) of the tensor whose graph it was at looks
 
 
 class Sentinel:
@@ -231,7 +231,7 @@ class Leaks:
         earlier look counts: in one look, two variables of one name may hold a loss and the loss scaled from it (the
         loop's `loss`, and a library's `loss = loss / n` in the backward it calls)."""
         self._looks += 1
-        found, remade = {}, {}
+        found, remade, graphs = {}, {}, {}
         for name, tensor in explain.candidates(scope):
             fn = tensor.grad_fn
             if fn is None or isinstance(tensor, torch.nn.Parameter) or fn.metadata.get(SENTINEL) is not None:
@@ -241,11 +241,21 @@ class Leaks:
             nodes = list(islice(walk.iter_nodes(fn), 1_000))
             if any(n.metadata.get(SENTINEL) is not None for n in nodes):
                 continue
-            looked = [m for n in nodes if n is not fn and (m := n.metadata.get(_LOOKED)) and m[2] < self._looks]
-            if any(m[0] == id(tensor) if tensor._version else m[1] == name for m in looked) and \
+            looked = [m for n in nodes if n is not fn and (m := n.metadata.get(_LOOKED))]
+            if any(m[0] == id(tensor) and min(m[1].values()) < self._looks if tensor._version else
+                   m[1].get(name, self._looks) < self._looks for m in looked) and \
                     any(type(n) is walk.ACCUMULATE and isinstance(n.variable, torch.nn.Parameter) for n in nodes):
                 (found if tensor._version else remade).setdefault(id(tensor), name)
-            fn.metadata[_LOOKED] = (id(tensor), name, self._looks)
+                graphs[id(tensor)] = fn, nodes
+            # every name a tensor was held by, with the first look that saw it so: a state carried as `hidden` is
+            # also `nh` of `nh, nc = next_hidden`, then `h` of `h, c = hidden` one step later
+            mark = fn.metadata.get(_LOOKED)
+            names = mark[1] if mark is not None and mark[0] == id(tensor) else {}
+            fn.metadata[_LOOKED] = (id(tensor), {name: self._looks, **names})
+        # not an older value of another one made again, kept by a second variable (`h` of `h, c = hidden`, the
+        # state of one step ago): the one made again is named
+        remade = {key: name for key, name in remade.items()
+                  if not any(graphs[key][0] in nodes for other, (_, nodes) in graphs.items() if other != key)}
         return list(found.values()), list(remade.values())
 
     @staticmethod

@@ -220,12 +220,9 @@ def test_recurrent_td3_acting_with_grad_as_written_is_warned_and_trains_the_same
     assert same(ours, recurrent_td3(None, act_no_grad=False))
 
 
-@pytest.mark.xfail(strict=True, reason="the leak is named by `h` and `c` of `h, c = hidden`, the state of one "
-                   "environment step ago, not by `hidden`, the carried state the actor makes again: each look of "
-                   "``Leaks._written_copies`` marks a tensor's node with the last of its names (`nh` of `nh, nc = "
-                   "next_hidden`, after `hidden[0]` and `next_hidden[0]`), so at the next look `hidden[0]` does not "
-                   "find its own name below it, while the stale alias `h` does")
 def test_recurrent_td3_acting_with_grad_names_the_carried_state():
+    """Named by `hidden`, the state the actor makes again, not by `h` and `c` of `h, c = hidden` (its value one
+    environment step ago), nor by `nh` of `nh, nc = next_hidden` (another name of it)."""
     with pytest.warns(GraphLeakWarning) as caught:
         recurrent_td3("always", act_no_grad=False)
     assert re.search(r"the tensors `local hidden\[0\]`, `local hidden\[1\]` hold", str(caught[0].message))
