@@ -2,9 +2,10 @@
 ppo_atari_lstm.py: the LSTM state carried through the rollout under ``torch.no_grad()``, masked by ``done``, and
 ``initial_lstm_state`` given again to every minibatch), a recurrent TD3 whose replay buffer stores the actor's LSTM
 state of each transition (AntoineTheb/RNN-RL, algos/TD3.py, utils/memory.py and main.py: the state stored with
-``h.detach().cpu()``, "so that BPTT only goes through 1 timestep"), and MuZero's unrolled model (werner-duvaud/
+``h.detach().cpu()``, "so that BPTT only goes through 1 timestep"), MuZero's unrolled model (werner-duvaud/
 muzero-general, trainer.py ``update_weights`` and models.py: the hidden state scaled to [0, 1] with an in-place
-``+= 1e-5``, gradients scaled by hooks, losses summed over the unrolled steps). Sizes shrunk, random environments."""
+``+= 1e-5``, gradients scaled by hooks, losses summed over the unrolled steps), and World Models' MDN-RNN trained on
+the latents of a VAE (ctallec/world-models, trainmdrnn.py). Sizes shrunk, random environments."""
 import copy
 import re
 import warnings
@@ -439,3 +440,89 @@ def test_muzero_sums_of_losses_kept_across_steps_are_told_to_start_again():
         muzero_sums_kept("always")
     assert caught.value.fixes[0].startswith("start the sum again after each backward"), caught.value.fixes[0]
     assert all(name in caught.value.fixes[0] for name in ("value_loss", "reward_loss", "policy_loss"))
+
+
+# World Models' MDN-RNN trained on the latents of a VAE trained before (ctallec/world-models, trainmdrnn.py,
+# models/mdrnn.py): `to_latent` encodes the observations under torch.no_grad(); the optimizer holds the MDN-RNN only
+
+class VAE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.mu, self.logsigma, self.decoder = (nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3),
+                                                              nn.Linear(3, 6))
+
+    def forward(self, x):
+        h = F.relu(self.encoder(x))
+        mu, logsigma = self.mu(h), self.logsigma(h)
+        return self.decoder(mu + logsigma.exp() * torch.randn_like(mu)), mu, logsigma
+
+
+class MDRNN(nn.Module):
+    def __init__(self, latents=3, actions=2, hiddens=5, gaussians=2):
+        super().__init__()
+        self.latents, self.gaussians = latents, gaussians
+        self.rnn, self.gmm_linear = nn.LSTM(latents + actions, hiddens), nn.Linear(hiddens, (2 * latents + 1) * 2 + 2)
+
+    def forward(self, actions, latents):
+        seq_len, bs = actions.size(0), actions.size(1)
+        outs, _ = self.rnn(torch.cat([actions, latents], dim=-1))
+        gmm_outs = self.gmm_linear(outs)
+        stride = self.gaussians * self.latents
+        mus = gmm_outs[:, :, :stride].view(seq_len, bs, self.gaussians, self.latents)
+        sigmas = torch.exp(gmm_outs[:, :, stride:2 * stride].view(seq_len, bs, self.gaussians, self.latents))
+        logpi = F.log_softmax(gmm_outs[:, :, 2 * stride: 2 * stride + self.gaussians].view(seq_len, bs, -1), dim=-1)
+        return mus, sigmas, logpi, gmm_outs[:, :, -2], gmm_outs[:, :, -1]
+
+
+def gmm_loss(batch, mus, sigmas, logpi):
+    g_log_probs = logpi + torch.sum(torch.distributions.Normal(mus, sigmas).log_prob(batch.unsqueeze(-2)), dim=-1)
+    max_log_probs = torch.max(g_log_probs, dim=-1, keepdim=True)[0]
+    probs = torch.sum(torch.exp(g_log_probs - max_log_probs), dim=-1)
+    return - torch.mean(max_log_probs.squeeze() + torch.log(probs))
+
+
+def world_model_mdrnn(check: str | None, no_grad: bool = True) -> tuple[list[torch.Tensor], float]:
+    """Four batches of two sequences of five steps; ``no_grad``: ``to_latent`` as trainmdrnn.py writes it."""
+    torch.manual_seed(0)
+    vae, mdrnn = VAE(), MDRNN()
+    optimizer = torch.optim.RMSprop(mdrnn.parameters(), lr=1e-3, alpha=.9)
+    guard = GraphGuard(mdrnn, optimizer, check=check) if check else None
+
+    def to_latent(obs, next_obs):
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            (obs_mu, obs_logsigma), (next_obs_mu, next_obs_logsigma) = [vae(x)[1:] for x in (obs, next_obs)]
+            return [(x_mu + x_logsigma.exp() * torch.randn_like(x_mu)).view(2, 5, 3) for x_mu, x_logsigma in
+                    [(obs_mu, obs_logsigma), (next_obs_mu, next_obs_logsigma)]]
+
+    cum_loss = 0
+    for _ in range(4):
+        obs, action, reward = torch.randn(2, 5, 6), torch.randn(2, 5, 2), torch.randn(2, 5)
+        terminal, next_obs = (torch.rand(2, 5) < 0.2).float(), torch.randn(2, 5, 6)
+        latent_obs, latent_next_obs = to_latent(obs.view(-1, 6), next_obs.view(-1, 6))
+        latent_obs, action, reward, terminal, latent_next_obs = [
+            arr.transpose(1, 0) for arr in [latent_obs, action, reward, terminal, latent_next_obs]]
+        mus, sigmas, logpi, rs, ds = mdrnn(action, latent_obs)
+        losses = dict(gmm=gmm_loss(latent_next_obs, mus, sigmas, logpi),
+                      bce=F.binary_cross_entropy_with_logits(ds, terminal), mse=F.mse_loss(rs, reward))
+        losses["loss"] = (losses["gmm"] + losses["bce"] + losses["mse"]) / (3 + 2)
+        optimizer.zero_grad()
+        guard.backward(losses["loss"]) if guard else losses["loss"].backward()
+        optimizer.step()
+        cum_loss += losses["loss"].item()
+    return [p.detach().clone() for p in mdrnn.parameters()], cum_loss
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_world_model_mdrnn_on_latents_encoded_under_no_grad_is_quiet_and_bit_identical(check):
+    ours, bare = quietly(world_model_mdrnn, check), world_model_mdrnn(None)
+    assert same(ours[0], bare[0]) and ours[1] == bare[1]
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_world_model_latents_encoded_with_grad_are_quiet_as_a_part_left_out_of_the_optimizer(check):
+    """Without ``to_latent``'s ``torch.no_grad()`` the MDN-RNN's loss reaches the VAE, whose parameters no optimizer
+    holds: each backward runs through the encoder and adds to its gradients, which nothing reads, and the MDN-RNN
+    trains the same. The guard stays quiet, as for a head fine-tuned with its encoder left requiring grad (a part of
+    the model left out of the optimizer on purpose, docs/guard.md): a cost, not a wrong result."""
+    ours, bare = quietly(world_model_mdrnn, check, no_grad=False), world_model_mdrnn(None, no_grad=False)
+    assert same(ours[0], bare[0]) and ours[1] == bare[1]
