@@ -752,6 +752,12 @@ class Guard:
             # a state whose gradient the loop reads (``retain_grad()``: learning to learn's optimizee weights, carried
             # with their graph across unrolled steps) must still require grad once cut
             held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
+            # a value the loss reaches only through the slots it was written into (a replay buffer of recurrent
+            # states, `C[ptr] = c[0, 0]`): named by that buffer, not by a variable still holding it
+            slotted = self._written_through(node, held, case)
+            if slotted:
+                holder = slotted[0]
+                held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
             cut = "{detached}.requires_grad_()" if any(t.retains_grad for t in held) else "{detached}"
             # an object's tensors written in place beside it (llama's cache_k beside its cache_v), or its lists beside
             # the one holding it (a key/value cache's key_cache beside its value_cache), are detached with it: the fix
@@ -774,8 +780,11 @@ class Guard:
                     fixes = [COPY_FIX, fixes[1]]
             elif written:
                 # a buffer whose slots are written in place with values that keep their graphs (dark experience
-                # replay's logits stored without .data): the graphs of every step that wrote one pile up in it
-                fixes.insert(0, SLOTS_FIX)
+                # replay's logits stored without .data): the graphs of every step that wrote one pile up in it; the
+                # buffers written so beside it too (a replay buffer's `H` beside its `C`): the fix of one alone would
+                # stop the next run at the next
+                others = ", ".join(f"`{code_of(name)}`" for name in slotted[1:])
+                fixes.insert(0, SLOTS_FIX + f" (and alike for {others}, written so beside it)" * bool(others))
             elif type(node).__name__ == "CopyBackwards" and not node.metadata.get(SENTINEL) \
                     and any(type(t.grad_fn).__name__ == "CopyBackwards" for t in held):
                 # a tensor written over whole with a value that keeps its graph, a write that no loss of the step
@@ -800,6 +809,25 @@ class Guard:
             raise self._error(CarriedGraphError, node, case,
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
+
+    def _written_through(self, node, held: list[torch.Tensor], case: Case) -> list[str]:
+        """When the loss reaches ``node`` only through values written into the slots of tensors, and ``held``
+        (what holds ``node``) is no such tensor: the holders of the tensors whose slots keep values with a graph made
+        before this step (a replay buffer of recurrent states filled outside ``torch.no_grad()``, without
+        ``.detach()``), the first one reaching ``node``; else none."""
+        if not held or any(written_in_slots(t) for t in held) or self.start_seq is None or not walk.HAS_SEQ:
+            return []
+        if any(n is node for n in islice(walk.iter_nodes(case.loss.grad_fn, stop=lambda n: type(n).__name__ in
+                                                         walk.SLOT_WRITES), 100_000)):
+            return []
+        written: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            if written_in_slots(tensor) and id(tensor) not in written and any(
+                    type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
+                    for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
+                written[id(tensor)] = name, tensor
+        first = [name for name, tensor in written.values() if walk.reachable(tensor.grad_fn, node)]
+        return first[:1] + [name for name, _ in written.values() if name not in first[:1]] if first else []
 
     def _carried_beside(self, holder: str | None, held: list[torch.Tensor], case: Case) -> list[str]:
         """The other variables of the plain loop holding ``holder`` (a variable too) that carry the state with it
