@@ -794,6 +794,9 @@ class Guard:
                 fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
+            elif _summed(node, held, case):  # sums the loss is made from (MuZero's value, reward and policy losses)
+                sums = "; ".join(f"{c} = 0" for c in [code_of(holder), *self._carried_beside(holder, held, case)])
+                fixes.insert(0, _START_AGAIN.replace("{code} = 0", sums))
             elif held and not any(t._version for t in held) and written_below(node):
                 # made from a tensor whose graph grew by writes in place outside any loss, from the parameters (seen by
                 # ``Leaks``' looks): Synaptic Intelligence's omega, from its path integral `W[n].add_(-p.grad * (p -
@@ -1737,6 +1740,18 @@ def _list_of(holder: str | None) -> str | None:
 
 _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that each backward takes the losses added "
                 "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
+
+
+def _summed(node, held: list[torch.Tensor], case: Case) -> bool:
+    """Whether ``held`` are sums of losses kept across steps (``value_loss += current_value_loss`` started once,
+    before the loop): each made by an addition, as ``node``, its value at an earlier step, that in the loss's graph
+    only additions take. (A recurrent state goes through its cell too: `h = h + f(h)`.)"""
+    if not held or type(node).__name__ != "AddBackward0" or \
+            any(type(t.grad_fn).__name__ != "AddBackward0" for t in held):
+        return False
+    takers = [n for n in islice(walk.iter_nodes(case.loss.grad_fn), 100_000)
+              if any(m is node for m, _ in n.next_functions)]
+    return bool(takers) and all(type(n).__name__ == "AddBackward0" for n in takers)
 
 
 def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:
