@@ -1745,13 +1745,16 @@ _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that
 def _summed(node, held: list[torch.Tensor], case: Case) -> bool:
     """Whether ``held`` are sums of losses kept across steps (``value_loss += current_value_loss`` started once,
     before the loop): each made by an addition, as ``node``, its value at an earlier step, that in the loss's graph
-    only additions take. (A recurrent state goes through its cell too: `h = h + f(h)`.)"""
+    only additions of a loss take (a reduction: ``.sum(1)``, ``.mean()``, ``F.mse_loss``). Not a recurrent state,
+    which goes through its cell too (`h = h + f(h)`), nor an integrated one (`pos = pos + dt * vel`)."""
     if not held or type(node).__name__ != "AddBackward0" or \
             any(type(t.grad_fn).__name__ != "AddBackward0" for t in held):
         return False
     takers = [n for n in islice(walk.iter_nodes(case.loss.grad_fn), 100_000)
               if any(m is node for m, _ in n.next_functions)]
-    return bool(takers) and all(type(n).__name__ == "AddBackward0" for n in takers)
+    terms = [m for n in takers for m, _ in n.next_functions if m is not None and m is not node]
+    return bool(takers) and bool(terms) and all(type(n).__name__ == "AddBackward0" for n in takers) and all(
+        type(m).__name__.startswith(("Sum", "Mean")) or "Loss" in type(m).__name__ for m in terms)
 
 
 def _is_held(holder: str | None, tensor: torch.Tensor, case: Case) -> bool:

@@ -534,3 +534,20 @@ def test_world_model_latents_encoded_with_grad_are_quiet_as_a_part_left_out_of_t
     the model left out of the optimizer on purpose, docs/guard.md): a cost, not a wrong result."""
     ours, bare = quietly(world_model_mdrnn, check, no_grad=False), world_model_mdrnn(None, no_grad=False)
     assert same(ours[0], bare[0]) and ours[1] == bare[1]
+
+
+def test_a_state_integrated_step_after_step_is_still_told_to_be_detached():
+    """`pos = pos + dt * f(x)` kept across steps: an addition only additions take, but of no loss; a state, detached."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    guard = GraphGuard(net, optimizer, check="always")
+    pos = torch.zeros(3, 2)
+    with pytest.raises(CarriedGraphError) as caught:
+        for _ in range(3):
+            pos = pos + 0.1 * net(torch.randn(3, 2))
+            loss = (pos ** 2).mean()
+            optimizer.zero_grad()
+            guard.backward(loss)
+            optimizer.step()
+    assert caught.value.fixes[0].startswith("detach the carried state at the end of each step (`pos = pos.detach()`)")
