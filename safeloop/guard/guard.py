@@ -794,14 +794,14 @@ class Guard:
                 fixes.insert(0, _COPIED_FIX)
             if any(t is case.loss for t in held):  # the loss itself: a sum of losses over several iterations
                 fixes.insert(0, _START_AGAIN)
-            elif _summed(node, held, case):  # sums the loss is made from (MuZero's value, reward and policy losses)
-                sums = "; ".join(f"{c} = 0" for c in [code_of(holder), *self._carried_beside(holder, held, case)])
-                fixes.insert(0, _START_AGAIN.replace("{code} = 0", sums))
             elif held and not any(t._version for t in held) and written_below(node):
                 # made from a tensor whose graph grew by writes in place outside any loss, from the parameters (seen by
                 # ``Leaks``' looks): Synaptic Intelligence's omega, from its path integral `W[n].add_(-p.grad * (p -
                 # p_old[n]))`. Not a tensor written in place itself (a KV cache the loss reads): detached as a state
                 fixes.insert(0, _WRITTEN_BELOW)
+            elif _summed(node, held, case):  # sums the loss is made from (MuZero's value, reward and policy losses)
+                sums = "; ".join(f"{c} = 0" for c in [code_of(holder), *self._carried_beside(holder, held, case)])
+                fixes.insert(0, _START_AGAIN.replace("{code} = 0", sums))
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
