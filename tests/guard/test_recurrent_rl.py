@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributions.categorical import Categorical
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning
+# muzero-general's helpers, as tests/realworld/test_muzero.py ports them
+from tests.realworld.test_muzero import loss_function, normalized, scalar_to_support, scale_gradient
 
 MODES = ["always", "auto", "off"]
 
@@ -272,29 +274,6 @@ def support_to_scalar(logits, support_size):
     return torch.sign(x) * (((torch.sqrt(1 + 4 * 0.001 * (torch.abs(x) + 1 + 0.001)) - 1) / (2 * 0.001)) ** 2 - 1)
 
 
-def scalar_to_support(x, support_size):
-    x = torch.sign(x) * (torch.sqrt(torch.abs(x) + 1) - 1) + 0.001 * x
-    x = torch.clamp(x, -support_size, support_size)
-    floor = x.floor()
-    prob = x - floor
-    logits = torch.zeros(x.shape[0], x.shape[1], 2 * support_size + 1)
-    logits.scatter_(2, (floor + support_size).long().unsqueeze(-1), (1 - prob).unsqueeze(-1))
-    indexes = floor + support_size + 1
-    prob = prob.masked_fill_(2 * support_size < indexes, 0.0)
-    indexes = indexes.masked_fill_(2 * support_size < indexes, 0.0)
-    logits.scatter_(2, indexes.long().unsqueeze(-1), prob.unsqueeze(-1))
-    return logits
-
-
-def normalized(encoded_state):
-    """models.py's scaling of an encoded state to [0, 1]."""
-    min_encoded_state = encoded_state.min(1, keepdim=True)[0]
-    max_encoded_state = encoded_state.max(1, keepdim=True)[0]
-    scale_encoded_state = max_encoded_state - min_encoded_state
-    scale_encoded_state[scale_encoded_state < 1e-5] += 1e-5
-    return (encoded_state - min_encoded_state) / scale_encoded_state
-
-
 class MuZeroNetwork(nn.Module):
     def __init__(self, support_size=3, actions=2, encoding=5):
         super().__init__()
@@ -325,18 +304,6 @@ class MuZeroNetwork(nn.Module):
         next_encoded_state, reward = self.dynamics(encoded_state, action)
         policy_logits, value = self.prediction(next_encoded_state)
         return value, reward, policy_logits, next_encoded_state
-
-
-def loss_function(value, reward, policy_logits, target_value, target_reward, target_policy):
-    value_loss = (-target_value * nn.LogSoftmax(dim=1)(value)).sum(1)
-    reward_loss = (-target_reward * nn.LogSoftmax(dim=1)(reward)).sum(1)
-    policy_loss = (-target_policy * nn.LogSoftmax(dim=1)(policy_logits)).sum(1)
-    return value_loss, reward_loss, policy_loss
-
-
-def scale_gradient(tensor, scale):
-    """The MuZero paper's pseudocode."""
-    return tensor * scale + tensor.detach() * (1 - scale)
 
 
 def muzero_batch(rng, unroll: int = 3, support_size: int = 3):
