@@ -397,15 +397,24 @@ def test_an_optimizer_over_another_models_parameters_is_named_at_start():
                 max_steps=2, device="cpu", progress=False, loggers=()).setup()
 
 
-def test_an_optimizer_no_loss_reaches_is_named_once():
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_an_optimizer_no_loss_reaches_is_named_once(mode):
     class Unreached(Trainer):
+        automatic = mode == "automatic"
+
         def configure_optimizers(self):
             return {"net": torch.optim.SGD(self.model.net.parameters(), lr=0.1),
                     "spare": torch.optim.SGD(self.model.spare.parameters(), lr=0.1)}
 
         def training_step(self, batch):
             x, y = batch
-            return {"net": F.mse_loss(self.model.net(x), y)}  # nothing for "spare"
+            loss = F.mse_loss(self.model.net(x), y)  # nothing for "spare"
+            if self.automatic:
+                return {"net": loss}
+            self.backward(loss, optimizer="net")
+            self.step("net")
+            self.step("spare")  # stepped every step, with no gradient: said once too (not by the guard as well)
+            return {"net": loss}
 
     model = torch.nn.ModuleDict({"net": MLP(8, 16, 1, 2), "spare": torch.nn.Linear(8, 1)})
     trainer = Unreached(model=model, train_data=loader(dataset()), max_steps=40, log_every=5, device="cpu",

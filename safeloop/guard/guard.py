@@ -50,7 +50,7 @@ from .prints import Prints
 from .render import render
 from .unused import UnusedGradients
 from .walk import CHEAP_PEEK, sequence_nr
-from .words import TRAINER, Words
+from .words import LOOP, TRAINER, Words
 
 log = logging.getLogger("safeloop.guard")
 
@@ -572,8 +572,10 @@ class Guard:
     def at_update(self, params=None) -> None:
         """An optimizer update of ``params`` (the optimizer's; None: unknown) is about to run (the Trainer's, watch's),
         or has just run (a ``GraphGuard``'s loop, and the Trainer's and watch's after a closure's backwards): what
-        the checks of gradient that no optimizer uses kept for it is said now (``unused.UnusedGradients``)."""
-        self.unused.at_update(params, self.heeded)
+        the checks of gradient that no optimizer uses kept for it is said now (``unused.UnusedGradients``). An
+        optimizer no gradient reaches is said here for a plain loop only: the Trainer says it itself, in every check
+        mode (its step's ``warn_unused``)."""
+        self.unused.at_update(params, self.heeded, starved=self.words is LOOP)
 
     def _warn(self, warning: Warning, frame: types.FrameType | None = None) -> None:
         """Warn at ``frame``, else the loop's line (``self.frame``), else (the Trainer) at the user's line that called

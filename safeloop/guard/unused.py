@@ -184,25 +184,27 @@ class UnusedGradients:
         self._untrained.append((warning, where, {id(p): (p, _grad_state(p)) for p in params}, set(),
                                 {id(t): t for t in leaves}, frozen))
 
-    def at_update(self, params, heeded: list | None) -> None:
+    def at_update(self, params, heeded: list | None, starved: bool = True) -> None:
         """An optimizer update is about to run (the Trainer's, watch's), or has just run (a ``GraphGuard``'s loop, and
         the Trainer's and watch's after a closure's backwards): a loss found reaching none of the optimizers'
         parameters since the last update is said now, unless one of them holds a gradient that no backward wrote since
         that loss's check: a gradient handed over by hand (A3C's ``shared_param._grad = param.grad``, DARTS'
         ``alpha.grad = g``, first-order MAML's), which is the loss's. A gradient changed in place counts as handed
         over too (``shared.grad.copy_(local.grad)``). Then: the updated ``params`` (the optimizer's; None: unknown)
-        have their gradients cleared too early, or never (``_check_cleared``)."""
+        have their gradients cleared too early, or never, or none (``_check_cleared``; ``starved``: whether that last
+        one is said)."""
         pending, self._untrained = self._untrained, []
         for warning, where, before, written, *_ in pending:
             if any(_grad_state(p) != state for i, (p, state) in before.items() if i not in written):
                 continue
             warn_at(warning, where, heeded)
-        self._check_cleared(params, heeded)
+        self._check_cleared(params, heeded, starved)
 
-    def _check_cleared(self, params, heeded: list | None) -> None:
-        """Gradients cleared before the update of ``params`` that should use them, or never cleared (``order``)."""
+    def _check_cleared(self, params, heeded: list | None, starved: bool) -> None:
+        """Gradients cleared before the update of ``params`` that should use them, or never cleared, or none ever
+        (``order``)."""
         found = self.order.at_update(params)
-        if found is None or found[0] in self._warned:
+        if found is None or found[0] in self._warned or (found[0] == "starved" and not starved):
             return
         kind, (step, name, where) = found
         self._warned.add(kind)
