@@ -817,9 +817,10 @@ class Guard:
 
     def _written_through(self, node, held: list[torch.Tensor], case: Case) -> list[str]:
         """When the loss reaches ``node`` only through values written into the slots of tensors, and ``held``
-        (what holds ``node``) is no such tensor: the holders of the tensors whose slots keep values with a graph made
-        before this step (a replay buffer of recurrent states filled outside ``torch.no_grad()``, without
-        ``.detach()``), the first one reaching ``node``; else none."""
+        (what holds ``node``) is no such tensor: the holders of the tensors whose slots an earlier step wrote too, with
+        values that keep their graph (a replay buffer of recurrent states filled outside ``torch.no_grad()``, without
+        ``.detach()``), the first one reaching ``node``; else none. Not a tensor this step made and wrote (torchdiffeq's
+        solution `pred_y`, whose first slot is the state `y0` carried from the last step: `y0` is named)."""
         if not held or any(written_in_slots(t) for t in held) or self.start_seq is None or not walk.HAS_SEQ:
             return []
         if any(n is node for n in islice(walk.iter_nodes(case.loss.grad_fn, stop=lambda n: type(n).__name__ in
@@ -827,9 +828,7 @@ class Guard:
             return []
         written: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in explain.candidates(case.scope, case.batch):
-            if written_in_slots(tensor) and id(tensor) not in written and any(
-                    type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
-                    for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
+            if written_in_slots(tensor) and id(tensor) not in written and _written_before(tensor, self.start_seq):
                 written[id(tensor)] = name, tensor
         first = [name for name, tensor in written.values() if walk.reachable(tensor.grad_fn, node)]
         return first[:1] + [name for name, _ in written.values() if name not in first[:1]] if first else []
@@ -1742,6 +1741,19 @@ def _list_of(holder: str | None) -> str | None:
 
 _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that each backward takes the losses added "
                 "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
+
+
+def _written_before(tensor: torch.Tensor, start: int, limit: int = 10_000) -> bool:
+    """Whether a write into ``tensor``'s slots, down the chain of its writes (each one's first input is the tensor
+    before it), was made before node counter ``start``: by an earlier step."""
+    fn = tensor.grad_fn
+    for _ in range(limit):
+        if fn is None or type(fn).__name__ not in walk.SLOT_WRITES:
+            return False
+        if sequence_nr(fn) < start:
+            return True
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return False
 
 
 def _summed(node, held: list[torch.Tensor], case: Case) -> bool:

@@ -518,3 +518,29 @@ def test_a_state_integrated_step_after_step_is_still_told_to_be_detached():
             guard.backward(loss)
             optimizer.step()
     assert caught.value.fixes[0].startswith("detach the carried state at the end of each step (`pos = pos.detach()`)")
+
+
+def test_a_state_written_into_the_first_slot_of_this_steps_solution_is_named_not_the_solution():
+    """torchdiffeq's ``odeint`` (tests/libraries/test_torchdiffeq_real.py, with torchdiffeq): each window's solution
+    is a new tensor whose first slot is the state carried from the last window, ``y0 = pred_y[-1]`` kept with its
+    graph. The loss reaches the last window's graph only through that slot, but the solution is this step's own, no
+    buffer kept across steps: the state is named, and told to be detached."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    guard = GraphGuard(net, optimizer, check="always")
+    y0 = torch.ones(2)
+    with pytest.raises(CarriedGraphError) as caught:
+        for _ in range(3):
+            pred_y = torch.empty(4, 2)
+            pred_y[0] = y = y0
+            for i in range(1, 4):  # the solver's steps, written into the solution's slots
+                y = y + 0.1 * net(y)
+                pred_y[i] = y
+            loss = pred_y.abs().mean()
+            optimizer.zero_grad()
+            guard.backward(loss)
+            optimizer.step()
+            y0 = pred_y[-1]
+    assert "held by `local y0`" in str(caught.value)
+    assert caught.value.fixes[0].startswith("detach the carried state at the end of each step (`y0 = y0.detach()`)")
