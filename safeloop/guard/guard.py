@@ -45,7 +45,7 @@ from ..settings import GUARD_CHECKS, GUARD_DEFAULTS
 from . import bytecode, explain, walk
 from .explain import Scope, code_of
 from .leaks import (COPY_FIX, SENTINEL, SLOTS_FIX, WRITTEN_EXAMPLE, WRITTEN_FIX, Leaks, detach_what_is_added,
-                    written_below, written_in_slots)
+                    written_before, written_below, written_in_slots)
 from .prints import Prints
 from .render import render
 from .unused import UnusedGradients
@@ -828,7 +828,7 @@ class Guard:
             return []
         written: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in explain.candidates(case.scope, case.batch):
-            if written_in_slots(tensor) and id(tensor) not in written and _written_before(tensor, self.start_seq):
+            if written_in_slots(tensor) and id(tensor) not in written and written_before(tensor, self.start_seq):
                 written[id(tensor)] = name, tensor
         first = [name for name, tensor in written.values() if walk.reachable(tensor.grad_fn, node)]
         return first[:1] + [name for name, _ in written.values() if name not in first[:1]] if first else []
@@ -1741,19 +1741,6 @@ def _list_of(holder: str | None) -> str | None:
 
 _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that each backward takes the losses added "
                 "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
-
-
-def _written_before(tensor: torch.Tensor, start: int, limit: int = 10_000) -> bool:
-    """Whether a write into ``tensor``'s slots, down the chain of its writes (each one's first input is the tensor
-    before it), was made before node counter ``start``: by an earlier step."""
-    fn = tensor.grad_fn
-    for _ in range(limit):
-        if fn is None or type(fn).__name__ not in walk.SLOT_WRITES:
-            return False
-        if sequence_nr(fn) < start:
-            return True
-        fn = fn.next_functions[0][0] if fn.next_functions else None
-    return False
 
 
 def _summed(node, held: list[torch.Tensor], case: Case) -> bool:

@@ -390,6 +390,19 @@ def written_in_slots(tensor: torch.Tensor) -> bool:
     return type(tensor.grad_fn).__name__ in walk.SLOT_WRITES
 
 
+def written_before(tensor: torch.Tensor, start: int, limit: int = 10_000) -> bool:
+    """Whether a write into ``tensor``'s slots, down the chain of its writes (each one's first input is the tensor
+    before it), was made before node counter ``start``: by an earlier step."""
+    fn = tensor.grad_fn
+    for _ in range(limit):
+        if fn is None or type(fn).__name__ not in walk.SLOT_WRITES:
+            return False
+        if sequence_nr(fn) < start:
+            return True
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return False
+
+
 COPY_FIX = ("write into a copy: clone the tensor before writing into it (`x = x.clone()` where the loop takes "
             "`{code}`, before the write), so that `{code}` keeps its values and each step's writes and graph stay its "
             "own; detaching what is written would stop the gradient through the write")
