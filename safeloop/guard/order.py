@@ -18,7 +18,8 @@ cannot be told from gradients that are zero.
 
 A third: an optimizer whose parameters never get a gradient (a loss that reaches them only through a gradient taken
 without ``create_graph=True``, or through ``.item()``): none of them requiring grad has had one at a checked backward or
-an update so far, at two of its updates in a row, each after a checked backward. Its steps change nothing.
+at an update after one, so far, at two of its updates in a row, each after a checked backward. Its steps change
+nothing.
 
 A fourth mistake is read from the plain tensors (no optimizer holds them, not Parameters) whose gradients a checked
 backward writes: an attack's input kept across steps, its gradient never cleared. A backward counts as an attack's when
@@ -185,8 +186,7 @@ class GradientOrder:
         params = [p for p in params or () if id(p) in self._seen]
         given = [self._given[id(p)] for p in params if id(p) in self._given]
         with_grad = [p for p in params if p.grad is not None]
-        self._had.update(id(p) for p in with_grad)
-        found, starved = None, self._starved(params)
+        found, starved = None, self._starved(params, with_grad)
         if given:
             if not any(id(p) in self._given for p in with_grad):
                 found = "cleared"
@@ -210,12 +210,14 @@ class GradientOrder:
             return None
         return found, given[0] if given else self._last_by
 
-    def _starved(self, params: list[torch.Tensor]) -> bool | None:
-        """Whether none of ``params`` (an optimizer's, updating now) that require grad has ever been seen with a
-        gradient (see the module docstring); None where nothing is judged: no checked backward since its last update."""
+    def _starved(self, params: list[torch.Tensor], with_grad: list[torch.Tensor]) -> bool | None:
+        """Whether none of ``params`` (an optimizer's, updating now; ``with_grad``: those with a gradient) that require
+        grad has ever been seen with a gradient, at a checked backward or an update judged here (see the module
+        docstring); None where nothing is judged: no checked backward since its last update."""
         if not params:
             return None
         counted, self._counted[id(params[0])] = self._counted.get(id(params[0]), 0), self._backwards
         if self._backwards == counted:
             return None
+        self._had.update(id(p) for p in with_grad)
         return any(p.requires_grad for p in params) and not any(id(p) in self._had for p in params)
