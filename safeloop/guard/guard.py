@@ -1859,6 +1859,10 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any, los
     output = "output 0 of " in text
     alike = [(name, t) for name, t in explain.candidates(scope, batch)
              if t._version == int(version.group(1)) and t.numel() >= numel and (t.requires_grad or not output)]
+    # the one whose graph from before its write a node of the loss's failed to unpack reads (a view of it saved:
+    # `mac_out[:, :-1]`), not another tensor of that size written before its own graph saved it (double Q's targets)
+    if output and loss is not None and loss.grad_fn is not None:
+        alike = _written_after_saving(loss, alike) or alike
     alike = [(name, t) for name, t in alike if t.numel() == numel] or alike
     found = [(re.split(r"[.\[]", name)[0], name, t) for name, t in alike]
     nearest = {id(t): name for holder, name, t in found if holder == found[0][0]} if found else {}
@@ -1875,6 +1879,28 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any, los
         if all(owns(name, [n for n, _ in names.values()]) for i, name in nearest.items() if i not in used):
             nearest = used
     return next(iter(nearest.values())) if len(nearest) == 1 else None
+
+
+def _written_after_saving(loss, alike: list) -> list:
+    """Of ``alike`` (name, tensor), those written in place after a node of ``loss``'s graph saved them or a view of
+    them: the node whose saved tensors fail to unpack for an in-place write reads, through views, from the grad_fn
+    the tensor had before that write, which the write's node goes on to."""
+    read = set()
+    for node in islice(walk.iter_nodes(loss.grad_fn), 100_000):
+        if walk.is_inplace(walk.unpack_error(node)):
+            todo = [fn for fn, _ in node.next_functions if fn is not None]
+            while todo:
+                fn = todo.pop()
+                read.add(fn)
+                if _VIEW.match(type(fn).__name__):
+                    todo.extend(f for f, _ in fn.next_functions if f is not None and f not in read)
+    return [(name, t) for name, t in alike
+            if t.grad_fn is not None and any(fn in read for fn, _ in t.grad_fn.next_functions)]
+
+
+_VIEW = re.compile(r"(Slice|Select|View|UnsafeView|ViewAs|AsStrided|Expand|Unsqueeze|Squeeze|Transpose|T|Permute|"
+                   r"Alias|Narrow|Diagonal|Unfold|Split|SplitWithSizes|UnsafeSplit|Unbind|Reshape|ReshapeAlias)"
+                   r"Backward\d*$")
 
 
 _CHANGED = ("; since that backward, {} under that graph were changed in place (by an optimizer step, or by hand as "
