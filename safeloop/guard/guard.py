@@ -1884,7 +1884,8 @@ def _written_tensor(text: str, tensor: str, scope: Scope | None, batch: Any, los
 def _written_after_saving(loss, alike: list) -> list:
     """Of ``alike`` (name, tensor), those written in place after a node of ``loss``'s graph saved them or a view of
     them: the node whose saved tensors fail to unpack for an in-place write reads, through views, from the grad_fn
-    the tensor had before that write, which the write's node goes on to."""
+    the tensor had before that write, which the write's node goes on to (or which it still has: written through a
+    detached alias, `mac_out.detach()`)."""
     read = set()
     for node in islice(walk.iter_nodes(loss.grad_fn), 100_000):
         if walk.is_inplace(walk.unpack_error(node)):
@@ -1894,8 +1895,8 @@ def _written_after_saving(loss, alike: list) -> list:
                 read.add(fn)
                 if _VIEW.match(type(fn).__name__):
                     todo.extend(f for f, _ in fn.next_functions if f is not None and f not in read)
-    return [(name, t) for name, t in alike
-            if t.grad_fn is not None and any(fn in read for fn, _ in t.grad_fn.next_functions)]
+    return [(name, t) for name, t in alike if t.grad_fn is not None
+            and (t.grad_fn in read or any(fn in read for fn, _ in t.grad_fn.next_functions))]
 
 
 _VIEW = re.compile(r"(Slice|Select|View|UnsafeView|ViewAs|AsStrided|Expand|Unsqueeze|Squeeze|Transpose|T|Permute|"

@@ -101,7 +101,8 @@ def qmix(check: str | None, mistake: str | None = None) -> list[torch.Tensor]:
     """Six updates of QLearner.train (double Q, target refresh every third). ``mistake``: "mixer_left_out" (only the
     MAC's parameters in the optimizer), "hidden_carried" (no ``mac.init_hidden`` after the first update),
     "target_not_detached" (``chosen_action_qvals - targets``), "argmax_on_mac_out" (``mac_out_detach = mac_out``,
-    masked in place)."""
+    masked in place), "argmax_on_detached_mac_out" (``mac_out.detach()`` without ``.clone()``: one storage and
+    version counter)."""
     torch.manual_seed(0)
     mac, mixer = BasicMAC(), QMixer()
     params = list(mac.parameters()) + ([] if mistake == "mixer_left_out" else list(mixer.parameters()))
@@ -127,7 +128,8 @@ def qmix(check: str | None, mistake: str | None = None) -> list[torch.Tensor]:
             target_mac_out.append(target_mac.forward(batch, t=t))
         target_mac_out = torch.stack(target_mac_out[1:], dim=1)
         target_mac_out[avail_actions[:, 1:] == 0] = -9999999
-        mac_out_detach = mac_out if mistake == "argmax_on_mac_out" else mac_out.clone().detach()
+        mac_out_detach = {"argmax_on_mac_out": mac_out, "argmax_on_detached_mac_out": mac_out.detach()}.get(
+            mistake, mac_out.clone().detach())
         mac_out_detach[avail_actions == 0] = -9999999
         cur_max_actions = mac_out_detach[:, 1:].max(dim=3, keepdim=True)[1]
         target_max_qvals = torch.gather(target_mac_out, 3, cur_max_actions).squeeze(3)
@@ -175,13 +177,14 @@ def test_qmix_target_not_detached_trains_as_the_correct_loop(check):
     assert same(quietly(qmix, check, "target_not_detached"), qmix(None))
 
 
+@pytest.mark.parametrize("mistake", ["argmax_on_mac_out", "argmax_on_detached_mac_out"])
 @pytest.mark.parametrize("check", MODES)
-def test_qmix_argmax_on_mac_out_itself_names_mac_out(check):
+def test_qmix_argmax_on_mac_out_itself_names_mac_out(check, mistake):
     """``mac_out_detach = mac_out`` masks ``mac_out`` in place after gather saved its slice ``mac_out[:, :-1]``: the
     written tensor is ``mac_out``, not ``target_mac_out`` (as large as the slice, masked before it was saved)."""
     with pytest.raises(InplaceModificationError, match=r"\(step 1, loss 'loss'\).*the output of AsStrided: "
                        r"`local mac_out(_detach)?` or a view of it"):
-        qmix(check, "argmax_on_mac_out")
+        qmix(check, mistake)
 
 
 # MADDPG (shariqiqbal2810/maddpg-pytorch): per-agent centralized critics, target policies and critics soft-updated

@@ -398,6 +398,18 @@ BROKEN = {
                                           r"CopyBackwards, created during an earlier step and held by `self.pl_mean`.*"
                                           r"To fix: detach what is copied into `self.pl_mean` where it is written "
                                           r"\(`self.pl_mean.copy_\(x.detach\(\)\)`\)",
+    # QMIX's double-Q argmax masked into `mac_out` in place after gather saved its slice (RLlib's port before
+    # ray-project/ray#4742): named by `mac_out`, not by `target_mac_out`, as large as the slice and masked before
+    "qmix_double_q_mask_without_clone": r"InplaceModificationError: .*\(step 1, loss 'loss'\): a tensor the graph "
+                                        r"saved for backward \(\[torch.FloatTensor \[2, 5, 3, 4\]\], the output of "
+                                        r"AsStrided: `global mac_out` or a view of it\)",
+    # MADDPG's target actions and every agent's current actions computed once before the agents' updates (philtabor's
+    # maddpg.py, issue #2): the second agent's critic loss goes back through target actions whose weights the first
+    # agent's soft update wrote; the loop over agents steps their optimizers, so the actions were built before it
+    "maddpg_joint_actions_not_detached": r"GraphReuseError: .*\(step 1, loss 'loss'\): the loss reaches CatBackward0, "
+                                         r"built before the step \(before the loop\) and held by `local new_actions`.*"
+                                         r"To fix: recompute `new_actions` inside the loop.*or compute it under "
+                                         r"`torch.no_grad\(\)`",
     # TD3's actor loss built beside the critic's, back-propagated after the critic's step changed the weights it saved
     "td3_actor_loss_before_critic_step": r"InplaceModificationError: .*\(step 3, loss 'loss'\): optimizer "
                                          r"'critic_optimizer' stepped after this loss was built and before its "
