@@ -9,6 +9,7 @@ agent's policy gradients are cleared before its update), targets soft-updated wi
 marlbenchmark/on-policy does (r_mappo.py ``ppo_update``, utils/valuenorm.py), with the actor and critic on one trunk.
 Sizes shrunk, random episodes."""
 import copy
+import functools
 import warnings
 
 import pytest
@@ -30,6 +31,12 @@ def quietly(run, *args, **kwargs):
 
 def same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@functools.cache
+def bare(loop, *args) -> list[torch.Tensor]:
+    """The loop without a guard, run once for all the tests that compare with it."""
+    return loop(None, *args)
 
 
 # QMIX (pymarl): RNN agents sharing one network, a hypernetwork mixer, a target MAC and mixer
@@ -151,7 +158,7 @@ def qmix(check: str | None, mistake: str | None = None) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("check", MODES)
 def test_qmix_is_quiet_and_bit_identical(check):
-    assert same(quietly(qmix, check), qmix(None))
+    assert same(quietly(qmix, check), bare(qmix))
 
 
 @pytest.mark.xfail(strict=True, reason="a module whose parameters no optimizer holds is taken for one left out of "
@@ -174,7 +181,7 @@ def test_qmix_hidden_state_carried_to_the_next_update_is_stopped_at_step_2(check
 def test_qmix_target_not_detached_trains_as_the_correct_loop(check):
     """Double Q's targets come from the target MAC and mixer alone: without ``.detach()`` their backward fills the
     targets' ``.grad`` (no optimizer holds them, ``load_state_dict`` copies values only), and the update is the same."""
-    assert same(quietly(qmix, check, "target_not_detached"), qmix(None))
+    assert same(quietly(qmix, check, "target_not_detached"), bare(qmix))
 
 
 @pytest.mark.parametrize("mistake", ["argmax_on_mac_out", "argmax_on_detached_mac_out"])
@@ -274,21 +281,21 @@ def maddpg(check: str | None, mistake: str | None = None, discrete: bool = True)
 
 @pytest.mark.parametrize("check", MODES)
 def test_maddpg_discrete_is_quiet_and_bit_identical(check):
-    assert same(quietly(maddpg, check), maddpg(None))
+    assert same(quietly(maddpg, check), bare(maddpg))
 
 
 @pytest.mark.parametrize("check", MODES)
 def test_maddpg_continuous_other_agents_actions_with_their_graph_are_quiet(check):
     """shariqiqbal2810/maddpg-pytorch#11: ``pi(ob)`` of the other agents is not detached; their policies' gradients are
     cleared before their own update, so it trains as with ``.detach()``."""
-    assert same(quietly(maddpg, check, None, False), maddpg(None, "others_detached", False))
+    assert same(quietly(maddpg, check, None, False), bare(maddpg, "others_detached", False))
 
 
 @pytest.mark.parametrize("check", MODES)
 def test_maddpg_target_value_not_detached_trains_as_the_correct_loop(check):
     """The critic's target through the target policies and critic, not detached: their ``.grad`` fill (no optimizer
     holds them; soft_update writes ``.data``), the update is the same."""
-    assert same(quietly(maddpg, check, "target_not_detached"), maddpg(None))
+    assert same(quietly(maddpg, check, "target_not_detached"), bare(maddpg))
 
 
 @pytest.mark.parametrize("discrete", [True, False])
@@ -298,7 +305,7 @@ def test_maddpg_frozen_targets_soft_updated_outside_no_grad_are_a_leak(check, di
                       r"graph: written in place outside torch\.no_grad\(\).*To fix: make that write under "
                       r"`torch\.no_grad\(\)`"):
         got = maddpg(check, "soft_update_with_graph", discrete)
-    assert same(got, maddpg(None, "soft_update_with_graph", discrete))
+    assert same(got, bare(maddpg, "soft_update_with_graph", discrete))
 
 
 # MAPPO (marlbenchmark/on-policy, onpolicy/algorithms/r_mappo/r_mappo.py ppo_update and cal_value_loss,
@@ -385,7 +392,7 @@ def mappo(check: str | None, shared_trunk: bool = False) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("check", MODES)
 def test_mappo_is_quiet_and_bit_identical(check):
-    assert same(quietly(mappo, check), mappo(None))
+    assert same(quietly(mappo, check), bare(mappo))
 
 
 @pytest.mark.parametrize("check", MODES)
