@@ -10,7 +10,9 @@ an error:
 A gradient counts as cleared when it is None, or another tensor, or the same tensor at another version than the one
 last seen (``zero_()``, and anything else written into it in place), or, where an update applied it and it looks
 untouched since, all zeros (``p.grad.data.zero_()`` writes through ``.data``, which no version counts): so a backward
-the guard did not check, or a gradient changed by hand, reads as cleared, and nothing is said. One exception: a
+the guard did not check, or a gradient changed by hand, reads as cleared, and nothing is said of it; an update finds
+the gradients kept where every one it applies was added to by a backward and at least one of those was not changed
+since (a sparse autoencoder's decoder gradient projected by hand, the others never cleared). One exception: a
 gradient that a backward added to an applied one, then only multiplied by a positive factor before the update
 (``clip_grad_norm_``, GradScaler's ``unscale_``), still holds the sum, and is still kept at that update. Gradients
 zeroed in place right before the update (``zero_grad(set_to_none=False)`` between ``backward()`` and ``step()``)
@@ -190,10 +192,10 @@ class GradientOrder:
         if given:
             if not any(id(p) in self._given for p in with_grad):
                 found = "cleared"
-            elif all(id(p) in self._added and (_same(p, self._seen.get(id(p)))
-                                               or _rescaled(p, self._seen[id(p)], self._added[id(p)]))
-                     for p in with_grad):
-                found = "kept"  # (not where the gradients changed since that backward otherwise: cleared, replaced)
+            elif all(id(p) in self._added for p in with_grad) and any(
+                    _same(p, self._seen.get(id(p))) or _rescaled(p, self._seen[id(p)], self._added[id(p)])
+                    for p in with_grad):
+                found = "kept"  # (not where every gradient changed since that backward otherwise: cleared, replaced)
             key = id(params[0])
             for kind in ("cleared", "kept"):
                 self._found[kind, key] = self._found.get((kind, key), 0) + 1 if kind == found else 0
