@@ -742,6 +742,10 @@ class Guard:
         # variable of `for log_prob, R in zip(saved_log_probs, returns)`)
         built = self._built_from_list(node, case) if kept else None
         holder = built or holder
+        if kept and _snapshot(node):
+            raise self._error(CarriedGraphError, node, case,
+                "the loss reaches {node}, created during an earlier step and held by {holder}; " + why + "; " +
+                _SNAPSHOT_WHY, [_snapshot_fix(holder)], holder=holder)
         if built or kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope,
                                                                                             case.batch):
             listed = code_of(_list_of(holder))
@@ -1109,6 +1113,14 @@ class Guard:
             return
         self._warned.add(key)
         code = code_of(holder)
+        if _snapshot(node):
+            self._warn(GraphSharingWarning(
+                f"the loss reaches {type(node).__name__}, built before training started from the trained "
+                f"{explain.leaf_names(trained, case.scope)} and held by "
+                f"{f'`{holder}`' if holder else 'a tensor made outside the step'}; " + _SNAPSHOT_WHY,
+                step=case.step, loss_name=case.name, node_name=type(node).__name__, holder=holder,
+                fixes=[_snapshot_fix(holder)]))
+            return
         self._warn(GraphSharingWarning(
             f"the loss reaches {type(node).__name__}, built before training started from the trained "
             f"{explain.leaf_names(trained, case.scope)} and held by "
@@ -1663,6 +1675,30 @@ def _trained(leaves, scope) -> list:
         return []
     ids = {id(p) for p in scope.parameters()}
     return [leaf for leaf in leaves if id(leaf) in ids]
+
+
+def _snapshot(node) -> bool:
+    """Whether ``node`` copies one leaf and does nothing else (``p.clone()``, ``p.to(...)``): kept, it is a snapshot
+    of a parameter's values, with its graph (FedProx's global weights taken as ``[p.clone() for p in
+    model.parameters()]``)."""
+    if type(node).__name__ not in ("CloneBackward0", "ToCopyBackward0"):
+        return False
+    nexts = [fn for fn, _ in node.next_functions if fn is not None]
+    return len(nexts) == 1 and type(nexts[0]).__name__ == "AccumulateGrad"
+
+
+_SNAPSHOT_WHY = ("it is a copy of that parameter's values kept with its graph: a term comparing the parameter with it "
+                 "(FedProx's proximal term `(w - w_t).norm()`) gets no gradient for the parameter, the copy's path "
+                 "cancelling the parameter's own")
+
+
+def _snapshot_fix(holder: str | None) -> str:
+    """Store a snapshot of the weights detached (the whole list, where it is an item of one); made again inside the
+    loop, it would be the weights themselves."""
+    listed, code = code_of(_list_of(holder)), code_of(holder) or "it"
+    stored = f"{listed} = [t.detach() for t in {listed}]" if listed else f"{code} = {code}.detach()"
+    return (f"store the copy detached (`{stored}`, or make it with `p.detach().clone()`), so that it stays the "
+            "weights as they were; made again inside the loop, it would be the weights themselves")
 
 
 _COPIED_FIX = ("detach what is copied into `{code}` where it is written (`{code}.copy_(x.detach())`), or write it "

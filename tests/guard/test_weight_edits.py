@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, InplaceModificationError, \
-    UnusedGradientWarning
+from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, GraphSharingWarning, \
+    InplaceModificationError, UnusedGradientWarning
 from safeloop.watch import Watch
 
 MODES = ["always", "auto", "off"]
@@ -304,3 +304,99 @@ def test_a_decoder_renormalized_through_data_between_forward_and_backward_is_sto
         quiet(training_loop_, "always", mistake="norm after forward")
     with pytest.raises(InplaceModificationError, match=r"step 2.*saved `ae.decoder.weight`.*through `.data`"):
         watched(training_loop_, "always", mistake="norm after forward")
+
+
+# -- FedProx (ki-ljl/FedProx-PyTorch) --------------------------------------------------------------------------------
+
+class ANN(nn.Module):
+    """model.py's ``ANN``, narrower, three layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.len = 0
+        self.fc1, self.fc2, self.fc4 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.sigmoid = nn.Sigmoid()
+
+    def forward(self, data):
+        return self.sigmoid(self.fc4(self.sigmoid(self.fc2(self.sigmoid(self.fc1(data))))))
+
+
+def fedprox(guard=None, snapshot="deepcopy", mu=0.5):
+    """Two rounds of ``FedProx.server`` over three clients (two local epochs of two batches each): ``dispatch``
+    writes the server's weights into each client's through ``.data``, ``train`` pulls each client towards
+    ``global_model = copy.deepcopy(server)``, ``aggregation`` averages the clients into the server through ``.data``.
+    ``snapshot``: what the proximal term pulls towards: "deepcopy" (the source), "detached" (the client's parameters
+    ``p.detach().clone()`` after dispatch: the same values), "cloned" (``p.clone()``: with its graph, which cancels
+    the term's gradient), "fixed as said" (the "cloned" mistake's first fix as written)."""
+    torch.manual_seed(0)
+    data = [[(torch.randn(5, 6), torch.rand(5, 1)) for _ in range(2)] for _ in range(3)]
+    server = ANN()
+    nns = [copy.deepcopy(server) for _ in range(3)]
+    guard = GraphGuard(check=guard) if guard else None
+    step_of = guard.step if guard else torch.enable_grad
+    losses = []
+    for _ in range(2):
+        for j in range(3):
+            for old_params, new_params in zip(nns[j].parameters(), server.parameters()):
+                old_params.data = new_params.data.clone()
+        for k in range(3):
+            model = nns[k]
+            model.len = len(data[k])
+            if snapshot == "deepcopy":
+                global_params = list(copy.deepcopy(server).parameters())
+            elif snapshot == "detached":
+                global_params = [p.detach().clone() for p in model.parameters()]
+            elif snapshot == "cloned":
+                global_params = [p.clone() for p in model.parameters()]
+            elif snapshot == "fixed as said":
+                global_params = [p.clone() for p in model.parameters()]
+                global_params = [t.detach() for t in global_params]
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=1e-4)
+            loss_function = nn.MSELoss()
+            for epoch in range(2):
+                for seq, label in data[k]:
+                    with step_of():
+                        y_pred = model(seq)
+                        optimizer.zero_grad()
+                        proximal_term = 0.0
+                        for w, w_t in zip(model.parameters(), global_params):
+                            proximal_term += (w - w_t).norm(2)
+                        loss = loss_function(y_pred, label) + (mu / 2) * proximal_term
+                        losses.append(loss.item())
+                        guard.backward(loss) if guard else loss.backward()
+                        optimizer.step()
+        s = sum(nns[j].len for j in range(3))
+        params = {k: torch.zeros_like(v.data) for k, v in nns[0].named_parameters()}
+        for j in range(3):
+            for k, v in nns[j].named_parameters():
+                params[k] += v.data * (nns[j].len / s)
+        for k, v in server.named_parameters():
+            v.data = params[k].data.clone()
+    return losses, torch.cat([p.detach().flatten() for p in server.parameters()])
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_fedprox_against_a_deep_copy_of_the_server_trains_as_without_the_guard(check):
+    """The deep copy's parameters require grad: each backward also writes their gradients, which no optimizer reads
+    (wasted, and harmless: the proximal term's gradient for the client is the same). Said nothing."""
+    bare = fedprox()
+    assert same(fedprox(snapshot="detached"), bare)
+    assert same(quiet(fedprox, check), bare)
+    assert same(watched(fedprox, check), bare)
+    assert same(quiet(fedprox, check, snapshot="detached"), bare)
+    assert same(watched(fedprox, check, snapshot="detached"), bare)
+
+
+def test_fedprox_against_clones_with_their_graph_is_told_to_detach_them():
+    """``[p.clone() for p in model.parameters()]`` keeps each clone's graph back to its parameter: the term
+    ``(w - clone(w)).norm()`` has no gradient for ``w`` (each difference's two paths cancel), so FedProx trains as
+    FedAvg, and the clones' graph is back-propagated at every local step."""
+    assert not same(fedprox(snapshot="cloned"), fedprox())
+    fix = r"held by `local global_params\[\d\]`.*a copy of that parameter's values kept with its graph.*To fix: " \
+          r"store the copy detached \(`global_params = \[t.detach\(\) for t in global_params\]`"
+    for check in ("always", "auto"):
+        with pytest.raises(GraphSharingWarning, match=r"step 1.*" + fix):  # made before the first `guard.step()`
+            quiet(fedprox, check, snapshot="cloned")
+        with pytest.raises(CarriedGraphError, match=fix):  # under watch, the loop of rounds is the training loop
+            watched(fedprox, check, snapshot="cloned")
+    assert same(fedprox(snapshot="fixed as said"), fedprox())
