@@ -1678,10 +1678,10 @@ def _trained(leaves, scope) -> list:
 
 
 def _snapshot(node) -> bool:
-    """Whether ``node`` copies one leaf and does nothing else (``p.clone()``, ``p.to(...)``): kept, it is a snapshot
-    of a parameter's values, with its graph (FedProx's global weights taken as ``[p.clone() for p in
-    model.parameters()]``)."""
-    if type(node).__name__ not in ("CloneBackward0", "ToCopyBackward0"):
+    """Whether ``node`` clones one leaf (``p.clone()``): kept, it is a snapshot of a parameter's values, with its graph
+    (FedProx's global weights taken as ``[p.clone() for p in model.parameters()]``). (Not a copy to another dtype:
+    ``torch.autocast``'s cached weights, see ``_cached_weight``.)"""
+    if type(node).__name__ != "CloneBackward0":
         return False
     nexts = [fn for fn, _ in node.next_functions if fn is not None]
     return len(nexts) == 1 and type(nexts[0]).__name__ == "AccumulateGrad"

@@ -124,9 +124,13 @@ class UnusedGradients:
         names = explain.parameter_names(scope)
         listed = {id(t) for t in wasted if names.get(id(t), ("", False))[1]}
         earlier, self._named = self._named, {names[id(t)][0]: t for t in wasted if id(t) in names}
-        remade = {id(t) for t in wasted if id(t) in names and earlier.get(names[id(t)][0], t) is not t}
         optimized = list(scope.optimized() or ()) + [p for o in explain.optimizers(scope) for g in o.param_groups
                                                      for p in g["params"]]
+        # made anew in a forward: in a model some of whose parameters are trained (not a whole copy of one made again
+        # now and then, FedProx's `global_model = copy.deepcopy(server)` for each client: a reference, left out)
+        trained = {names[id(p)][0].split(".")[0] for p in optimized if id(p) in names}
+        remade = {id(t) for t in wasted if id(t) in names and earlier.get(names[id(t)][0], t) is not t
+                  and names[id(t)][0].split(".")[0] in trained}
         known = {id(t) for _, t in explain.candidates(scope)} | set(names)
         stale = any(id(p) not in known for p in optimized)  # held by the optimizer only: a replaced layer's
         replaced = {id(t) for t in wasted if id(t) in names and id(t) not in listed} if stale else set()

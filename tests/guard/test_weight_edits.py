@@ -343,7 +343,8 @@ def fedprox(guard=None, snapshot="deepcopy", mu=0.5):
             model = nns[k]
             model.len = len(data[k])
             if snapshot == "deepcopy":
-                global_params = list(copy.deepcopy(server).parameters())
+                global_model = copy.deepcopy(server)
+                global_params = global_model.parameters()
             elif snapshot == "detached":
                 global_params = [p.detach().clone() for p in model.parameters()]
             elif snapshot == "cloned":
@@ -359,7 +360,8 @@ def fedprox(guard=None, snapshot="deepcopy", mu=0.5):
                         y_pred = model(seq)
                         optimizer.zero_grad()
                         proximal_term = 0.0
-                        for w, w_t in zip(model.parameters(), global_params):
+                        for w, w_t in zip(model.parameters(), global_model.parameters() if snapshot == "deepcopy"
+                                          else global_params):
                             proximal_term += (w - w_t).norm(2)
                         loss = loss_function(y_pred, label) + (mu / 2) * proximal_term
                         losses.append(loss.item())
@@ -378,7 +380,9 @@ def fedprox(guard=None, snapshot="deepcopy", mu=0.5):
 @pytest.mark.parametrize("check", MODES)
 def test_fedprox_against_a_deep_copy_of_the_server_trains_as_without_the_guard(check):
     """The deep copy's parameters require grad: each backward also writes their gradients, which no optimizer reads
-    (wasted, and harmless: the proximal term's gradient for the client is the same). Said nothing."""
+    (wasted, and harmless: the proximal term's gradient for the client is the same). Said nothing: the copy is made
+    again for each client, under the same names, but is no layer made in a forward (none of its parameters is
+    trained)."""
     bare = fedprox()
     assert same(fedprox(snapshot="detached"), bare)
     assert same(quiet(fedprox, check), bare)

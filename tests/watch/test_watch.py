@@ -30,6 +30,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 # script -> what its last line of stderr says under watch (the error, the tensor, the fix)
 BROKEN = {
+    # FedProx's global weights cloned from the client's parameters with their graph: the proximal term's gradient
+    # cancels; stored detached, not made again in the loop (which would make them the weights themselves)
+    "fedprox_global_weights_cloned": r"CarriedGraphError: .*\(step 3, loss 'loss'\): the loss reaches CloneBackward0, "
+                                     r"created during an earlier step and held by `local global_weights\[\d\]`.*a copy "
+                                     r"of that parameter's values kept with its graph.*To fix: store the copy detached "
+                                     r"\(`global_weights = \[t.detach\(\) for t in global_weights\]`",
     # the whole loop inside one torch.autocast region: its cached weight copies, made in the first step
     "autocast_around_loop": r"CarriedGraphError: .*the loss reaches ToCopyBackward0, a low-precision copy of a weight "
                             r"that torch.autocast made during an earlier step.*enter torch.autocast around each forward and its loss",
