@@ -743,9 +743,11 @@ class Guard:
         built = self._built_from_list(node, case) if kept else None
         holder = built or holder
         if kept and _snapshot(node):
-            raise self._error(CarriedGraphError, node, case,
-                "the loss reaches {node}, created during an earlier step and held by {holder}; " + why + "; " +
-                _SNAPSHOT_WHY, [_snapshot_fix(holder)], holder=holder)
+            why += "; " + _SNAPSHOT_WHY
+            if isinstance(holder, explain.Element):  # not what is added to a list: the list as it is, detached
+                raise self._error(CarriedGraphError, node, case,
+                    "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
+                    [_snapshot_fix(holder)], holder=holder)
         if built or kept and isinstance(holder, explain.Element) and explain.holds_as_made(node, holder, case.scope,
                                                                                             case.batch):
             listed = code_of(_list_of(holder))
@@ -1696,7 +1698,9 @@ def _snapshot_fix(holder: str | None) -> str:
     """Store a snapshot of the weights detached (the whole list, where it is an item of one); made again inside the
     loop, it would be the weights themselves."""
     listed, code = code_of(_list_of(holder)), code_of(holder) or "it"
-    stored = f"{listed} = [t.detach() for t in {listed}]" if listed else f"{code} = {code}.detach()"
+    whole = code_of(holder.whole) if isinstance(holder, explain.Entry) else None
+    stored = f"{listed} = [t.detach() for t in {listed}]" if listed else \
+        f"{whole} = {{k: v.detach() for k, v in {whole}.items()}}" if whole else f"{code} = {code}.detach()"
     return (f"store the copy detached (`{stored}`, or make it with `p.detach().clone()`), so that it stays the "
             "weights as they were; made again inside the loop, it would be the weights themselves")
 
