@@ -8,7 +8,8 @@
   the gradient's component parallel to each decoder column removed in place, ``_foreach_mul_`` clipping, an EMA by
   ``torch._foreach_lerp_``);
 - FedProx (ki-ljl/FedProx-PyTorch, client.py and server.py: clients given the server's weights through ``.data``,
-  the proximal term ``(w - w_t).norm(2)`` against a ``copy.deepcopy`` of the server, averaged through ``.data``).
+  the proximal term ``(w - w_t).norm(2)`` against a ``copy.deepcopy`` of the server, averaged through ``.data``);
+- magnitude pruning, the mask re-applied to the weights after each step.
 
 The watch scripts ``sae_*`` and ``fedprox_*`` run the same loops as their sources write them. Each correct loop trains
 bit for bit as without the guard and says nothing; each mistake is told with its tensor and a fix that, applied as
