@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from safeloop import Callback, ConfigError, ConfigWarning, DoubleBackwardError, StepError, Trainer
+from safeloop import (Callback, ConfigError, ConfigWarning, DoubleBackwardError, GraphReuseError, StepError,
+                      Trainer)
 from safeloop.models import MLP
 
 from .conftest import manual
@@ -425,6 +426,33 @@ def test_an_optimizer_no_loss_reaches_is_named_once(mode):
         "optimizer 'spare' has not updated anything in the 20 steps so far: no loss's gradient reached its "
         "parameters (is a loss returned, or self.backward(loss, optimizer='spare') called, for it? are its "
         "parameters the ones the forward uses, with requires_grad?)"]
+
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["", "retain_graph=True"])
+def test_manual_backward_of_a_graph_built_before_fit_says_what_this_backward_does_with_it(retain):
+    """Manual mode's self.backward(loss, retain_graph=True) on a graph built before fit frees nothing: the error
+    says it keeps the stale graph. Nothing is updated."""
+    class Prebuilt(Trainer):
+        automatic = False
+
+        def training_step(self, batch):
+            x, y = batch
+            self.backward(F.mse_loss(self.model(x) * self.scale, y), retain_graph=retain)
+            self.step()
+            return {"loss": 0.0}
+
+    model = MLP(8, 16, 1, 2)
+    trainer = Prebuilt(model=model, train_data=loader(dataset()), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       max_steps=3, device="cpu", progress=False, loggers=())
+    trainer.scale = model(torch.ones(1, 8)).sum()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_now = ("keeps it (retain_graph=True), so every step would back-propagate the same graph" if retain
+                 else "will free its saved tensors")
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss 'loss'\).*held by `self\.scale`.*this step's backward "
+                       + re.escape(state_now)):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("mode", ["automatic", "manual"])

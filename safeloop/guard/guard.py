@@ -73,6 +73,7 @@ class Case:
     scope: Scope | None = None
     batch: Any = None
     retains: bool = False  # its backward keeps the graph and makes one of the gradient (create_graph=True)
+    keeps: bool = False  # its backward is told to keep the graph (retain_graph=True)
 
 
 class Guard:
@@ -291,7 +292,7 @@ class Guard:
     def preflight(
         self, losses: Mapping[str, torch.Tensor], step: int, scope: Scope | None = None, batch: Any = None,
         first: bool = False, summed: bool = False, iteration: int | None = None, inputs=None, updates: bool = True,
-        kept: list | None = None, retains: bool = False,
+        kept: list | None = None, retains: bool = False, keeps: bool = False,
     ) -> list[bool] | None:
         """Check every loss of the step before any backward runs (``first``: no backward of the
         step has run yet, so no trained parameter may hold a gradient; ``summed``: the losses are
@@ -304,7 +305,7 @@ class Guard:
         accumulation, the gradients the step's earlier micro-batches left (``accumulated``), which must be there still;
         ``retains``: the one loss's backward makes a graph of its gradient and keeps the loss's (``create_graph=True``),
         so a graph built before training that it reaches is judged by whether what it was made from changed, see
-        ``_reused``).
+        ``_reused``; ``keeps``: it is told ``retain_graph=True``, so such a graph is not freed).
 
         Returns, per loss in order, whether its backward must retain the graph (because
         a later loss shares nodes with it, or a reused graph is being retained); None
@@ -330,7 +331,7 @@ class Guard:
             return None
         t0 = time.perf_counter()
         try:
-            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates, retains)
+            retain = self._preflight(losses, step, scope, batch, iteration, inputs, updates, retains, keeps)
             if look:
                 self._check_grads(next(iter(losses)), step, scope, kept)
             return retain
@@ -403,7 +404,7 @@ class Guard:
                        "parameters' .grad is then left alone"])
 
     def _preflight(self, losses, step, scope, batch, iteration=None, inputs=None, updates=False,
-                   retains=False) -> list[bool]:
+                   retains=False, keeps=False) -> list[bool]:
         seen: set = set()
         reached: list[tuple[str, Any, list]] = []  # (loss name, root, the leaves its walk met first)
         owner: dict[int, int] = {}  # node -> the first loss whose walk visited it
@@ -448,7 +449,7 @@ class Guard:
                         if id(nxt) in kept:
                             retain[i] = True
             self._written_parameter([*found.nodes, *found.before], Case(name, loss, step, scope, batch))
-            if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch, retains),
+            if found.before and self._before_step(found.before, Case(name, loss, step, scope, batch, retains, keeps),
                                                   iteration):
                 retain[i] = True
                 kept.update(id(n) for n in found.before)
@@ -1005,6 +1006,10 @@ class Guard:
                 state = (f"{explain.leaf_names(updated, case.scope)}, which it was made from, were updated since a "
                          "backward that kept it first reused it: this backward would take the gradient at the values "
                          "from before the update")
+            elif case.keeps:
+                state = ("this step's backward keeps it (retain_graph=True), so every step would back-propagate the "
+                         "same graph, with the values it was made from, and fail once an update changes a tensor it "
+                         "saved")
             else:
                 state = ("this step's backward will free its saved tensors, and the next step would fail with "
                          "'Trying to backward through the graph a second time'")

@@ -324,7 +324,8 @@ class GraphGuard:
         losses = self._checked(losses)
         if not losses:
             return call(retain_graph)
-        retain = self._preflight(losses, frame, updates, caller, retains=create_graph and retain_graph is not False)
+        retain = self._preflight(losses, frame, updates, caller, retains=create_graph and retain_graph is not False,
+                                 keeps=bool(retain_graph))
         step = self.steps
         if retain_graph is None and retain is not None and any(retain) and len(losses) == 1:
             retain_graph = True  # on_reuse=warn/retain keeps a graph built before training
@@ -346,7 +347,7 @@ class GraphGuard:
         return out
 
     def _preflight(self, losses: dict[str, torch.Tensor], frame, updates: bool = True,
-                   caller=None, retains: bool = False) -> list[bool] | None:
+                   caller=None, retains: bool = False, keeps: bool = False) -> list[bool] | None:
         if not self._open:
             self._begin(frame, explicit=False)
         elif not self._explicit and not self._by_optimizer and _site(frame) == self._site and not any(
@@ -387,7 +388,7 @@ class GraphGuard:
                     if done is not None:
                         guard.check_again(name, loss, step, self.scope, done)
             return guard.preflight(losses, step, self.scope, iteration=self._iteration_start(), updates=updates,
-                                   retains=retains)
+                                   retains=retains, keeps=keeps)
         finally:
             guard.frame = guard.caller = None  # a frame holds every variable of its function: never kept
 

@@ -317,7 +317,7 @@ class Runner:
         inputs = self.routes.inputs(optimizer, loss, guard.start_seq, step) if routed else None
         if inputs is not None:
             inputs = _not_yet_reached(loss, inputs, optimizer)
-        guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs)
+        guard.preflight({name: loss}, step, self.scope, self.batch, inputs=inputs, keeps=retain_graph)
         if self.stepped and HAS_SEQ and guard.checking:  # unchecked steps: explained if backward fails
             found = guard.inplace_check(loss, self.stepped, guard.start_seq, inputs)
             if found is not None:

@@ -48,6 +48,26 @@ def test_a_graph_built_before_the_loop_is_caught_at_step_one_before_anything_cha
     assert all(p.grad is None for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("retain", [False, True], ids=["", "retain_graph=True"])
+def test_a_graph_built_before_the_loop_says_what_this_backward_does_with_it(retain):
+    """philtabor's MADDPG: every agent's actions computed once before the agents' updates, each update's backward
+    told retain_graph=True. That backward frees nothing: the error says it keeps the stale graph instead."""
+    model, opt, data = setup()
+    guard = GraphGuard(model)
+    scale = model(torch.ones(1, 4)).sum()
+    state_now = ("this step's backward keeps it (retain_graph=True), so every step would back-propagate the same "
+                 "graph, with the values it was made from, and fail once an update changes a tensor it saved"
+                 if retain else "this step's backward will free its saved tensors")
+    with pytest.raises(GraphReuseError, match=re.escape("held by `local scale` (its graph saves tensors in AddmmBackward0); "
+                                                        + state_now)):
+        for x in data:
+            with guard.step():
+                guard.backward((model(x) * scale).pow(2).mean(), retain_graph=retain)
+                opt.step()
+                opt.zero_grad()
+
+
 def frozen_features_loop(detach: bool) -> list[torch.Tensor]:
     """A head trained on features a pretrained encoder, outside ``GraphGuard``'s model and in no optimizer, made
     once before the loop (``detach``: as the guard's first fix says)."""
