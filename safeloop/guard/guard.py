@@ -763,7 +763,7 @@ class Guard:
             held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
             # a value the loss reaches only through the slots it was written into (a replay buffer of recurrent
             # states, `C[ptr] = c[0, 0]`): named by that buffer, not by a variable still holding it
-            slotted = self._written_through(node, held, case)
+            slotted = self._written_through(node, held, case, holder)
             if slotted:
                 holder = slotted[0]
                 held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
@@ -822,20 +822,28 @@ class Guard:
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 fixes, trace_hint=True, holder=holder)
 
-    def _written_through(self, node, held: list[torch.Tensor], case: Case) -> list[str]:
+    def _written_through(self, node, held: list[torch.Tensor], case: Case, holder: str | None = None) -> list[str]:
         """When the loss reaches ``node`` only through values written into the slots of tensors, and ``held``
         (what holds ``node``) is no such tensor: the holders of the tensors whose slots an earlier step wrote too, with
         values that keep their graph (a replay buffer of recurrent states filled outside ``torch.no_grad()``, without
         ``.detach()``), the first one reaching ``node``; else none. Not a tensor this step made and wrote (torchdiffeq's
-        solution `pred_y`, whose first slot is the state `y0` carried from the last step: `y0` is named)."""
+        solution `pred_y`, whose first slot is the state `y0` carried from the last step: `y0` is named). Where
+        ``holder`` is a variable the plain loop sets before it reads it, left over from the last iteration (a CA's
+        `final_states`, written back into its sample `pool` after the optimizer step, which ``watch`` counts as this
+        step's start), a tensor the loop does not set anew is, written in this step or not: that variable carries
+        nothing to this iteration."""
         if not held or any(written_in_slots(t) for t in held) or self.start_seq is None or not walk.HAS_SEQ:
             return []
         if any(n is node for n in islice(walk.iter_nodes(case.loss.grad_fn, stop=lambda n: type(n).__name__ in
                                                          walk.SLOT_WRITES), 100_000)):
             return []
+        fresh = bytecode.set_first(self.frame) if self.frame is not None else frozenset()
+        kind, _, code = str(holder or "").partition(" ")
+        left_over = kind in ("global", "local") and code in fresh
         written: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in explain.candidates(case.scope, case.batch):
-            if written_in_slots(tensor) and id(tensor) not in written and written_before(tensor, self.start_seq):
+            if written_in_slots(tensor) and id(tensor) not in written and (written_before(tensor, self.start_seq) or (
+                    left_over and name.partition(" ")[2] not in fresh)):
                 written[id(tensor)] = name, tensor
         first = [name for name, tensor in written.values() if walk.reachable(tensor.grad_fn, node)]
         return first[:1] + [name for name, _ in written.values() if name not in first[:1]] if first else []
