@@ -143,6 +143,7 @@ class Guard:
         self._giving = False  # ``unused.order`` reads the gradients of the backward pre-flighted last
         self.heeded: list | None = None  # under watch: the warning filters set before the script ran (``warn_at``)
         self.frame = None  # a plain loop's frame that called the backward being pre-flighted: its warnings point there
+        self._failed_inplace = False  # explaining a backward that stopped at a saved tensor changed in place
         self.caller = None  # the frame that called it, where that is a library's below ``frame`` (under watch)
         # this checked step's backwards that did not retain the graph: (loss name, root, nodes walked,
         # inputs, its leaves' versions then, where it was called, whether someone else ran it, whether autograd.grad
@@ -604,6 +605,8 @@ class Guard:
         carried = [n for n in nodes if not self._before_fit(n) and not self.is_off("carried", n)]
         if carried:
             why = _why_carried(carried, self.prev_seq if walk.HAS_SEQ else None, iteration)
+            if why is _FREED and self._failed_inplace:  # freed by the backward that failed, at a tensor changed
+                why = _SAVED_CHANGED
             # the nodes the last step's backward ran already (retain_graph=True): not a one-step lag
             ran = [sequence_nr(n) for n in carried if self._ran_last and sequence_nr(n) in self._ran_last]
             if why is None and any(iteration is None or seq < iteration for seq in ran):
@@ -1392,6 +1395,19 @@ class Guard:
             f"requires_grad={loss.requires_grad} and no grad_fn)", step=step, loss_name=name, fixes=fixes)
 
     # -- after a backward raised -------------------------------------------------------
+    def _explained_before(self, before: list, case: Case, iteration: int | None) -> GraphLifecycleError | None:
+        """What the pre-flight check says of ``before``, the loss's nodes made before the step, if anything."""
+        if not before:
+            return None
+        checking, self.checking = self.checking, True
+        try:
+            self._before_step(before, case, iteration)
+        except GraphLifecycleError as explained:
+            return explained
+        finally:
+            self.checking = checking
+        return None
+
     def explain(self, err: RuntimeError, name: str, loss: torch.Tensor, step: int,
                 scope: Scope | None = None, batch: Any = None, stepped: list[str] | None = None,
                 iteration: int | None = None):
@@ -1402,14 +1418,9 @@ class Guard:
         before = walk.walk(loss.grad_fn, start, step).before if start is not None else []
         case = Case(name, loss, step, scope, batch)
         if walk.is_freed(err):
-            if before:
-                checking, self.checking = self.checking, True
-                try:
-                    self._before_step(before, case, iteration)
-                except GraphLifecycleError as explained:
-                    return explained
-                finally:
-                    self.checking = checking
+            explained = self._explained_before(before, case, iteration)
+            if explained is not None:
+                return explained
             statistic = self._freed_statistic(case)
             if statistic is not None:
                 return statistic
@@ -1433,6 +1444,16 @@ class Guard:
                     f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
                     "stale and retain_graph cannot help",
                     self._rebuild_fixes(saving[0], holder, walk.below(saving[0])[1], case), holder=holder)
+            # an update that came after a graph the loss reaches was made, in an earlier step (TGN's memory, written
+            # by its GRU and not detached, saved the weights the last step's update changed): the carried graph is
+            # what to explain, not an optimizer stepped between this step's loss and its backward
+            self._failed_inplace = True  # (the nodes it ran before stopping look freed)
+            try:
+                explained = self._explained_before(before, case, iteration) if stepped else None
+            finally:
+                self._failed_inplace = False
+            if explained is not None:
+                return explained
             written = _written_leaf(loss, text, tensor)
             if written is not None and not stepped:
                 node, leaf = written

@@ -339,7 +339,7 @@ class GraphGuard:
         try:
             out = call(retain_graph)
         except RuntimeError as err:
-            raise self._explained(err, losses, step)
+            raise self._explained(err, losses, step, frame)
         retained = retain_graph if retain_graph is not None else create_graph
         if guard.checking:
             guard.backward_done(bool(retained), _tensors(inputs), captured=not updates)
@@ -440,8 +440,9 @@ class GraphGuard:
             if self._timed:
                 self._ended = _perf_counter()
 
-    def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int) -> Exception:
-        """What to raise for backward's ``err``: the guard's explanation (caused by ``err``), or ``err``."""
+    def _explained(self, err: RuntimeError, losses: Mapping[str, torch.Tensor], step: int, frame=None) -> Exception:
+        """What to raise for backward's ``err``: the guard's explanation (caused by ``err``), or ``err``; ``frame``:
+        the plain loop's that called the backward, whose variables the explanation reads as the pre-flight does."""
         name, loss = next((n, t) for n, t in losses.items() if t.grad_fn is not None or not t.requires_grad)
         stepped = []
         if self._recent and loss.grad_fn is not None and walk.HAS_SEQ:  # updates after the loss's graph began
@@ -451,7 +452,11 @@ class GraphGuard:
         # A step that an update ended inside a loop iteration (StyleGAN2's lazy R1: D steps, then the penalty
         # goes through the D(real) built before that step): the iteration's earlier graphs are not "kept across
         # steps", the update came between the loss and its backward
-        explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, self._iteration_start())
+        self.guard.frame = frame
+        try:
+            explained = self.guard.explain(err, name, loss, step, self.scope, None, stepped, self._iteration_start())
+        finally:
+            self.guard.frame = None  # a frame holds every variable of its function: never kept
         if explained is None:
             return err
         explained.__cause__ = err
