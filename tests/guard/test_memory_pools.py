@@ -56,10 +56,10 @@ def test_a_tgn_memory_not_detached_is_named_and_either_fix_trains_as_the_source(
     library's) and detaching it at the end of each step both train as the source. With the checks off, the backward
     fails at a weight the last update changed: explained the same, not as an update between this loss and its
     backward (the carried graph is older than that update, this step's loss is not)."""
-    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `memory.memory`; a tensor its graph saved was "
-                       r"changed in place since it was made.*To fix: detach "
-                       r"what is written into `memory.memory` where it is written.*or write it under `torch.no_grad"
-                       r"\(\)`.*; or detach the carried state at the end of each step \(`memory.memory = "
+    with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\).*held by `memory.memory`; a tensor its "
+                       r"graph saved was changed in place since it was made.*To fix: detach what is written into "
+                       r"`memory.memory` where it is written.*or write it under "
+                       r"`torch.no_grad\(\)`.*; or detach the carried state at the end of each step \(`memory.memory = "
                        r"memory.memory.detach\(\)`\)"):
         run(tmp_path, "tgn_memory_detached", check, TGN_NOT_DETACHED)
     correct = run(tmp_path, "tgn_memory_detached", None)
@@ -85,7 +85,8 @@ def test_a_pool_written_back_with_graphs_after_the_update_is_named_not_the_varia
     assert run(tmp_path, "nca_sample_pool", check, NCA_NOT_DETACHED, fixed) == run(tmp_path, "nca_sample_pool", None)
 
 
-EMA_WITHOUT_DATA = ("        ema_param.data[:] = alpha_teacher * ema_param[:].data[:] + (1 - alpha_teacher) * param[:].data[:]",
+EMA_WITHOUT_DATA = ("        ema_param.data[:] = alpha_teacher * ema_param[:].data[:] + (1 - alpha_teacher) * "
+                    "param[:].data[:]",
                     "        ema_param[:] = alpha_teacher * ema_param[:] + (1 - alpha_teacher) * param[:]")
 EMA_FIXED = (EMA_WITHOUT_DATA[1], "        with torch.no_grad(): ema_param[:] = alpha_teacher * ema_param[:] + "
                                   "(1 - alpha_teacher) * param[:]")
@@ -108,7 +109,8 @@ def test_an_ema_teacher_with_a_graph_that_the_loss_reaches_is_stopped_and_the_fi
     """... and where the teacher's own output is the target, the next batch's loss goes through the teacher's writes
     into the student's earlier graphs: stopped at the second batch, naming the teacher's parameter."""
     with pytest.raises(CarriedGraphError, match=r"\(step 2, loss 'loss'\): the loss reaches CopyBackwards, the graph "
-                       r"of the parameter `self.model_ema.0.weight`.*To fix: make that write under `torch.no_grad\(\)`"):
+                       r"of the parameter `self.model_ema.0.weight`.*To fix: make that write under "
+                       r"`torch.no_grad\(\)`"):
         run(tmp_path, "cotta_ema_teacher_restore", "auto", EMA_WITHOUT_DATA, CONFIDENT)
     assert run(tmp_path, "cotta_ema_teacher_restore", "auto", EMA_WITHOUT_DATA, EMA_FIXED, CONFIDENT) == \
         run(tmp_path, "cotta_ema_teacher_restore", None, CONFIDENT)
