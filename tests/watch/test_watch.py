@@ -441,6 +441,12 @@ BROKEN = {
                                r"\[0\]`.*To fix: detach the carried state at the end of each step \(`past_key_values."
                                r"value_cache = \[t.detach\(\) for t in past_key_values.value_cache\]; past_key_values."
                                r"key_cache = \[t.detach\(\) for t in past_key_values.key_cache\]`\)",
+    # a CA's pool of states written back with the batch's graph after the optimizer step (which watch counts as the
+    # next step's start): the pool is named with the fix to detach what is written, not the variable `final_states`
+    # left holding the last value written (the correct loop: nca_sample_pool)
+    "nca_sample_pool_written_with_graph": r"CarriedGraphError: .*\(step 2, loss 'loss'\).*held by `global pool`;.*To "
+                                          r"fix: detach what is written into `pool` where it is written "
+                                          r"\(`pool\[i\] = x.detach\(\)`",
     "transformer_xl_mems_not_detached": r"CarriedGraphError: .*\(step 2, loss 'loss'\): the loss reaches \w+, created "
                                         r"during an earlier step and held by `global mems\[\d\]`.*To fix: detach the "
                                         r"carried state at the end of each step \(`mems = \[t.detach\(\) for t in "
