@@ -191,15 +191,21 @@ class Leaks:
             f"held by `{holder}`), {whose}: they pile up step after step (their nodes, and the tensors they saved)",
             step=step, holder=holder, fixes=[fix]), frame)
 
-    def written_parameters(self, step: int, scope: Scope | None, frame=None) -> None:
+    def written_parameters(self, step: int, scope: Scope | None, frame=None, start: int | None = None) -> None:
         """Warn once about the parameters holding a graph (``explain.written_parameters``) after a thorough step, where
         no loss reaches them (a generator's EMA copy, sampled from under torch.no_grad()): each write adds to it; and
-        once about the tensors written so (``_written_copies``: diffusers' EMA shadow parameters, kept in a list)."""
+        once about the tensors written so (``_written_copies``: diffusers' EMA shadow parameters, kept in a list).
+        With ``start``, the node counter where the running step began, only a graph that reaches a node made before
+        it: not one this step's forward wrote and that the loop cuts after its update (twitter-research/tgn's memory,
+        a Parameter written by the GRU in forward, then ``detach_memory()``)."""
         if self._is_off("leak"):
             return
         written_in_place, remade = self._written_copies(scope)
+        params = [name for name, p in explain.written_parameters(scope) if start is None or any(
+            type(n) is not walk.ACCUMULATE and sequence_nr(n) < start
+            for n in islice(walk.iter_nodes(p.grad_fn), 1_000))]
         for kind, names, example, fix in (
-                ("parameters", [name for name, _ in explain.written_parameters(scope)], WRITTEN_EXAMPLE, WRITTEN_FIX),
+                ("parameters", params, WRITTEN_EXAMPLE, WRITTEN_FIX),
                 ("tensors", written_in_place, "an EMA's shadow copies of the parameters kept as tensors, "
                                               "`s.sub_((1 - d) * (s - p))`", WRITTEN_FIX),
                 ("tensors", remade, None, _REMADE_FIX)):

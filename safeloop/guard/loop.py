@@ -379,7 +379,7 @@ class GraphGuard:
             for first, holder in leaks.piled(done, refs, self.scope, iteration, start=guard.start_seq):
                 leaks.warn(first, done, holder, shown)
             leaks.growing_lists(done, self._namespaces(), shown)
-            leaks.written_parameters(done, self.scope, shown)
+            leaks.written_parameters(done, self.scope, shown, guard.start_seq if walk.HAS_SEQ else None)
         guard.frame, guard.caller = frame, caller
         try:
             if guard.checking:  # marks are made on checked steps (see _mark)
