@@ -1444,12 +1444,15 @@ class Guard:
                     f"saved ({tensor}) was since changed in place ({_WRITES}), so a graph kept across steps goes "
                     "stale and retain_graph cannot help",
                     self._rebuild_fixes(saving[0], holder, walk.below(saving[0])[1], case), holder=holder)
-            # an update that came after a graph the loss reaches was made, in an earlier step (TGN's memory, written
-            # by its GRU and not detached, saved the weights the last step's update changed): the carried graph is
-            # what to explain, not an optimizer stepped between this step's loss and its backward
+            # an update that came after a graph the loss reaches was made, in an earlier loop iteration (TGN's memory,
+            # written by its GRU and not detached, saved the weights the last iteration's update changed): the carried
+            # graph is what to explain, not an optimizer stepped between this step's loss and its backward. Not on a
+            # checked step, whose pre-flight judged that graph already, nor for a graph of this iteration (a GAN's
+            # D(fake) from before D's step)
+            older = [n for n in before if iteration is None or sequence_nr(n) < iteration]
             self._failed_inplace = True  # (the nodes it ran before stopping look freed)
             try:
-                explained = self._explained_before(before, case, iteration) if stepped else None
+                explained = self._explained_before(older, case, iteration) if stepped and not self.checking else None
             finally:
                 self._failed_inplace = False
             if explained is not None:
