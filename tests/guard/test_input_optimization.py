@@ -3,7 +3,6 @@
 generate.py: a leaf Adam updates, clamped in place after each step, prompts embedded once before the loop by a frozen
 perceptor); the watch scripts ``vqgan_clip_*``, ``dip_*`` and ``sds_*`` run such loops as their sources write them.
 Each fix a message gives is applied as written and must train bit for bit as the correct loop."""
-import warnings
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 from safeloop import CarriedGraphError, DoubleBackwardError, GraphGuard, GraphReuseError, NoGraphError
 from safeloop.watch import Watch
+from tests.guard.runs import watched
 
 
 class ReplaceGrad(torch.autograd.Function):
@@ -94,13 +94,6 @@ def vqgan_clip(clamp: str = "in place", frozen: bool = True, embed_fix: bool = F
         else:
             with torch.no_grad(): z.copy_(z.maximum(z_min).minimum(z_max))  # noqa: E701 (the fix as written)
     return losses, opt.param_groups[0]["params"][0].detach().clone()
-
-
-def watched(fn, check: str, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Watch(GraphGuard(check=check), __file__):
-            return fn(**kwargs)
 
 
 def same(a, b) -> bool:

@@ -10,7 +10,6 @@ marlbenchmark/on-policy does (r_mappo.py ``ppo_update``, utils/valuenorm.py), wi
 Sizes shrunk, random episodes."""
 import copy
 import functools
-import warnings
 
 import pytest
 import torch
@@ -18,15 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, InplaceModificationError, UnusedGradientWarning
+from tests.guard.runs import quietly
 
 MODES = ["always", "auto", "off"]
 N_AGENTS, N_ACTIONS, OBS, STATE, HIDDEN, EMBED = 3, 4, 5, 6, 8, 8
-
-
-def quietly(run, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return run(*args, **kwargs)
 
 
 def same(a, b) -> bool:

@@ -8,7 +8,6 @@ muzero-general, trainer.py ``update_weights`` and models.py: the hidden state sc
 the latents of a VAE (ctallec/world-models, trainmdrnn.py). Sizes shrunk, random environments."""
 import copy
 import re
-import warnings
 
 import numpy as np
 import pytest
@@ -18,16 +17,11 @@ from torch import nn
 from torch.distributions.categorical import Categorical
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning
+from tests.guard.runs import quietly
 # muzero-general's helpers, as tests/realworld/test_muzero.py ports them
 from tests.realworld.test_muzero import loss_function, normalized, scalar_to_support, scale_gradient
 
 MODES = ["always", "auto", "off"]
-
-
-def quietly(run, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return run(*args, **kwargs)
 
 
 def same(a, b) -> bool:

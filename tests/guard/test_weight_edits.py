@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, GraphSharingWarning, \
-    InplaceModificationError, UnusedGradientWarning
-from safeloop.watch import Watch
+from safeloop import (CarriedGraphError, GraphGuard, GraphLeakWarning, GraphSharingWarning, InplaceModificationError,
+                      UnusedGradientWarning)
+from tests.guard.runs import watched
 
 MODES = ["always", "auto", "off"]
 
@@ -33,13 +33,6 @@ def quiet(fn, guard, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         return fn(guard=guard, **kwargs)
-
-
-def watched(fn, check: str, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Watch(GraphGuard(check=check), __file__):
-            return fn(**kwargs)
 
 
 def same(a, b) -> bool:
