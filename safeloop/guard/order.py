@@ -56,10 +56,20 @@ def _state(p: torch.Tensor) -> tuple | None:
     return grad.__dict__[_MARK], grad._version
 
 
+def _elements(grad: torch.Tensor) -> torch.Tensor:
+    """The elements ``grad`` holds, flat: this rank's shard of a sharded one (no collective); a sparse one's values
+    (``nn.Embedding(sparse=True)``'s), coalesced first (a copy: the gradient itself is left as it is), so that values
+    of one index that cancel read as the zero they sum to."""
+    grad = fsdp.local(grad.detach())
+    if grad.layout is torch.sparse_coo:
+        grad = grad.coalesce()
+    return grad.flatten() if grad.layout is torch.strided else grad.values().flatten()
+
+
 def _measure(p: torch.Tensor) -> torch.Tensor:
     """A few numbers of ``p``'s gradient that multiplying it by a factor multiplies alike: its norm, its sum, its first
-    and last element (of this rank's shard of a sharded one)."""
-    flat = fsdp.local(p.grad.detach()).flatten()
+    and last element (see ``_elements``)."""
+    flat = _elements(p.grad)
     return torch.stack((flat.norm(), flat.sum(), flat[:1].sum(), flat[-1:].sum())).float()
 
 
@@ -85,8 +95,8 @@ def _zeroed(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Those of ``params`` whose gradient is all zeros: one read per device (a host sync on a GPU)."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for p in params:
-        grad = fsdp.local(p.grad.detach())  # (this rank's shard of a sharded one: no collective)
-        by_device.setdefault(grad.device, []).append((p, grad.ne(0).any()))
+        elements = _elements(p.grad)
+        by_device.setdefault(elements.device, []).append((p, elements.ne(0).any()))
     out = []
     for pairs in by_device.values():
         nonzero = torch.stack([flag for _, flag in pairs]).tolist()
