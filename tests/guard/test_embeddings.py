@@ -151,3 +151,159 @@ def test_sparse_gradients_never_cleared_are_said_not_crashed_on(check):
     with pytest.warns(UnusedGradientWarning, match=r"\(step 4, loss 'loss'\).*nothing cleared them since"):
         with Watch(GraphGuard(check=check), __file__):
             assert same(skip_gram(mistake="no zero_grad"), bare)
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_a_running_loss_kept_with_its_graph_is_warned_with_item_as_the_fix(check):
+    """``running_loss * 0.9 + loss * 0.1`` for the source's ``loss.item()``: every step's graph kept."""
+    with pytest.warns(GraphLeakWarning, match=r"held by `local running_loss`.*Store loss\.item\(\)"):
+        skip_gram(guard=check, mistake="running loss with graph")
+    assert same(quiet(skip_gram, check, mistake="running loss fixed"), skip_gram())
+
+
+# -- mklimasz/TransE-PyTorch -----------------------------------------------------------------------------------------
+
+class TransE(nn.Module):
+    """model.py, as written; ``sparse``: both tables ``nn.Embedding(sparse=True)`` (the source's are dense)."""
+
+    def __init__(self, entity_count, relation_count, device, norm=1, dim=100, margin=1.0, sparse=False):
+        super(TransE, self).__init__()
+        self.entity_count = entity_count
+        self.relation_count = relation_count
+        self.device = device
+        self.norm = norm
+        self.dim = dim
+        self.sparse = sparse
+        self.entities_emb = self._init_enitity_emb()
+        self.relations_emb = self._init_relation_emb()
+        self.criterion = nn.MarginRankingLoss(margin=margin, reduction='none')
+
+    def _init_enitity_emb(self):
+        entities_emb = nn.Embedding(num_embeddings=self.entity_count + 1, embedding_dim=self.dim,
+                                    padding_idx=self.entity_count, sparse=self.sparse)
+        uniform_range = 6 / np.sqrt(self.dim)
+        entities_emb.weight.data.uniform_(-uniform_range, uniform_range)
+        return entities_emb
+
+    def _init_relation_emb(self):
+        relations_emb = nn.Embedding(num_embeddings=self.relation_count + 1, embedding_dim=self.dim,
+                                     padding_idx=self.relation_count, sparse=self.sparse)
+        uniform_range = 6 / np.sqrt(self.dim)
+        relations_emb.weight.data.uniform_(-uniform_range, uniform_range)
+        # -1 to avoid nan for OOV vector
+        relations_emb.weight.data[:-1, :].div_(relations_emb.weight.data[:-1, :].norm(p=1, dim=1, keepdim=True))
+        return relations_emb
+
+    def renormalize(self):
+        # -1 to avoid nan for OOV vector
+        self.entities_emb.weight.data[:-1, :].div_(self.entities_emb.weight.data[:-1, :].norm(p=2, dim=1, keepdim=True))
+
+    def forward(self, positive_triplets, negative_triplets, renormalize=True):
+        if renormalize:
+            self.renormalize()
+        positive_distances = self._distance(positive_triplets)
+        negative_distances = self._distance(negative_triplets)
+        return self.loss(positive_distances, negative_distances), positive_distances, negative_distances
+
+    def loss(self, positive_distances, negative_distances):
+        target = torch.tensor([-1], dtype=torch.long, device=self.device)
+        return self.criterion(positive_distances, negative_distances, target)
+
+    def _distance(self, triplets):
+        heads = triplets[:, 0]
+        relations = triplets[:, 1]
+        tails = triplets[:, 2]
+        return (self.entities_emb(heads) + self.relations_emb(relations) - self.entities_emb(tails)).norm(p=self.norm,
+                                                                                                          dim=1)
+
+
+def triples(device):
+    """main.py's batches (three of 8 triples over 12 entities and 3 relations), each with its corrupted triples: head
+    or tail replaced by a random entity."""
+    gen = torch.Generator().manual_seed(3)
+    train_generator = [(torch.randint(12, (8,), generator=gen), torch.randint(3, (8,), generator=gen),
+                        torch.randint(12, (8,), generator=gen)) for _ in range(3)]
+    for local_heads, local_relations, local_tails in train_generator:
+        positive_triples = torch.stack((local_heads, local_relations, local_tails), dim=1)
+        head_or_tail = torch.randint(high=2, size=local_heads.size(), device=device)
+        random_entities = torch.randint(high=12, size=local_heads.size(), device=device)
+        broken_heads = torch.where(head_or_tail == 1, random_entities, local_heads)
+        broken_tails = torch.where(head_or_tail == 0, random_entities, local_tails)
+        negative_triples = torch.stack((broken_heads, local_relations, broken_tails), dim=1)
+        yield positive_triples, negative_triples
+
+
+def transe(guard=None, sparse=False, mistake=None):
+    """main.py's training loop, two epochs. ``mistake``: "renormalized after forward" (the ``.data`` write moved
+    between the forward and its backward: the lookups saved no weight, so the gradient is the same), "table in loop"
+    (distances read from a normalized entity table made in each step, as a graph-mode port would)."""
+    torch.manual_seed(1234)
+    device = torch.device('cpu')
+    model = TransE(entity_count=12, relation_count=3, dim=6, margin=1.0, device=device, norm=1, sparse=sparse)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = GraphGuard(model, optimizer, check=guard) if guard else None
+    losses = []
+    for epoch_id in range(2):
+        for positive_triples, negative_triples in triples(device):
+            optimizer.zero_grad()
+            if mistake == "table in loop":
+                table = F.normalize(model.entities_emb.weight, p=2, dim=1)
+                pd, nd = ((table[t[:, 0]] + model.relations_emb(t[:, 1]) - table[t[:, 2]]).norm(p=1, dim=1)
+                          for t in (positive_triples, negative_triples))
+                loss = model.loss(pd, nd)
+            else:
+                loss, pd, nd = model(positive_triples, negative_triples,
+                                     renormalize=mistake != "renormalized after forward")
+            if mistake == "renormalized after forward":
+                model.renormalize()
+            guard.backward(loss.mean()) if guard else loss.mean().backward()
+            loss = loss.data.cpu()
+            losses.append(float(loss.mean()))
+            optimizer.step()
+    return losses, flat(model)
+
+
+def transe_table_before_loop(guard=None, sparse=False):
+    """``transe(mistake="table in loop")`` with the table made once, before the loop: its graph, into the entity
+    weights, is back-propagated by every step."""
+    torch.manual_seed(1234)
+    device = torch.device('cpu')
+    model = TransE(entity_count=12, relation_count=3, dim=6, margin=1.0, device=device, norm=1, sparse=sparse)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    table = F.normalize(model.entities_emb.weight, p=2, dim=1)
+    guard = GraphGuard(model, optimizer, check=guard) if guard else None
+    for epoch_id in range(2):
+        for positive_triples, negative_triples in triples(device):
+            optimizer.zero_grad()
+            pd, nd = ((table[t[:, 0]] + model.relations_emb(t[:, 1]) - table[t[:, 2]]).norm(p=1, dim=1)
+                      for t in (positive_triples, negative_triples))
+            loss = model.loss(pd, nd)
+            guard.backward(loss.mean()) if guard else loss.mean().backward()
+            optimizer.step()
+
+
+@pytest.mark.parametrize("check", MODES)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_transe_renormalizing_its_entities_through_data_in_forward_trains_as_without_the_guard(check, sparse):
+    bare = transe(sparse=sparse)
+    assert same(quiet(transe, check, sparse=sparse), bare)
+    assert same(watched(transe, check, sparse=sparse), bare)
+
+
+@pytest.mark.parametrize("check", MODES)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_entities_renormalized_through_data_between_forward_and_backward_are_no_mistake(check, sparse):
+    """The lookups save indices only: the write changes no gradient of this step, and nothing is said."""
+    bare = transe(sparse=sparse, mistake="renormalized after forward")
+    assert same(quiet(transe, check, sparse=sparse, mistake="renormalized after forward"), bare)
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_normalized_entity_table_built_before_the_loop_is_stopped_at_step_1(check, sparse):
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss .loss.\).*held by `local table`.*To fix: recompute `table` inside the loop"):
+        transe_table_before_loop(guard=check, sparse=sparse)
+    with pytest.raises(GraphReuseError, match=r"\(step 1, loss .loss.\).*held by `local table`.*To fix: recompute `table` inside the loop"):
+        with Watch(GraphGuard(check=check), __file__):
+            transe_table_before_loop(sparse=sparse)
+    assert same(quiet(transe, check, sparse=sparse, mistake="table in loop"), transe(sparse=sparse, mistake="table in loop"))
