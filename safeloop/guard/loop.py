@@ -276,7 +276,7 @@ class GraphGuard:
             try:
                 return torch.Tensor.backward(loss, gradient, retain_graph, create_graph, inputs)
             except RuntimeError as err:
-                raise self._explained(err, {"loss": loss}, self.steps)
+                raise self._explained(err, {"loss": loss}, self.steps, sys._getframe(1))
         self.run({"loss": loss}, sys._getframe(1), lambda retain: torch.Tensor.backward(
             loss, gradient, retain, create_graph, inputs), retain_graph, create_graph, inputs)
 
@@ -505,8 +505,14 @@ class GraphGuard:
     def _namespaces(self) -> list[tuple[str, Mapping[str, Any]]]:
         """The variables searched: those of the function that called backward and of every function of its file
         running (the loop around a `train_step(x, y)` closure; a `main()` around a library's loop that calls a loss
-        function of the same file), the script's before them under watch; then their globals."""
+        function of the same file), the script's before them under watch; then their globals. Inside ``with
+        guard.step()``, the function that called the guard below the one that opened the step comes first (a
+        ``train_step(model, optimizer, ...)`` the loop calls, whose ``regularization`` the loss adds)."""
         frame, out, spaces = self._frame, [], []
+        called = self.guard.frame
+        if called is not None and frame is not None and called is not frame and any(
+                f is frame for f in stack(called)):
+            frame = called
         if frame is not None:
             files = (self._script, frame.f_code.co_filename)
             frames = [f for f in stack(frame) if f.f_code.co_filename in files]

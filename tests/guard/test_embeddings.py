@@ -307,3 +307,190 @@ def test_a_normalized_entity_table_built_before_the_loop_is_stopped_at_step_1(ch
         with Watch(GraphGuard(check=check), __file__):
             transe_table_before_loop(sparse=sparse)
     assert same(quiet(transe, check, sparse=sparse, mistake="table in loop"), transe(sparse=sparse, mistake="table in loop"))
+
+
+# -- DeepGraphLearning/KnowledgeGraphEmbedding -----------------------------------------------------------------------
+
+class KGEModel(nn.Module):
+    """codes/model.py's ``KGEModel``, its DistMult and RotatE scores and ``train_step`` as written (the other scores
+    and the test step left out; ``train_step`` takes the guard)."""
+
+    def __init__(self, model_name, nentity, nrelation, hidden_dim, gamma,
+                 double_entity_embedding=False, double_relation_embedding=False):
+        super(KGEModel, self).__init__()
+        self.model_name = model_name
+        self.nentity = nentity
+        self.nrelation = nrelation
+        self.hidden_dim = hidden_dim
+        self.epsilon = 2.0
+        self.gamma = nn.Parameter(torch.Tensor([gamma]), requires_grad=False)
+        self.embedding_range = nn.Parameter(torch.Tensor([(self.gamma.item() + self.epsilon) / hidden_dim]),
+                                            requires_grad=False)
+        self.entity_dim = hidden_dim * 2 if double_entity_embedding else hidden_dim
+        self.relation_dim = hidden_dim * 2 if double_relation_embedding else hidden_dim
+        self.entity_embedding = nn.Parameter(torch.zeros(nentity, self.entity_dim))
+        nn.init.uniform_(tensor=self.entity_embedding, a=-self.embedding_range.item(), b=self.embedding_range.item())
+        self.relation_embedding = nn.Parameter(torch.zeros(nrelation, self.relation_dim))
+        nn.init.uniform_(tensor=self.relation_embedding, a=-self.embedding_range.item(),
+                         b=self.embedding_range.item())
+
+    def forward(self, sample, mode='single'):
+        if mode == 'single':
+            batch_size, negative_sample_size = sample.size(0), 1
+            head = torch.index_select(self.entity_embedding, dim=0, index=sample[:, 0]).unsqueeze(1)
+            relation = torch.index_select(self.relation_embedding, dim=0, index=sample[:, 1]).unsqueeze(1)
+            tail = torch.index_select(self.entity_embedding, dim=0, index=sample[:, 2]).unsqueeze(1)
+        elif mode == 'head-batch':
+            tail_part, head_part = sample
+            batch_size, negative_sample_size = head_part.size(0), head_part.size(1)
+            head = torch.index_select(self.entity_embedding, dim=0, index=head_part.view(-1)).view(
+                batch_size, negative_sample_size, -1)
+            relation = torch.index_select(self.relation_embedding, dim=0, index=tail_part[:, 1]).unsqueeze(1)
+            tail = torch.index_select(self.entity_embedding, dim=0, index=tail_part[:, 2]).unsqueeze(1)
+        else:  # 'tail-batch'
+            head_part, tail_part = sample
+            batch_size, negative_sample_size = tail_part.size(0), tail_part.size(1)
+            head = torch.index_select(self.entity_embedding, dim=0, index=head_part[:, 0]).unsqueeze(1)
+            relation = torch.index_select(self.relation_embedding, dim=0, index=head_part[:, 1]).unsqueeze(1)
+            tail = torch.index_select(self.entity_embedding, dim=0, index=tail_part.view(-1)).view(
+                batch_size, negative_sample_size, -1)
+        model_func = {'DistMult': self.DistMult, 'RotatE': self.RotatE}
+        return model_func[self.model_name](head, relation, tail, mode)
+
+    def DistMult(self, head, relation, tail, mode):
+        if mode == 'head-batch':
+            score = head * (relation * tail)
+        else:
+            score = (head * relation) * tail
+        return score.sum(dim=2)
+
+    def RotatE(self, head, relation, tail, mode):
+        pi = 3.14159265358979323846
+        re_head, im_head = torch.chunk(head, 2, dim=2)
+        re_tail, im_tail = torch.chunk(tail, 2, dim=2)
+        phase_relation = relation / (self.embedding_range.item() / pi)
+        re_relation = torch.cos(phase_relation)
+        im_relation = torch.sin(phase_relation)
+        if mode == 'head-batch':
+            re_score = re_relation * re_tail + im_relation * im_tail
+            im_score = re_relation * im_tail - im_relation * re_tail
+            re_score = re_score - re_head
+            im_score = im_score - im_head
+        else:
+            re_score = re_head * re_relation - im_head * im_relation
+            im_score = re_head * im_relation + im_head * re_relation
+            re_score = re_score - re_tail
+            im_score = im_score - im_tail
+        score = torch.stack([re_score, im_score], dim=0)
+        score = score.norm(dim=0)
+        return self.gamma.item() - score.sum(dim=2)
+
+    @staticmethod
+    def train_step(model, optimizer, train_iterator, args, guard=None, mistake=None):
+        model.train()
+        optimizer.zero_grad()
+        if mistake == "written before forward":
+            model.entity_embedding.data.div_(model.entity_embedding.data.norm(dim=1, keepdim=True))
+        positive_sample, negative_sample, subsampling_weight, mode = next(train_iterator)
+        negative_score = model((positive_sample, negative_sample), mode=mode)
+        if args["negative_adversarial_sampling"]:
+            # In self-adversarial sampling, we do not apply back-propagation on the sampling weight
+            negative_score = (F.softmax(negative_score * args["adversarial_temperature"], dim=1).detach()
+                              * F.logsigmoid(-negative_score)).sum(dim=1)
+        else:
+            negative_score = F.logsigmoid(-negative_score).mean(dim=1)
+        positive_score = model(positive_sample)
+        positive_score = F.logsigmoid(positive_score).squeeze(dim=1)
+        positive_sample_loss = - (subsampling_weight * positive_score).sum() / subsampling_weight.sum()
+        negative_sample_loss = - (subsampling_weight * negative_score).sum() / subsampling_weight.sum()
+        loss = (positive_sample_loss + negative_sample_loss) / 2
+        if args["regularization"] != 0.0:
+            # Use L3 regularization for ComplEx and DistMult
+            regularization = args["regularization"] * (
+                model.entity_embedding.norm(p=3) ** 3 + model.relation_embedding.norm(p=3).norm(p=3) ** 3)
+            loss = loss + regularization
+        if mistake == "written before forward":  # (the write's place in a correct loop: before the scores)
+            pass
+        elif mistake == "written through data":
+            model.entity_embedding.data.div_(model.entity_embedding.data.norm(dim=1, keepdim=True))
+        elif mistake == "written under no_grad":
+            with torch.no_grad():
+                model.entity_embedding.div_(model.entity_embedding.norm(dim=1, keepdim=True))
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+        return {'positive_sample_loss': positive_sample_loss.item(),
+                'negative_sample_loss': negative_sample_loss.item(), 'loss': loss.item()}
+
+
+def kge_batches(nentity=9, nrelation=3, batch=4, negatives=5):
+    """dataloader.py's ``BidirectionalOneShotIterator``: tail-batch and head-batch negatives in turn, each sample
+    with its subsampling weight."""
+    gen = torch.Generator().manual_seed(2)
+    step = 0
+    while True:
+        step += 1
+        positive = torch.stack([torch.randint(nentity, (batch,), generator=gen),
+                                torch.randint(nrelation, (batch,), generator=gen),
+                                torch.randint(nentity, (batch,), generator=gen)], dim=1)
+        weight = torch.sqrt(1 / torch.randint(4, 8, (batch,), generator=gen).float())
+        yield (positive, torch.randint(nentity, (batch, negatives), generator=gen), weight,
+               'head-batch' if step % 2 == 0 else 'tail-batch')
+
+
+def kge(guard=None, model_name="RotatE", mistake=None):
+    """run.py's loop: eight steps of ``train_step``, Adam made again with a tenth of the learning rate at the
+    warm-up step (4). RotatE with self-adversarial negatives; DistMult with the L3 regularization. ``mistake``: the
+    entity table renormalized between the loss and its backward ("written through data", "written under no_grad")."""
+    torch.manual_seed(0)
+    distmult = model_name == "DistMult"
+    kge_model = KGEModel(model_name, 9, 3, hidden_dim=4, gamma=12.0, double_entity_embedding=not distmult)
+    args = {"negative_adversarial_sampling": not distmult, "adversarial_temperature": 1.0,
+            "regularization": 0.01 if distmult else 0.0}
+    train_iterator = kge_batches()
+    current_learning_rate = 0.01
+    optimizer = torch.optim.Adam(filter(lambda p: p.requires_grad, kge_model.parameters()), lr=current_learning_rate)
+    guard = GraphGuard(kge_model, check=guard) if guard else None
+    step_of = guard.step if guard else torch.enable_grad
+    warm_up_steps = 4
+    losses = []
+    for step in range(0, 8):
+        with step_of():
+            log = kge_model.train_step(kge_model, optimizer, train_iterator, args, guard, mistake)
+        losses.append(log['loss'])
+        if step >= warm_up_steps:
+            current_learning_rate = current_learning_rate / 10
+            optimizer = torch.optim.Adam(filter(lambda p: p.requires_grad, kge_model.parameters()),
+                                         lr=current_learning_rate)
+            warm_up_steps = warm_up_steps * 3
+    return losses, flat(kge_model)
+
+
+@pytest.mark.parametrize("check", MODES)
+@pytest.mark.parametrize("model_name", ["RotatE", "DistMult"])
+def test_kge_train_step_with_negatives_and_regularization_trains_as_without_the_guard(check, model_name):
+    bare = kge(model_name=model_name)
+    assert same(quiet(kge, check, model_name=model_name), bare)
+    assert same(watched(kge, check, model_name=model_name), bare)
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_entities_renormalized_before_the_scores_train_as_without_the_guard(check):
+    bare = kge(model_name="DistMult", mistake="written before forward")
+    assert same(quiet(kge, check, model_name="DistMult", mistake="written before forward"), bare)
+
+
+def test_entities_renormalized_through_data_after_the_regularization_saved_them_is_stopped():
+    """The L3 term saved the whole entity table; a write through ``.data`` moves no version, and backward computes
+    its gradient from the new values without a word. Seen by the fingerprints of ``check=always`` from step 2."""
+    with pytest.raises(InplaceModificationError, match=r"(?s)\(step 2, loss 'loss'\).*LinalgVectorNormBackward0, "
+                       r"whose graph saved `model.entity_embedding`.*To fix: write them before the forward"):
+        kge(guard="always", model_name="DistMult", mistake="written through data")
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_entities_renormalized_under_no_grad_after_the_regularization_saved_them_name_the_regularization(check):
+    """PyTorch refuses the backward; the tensor whose graph saved the table is the ``regularization`` of
+    ``train_step``, the function the loop calls, not the loop's own."""
+    with pytest.raises(InplaceModificationError, match=r"(?s)\(step 1, loss 'loss'\).*held by `local "
+                       r"regularization`, whose graph saved `model.entity_embedding`.*To fix: compute `regularization`"):
+        kge(guard=check, model_name="DistMult", mistake="written under no_grad")
