@@ -494,3 +494,52 @@ def test_entities_renormalized_under_no_grad_after_the_regularization_saved_them
     with pytest.raises(InplaceModificationError, match=r"(?s)\(step 1, loss 'loss'\).*held by `local "
                        r"regularization`, whose graph saved `model.entity_embedding`.*To fix: compute `regularization`"):
         kge(guard=check, model_name="DistMult", mistake="written under no_grad")
+
+
+# -- sparse tables beside dense layers -------------------------------------------------------------------------------
+
+class BagClassifier(nn.Module):
+    """DLRM's ``nn.EmbeddingBag(mode="sum", sparse=True)`` table under a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 6, mode="sum", sparse=True)
+        self.top = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, embeds):
+        return self.top(embeds).squeeze(1)
+
+
+def bags(guard=None, ascents=1):
+    """A SparseAdam for the table, an Adam for the head, cleared through ``model.zero_grad()``; with ``ascents`` > 1,
+    FreeLB's loop on the bags' embeddings: a perturbation made a leaf, ``loss / K`` back-propagated K times into the
+    parameters' gradients, the perturbation moved along its own, then one update of each optimizer."""
+    torch.manual_seed(0)
+    model = BagClassifier()
+    sparse = torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.05)
+    dense = torch.optim.Adam(model.top.parameters(), lr=0.01)
+    guard = GraphGuard(model, [sparse, dense], check=guard) if guard else None
+    losses = []
+    for i in range(6):
+        index, offsets, y = torch.randint(20, (12,)), torch.arange(0, 12, 3), torch.rand(4)
+        delta = torch.zeros(4, 6)
+        for _ in range(ascents):
+            delta.requires_grad_()
+            embeds = model.emb(index, offsets)
+            loss = F.binary_cross_entropy_with_logits(model(embeds + delta), y) / ascents
+            guard.backward(loss) if guard else loss.backward()
+            delta = (delta + 0.1 * delta.grad / delta.grad.norm().clamp(min=1e-8)).detach()
+            losses.append(loss.item())
+        sparse.step()
+        dense.step()
+        model.zero_grad()
+    return losses, flat(model)
+
+
+@pytest.mark.parametrize("check", MODES)
+@pytest.mark.parametrize("ascents", [1, 3])
+def test_sparse_embedding_bags_under_sparse_adam_beside_a_dense_adam_train_as_without_the_guard(check, ascents):
+    """With ascents, the guard tells whether each backward was an attack's by whether the parameters' gradients were
+    cleared since: a sparse one is read through its coalesced values."""
+    bare = bags(ascents=ascents)
+    assert same(quiet(bags, check, ascents=ascents), bare)
