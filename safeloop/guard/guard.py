@@ -1462,9 +1462,21 @@ class Guard:
                 node, leaf = written
                 holder = explain.find_holder(node, scope, batch)
                 code = f"`{code_of(holder)}`" if code_of(holder) else "the tensors made from it"
+                names = explain.leaf_names([leaf], scope)
+                renorm = _max_norm_of(leaf, scope)
+                if renorm is not None:  # nn.Embedding's own documented case
+                    return self._error(InplaceModificationError, node, case,
+                        f"the loss reaches {{node}}, held by {{holder}}, whose graph saved {names} ({tensor}); it "
+                        f"was written in place since by the lookup of its nn.Embedding, whose max_norm={renorm} "
+                        "renormalizes the rows it reads in place, in forward",
+                        [f"compute {code} from a copy of the weight ({names.strip('`')}.clone()), as "
+                         "nn.Embedding's documentation says for max_norm, or after the lookups",
+                         "renormalize the rows yourself, out of place (F.normalize or torch.renorm of the looked-up "
+                         "rows), and leave max_norm=None"],
+                        holder=holder)
                 return self._error(InplaceModificationError, node, case,
                     f"the loss reaches {{node}}, held by {{holder}}, whose graph saved "
-                    f"{explain.leaf_names([leaf], scope)} ({tensor}); it was written in place since, by no "
+                    f"{names} ({tensor}); it was written in place since, by no "
                     f"optimizer step the guard was told of ({_WRITES})",
                     [f"compute {code} inside {self.words.place}, after the weights are written, so that its graph "
                      "saves them as they are",
@@ -1895,6 +1907,19 @@ _WRITTEN_BELOW = ("make the writes that grew its graph under `torch.no_grad()` (
                   "graph")
 _WRITES = ("optimizer steps update parameters in place, and so do writes under torch.no_grad() or through .data, "
            "such as DDP's broadcast of the weights at start-up")
+
+
+def _max_norm_of(leaf: torch.Tensor, scope: Scope | None) -> float | None:
+    """The ``max_norm`` of the ``nn.Embedding`` or ``nn.EmbeddingBag`` among the scope's modules whose weight is
+    ``leaf``: its lookups renormalize the rows they read in place (under ``no_grad``), so a graph that saved the
+    whole weight before a lookup fails in backward. None when no such module is found."""
+    if scope is None:
+        return None
+    for root in _modules_of(scope):
+        for module in root.modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.weight is leaf:
+                return module.max_norm
+    return None
 
 
 def _written_leaf(loss, text: str, tensor: str, limit: int = 100_000) -> tuple[Any, torch.Tensor] | None:

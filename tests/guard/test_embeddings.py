@@ -543,3 +543,42 @@ def test_sparse_embedding_bags_under_sparse_adam_beside_a_dense_adam_train_as_wi
     cleared since: a sparse one is read through its coalesced values."""
     bare = bags(ascents=ascents)
     assert same(quiet(bags, check, ascents=ascents), bare)
+
+
+# -- nn.Embedding(max_norm=...) --------------------------------------------------------------------------------------
+
+def max_norm_lookups(guard=None, clone=False):
+    """nn.Embedding's documentation's example of ``max_norm``, trained three steps: the weight used whole (``a``)
+    before a lookup renormalizes the rows it reads in place; ``clone``: its fix as the documentation writes it."""
+    torch.manual_seed(0)
+    n, d, m = 3, 5, 7
+    embedding = nn.Embedding(n, d, max_norm=1.0)
+    W = torch.randn((m, d), requires_grad=True)
+    optimizer = torch.optim.SGD([embedding.weight, W], lr=0.1)
+    guard = GraphGuard(embedding, optimizer, check=guard) if guard else None
+    losses = []
+    for i in range(3):
+        idx = torch.tensor([1, 2])
+        a = (embedding.weight.clone() if clone else embedding.weight) @ W.t()
+        b = embedding(idx) @ W.t()
+        out = (a.unsqueeze(0) + b.unsqueeze(1))
+        loss = out.sigmoid().prod()
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, torch.cat([embedding.weight.detach().flatten(), W.detach().flatten()])
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_a_weight_used_before_a_max_norm_lookup_is_told_to_be_cloned(check):
+    fixed = max_norm_lookups(clone=True)
+    assert same(quiet(max_norm_lookups, check, clone=True), fixed)
+    told = (r"\(step 1, loss 'loss'\).*held by `local a`, whose graph saved `embedding.weight`.*by the lookup of its "
+            r"nn.Embedding, whose max_norm=1.0 renormalizes.*To fix: compute `a` from a copy of the weight "
+            r"\(embedding.weight.clone\(\)\)")
+    with pytest.raises(InplaceModificationError, match=told):
+        max_norm_lookups(guard=check)
+    with pytest.raises(InplaceModificationError, match=told):
+        with Watch(GraphGuard(check=check), __file__):
+            max_norm_lookups()
