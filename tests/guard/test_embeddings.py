@@ -582,3 +582,31 @@ def test_a_weight_used_before_a_max_norm_lookup_is_told_to_be_cloned(check):
     with pytest.raises(InplaceModificationError, match=told):
         with Watch(GraphGuard(check=check), __file__):
             max_norm_lookups()
+
+
+# -- the Trainer -----------------------------------------------------------------------------------------------------
+
+class TransETrainer(Trainer):
+    """main.py's step as a ``training_step``: SGD over the sparse tables, the renormalization in the model's forward."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+    def training_step(self, batch):
+        positive_triples, negative_triples = batch
+        loss, pd, nd = self.model(positive_triples, negative_triples)
+        return loss.mean()
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_transe_with_sparse_tables_trains_in_the_trainer_as_by_hand(check):
+    torch.manual_seed(1234)
+    model = TransE(entity_count=12, relation_count=3, dim=6, margin=1.0, device=torch.device('cpu'), norm=1,
+                   sparse=True)
+    batches = [*triples(torch.device('cpu')), *triples(torch.device('cpu'))]  # the two epochs' draws, in order
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = TransETrainer(model=model, train_data=batches, max_steps=6, device="cpu", progress=False,
+                                loggers=(), guard={"check": check})
+        trainer.fit()
+    assert torch.equal(flat(model), transe(sparse=True)[1])
