@@ -153,6 +153,36 @@ def test_sparse_gradients_never_cleared_are_said_not_crashed_on(check):
             assert same(skip_gram(mistake="no zero_grad"), bare)
 
 
+def skip_gram_negatives_before_loop(guard=None):
+    """The negative words' context embeddings looked up once, for a pool drawn before the loop, and sliced by each
+    step: every step back-propagates through that one lookup (into the sparse ``v_embeddings``)."""
+    torch.manual_seed(0)
+    skip_gram_model = SkipGramModel(10, 4)
+    optimizer = torch.optim.SparseAdam(skip_gram_model.parameters(), lr=0.1)
+    neg_pool = torch.randint(10, (4, 6, 3))
+    emb_neg_pool = skip_gram_model.v_embeddings(neg_pool)
+    guard = GraphGuard(skip_gram_model, optimizer, check=guard) if guard else None
+    for i, (pos_u, pos_v, _) in enumerate(word_batches()):
+        optimizer.zero_grad()
+        emb_u = skip_gram_model.u_embeddings(pos_u)
+        emb_v = skip_gram_model.v_embeddings(pos_v)
+        score = -F.logsigmoid(torch.clamp(torch.sum(torch.mul(emb_u, emb_v), dim=1), max=10, min=-10))
+        neg_score = torch.clamp(torch.bmm(emb_neg_pool[i], emb_u.unsqueeze(2)).squeeze(), max=10, min=-10)
+        loss = torch.mean(score - torch.sum(F.logsigmoid(-neg_score), dim=1))
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_negatives_embedded_once_before_the_loop_are_stopped_at_step_1(check):
+    told = r"\(step 1, loss 'loss'\).*held by `local emb_neg_pool`.*To fix: recompute `emb_neg_pool` inside the loop"
+    with pytest.raises(GraphReuseError, match=told):
+        skip_gram_negatives_before_loop(guard=check)
+    with pytest.raises(GraphReuseError, match=told):
+        with Watch(GraphGuard(check=check), __file__):
+            skip_gram_negatives_before_loop()
+
+
 @pytest.mark.parametrize("check", ["always", "auto"])
 def test_a_running_loss_kept_with_its_graph_is_warned_with_item_as_the_fix(check):
     """``running_loss * 0.9 + loss * 0.1`` for the source's ``loss.item()``: every step's graph kept."""
@@ -598,15 +628,33 @@ class TransETrainer(Trainer):
         return loss.mean()
 
 
+def transe_accumulated(micro_batches):
+    """``transe(sparse=True)``'s loop with each update over ``micro_batches`` batches, each loss divided by their
+    number: the sparse gradients of the later ones added to the first's."""
+    torch.manual_seed(1234)
+    model = TransE(entity_count=12, relation_count=3, dim=6, margin=1.0, device=torch.device('cpu'), norm=1,
+                   sparse=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for k, (positive_triples, negative_triples) in enumerate([*triples(torch.device('cpu')),
+                                                               *triples(torch.device('cpu'))]):
+        loss, pd, nd = model(positive_triples, negative_triples)
+        (loss.mean() / micro_batches).backward()
+        if k % micro_batches == micro_batches - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    return flat(model)
+
+
 @pytest.mark.parametrize("check", MODES)
-def test_transe_with_sparse_tables_trains_in_the_trainer_as_by_hand(check):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_transe_with_sparse_tables_trains_in_the_trainer_as_by_hand(check, grad_accum):
     torch.manual_seed(1234)
     model = TransE(entity_count=12, relation_count=3, dim=6, margin=1.0, device=torch.device('cpu'), norm=1,
                    sparse=True)
     batches = [*triples(torch.device('cpu')), *triples(torch.device('cpu'))]  # the two epochs' draws, in order
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer = TransETrainer(model=model, train_data=batches, max_steps=6, device="cpu", progress=False,
-                                loggers=(), guard={"check": check})
+        trainer = TransETrainer(model=model, train_data=batches, max_steps=6 // grad_accum, device="cpu",
+                                progress=False, loggers=(), guard={"check": check}, grad_accum=grad_accum)
         trainer.fit()
-    assert torch.equal(flat(model), transe(sparse=True)[1])
+    assert torch.equal(flat(model), transe_accumulated(grad_accum))
