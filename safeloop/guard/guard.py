@@ -507,7 +507,8 @@ class Guard:
         for node in nodes:
             if walk.holds_tensors(node):
                 for tensor in walk.saved_tensors(node):
-                    saved.setdefault(tensor.untyped_storage().data_ptr(), node)
+                    if tensor.layout is torch.strided:  # (a sparse one, GCN's adjacency, has no storage to share)
+                        saved.setdefault(tensor.untyped_storage().data_ptr(), node)
         # a parameter no node saved (a bias only added) changes no gradient: its new values are fine
         stale = [p for p in written if p.untyped_storage().data_ptr() in saved and p.untyped_storage().data_ptr()]
         if not stale:

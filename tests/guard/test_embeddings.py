@@ -658,3 +658,40 @@ def test_transe_with_sparse_tables_trains_in_the_trainer_as_by_hand(check, grad_
                                 progress=False, loggers=(), guard={"check": check}, grad_accum=grad_accum)
         trainer.fit()
     assert torch.equal(flat(model), transe_accumulated(grad_accum))
+
+
+# -- a sparse tensor saved by the graph ------------------------------------------------------------------------------
+
+def sparse_propagation(guard=None, written_after_forward=False):
+    """tkipf/pygcn's ``torch.spmm(adj, support)`` over a sparse COO adjacency (saved by the graph), a squared-weight
+    penalty (saving the weight), and the weight rescaled through ``.data`` each step: before the forward (correct),
+    or between the forward and its backward."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note on sparse invariant checks
+        adj = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]]), torch.ones(4), (4, 4))
+    layer = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    guard = GraphGuard(layer, optimizer, check=guard) if guard else None
+    x = torch.randn(4, 3)
+    for step in range(4):
+        if not written_after_forward:
+            layer.weight.data.mul_(0.9)
+        loss = (torch.spmm(adj, layer(x)) ** 2).sum() + (layer.weight ** 2).sum()
+        if written_after_forward:
+            layer.weight.data.mul_(0.9)
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [], flat(layer)
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_a_sparse_tensor_saved_by_the_graph_is_passed_over_by_the_check_of_data_writes(check):
+    """``check=always`` compares the storages the step's nodes saved with the parameters written through ``.data``:
+    a sparse adjacency has none to compare, and is no reason to crash."""
+    assert same(quiet(sparse_propagation, check), sparse_propagation())
+    if check == "always":
+        with pytest.raises(InplaceModificationError, match=r"\(step 2, loss 'loss'\).*PowBackward0, whose graph "
+                           r"saved `layer.weight`, written since the forward"):
+            sparse_propagation(guard=check, written_after_forward=True)
