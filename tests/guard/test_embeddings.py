@@ -11,7 +11,10 @@
   head- and tail-batch negatives in turn, self-adversarial weights detached, the L3 regularization over the whole
   tables) and codes/run.py (Adam, made again with a tenth of the learning rate at the warm-up step);
 - DLRM's ``nn.EmbeddingBag(mode="sum", sparse=True)`` tables beside a dense MLP (facebookresearch/dlrm,
-  dlrm_s_pytorch.py), here with a ``SparseAdam`` for the tables and an ``Adam`` for the rest.
+  dlrm_s_pytorch.py), here with a ``SparseAdam`` for the tables and an ``Adam`` for the rest, and FreeLB's ascents
+  over the bags' embeddings;
+- ``nn.Embedding(max_norm=...)``'s example in its own documentation (the weight used whole before a lookup that
+  renormalizes its rows in place), and tkipf/pygcn's ``torch.spmm`` over a sparse adjacency, which the graph saves.
 
 Sizes shrunk, data random. A sparse gradient (a COO tensor, uncoalesced as backward leaves it) must neither crash the
 checks nor change what is trained; each mistake is told with its tensor and a fix that, applied, trains as the correct
