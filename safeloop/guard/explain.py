@@ -561,13 +561,15 @@ def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: A
     was (a cache), not one made again from it every step. An RNN's state is made again: ``out, h = rnn(x, h)``
     holds the new value, whose graph reaches the old; ``out, h_new = rnn(x, h)`` with ``h = h_new`` written after
     backward still holds the old, but a new value of its shape, ``h_new``, reaches it (a state is never a scalar:
-    the step's loss, made from a cached scalar, is no new value of it)."""
+    the step's loss, made from a cached scalar, is no new value of it). A new value is made as the old one was, by a
+    node of its type: not a value the step only computes from it (PPO's ratio `exp(new_logprobs - old_logprobs)`, a
+    rollout's `kl = logprobs - ref_logprobs`, alike in shape to the old log-probabilities)."""
     if holder is None:
         return False
     found = list(candidates(scope, batch, deep=True))  # (as find_holder searched)
     held = next((t for name, t in found if name == holder and t.grad_fn is node), None)
     return held is not None and not any(
-        held.dim() > 0 and t.shape == held.shape and t.grad_fn is not None and t.grad_fn is not node
+        held.dim() > 0 and t.shape == held.shape and type(t.grad_fn) is type(node) and t.grad_fn is not node
         and any(n is node for n in walk.iter_nodes(t.grad_fn)) for _, t in found)
 
 

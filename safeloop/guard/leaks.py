@@ -294,7 +294,9 @@ class Leaks:
                      "in it"]
         elif isinstance(holder, Slots):  # a queue of past embeddings written outside torch.no_grad() (SwAV's)
             detail += "; values were written into its slots in place with their graphs"
-            fixes = [(COPY_FIX if holder.through else SLOTS_FIX).format(code=code_of(holder))]
+            others = ", ".join(f"`{code_of(other)}`" for other in holder.others)
+            fixes = [(COPY_FIX if holder.through else SLOTS_FIX).format(code=code_of(holder))
+                     + f" (and alike for {others}, written so beside it)" * bool(others and not holder.through)]
         elif isinstance(holder, Buffer):  # module state updated in forward from the batch, outside torch.no_grad()
             others = ", ".join(f"`{other}`" for other in holder.others[:3])
             detail += ("; it is a buffer of a module (state such as running statistics or an EMA codebook), written "
@@ -334,6 +336,12 @@ def _holder(sentinel, scope, deep: bool = False, start: int | None = None) -> st
         if _holds(tensor, sentinel):
             if type(name) in (str, explain.Item, explain.Entry) and written_in_slots(tensor):
                 name = slots(name, tensor)
+                # the tensors written so beside it (PPO's pg_loss_stats beside its approxkl_stats, written outside
+                # torch.no_grad()): the fix of one alone would have the next run warn about the next
+                # (written by an earlier step too: not a model output a step divides in place through a view)
+                name.others = [] if start is None else list(dict.fromkeys(
+                    other for other, t in explain.candidates(scope) if t is not tensor and type(other) is str
+                    and written_in_slots(t) and written_before(t, start)))[:3]
             elif type(name) is str and id(tensor) in (buffers := explain.graph_buffers(scope)):
                 name = Buffer(name)
                 name.others = [other for key, other in buffers.items() if key != id(tensor)]
@@ -374,6 +382,7 @@ class Slots(str):
     batches the loop takes from a list): the write carries a gradient, which detaching what is written would stop."""
 
     through: bool = False
+    others: list[str] = []
 
 
 def slots(name: str, tensor: torch.Tensor) -> Slots:
