@@ -40,9 +40,9 @@ def test_a_graph_of_thousands_of_nodes_draws_the_offending_part_and_counts_the_r
     loss, middle = recurrent_graph(2000)
     total = len(all_nodes(loss.grad_fn))
     assert total > 6000
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time (0.03 s here): a loaded machine's waits are not counted
     dot = render.dot_source(loss.grad_fn, [middle], holder="self.hidden")
-    assert time.perf_counter() - t0 < 2
+    assert time.process_time() - t0 < 2
     drawn = re.findall(r'^  n\d+ \[label="([^"]+)"', dot, re.M)
     assert len(drawn) <= render.DRAWN
     assert re.search(r'label="TanhBackward0", style=filled, fillcolor="#ff9999"', dot)
