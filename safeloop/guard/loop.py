@@ -507,10 +507,12 @@ class GraphGuard:
         running (the loop around a `train_step(x, y)` closure; a `main()` around a library's loop that calls a loss
         function of the same file), the script's before them under watch; then their globals. Inside ``with
         guard.step()``, the function that called the guard below the one that opened the step comes first (a
-        ``train_step(model, optimizer, ...)`` the loop calls, whose ``regularization`` the loss adds)."""
+        ``train_step(model, optimizer, ...)`` the loop calls, whose ``regularization`` the loss adds), unless it is a
+        method (an mmengine model's own ``train_step``, whose ``losses`` are the model's business: its ``self``
+        named, not the loop's ``model``)."""
         frame, out, spaces = self._frame, [], []
         called = self.guard.frame
-        if called is not None and frame is not None and called is not frame and any(
+        if called is not None and frame is not None and called is not frame and not _method(called) and any(
                 f is frame for f in stack(called)):
             frame = called
         if frame is not None:
@@ -663,3 +665,9 @@ def _named(optimizers: list, caller) -> dict[str, Any]:
     if len(set(names)) < len(names):
         names = [f"optimizer {i}" for i in range(len(optimizers))]
     return dict(zip(names, optimizers))
+
+
+def _method(frame) -> bool:
+    """Whether ``frame`` runs a method (its first argument is ``self``)."""
+    code = frame.f_code
+    return code.co_argcount > 0 and code.co_varnames[0] == "self"

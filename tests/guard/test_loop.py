@@ -68,6 +68,31 @@ def test_a_graph_built_before_the_loop_says_what_this_backward_does_with_it(reta
                 opt.zero_grad()
 
 
+
+def test_a_models_own_train_step_calling_the_guard_names_what_it_holds_as_the_loop_does():
+    """mmengine's way: the loop calls the model's own ``train_step``, which back-propagates through the guard. What
+    the model holds is named as the loop holds it (``model.prior``), not through the method's ``self``."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.prior = self.lin(torch.ones(1, 4))  # built once, with its graph
+
+        def train_step(self, x, guard, opt):
+            guard.backward((self.lin(x) * self.prior).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = Model()
+    opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), GraphGuard(model)
+    with pytest.raises(GraphReuseError, match=r"held by `model\.prior`.*To fix: recompute `model\.prior` inside the "
+                                              r"loop"):
+        for _ in range(3):
+            with guard.step():
+                model.train_step(torch.randn(3, 4), guard, opt)
+
+
 def frozen_features_loop(detach: bool) -> list[torch.Tensor]:
     """A head trained on features a pretrained encoder, outside ``GraphGuard``'s model and in no optimizer, made
     once before the loop (``detach``: as the guard's first fix says)."""
