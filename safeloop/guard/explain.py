@@ -574,11 +574,15 @@ def holds_as_made(node, holder: str | None, scope: Scope | None = None, batch: A
 
 
 def _modules(scope: Scope | None) -> list[tuple[str, torch.nn.Module]]:
-    """The modules of the scope by name: its roots, and those in its variables."""
+    """The modules of the scope by name: its roots, those in its variables, and those the attributes of a variable's
+    own object hold (yolov5's ``ModelEMA``, a plain object, keeps the EMA model as ``ema.ema``)."""
     if scope is None:
         return []
     roots = scope.named_roots()
-    found = roots + [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    held = [(key, val) for _, space in scope.namespaces() for key, val in list(space.items())]
+    found = roots + held + [(f"{key}.{name}", sub) for key, val in held if not key.startswith("__")
+                            and not issubclass(type(val), torch.nn.Module) and _own_object(val)
+                            for name, sub in fields(val).items() if not name.startswith("_")]
     found += [(f"{name}.{key}", val) for name, root in roots for key, val in fields(root).items()
               if not key.startswith("_")]  # a Trainer's other modules (self.critic)
     return [(name, getattr(mod, "_orig_mod", mod)) for name, mod in found  # a compiled module: named through it

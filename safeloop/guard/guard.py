@@ -818,6 +818,9 @@ class Guard:
             if explain.holds_as_made(node, holder, case.scope, case.batch) and not self._set_up_after_loss(
                     node, case.step):  # kept as it was made, before the loss that read it: a cache
                 fixes = self._cache_fixes(node, case, holder)
+                stale = _stale_term(node, holder, held, case)
+                if stale is not None:
+                    fixes.insert(0, _STALE_TERM_FIX.format(mapping=stale[0], key=stale[1]))
             if re.fullmatch(r"(local|global) \w+", str(holder)) and _rebound_leaf(node, held, case) is not None:
                 why += ("; {holder} was rebound to a value made from the tensor the optimizer updates, which keeps "
                         "updating that one while every step back-propagates through all the values made from it")
@@ -1831,6 +1834,26 @@ def _list_of(holder: str | None) -> str | None:
 
 _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that each backward takes the losses added "
                 "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
+
+
+_STALE_TERM_FIX = ("make `{mapping}` anew every step (`{mapping} = {{{{}}}}` at the start of each step, or `{mapping} = "
+                   "...` from what the step computes, not `.update(...)` of the dict made before the loop): it still "
+                   "holds `{key}`, a loss of an earlier step that this step did not write again, and the sum of its "
+                   "values takes it")
+
+
+def _stale_term(node, holder: str | None, held: list[torch.Tensor], case: Case) -> tuple[str, str] | None:
+    """(the dict, the key) when ``holder`` is a dict's entry (``loss_dict['loss_mask']``) holding a loss of an earlier
+    step, ``node`` (a scalar, ``held``), that the loss adds as one of its terms: a loss dict made before the loop and
+    updated every step from a model that writes that entry on some steps only (a head whose targets some batches
+    lack). Not a cached tensor that the step adds to its activations (a positional embedding): no scalar."""
+    keyed = re.fullmatch(r"(?:\w+ )?(.+)\[((['\"]).*\3)\]", str(holder))
+    if keyed is None or not held or any(t.dim() for t in held):
+        return None
+    takers = [n for n in islice(walk.iter_nodes(case.loss.grad_fn), 100_000)
+              if any(m is node for m, _ in n.next_functions)]
+    return (keyed.group(1), keyed.group(2)) if takers and all(
+        type(n).__name__.startswith("AddBackward") for n in takers) else None
 
 
 def _summed(node, held: list[torch.Tensor], case: Case) -> bool:
