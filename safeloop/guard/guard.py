@@ -1836,10 +1836,11 @@ _START_AGAIN = ("start the sum again after each backward (`{code} = 0`), so that
                 "since the last one (the GFlowNet tutorial's `minibatch_loss`)")
 
 
-_STALE_TERM_FIX = ("make `{mapping}` anew every step (`{mapping} = {{{{}}}}` at the start of each step, or `{mapping} = "
-                   "...` from what the step computes, not `.update(...)` of the dict made before the loop): it still "
-                   "holds `{key}`, a loss of an earlier step that this step did not write again, and the sum of its "
-                   "values takes it")
+# formatted twice (here, then with the holder's names): its braces doubled twice
+_STALE_TERM_FIX = ("make `{mapping}` anew every step (`{mapping} = {{{{}}}}` at the start of each step, or "
+                   "`{mapping} = ...` from what the step computes, not `.update(...)` of the dict made before the "
+                   "loop): it still holds `{key}`, a loss of an earlier step that this step did not write again, and "
+                   "the sum of its values takes it")
 
 
 def _stale_term(node, holder: str | None, held: list[torch.Tensor], case: Case) -> tuple[str, str] | None:
