@@ -8,6 +8,7 @@ Only runs on the error path.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import re
 import sys
@@ -766,3 +767,35 @@ def where(frame) -> tuple[str, int] | None:
 def at(where: tuple[str, int] | None) -> str:
     """" at train.py:14" for a ``where``, else ""; under watch every loss is 'loss': the line tells them apart."""
     return "" if where is None else f" at {os.path.basename(where[0])}:{where[1]}"
+
+
+_RESETS = ("reset_mem", "reset_hidden", "reset_state", "reset_states", "reset")  # a stateful layer's own reset
+_NETWORK_RESETS = {"snntorch": "snntorch.utils.reset({net})",
+                   "spikingjelly": "spikingjelly.activation_based.functional.reset_net({net})"}
+
+
+def module_at(code: str, scope: Scope | None) -> tuple[str, torch.nn.Module] | None:
+    """(the name of the root it is in, the module) of the scope's module that ``code`` names (``net[1]``), or None."""
+    for name, root in _modules(scope):
+        for mod_name, mod in root.named_modules():
+            if _module_path(name, mod_name) == code:
+                return name, mod
+    return None
+
+
+def state_reset(module: torch.nn.Module) -> str | None:
+    """The name of ``module``'s method that starts its state again, called with no argument (snntorch's
+    ``Leaky.reset_mem``, spikingjelly's ``MemoryModule.reset``), or None."""
+    for name in _RESETS:
+        method = getattr(module, name, None)
+        if callable(method) and not isinstance(method, torch.nn.Module):
+            with suppress(TypeError, ValueError):
+                inspect.signature(method).bind()
+                return name
+    return None
+
+
+def network_reset(module: torch.nn.Module, root: str) -> str | None:
+    """The call of ``module``'s library that resets every stateful layer of the network ``root`` at once, or None."""
+    call = _NETWORK_RESETS.get(type(module).__module__.partition(".")[0])
+    return call.format(net=root) if call else None

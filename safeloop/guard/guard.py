@@ -775,12 +775,17 @@ class Guard:
             # an object's tensors written in place beside it (llama's cache_k beside its cache_v), or its lists beside
             # the one holding it (a key/value cache's key_cache beside its value_cache), are detached with it: the fix
             # of one alone would stop the next run at the other
+            layers = self._layers_beside(holder, case)
             cut = "; ".join([cut, *(f"{c} = {c}.detach()" for c in [*self._written_beside(holder, held, case),
-                                                                      *self._carried_beside(holder, held, case)]),
+                                                                      *self._carried_beside(holder, held, case),
+                                                                      *layers]),
                              *(f"{c} = [t.detach() for t in {c}]" for c in self._lists_beside(holder, case))])
             fixes = [f"detach the carried state at the end of each step (`{cut}`) "
                      "so each step back-propagates through its own graph only (truncated BPTT)",
                      f"recompute it inside {self.words.place} from its inputs"]
+            reset = self._reset_fix(holder, layers, case)
+            if reset:
+                fixes.insert(0, reset)
             written = any(written_in_slots(t) for t in held)
             own = re.search(r"\.\w+$", code_of(holder) or "") is not None  # an object's attribute, not a taken item
             if written and type(node).__name__ in walk.SLOT_WRITES and node.metadata.get(SENTINEL):
@@ -872,6 +877,40 @@ class Guard:
                             for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
                 beside.append(other)
         return beside
+
+    def _layers_beside(self, holder: str | None, case: Case) -> list[str]:
+        """The same attribute of the other layers of ``holder``'s layer's class (a spiking network's membranes,
+        ``net[3].mem`` beside ``net[1].mem``), as code, that hold a graph made before this step: each layer carries
+        its own state, and the fix of one alone would stop the next run at the next."""
+        owner, _, attribute = (code_of(holder) or "").rpartition(".")
+        found = explain.module_at(owner, case.scope) if owner and re.fullmatch(r"\w+", attribute) else None
+        if found is None or self.start_seq is None or not walk.HAS_SEQ:
+            return []
+        beside = []
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            other = code_of(name) or ""
+            layer = explain.module_at(other.rpartition(".")[0], case.scope) if other.endswith("." + attribute) \
+                and other != code_of(holder) and other not in beside else None
+            if layer is not None and type(layer[1]) is type(found[1]) and tensor.grad_fn is not None \
+                    and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
+                            for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
+                beside.append(other)
+        return sorted(beside)
+
+    def _reset_fix(self, holder: str | None, layers: list[str], case: Case) -> str | None:
+        """The fix starting from rest the state ``holder`` a layer keeps, with ``layers`` (its siblings' states),
+        where its layer has a method for it (snntorch's ``reset_mem``, spikingjelly's ``reset``): a spiking network's
+        membrane carried into the next batch, of other inputs. Detaching it instead would run, but start each batch
+        from the last one's membranes. None where the layer has no such method."""
+        owner = (code_of(holder) or "").rpartition(".")[0]
+        found = explain.module_at(owner, case.scope) if owner else None
+        method = explain.state_reset(found[1]) if found else None
+        if method is None:
+            return None
+        calls = "; ".join(f"{code.rpartition('.')[0]}.{method}()" for code in sorted([code_of(holder), *layers]))
+        network = explain.network_reset(found[1], found[0])
+        return (f"start the state from rest before each batch's forward (`{calls}`), as a new input begins"
+                + (f"; `{network}` does it for every layer of the network" if network else ""))
 
     def _lists_beside(self, holder: str | None, case: Case) -> list[str]:
         """The other lists of the object whose list ``holder`` is an element of (transformers' DynamicCache:
