@@ -201,7 +201,11 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
         for mod_name, mod in obj.named_modules():
             base = _module_path(prefix, mod_name)
             for key, val in vars(mod).items():
-                if key not in _MODULE_STATE:  # a layer's own private cache too (PyG's `conv._cached_edge_index`)
+                served = _served(mod, val) if key.startswith("_") and type(val) is dict else ()
+                for name in served:  # named as the module serves it: spikingjelly's `lif.v`, not `lif._memories['v']`
+                    yield from _filled(_items(val[name], f"{base}.{name}"), mod, base)
+                # a layer's own private cache too (PyG's `conv._cached_edge_index`)
+                if key not in _MODULE_STATE and not served:
                     yield from _filled(_items(val, f"{base}.{key}"), mod, base)
             for key, val in mod.named_buffers(recurse=False):
                 yield f"{base}.{key}", val
@@ -228,6 +232,24 @@ def _attributes(obj: Any, prefix: str, roots: set[int] = frozenset(),
             for i, item in enumerate(val):
                 if _own_object(item) and hasattr(item, "__dict__"):
                     yield from _attributes(item, f"{prefix}.{key}[{i}]", roots, depth - 1)
+
+
+def _served(module: torch.nn.Module, private: dict) -> list[str]:
+    """The keys of a module's private dict that its ``__getattr__`` serves as attributes (spikingjelly's
+    ``MemoryModule`` keeps its neurons' states in ``_memories``: ``lif.v``), when all of them are."""
+    if type(module).__getattr__ is torch.nn.Module.__getattr__ or not private:
+        return []
+    served = []
+    for key, val in private.items():
+        if not (isinstance(key, str) and key.isidentifier()) or key in vars(module) or hasattr(type(module), key):
+            return []
+        try:
+            if getattr(module, key) is not val:
+                return []
+        except Exception:  # noqa: BLE001 (a __getattr__ of any kind)
+            return []
+        served.append(key)
+    return served
 
 
 def _module_path(prefix: str, name: str) -> str:

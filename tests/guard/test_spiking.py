@@ -2,7 +2,12 @@
 docs/tutorials/tutorial_5.rst: membranes passed explicitly, started by ``init_leaky()`` in ``forward``, the loss summed
 over the time steps; tutorial_7.rst: ``init_hidden=True`` neurons in an ``nn.Sequential``, ``utils.reset(net)`` before
 each batch), with the neuron of snntorch/_neurons/leaky.py and neurons.py (the reset signal ``.clone().detach()``),
-the ATan surrogate of snntorch/surrogate.py and ``reset`` of snntorch/utils.py ported as they are written."""
+the ATan surrogate of snntorch/surrogate.py and ``reset`` of snntorch/utils.py ported as they are written; and
+spikingjelly's (fangwei123456/spikingjelly, activation_based/examples/lif_fc_mnist.py: ``functional.reset_net(net)``
+after each batch), with its ``MemoryModule`` (activation_based/base.py: the membrane ``v`` kept in ``_memories``, read
+and written through ``__getattr__``/``__setattr__``, ``reset()`` setting it back to ``0.``), the LIF neuron of
+neuron/base_node.py and lif.py (a hard reset, not detached by default) and ``reset_net`` of functional/net_config.py.
+Forgetting the reset is snntorch issue #250 and fangwei123456/Spike-Element-Wise-ResNet issue #19."""
 import re
 import warnings
 
@@ -268,3 +273,149 @@ def test_unreset_membranes_detached_instead_run_quiet():
 def test_losses_kept_across_batches_are_warned(check):
     with pytest.warns(GraphLeakWarning, match="loss_hist"):
         tutorial_5(check, loss_kept=True)
+
+
+class MemoryModule(nn.Module):
+    """spikingjelly.activation_based.base.MemoryModule, reduced to its memories."""
+
+    def __init__(self):
+        super().__init__()
+        self._memories, self._memories_rv = {}, {}
+
+    def register_memory(self, name, value):
+        assert not hasattr(self, name), f"{name} has been set as a member variable!"
+        self._memories[name] = value
+        self._memories_rv[name] = value
+
+    def reset(self):
+        for key in self._memories.keys():
+            self._memories[key] = self._memories_rv[key]  # a float reset value: assigned again
+
+    def __getattr__(self, name):
+        if "_memories" in self.__dict__:
+            memories = self.__dict__["_memories"]
+            if name in memories:
+                return memories[name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        _memories = self.__dict__.get("_memories")
+        if _memories is not None and name in _memories:
+            _memories[name] = value
+        else:
+            super().__setattr__(name, value)
+
+
+class LIFNode(MemoryModule):
+    """spikingjelly's LIF neuron, single step: charge, fire with the ATan surrogate, hard reset to 0."""
+
+    def __init__(self, tau=2.0, detach_reset=False):
+        super().__init__()
+        self.register_memory("v", 0.0)
+        self.tau, self.v_threshold, self.v_reset, self.detach_reset = tau, 1.0, 0.0, detach_reset
+
+    def forward(self, x):
+        self.v = self.v + (x - self.v) / self.tau
+        spike = ATan.apply(self.v - self.v_threshold, 2.0)
+        spike_d = spike.detach() if self.detach_reset else spike
+        self.v = spike_d * self.v_reset + (1.0 - spike_d) * self.v
+        return spike
+
+
+def reset_net(net: nn.Module):
+    """spikingjelly.activation_based.functional.reset_net."""
+    for m in net.modules():
+        if hasattr(m, "reset"):
+            m.reset()
+
+
+class SNN(nn.Module):
+    """lif_fc_mnist's ``SNN``, a hidden layer added."""
+
+    def __init__(self, tau=2.0):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Flatten(), nn.Linear(6, 8, bias=False), LIFNode(tau=tau),
+                                   nn.Linear(8, 3, bias=False), LIFNode(tau=tau))
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def lif_fc_mnist(check: str | None, reset: bool = True, fix: str = "") -> list[torch.Tensor]:
+    """Four batches of four time steps, the inputs coded by Poisson spikes; ``reset``: ``functional.reset_net(net)``
+    after each batch, as written; ``fix``: code of a fix of the guard's, run at the end of each batch."""
+    torch.manual_seed(0)
+    net = SNN()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    guard = GraphGuard(net, optimizer, check=check) if check else None
+    for _ in range(4):
+        img, label = torch.rand(5, 6), torch.randint(0, 3, (5,))
+        optimizer.zero_grad()
+        label_onehot = nn.functional.one_hot(label, 3).float()
+        out_fr = 0.0
+        for t in range(4):
+            encoded_img = (torch.rand_like(img) <= img).to(img)  # encoding.PoissonEncoder
+            out_fr += net(encoded_img)
+        out_fr = out_fr / 4
+        loss = nn.functional.mse_loss(out_fr, label_onehot)
+        guard.backward(loss) if guard else loss.backward()
+        optimizer.step()
+        if reset:
+            reset_net(net)
+        exec(fix)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("check", MODES)
+def test_spikingjelly_reset_after_each_batch_is_quiet_and_bit_identical(check):
+    assert same(quietly(lif_fc_mnist, check), lif_fc_mnist(None))
+    assert same(watched(lambda: lif_fc_mnist(None), check), lif_fc_mnist(None))
+
+
+def test_spikingjelly_unreset_membranes_raise_as_torch_does_in_a_bare_loop():
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        lif_fc_mnist(None, reset=False)
+
+
+def sj_unreset(check: str = "always") -> CarriedGraphError:
+    with pytest.raises(CarriedGraphError) as caught:
+        lif_fc_mnist(check, reset=False)
+    return caught.value
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_spikingjelly_unreset_membranes_are_named_as_the_module_serves_them(check):
+    """``v`` lives in ``_memories``: named ``net.layer[2].v``, as the loop reads and writes it."""
+    assert "held by `net.layer[2].v`;" in str(sj_unreset(check))
+
+
+def test_spikingjelly_unreset_membranes_are_told_to_be_reset_and_so_train_as_the_example():
+    fix = sj_unreset().fixes[0]
+    calls = "net.layer[2].reset(); net.layer[4].reset()"
+    assert fix == f"start the state from rest before each batch's forward (`{calls}`), as a new input begins", fix
+    assert same(quietly(lif_fc_mnist, "always", reset=False, fix=calls), lif_fc_mnist(None))
+
+
+def test_spikingjelly_unreset_membranes_are_told_the_library_reset(monkeypatch):
+    monkeypatch.setattr(LIFNode, "__module__", "spikingjelly.activation_based.neuron")
+    fix = sj_unreset().fixes[0]
+    assert fix.endswith("; `spikingjelly.activation_based.functional.reset_net(net)` does it for every layer of the "
+                        "network"), fix
+
+
+def test_spikingjelly_unreset_membranes_detached_instead_run_quiet():
+    detach = re.search(r"`(.*)`", sj_unreset().fixes[1]).group(1)
+    assert detach == "net.layer[2].v = net.layer[2].v.detach(); net.layer[4].v = net.layer[4].v.detach()", detach
+    quietly(lif_fc_mnist, "always", reset=False, fix=detach)
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_unreset_membranes_under_watch_are_stopped_with_the_same_fixes(check):
+    with pytest.raises(CarriedGraphError) as caught:
+        watched(lambda: tutorial_7(None, reset_net=False), check)
+    assert caught.value.fixes[0].startswith("start the state from rest before each batch's forward (`net[1].reset_mem();"
+                                            " net[3].reset_mem(); net[5].reset_mem()`)"), caught.value.fixes
+    with pytest.raises(CarriedGraphError) as caught:
+        watched(lambda: lif_fc_mnist(None, reset=False), check)
+    assert "held by `net.layer[2].v`;" in str(caught.value)
+    assert "`net.layer[2].reset(); net.layer[4].reset()`" in caught.value.fixes[0], caught.value.fixes
