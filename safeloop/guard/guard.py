@@ -762,6 +762,7 @@ class Guard:
                 "the loss reaches {node}, created during an earlier step and held by {holder}; " + why,
                 _list_fixes(holder, built), trace_hint=True, holder=holder)
         if kept:
+            holder = self._passed_back(holder, case) or holder
             # a state whose gradient the loop reads (``retain_grad()``: learning to learn's optimizee weights, carried
             # with their graph across unrolled steps) must still require grad once cut
             held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
@@ -877,6 +878,21 @@ class Guard:
                             for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
                 beside.append(other)
         return beside
+
+    def _passed_back(self, holder: str | None, case: Case) -> str | None:
+        """The variable of the plain loop that holds the tensor the module attribute ``holder`` holds and that the loop
+        reads before it sets it, or None: a state the loop passes back to the layer, which stores it (snntorch's
+        ``spk1, mem1 = lif1(cur1, mem1)`` keeps ``mem1`` as ``lif1.mem``). Reset or detached on the layer alone, it
+        would be set again from the variable."""
+        if self.frame is None or not re.search(r"\.\w+$", code_of(holder) or ""):
+            return None
+        held = [t for n, t in explain.candidates(case.scope, case.batch) if n == holder]
+        carried = bytecode.carried(self.frame)
+        for name, tensor in explain.candidates(case.scope, case.batch):
+            kind, _, code = name.partition(" ")
+            if kind in ("global", "local") and code in carried and any(tensor is t for t in held):
+                return name
+        return None
 
     def _layers_beside(self, holder: str | None, case: Case) -> list[str]:
         """The same attribute of the other layers of ``holder``'s layer's class (a spiking network's membranes,

@@ -419,3 +419,39 @@ def test_unreset_membranes_under_watch_are_stopped_with_the_same_fixes(check):
         watched(lambda: lif_fc_mnist(None, reset=False), check)
     assert "held by `net.layer[2].v`;" in str(caught.value)
     assert "`net.layer[2].reset(); net.layer[4].reset()`" in caught.value.fixes[0], caught.value.fixes
+
+
+def cut(*tensors):
+    return [t.detach() for t in tensors]
+
+
+def membranes_started_once(fix: str = "") -> None:
+    """tutorial_5's network run step by step in the loop, its membranes ``mem1``, ``mem2`` started once before it
+    and passed back to the layers, which keep them as ``lif1.mem``, ``lif2.mem``; ``fix``: run after each step."""
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=5e-2)
+    guard, loss = GraphGuard(net, optimizer, check="always"), nn.CrossEntropyLoss()
+    mem1, mem2 = net.lif1.init_leaky(), net.lif2.init_leaky()
+    for _ in range(3):
+        data, targets = torch.randn(5, 6) * 3, torch.randint(0, 3, (5,))
+        loss_val = torch.zeros((1))
+        for step in range(4):
+            spk1, mem1 = net.lif1(net.fc1(data), mem1)
+            spk2, mem2 = net.lif2(net.fc2(spk1), mem2)
+            loss_val += loss(mem2, targets)
+        optimizer.zero_grad()
+        guard.backward(loss_val)
+        optimizer.step()
+        if fix:  # (not written here: a line that detaches marks the membranes as carried without their graph)
+            mem1, mem2 = cut(mem1, mem2)
+
+
+def test_membranes_passed_back_by_the_loop_are_named_by_its_variables():
+    """Reset or detached on the layer, ``lif1.mem`` would be set again from ``mem1`` by the next forward."""
+    with pytest.raises(CarriedGraphError) as caught:
+        membranes_started_once()
+    assert "held by `global mem1`" in str(caught.value) or "held by `local mem1`" in str(caught.value), caught.value
+    assert caught.value.fixes[0].startswith("detach the carried state at the end of each step (`mem1 = mem1.detach(); "
+                                            "mem2 = mem2.detach()`)"), caught.value.fixes
+    quietly(membranes_started_once, fix="detach")
