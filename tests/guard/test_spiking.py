@@ -455,3 +455,37 @@ def test_membranes_passed_back_by_the_loop_are_named_by_its_variables():
     assert caught.value.fixes[0].startswith("detach the carried state at the end of each step (`mem1 = mem1.detach(); "
                                             "mem2 = mem2.detach()`)"), caught.value.fixes
     quietly(membranes_started_once, fix="detach")
+
+
+def records_kept(check: str) -> None:
+    """tutorial_5's layers stepped in the loop, the spikes and membranes recorded for plotting in lists started once,
+    before the loop (``spk2_rec.append(spk2)`` without ``.detach()``)."""
+    torch.manual_seed(0)
+    fc1, lif1, fc2, lif2 = nn.Linear(6, 8), Leaky(beta=0.95), nn.Linear(8, 3), Leaky(beta=0.95)
+    net = nn.ModuleList([fc1, lif1, fc2, lif2])
+    optimizer = torch.optim.Adam(net.parameters(), lr=5e-2)
+    guard, loss = GraphGuard(net, optimizer, check=check), nn.CrossEntropyLoss()
+    spk2_rec, mem2_rec = [], []
+    for _ in range(5):
+        data, targets = torch.randn(5, 6) * 3, torch.randint(0, 3, (5,))
+        mem1, mem2 = lif1.init_leaky(), lif2.init_leaky()
+        loss_val = torch.zeros((1))
+        for step in range(4):
+            spk1, mem1 = lif1(fc1(data), mem1)
+            spk2, mem2 = lif2(fc2(spk1), mem2)
+            spk2_rec.append(spk2)
+            mem2_rec.append(mem2)
+            loss_val += loss(mem2, targets)
+        optimizer.zero_grad()
+        guard.backward(loss_val)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("check", ["always", "auto"])
+def test_records_kept_across_batches_are_warned_each_with_its_fix(check):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records_kept(check)
+    said = [str(w.message) for w in caught if w.category is GraphLeakWarning]
+    for name in ("spk2_rec", "mem2_rec"):
+        assert any(f"`{name}.append(x.detach())`" in text for text in said), said
