@@ -31,6 +31,8 @@ from torch import nn
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, GraphReuseError, InplaceModificationError, \
     Trainer, UnusedGradientWarning
 from safeloop.watch import Watch
+from tests.guard.runs import watched
+from tests.realworld.test_word2vec_sparse import SkipGramModel
 
 MODES = ["always", "auto", "off"]
 
@@ -40,13 +42,6 @@ def quiet(fn, check, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         return fn(guard=check, **kwargs)
-
-
-def watched(fn, check: str, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Watch(GraphGuard(check=check), __file__):
-            return fn(**kwargs)
 
 
 def same(a, b) -> bool:
@@ -59,34 +54,7 @@ def flat(model) -> torch.Tensor:
 
 # -- Andras7/word2vec-pytorch ----------------------------------------------------------------------------------------
 
-class SkipGramModel(nn.Module):
-    """word2vec/model.py, as written."""
-
-    def __init__(self, emb_size, emb_dimension):
-        super(SkipGramModel, self).__init__()
-        self.emb_size = emb_size
-        self.emb_dimension = emb_dimension
-        self.u_embeddings = nn.Embedding(emb_size, emb_dimension, sparse=True)
-        self.v_embeddings = nn.Embedding(emb_size, emb_dimension, sparse=True)
-
-        initrange = 1.0 / self.emb_dimension
-        nn.init.uniform_(self.u_embeddings.weight.data, -initrange, initrange)
-        nn.init.constant_(self.v_embeddings.weight.data, 0)
-
-    def forward(self, pos_u, pos_v, neg_v):
-        emb_u = self.u_embeddings(pos_u)
-        emb_v = self.v_embeddings(pos_v)
-        emb_neg_v = self.v_embeddings(neg_v)
-
-        score = torch.sum(torch.mul(emb_u, emb_v), dim=1)
-        score = torch.clamp(score, max=10, min=-10)
-        score = -F.logsigmoid(score)
-
-        neg_score = torch.bmm(emb_neg_v, emb_u.unsqueeze(2)).squeeze()
-        neg_score = torch.clamp(neg_score, max=10, min=-10)
-        neg_score = -torch.sum(F.logsigmoid(-neg_score), dim=1)
-
-        return torch.mean(score + neg_score)
+# SkipGramModel: word2vec/model.py, as tests/realworld/test_word2vec_sparse.py ports it
 
 
 def word_batches(n=4):

@@ -9,7 +9,6 @@ agent's policy gradients are cleared before its update), targets soft-updated wi
 marlbenchmark/on-policy does (r_mappo.py ``ppo_update``, utils/valuenorm.py), with the actor and critic on one trunk.
 Sizes shrunk, random episodes."""
 import copy
-import functools
 
 import pytest
 import torch
@@ -17,20 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, InplaceModificationError, UnusedGradientWarning
-from tests.guard.runs import quietly
+from tests.guard.runs import bare, quietly, same
 
 MODES = ["always", "auto", "off"]
 N_AGENTS, N_ACTIONS, OBS, STATE, HIDDEN, EMBED = 3, 4, 5, 6, 8, 8
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@functools.cache
-def bare(loop, *args) -> list[torch.Tensor]:
-    """The loop without a guard, run once for all the tests that compare with it."""
-    return loop(None, *args)
 
 
 # QMIX (pymarl): RNN agents sharing one network, a hypernetwork mixer, a target MAC and mixer

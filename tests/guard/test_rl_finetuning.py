@@ -11,8 +11,6 @@ being the policy itself (huggingface/trl#2046), the rollout outside ``torch.no_g
 minibatches' log-probabilities kept with their graphs across updates. An embedding, a GRU and a head; random
 prompts."""
 import copy
-import functools
-import warnings
 
 import numpy as np
 import pytest
@@ -21,25 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning, NoGraphError
+from tests.guard.runs import bare, quietly, same
 
 MODES = ["always", "auto", "off"]
 VOCAB, DIM, PROMPT, NEW, TEMPERATURE = 16, 12, 3, 4, 0.7
-
-
-def quietly(run, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return run(*args, **kwargs)
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@functools.cache
-def bare(loop, *args) -> list[torch.Tensor]:
-    """The loop without a guard, run once for all the tests that compare with it."""
-    return loop(None, *args)
 
 
 class Backbone(nn.Module):
