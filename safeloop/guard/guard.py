@@ -897,7 +897,8 @@ class Guard:
     def _layers_beside(self, holder: str | None, case: Case) -> list[str]:
         """The same attribute of the other layers of ``holder``'s layer's class (a spiking network's membranes,
         ``net[3].mem`` beside ``net[1].mem``), as code, that hold a graph made before this step: each layer carries
-        its own state, and the fix of one alone would stop the next run at the next."""
+        its own state, and the fix of one alone would stop the next run at the next. Not the holder's layer itself
+        reached by another name (`snapshot.model.memory`, where an object keeps the model too)."""
         owner, _, attribute = (code_of(holder) or "").rpartition(".")
         found = explain.module_at(owner, case.scope) if owner and re.fullmatch(r"\w+", attribute) else None
         if found is None or self.start_seq is None or not walk.HAS_SEQ:
@@ -907,7 +908,8 @@ class Guard:
             other = code_of(name) or ""
             layer = explain.module_at(other.rpartition(".")[0], case.scope) if other.endswith("." + attribute) \
                 and other != code_of(holder) and other not in beside else None
-            if layer is not None and type(layer[1]) is type(found[1]) and tensor.grad_fn is not None \
+            if layer is not None and layer[1] is not found[1] and type(layer[1]) is type(found[1]) \
+                    and tensor.grad_fn is not None \
                     and any(type(n) is not walk.ACCUMULATE and sequence_nr(n) < self.start_seq
                             for n in islice(walk.iter_nodes(tensor.grad_fn), 1_000)):
                 beside.append(other)

@@ -395,6 +395,37 @@ def test_hidden_state_carried_across_steps_is_caught_at_step_two_naming_the_vari
         carry(GraphGuard(model), model, opt, data, detach=False)
 
 
+
+def test_a_state_kept_on_the_model_is_detached_once_though_another_object_holds_the_model_too():
+    """A memory the model keeps with its graph (``self.memory = ...`` in forward), and an object of the loop's that
+    holds the same model (a snapshot for checks): the fix detaches the memory once, by the loop's name, not again
+    through the other object, which reaches the very same tensor."""
+    class Memory(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.memory = torch.nn.Linear(4, 4), torch.zeros(1, 4)
+
+        def forward(self, x):
+            self.memory = torch.tanh(self.lin(x).mean(0, keepdim=True) + self.memory)
+            return self.memory.pow(2).mean()
+
+    class Snapshot:
+        def __init__(self, model):
+            self.model = model
+
+    model, (_, _, data) = Memory(), setup()
+    opt, guard, snapshot = torch.optim.SGD(model.parameters(), lr=0.1), GraphGuard(model), Snapshot(model)
+    with pytest.raises(CarriedGraphError, match=r"held by `model\.memory`.*To fix: detach the carried state at the end "
+                                                r"of each step \(`model\.memory = model\.memory\.detach\(\)`\) so") \
+            as caught:
+        for x in data:
+            with guard.step():
+                guard.backward(model(x))
+                opt.step()
+                opt.zero_grad()
+    assert "snapshot" not in str(caught.value) and snapshot.model is model
+
+
 class Unregistered(torch.nn.Module):
     """A layer kept in a plain list (not registered), and a state the loop keeps on the module."""
 
