@@ -415,9 +415,7 @@ class KGEModel(nn.Module):
             regularization = args["regularization"] * (
                 model.entity_embedding.norm(p=3) ** 3 + model.relation_embedding.norm(p=3).norm(p=3) ** 3)
             loss = loss + regularization
-        if mistake == "written before forward":  # (the write's place in a correct loop: before the scores)
-            pass
-        elif mistake == "written through data":
+        if mistake == "written through data":  # ("written before forward": its place in a correct loop, above)
             model.entity_embedding.data.div_(model.entity_embedding.data.norm(dim=1, keepdim=True))
         elif mistake == "written under no_grad":
             with torch.no_grad():
