@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from safeloop import CarriedGraphError, GraphGuard, GraphLeakWarning
-from tests.guard.runs import quietly, watched
+from tests.guard.runs import quietly, same, watched
 
 MODES = ["always", "auto", "off"]
 
@@ -198,10 +198,6 @@ def tutorial_7(check: str | None, reset_net: bool = True, fix: str = "", **kwarg
         if fix.startswith("detach "):
             exec(fix[len("detach "):])  # at the end of each step
     return [p.detach().clone() for p in net.parameters()]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("check", MODES)
